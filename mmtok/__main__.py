@@ -1,0 +1,5 @@
+import sys
+
+from mmtok.cli import main
+
+sys.exit(main())

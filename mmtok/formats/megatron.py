@@ -1,0 +1,169 @@
+"""Megatron-LM indexed dataset (`.bin` + `.idx`), the format megatron-core's IndexedDataset reads.
+
+`.idx` layout (little endian):
+  magic b"MMIDIDX\\x00\\x00" | u64 version = 1 | u8 dtype code | u64 sequence count N |
+  u64 document-index length D (= documents + 1) | int32 lengths[N] | int64 byte pointers[N] |
+  int64 document indices[D]
+`.bin`: the tokens of every sequence back to back. mmtok writes one sequence per document, so
+the document indices are 0..N.
+
+This is the only module that knows these byte layouts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from mmtok.fsutil import atomic_writer, fsync_dir
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
+               np.dtype(np.int64): 5, np.dtype(np.float64): 6, np.dtype(np.float32): 7, np.dtype(np.uint16): 8}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+TOKEN_DTYPE = np.dtype(np.int32)  # omnimodal ids go up to 266,439: uint16 cannot hold them
+
+
+def bin_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+def idx_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def check_tokens_fit(tokens: np.ndarray, dtype: np.dtype = TOKEN_DTYPE) -> np.ndarray:
+    """Return `tokens` as `dtype`, refusing any id the dtype cannot represent."""
+    tokens = np.asarray(tokens)
+    if tokens.size:
+        info = np.iinfo(dtype)
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < max(info.min, 0) or high > info.max:
+            raise ValueError(f"token ids [{low}, {high}] do not fit the dataset dtype {np.dtype(dtype).name}")
+    return tokens.astype(dtype, copy=False)
+
+
+def encode_index(lengths: np.ndarray, dtype: np.dtype = TOKEN_DTYPE) -> bytes:
+    """The bytes of an `.idx` file for sequences of `lengths` tokens, one document each."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and lengths.min() < 0:
+        raise ValueError("sequence lengths must be non-negative")
+    if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+        raise ValueError("a sequence longer than 2**31-1 tokens cannot be indexed")
+    count = len(lengths)
+    pointers = np.zeros(count, dtype=np.int64)
+    if count > 1:
+        np.cumsum(lengths[:-1] * np.dtype(dtype).itemsize, out=pointers[1:])
+    documents = np.arange(count + 1, dtype=np.int64)
+    header = INDEX_MAGIC + struct.pack("<QBQQ", INDEX_VERSION, DTYPE_CODES[np.dtype(dtype)], count, count + 1)
+    return b"".join([header, lengths.astype(np.int32).tobytes(), pointers.tobytes(), documents.tobytes()])
+
+
+def write_index(prefix: str | os.PathLike, lengths: np.ndarray, dtype: np.dtype = TOKEN_DTYPE) -> None:
+    """Atomically write `prefix.idx` for sequences of `lengths` tokens."""
+    with atomic_writer(idx_path(prefix)) as handle:
+        handle.write(encode_index(lengths, dtype))
+
+
+def read_index(prefix: str | os.PathLike) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+    """(dtype, lengths, pointers, document indices) of `prefix.idx`, validated against `prefix.bin`."""
+    path = idx_path(prefix)
+    data = path.read_bytes()
+    head = len(INDEX_MAGIC) + struct.calcsize("<QBQQ")
+    if len(data) < head or data[: len(INDEX_MAGIC)] != INDEX_MAGIC:
+        raise ValueError(f"{path}: not a Megatron indexed-dataset index (bad magic)")
+    version, code, count, doc_count = struct.unpack_from("<QBQQ", data, len(INDEX_MAGIC))
+    if version != INDEX_VERSION or code not in CODE_DTYPES:
+        raise ValueError(f"{path}: unsupported version {version} or dtype code {code}")
+    expected = head + count * 4 + count * 8 + doc_count * 8
+    if len(data) < expected:
+        raise ValueError(f"{path}: truncated index ({len(data)} bytes, expected {expected})")
+    lengths = np.frombuffer(data, np.int32, count, head)
+    pointers = np.frombuffer(data, np.int64, count, head + count * 4)
+    documents = np.frombuffer(data, np.int64, doc_count, head + count * 12)
+    dtype = CODE_DTYPES[code]
+    bin_size = bin_path(prefix).stat().st_size
+    if int(lengths.astype(np.int64).sum()) * dtype.itemsize != bin_size:
+        raise ValueError(f"{path}: lengths cover {int(lengths.sum())} tokens but {bin_path(prefix)} holds "
+                         f"{bin_size // dtype.itemsize}")
+    return dtype, lengths, pointers, documents
+
+
+def read_sequences(prefix: str | os.PathLike) -> Iterable[np.ndarray]:
+    """Yield each sequence of a dataset as an array (for inspect, tests and small tools)."""
+    dtype, lengths, pointers, _ = read_index(prefix)
+    tokens = np.memmap(bin_path(prefix), dtype=dtype, mode="r") if lengths.sum() else np.zeros(0, dtype)
+    for pointer, length in zip(pointers, lengths):
+        start = int(pointer) // dtype.itemsize
+        yield np.array(tokens[start : start + int(length)])
+
+
+class DatasetWriter:
+    """Write a dataset in one go (not resumable): `add(tokens)` per document, then `close()`.
+
+    The `.bin` is written under a temporary name and renamed with the `.idx` on close, so a crash
+    never leaves a pair that looks complete.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, dtype: np.dtype = TOKEN_DTYPE):
+        self.prefix = Path(prefix)
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        self.dtype = np.dtype(dtype)
+        self._tmp_bin = self.prefix.with_name(f".{self.prefix.name}.bin.tmp-{os.getpid()}")
+        self._handle = open(self._tmp_bin, "wb")
+        self.lengths: list[int] = []
+
+    def add(self, tokens: np.ndarray) -> None:
+        tokens = check_tokens_fit(tokens, self.dtype)
+        self._handle.write(tokens.tobytes())
+        self.lengths.append(int(tokens.size))
+
+    def close(self) -> None:
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        write_index(self.prefix, np.asarray(self.lengths, np.int64), self.dtype)
+        fsync_dir(self.prefix.parent)
+
+    def abort(self) -> None:
+        self._handle.close()
+        self._tmp_bin.unlink(missing_ok=True)
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def concatenate(prefixes: list[str | os.PathLike], out_prefix: str | os.PathLike) -> int:
+    """Join datasets in the given order into `out_prefix` (bytes copied, pointers rebuilt).
+
+    Returns the number of sequences written. Both output files appear atomically.
+    """
+    out_prefix = Path(out_prefix)
+    lengths, dtypes = [], set()
+    for prefix in prefixes:
+        dtype, part_lengths, _, _ = read_index(prefix)
+        dtypes.add(dtype)
+        lengths.append(np.asarray(part_lengths))
+    if len(dtypes) > 1:
+        raise ValueError(f"cannot merge datasets of different dtypes: {sorted(d.name for d in dtypes)}")
+    dtype = dtypes.pop() if dtypes else TOKEN_DTYPE
+    with atomic_writer(bin_path(out_prefix)) as out:
+        for prefix in prefixes:
+            with open(bin_path(prefix), "rb") as part:
+                shutil.copyfileobj(part, out, 1 << 24)
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
+    write_index(out_prefix, all_lengths, dtype)
+    return len(all_lengths)

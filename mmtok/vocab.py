@@ -1,0 +1,149 @@
+"""The omnimodal vocabulary layout (DESIGN.md §4) and the token-block builders.
+
+The layout is data derived from the text vocabulary size: text ids first, then a block of 200
+omni-special ids (16 named, the rest reserved), then the image codebook, then the audio codebook.
+For Apertus 1.5 (131,072 text ids) this gives <|img_start|> = 131,073, image code 0 = 131,272 and
+audio code 0 = 262,344; a 128,000-token base (EuroLLM) shifts every block by the same amount.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+# Omni-special tokens in id order, starting at the end of the text vocabulary.
+OMNI_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|omni_reserved_0|>",
+    "<|img_start|>",
+    "<|img_end|>",
+    "<|img_token_start|>",
+    "<|img_end_of_row|>",
+    "<|img_end_of_frame|>",
+    "<|img_generation_start|>",
+    "<|image|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|stt_transcribe|>",
+    "<|stt_continue|>",
+    "<|tts_continue|>",
+    "<|audio|>",
+    "<|stt_translate|>",
+    "<|audio_annotate|>",
+)
+TOKEN_ALIASES = {"<image>": "<|image|>", "<audio>": "<|audio|>"}
+OMNI_SPECIAL_BLOCK = 200  # named tokens + reserved slots before the image codebook
+IMAGE_CODEBOOK = 131_072  # Emu3.5 IBQ
+AUDIO_CODEBOOK = 4_096  # WavTokenizer 40 Hz
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    """Where every modality's ids live, given the size of the text vocabulary."""
+
+    text_size: int = 131_072
+    image_codebook: int = IMAGE_CODEBOOK
+    audio_codebook: int = AUDIO_CODEBOOK
+
+    def __post_init__(self) -> None:
+        if self.text_size <= 0:
+            raise ValueError(f"text vocabulary size must be positive, got {self.text_size}")
+
+    @property
+    def special_offset(self) -> int:
+        return self.text_size
+
+    @property
+    def image_offset(self) -> int:
+        return self.text_size + OMNI_SPECIAL_BLOCK
+
+    @property
+    def audio_offset(self) -> int:
+        return self.image_offset + self.image_codebook
+
+    @property
+    def total_size(self) -> int:
+        return self.audio_offset + self.audio_codebook
+
+    def special_id(self, name: str) -> int:
+        """Id of an omni-special token by name (aliases such as `<image>` accepted)."""
+        name = TOKEN_ALIASES.get(name, name)
+        try:
+            return self.special_offset + OMNI_SPECIAL_TOKENS.index(name)
+        except ValueError:
+            raise KeyError(f"{name!r} is not an omni-special token; known: {OMNI_SPECIAL_TOKENS}") from None
+
+    def special_ids(self) -> dict[str, int]:
+        """Every named omni-special token with its id."""
+        return {name: self.special_offset + i for i, name in enumerate(OMNI_SPECIAL_TOKENS)}
+
+    def image_ids(self, codes: np.ndarray) -> np.ndarray:
+        """Image codes -> vocabulary ids (int32); refuses codes outside the codebook."""
+        return _offset_codes(codes, self.image_offset, self.image_codebook, "image")
+
+    def audio_ids(self, codes: np.ndarray) -> np.ndarray:
+        """Audio codes -> vocabulary ids (int32); refuses codes outside the codebook."""
+        return _offset_codes(codes, self.audio_offset, self.audio_codebook, "audio")
+
+    def image_block(self, codes: np.ndarray, dim_ids: Sequence[int]) -> np.ndarray:
+        """The token block of one image.
+
+        `codes` is [H, W] in code units; `dim_ids` are the text-token ids of the string "H*W".
+        Layout: <|img_start|> dims <|img_token_start|> (W codes <|img_end_of_row|>) x H
+        <|img_end_of_frame|> <|img_end|>.
+        """
+        codes = np.asarray(codes)
+        if codes.ndim != 2:
+            raise ValueError(f"image codes must be [H, W], got shape {codes.shape}")
+        height, width = codes.shape
+        grid = np.empty((height, width + 1), dtype=np.int32)
+        grid[:, :width] = self.image_ids(codes)
+        grid[:, width] = self.special_id("<|img_end_of_row|>")
+        head = [self.special_id("<|img_start|>"), *dim_ids, self.special_id("<|img_token_start|>")]
+        tail = [self.special_id("<|img_end_of_frame|>"), self.special_id("<|img_end|>")]
+        return np.concatenate([np.asarray(head, np.int32), grid.ravel(), np.asarray(tail, np.int32)])
+
+    @staticmethod
+    def image_block_length(height: int, width: int, n_dim_tokens: int) -> int:
+        """Exact token count of an image block of [height, width] codes (see `image_block`)."""
+        return height * (width + 1) + n_dim_tokens + 4
+
+    def audio_block(self, codes: np.ndarray) -> np.ndarray:
+        """<|audio_start|> audio ids <|audio_end|>."""
+        ids = self.audio_ids(np.asarray(codes).ravel())
+        start, end = self.special_id("<|audio_start|>"), self.special_id("<|audio_end|>")
+        return np.concatenate([np.asarray([start], np.int32), ids, np.asarray([end], np.int32)])
+
+    def omnimodal_config(self) -> dict:
+        """The tokenizer_config.json fields the swiss-ai Megatron-LM fork reads."""
+        return {
+            "base_vocab_size": self.text_size,
+            "omnimodal_config": {
+                "omni_special_token_offset": self.special_offset,
+                "modalities": [
+                    {"name": "vision", "offset": self.image_offset, "vocab_size": self.image_codebook},
+                    {"name": "audio", "offset": self.audio_offset, "vocab_size": self.audio_codebook},
+                ],
+            },
+        }
+
+    def to_dict(self) -> dict:
+        """Everything a consumer needs to interpret the ids; recorded in output metadata."""
+        return {
+            "text_size": self.text_size,
+            "total_size": self.total_size,
+            "special_tokens": self.special_ids(),
+            "image_offset": self.image_offset,
+            "image_codebook": self.image_codebook,
+            "audio_offset": self.audio_offset,
+            "audio_codebook": self.audio_codebook,
+            **self.omnimodal_config(),
+        }
+
+
+def _offset_codes(codes: np.ndarray, offset: int, size: int, what: str) -> np.ndarray:
+    codes = np.asarray(codes)
+    if codes.size and (codes.min() < 0 or codes.max() >= size):
+        raise ValueError(f"{what} code out of range [0, {size}): min {codes.min()}, max {codes.max()}")
+    return (codes.astype(np.int64) + offset).astype(np.int32)
