@@ -41,6 +41,10 @@ class TextTokenizer:
     def token_id(self, name: str) -> int:
         raise NotImplementedError
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, special tokens shown by name (for inspection, not round-tripping)."""
+        raise NotImplementedError
+
     def describe(self) -> dict:
         """What output metadata records about the tokenizer."""
         return {"name": self.name, "sha256": self.fingerprint, "vocab_size": self.vocab_size,
@@ -83,6 +87,9 @@ class HFTokenizer(TextTokenizer):
     def token_id(self, name: str) -> int:
         return self._lookup(name)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
 
 class TekkenTokenizer(TextTokenizer):
     def __init__(self, path: Path):
@@ -105,6 +112,11 @@ class TekkenTokenizer(TextTokenizer):
             return self._tok.get_special_token(name)
         except Exception:
             raise MmtokError(f"text tokenizer {self.name} has no special token {name!r}") from None
+
+    def decode(self, ids: Sequence[int]) -> str:
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+        return self._tok.decode([int(i) for i in ids], special_token_policy=SpecialTokenPolicy.KEEP)
 
 
 def builtin_tekken_path() -> Path:

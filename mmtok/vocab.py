@@ -115,6 +115,63 @@ class VocabLayout:
         start, end = self.special_id("<|audio_start|>"), self.special_id("<|audio_end|>")
         return np.concatenate([np.asarray([start], np.int32), ids, np.asarray([end], np.int32)])
 
+    def split_sequence(self, tokens: np.ndarray) -> list[tuple]:
+        """Parse a token sequence into segments, checking every block's structure.
+
+        Returns ("text", ids), ("image", codes [H, W], dim_ids) and ("audio", codes) tuples in order;
+        the ids of block markers are consumed, every other id lands in a text segment. Raises
+        ValueError on a malformed block (ragged rows, missing end markers, codes out of place).
+        """
+        tokens = np.asarray(tokens, dtype=np.int64)
+        ids = self.special_ids()
+        segments: list[tuple] = []
+        text: list[int] = []
+        i = 0
+        while i < len(tokens):
+            token = int(tokens[i])
+            if token == ids["<|img_start|>"]:
+                segment, i = self._parse_image(tokens, i)
+            elif token == ids["<|audio_start|>"]:
+                segment, i = self._parse_audio(tokens, i)
+            else:
+                if self.image_offset <= token < self.total_size:
+                    raise ValueError(f"codec id {token} outside a block at position {i}")
+                text.append(token)
+                i += 1
+                continue
+            if text:
+                segments.append(("text", np.asarray(text, np.int64)))
+                text = []
+            segments.append(segment)
+        if text:
+            segments.append(("text", np.asarray(text, np.int64)))
+        return segments
+
+    def _parse_image(self, tokens: np.ndarray, start: int) -> tuple[tuple, int]:
+        ids = self.special_ids()
+        body_start = _find(tokens, ids["<|img_token_start|>"], start, "<|img_token_start|>")
+        frame_end = _find(tokens, ids["<|img_end_of_frame|>"], body_start, "<|img_end_of_frame|>")
+        if frame_end + 1 >= len(tokens) or tokens[frame_end + 1] != ids["<|img_end|>"]:
+            raise ValueError(f"image block at {start}: <|img_end_of_frame|> not followed by <|img_end|>")
+        body = tokens[body_start + 1 : frame_end]
+        row_ends = np.flatnonzero(body == ids["<|img_end_of_row|>"])
+        if len(row_ends) == 0:
+            raise ValueError(f"image block at {start}: no rows")
+        width = int(row_ends[0])
+        if len(body) != len(row_ends) * (width + 1) or not np.all(row_ends == np.arange(len(row_ends)) * (width + 1) + width):
+            raise ValueError(f"image block at {start}: ragged rows")
+        codes = body.reshape(len(row_ends), width + 1)[:, :width] - self.image_offset
+        if codes.size and (codes.min() < 0 or codes.max() >= self.image_codebook):
+            raise ValueError(f"image block at {start}: a non-image id among the codes")
+        return ("image", codes, tokens[start + 1 : body_start].copy()), frame_end + 2
+
+    def _parse_audio(self, tokens: np.ndarray, start: int) -> tuple[tuple, int]:
+        end = _find(tokens, self.special_id("<|audio_end|>"), start, "<|audio_end|>")
+        codes = tokens[start + 1 : end] - self.audio_offset
+        if codes.size and (codes.min() < 0 or codes.max() >= self.audio_codebook):
+            raise ValueError(f"audio block at {start}: a non-audio id among the codes")
+        return ("audio", codes), end + 1
+
     def omnimodal_config(self) -> dict:
         """The tokenizer_config.json fields the swiss-ai Megatron-LM fork reads."""
         return {
@@ -140,6 +197,13 @@ class VocabLayout:
             "audio_codebook": self.audio_codebook,
             **self.omnimodal_config(),
         }
+
+
+def _find(tokens: np.ndarray, token: int, start: int, name: str) -> int:
+    hits = np.flatnonzero(tokens[start:] == token)
+    if len(hits) == 0:
+        raise ValueError(f"block at {start}: missing {name}")
+    return start + int(hits[0])
 
 
 def _offset_codes(codes: np.ndarray, offset: int, size: int, what: str) -> np.ndarray:

@@ -91,3 +91,27 @@ def test_omnimodal_config_export_matches_the_fork_schema():
         },
     }
     assert len(OMNI_SPECIAL_TOKENS) == 16
+
+
+def test_split_sequence_recovers_every_block():
+    layout = VocabLayout()
+    image_codes = np.arange(12).reshape(3, 4) * 1000
+    audio_codes = np.array([0, 7, 4095])
+    tokens = np.concatenate([[1, 50], layout.image_block(image_codes, [11, 12]), [60],
+                             layout.audio_block(audio_codes), [2]])
+    segments = layout.split_sequence(tokens)
+    kinds = [segment[0] for segment in segments]
+    assert kinds == ["text", "image", "text", "audio", "text"]
+    assert segments[0][1].tolist() == [1, 50]
+    assert np.array_equal(segments[1][1], image_codes)
+    assert segments[1][2].tolist() == [11, 12]
+    assert np.array_equal(segments[3][1], audio_codes)
+    assert segments[4][1].tolist() == [2]
+
+
+def test_split_sequence_rejects_ragged_image_rows():
+    layout = VocabLayout()
+    block = layout.image_block(np.zeros((2, 3), np.int64), [5]).tolist()
+    del block[4]  # drop the first code of row 0
+    with pytest.raises(ValueError, match="ragged"):
+        layout.split_sequence(np.array(block))

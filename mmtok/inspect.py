@@ -1,0 +1,163 @@
+"""`mmtok inspect`: say what a manifest, a plan, an encode output or a Megatron dataset holds.
+
+Datasets are shown document by document: text decoded with the text tokenizer, image blocks as
+`<image HxW codes>`, audio blocks as `<audio N codes = S s>`, with optional rendering of the blocks
+to PNG/WAV through a codec's decoder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from mmtok.errors import MmtokError
+from mmtok.formats import megatron
+from mmtok.vocab import VocabLayout
+
+AUDIO_CODES_PER_SECOND = 40
+
+
+def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str = "tekken", text_vocab_size: int | None = None,
+                 render_dir: str | None = None, codec=None) -> str:
+    """A human-readable report of whatever `path` is."""
+    target = Path(path)
+    if (target / "manifest.json").is_file():
+        return describe_manifest(target, limit)
+    if (target / "plan.json").is_file():
+        return describe_plan(target)
+    if (target / "parts").is_dir():
+        return describe_encode_output(target)
+    prefix = _dataset_prefix(target)
+    if prefix is not None:
+        return describe_dataset(prefix, limit=limit, text_tokenizer=text_tokenizer, text_vocab_size=text_vocab_size,
+                                render_dir=render_dir, codec=codec)
+    raise MmtokError(f"{path}: not a manifest dir, plan dir, encode output dir or Megatron dataset (.bin/.idx)")
+
+
+def _dataset_prefix(target: Path) -> Path | None:
+    for prefix in (target, target.with_suffix("")):
+        if megatron.idx_path(prefix).is_file() and megatron.bin_path(prefix).is_file():
+            return prefix
+    return None
+
+
+def describe_manifest(directory: Path, limit: int) -> str:
+    import pyarrow.parquet as pq
+
+    meta = json.loads((directory / "manifest.json").read_text())
+    table = pq.read_table(directory / "manifest.parquet",
+                          columns=["key", "format", "width", "height", "status", "reason", "size"])
+    status = Counter(table.column("status").to_pylist())
+    reasons = Counter(r for r in table.column("reason").to_pylist() if r)
+    formats = Counter(table.column("format").to_pylist())
+    lines = [f"manifest {directory}: {table.num_rows} rows ({status.get('ok', 0)} ok)",
+             "formats: " + ", ".join(f"{k or '?'}={v}" for k, v in formats.most_common()),
+             "reasons: " + (", ".join(f"{k}={v}" for k, v in reasons.most_common()) or "none")]
+    if table.num_rows:
+        ok = np.asarray(table.column("status").to_pylist()) == "ok"
+        pixels = np.asarray(table.column("width"), np.int64) * np.asarray(table.column("height"), np.int64)
+        if ok.any():
+            lines.append(f"pixels (ok rows): median {int(np.median(pixels[ok]))}, max {int(pixels[ok].max())}")
+    lines.append(f"fingerprint: {meta.get('fingerprint', '?')}")
+    for row in table.slice(0, limit).to_pylist():
+        lines.append(f"  {row}")
+    return "\n".join(lines)
+
+
+def describe_plan(directory: Path) -> str:
+    try:
+        from mmtok.plan import explain_plan
+    except ImportError:
+        meta = json.loads((directory / "plan.json").read_text())
+        keys = ("num_batches", "world_size", "imbalance", "totals")
+        return "\n".join(f"{key}: {meta.get(key)}" for key in keys)
+    return explain_plan(directory)
+
+
+def describe_encode_output(directory: Path) -> str:
+    parts = sorted((directory / "parts").glob("part-*"))
+    lines = [f"encode output {directory}: {len(parts)} part directories"]
+    for part in parts:
+        stats_path = part / "stats.json"
+        state = "DONE" if (part / "DONE").exists() else "in progress"
+        detail = ""
+        if stats_path.is_file():
+            stats = json.loads(stats_path.read_text())
+            detail = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("counts", {}).items()))
+        lines.append(f"  {part.name}: {state} {detail}")
+    for name in ("merged", "merged_no_reasoning"):
+        if megatron.idx_path(directory / name).is_file():
+            _, lengths, _, _ = megatron.read_index(directory / name)
+            lines.append(f"{name}: {len(lengths)} sequences, {int(lengths.sum())} tokens")
+    return "\n".join(lines)
+
+
+def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_vocab_size: int | None,
+                     render_dir: str | None, codec) -> str:
+    from mmtok.text import load_text_tokenizer
+
+    tokenizer = load_text_tokenizer(text_tokenizer)
+    layout = VocabLayout(text_vocab_size or tokenizer.vocab_size)
+    dtype, lengths, _, _ = megatron.read_index(prefix)
+    lines = [f"dataset {prefix}: {len(lengths)} sequences, {int(lengths.sum())} tokens, dtype {dtype.name}, "
+             f"text vocabulary {layout.text_size}"]
+    if len(lengths):
+        lines.append(f"sequence length: min {int(lengths.min())}, mean {lengths.mean():.1f}, max {int(lengths.max())}")
+    for number, tokens in enumerate(megatron.read_sequences(prefix)):
+        if number >= limit:
+            break
+        lines.append(f"--- sequence {number} ({len(tokens)} tokens)")
+        lines.append(render_sequence(tokens, layout, tokenizer))
+        if render_dir and codec is not None:
+            lines.extend(render_blocks(tokens, layout, codec, Path(render_dir), number))
+    return "\n".join(lines)
+
+
+def render_sequence(tokens: np.ndarray, layout: VocabLayout, tokenizer) -> str:
+    """One line per segment: decoded text, `<image HxW codes>`, `<audio N codes = S s>`."""
+    parts = []
+    for segment in layout.split_sequence(tokens):
+        if segment[0] == "text":
+            specials = {v: k for k, v in layout.special_ids().items()}
+            ids = [int(t) for t in segment[1]]
+            if any(t in specials for t in ids):
+                parts.append(" ".join(specials.get(t) or tokenizer.decode([t]) for t in ids))
+            else:
+                parts.append(repr(tokenizer.decode(ids)))
+        elif segment[0] == "image":
+            height, width = segment[1].shape
+            parts.append(f"<image {height}x{width} codes, dims {tokenizer.decode(segment[2].tolist())!r}>")
+        else:
+            count = len(segment[1])
+            parts.append(f"<audio {count} codes = {count / AUDIO_CODES_PER_SECOND:.2f} s>")
+    return "\n".join(parts)
+
+
+def render_blocks(tokens: np.ndarray, layout: VocabLayout, codec, out_dir: Path, number: int) -> list[str]:
+    """Decode the sequence's image blocks (PNG) or audio blocks (WAV) with `codec` into `out_dir`."""
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    device = next(codec.parameters()).device
+    blocks = [s for s in layout.split_sequence(tokens) if s[0] == codec.modality]
+    for index, block in enumerate(blocks):
+        codes = torch.from_numpy(np.asarray(block[1], np.int64)[None]).to(device)
+        with torch.inference_mode():
+            decoded = codec.decode(codes).float().cpu().numpy()[0]
+        if codec.modality == "image":
+            from PIL import Image
+
+            path = out_dir / f"seq{number:06d}_image{index}.png"
+            pixels = np.clip((decoded.transpose(1, 2, 0) + 1.0) * 127.5, 0, 255).round().astype(np.uint8)
+            Image.fromarray(pixels).save(path)
+        else:
+            import soundfile
+
+            path = out_dir / f"seq{number:06d}_audio{index}.wav"
+            soundfile.write(path, decoded, codec.sample_rate, subtype="FLOAT")
+        written.append(f"  rendered {path}")
+    return written
