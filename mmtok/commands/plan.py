@@ -1,12 +1,83 @@
 """`mmtok plan`: build deterministic shape-uniform GPU batches balanced across ranks."""
 
-from mmtok.errors import NotImplementedYet
+from __future__ import annotations
+
+import sys
+
+from mmtok.errors import MmtokError
+
+MODES = ("image", "image-text", "text-image", "sft", "interleaved")  # mmtok.plan.params.MODES, kept import-free
+# (flag, type, help) for every parameter a flag can override; dest = the PlanParameters field name
+PARAMETER_FLAGS = (
+    ("--text-tokenizer", str, "text tokenizer: `tekken`, a tokenizer.json or its directory"),
+    ("--factor", int, "pixels per code of the image codec (16 Emu3.5, 8 Emu3)"),
+    ("--min-source-pixels", int, "drop source images with fewer pixels"),
+    ("--max-source-pixels", int, "drop source images with more pixels"),
+    ("--max-aspect-ratio", float, "drop source images whose long/short side ratio is larger"),
+    ("--min-pixels", int, "resize: smallest target area (upscale below)"),
+    ("--max-pixels", int, "resize: largest target area (downscale above)"),
+    ("--token-budget", int, "image-block tokens per batch"),
+    ("--max-batch-images", int, "images per batch at most"),
+    ("--window-rows", int, "manifest rows per window (snapped forward to a document boundary)"),
+    ("--multi-window-images", int, "images of multi-image documents per lane of a window"),
+    ("--cost-a", float, "cost model: per latent position"),
+    ("--cost-b", float, "cost model: per latent position squared (attention)"),
+    ("--cost-c", float, "cost model: per image"),
+    ("--cost-batch", float, "cost model: per batch"),
+    ("--cost-stride", int, "cost model: pixels per latent position at the attention resolution"),
+)
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("plan", help="build deterministic shape-uniform GPU batches balanced across ranks", description="build deterministic shape-uniform GPU batches balanced across ranks.")
+    parser = sub.add_parser(
+        "plan", help="build deterministic shape-uniform GPU batches balanced across ranks",
+        description="Plan a scanned manifest into shape-uniform batches under a token budget, numbered "
+        "globally and split into contiguous cost-balanced rank ranges. `mmtok plan MANIFEST --out PLAN "
+        "--preset apertus-stage1 --world-size 64`; `mmtok plan --explain PLAN` describes an existing plan.")
+    parser.add_argument("source", help="manifest directory (from `mmtok scan`); with --explain and no --out: a plan")
+    parser.add_argument("--out", "-o", help="plan directory to write")
+    parser.add_argument("--preset", help="preset name (plans/NAME.yaml) or a YAML file; flags override it")
+    parser.add_argument("--world-size", type=int, default=1, help="number of encode ranks (default 1)")
+    parser.add_argument("--mode", choices=MODES, help="document layout the encoder will write")
+    for flag, kind, text in PARAMETER_FLAGS:
+        parser.add_argument(flag, type=kind, help=text)
+    parser.add_argument("--explain", action="store_true",
+                        help="print the shape histogram, token totals, drops by reason and per-rank cost")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(func=run)
 
 
+def parameters_from_args(args):
+    """Preset (or the built-in defaults), then every flag that was given."""
+    from mmtok.plan import PlanParameters, load_preset
+
+    base = load_preset(args.preset) if args.preset else PlanParameters()
+    overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in PARAMETER_FLAGS}
+    return base.override(mode=args.mode, **overrides)
+
+
 def run(args) -> int:
-    raise NotImplementedYet("plan")
+    from mmtok.plan import build_plan, explain_plan
+
+    if args.out is None:
+        if not args.explain:
+            raise MmtokError("pass --out PLAN_DIR to write a plan (or --explain PLAN_DIR to describe one)")
+        print(explain_plan(args.source))
+        return 0
+    meta = build_plan(args.source, parameters_from_args(args), args.out, world_size=args.world_size,
+                      progress=not args.quiet)
+    print(summary(meta, args.out), file=sys.stderr)
+    if args.explain:
+        print(explain_plan(args.out))
+    return 0
+
+
+def summary(meta: dict, out) -> str:
+    t = meta["totals"]
+    over = meta["over_budget"]["images"]
+    return (f"mmtok plan: {t['manifest_rows']:,} rows -> {t['kept_images']:,} images in {meta['num_batches']:,} "
+            f"batches ({t['dropped_images']:,} dropped: "
+            f"{', '.join(f'{k} {v:,}' for k, v in sorted(meta['dropped_by_reason'].items())) or 'none'}); "
+            f"{t['image_tokens']:,} image tokens; {meta['world_size']} ranks, imbalance "
+            f"{100 * meta['imbalance']:.3f}%" + (f"; {over:,} images above the budget" if over else "")
+            + f"; wrote {out}")

@@ -1,0 +1,261 @@
+"""The plan on disk: the one module that knows its layout (writer and readers side by side).
+
+```
+PLAN_DIR/
+  plan.parquet       one row per kept image, sorted by batch, then manifest row inside a batch
+  batches.parquet    one row per batch (global order): where its rows start in plan.parquet, shape, cost
+  documents.parquet  kept documents with several images or a counted caption: totals, first/last batch
+                     (every other kept document is one image: tokens = its image's + 2, batch = its batch)
+  dropped.parquet    one row per dropped manifest row with its reason
+  plan.json          metadata (parameters, fingerprints, totals, rank ranges); written LAST
+```
+
+Every file is written to a temporary sibling, fsynced and renamed; an existing plan.json is removed
+before anything else is written, so a directory holds a plan exactly when plan.json exists and the
+sizes it records match the files. Parquet files use fixed options and fixed row-group sizes, so the
+same inputs give byte-identical files (Parquet stores no timestamps; `created_by` names the pyarrow
+version). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_write_json, fsync_dir, sha256_file
+
+FORMAT = "mmtok-plan"
+FORMAT_VERSION = 1
+META_FILE = "plan.json"
+IMAGES_FILE = "plan.parquet"
+BATCHES_FILE = "batches.parquet"
+DOCUMENTS_FILE = "documents.parquet"
+DROPPED_FILE = "dropped.parquet"
+ROW_GROUP_ROWS = 1 << 17  # fixed: row-group boundaries must not depend on how rows were produced
+
+IMAGES_SCHEMA = pa.schema([
+    ("manifest_row", pa.int64()),
+    ("batch", pa.int64()),
+    ("target_height", pa.int32()),
+    ("target_width", pa.int32()),
+    ("tokens", pa.int32()),  # exact image-block length
+    ("document", pa.int64()),
+    ("image_index", pa.int32()),
+])
+BATCHES_SCHEMA = pa.schema([
+    ("batch", pa.int64()),
+    ("plan_row", pa.int64()),  # first row of the batch in plan.parquet
+    ("num_images", pa.int32()),
+    ("target_height", pa.int32()),
+    ("target_width", pa.int32()),
+    ("tokens", pa.int64()),  # image-block tokens of the whole batch
+    ("cost", pa.float64()),  # cost model estimate
+    ("window", pa.int64()),
+    ("lane", pa.int32()),  # 0: one-image documents; k >= 1: multi-image documents (mmtok.plan.batching)
+    ("full", pa.bool_()),  # no further image of this shape would fit (budget or max_batch_images)
+])
+DOCUMENTS_SCHEMA = pa.schema([
+    ("document", pa.int64()),
+    ("num_images", pa.int32()),
+    ("text_tokens", pa.int32()),  # caption tokens in caption modes; -1 where the encoder counts text
+    ("tokens", pa.int64()),  # BOS + blocks + text + EOS (text excluded where text_tokens is -1)
+    ("first_batch", pa.int64()),
+    ("last_batch", pa.int64()),  # the document is complete once this batch is encoded
+])
+DROPPED_SCHEMA = pa.schema([("manifest_row", pa.int64()), ("reason", pa.string())])
+SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_FILE: DOCUMENTS_SCHEMA,
+           DROPPED_FILE: DROPPED_SCHEMA}
+_DELTA = "DELTA_BINARY_PACKED"  # sorted or slowly varying integers: small and cheap to write
+_ENCODINGS = {  # (column encodings, compressed columns); fixed options make files byte-reproducible
+    IMAGES_FILE: ({"manifest_row": _DELTA, "document": _DELTA, "image_index": _DELTA},
+                  ("batch", "target_height", "target_width", "tokens")),  # runs: plain + lz4 is cheapest
+    BATCHES_FILE: ({"batch": _DELTA, "plan_row": _DELTA, "window": _DELTA}, ("num_images", "target_height",
+                   "target_width", "tokens", "cost", "lane", "full")),
+    DOCUMENTS_FILE: ({name: _DELTA for name in DOCUMENTS_SCHEMA.names}, ()),
+    DROPPED_FILE: ({"manifest_row": _DELTA}, ()),
+}
+
+
+def _parquet_options(name: str) -> dict:
+    encodings, compressed = _ENCODINGS[name]
+    schema = SCHEMAS[name]
+    return dict(
+        compression={c: ("lz4" if c in compressed else "none") for c in schema.names},
+        use_dictionary=[c for c in schema.names if c not in encodings and pa.types.is_string(schema.field(c).type)],
+        column_encoding=encodings,
+        write_statistics=["batch"] if name == IMAGES_FILE else False,  # the encoder filters its rank by batch
+        write_page_index=False, store_schema=True, version="2.6",
+    )
+
+
+class _TableFile:
+    """A Parquet file written in row groups of exactly ROW_GROUP_ROWS rows (the last one shorter)."""
+
+    def __init__(self, path: Path, schema: pa.Schema):
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.schema = schema
+        self.rows = 0
+        self._writer = pq.ParquetWriter(self.tmp, schema, **_parquet_options(path.name))
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+
+    def write(self, columns: Mapping[str, np.ndarray | pa.Array]) -> None:
+        arrays = [_arrow(columns[f.name], f.type) for f in self.schema]
+        table = pa.Table.from_arrays(arrays, schema=self.schema)
+        self.rows += table.num_rows
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        if self._pending_rows >= ROW_GROUP_ROWS:
+            self._flush(final=False)
+
+    def _flush(self, final: bool) -> None:
+        table = pa.concat_tables(self._pending) if self._pending else self.schema.empty_table()
+        full = table.num_rows if final else table.num_rows - table.num_rows % ROW_GROUP_ROWS
+        if full:
+            self._writer.write_table(table.slice(0, full), row_group_size=ROW_GROUP_ROWS)
+        rest = table.slice(full)
+        self._pending = [rest] if rest.num_rows else []
+        self._pending_rows = rest.num_rows
+
+    def commit(self) -> None:
+        self._flush(final=True)
+        self._writer.close()
+        with open(self.tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _arrow(values: np.ndarray | pa.Array, type_: pa.DataType) -> pa.Array:
+    if isinstance(values, pa.Array):
+        return values if values.type == type_ else values.cast(type_)
+    return pa.array(values, type=type_)
+
+
+class PlanWriter:
+    """Writes one plan directory; use as a context manager, call `finish(meta)` last.
+
+    On an exception every temporary file is removed and no plan.json exists afterwards.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / META_FILE).unlink(missing_ok=True)  # the old metadata must not describe new files
+        self._files = {name: _TableFile(self.directory / name, schema) for name, schema in SCHEMAS.items()}
+
+    def __enter__(self) -> "PlanWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            for table_file in self._files.values():
+                table_file.abort()
+
+    def write_images(self, columns: Mapping[str, np.ndarray]) -> None:
+        self._files[IMAGES_FILE].write(columns)
+
+    def write_batches(self, columns: Mapping[str, np.ndarray]) -> None:
+        self._files[BATCHES_FILE].write(columns)
+
+    def write_documents(self, columns: Mapping[str, np.ndarray]) -> None:
+        self._files[DOCUMENTS_FILE].write(columns)
+
+    def write_dropped(self, manifest_row: np.ndarray, reason_code: np.ndarray, reason_names: list[str]) -> None:
+        reason = pa.DictionaryArray.from_arrays(pa.array(reason_code, pa.int32()), pa.array(reason_names, pa.string()))
+        self._files[DROPPED_FILE].write({"manifest_row": manifest_row, "reason": reason.dictionary_decode()})
+
+    def finish(self, meta: dict) -> dict:
+        """Commit the Parquet files, then write plan.json (with `files` and `fingerprint` added)."""
+        files = {}
+        for name, table_file in self._files.items():
+            table_file.commit()
+            files[name] = {"rows": table_file.rows, "bytes": table_file.path.stat().st_size,
+                           "sha256": sha256_file(table_file.path)}
+        fsync_dir(self.directory)
+        meta = {**meta, "format": FORMAT, "format_version": FORMAT_VERSION, "files": files}
+        meta["fingerprint"] = plan_fingerprint(files[IMAGES_FILE]["sha256"], meta["parameters"],
+                                               meta["manifest_fingerprint"])
+        atomic_write_json(self.directory / META_FILE, meta)
+        return meta
+
+
+def plan_fingerprint(images_sha256: str, parameters: dict, manifest_fingerprint: str) -> str:
+    """sha256 over plan.parquet's sha256, the canonical JSON of the parameters and the manifest
+    fingerprint. Independent of the world size: the global batch list does not depend on it."""
+    material = {"plan.parquet": images_sha256, "parameters": parameters, "manifest_fingerprint": manifest_fingerprint}
+    return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def read_meta(directory: str | os.PathLike) -> dict:
+    """plan.json, after checking the format and that every file has the recorded size."""
+    directory = Path(directory)
+    path = directory / META_FILE
+    if not path.is_file():
+        raise MmtokError(f"no plan in {directory}: {META_FILE} is missing (run `mmtok plan MANIFEST --out {directory}`)")
+    meta = json.loads(path.read_text("utf-8"))
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise MmtokError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} plan (format {meta.get('format')!r}, "
+                         f"version {meta.get('format_version')!r}); re-run `mmtok plan`")
+    for name, info in meta["files"].items():
+        file = directory / name
+        if not file.is_file() or file.stat().st_size != info["bytes"]:
+            raise MmtokError(f"{file} does not match {path} (missing or changed size); re-run `mmtok plan`")
+    return meta
+
+
+def read_plan(directory: str | os.PathLike, columns: list[str] | None = None) -> tuple[pa.Table, dict]:
+    """(plan.parquet as a table, plan.json)."""
+    meta = read_meta(directory)
+    return pq.read_table(Path(directory) / IMAGES_FILE, columns=columns), meta
+
+
+def read_table(directory: str | os.PathLike, name: str, columns: list[str] | None = None) -> pa.Table:
+    """One of the plan's Parquet files (BATCHES_FILE, DOCUMENTS_FILE, DROPPED_FILE, IMAGES_FILE)."""
+    if name not in SCHEMAS:
+        raise ValueError(f"{name!r} is not a plan file; known: {sorted(SCHEMAS)}")
+    read_meta(directory)
+    return pq.read_table(Path(directory) / name, columns=columns)
+
+
+def rank_range(meta: dict, rank: int) -> tuple[int, int]:
+    """[start, end) global batch range of `rank` (empty for idle ranks)."""
+    world_size = meta["world_size"]
+    if not 0 <= rank < world_size:
+        raise MmtokError(f"rank {rank} is outside the plan's world size {world_size}; re-plan with "
+                         f"`mmtok plan --world-size N` for the job's size")
+    start, end = meta["rank_batches"][rank]
+    return int(start), int(end)
+
+
+def rank_rows(directory: str | os.PathLike, rank: int, columns: list[str] | None = None) -> pa.Table:
+    """The plan.parquet rows of `rank`'s batches, in plan order; reads only the row groups it needs."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    start, end = rank_range(meta, rank)
+    images = pq.ParquetFile(directory / IMAGES_FILE)
+    if start == end:
+        schema = images.schema_arrow
+        return schema.empty_table() if columns is None else pa.schema([schema.field(c) for c in columns]).empty_table()
+    plan_row = pq.read_table(directory / BATCHES_FILE, columns=["plan_row"]).column(0).to_numpy()
+    first = int(plan_row[start])
+    stop = int(plan_row[end]) if end < len(plan_row) else images.metadata.num_rows
+    group_rows = np.array([images.metadata.row_group(i).num_rows for i in range(images.num_row_groups)], np.int64)
+    group_start = np.concatenate([[0], np.cumsum(group_rows)])
+    groups = np.flatnonzero((group_start[:-1] < stop) & (group_start[1:] > first))
+    table = images.read_row_groups(groups.tolist(), columns=columns)
+    return table.slice(first - int(group_start[groups[0]]), stop - first)

@@ -1,0 +1,342 @@
+"""Stages 2 and 3 of the plan: windows, then shape-uniform batches inside each window.
+
+Windows are consecutive manifest rows; each boundary k * window_rows moves forward to the next
+document start, so a document never spans two windows. Inside a window the kept images are put in
+*lanes*: lane 0 holds the images of one-image documents; the images of multi-image documents go to
+lanes 1, 2, ... of about `multi_window_images` images each (a document is never split). Each lane
+is stable-sorted by exact target shape and every run of one shape is cut into batches of at most
+min(max_batch_images, token_budget // tokens) images (at least one: an image above the budget gets
+a batch of its own).
+
+Why lanes: a rank may only start where no document has images on both sides. A multi-image
+document's images land in batches of different shapes spread over its lane, so inside a lane of
+multi-image documents nearly no batch boundary is a legal cut. One-image documents never block a
+cut, so lane 0 stays cuttable everywhere; its batches are split into chunks placed between the
+multi-image lanes (`interleave_lanes`), so every blocked stretch is at most one lane long and has
+cuttable batches on both sides for the rank partition to balance with. Batches are numbered in
+this final order; within a chunk or lane they follow (height, width, manifest row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmtok.plan.captions import CaptionReader, count_captions
+from mmtok.plan.params import PlanParameters
+from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable
+from mmtok.text import TextTokenizer
+
+GROUP_ROWS = 1 << 20  # windows are planned in groups of about this many rows; grouping never changes the plan
+MAX_GROUP_WINDOWS = (1 << 16) - 1  # local window ids stay uint16 (radix sorts)
+
+
+def window_bounds(document: np.ndarray, window_rows: int) -> np.ndarray:
+    """Window start rows, then len(document): multiples of window_rows moved forward to the next
+    document start, duplicates merged (a document longer than a window makes one longer window)."""
+    n = len(document)
+    if n == 0:
+        return np.zeros(1, np.int64)
+    candidates = np.arange(window_rows, n, window_rows, dtype=np.int64)
+    snapped = np.searchsorted(document, document[candidates - 1], side="right")  # first row of the next document
+    return np.unique(np.concatenate([[0], snapped, [n]]).astype(np.int64))
+
+
+def window_groups(bounds: np.ndarray) -> np.ndarray:
+    """Window indices where processing groups start, then the window count: about GROUP_ROWS rows
+    and at most MAX_GROUP_WINDOWS windows per group."""
+    n_windows = len(bounds) - 1
+    if n_windows <= 0:
+        return np.zeros(1, np.int64)
+    by_rows = np.searchsorted(bounds[:-1], np.arange(0, bounds[-1], GROUP_ROWS), side="right") - 1
+    by_count = np.arange(0, n_windows, MAX_GROUP_WINDOWS)
+    return np.unique(np.concatenate([by_rows, by_count, [n_windows]]).astype(np.int64))
+
+
+def allowed_cuts(first_batch: np.ndarray, last_batch: np.ndarray, num_batches: int, offset: int = 0) -> np.ndarray:
+    """cut_ok[j] for j in 0..num_batches: may a rank start at batch offset + j, i.e. does no document
+    (given by its first and last batch) have images both before it and from it on."""
+    span = first_batch < last_batch
+    opened = np.bincount(first_batch[span] - offset + 1, minlength=num_batches + 1)
+    closed = np.bincount(last_batch[span] - offset + 1, minlength=num_batches + 1)
+    return np.cumsum(opened[:num_batches + 1] - closed[:num_batches + 1]) == 0
+
+
+def _run_starts(values: np.ndarray) -> np.ndarray:
+    """Start index of each run of equal consecutive values."""
+    change = np.empty(len(values), bool)
+    change[:1] = True
+    np.not_equal(values[1:], values[:-1], out=change[1:])
+    return np.flatnonzero(change)
+
+
+def _run_lengths(starts: np.ndarray, total: int) -> np.ndarray:
+    return np.diff(np.append(starts, total))
+
+
+def _small(values: np.ndarray) -> np.ndarray:
+    """uint16 when the values fit (NumPy's stable sort is a radix sort for 16-bit keys)."""
+    return values.astype(np.uint16) if not len(values) or values.max() < (1 << 16) else values
+
+
+def stable_order(shape: np.ndarray, lane: np.ndarray | None, window: np.ndarray | None) -> np.ndarray:
+    """Stable order by (window, lane, shape): least significant key first, one stable sort per key.
+    Keys are merged while their product fits 16 bits (NumPy's stable sort is a radix sort there)."""
+    keys = [shape] + [k for k in (lane, window) if k is not None]
+    merged = [keys[0]]
+    for key in keys[1:]:
+        low, span = merged[-1], int(merged[-1].max()) + 1
+        if span * (int(key.max()) + 1) < (1 << 16):
+            merged[-1] = key.astype(np.uint16) * np.uint16(span) + low.astype(np.uint16)
+        else:
+            merged.append(key)
+    order = np.argsort(merged[0], kind="stable")
+    for key in merged[1:]:
+        order = order[np.argsort(key[order], kind="stable")]
+    return order
+
+
+def interleave_lanes(window: np.ndarray, lane: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Batch order inside each window when it has multi-image lanes: lane 0's batches (shape order)
+    are split by cost into k + 1 chunks placed around the k lanes -- S0 M1 S1 M2 ... Mk Sk -- so a
+    finely cuttable stretch sits beside every lane and rank cuts can always be adjusted nearby.
+    `window`/`lane`/`cost` describe batches in (window, lane, shape) order; returns a permutation."""
+    start = _run_starts(window)
+    size = _run_lengths(start, len(window))
+    one_image = lane == 0
+    lane0_cost = np.where(one_image, cost, 0.0)
+    before = np.cumsum(lane0_cost) - lane0_cost
+    within = before - np.repeat(before[start], size)
+    total = np.repeat(np.add.reduceat(lane0_cost, start), size)
+    lanes = np.repeat(np.maximum.reduceat(lane, start), size).astype(np.int64)
+    chunk = np.minimum(np.floor(within * (lanes + 1) / np.where(total > 0, total, 1.0)).astype(np.int64), lanes)
+    key = np.where(one_image, 2 * chunk, 2 * lane.astype(np.int64) - 1)
+    return np.lexsort((key, window))
+
+
+@dataclass
+class GroupPlan:
+    """One group of windows, planned: the rows of every plan file it adds."""
+
+    dropped_rows: np.ndarray
+    dropped_codes: np.ndarray
+    documents_total: int
+    images: dict[str, np.ndarray] | None = None
+    batches: dict[str, np.ndarray] | None = None
+    documents: dict[str, np.ndarray] | None = None  # documents.parquet rows
+    cut_ok: np.ndarray | None = None  # may a rank start at each of the group's batches
+    documents_kept: int = 0
+    document_tokens: int = 0
+    text_tokens: int = 0
+
+
+@dataclass
+class _Kept:
+    """The kept rows of a group (indices local to the group, manifest order) and their structure."""
+
+    rows: np.ndarray
+    shape: np.ndarray  # shape index per kept row
+    doc_start: np.ndarray | None  # run starts of documents over kept rows; None: every document is one image
+    window: np.ndarray | None  # local window per kept row; None: one window
+    window_start: np.ndarray  # first kept row of each local window
+    lane: np.ndarray | None  # lane per kept row; None: lane 0 only
+
+
+class GroupPlanner:
+    """Plans one group of windows at a time, numbering batches and plan rows globally."""
+
+    def __init__(self, rows: ManifestRows, shapes: ShapeTable, params: PlanParameters, reasons: Reasons,
+                 tokenizer: TextTokenizer, text_column: str | None = None):
+        self.rows, self.shapes, self.params, self.reasons = rows, shapes, params, reasons
+        self.tokenizer = tokenizer
+        self.captions = CaptionReader(rows.containers, text_column) if params.counts_captions else None
+        self.next_batch = 0
+        self.next_plan_row = 0
+
+    def plan(self, lo: int, hi: int, window_starts: np.ndarray, first_window: int) -> GroupPlan:
+        """Plan manifest rows [lo, hi), whose windows start at `window_starts` (global rows)."""
+        reason = self.rows.reason[lo:hi]  # a view: final reasons land in rows.reason
+        doc_start = _run_starts(self.rows.document[lo:hi])
+        one_image_documents = len(doc_start) == hi - lo
+        if not one_image_documents:
+            self._drop_whole_documents(reason, doc_start)
+        text_tokens = self._count_captions(lo, reason, doc_start) if self.captions else None
+        keep = reason == 0
+        dropped = np.flatnonzero(~keep)
+        plan = GroupPlan(dropped_rows=lo + dropped, dropped_codes=reason[dropped], documents_total=len(doc_start))
+        kept_rows = np.flatnonzero(keep)
+        if len(kept_rows) == 0:
+            return plan
+        kept = self._structure(lo, kept_rows, window_starts - lo, one_image_documents)
+        order = stable_order(kept.shape, kept.lane, kept.window)
+        order, batch_shape = self._cut(plan, kept, order, first_window)
+        batch = np.repeat(plan.batches["batch"], plan.batches["num_images"])
+        self._fill_images(plan, lo, kept, order, batch, batch_shape)
+        self._fill_documents(plan, lo, kept, order, batch, text_tokens)
+        self.next_batch += len(batch_shape)
+        self.next_plan_row += len(order)
+        return plan
+
+    # -- documents and captions ----------------------------------------------------------------------
+    def _drop_whole_documents(self, reason: np.ndarray, doc_start: np.ndarray) -> None:
+        """Every row of a document with a dropped member gets `document_member_dropped`."""
+        bad_rows = np.flatnonzero(reason)
+        if len(bad_rows):
+            doc_code = np.zeros(len(doc_start), np.uint16)
+            doc_code[np.searchsorted(doc_start, bad_rows, side="right") - 1] = self.reasons.code("document_member_dropped")
+            self._drop_documents(reason, doc_start, doc_code)
+
+    @staticmethod
+    def _drop_documents(reason: np.ndarray, doc_start: np.ndarray, doc_code: np.ndarray) -> None:
+        row_code = np.repeat(doc_code, _run_lengths(doc_start, len(reason)))
+        hit = (row_code != 0) & (reason == 0)
+        reason[hit] = row_code[hit]
+
+    def _count_captions(self, lo: int, reason: np.ndarray, doc_start: np.ndarray) -> np.ndarray:
+        """Caption tokens of the group's surviving documents (in order); drops the unusable ones."""
+        rows = self.rows
+        candidate = np.flatnonzero(reason[doc_start] == 0)
+        first = lo + doc_start[candidate]
+        tokens, why = count_captions(self.captions, self.tokenizer, rows.container[first], rows.text_offset[first],
+                                     rows.text_size[first])
+        doc_code = np.zeros(len(doc_start), np.uint16)
+        doc_code[candidate] = [0 if w is None else self.reasons.code(w) for w in why]
+        self._drop_documents(reason, doc_start, doc_code)
+        return tokens[tokens >= 0]
+
+    # -- batches -------------------------------------------------------------------------------------
+    def _structure(self, lo: int, kept_rows: np.ndarray, window_starts: np.ndarray, one_image_documents: bool) -> _Kept:
+        """Shape index, window and lane of every kept row."""
+        shape = self.shapes.index(self.rows.shape[lo:][kept_rows])
+        doc_start = None
+        if not one_image_documents:
+            doc_start = _run_starts(self.rows.document[lo:][kept_rows])
+            doc_start = None if len(doc_start) == len(kept_rows) else doc_start
+        window_start = np.searchsorted(kept_rows, window_starts)
+        window = None
+        if len(window_starts) > 1:
+            window = np.repeat(np.arange(len(window_starts), dtype=np.uint16),
+                               _run_lengths(window_start, len(kept_rows)))
+        lane = None if doc_start is None else self._lanes(doc_start, window_start, len(kept_rows))
+        return _Kept(rows=kept_rows, shape=shape, doc_start=doc_start, window=window, window_start=window_start,
+                     lane=lane)
+
+    def _lanes(self, doc_start: np.ndarray, window_start: np.ndarray, n: int) -> np.ndarray | None:
+        """Lane of every kept row: 0 for one-image documents; a multi-image document goes to lane
+        k = p // multi_window_images + 1, p = the position of its first image among the window's
+        multi-image-document images. A lane thus holds fewer than multi_window_images + (largest
+        document) images; lane numbers may skip where one document is longer than a lane."""
+        doc_len = _run_lengths(doc_start, n)
+        multi = doc_len > 1
+        if not multi.any():
+            return None
+        multi_row = np.repeat(multi, doc_len)
+        before = np.cumsum(multi_row) - multi_row  # multi-image rows before each row in the group
+        in_window = before - np.repeat(before[np.minimum(window_start, n - 1)] if n else before[:0],
+                                       _run_lengths(window_start, n))
+        doc_lane = np.where(multi, in_window[doc_start] // self.params.multi_window_images + 1, 0)
+        return _small(np.repeat(doc_lane, doc_len))
+
+    def _cut(self, plan: GroupPlan, kept: _Kept, order: np.ndarray, first_window: int) -> tuple[np.ndarray, np.ndarray]:
+        """Cut the sorted rows into batches and order the batches (see interleave_lanes). Fills
+        plan.batches (numbered globally); returns (row order, each batch's shape index)."""
+        shapes, n = self.shapes, len(order)
+        sorted_shape = kept.shape[order]
+        change = np.empty(n, bool)
+        change[:1] = True
+        np.not_equal(sorted_shape[1:], sorted_shape[:-1], out=change[1:])
+        for key in (kept.lane, kept.window):
+            if key is not None:
+                sorted_key = key[order]
+                change[1:] |= sorted_key[1:] != sorted_key[:-1]
+        run_start = np.flatnonzero(change)
+        run_len = _run_lengths(run_start, n)
+        run_shape = sorted_shape[run_start]
+        capacity = shapes.capacity[run_shape]
+        run_batches = -(-run_len // capacity)
+        batch_run = np.repeat(np.arange(len(run_start)), run_batches)
+        nth = np.arange(len(batch_run)) - np.repeat(np.cumsum(run_batches) - run_batches, run_batches)
+        start = run_start[batch_run] + nth * capacity[batch_run]
+        count = np.diff(np.append(start, n))
+        shape = run_shape[batch_run]
+        window = (kept.window[order[start]] if kept.window is not None else np.zeros(len(start), np.uint16)).astype(np.int64)
+        lane = (kept.lane[order[start]] if kept.lane is not None else np.zeros(len(start), np.uint16)).astype(np.int32)
+        cost = self.params.cost_model.batch_cost(shapes.height[shape], shapes.width[shape], count)
+        full = count >= capacity[batch_run]
+        if kept.lane is not None:
+            permutation = interleave_lanes(window, lane, cost)
+            order = order[np.repeat(start[permutation] - np.cumsum(count[permutation]) + count[permutation],
+                                    count[permutation]) + np.arange(n)]
+            count, shape, window, lane, cost, full = (a[permutation] for a in (count, shape, window, lane, cost, full))
+        plan.batches = {
+            "batch": np.arange(self.next_batch, self.next_batch + len(count)),
+            "plan_row": self.next_plan_row + np.cumsum(count) - count,
+            "num_images": count.astype(np.int32),
+            "target_height": shapes.height[shape],
+            "target_width": shapes.width[shape],
+            "tokens": count * shapes.tokens[shape],
+            "cost": cost,
+            "window": first_window + window,
+            "lane": lane,
+            "full": full,
+        }
+        return order, shape
+
+    def _fill_images(self, plan: GroupPlan, lo: int, kept: _Kept, order: np.ndarray, batch: np.ndarray,
+                     batch_shape: np.ndarray) -> None:
+        b = plan.batches
+        count = b["num_images"]
+        source = kept.rows[order]
+        plan.images = {
+            "manifest_row": lo + source,
+            "batch": batch,
+            "target_height": np.repeat(b["target_height"], count),
+            "target_width": np.repeat(b["target_width"], count),
+            "tokens": np.repeat(self.shapes.tokens[batch_shape], count),
+            "document": self.rows.document[lo:][source],
+            "image_index": self.rows.image_index[lo:][source],
+        }
+
+    def _fill_documents(self, plan: GroupPlan, lo: int, kept: _Kept, order: np.ndarray, batch: np.ndarray,
+                        text_tokens: np.ndarray | None) -> None:
+        """Document totals; the documents.parquet rows (documents with several images, or with a
+        counted caption); where ranks may cut (plan.cut_ok)."""
+        n_batches = len(plan.batches["batch"])
+        listed_all = text_tokens is not None  # caption modes list every document
+        if kept.doc_start is None and not listed_all:  # one image per document: nothing to list or block
+            plan.documents_kept = len(order)
+            plan.document_tokens = int(plan.batches["tokens"].sum()) + 2 * len(order)
+            plan.cut_ok = np.ones(n_batches, bool)
+            return
+        row_batch = np.empty(len(order), np.int64)
+        row_batch[order] = batch  # back to manifest order, where documents are runs
+        row_tokens = self.shapes.tokens[kept.shape].astype(np.int64)
+        if kept.doc_start is None:
+            start, first, last, image_tokens = np.arange(len(order)), row_batch, row_batch, row_tokens
+            plan.cut_ok = np.ones(n_batches, bool)
+        else:
+            start = kept.doc_start
+            first = np.minimum.reduceat(row_batch, start)
+            last = np.maximum.reduceat(row_batch, start)
+            image_tokens = np.add.reduceat(row_tokens, start)
+            plan.cut_ok = allowed_cuts(first, last, n_batches, self.next_batch)[:-1]
+        num_images = _run_lengths(start, len(order)).astype(np.int32)
+        if text_tokens is None:
+            text_tokens = np.full(len(start), 0 if self.params.document_totals_exact else -1, np.int32)
+        tokens = image_tokens + 2 + np.maximum(text_tokens, 0)  # BOS + blocks (+ caption) + EOS
+        plan.documents_kept, plan.document_tokens = len(start), int(tokens.sum())
+        plan.text_tokens = int(np.maximum(text_tokens, 0).sum())
+        listed = slice(None) if listed_all else np.flatnonzero(num_images > 1)
+        plan.documents = {
+            "document": self.rows.document[lo:][kept.rows[start[listed]]],
+            "num_images": num_images[listed],
+            "text_tokens": text_tokens[listed].astype(np.int32),
+            "tokens": tokens[listed],
+            "first_batch": first[listed],
+            "last_batch": last[listed],
+        }
+
+    def close(self) -> None:
+        if self.captions:
+            self.captions.close()

@@ -1,0 +1,176 @@
+"""Manifest -> plan (DESIGN.md §3): NumPy only, never per-row Python.
+
+1. `mmtok.plan.rows`: read the manifest columns the plan needs, filter rows (each drop gets a
+   reason), compute target shapes with `mmtok.resize.target_shapes`.
+2. and 3. `mmtok.plan.batching`: windows snapped to document boundaries; inside each window,
+   lanes sorted by exact shape and cut into batches under the token budget and max_batch_images.
+   Batches are numbered in that order, so the global batch list depends only on the manifest and
+   the parameters -- never on the world size.
+4. here: rank ranges balance the cost model over the batch list (mmtok.plan.ranks); plan.json last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mmtok import __version__
+from mmtok.errors import MmtokError
+from mmtok.formats.plan import PlanWriter
+from mmtok.plan.batching import GroupPlan, GroupPlanner, window_bounds, window_groups
+from mmtok.plan.params import PlanParameters
+from mmtok.plan.ranks import imbalance, partition_ranks, rank_costs
+from mmtok.plan.rows import (MANIFEST_META, ManifestRows, Reasons, ShapeTable, manifest_fingerprint,
+                             read_manifest_rows, text_tokenizer)
+from mmtok.text import TextTokenizer
+
+
+# ----------------------------------------------------------------------------- 4. the whole plan
+
+
+class _BatchLog:
+    """The per-batch arrays the rank partition and the summary need (a few bytes per batch)."""
+
+    KEYS = ("cost", "tokens", "num_images", "full", "target_height", "target_width")
+
+    def __init__(self) -> None:
+        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("cut_ok", *self.KEYS)}
+
+    def add(self, plan: GroupPlan) -> None:
+        if plan.batches is not None:
+            for key in self.KEYS:
+                self.parts[key].append(plan.batches[key])
+            self.parts["cut_ok"].append(plan.cut_ok)
+
+    def array(self, key: str, dtype) -> np.ndarray:
+        return np.concatenate(self.parts[key]).astype(dtype) if self.parts[key] else np.zeros(0, dtype)
+
+
+def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir: str | os.PathLike,
+               world_size: int = 1, progress: bool = True) -> dict:
+    """Plan `manifest_dir` into `out_dir`; returns plan.json's content.
+
+    Guarantees: deterministic (same manifest and parameters -> byte-identical files); the global
+    batch list does not depend on `world_size`; every manifest row is in exactly one of plan.parquet
+    and dropped.parquet; every batch is one target shape and within the token budget unless it is a
+    single image; a document never spans two windows or two ranks.
+    """
+    from tqdm import tqdm
+
+    if world_size < 1:
+        raise MmtokError(f"--world-size must be >= 1, got {world_size}")
+    manifest_dir = Path(manifest_dir).resolve()
+    fingerprint = manifest_fingerprint(manifest_dir)
+    tokenizer = text_tokenizer(params.text_tokenizer)
+    reasons = Reasons()
+    rows = read_manifest_rows(manifest_dir, params, reasons, progress)
+    shapes = ShapeTable.build(rows.shapes_seen, params, tokenizer)
+    bounds = window_bounds(rows.document, params.window_rows)
+    groups = window_groups(bounds)
+    planner = GroupPlanner(rows, shapes, params, reasons, tokenizer, _text_column(manifest_dir))
+    log = _BatchLog()
+    documents = {"kept": 0, "total": 0, "image_tokens": 0, "text_tokens": 0, "tokens": 0}
+    with PlanWriter(out_dir) as writer, \
+            tqdm(total=len(rows), desc="plan: batches", unit="row", unit_scale=True, disable=not progress) as bar:
+        for g in range(len(groups) - 1):
+            w0, w1 = int(groups[g]), int(groups[g + 1])
+            lo, hi = int(bounds[w0]), int(bounds[w1])
+            plan = planner.plan(lo, hi, bounds[w0:w1], w0)
+            _write_group(writer, plan, reasons)
+            log.add(plan)
+            _add_document_totals(documents, plan)
+            bar.update(hi - lo)
+        planner.close()
+        meta = _metadata(manifest_dir, fingerprint, params, tokenizer, rows, reasons, log, documents,
+                         n_windows=len(bounds) - 1, world_size=world_size)
+        return writer.finish(meta)
+
+
+def _text_column(manifest_dir: Path) -> str | None:
+    """The caption column of Parquet/Arrow inputs, as the scan recorded it (tars use txt sidecars)."""
+    path = manifest_dir / MANIFEST_META
+    if not path.is_file():
+        return None
+    return (json.loads(path.read_text("utf-8")).get("options") or {}).get("text_column")
+
+
+def _write_group(writer: PlanWriter, plan: GroupPlan, reasons: Reasons) -> None:
+    if len(plan.dropped_rows):
+        writer.write_dropped(plan.dropped_rows, plan.dropped_codes, reasons.names)
+    if plan.images is not None:
+        writer.write_images(plan.images)
+        writer.write_batches(plan.batches)
+    if plan.documents is not None:
+        writer.write_documents(plan.documents)
+
+
+def _add_document_totals(totals: dict, plan: GroupPlan) -> None:
+    totals["total"] += plan.documents_total
+    totals["kept"] += plan.documents_kept
+    totals["text_tokens"] += plan.text_tokens
+    totals["tokens"] += plan.document_tokens
+    if plan.batches is not None:
+        totals["image_tokens"] += int(plan.batches["tokens"].sum())
+
+
+def _over_budget(log: _BatchLog, over: np.ndarray, limit: int = 20) -> dict:
+    """Images above the token budget (each alone in its batch): count and the largest shapes."""
+    height = log.array("target_height", np.int64)[over]
+    width = log.array("target_width", np.int64)[over]
+    tokens = log.array("tokens", np.int64)[over]
+    shapes, first, count = np.unique(np.stack([height, width], axis=1), axis=0, return_index=True, return_counts=True)
+    largest = np.argsort(-tokens[first], kind="stable")[:limit]
+    return {"images": int(over.sum()),
+            "shapes": [{"height": int(shapes[i, 0]), "width": int(shapes[i, 1]), "tokens": int(tokens[first[i]]),
+                        "images": int(count[i])} for i in largest]}
+
+
+def rank_summary(costs: np.ndarray, cut_ok: np.ndarray, world_size: int) -> dict:
+    """Rank ranges and the cost-model balance for one world size."""
+    ranges = partition_ranks(costs, cut_ok, world_size)
+    per_rank = rank_costs(costs, ranges)
+    return {"rank_batches": ranges.tolist(),
+            "rank_cost": {"min": float(per_rank.min()), "mean": float(per_rank.mean()), "max": float(per_rank.max()),
+                          "idle_ranks": int(np.sum(ranges[:, 0] == ranges[:, 1]))},
+            "imbalance": imbalance(per_rank)}
+
+
+def _metadata(manifest_dir: Path, fingerprint: str, params: PlanParameters, tokenizer: TextTokenizer,
+              rows: ManifestRows, reasons: Reasons, log: _BatchLog, documents: dict, n_windows: int,
+              world_size: int) -> dict:
+    costs = log.array("cost", np.float64)
+    cut_ok = np.concatenate([log.array("cut_ok", bool), [True]])
+    tokens, count = log.array("tokens", np.int64), log.array("num_images", np.int64)
+    by_reason = np.bincount(rows.reason, minlength=len(reasons.names))
+    over = tokens > params.token_budget
+    kept_images = int(count.sum())
+    return {
+        "tool_version": __version__,
+        "manifest_dir": str(manifest_dir),
+        "manifest_fingerprint": fingerprint,
+        "parameters": {**params.to_dict(), "text_tokenizer_sha256": tokenizer.fingerprint,
+                       "text_vocab_size": tokenizer.vocab_size},
+        "world_size": world_size,
+        **rank_summary(costs, cut_ok, world_size),
+        "num_batches": len(costs),
+        "num_windows": n_windows,
+        "totals": {
+            "manifest_rows": len(rows), "kept_images": kept_images, "dropped_images": len(rows) - kept_images,
+            "documents": documents["total"], "kept_documents": documents["kept"],
+            "dropped_documents": documents["total"] - documents["kept"],
+            "image_tokens": documents["image_tokens"], "text_tokens": documents["text_tokens"],
+            "document_tokens": documents["tokens"], "cost": float(costs.sum()),
+        },
+        "exact": {"image_tokens": True, "text_tokens": params.document_totals_exact,
+                  "document_tokens": params.document_totals_exact,
+                  "note": "sft/interleaved: document text is counted by the encoder; document_tokens "
+                          "there are BOS + image blocks + EOS only"},
+        "dropped_by_reason": {reasons.names[i]: int(c) for i, c in enumerate(by_reason) if i and c},
+        "over_budget": _over_budget(log, over),
+        "batch_fill": {"full_fraction": float(log.array("full", bool).mean()) if len(costs) else 0.0,
+                       "mean_fill": float(np.minimum(tokens / params.token_budget, 1).mean()) if len(costs) else 0.0,
+                       "mean_images": float(count.mean()) if len(costs) else 0.0},
+    }

@@ -1,0 +1,264 @@
+"""Stage 1 of the plan: read the manifest columns it needs, filter rows, compute target shapes.
+
+Per manifest row the plan keeps a drop-reason code (0 = kept) and the packed target shape
+`(h/f) << SHAPE_BITS | (w/f)` from `mmtok.resize.target_shapes`, the one resize rule. The packed
+value sorts like (height, width) and indexes a lookup table, so later stages never search per row.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mmtok.errors import MmtokError
+from mmtok.formats.manifest import MANIFEST_FILE, METADATA_FILE as MANIFEST_META
+from mmtok.fsutil import sha256_file
+from mmtok.plan.captions import CAPTION_REASONS
+from mmtok.plan.params import PlanParameters
+from mmtok.resize import target_shapes
+from mmtok.text import TextTokenizer, load_text_tokenizer
+from mmtok.vocab import VocabLayout
+
+BASE_COLUMNS = ("document", "image_index", "width", "height", "status", "reason")
+CAPTION_COLUMNS = ("tar", "container", "text_offset", "text_size")
+READ_ROWS = 1 << 18
+FILTER_ROWS = 1 << 16  # the filter's temporaries stay in cache (fresh large arrays cost page faults)
+SHAPE_BITS = 12  # target sides up to 4,095 codes (65,520 px at factor 16); beyond: `target_too_large`
+
+
+class Reasons:
+    """Drop-reason names <-> codes (0 = kept). Scan failures appear as `scan:<reason>`."""
+
+    FIXED = ("", "document_member_dropped", "unknown_dimensions", "too_few_pixels", "too_many_pixels",
+             "aspect_ratio", "target_too_large", *CAPTION_REASONS)
+
+    def __init__(self) -> None:
+        self.names: list[str] = list(self.FIXED)
+        self._codes = {name: i for i, name in enumerate(self.names)}
+
+    def code(self, name: str) -> int:
+        if name not in self._codes:
+            if len(self.names) > np.iinfo(np.uint16).max:
+                raise MmtokError(f"more than {len(self.names)} distinct drop reasons in the manifest")
+            self._codes[name] = len(self.names)
+            self.names.append(name)
+        return self._codes[name]
+
+
+@dataclass
+class ManifestRows:
+    """The per-row arrays the plan keeps in memory: 18 bytes a row (38 in caption modes)."""
+
+    document: np.ndarray  # int64
+    image_index: np.ndarray  # int32
+    reason: np.ndarray  # uint16 drop-reason code, 0 = kept so far
+    shape: np.ndarray  # uint32 packed target shape, 0 where dropped
+    shapes_seen: np.ndarray  # sorted unique packed shapes of kept rows
+    container: np.ndarray | None = None  # int32 index into `containers` (caption modes only)
+    containers: list[tuple[str, str]] | None = None  # (path, container kind)
+    text_offset: np.ndarray | None = None
+    text_size: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.document)
+
+
+@dataclass(frozen=True)
+class ShapeTable:
+    """Per unique target shape, sorted by (height, width): exact block tokens, batch capacity, cost."""
+
+    packed: np.ndarray
+    height: np.ndarray  # int32 pixels
+    width: np.ndarray
+    tokens: np.ndarray  # int32 exact image-block length
+    capacity: np.ndarray  # int64 images per batch
+    image_cost: np.ndarray
+    lookup: np.ndarray  # packed shape -> index; zero-filled lazily, only used entries are touched
+
+    @classmethod
+    def build(cls, packed: np.ndarray, params: PlanParameters, tokenizer: TextTokenizer) -> "ShapeTable":
+        hc, wc = unpack(packed)
+        # The dimension digits "H*W" are text tokens: tokenised once per unique shape.
+        dims = tokenizer.encode_many([f"{h}*{w}" for h, w in zip(hc.tolist(), wc.tolist())])
+        tokens = VocabLayout.image_block_length(hc, wc, np.array([len(d) for d in dims], np.int64))
+        height, width = hc * params.factor, wc * params.factor
+        lookup = np.zeros(1 << (2 * SHAPE_BITS), np.uint16 if len(packed) <= (1 << 16) else np.uint32)
+        lookup[packed] = np.arange(len(packed))
+        return cls(packed=packed, height=height.astype(np.int32), width=width.astype(np.int32),
+                   tokens=tokens.astype(np.int32), lookup=lookup,
+                   capacity=np.clip(params.token_budget // np.maximum(tokens, 1), 1, params.max_batch_images),
+                   image_cost=params.cost_model.image_cost(height, width))
+
+    def index(self, packed: np.ndarray) -> np.ndarray:
+        """Shape index of packed shapes (uint16 when there are at most 65,536 shapes: radix sorts)."""
+        return self.lookup[packed]
+
+
+def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(height, width) in codes of packed shapes."""
+    packed = packed.astype(np.int64)
+    return packed >> SHAPE_BITS, packed & ((1 << SHAPE_BITS) - 1)
+
+
+def manifest_fingerprint(manifest_dir: Path) -> str:
+    """manifest.json's `fingerprint`, else the sha256 of manifest.parquet."""
+    if not (manifest_dir / MANIFEST_FILE).is_file():
+        raise MmtokError(f"cannot read manifest {manifest_dir / MANIFEST_FILE}: no such file "
+                         "(pass the directory `mmtok scan --out` wrote)")
+    meta_path = manifest_dir / MANIFEST_META
+    if meta_path.is_file():
+        fingerprint = json.loads(meta_path.read_text("utf-8")).get("fingerprint")
+        if fingerprint:
+            return str(fingerprint)
+    return sha256_file(manifest_dir / MANIFEST_FILE)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(spec: str, stamp: tuple | None) -> TextTokenizer:
+    return load_text_tokenizer(spec)
+
+
+def text_tokenizer(spec: str) -> TextTokenizer:
+    """The tokenizer for `spec`, loaded once per process (re-loaded when its file changes)."""
+    path = Path(spec)
+    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.exists() else None
+    return _cached_tokenizer(spec, stamp)
+
+
+def _column(batch: pa.RecordBatch, name: str, dtype, path: Path, row0: int) -> np.ndarray:
+    column = batch.column(name)
+    if column.null_count:
+        raise MmtokError(f"{path}: column {name!r} has nulls in rows {row0}..{row0 + batch.num_rows - 1}; "
+                         "the manifest contract has none (re-run `mmtok scan`)")
+    return column.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+
+
+def _labels(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, list[str]]:
+    """(codes, labels) of a string column, read dictionary-encoded."""
+    column = batch.column(name)
+    if not pa.types.is_dictionary(column.type):
+        column = column.dictionary_encode()
+    return column.indices.to_numpy(zero_copy_only=False).astype(np.int32, copy=False), column.dictionary.to_pylist()
+
+
+def _scan_codes(batch: pa.RecordBatch, reasons: Reasons) -> np.ndarray:
+    """0 for status 'ok', else the code of `scan:<reason>`."""
+    status, status_labels = _labels(batch, "status")
+    if status_labels == ["ok"]:
+        return np.zeros(batch.num_rows, np.uint16)
+    reason, reason_labels = _labels(batch, "reason")
+    ok = np.array([label == "ok" for label in status_labels], bool)
+    scan = np.array([reasons.code(f"scan:{label or 'error'}") for label in reason_labels], np.uint16)
+    return np.where(ok[status], np.uint16(0), scan[reason] if len(scan) else np.uint16(0)).astype(np.uint16)
+
+
+def filter_rows(width: np.ndarray, height: np.ndarray, scan_code: np.ndarray, params: PlanParameters,
+                reasons: Reasons) -> tuple[np.ndarray, np.ndarray]:
+    """Row-level filters and target shapes -> (reason uint16, packed target shape uint32).
+
+    A row failing several filters gets the first reason of: scan error, unknown_dimensions,
+    too_few_pixels, too_many_pixels, aspect_ratio (assigned in reverse, so the first one wins).
+    """
+    W, H = width.astype(np.int64), height.astype(np.int64)
+    pixels = W * H
+    reason = np.zeros(len(W), np.uint16)
+    if params.max_aspect_ratio is not None:
+        reason[np.maximum(W, H) > params.max_aspect_ratio * np.minimum(W, H)] = reasons.code("aspect_ratio")
+    reason[pixels > params.max_source_pixels] = reasons.code("too_many_pixels")
+    reason[pixels < params.min_source_pixels] = reasons.code("too_few_pixels")
+    reason[(W <= 0) | (H <= 0)] = reasons.code("unknown_dimensions")
+    reason = np.where(scan_code != 0, scan_code, reason)
+    kept = np.flatnonzero(reason == 0)
+    h, w = target_shapes(H[kept], W[kept], min_pixels=params.min_pixels, max_pixels=params.max_pixels,
+                         factor=params.factor)
+    hc, wc = h // params.factor, w // params.factor
+    too_large = (hc >> SHAPE_BITS) | (wc >> SHAPE_BITS) != 0
+    shape = np.zeros(len(reason), np.uint32)
+    shape[kept] = (hc << SHAPE_BITS | wc).astype(np.uint32)
+    if too_large.any():
+        reason[kept[too_large]] = reasons.code("target_too_large")
+        shape[kept[too_large]] = 0
+    return reason, shape
+
+
+class _Containers:
+    """(path, kind) of caption containers <-> dense codes, across record batches."""
+
+    def __init__(self) -> None:
+        self.codes: dict[tuple[str, str], int] = {}
+
+    def encode(self, batch: pa.RecordBatch) -> np.ndarray:
+        paths, path_labels = _labels(batch, "tar")
+        kinds, kind_labels = _labels(batch, "container")
+        n_kinds = max(len(kind_labels), 1)
+        unique, inverse = np.unique(paths.astype(np.int64) * n_kinds + kinds, return_inverse=True)  # caption modes only
+        codes = [self.codes.setdefault((path_labels[p // n_kinds], kind_labels[p % n_kinds]), len(self.codes))
+                 for p in unique.tolist()]
+        return np.asarray(codes, np.int32)[inverse.ravel()] if codes else np.zeros(0, np.int32)
+
+
+def read_manifest_rows(manifest_dir: Path, params: PlanParameters, reasons: Reasons,
+                       progress: bool = True) -> ManifestRows:
+    """Stage 1 over the manifest, READ_ROWS rows at a time."""
+    from tqdm import tqdm
+
+    path = manifest_dir / MANIFEST_FILE
+    columns = list(BASE_COLUMNS) + (list(CAPTION_COLUMNS) if params.counts_captions else [])
+    try:
+        names = pq.read_schema(path).names
+    except (OSError, pa.ArrowException) as err:
+        raise MmtokError(f"cannot read manifest {path}: {err} (run `mmtok scan` to create it)") from None
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise MmtokError(f"manifest {path} lacks column(s) {missing}; it was not written by `mmtok scan`")
+    parquet = pq.ParquetFile(path, read_dictionary=[c for c in ("status", "reason", "tar", "container") if c in columns])
+    n = parquet.metadata.num_rows
+    rows = ManifestRows(document=np.empty(n, np.int64), image_index=np.empty(n, np.int32),
+                        reason=np.empty(n, np.uint16), shape=np.empty(n, np.uint32), shapes_seen=np.empty(0, np.uint32))
+    containers = _Containers()
+    if params.counts_captions:
+        rows.container = np.empty(n, np.int32)
+        rows.text_offset, rows.text_size = np.empty(n, np.int64), np.empty(n, np.int64)
+    seen = np.zeros(1 << (2 * SHAPE_BITS), bool)
+    start, previous = 0, None
+    with tqdm(total=n, desc="plan: read manifest", unit="row", unit_scale=True, disable=not progress) as bar:
+        for batch in parquet.iter_batches(batch_size=READ_ROWS, columns=columns):
+            stop = start + batch.num_rows
+            document = _column(batch, "document", np.int64, path, start)
+            _check_document_order(document, previous, path, start)
+            previous = document[-1] if len(document) else previous
+            rows.document[start:stop] = document
+            rows.image_index[start:stop] = _column(batch, "image_index", np.int32, path, start)
+            width = _column(batch, "width", np.int32, path, start)
+            height = _column(batch, "height", np.int32, path, start)
+            scan = _scan_codes(batch, reasons)
+            for a in range(0, batch.num_rows, FILTER_ROWS):
+                b = min(a + FILTER_ROWS, batch.num_rows)
+                reason, shape = filter_rows(width[a:b], height[a:b], scan[a:b], params, reasons)
+                rows.reason[start + a:start + b], rows.shape[start + a:start + b] = reason, shape
+                seen[shape[reason == 0]] = True
+            if params.counts_captions:
+                rows.container[start:stop] = containers.encode(batch)
+                rows.text_offset[start:stop] = _column(batch, "text_offset", np.int64, path, start)
+                rows.text_size[start:stop] = _column(batch, "text_size", np.int64, path, start)
+            bar.update(batch.num_rows)
+            start = stop
+    rows.shapes_seen = np.flatnonzero(seen).astype(np.uint32)
+    if params.counts_captions:
+        rows.containers = list(containers.codes)
+    return rows
+
+
+def _check_document_order(document: np.ndarray, previous, path: Path, row0: int) -> None:
+    head = document if previous is None else np.concatenate([[previous], document])
+    first_row = row0 if previous is None else row0 - 1
+    bad = np.flatnonzero(head[1:] < head[:-1])
+    if len(bad):
+        raise MmtokError(f"manifest {path}: document id decreases at row {first_row + int(bad[0]) + 1}; "
+                         "the contract requires non-decreasing ids (re-run `mmtok scan`)")

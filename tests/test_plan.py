@@ -1,0 +1,668 @@
+"""`mmtok plan`: properties of plans built from manifests with real image sizes (skimage, mate photos)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image, UnidentifiedImageError
+
+from mmtok.cli import main as cli_main
+from mmtok.errors import MmtokError
+from mmtok.formats import plan as plan_format
+from mmtok.plan import (CostModel, PlanParameters, available_presets, batching, build_plan, caption_text, core,
+                        explain_plan, load_preset, partition_ranks, rank_costs)
+from mmtok.plan import rows as plan_rows
+from mmtok.plan.rows import text_tokenizer
+from mmtok.resize import target_shape
+from mmtok.vocab import VocabLayout
+from realmedia import mate_photos, skimage_images
+
+# ----------------------------------------------------------------------------- manifests for the tests
+
+MANIFEST_SCHEMA = pa.schema([
+    ("key", pa.string()), ("document", pa.int64()), ("image_index", pa.int32()), ("tar", pa.string()),
+    ("container", pa.string()), ("member", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
+    ("width", pa.int32()), ("height", pa.int32()), ("format", pa.string()), ("orientation", pa.int8()),
+    ("text_offset", pa.int64()), ("text_size", pa.int64()), ("json_offset", pa.int64()), ("json_size", pa.int64()),
+    ("status", pa.string()), ("reason", pa.string()),
+])
+MISSING_TAR = "/nonexistent/shard-000000.tar"  # image modes must never open sidecars
+FILES = ("plan.parquet", "batches.parquet", "documents.parquet", "dropped.parquet", "plan.json")
+SMALL = PlanParameters(min_pixels=128 * 128, max_pixels=512 * 512, token_budget=4096, max_batch_images=3,
+                       window_rows=24)
+
+
+def real_image_rows() -> list[dict]:
+    """One row per real image file with its displayed (width, height); an `unknown_format` scan error
+    where Pillow cannot identify the file (skimage's multi-page RGB TIFF)."""
+    rows = []
+    for path in skimage_images() + mate_photos():
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+                orientation = image.getexif().get(0x0112, 1)
+                fmt = (image.format or "").lower()
+        except UnidentifiedImageError:
+            rows.append(dict(width=0, height=0, format="", status="error", reason="unknown_format"))
+            continue
+        if orientation in (5, 6, 7, 8):
+            width, height = height, width
+        rows.append(dict(width=width, height=height, format=fmt, orientation=orientation, status="ok", reason=""))
+    return rows
+
+
+def row(document: int, image_index: int = 0, **fields) -> dict:
+    """A manifest row with the contract's defaults (an ok JPEG in a tar nobody opens)."""
+    base = dict(key=f"{document:08d}", document=document, image_index=image_index, tar=MISSING_TAR,
+                container="tar", member=f"{document:08d}.{image_index}.jpg", offset=512 * (document + 1), size=1000,
+                width=640, height=480, format="jpeg", orientation=1, text_offset=-1, text_size=-1,
+                json_offset=-1, json_size=-1, status="ok", reason="")
+    base.update(fields)
+    return base
+
+
+def documents_of(images: list[dict], sizes: list[int], first_document: int = 0) -> list[dict]:
+    """Rows for documents with `sizes[i]` images each, cycling through the image templates."""
+    rows, i = [], 0
+    for d, size in enumerate(sizes):
+        for index in range(size):
+            rows.append(row(first_document + d, index, **images[i % len(images)]))
+            i += 1
+    return rows
+
+
+def write_manifest(directory: Path, rows: list[dict], with_json: bool = True) -> Path:
+    """manifest.parquet (+ manifest.json with its fingerprint), the contract's layout."""
+    directory.mkdir(parents=True, exist_ok=True)
+    columns = {f.name: [r[f.name] for r in rows] for f in MANIFEST_SCHEMA}
+    pq.write_table(pa.table(columns, schema=MANIFEST_SCHEMA), directory / "manifest.parquet", compression="zstd")
+    if with_json:
+        digest = hashlib.sha256((directory / "manifest.parquet").read_bytes()).hexdigest()
+        (directory / "manifest.json").write_text(json.dumps({"rows": len(rows), "fingerprint": digest}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def images() -> list[dict]:
+    return real_image_rows()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, images) -> Path:
+    """Every real image as a one-image document, then multi-image documents (2..5 images), twice over."""
+    sizes = [1] * len(images) + [2, 3, 5, 1, 4, 2, 1, 3] * 3 + [1] * len(images)
+    return write_manifest(tmp_path_factory.mktemp("corpus"), documents_of(images, sizes))
+
+
+def plan(manifest: Path, out: Path, params: PlanParameters = SMALL, world_size: int = 1) -> dict:
+    return build_plan(manifest, params, out, world_size=world_size, progress=False)
+
+
+def tables(out: Path) -> dict[str, dict[str, np.ndarray]]:
+    return {name: {c: pq.read_table(out / name).column(c).to_numpy(zero_copy_only=False)
+                   for c in pq.read_table(out / name).column_names}
+            for name in FILES if name.endswith(".parquet")}
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def test_same_inputs_give_byte_identical_plan_files(corpus, tmp_path):
+    plan(corpus, tmp_path / "a", world_size=4)
+    plan(corpus, tmp_path / "b", world_size=4)
+    plan(corpus, tmp_path / "a", world_size=4)  # re-plan over an existing plan
+    for name in FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name not in FILES]  # no temporary files left
+
+
+def test_grouping_of_windows_does_not_change_the_plan(corpus, tmp_path, monkeypatch):
+    plan(corpus, tmp_path / "a")
+    monkeypatch.setattr(batching, "GROUP_ROWS", 7)
+    monkeypatch.setattr(batching, "MAX_GROUP_WINDOWS", 2)
+    monkeypatch.setattr(plan_rows, "READ_ROWS", 5)
+    monkeypatch.setattr(plan_rows, "FILTER_ROWS", 3)
+    plan(corpus, tmp_path / "b")
+    for name in FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_global_batches_do_not_depend_on_world_size(corpus, tmp_path):
+    metas = {n: plan(corpus, tmp_path / str(n), world_size=n) for n in (1, 2, 3, 8, 64)}
+    for n, meta in metas.items():
+        for name in FILES[:-1]:
+            assert (tmp_path / str(n) / name).read_bytes() == (tmp_path / "1" / name).read_bytes()
+        assert meta["fingerprint"] == metas[1]["fingerprint"]
+        ranges = np.array(meta["rank_batches"])
+        assert ranges.shape == (n, 2) and ranges[0, 0] == 0 and ranges[-1, 1] == meta["num_batches"]
+        assert np.all(ranges[1:, 0] == ranges[:-1, 1]) and np.all(ranges[:, 1] >= ranges[:, 0])
+
+
+# ----------------------------------------------------------------------------- coverage and reasons
+
+
+def test_every_manifest_row_is_kept_once_or_dropped_with_a_reason(corpus, tmp_path):
+    meta = plan(corpus, tmp_path / "p", world_size=3)
+    t = tables(tmp_path / "p")
+    n = pq.read_metadata(corpus / "manifest.parquet").num_rows
+    rows = np.concatenate([t["plan.parquet"]["manifest_row"], t["dropped.parquet"]["manifest_row"]])
+    assert np.array_equal(np.sort(rows), np.arange(n))
+    assert all(t["dropped.parquet"]["reason"])
+    totals = meta["totals"]
+    assert totals["kept_images"] + totals["dropped_images"] == totals["manifest_rows"] == n
+    assert sum(meta["dropped_by_reason"].values()) == totals["dropped_images"]
+    assert totals["image_tokens"] == t["plan.parquet"]["tokens"].sum()
+    assert totals["document_tokens"] == totals["image_tokens"] + 2 * totals["kept_documents"]  # image mode
+    assert totals["kept_documents"] == len(np.unique(t["plan.parquet"]["document"]))
+    assert t["batches.parquet"]["num_images"].sum() == totals["kept_images"]
+    assert meta["files"]["plan.parquet"]["rows"] == totals["kept_images"]
+
+
+def test_drop_reasons_are_named_and_documents_drop_whole(tmp_path):
+    rows = [
+        row(0, width=640, height=480),                                     # kept
+        row(1, status="error", reason="truncated_member", width=0, height=0),
+        row(2, width=40, height=40),                                       # too_few_pixels (< 64x64)
+        row(3, width=20000, height=20000),                                 # too_many_pixels
+        row(4, width=2000, height=200),                                    # aspect_ratio 10 > 4
+        row(5, width=0, height=300),                                       # unknown_dimensions with status ok
+        row(6, 0, width=512, height=512), row(6, 1, width=3000, height=100), row(6, 2, width=300, height=300),
+        row(7, 0, status="error", reason="", width=0, height=0), row(7, 1),  # empty scan reason
+        row(8, width=1000, height=1000),                                   # kept
+    ]
+    meta = plan(write_manifest(tmp_path / "m", rows), tmp_path / "p", PlanParameters())
+    dropped = tables(tmp_path / "p")["dropped.parquet"]
+    reasons = dict(zip(dropped["manifest_row"].tolist(), dropped["reason"].tolist()))
+    assert reasons == {1: "scan:truncated_member", 2: "too_few_pixels", 3: "too_many_pixels", 4: "aspect_ratio",
+                       5: "unknown_dimensions", 6: "document_member_dropped", 7: "aspect_ratio",
+                       8: "document_member_dropped", 9: "scan:error", 10: "document_member_dropped"}
+    assert meta["dropped_by_reason"]["document_member_dropped"] == 3
+    assert sorted(tables(tmp_path / "p")["plan.parquet"]["manifest_row"]) == [0, 11]
+    assert meta["totals"]["kept_documents"] == 2 and meta["totals"]["dropped_documents"] == 7
+
+
+def test_real_unreadable_file_is_dropped_with_its_scan_reason(corpus, tmp_path, images):
+    meta = plan(corpus, tmp_path / "p")
+    unreadable = sum(1 for image in images if image["status"] == "error")
+    assert unreadable >= 1  # skimage's multipage_rgb.tif
+    assert meta["dropped_by_reason"]["scan:unknown_format"] >= unreadable
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def test_batches_are_one_shape_within_budget_and_size_cap(corpus, tmp_path):
+    meta = plan(corpus, tmp_path / "p")
+    t = tables(tmp_path / "p")
+    images, batches = t["plan.parquet"], t["batches.parquet"]
+    assert np.array_equal(batches["batch"], np.arange(meta["num_batches"]))
+    assert np.all(np.diff(images["batch"]) >= 0)
+    start = batches["plan_row"]
+    for b in range(meta["num_batches"]):
+        rows = slice(start[b], start[b] + batches["num_images"][b])
+        assert np.all(images["batch"][rows] == b)
+        assert len(set(zip(images["target_height"][rows], images["target_width"][rows]))) == 1
+        assert images["target_height"][rows][0] == batches["target_height"][b]
+        assert np.all(np.diff(images["manifest_row"][rows]) > 0)  # manifest order inside a batch
+        total = images["tokens"][rows].sum()
+        assert total == batches["tokens"][b]
+        assert batches["num_images"][b] <= SMALL.max_batch_images
+        assert total <= SMALL.token_budget or batches["num_images"][b] == 1
+
+
+def test_batches_follow_windows_then_lanes_in_shape_order(corpus, tmp_path):
+    plan(corpus, tmp_path / "p", SMALL.override(multi_window_images=4))
+    b = tables(tmp_path / "p")["batches.parquet"]
+    assert np.all(np.diff(b["window"]) >= 0) and len(set(b["lane"])) > 2
+    shape = b["target_height"].astype(np.int64) << 20 | b["target_width"]
+    for window in np.unique(b["window"]):
+        batches = np.flatnonzero(b["window"] == window)
+        lane = b["lane"][batches]
+        multi = np.unique(lane[lane > 0])
+        assert list(dict.fromkeys(lane[lane > 0])) == multi.tolist()  # lanes in increasing order
+        for k in [0, *multi]:
+            mine = batches[lane == k]
+            assert np.all(np.diff(shape[mine]) >= 0)  # (height, width) order inside a lane
+            if k > 0:
+                assert np.all(np.diff(mine) == 1)
+            same = shape[mine][1:] == shape[mine][:-1]
+            assert np.all(b["full"][mine[:-1][same]])  # a shape run is split only when full
+
+
+def test_one_image_documents_are_in_lane_zero(corpus, tmp_path):
+    plan(corpus, tmp_path / "p", SMALL.override(multi_window_images=4))
+    t = tables(tmp_path / "p")
+    images, lane = t["plan.parquet"], t["batches.parquet"]["lane"]
+    documents, inverse, count = np.unique(images["document"], return_inverse=True, return_counts=True)
+    assert np.array_equal(lane[images["batch"]] == 0, count[inverse] == 1)
+    docs = t["documents.parquet"]  # image mode lists exactly the multi-image documents
+    assert np.array_equal(docs["document"], documents[count > 1]) and np.all(docs["num_images"] > 1)
+    assert np.all(lane[docs["first_batch"]] == lane[docs["last_batch"]])
+
+
+def test_lanes_take_multi_image_documents_by_position_in_their_window(corpus, tmp_path):
+    size = 6
+    plan(corpus, tmp_path / "p", SMALL.override(multi_window_images=size))
+    t = tables(tmp_path / "p")
+    b, docs = t["batches.parquet"], t["documents.parquet"]  # image mode: docs = the multi-image documents
+    order = np.argsort(docs["document"])
+    window = b["window"][docs["first_batch"]][order]
+    images = docs["num_images"][order]
+    before = np.cumsum(images) - images
+    window_start = np.searchsorted(window, window)  # first document of each document's window
+    expected = (before - before[window_start]) // size + 1  # lane k: first image among images [(k-1)L, kL)
+    assert np.array_equal(b["lane"][docs["first_batch"]][order], expected)
+    assert np.array_equal(b["lane"][docs["last_batch"]][order], expected)
+
+
+def test_target_shapes_follow_the_resize_rule(corpus, tmp_path):
+    plan(corpus, tmp_path / "p")
+    manifest = pq.read_table(corpus / "manifest.parquet", columns=["width", "height"]).to_pydict()
+    images = tables(tmp_path / "p")["plan.parquet"]
+    for r, h, w in zip(images["manifest_row"], images["target_height"], images["target_width"]):
+        expected = target_shape(manifest["height"][r], manifest["width"][r], min_pixels=SMALL.min_pixels,
+                                max_pixels=SMALL.max_pixels, factor=16)
+        assert (h, w) == expected and h % 16 == 0 and w % 16 == 0
+
+
+def test_tokens_are_the_exact_image_block_length(corpus, tmp_path):
+    plan(corpus, tmp_path / "p")
+    images = tables(tmp_path / "p")["plan.parquet"]
+    tokenizer, layout = text_tokenizer("tekken"), VocabLayout(131_072)  # the plan's cached tokenizer
+    for h, w, tokens in set(zip(images["target_height"], images["target_width"], images["tokens"])):
+        codes = np.zeros((h // 16, w // 16), np.int32)
+        block = layout.image_block(codes, tokenizer.encode(f"{h // 16}*{w // 16}"))
+        assert len(block) == tokens
+
+
+def test_documents_never_span_windows_or_ranks(corpus, tmp_path):
+    for n in (2, 5, 13):
+        meta = plan(corpus, tmp_path / str(n), world_size=n)
+        t = tables(tmp_path / str(n))
+        docs, window = t["documents.parquet"], t["batches.parquet"]["window"]
+        assert np.all(window[docs["first_batch"]] == window[docs["last_batch"]])
+        rank_of = np.searchsorted(np.array(meta["rank_batches"])[:, 1], np.arange(meta["num_batches"]), side="right")
+        assert np.all(rank_of[docs["first_batch"]] == rank_of[docs["last_batch"]])
+        multi = docs["num_images"] > 1
+        assert multi.any()
+        images = t["plan.parquet"]
+        for d, first, last in zip(docs["document"][multi], docs["first_batch"][multi], docs["last_batch"][multi]):
+            batches = images["batch"][images["document"] == d]
+            assert batches.min() == first and batches.max() == last
+
+
+def test_document_totals_are_bos_blocks_eos(corpus, tmp_path):
+    meta = plan(corpus, tmp_path / "p")
+    t = tables(tmp_path / "p")
+    docs, images = t["documents.parquet"], t["plan.parquet"]
+    per_doc = {d: images["tokens"][images["document"] == d].sum() for d in docs["document"]}
+    assert np.array_equal(docs["tokens"], [per_doc[d] + 2 for d in docs["document"]])
+    assert np.array_equal(docs["num_images"], [np.sum(images["document"] == d) for d in docs["document"]])
+    assert np.all(docs["text_tokens"] == 0) and meta["exact"]["document_tokens"]
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+
+def test_image_above_budget_gets_its_own_batch_and_is_reported(tmp_path):
+    rows = [row(d, width=512, height=512) for d in range(4)] + [row(4, width=1400, height=1400)]
+    params = PlanParameters(max_pixels=1024 * 1024, token_budget=2500, max_batch_images=8)
+    meta = plan(write_manifest(tmp_path / "m", rows), tmp_path / "p", params)
+    t = tables(tmp_path / "p")
+    big = int(np.flatnonzero(t["plan.parquet"]["manifest_row"] == 4)[0])
+    batch = t["plan.parquet"]["batch"][big]
+    assert t["batches.parquet"]["num_images"][batch] == 1 and t["plan.parquet"]["tokens"][big] > 2500
+    assert meta["over_budget"]["images"] == 1
+    assert meta["over_budget"]["shapes"] == [{"height": 1024, "width": 1024, "tokens": 64 * 65 + 5 + 4, "images": 1}]
+    assert "above the budget" in explain_plan(tmp_path / "p")
+
+
+def test_empty_manifest_gives_an_empty_plan(tmp_path):
+    meta = plan(write_manifest(tmp_path / "m", []), tmp_path / "p", world_size=4)
+    assert meta["num_batches"] == 0 and meta["rank_batches"] == [[0, 0]] * 4 and meta["imbalance"] == 0.0
+    assert meta["totals"]["manifest_rows"] == 0
+    for rank in range(4):
+        assert plan_format.rank_rows(tmp_path / "p", rank).num_rows == 0
+    assert "batch shapes: none" in explain_plan(tmp_path / "p")
+
+
+def test_one_giant_document_makes_one_window(images, tmp_path):
+    usable = [i for i in images if i["status"] == "ok" and i["width"] * i["height"] >= SMALL.min_source_pixels]
+    rows = documents_of(usable, [8, 40, 3])
+    meta = plan(write_manifest(tmp_path / "m", rows), tmp_path / "p", SMALL.override(window_rows=8), world_size=6)
+    t = tables(tmp_path / "p")
+    assert meta["num_windows"] == 3  # boundaries 16..48 all snap to row 48, the giant document's end
+    giant = t["documents.parquet"]["document"] == 1
+    windows = t["batches.parquet"]["window"]
+    first, last = t["documents.parquet"]["first_batch"][giant][0], t["documents.parquet"]["last_batch"][giant][0]
+    assert set(windows[first:last + 1]) == {1}
+    rank_of = np.searchsorted(np.array(meta["rank_batches"])[:, 1], [first, last], side="right")
+    assert rank_of[0] == rank_of[1]
+
+
+def test_world_size_larger_than_batch_count_gives_idle_ranks(corpus, tmp_path):
+    meta1 = plan(corpus, tmp_path / "one")
+    n = meta1["num_batches"] + 7
+    meta = plan(corpus, tmp_path / "p", world_size=n)
+    ranges = np.array(meta["rank_batches"])
+    idle = ranges[:, 0] == ranges[:, 1]
+    assert idle.sum() >= 7 and meta["rank_cost"]["idle_ranks"] == idle.sum()
+    whole = plan_format.read_plan(tmp_path / "p")[0]
+    parts = [plan_format.rank_rows(tmp_path / "p", r) for r in range(n)]
+    assert all(p.num_rows == 0 for p, i in zip(parts, idle) if i)
+    assert pa.concat_tables(parts).equals(whole)
+
+
+def test_rank_rows_are_the_ranks_batches_in_order(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_format, "ROW_GROUP_ROWS", 16)  # several row groups per rank
+    meta = plan(corpus, tmp_path / "p", world_size=5)
+    whole, _ = plan_format.read_plan(tmp_path / "p")
+    assert pq.ParquetFile(tmp_path / "p" / "plan.parquet").num_row_groups > 5
+    batch = whole.column("batch").to_numpy()
+    for rank, (start, end) in enumerate(meta["rank_batches"]):
+        mine = plan_format.rank_rows(tmp_path / "p", rank, columns=["manifest_row", "batch"])
+        expected = (batch >= start) & (batch < end)
+        assert mine.column("batch").to_numpy().tolist() == batch[expected].tolist()
+        assert mine.column("manifest_row").to_pylist() == whole.column("manifest_row").filter(expected).to_pylist()
+    with pytest.raises(MmtokError, match="outside the plan's world size"):
+        plan_format.rank_rows(tmp_path / "p", 5)
+
+
+# ----------------------------------------------------------------------------- ranks and cost model
+
+
+def test_rank_ranges_balance_the_cost_model(tmp_path):
+    rng = np.random.default_rng(0)
+    sides = rng.choice([256, 384, 512, 640, 768, 1024], size=(3000, 2))
+    rows = [row(d, width=int(w), height=int(h)) for d, (w, h) in enumerate(sides)]
+    params = PlanParameters(max_pixels=1024 * 1024, token_budget=8192, window_rows=500)
+    meta = plan(write_manifest(tmp_path / "m", rows), tmp_path / "p", params, world_size=8)
+    batches = tables(tmp_path / "p")["batches.parquet"]
+    expected = params.cost_model.batch_cost(batches["target_height"], batches["target_width"], batches["num_images"])
+    assert np.allclose(batches["cost"], expected)
+    per_rank = rank_costs(batches["cost"], np.array(meta["rank_batches"]))
+    assert meta["imbalance"] == pytest.approx(per_rank.max() / per_rank.mean() - 1)
+    assert meta["imbalance"] < batches["cost"].max() / per_rank.mean()  # off by less than one batch
+    assert meta["imbalance"] < 0.05
+
+
+def test_partition_cuts_only_where_allowed():
+    costs = np.ones(10)
+    cut_ok = np.ones(11, bool)
+    cut_ok[1:6] = False  # one document spans batches 0..5
+    assert partition_ranks(costs, cut_ok, 3).tolist() == [[0, 6], [6, 7], [7, 10]]
+    assert partition_ranks(np.ones(4), np.ones(5, bool), 4).tolist() == [[0, 1], [1, 2], [2, 3], [3, 4]]
+
+
+def test_partition_minimises_the_largest_rank_cost():
+    rng = np.random.default_rng(3)
+    for trial in range(40):
+        n = int(rng.integers(1, 25))
+        costs = rng.random(n) * rng.choice([1, 10, 100], n)
+        cut_ok = np.concatenate([[True], rng.random(n - 1) < 0.6, [True]])
+        for world in (1, 2, 3, 5, 30):
+            ranges = partition_ranks(costs, cut_ok, world)
+            assert ranges[0, 0] == 0 and ranges[-1, 1] == n and np.all(ranges[1:, 0] == ranges[:-1, 1])
+            assert np.all(cut_ok[ranges[:, 0]])
+            assert rank_costs(costs, ranges).max() <= _optimal_bottleneck(costs, cut_ok, world) * (1 + 1e-9)
+
+
+def _optimal_bottleneck(costs: np.ndarray, cut_ok: np.ndarray, world: int) -> float:
+    """Exhaustive dynamic programme: the least possible largest range cost."""
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    legal = np.flatnonzero(cut_ok)
+    best = {0: 0.0}  # legal end position -> least largest cost using k ranges
+    for _ in range(world):
+        best = {end: min((max(b, prefix[end] - prefix[start]) for start, b in best.items() if start <= end),
+                         default=np.inf) for end in legal}
+    return best[len(costs)]
+
+
+def test_cost_is_superlinear_in_pixels():
+    model = CostModel()
+    small, large = model.image_cost(512, 512), model.image_cost(1024, 1024)
+    assert large > 4 * small - 3 * model.c  # 4x the pixels costs more than 4x the convolutions
+    assert model.batch_cost(512, 512, 3) == pytest.approx(3 * small + model.batch)
+
+
+def test_cost_model_fit_recovers_known_parameters():
+    truth = CostModel(a=3e-6, b=4e-10, c=2e-4, batch=5e-3)
+    rng = np.random.default_rng(1)
+    h = rng.choice(np.arange(256, 2049, 16), 200)
+    w = rng.choice(np.arange(256, 2049, 16), 200)
+    count = rng.integers(1, 64, 200)
+    fitted = CostModel.fit(h, w, count, truth.batch_cost(h, w, count))
+    for name in ("a", "b", "c", "batch"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-4)
+
+
+# ----------------------------------------------------------------------------- caption modes
+
+
+def caption_shard(directory: Path, images: list[Path], captions: list[bytes | None]) -> tuple[Path, list[dict]]:
+    """A real WebDataset tar (KEY.png with real image bytes + KEY.txt) and its manifest rows, with the
+    member offsets taken from the tar itself."""
+    tar_path = directory / "shard-000000.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for i, (image, caption) in enumerate(zip(images, captions)):
+            tar.add(image, arcname=f"{i:06d}{image.suffix}")
+            if caption is not None:
+                info = tarfile.TarInfo(f"{i:06d}.txt")
+                info.size = len(caption)
+                tar.addfile(info, io.BytesIO(caption))
+    with tarfile.open(tar_path) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    rows = []
+    for i, image in enumerate(images):
+        member, text = members[f"{i:06d}{image.suffix}"], members.get(f"{i:06d}.txt")
+        with Image.open(image) as opened:
+            width, height = opened.size
+        rows.append(row(i, tar=str(tar_path), member=member.name, offset=member.offset_data, size=member.size,
+                        width=width, height=height, text_offset=text.offset_data if text else -1,
+                        text_size=text.size if text else -1))
+    return tar_path, rows
+
+
+def test_caption_mode_counts_caption_tokens_exactly(tmp_path):
+    sources = [p for p in skimage_images() if p.suffix == ".png"][:6]
+    captions = [b"An astronaut in a white suit.\n", None, " café crème ".encode("latin-1"), b"   \n",
+                "Ein Kätzchen schläft.".encode(), b"Rocket on the pad " * 20]
+    _, rows = caption_shard(tmp_path, sources, captions)
+    manifest = write_manifest(tmp_path / "m", rows)
+    meta = plan(manifest, tmp_path / "p", PlanParameters(mode="image-text"))
+    t = tables(tmp_path / "p")
+    reasons = dict(zip(t["dropped.parquet"]["manifest_row"].tolist(), t["dropped.parquet"]["reason"].tolist()))
+    assert reasons == {1: "missing_caption", 2: "caption_not_utf8", 3: "empty_caption"}
+    tokenizer = text_tokenizer("tekken")
+    docs = t["documents.parquet"]
+    expected = [len(tokenizer.encode(caption_text(captions[d]))) for d in docs["document"]]
+    assert docs["document"].tolist() == [0, 4, 5] and docs["text_tokens"].tolist() == expected
+    images = t["plan.parquet"]
+    image_tokens = [images["tokens"][images["document"] == d].sum() for d in docs["document"]]
+    assert np.array_equal(docs["tokens"], np.array(image_tokens) + docs["text_tokens"] + 2)
+    assert meta["totals"]["text_tokens"] == sum(expected) and meta["exact"]["text_tokens"]
+    # image mode on the same manifest never reads the sidecars and keeps every image
+    assert plan(manifest, tmp_path / "q", PlanParameters(mode="image"))["totals"]["dropped_images"] == 0
+
+
+def test_unreadable_caption_file_is_a_reason_not_a_crash(tmp_path):
+    rows = [row(0, text_offset=0, text_size=10), row(1, tar=str(tmp_path), text_offset=0, text_size=4)]
+    meta = plan(write_manifest(tmp_path / "m", rows), tmp_path / "p", PlanParameters(mode="text-image"))
+    assert meta["dropped_by_reason"] == {"caption_unreadable": 2}
+
+
+def test_sft_totals_are_marked_as_lower_bounds(corpus, tmp_path):
+    meta = plan(corpus, tmp_path / "p", SMALL.override(mode="sft"))
+    assert meta["exact"] == {**meta["exact"], "image_tokens": True, "text_tokens": False, "document_tokens": False}
+    assert np.all(tables(tmp_path / "p")["documents.parquet"]["text_tokens"] == -1)
+
+
+# ----------------------------------------------------------------------------- files, errors, CLI
+
+
+def test_fingerprints_in_plan_json(corpus, tmp_path):
+    meta = plan(corpus, tmp_path / "p")
+    manifest_json = json.loads((corpus / "manifest.json").read_text())
+    assert meta["manifest_fingerprint"] == manifest_json["fingerprint"]
+    images_sha = hashlib.sha256((tmp_path / "p" / "plan.parquet").read_bytes()).hexdigest()
+    assert meta["files"]["plan.parquet"]["sha256"] == images_sha
+    assert meta["fingerprint"] == plan_format.plan_fingerprint(images_sha, meta["parameters"], meta["manifest_fingerprint"])
+    assert meta["parameters"]["text_vocab_size"] == 131_072 and meta["parameters"]["factor"] == 16
+    assert json.loads((tmp_path / "p" / "plan.json").read_text()) == meta
+    other = plan(corpus, tmp_path / "q", SMALL.override(token_budget=8192))
+    assert other["fingerprint"] != meta["fingerprint"]
+
+
+def test_manifest_without_json_is_fingerprinted_by_its_parquet(images, tmp_path):
+    manifest = write_manifest(tmp_path / "m", documents_of(images, [1, 1, 2]), with_json=False)
+    meta = plan(manifest, tmp_path / "p")
+    assert meta["manifest_fingerprint"] == hashlib.sha256((manifest / "manifest.parquet").read_bytes()).hexdigest()
+
+
+def test_changed_or_incomplete_plan_is_refused(corpus, tmp_path):
+    plan(corpus, tmp_path / "p")
+    with open(tmp_path / "p" / "batches.parquet", "ab") as handle:
+        handle.write(b"x")
+    with pytest.raises(MmtokError, match="does not match"):
+        plan_format.read_plan(tmp_path / "p")
+    (tmp_path / "p" / "plan.json").unlink()
+    with pytest.raises(MmtokError, match="plan.json is missing"):
+        plan_format.rank_rows(tmp_path / "p", 0)
+
+
+def test_failed_plan_leaves_no_plan_json_and_no_temporaries(corpus, tmp_path, monkeypatch):
+    plan(corpus, tmp_path / "p")
+
+    def fail(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(core, "_write_group", fail)
+    with pytest.raises(RuntimeError):
+        plan(corpus, tmp_path / "p")
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(FILES[:-1])  # old data files, no plan.json
+
+
+def test_bad_manifests_are_refused_with_the_row(tmp_path):
+    rows = [row(0), row(2), row(1)]
+    with pytest.raises(MmtokError, match="decreases at row 2"):
+        plan(write_manifest(tmp_path / "m", rows), tmp_path / "p")
+    pq.write_table(pa.table({"document": [0], "width": [1], "height": [1]}), tmp_path / "manifest.parquet")
+    with pytest.raises(MmtokError, match="lacks column"):
+        plan(tmp_path, tmp_path / "q")
+    with pytest.raises(MmtokError, match="cannot read manifest"):
+        plan(tmp_path / "nowhere", tmp_path / "r")
+
+
+def test_presets_load_and_unknown_keys_are_refused(tmp_path):
+    assert {"apertus-stage1", "apertus-stage2", "apertus-sft"} <= set(available_presets())
+    stage1, stage2 = load_preset("apertus-stage1"), load_preset("apertus-stage2")
+    assert stage1.max_pixels < stage2.max_pixels and stage1.mode == "image-text"
+    assert load_preset("apertus-sft").mode == "sft"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("token_budget: 100\nmax_pixel: 5\n")
+    with pytest.raises(MmtokError, match="bad.yaml: unknown plan parameter.*max_pixel"):
+        load_preset(str(bad))
+    with pytest.raises(MmtokError, match="not found"):
+        load_preset("no-such-preset")
+
+
+def test_cli_plans_with_preset_and_flag_overrides_then_explains(corpus, tmp_path, capsys):
+    out = tmp_path / "p"
+    code = cli_main(["plan", str(corpus), "--out", str(out), "--preset", "apertus-stage2", "--mode", "image",
+                     "--max-pixels", str(256 * 256), "--min-pixels", str(64 * 64), "--token-budget", "2048",
+                     "--cost-b", "0.0001", "--world-size", "4", "--quiet"])
+    assert code == 0
+    meta = json.loads((out / "plan.json").read_text())
+    p = meta["parameters"]
+    assert (p["max_pixels"], p["token_budget"], p["mode"], p["max_aspect_ratio"]) == (65536, 2048, "image", 6.0)
+    assert p["cost_model"]["b"] == 0.0001 and meta["world_size"] == 4
+    assert "mmtok plan:" in capsys.readouterr().err
+    assert cli_main(["plan", "--explain", str(out)]) == 0
+    text = capsys.readouterr().out
+    for expected in ("dropped by reason:", "scan:unknown_format", "batch shapes", "image blocks", "imbalance",
+                     "rank", "padding-free"):
+        assert expected in text
+    assert cli_main(["plan", str(corpus)]) == 2  # no --out
+
+
+def test_explain_summarises_many_ranks(corpus, tmp_path):
+    meta = plan(corpus, tmp_path / "p", world_size=40)
+    text = explain_plan(tmp_path / "p", rank_lines=6)
+    assert "quantiles p0/p1/p50/p99/p100" in text and "the 3 heaviest and 3 lightest ranks" in text
+    assert len([line for line in text.splitlines() if re.match(r"\s+\d+\s+\[\d+, \d+\)", line)]) == 6
+    assert f"{meta['num_batches']:,} in" in text
+
+
+# ----------------------------------------------------------------------------- end to end with `mmtok scan`
+
+
+def test_scan_then_plan_real_tar_shards(tmp_path):
+    from mmtok.formats.manifest import read_manifest
+
+    pngs = [p for p in skimage_images() if p.suffix == ".png"][:7]
+    photo = mate_photos()[0]
+    samples = [  # (key, [(member suffix, bytes)], caption)
+        ("a0", [(".png", pngs[0].read_bytes())], b"An astronaut.\n"),
+        ("a1", [(".0.png", pngs[1].read_bytes()), (".1" + photo.suffix, photo.read_bytes())], b"Two pictures."),
+        ("a2", [(".png", b"not an image " * 8)], b"Unreadable."),  # a scan error row
+        ("a3", [(".0.png", pngs[3].read_bytes()), (".1.png", b"\x89PNG garbage")], b"One bad member."),
+        ("a4", [(".png", pngs[5].read_bytes())], None),  # no caption
+    ]
+    shards = []
+    for s, part in enumerate((samples[:2], samples[2:])):
+        shards.append(tmp_path / f"shard-{s}.tar")
+        with tarfile.open(shards[-1], "w") as tar:
+            for key, members, caption in part:
+                files = [(key + suffix, data) for suffix, data in members]
+                files += [(key + ".txt", caption)] if caption is not None else []
+                for name, data in files:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    manifest, out = tmp_path / "manifest", tmp_path / "plan"
+    assert cli_main(["scan", *map(str, shards), "--out", str(manifest), "--workers", "1", "--no-progress"]) == 0
+    assert cli_main(["plan", str(manifest), "--out", str(out), "--preset", "apertus-stage1", "--min-source-pixels",
+                     "1", "--world-size", "3", "--quiet"]) == 0
+    rows = read_manifest(manifest).to_pydict()
+    t = tables(out)
+    kept, dropped = t["plan.parquet"], t["dropped.parquet"]
+    assert sorted(np.concatenate([kept["manifest_row"], dropped["manifest_row"]])) == list(range(len(rows["key"])))
+    reasons = {rows["key"][r]: why for r, why in zip(dropped["manifest_row"], dropped["reason"])}
+    assert reasons["a2"].startswith("scan:") and reasons["a4"] == "missing_caption"
+    a3 = [why for r, why in zip(dropped["manifest_row"], dropped["reason"]) if rows["key"][r] == "a3"]
+    assert len(a3) == 2 and "document_member_dropped" in a3 and any(why.startswith("scan:") for why in a3)
+    assert {rows["key"][r] for r in kept["manifest_row"]} == {"a0", "a1"}
+    for r, h, w in zip(kept["manifest_row"], kept["target_height"], kept["target_width"]):
+        assert (h, w) == target_shape(rows["height"][r], rows["width"][r], min_pixels=256 * 256, max_pixels=512 * 512)
+    tokenizer = text_tokenizer("tekken")
+    docs = t["documents.parquet"]
+    captions = {"a0": b"An astronaut.\n", "a1": b"Two pictures."}
+    keys = {rows["document"][r]: rows["key"][r] for r in kept["manifest_row"]}
+    assert [len(tokenizer.encode(caption_text(captions[keys[d]]))) for d in docs["document"]] == docs["text_tokens"].tolist()
+    two = docs["num_images"] == 2
+    assert two.sum() == 1 and sorted(kept["image_index"][kept["document"] == docs["document"][two][0]]) == [0, 1]
+
+
+def test_captions_of_a_parquet_image_table_are_counted(tmp_path):
+    pngs = [p for p in skimage_images() if p.suffix == ".png"][:3]
+    captions = ["A grey cameraman.", None, "  Coins on a table. "]
+    table = pa.table({"image": [p.read_bytes() for p in pngs], "caption": captions})
+    pq.write_table(table, tmp_path / "images.parquet")
+    manifest, out = tmp_path / "manifest", tmp_path / "plan"
+    assert cli_main(["scan", str(tmp_path / "images.parquet"), "--text-column", "caption", "--out", str(manifest),
+                     "--workers", "1", "--no-progress"]) == 0
+    meta = plan(manifest, out, PlanParameters(mode="text-image", min_source_pixels=1))
+    t = tables(out)
+    tokenizer = text_tokenizer("tekken")
+    expected = [len(tokenizer.encode(captions[i].strip())) for i in (0, 2)]
+    assert t["documents.parquet"]["text_tokens"].tolist() == expected
+    assert t["dropped.parquet"]["reason"].tolist() == ["missing_caption"] and meta["totals"]["text_tokens"] == sum(expected)
