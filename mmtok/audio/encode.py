@@ -1,12 +1,471 @@
-"""`mmtok encode --modality audio`: per-rank bucketed encoding of Lhotse Shar shards (not implemented yet)."""
+"""`mmtok encode --modality audio`: per-rank bucketed encoding of Lhotse Shar shards.
 
-from mmtok.errors import NotImplementedYet
+Work split: each rank takes whole Shar shards (`shards.assign_shards`, by total duration); ranks never
+communicate. Each shard is one *part* (`OUT/parts/part-NNNNN`, part = shard index, num_parts = shard
+count), so the merged output does not depend on how shards were spread over ranks.
+
+Inside a part:
+* units 0..B-1 are the bucketed batches (`shards.make_batches`). CPU DataLoader workers read each
+  clip's FLAC member straight from the recording tar (byte range, no tar iteration), peak-normalize
+  it to -3 dBFS and pad the batch, while the device encodes the previous batch. After encoding, each
+  clip keeps ceil(n/600) - 5 codes (the codec's uniform trim, so its tokens never depend on its
+  batch). A batch is committed as *carry* bytes of the part (per clip: cut position, reason,
+  audio ids) -- durable, but not yet sequences.
+* unit B assembles the part: all carried clips in the shard's cut order become the part's sequences
+  (see `sequences_for`), the per-clip token cache (mmtok.audio.cache) is written, and the part is
+  finished. Sequence order therefore follows cut order and never batch composition; a kill at any
+  instant resumes from the last durable commit and ends with the same bytes.
+
+A prefetch thread takes batches from the DataLoader and a commit thread commits and assembles, so
+the device loop does nothing but encode.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmtok import __version__
+from mmtok.audio.preprocess import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
+from mmtok.audio.sequences import SequenceBuilder, is_translation
+from mmtok.audio.shards import Batching, Shard, assign_shards, discover_shards, index_members, make_batches, shard_fingerprint
+from mmtok.errors import MmtokError
+
+SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
+DEFAULT_TRIM = 5  # codes dropped at the end of every clip (WavTokenizer's look-ahead; the codec reports its own)
 
 
 def add_arguments(parser) -> None:
     """Register the audio-only options of `mmtok encode` (called by mmtok/commands/encode.py)."""
-    parser.add_argument_group("audio options (--modality audio)")
+    group = parser.add_argument_group("audio options (--modality audio)")
+    options = [
+        (("--shar",), {"type": Path, "help": "output of `mmtok audio convert` (or a Lhotse Shar directory)"}),
+        (("--max-duration",), {"type": float, "default": 300.0,
+                               "help": "audio: padded seconds per batch (longest clip x clips; default 300)"}),
+        (("--num-buckets",), {"type": int, "default": 50,
+                              "help": "audio: duration buckets of the sampler (default 50: < 5%% padding, see the benchmark)"}),
+        (("--bucket-seed",), {"type": int, "default": 0, "help": "audio: seed of the bucketing sampler (default 0)"}),
+        (("--sequences",), {"choices": SEQUENCE_MODES, "default": "auto",
+                            "help": "audio: which sequences to write per clip: auto = transcription (translation "
+                                    "when the clip has a target language) if it has text, else audio-only "
+                                    "(default); audio = audio-only for every clip; transcription = only clips "
+                                    "with text; both = audio-only for every clip plus a transcription"}),
+        (("--num-workers",), {"type": int, "default": min(4, os.cpu_count() or 1),
+                              "help": "CPU data-loader worker processes (default min(4, CPUs))"}),
+        (("--text-tokenizer",), {"default": "tekken",
+                                 "help": "text tokenizer spec; must match the one the Shar text was tokenized with"}),
+    ]
+    for flags, kwargs in options:
+        group.add_argument(*flags, **kwargs)
 
 
 def run(args) -> int:
-    raise NotImplementedYet("encode --modality audio")
+    from mmtok.codecs.base import device_from_env, load_codec
+    from mmtok.commands.encode import resolve_rank
+
+    if args.shar is None:
+        raise MmtokError("--modality audio needs --shar (the output directory of `mmtok audio convert`)")
+    rank, world_size = resolve_rank(args.rank, args.world_size)
+    codec = load_codec(args.codec or "wavtokenizer", args.checkpoint, device_from_env(args.device))
+    if codec.modality != "audio":
+        raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
+    batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed)
+    encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size, batching=batching,
+                sequences=args.sequences, num_workers=args.num_workers, text_tokenizer=args.text_tokenizer,
+                progress=not getattr(args, "no_progress", False))
+    return 0
+
+
+# --- data loading (DataLoader worker side) --------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """What a worker needs to load one batch: where each clip's audio member lies in the tar."""
+
+    shard: int
+    unit: int
+    recording_path: str
+    positions: tuple[int, ...]
+    members: tuple[tuple[int, int] | None, ...]  # (offset, size) per clip; None = no audio member
+    min_samples: int  # clips with at most this many samples keep no code after the trim
+
+
+class BatchDataset:
+    """Map-style dataset over BatchRequests (the sampler hands the requests themselves as indices)."""
+
+    def __getitem__(self, request: BatchRequest) -> dict:
+        return load_batch(request)
+
+
+def load_clip(handle, member: tuple[int, int] | None, min_samples: int) -> np.ndarray:
+    """Read, decode, check and peak-normalize one clip; raises AudioReason."""
+    import io
+
+    import soundfile
+
+    if member is None:
+        raise AudioReason("missing_audio", "no audio member in the recording tar")
+    handle.seek(member[0])
+    data = handle.read(member[1])
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
+    except Exception as err:  # libsndfile reports every malformed input as a generic error
+        raise AudioReason("decode_error", str(err)) from None
+    wave = resample(to_mono(samples), int(rate), TARGET_SAMPLE_RATE)
+    wave = peak_normalize(wave)  # zero_length / non_finite / silent
+    if wave.size <= min_samples:
+        raise AudioReason("too_short", f"{wave.size} samples keep no code after the trim")
+    return wave
+
+
+def load_batch(request: BatchRequest) -> dict:
+    """Padded float32 [B, T] waves of the loadable clips, their lengths and positions, and the skipped ones."""
+    import torch
+
+    waves, positions, skipped = [], [], []
+    with open(request.recording_path, "rb") as handle:
+        for position, member in zip(request.positions, request.members):
+            try:
+                waves.append(load_clip(handle, member, request.min_samples))
+                positions.append(position)
+            except AudioReason as err:
+                skipped.append((position, err.reason))
+    batch = np.zeros((len(waves), max((w.size for w in waves), default=0)), dtype=np.float32)
+    for row, wave in zip(batch, waves):
+        row[: wave.size] = wave
+    return {"shard": request.shard, "unit": request.unit, "wave": torch.from_numpy(batch),
+            "lengths": torch.tensor([w.size for w in waves], dtype=torch.int64), "positions": positions,
+            "skipped": skipped}
+
+
+def _worker_init(_worker_id: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # workers decode; the device (or the main process on CPU) computes
+
+
+# --- carry records: one batch's per-clip results, kept in the part until assembly ------------------
+
+_CARRY_HEAD = struct.Struct("<iiB")  # position, number of audio ids, length of the reason string
+
+
+def pack_clips(results: list[tuple[int, str, np.ndarray | None]]) -> bytes:
+    """(position, reason ("" = encoded), audio ids) per clip -> carry bytes."""
+    chunks = []
+    for position, reason, ids in results:
+        ids = np.zeros(0, np.int32) if ids is None else np.asarray(ids, np.int32)
+        reason_bytes = reason.encode()
+        chunks += [_CARRY_HEAD.pack(position, ids.size, len(reason_bytes)), reason_bytes, ids.tobytes()]
+    return b"".join(chunks)
+
+
+def unpack_clips(data: bytes) -> dict[int, tuple[str, np.ndarray]]:
+    """Inverse of pack_clips over any number of concatenated batches: position -> (reason, audio ids)."""
+    clips, offset = {}, 0
+    while offset < len(data):
+        position, count, reason_length = _CARRY_HEAD.unpack_from(data, offset)
+        offset += _CARRY_HEAD.size
+        reason = data[offset: offset + reason_length].decode()
+        offset += reason_length
+        clips[position] = (reason, np.frombuffer(data, np.int32, count, offset).copy())
+        offset += 4 * count
+    return clips
+
+
+# --- assembling a part -------------------------------------------------------------------------------
+
+@dataclass
+class Context:
+    """Everything shared by the parts of one encode run."""
+
+    out: Path
+    builder: SequenceBuilder
+    tokenizer: object
+    sequences: str
+    identity: dict          # shared part identity (part-specific keys are added per part)
+    cache_metadata: dict
+
+
+def clip_text(cut, tokenizer) -> tuple[np.ndarray | None, str | None, str | None]:
+    """(text ids, language, target language) of a cut: the ids tokenized at conversion, else the
+    supervision text tokenized now; None for the ids when there is no text (or it has no tokens)."""
+    custom = cut.custom or {}
+    language, target = custom.get("language"), custom.get("target_language")
+    if "text_tokens" in custom:
+        ids = custom["text_tokens"]
+    else:
+        texts = [s.text for s in cut.supervisions if s.text]
+        language = language or (cut.supervisions[0].language if cut.supervisions else None)
+        ids = tokenizer.encode(" ".join(texts)) if texts else []
+    return (np.asarray(ids, np.int32) if len(ids) else None), language, target
+
+
+def sequences_for(mode: str, builder: SequenceBuilder, audio_ids: np.ndarray, text_ids: np.ndarray | None,
+                  translate: bool) -> list[tuple[str, np.ndarray]]:
+    """(kind, tokens) of the sequences one clip contributes, in output order."""
+    task = "translation" if translate else "transcription"
+    out = []
+    if mode in ("audio", "both") or (mode == "auto" and text_ids is None):
+        out.append(("audio", builder.audio_only(audio_ids)))
+    if mode in ("auto", "transcription", "both") and text_ids is not None:
+        out.append((task, builder.transcription(audio_ids, text_ids, translate=translate)))
+    return out
+
+
+def assemble_part(w: "PartWork", context: Context, stats: dict) -> None:
+    """The part's last unit (= its number of batches): carried clips -> sequences in cut order, the
+    token cache, then finish. Runs on the commit thread, after every batch of the part."""
+    from lhotse import CutSet
+
+    from mmtok.audio.cache import cache_path, write_cache
+
+    part, shard, unit = w.open(), w.shard, w.num_batches
+    stats = {**stats, "shard": shard.index, "duration": shard.duration}
+    if part.next_unit > unit:  # assembled and committed before a kill; the cache was written before that commit
+        w.finish(stats)
+        return
+    cuts = CutSet.from_file(shard.cuts_path).to_eager()
+    carried = unpack_clips(part.carry())
+    missing = [i for i in range(len(cuts)) if i not in carried]
+    if missing:
+        raise MmtokError(f"{part.directory}: clips {missing[:10]} were never committed; the part directory is "
+                         "damaged -- delete it to re-encode this shard")
+    sequences, provenance, rows = [], [], []
+    counts = {"clips": len(cuts), "encoded": 0}
+    for position, cut in enumerate(cuts):
+        reason, audio_ids = carried[position]
+        if reason:
+            counts[f"skipped:{reason}"] = counts.get(f"skipped:{reason}", 0) + 1
+            continue
+        counts["encoded"] += 1
+        text_ids, language, target = clip_text(cut, context.tokenizer)
+        custom = cut.custom or {}
+        made = sequences_for(context.sequences, context.builder, audio_ids, text_ids, is_translation(language, target))
+        if not made:
+            counts["skipped:no_text"] = counts.get("skipped:no_text", 0) + 1
+        for kind, tokens in made:
+            sequences.append(tokens)
+            provenance.append({"cut_id": cut.id, "shard": shard.index, "position": position, "kind": kind,
+                               "audio_tokens": int(audio_ids.size),
+                               "text_tokens": None if text_ids is None else int(text_ids.size)})
+            counts[f"sequences:{kind}"] = counts.get(f"sequences:{kind}", 0) + 1
+        rows.append({"cut_id": cut.id, "source_id": str(custom.get("source_id", cut.id)),
+                     "clip": int(custom.get("clip", 0)), "part": shard.index, "position": position,
+                     "duration": float(cut.duration), "language": language, "target_language": target,
+                     "audio_ids": audio_ids, "text_ids": text_ids})
+    write_cache(cache_path(context.out, shard.index), rows, {**context.cache_metadata, "part": shard.index})
+    part.commit(unit, sequences, provenance, counts, carry_done=True)
+    w.finish(stats)
+
+
+# --- the rank loop ------------------------------------------------------------------------------------
+
+@dataclass
+class PartWork:
+    """One part still to do: its batches as loader requests, and its PartShard, which is opened only
+    while the commit thread works on it (a rank may hold hundreds of shards)."""
+
+    shard: Shard
+    directory: Path
+    identity: dict
+    num_batches: int
+    requests: list[BatchRequest]
+    part: object = None
+
+    def open(self):
+        from mmtok.formats.commitlog import PartShard
+
+        if self.part is None:
+            self.part = PartShard(self.directory, self.identity)
+        return self.part
+
+    def finish(self, stats: dict) -> None:
+        self.open().finish(stats)
+        self.close()
+
+    def close(self) -> None:
+        if self.part is not None:
+            self.part.close()
+            self.part = None
+
+
+def open_parts(shards: list[Shard], context: Context, batching: Batching, num_parts: int,
+               min_samples: int) -> list[PartWork]:
+    """Create or resume the part of each shard and list its remaining batches; finished parts are left out."""
+    from lhotse import CutSet
+
+    from mmtok.formats.commitlog import is_done, part_dir
+
+    work = []
+    for shard in shards:
+        directory = part_dir(context.out, shard.index)
+        if is_done(directory):
+            continue
+        identity = {**context.identity, "part": shard.index, "num_parts": num_parts,
+                    "part_shard": shard_fingerprint(shard)}
+        cuts = CutSet.from_file(shard.cuts_path).to_eager()
+        batches = make_batches(cuts, batching)
+        w = PartWork(shard, directory, identity, len(batches), [])
+        next_unit = w.open().next_unit  # checks the identity and recovers from a kill
+        w.close()
+        members = index_members(shard.recording_path)
+        w.requests = [BatchRequest(shard.index, unit, str(shard.recording_path), tuple(positions),
+                                   tuple(members.get(cuts[p].id) for p in positions), min_samples)
+                      for unit, positions in enumerate(batches) if unit >= next_unit]
+        work.append(w)
+    return work
+
+
+def build_context(out: Path, codec, tokenizer, sequences: str, batching: Batching, report: dict | None) -> Context:
+    from mmtok.vocab import VocabLayout
+
+    if report is not None:
+        converted = report["identity"]["text_tokenizer"]["sha256"]
+        if converted != tokenizer.fingerprint:
+            raise MmtokError(f"the Shar text was tokenized with {report['identity']['text_tokenizer']['name']} "
+                             f"(sha256 {converted[:12]}...), but --text-tokenizer gives {tokenizer.name} "
+                             f"(sha256 {tokenizer.fingerprint[:12]}...); pass the conversion's tokenizer")
+    layout = VocabLayout(tokenizer.vocab_size)
+    builder = SequenceBuilder(layout, tokenizer.bos_id, tokenizer.eos_id)
+    preprocess = {"sample_rate": TARGET_SAMPLE_RATE, "peak_dbfs": PEAK_DBFS, "resampler": RESAMPLER,
+                  "trim": trim_of(codec)}
+    identity = {"modality": "audio", "tool": f"mmtok {__version__}", "codec": codec.describe(),
+                "text_tokenizer": tokenizer.describe(), "vocab": layout.to_dict(), "sequences": sequences,
+                "sequence_layout": builder.describe(), "batching": batching.to_dict(), "preprocess": preprocess,
+                "conversion": None if report is None else {k: report["identity"][k] for k in ("options", "storage")}}
+    cache_metadata = {"num_parts": None, "vocab": layout.to_dict(), "text_tokenizer": tokenizer.describe(),
+                      "codec": codec.describe(), "trim": trim_of(codec), "format": "mmtok-audio-cache/1"}
+    return Context(out, builder, tokenizer, sequences, identity, cache_metadata)
+
+
+def trim_of(codec) -> int:
+    return int(codec.describe().get("trim", DEFAULT_TRIM))
+
+
+def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
+                sequences: str = "auto", num_workers: int = 2, text_tokenizer: str = "tekken",
+                progress: bool = True) -> dict:
+    """Encode this rank's shards of `shar` into OUT/parts (+ OUT/audio-cache); returns the rank summary."""
+    from mmtok.text import load_text_tokenizer
+
+    if sequences not in SEQUENCE_MODES:
+        raise MmtokError(f"--sequences must be one of {', '.join(SEQUENCE_MODES)}, got {sequences!r}")
+    if int(codec.sample_rate) != TARGET_SAMPLE_RATE:
+        raise MmtokError(f"codec {codec.name} runs at {codec.sample_rate} Hz; Shar audio is {TARGET_SAMPLE_RATE} Hz")
+    shards, report = discover_shards(shar)
+    mine = assign_shards([s.duration for s in shards], world_size)[rank]
+    context = build_context(out, codec, load_text_tokenizer(text_tokenizer), sequences, batching, report)
+    context.cache_metadata["num_parts"] = len(shards)
+    work = open_parts([shards[i] for i in mine], context, batching, len(shards), trim_of(codec) * int(codec.hop))
+    summary = run_parts(work, codec, context, num_workers=num_workers, progress=progress)
+    summary.update(rank=rank, world_size=world_size, shards=mine)
+    busy = summary["device_busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
+    print(f"mmtok encode (audio) rank {rank}/{world_size}: {len(mine)} shards ({len(work)} to do), "
+          f"{summary['batches']} batches, {summary['clips']} clips in {summary['wall_s']:.1f} s, "
+          f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)", file=sys.stderr)
+    return summary
+
+
+def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int, progress: bool) -> dict:
+    """The device loop over every remaining batch of `work`; commits and assembly on a CommitThread."""
+    import torch
+    from tqdm import tqdm
+
+    from mmtok.formats.commitlog import CommitThread
+
+    trim = trim_of(codec)
+    requests = [r for w in work for r in w.requests]
+    by_shard = {w.shard.index: w for w in work}
+    device = torch.device(getattr(codec, "device", "cpu"))
+    loader = torch.utils.data.DataLoader(
+        BatchDataset(), sampler=requests, batch_size=None, num_workers=num_workers,
+        pin_memory=device.type == "cuda", worker_init_fn=_worker_init if num_workers else None,
+        prefetch_factor=4 if num_workers else None)
+    started, busy, clips = time.perf_counter(), 0.0, 0
+    batches = iter(loader)  # forks the workers before any other thread of ours exists
+    committer = CommitThread(depth=4)
+    bar = tqdm(total=len(requests), unit="batch", desc="encode audio", file=sys.stderr, disable=not progress)
+    part_busy = {w.shard.index: 0.0 for w in work}
+    for w in work:  # parts whose batches were all committed before a kill: assemble right away
+        if not w.requests:
+            committer.submit(_assemble_job(w, context, {"num_workers": num_workers, "device_busy_s": 0.0}))
+    first_batch, waited = None, 0.0
+    ready = prefetch(batches)
+    try:
+        while True:
+            tick = time.perf_counter()
+            batch = ready.get()
+            waited += time.perf_counter() - tick
+            if batch is None:
+                break
+            if isinstance(batch, BaseException):
+                raise batch
+            first_batch = first_batch or time.perf_counter() - started
+            w = by_shard[batch["shard"]]
+            tick = time.perf_counter()
+            results = encode_batch(codec, batch, device, trim, context.builder.layout)
+            busy += time.perf_counter() - tick
+            part_busy[w.shard.index] += time.perf_counter() - tick
+            clips += len(results)
+            committer.submit(_commit_job(w, batch["unit"], results))
+            if batch["unit"] == w.num_batches - 1:
+                stats = {"num_workers": num_workers, "device_busy_s": part_busy[w.shard.index]}
+                committer.submit(_assemble_job(w, context, stats))
+            bar.update(1)
+            bar.set_postfix(clips=clips, busy=f"{100 * busy / max(time.perf_counter() - started, 1e-9):.0f}%")
+    finally:
+        committer.close()
+        bar.close()
+        for w in work:
+            w.close()
+    wall = time.perf_counter() - started
+    return {"batches": len(requests), "clips": clips, "wall_s": wall, "device_busy_s": busy,
+            "loader_wait_s": waited, "first_batch_s": first_batch or wall}
+
+
+def prefetch(batches, depth: int = 2) -> queue.Queue:
+    """Hand batches over through a queue filled by a thread, so taking the next batch from the
+    DataLoader (unpickling, shared-memory rebuild, pinning) overlaps the device's work; ends with None
+    (or the loader's exception)."""
+    ready: queue.Queue = queue.Queue(depth)
+
+    def fill() -> None:
+        try:
+            for batch in batches:
+                ready.put(batch)
+        except BaseException as err:  # handed to the device loop, which re-raises it
+            ready.put(err)
+            return
+        ready.put(None)
+
+    threading.Thread(target=fill, name="mmtok-prefetch", daemon=True).start()
+    return ready
+
+
+def encode_batch(codec, batch: dict, device, trim: int, layout) -> list[tuple[int, str, np.ndarray | None]]:
+    """Encode one loaded batch; (position, reason, audio ids) for every clip of the batch."""
+    results = [(position, reason, None) for position, reason in batch["skipped"]]
+    if batch["positions"]:
+        wave = batch["wave"].to(device, non_blocking=True)
+        codes, counts = codec.encode(wave, batch["lengths"].to(device))
+        codes, counts = codes.cpu().numpy(), counts.cpu().numpy()
+        for row, position in enumerate(batch["positions"]):
+            keep = int(counts[row]) - trim
+            results.append((position, "", layout.audio_ids(codes[row, :keep])))
+    return results
+
+
+def _commit_job(w: PartWork, unit: int, results: list):
+    return lambda: w.open().commit(unit, [], [], {}, carry=pack_clips(results))
+
+
+def _assemble_job(w: PartWork, context: Context, stats: dict):
+    return lambda: assemble_part(w, context, stats)

@@ -1,16 +1,76 @@
 """`mmtok audio convert|interleave`: audio sources -> Lhotse Shar; per-clip tokens -> interleaved sequences."""
 
-from mmtok.errors import NotImplementedYet
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+CONVERT_HELP = """\
+Convert audio sources into Lhotse Shar shards: 24 kHz mono audio (24-bit FLAC) with the text already
+tokenized into cut.custom["text_tokens"], plus source id, clip number, original sampling rate and
+languages. INPUT kinds (auto-detected, or --kind): a directory of audio files (wav flac ogg opus mp3;
+--transcripts TSV/JSONL with columns path, text, recording_id, start, end, language, target_language,
+id, clip), WebDataset .tar files (audio member + txt/json sidecar per key), Lhotse manifests (.jsonl[.gz]
+recordings + supervisions) and .parquet files (an audio-bytes column). Invalid clips are dropped with
+a counted reason (OUT/conversion.json, OUT/dropped/). Rerunning resumes after the last complete shard.
+"""
+
+INTERLEAVE_HELP = """\
+Build interleaved speech/text sequences from the per-clip token cache of `mmtok encode --modality audio`:
+consecutive clips of one recording form runs; each run gives two copies alternating audio and text
+(one starting with audio, one with text) that end with text; single clips and each run's leftover
+clip give transcription sequences. Sequences up to --stage-max-tokens go to OUT/stage, longer ones
+(split at clip boundaries to at most --max-tokens) to OUT/long-context.
+"""
 
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("audio", help="audio conversion and speech/text interleaving")
     audio_sub = parser.add_subparsers(dest="audio_command", required=True, metavar="SUBCOMMAND")
-    for name, text in (("convert", "audio sources -> Lhotse Shar (24 kHz + text token ids)"),
-                       ("interleave", "per-clip token cache -> interleaved speech/text sequences")):
-        child = audio_sub.add_parser(name, help=text, description=text)
-        child.set_defaults(func=run)
+    convert = audio_sub.add_parser("convert", help="audio sources -> Lhotse Shar (24 kHz + text token ids)",
+                                   description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    convert.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="directory, .tar, .parquet or Lhotse .jsonl[.gz]")
+    convert.add_argument("--out", required=True, type=Path, help="output directory (Shar shards in OUT/shar)")
+    convert.add_argument("--kind", default="auto", choices=("auto", "dir", "tar", "lhotse", "parquet"),
+                         help="source kind of every input (default: detect per input)")
+    convert.add_argument("--transcripts", type=Path, help="TSV (with header) or JSONL transcript table for a directory input")
+    convert.add_argument("--audio-column", default="audio", help="Parquet: column with audio bytes (default audio)")
+    convert.add_argument("--text-column", default="text", help="Parquet: column with the text (default text)")
+    convert.add_argument("--text-tokenizer", default="tekken", help="tokenizer spec (default: built-in tekken)")
+    convert.add_argument("--shard-size", type=int, default=5000, help="cuts per Shar shard (default 5000)")
+    convert.add_argument("--min-duration", type=float, default=0.3, help="drop clips shorter than this (s, default 0.3)")
+    convert.add_argument("--max-duration", type=float, default=60.0, help="drop clips longer than this (s, default 60)")
+    convert.add_argument("--min-rms-dbfs", type=float, default=-60.0, help="drop clips quieter than this RMS (default -60)")
+    convert.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                         help="decode processes (default: CPU count; 0 = in the main process)")
+    convert.set_defaults(func=run)
+
+    interleave = audio_sub.add_parser("interleave", help="per-clip token cache -> interleaved speech/text sequences",
+                                      description=INTERLEAVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    interleave.add_argument("encoded", type=Path, help="output directory of `mmtok encode --modality audio`")
+    interleave.add_argument("--out", required=True, type=Path, help="output directory")
+    interleave.add_argument("--stage-max-tokens", type=int, default=8192,
+                            help="longest sequence of the stage set (default 8192)")
+    interleave.add_argument("--max-tokens", type=int, default=262_144,
+                            help="longest long-context sequence; longer ones are split at clip boundaries (default 262144)")
+    interleave.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise NotImplementedYet(f"audio {args.audio_command}")
+    if args.audio_command == "convert":
+        from mmtok.audio.convert import ConvertOptions, convert
+        from mmtok.errors import MmtokError
+
+        if args.shard_size <= 0:
+            raise MmtokError(f"--shard-size must be positive, got {args.shard_size}")
+        options = ConvertOptions(min_duration=args.min_duration, max_duration=args.max_duration,
+                                 min_rms_dbfs=args.min_rms_dbfs, shard_size=args.shard_size,
+                                 text_tokenizer=args.text_tokenizer)
+        convert(args.inputs, args.out, options, kind=args.kind, transcripts=args.transcripts,
+                audio_column=args.audio_column, text_column=args.text_column, workers=args.workers)
+        return 0
+    from mmtok.audio.interleave import interleave
+
+    interleave(args.encoded, args.out, stage_max_tokens=args.stage_max_tokens, max_tokens=args.max_tokens)
+    return 0

@@ -1,12 +1,87 @@
-"""`mmtok scan`: index tar shards (headers only) into a Parquet manifest."""
+"""`mmtok scan`: index tar shards (headers only) and Parquet/Arrow image files into a Parquet manifest."""
 
-from mmtok.errors import NotImplementedYet
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from pathlib import Path
+
+from mmtok.errors import MmtokError
+
+_GLOB_CHARS = "*?["
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("scan", help="index tar shards (headers only) into a Parquet manifest", description="index tar shards (headers only) into a Parquet manifest.")
+    parser = sub.add_parser(
+        "scan",
+        help="index tar shards (headers only) into a Parquet manifest",
+        description="Index WebDataset tar shards (reading only tar headers and the first KiB of each image) "
+        "and Parquet/Arrow files with an image column into OUT/manifest.parquet + OUT/manifest.json. "
+        "Finished shards are cached in OUT/.scan-cache, so a rerun after a kill resumes.",
+    )
+    parser.add_argument("shards", nargs="*", metavar="SHARD", help="tar/Parquet/Arrow files or glob patterns")
+    parser.add_argument("--shard-list", type=Path, metavar="FILE",
+                        help="file with one path or glob per line (# comments; relative paths are "
+                        "relative to the list's directory); appended after SHARD arguments")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="processes scanning shards in parallel (default: CPU count)")
+    parser.add_argument("--image-column", metavar="NAME",
+                        help="Parquet/Arrow column with image bytes (binary or {bytes, path}); "
+                        "default: 'image' or the first such column")
+    parser.add_argument("--text-column", metavar="NAME", help="Parquet/Arrow string column recorded as the caption")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
 
+def expand_inputs(patterns: list[str], shard_list: Path | None) -> list[str]:
+    """Input paths in the given order (each glob sorted); MmtokError on an empty glob or a duplicate."""
+    entries = [(p, Path.cwd()) for p in patterns]
+    if shard_list is not None:
+        try:
+            lines = shard_list.read_text(encoding="utf-8").splitlines()
+        except OSError as err:
+            raise MmtokError(f"cannot read --shard-list {shard_list}: {err}") from None
+        entries += [(line.strip(), shard_list.parent) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    paths: list[str] = []
+    for pattern, base in entries:
+        full = os.path.join(base, os.path.expanduser(pattern))
+        if any(c in pattern for c in _GLOB_CHARS) and not os.path.exists(full):
+            matches = sorted(glob.glob(full))
+            if not matches:
+                raise MmtokError(f"pattern {pattern!r} matches no file (relative to {base})")
+            paths += matches
+        else:
+            paths.append(full)
+    if not paths:
+        raise MmtokError("no input: give shard paths/globs or --shard-list FILE")
+    absolute = [os.path.abspath(p) for p in paths]
+    seen: set[str] = set()
+    for path in absolute:
+        if path in seen:
+            raise MmtokError(f"{path} is given twice; each input may appear once (its rows would repeat)")
+        seen.add(path)
+    return absolute
+
+
 def run(args) -> int:
-    raise NotImplementedYet("scan")
+    from mmtok.scan.scanner import ScanOptions, describe, run_scan
+
+    if args.workers < 1:
+        raise MmtokError(f"--workers must be at least 1, got {args.workers}")
+    sources = [describe(p) for p in expand_inputs(args.shards, args.shard_list)]
+    options = ScanOptions(image_column=args.image_column, text_column=args.text_column)
+    meta = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
+    print(summary_line(meta, args.out), file=sys.stderr)
+    return 0
+
+
+def summary_line(meta: dict, out: Path) -> str:
+    run = meta["_run"]
+    errors = ", ".join(f"{reason} {count:,}" for reason, count in meta["reasons"].items()) or "none"
+    # Rows scanned in this run (cached shards excluded), error rows included: the work done per second.
+    rate = run["rows_scanned"] / run["seconds"] if run["seconds"] > 0 else 0.0
+    return (f"mmtok scan: {meta['shards']:,} shards ({run['cached_shards']:,} from cache), "
+            f"{meta['images_ok']:,} images ok, {meta['errors']:,} errors ({errors}), "
+            f"{rate:,.0f} images/s with {run['workers']} worker(s); wrote {out / 'manifest.parquet'}")

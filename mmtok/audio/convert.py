@@ -1,0 +1,396 @@
+"""`mmtok audio convert`: audio sources -> Lhotse Shar shards (24 kHz mono FLAC + text token ids).
+
+Output directory OUT:
+  OUT/shar/cuts.NNNNNN.jsonl.gz, OUT/shar/recording.NNNNNN.tar   lhotse's own SharWriter output,
+      read back with `CutSet.from_shar(in_dir=OUT/shar)`; nothing else lives in OUT/shar, because
+      lhotse treats every file there as a Shar field
+  OUT/conversion.json   parameters, inputs, shards (cuts, duration, fingerprint), counts by reason,
+      the resume cursor and `complete`; rewritten atomically after every shard
+  OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl   every dropped clip with its reason
+
+Guarantees: the output depends only on the inputs and the parameters (not on --workers or on
+restarts); clips appear in input order (units in input order, clips in unit order); a shard is
+written under OUT/.work and moved into OUT/shar only when complete, and conversion.json records it
+afterwards, so a killed run resumes after its last recorded shard and never redoes one.
+
+Audio is stored as 24-bit FLAC. 16-bit (lhotse's default) would leave a quiet clip (say -50 dBFS
+peak) with ~46 dB SNR, and the later -3 dBFS peak normalization amplifies that quantization noise
+along with the speech; 24 bits keep ~140 dB. Values at or over full scale (float sources, resampler
+overshoot) cannot be stored in integer FLAC, so such a clip is scaled just below full scale and the
+gain is recorded in `cut.custom["gain"]`; the encode stage peak-normalizes, which undoes any gain.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import shutil
+import sys
+from collections import Counter
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from mmtok import __version__
+from mmtok.audio.preprocess import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
+from mmtok.audio.sources import ClipSpec, Dropped, Unit, collect_units, pick_channel
+from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir
+
+REPORT = "conversion.json"
+REPORT_FORMAT = "mmtok-audio-convert/1"
+SHAR_DIR = "shar"
+STORAGE = {"format": "flac", "subtype": "PCM_24", "sample_rate": TARGET_SAMPLE_RATE, "channels": 1}
+MAX_STORED_PEAK = 1.0 - 2.0**-22  # largest |x| that survives float -> 24-bit PCM without clipping
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Validation thresholds and output layout; all recorded in the report and checked on resume."""
+
+    min_duration: float = 0.3
+    max_duration: float = 60.0
+    min_rms_dbfs: float = -60.0
+    shard_size: int = 5000
+    text_tokenizer: str = "tekken"
+
+
+@dataclass
+class Clip:
+    """A valid clip, ready for the Shar writer."""
+
+    spec: ClipSpec
+    flac: bytes
+    num_samples: int
+    original_rate: int
+    gain: float
+    text_tokens: list[int] | None
+
+
+# --- one clip ---------------------------------------------------------------------------------
+
+def cut_segment(samples: np.ndarray, rate: int, spec: ClipSpec) -> np.ndarray:
+    """The clip's samples of a mono payload (segment bounds in seconds, the end clamped to the payload)."""
+    if spec.start is None and spec.end is None:
+        return samples
+    first = int(round((spec.start or 0.0) * rate))
+    last = samples.size if spec.end is None else min(samples.size, int(round(spec.end * rate)))
+    if first >= samples.size or last <= first:
+        raise AudioReason("segment_out_of_range", f"[{spec.start}, {spec.end}] s of a {samples.size / rate:.3f} s payload")
+    return samples[first:last]
+
+
+def rms_dbfs(samples: np.ndarray) -> float:
+    rms = math.sqrt(float(np.mean(np.square(samples, dtype=np.float64))))
+    return 20.0 * math.log10(rms) if rms > 0 else -math.inf
+
+
+def prepare_clip(samples: np.ndarray, rate: int, spec: ClipSpec, options: ConvertOptions, tokenizer) -> Clip:
+    """Validate, resample to 24 kHz mono and encode one clip; raises AudioReason with the drop reason."""
+    clip = cut_segment(pick_channel(samples, spec.channel), rate, spec)
+    check_finite(clip)  # zero_length / non_finite
+    duration = clip.size / rate
+    if duration < options.min_duration:
+        raise AudioReason("too_short", f"{duration:.3f} s < {options.min_duration} s")
+    if duration > options.max_duration:
+        raise AudioReason("too_long", f"{duration:.3f} s > {options.max_duration} s")
+    if float(np.max(np.abs(clip))) < SILENCE_PEAK:
+        raise AudioReason("silent", "digital silence")
+    level = rms_dbfs(clip)
+    if level < options.min_rms_dbfs:
+        raise AudioReason("too_quiet", f"RMS {level:.1f} dBFS < {options.min_rms_dbfs} dBFS")
+    wave = resample(clip, rate, TARGET_SAMPLE_RATE)
+    peak = float(np.max(np.abs(wave)))
+    gain = 1.0 if peak <= MAX_STORED_PEAK else MAX_STORED_PEAK / peak
+    if gain != 1.0:
+        wave = wave * np.float32(gain)
+    tokens = tokenizer.encode(spec.text) if spec.text is not None else None
+    return Clip(spec, encode_flac(wave), int(wave.size), rate, gain, tokens)
+
+
+def encode_flac(wave: np.ndarray) -> bytes:
+    import io
+
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, wave, TARGET_SAMPLE_RATE, format="FLAC", subtype=STORAGE["subtype"])
+    return buffer.getvalue()
+
+
+# --- worker side ----------------------------------------------------------------------------------
+
+_WORKER: dict = {}
+
+
+def init_worker(options: ConvertOptions, tokenizer=None) -> None:
+    """Process-pool initializer: load the text tokenizer once per worker (or take the caller's)."""
+    from mmtok.text import load_text_tokenizer
+
+    _WORKER["options"] = options
+    _WORKER["tokenizer"] = tokenizer or load_text_tokenizer(options.text_tokenizer)
+
+
+def process_unit(unit: Unit) -> list[Clip | Dropped]:
+    """Every clip of one work unit, in order, as a Clip or a Dropped record (never raises for bad audio)."""
+    options, tokenizer = _WORKER["options"], _WORKER["tokenizer"]
+    results: list[Clip | Dropped] = []
+    for item in unit.payloads():
+        if isinstance(item, Dropped):
+            results.append(item)
+            continue
+        loader, clips = item
+        try:
+            samples, rate = loader()
+        except AudioReason as err:
+            results.extend(Dropped(c.id, c.origin, err.reason, str(err)) for c in clips)
+            continue
+        for spec in clips:
+            try:
+                results.append(prepare_clip(samples, rate, spec, options, tokenizer))
+            except AudioReason as err:
+                results.append(Dropped(spec.id, spec.origin, err.reason, str(err)))
+    return results
+
+
+def ordered_results(units: list[Unit], options: ConvertOptions, workers: int,
+                    tokenizer) -> Iterator[list[Clip | Dropped]]:
+    """process_unit over `units`, results in input order, at most 2 * workers units in flight."""
+    if workers <= 0:
+        init_worker(options, tokenizer)
+        yield from map(process_unit, units)
+        return
+    import multiprocessing
+
+    # forkserver: the parent holds torch/lhotse threads, which fork would copy in a locked state
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker, initargs=(options,)) as pool:
+        pending: list[Future] = []
+        iterator = iter(units)
+        for unit in iterator:
+            pending.append(pool.submit(process_unit, unit))
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            result = pending.pop(0).result()
+            unit = next(iterator, None)
+            if unit is not None:
+                pending.append(pool.submit(process_unit, unit))
+            yield result
+
+
+# --- writer side ----------------------------------------------------------------------------------
+
+def flac24_backend():
+    """lhotse's libsndfile backend, saving FLAC as 24-bit PCM (lhotse passes no subtype: 16-bit default)."""
+    from lhotse.audio.backend import LibsndfileBackend
+
+    class Flac24Backend(LibsndfileBackend):
+        def save_audio(self, dest, src, sampling_rate, format=None, encoding=None):
+            if (format or "").lower() == "flac" and encoding is None:
+                encoding = STORAGE["subtype"]
+            super().save_audio(dest, src, sampling_rate, format=format, encoding=encoding)
+
+    return Flac24Backend()
+
+
+def make_cut(clip: Clip):
+    """The lhotse MonoCut of a clip: in-memory 24 kHz recording, a supervision when it has text, custom fields."""
+    from lhotse import MonoCut, Recording, SupervisionSegment
+    from lhotse.audio import AudioSource
+
+    spec = clip.spec
+    duration = clip.num_samples / TARGET_SAMPLE_RATE
+    recording = Recording(id=spec.id, sources=[AudioSource(type="memory", channels=[0], source=clip.flac)],
+                          sampling_rate=TARGET_SAMPLE_RATE, num_samples=clip.num_samples, duration=duration)
+    supervisions = []
+    if spec.text is not None:
+        supervisions.append(SupervisionSegment(id=spec.id, recording_id=spec.id, start=0.0, duration=duration,
+                                               text=spec.text, language=spec.language))
+    custom = {"source_id": spec.source_id, "clip": spec.clip, "original_sampling_rate": clip.original_rate,
+              "origin": spec.origin}
+    if clip.text_tokens is not None:
+        custom["text_tokens"] = clip.text_tokens
+    if spec.language is not None:
+        custom["language"] = spec.language
+    if spec.target_language is not None:
+        custom["target_language"] = spec.target_language
+    if clip.gain != 1.0:
+        custom["gain"] = clip.gain
+    return MonoCut(id=spec.id, start=0.0, duration=duration, channel=0, recording=recording,
+                   supervisions=supervisions, custom=custom)
+
+
+def shard_files(index: int) -> tuple[str, str]:
+    return f"cuts.{index:06d}.jsonl.gz", f"recording.{index:06d}.tar"
+
+
+def write_shard(out: Path, index: int, clips: list[Clip]) -> dict:
+    """Write shard `index` with lhotse's SharWriter under OUT/.work, then move it into OUT/shar."""
+    from lhotse.audio.backend import audio_backend
+    from lhotse.shar import SharWriter
+
+    work = out / ".work" / f"shard-{index:06d}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    with audio_backend(flac24_backend()):
+        with SharWriter(work, fields={"recording": "flac"}, shard_size=len(clips), shard_offset=index) as writer:
+            for clip in clips:
+                writer.write(make_cut(clip))
+    shar = out / SHAR_DIR
+    for name in shard_files(index):
+        with open(work / name, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(work / name, shar / name)
+    fsync_dir(shar)
+    shutil.rmtree(work)
+    duration = sum(c.num_samples for c in clips) / TARGET_SAMPLE_RATE
+    return {"index": index, "cuts": len(clips), "duration": duration, "cuts_sha256": manifest_sha256(shar / shard_files(index)[0])}
+
+
+def manifest_sha256(path: Path) -> str:
+    """sha256 of a decompressed cuts manifest (gzip headers carry a timestamp, the content does not)."""
+    import hashlib
+
+    with gzip.open(path, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
+
+
+def read_cut_ids(shar: Path, index: int) -> list[str]:
+    with gzip.open(shar / shard_files(index)[0], "rt", encoding="utf-8") as handle:
+        return [json.loads(line)["id"] for line in handle if line.strip()]
+
+
+def write_dropped(out: Path, name: str, dropped: list[Dropped]) -> None:
+    lines = "".join(json.dumps(asdict(d), sort_keys=True, ensure_ascii=False) + "\n" for d in dropped)
+    atomic_write_bytes(out / "dropped" / f"dropped.{name}.jsonl", lines.encode("utf-8"))
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def describe_inputs(inputs: list[Path], transcripts: Path | None) -> list[dict]:
+    """Input paths with sizes (a directory: its file count and total bytes), recorded and checked on resume."""
+    described = []
+    for path in [*inputs, *([transcripts] if transcripts else [])]:
+        if path.is_dir():
+            files = [p for p in path.rglob("*") if p.is_file()]
+            described.append({"path": str(path.resolve()), "files": len(files), "bytes": sum(p.stat().st_size for p in files)})
+        else:
+            described.append({"path": str(path.resolve()), "bytes": path.stat().st_size})
+    return described
+
+
+class Conversion:
+    """State of one conversion run: the report, the resume cursor, the open shard's buffers."""
+
+    def __init__(self, out: Path, identity: dict, options: ConvertOptions):
+        self.out, self.options = out, options
+        self.report = self._load_or_start(identity)
+        self.shar = out / SHAR_DIR
+        self.shar.mkdir(parents=True, exist_ok=True)
+        self.counts = Counter(self.report["counts"])
+        self.seen: set[str] = set()
+        for shard in self.report["shards"]:
+            self.seen.update(read_cut_ids(self.shar, shard["index"]))
+        self.buffer: list[Clip] = []
+        self.dropped: list[Dropped] = []
+
+    def _load_or_start(self, identity: dict) -> dict:
+        from mmtok.formats.commitlog import identity_difference
+
+        path = self.out / REPORT
+        if path.is_file():
+            report = json.loads(path.read_text("utf-8"))
+            difference = identity_difference(report.get("identity"), identity)
+            if difference:
+                raise MmtokError(f"{path}: refusing to resume a conversion with different settings: {difference}. "
+                                 "Rerun with the original inputs/options, or use another --out.")
+            return report
+        return {"format": REPORT_FORMAT, "identity": identity, "complete": False, "cursor": {"unit": 0, "skip": 0},
+                "shards": [], "counts": {}}
+
+    @property
+    def next_shard(self) -> int:
+        return len(self.report["shards"])
+
+    def add(self, result: Clip | Dropped) -> None:
+        if isinstance(result, Clip) and result.spec.id in self.seen:
+            result = Dropped(result.spec.id, result.spec.origin, "duplicate_id", "an earlier clip has this cut id")
+        if isinstance(result, Dropped):
+            self.dropped.append(result)
+            self.counts[f"dropped:{result.reason}"] += 1
+            return
+        self.seen.add(result.spec.id)
+        self.buffer.append(result)
+        self.counts["written"] += 1
+
+    def flush(self, cursor: dict, *, final: bool = False) -> None:
+        """Write the buffered clips as the next shard (and their drops), then record the cursor durably."""
+        if self.buffer:
+            index = self.next_shard
+            self.report["shards"].append(write_shard(self.out, index, self.buffer))
+            write_dropped(self.out, f"{index:06d}", self.dropped)
+        elif final:
+            write_dropped(self.out, "tail", self.dropped)
+        self.buffer, self.dropped = [], []
+        self.report.update(cursor=cursor, counts=dict(sorted(self.counts.items())), complete=final,
+                           duration_written=sum(s["duration"] for s in self.report["shards"]))
+        atomic_write_json(self.out / REPORT, self.report)
+
+
+def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str = "auto",
+            transcripts: Path | None = None, audio_column: str = "audio", text_column: str = "text",
+            workers: int = 1, progress: bool = True) -> dict:
+    """Convert `inputs` into Lhotse Shar shards under `out`; returns the conversion report.
+
+    Restartable: shards recorded in OUT/conversion.json are kept; work resumes after the last one.
+    """
+    from tqdm import tqdm
+
+    from mmtok.text import load_text_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_text_tokenizer(options.text_tokenizer)
+    identity = {"tool": f"mmtok {__version__}", "inputs": describe_inputs(inputs, transcripts), "kind": kind,
+                "options": asdict(options), "audio_column": audio_column, "text_column": text_column,
+                "text_tokenizer": tokenizer.describe(), "storage": STORAGE, "resampler": RESAMPLER}
+    state = Conversion(out, identity, options)
+    if state.report["complete"]:
+        print_summary(state.report, file=sys.stderr, prefix="already complete: ")
+        return state.report
+    units, input_drops = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
+                                       text_column=text_column)
+    write_dropped(out, "inputs", input_drops)
+    start, skip = state.report["cursor"]["unit"], state.report["cursor"]["skip"]
+    bar = tqdm(total=len(units), initial=start, unit="unit", desc="audio convert", file=sys.stderr,
+               disable=not progress)
+    for number, results in enumerate(ordered_results(units[start:], options, workers, tokenizer), start):
+        first = skip if number == start else 0
+        for position in range(first, len(results)):
+            state.add(results[position])
+            if len(state.buffer) == options.shard_size:
+                after = position + 1
+                state.flush({"unit": number + (after == len(results)), "skip": after % len(results)})
+        bar.update(1)
+        bar.set_postfix(clips=state.counts["written"], shards=state.next_shard)
+    bar.close()
+    for drop in input_drops:
+        state.counts[f"dropped:{drop.reason}"] += 1
+    state.flush({"unit": len(units), "skip": 0}, final=True)
+    shutil.rmtree(out / ".work", ignore_errors=True)
+    print_summary(state.report, file=sys.stderr)
+    return state.report
+
+
+def print_summary(report: dict, file=sys.stderr, prefix: str = "") -> None:
+    counts = report["counts"]
+    dropped = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dropped:")}
+    hours = sum(s["duration"] for s in report["shards"]) / 3600
+    print(f"{prefix}{counts.get('written', 0)} clips ({hours:.3f} h) in {len(report['shards'])} shards; "
+          f"dropped {sum(dropped.values())}" + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(dropped.items()))})"
+                                                 if dropped else ""), file=file)

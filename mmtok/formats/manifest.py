@@ -1,0 +1,177 @@
+"""The image manifest: `DIR/manifest.parquet` (one row per image) + `DIR/manifest.json` (scan metadata).
+
+This module is the only one that knows the layout. Row order is input order, then container order;
+`document` is a global id, non-decreasing in row order (one WebDataset sample key = one document);
+`image_index` orders the images inside a document. Error rows (`status == "error"`) keep their
+place and name the problem in `reason`; a shard-level problem (e.g. `truncated_tar`) is a row with
+an empty key and its own document id. `manifest.json` is written last, so its presence means the
+Parquet file is complete; its `fingerprint` is the sha256 of manifest.parquet.
+
+Reading a member: for `container == "tar"`, `open(tar, "rb").seek(offset); read(size)`; for
+`container == "parquet"` (a Parquet or Arrow IPC table file), `offset` is the row index and
+`member` the column name (a binary column or a struct with a `bytes` field). `MemberReader` does both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import pyarrow as pa
+
+from mmtok import __version__
+from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, sha256_file
+
+MANIFEST_FILE = "manifest.parquet"
+METADATA_FILE = "manifest.json"
+FORMAT = "mmtok.manifest"
+FORMAT_VERSION = 1
+ROW_GROUP_ROWS = 1 << 18  # fixed, so the file bytes depend only on the rows
+
+SCHEMA = pa.schema([
+    ("key", pa.string()),           # sample key (WebDataset: member name up to the first dot)
+    ("document", pa.int64()),       # global document id, non-decreasing in row order
+    ("image_index", pa.int32()),    # position of the image in its document
+    ("tar", pa.string()),           # absolute path of the container file
+    ("container", pa.string()),     # "tar", or "parquet" for a table file (Parquet or Arrow IPC)
+    ("member", pa.string()),        # member name in the tar; image column name for a table file
+    ("offset", pa.int64()),         # byte offset of the member data; row index for a table file
+    ("size", pa.int64()),           # bytes
+    ("width", pa.int32()),          # as displayed (after EXIF orientation); 0 when unknown
+    ("height", pa.int32()),
+    ("format", pa.string()),        # jpeg png webp gif bmp tiff; "" when unknown
+    ("orientation", pa.int8()),     # EXIF orientation 1-8 (1 when absent); 5-8 swap the sides
+    ("text_offset", pa.int64()),    # txt sidecar of the sample (parquet: row index); -1 if none
+    ("text_size", pa.int64()),
+    ("json_offset", pa.int64()),    # json sidecar of the sample; -1 if none
+    ("json_size", pa.int64()),
+    ("status", pa.string()),        # "ok" or "error"
+    ("reason", pa.string()),        # "" when ok, else a snake_case reason
+])
+COLUMNS = tuple(SCHEMA.names)
+
+
+def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], metadata: dict) -> dict:
+    """Write the tables (in row order, columns as SCHEMA) and the metadata JSON; return the metadata.
+
+    Atomic: the old manifest.json is removed first, manifest.parquet is replaced by rename, then
+    manifest.json (with `rows`, `fingerprint`, `format`, `tool`) is written. Row groups hold exactly
+    ROW_GROUP_ROWS rows, so equal rows give equal bytes however the tables were cut.
+    """
+    import pyarrow.parquet as pq
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / METADATA_FILE).unlink(missing_ok=True)
+    rows = 0
+    with atomic_writer(directory / MANIFEST_FILE) as handle:
+        writer = pq.ParquetWriter(handle, SCHEMA, compression="zstd")
+        pending: list[pa.Table] = []
+        pending_rows = 0
+        for table in tables:
+            table = table.select(COLUMNS).cast(SCHEMA)
+            pending.append(table)
+            pending_rows += table.num_rows
+            while pending_rows >= ROW_GROUP_ROWS:
+                merged = pa.concat_tables(pending)
+                writer.write_table(merged.slice(0, ROW_GROUP_ROWS), row_group_size=ROW_GROUP_ROWS)
+                pending, pending_rows = [merged.slice(ROW_GROUP_ROWS)], pending_rows - ROW_GROUP_ROWS
+                rows += ROW_GROUP_ROWS
+        if pending_rows or rows == 0:
+            writer.write_table(pa.concat_tables(pending, promote_options="none") if pending
+                               else SCHEMA.empty_table(), row_group_size=ROW_GROUP_ROWS)
+            rows += pending_rows
+        writer.close()
+        handle.flush()
+        fingerprint = sha256_file(handle.name)
+    meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
+            "rows": rows, "fingerprint": fingerprint}
+    atomic_write_json(directory / METADATA_FILE, meta)
+    fsync_dir(directory)
+    return meta
+
+
+def read_manifest_metadata(directory: str | os.PathLike) -> dict:
+    """manifest.json of a complete manifest; MmtokError naming the fix when absent or foreign."""
+    path = Path(directory) / METADATA_FILE
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MmtokError(f"{path} not found: {directory} holds no complete manifest; run `mmtok scan ... --out {directory}`") from None
+    except (OSError, ValueError) as err:
+        raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok scan` into {directory}") from None
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise MmtokError(f"{path} is not an mmtok manifest of version {FORMAT_VERSION} "
+                         f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); rerun `mmtok scan`")
+    return meta
+
+
+def read_manifest(directory: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
+    """The manifest rows (all columns, or `columns` in that order), memory-mapped."""
+    import pyarrow.parquet as pq
+
+    read_manifest_metadata(directory)
+    unknown = sorted(set(columns or ()) - set(COLUMNS))
+    if unknown:
+        raise MmtokError(f"unknown manifest column(s) {unknown}; the manifest has {list(COLUMNS)}")
+    return pq.read_table(Path(directory) / MANIFEST_FILE, columns=columns, memory_map=True)
+
+
+def manifest_fingerprint(directory: str | os.PathLike, verify: bool = False) -> str:
+    """The manifest's fingerprint (sha256 of manifest.parquet) as recorded at scan time.
+
+    With `verify`, the file is hashed and a mismatch (the Parquet changed after the scan) raises.
+    """
+    recorded = read_manifest_metadata(directory)["fingerprint"]
+    if verify:
+        actual = sha256_file(Path(directory) / MANIFEST_FILE)
+        if actual != recorded:
+            raise MmtokError(f"{Path(directory) / MANIFEST_FILE} changed after the scan (sha256 {actual[:12]}... "
+                             f"!= recorded {recorded[:12]}...); rerun `mmtok scan` into {directory}")
+    return recorded
+
+
+class MemberReader:
+    """Reads member bytes for manifest rows, keeping containers open. Use one per thread."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, object] = {}
+        self._tables: dict[str, object] = {}
+
+    def read(self, path: str, container: str, member: str, offset: int, size: int) -> bytes:
+        """The bytes of one member; raises OSError when the container is gone or shorter than recorded."""
+        if container == "tar":
+            handle = self._files.get(path)
+            if handle is None:
+                handle = self._files[path] = open(path, "rb")
+            data = os.pread(handle.fileno(), size, offset)
+            if len(data) != size:
+                raise OSError(f"{path}: expected {size} bytes at offset {offset}, got {len(data)}")
+            return data
+        return self._table(path).image_bytes(member, offset)
+
+    def read_text(self, path: str, container: str, offset: int, size: int, text_column: str | None = None) -> str:
+        """A row's caption (`text_offset`/`text_size`): the tar's txt sidecar, or for a table file the
+        text column at that row (its name is `options.text_column` in manifest.json)."""
+        if container == "tar":
+            return self.read(path, container, "", offset, size).decode("utf-8", "replace")
+        if text_column is None:
+            raise ValueError("a table file's caption needs the text column name (manifest.json options.text_column)")
+        return self._table(path).text(text_column, offset)
+
+    def _table(self, path: str):
+        from mmtok.scan.tables import TableRows
+
+        table = self._tables.get(path)
+        if table is None:
+            table = self._tables[path] = TableRows(path)
+        return table
+
+    def close(self) -> None:
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
+        self._tables.clear()

@@ -1,0 +1,509 @@
+"""Scan containers (tar shards, Parquet/Arrow files) into manifest rows, one process per shard.
+
+Per shard the result is a table of rows in container order with shard-local document ids; it is
+cached under `OUT/.scan-cache/` (keyed by path, size, mtime and the options that change rows)
+as soon as the shard is done, so a killed scan resumes without rescanning finished shards. The
+manifest is then assembled in input order with global document ids: the bytes do not depend on
+the number of workers, on the completion order, or on which shards came from the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe
+from mmtok.scan.tarindex import BLOCK, REGULAR, TRUNCATED, TarWalker
+
+SCAN_VERSION = 2  # bump when rows for the same input change; invalidates caches
+CACHE_DIR = ".scan-cache"
+# One read at a sample's first header usually holds its small sidecars, the next image's header and
+# that image's first HEAD_BYTES: ~1.1 reads and ~7 KB per image on WebDataset shards with captions
+# (6 KiB windows needed 1.35 reads, 7 KiB read 7.6 KB; see benchmarks/bench_scan.py).
+TAR_WINDOW = 13 * BLOCK
+MAX_JSON_BYTES = 1 << 24  # a json sidecar larger than this is not parsed for image order
+
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
+_IMAGE_SUFFIXES = frozenset(s.encode() for s in IMAGE_SUFFIXES)
+_KNOWN_SUFFIXES = _IMAGE_SUFFIXES | {b"txt", b"json"}
+_NO_SIDECAR = (-1, -1)
+
+# Rows are tuples in this order inside a shard; `manifest_tables` adds `tar`/`container` and
+# makes `document` global.
+SHARD_COLUMNS = ("key", "document", "image_index", "member", "offset", "size", "width", "height", "format",
+                 "orientation", "status", "reason", "text_offset", "text_size", "json_offset", "json_size")
+_NO_SIDECARS = (-1, -1, -1, -1)
+_INT32_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """Options that change rows (part of the cache key)."""
+
+    image_column: str | None = None
+    text_column: str | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file as found before the scan."""
+
+    path: str  # absolute
+    size: int  # -1 when it cannot be stat'ed
+    mtime_ns: int
+
+
+def describe(path: str) -> Source:
+    path = os.path.abspath(path)
+    try:
+        st = os.stat(path)
+        return Source(path, st.st_size, st.st_mtime_ns)
+    except OSError:
+        return Source(path, -1, 0)
+
+
+class ShardRows:
+    """Rows of one shard under construction, plus what was skipped and why."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.documents = 0
+        self.ignored: Counter[str] = Counter()
+        self.shard_errors: list[dict] = []
+
+    def snapshot(self) -> tuple:
+        return len(self.rows), self.documents, Counter(self.ignored), len(self.shard_errors)
+
+    def restore(self, snap: tuple) -> None:
+        del self.rows[snap[0]:]
+        self.documents, self.ignored = snap[1], snap[2]
+        del self.shard_errors[snap[3]:]
+
+    def shard_error(self, reason: str, offset: int = 0, member: str = "", detail: str = "") -> None:
+        """A row for damage that belongs to no image (its own document), and a note for manifest.json."""
+        self.rows.append(("", self.documents, 0, member, offset, 0, 0, 0, "", 1, "error", reason) + _NO_SIDECARS)
+        self.documents += 1
+        self.shard_errors.append({"reason": reason, "offset": offset, "member": member, "detail": detail})
+
+
+# ------------------------------------------------------------------------------------------ tar
+
+
+def scan_tar(path: str) -> tuple[ShardRows, dict]:
+    """Rows of one tar shard and read statistics. Never raises for bad content."""
+    out = ShardRows()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        file_size = os.fstat(fd).st_size
+        if file_size == 0:
+            out.shard_error("empty_file")
+            return out, {"bytes_read": 0, "reads": 0}
+        # Only headers and image heads are read: kernel read-ahead would fetch the pixels too.
+        with contextlib.suppress(OSError):  # advisory; some file systems refuse it
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        walker = TarWalker(fd, file_size, TAR_WINDOW)
+        start = 0
+        while True:
+            snap = out.snapshot()
+            _walk(walker, out, start, None)
+            bad = walker.bad_offset
+            if bad is None:
+                if walker.end_reason:
+                    out.shard_error(walker.end_reason, walker.end_offset)
+                break
+            out.restore(snap)  # members past the bad header were parsed from an unchecked size
+            _walk(walker, out, start, bad)
+            start = walker.resync(bad)
+            no_tar_seen = bad == 0 and start is None
+            out.shard_error("not_a_tar" if no_tar_seen else "corrupt_header", bad)
+            if start is None:
+                break
+        return out, {"bytes_read": walker.bytes_read, "reads": walker.reads}
+    finally:
+        os.close(fd)
+
+
+def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> None:
+    """Group members into samples (consecutive members sharing a key) and append their rows.
+
+    Names stay bytes until a row needs them: the key is the name up to the first dot of its last
+    path component (WebDataset's rule), the extension the rest.
+    """
+    ignored = out.ignored
+    key = None
+    images: list[tuple] = []
+    text = json_sidecar = _NO_SIDECAR
+    for raw, kind, offset, size in walker.members(start, stop):
+        dot = raw.find(b".", raw.rfind(b"/") + 1)
+        sample = raw if dot < 0 else raw[:dot]
+        ext = b"" if dot < 0 else raw[dot + 1:]
+        if sample != key:
+            if images:
+                _add_sample(walker, out, key, images, text, json_sidecar)
+            elif key is not None:
+                ignored["(sample without image)"] += 1
+            key, images, text, json_sidecar = sample, [], _NO_SIDECAR, _NO_SIDECAR
+        suffix = ext if ext in _KNOWN_SUFFIXES else ext[ext.rfind(b".") + 1:].lower()
+        if suffix in _IMAGE_SUFFIXES:
+            images.append(_image_entry(walker, raw, kind, offset, size))
+        elif kind == TRUNCATED:
+            out.shard_error("truncated_member", offset, raw.decode("utf-8", "backslashreplace"))
+        elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
+            text = (offset, size)
+        elif suffix == b"json" and kind == REGULAR and json_sidecar[0] < 0:
+            json_sidecar = (offset, size)
+        else:
+            ignored[suffix.decode("utf-8", "backslashreplace") or "(no extension)"] += 1
+    if images:
+        _add_sample(walker, out, key, images, text, json_sidecar)
+    elif key is not None:
+        ignored["(sample without image)"] += 1
+
+
+def _image_entry(walker: TarWalker, raw: bytes, kind: int, offset: int, size: int) -> tuple:
+    """(member, offset, size, width, height, format, orientation, status, reason) of one image member."""
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", "non_utf8_name"
+    if kind != REGULAR:
+        return name, offset, size, 0, 0, "", 1, "error", "truncated_member" if kind == TRUNCATED else "not_a_regular_file"
+    if size == 0:
+        return name, offset, size, 0, 0, "", 1, "error", "zero_size"
+    head = walker.head(offset, size if size < HEAD_BYTES else HEAD_BYTES)
+    try:
+        fmt, width, height, orientation = probe(head, size, walker.read, offset)
+    except ProbeError as err:
+        return (name, offset, size, min(err.width, _INT32_MAX), min(err.height, _INT32_MAX), err.format,
+                err.orientation, "error", err.reason)
+    return name, offset, size, width, height, fmt, orientation, "ok", ""
+
+
+def _add_sample(walker: TarWalker, out: ShardRows, raw_key: bytes, images: list[tuple],
+                text: tuple[int, int], json_sidecar: tuple[int, int]) -> None:
+    """Append a document's rows in container order, with image indices in document order."""
+    key = raw_key.decode("utf-8", "backslashreplace")
+    doc = out.documents
+    out.documents += 1
+    sidecars = text + json_sidecar
+    if len(images) == 1:
+        out.rows.append((key, doc, 0) + images[0] + sidecars)
+        return
+    names_json = None
+    if 0 <= json_sidecar[1] <= MAX_JSON_BYTES:
+        names_json = walker.read(json_sidecar[0], json_sidecar[1])
+    order = document_order([entry[0] for entry in images], key, names_json, out.ignored)
+    for entry, index in zip(images, order):
+        out.rows.append((key, doc, index) + entry + sidecars)
+
+
+def document_order(members: list[str], key: str, json_bytes: bytes | None, ignored: Counter | None = None) -> list[int]:
+    """Image index of each member (given in container order) within its document.
+
+    Order: the position in the json sidecar's `images` list (OBELICS style, nulls skipped; an
+    entry names a member by full name, base name or the part after `key.`), then the numeric N
+    of `key.N.ext`, then the member name; container order breaks ties.
+    """
+    named: dict[str, int] = {}
+    if json_bytes is not None:
+        try:
+            listed = json.loads(json_bytes).get("images")
+        except (ValueError, AttributeError):
+            listed = None
+            if ignored is not None:
+                ignored["(unreadable json sidecar)"] += 1
+        if isinstance(listed, list):
+            for rank, entry in enumerate(listed):
+                if isinstance(entry, str):
+                    named.setdefault(entry, rank)
+
+    def sort_key(item: tuple[int, str]) -> tuple:
+        position, member = item
+        base = member[member.rfind("/") + 1:]
+        suffix = member[len(key) + 1:] if member.startswith(key + ".") else base
+        ranks = [named[n] for n in (member, base, suffix) if n in named]
+        if ranks:
+            return (0, min(ranks), position)
+        number = suffix.split(".", 1)[0]
+        if number.isdigit() and "." in suffix:
+            return (1, int(number), position)
+        return (2, member, position)
+
+    ordered = sorted(enumerate(members), key=sort_key)
+    index = [0] * len(members)
+    for rank, (position, _member) in enumerate(ordered):
+        index[position] = rank
+    return index
+
+
+# --------------------------------------------------------------------------------- parquet/arrow
+
+
+def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[ShardRows, dict]:
+    """Rows of a Parquet/Arrow file: one document per row, `offset` = row index."""
+    from mmtok.scan.tables import ColumnError, choose_columns, image_values, iter_batches, read_schema, struct_paths
+
+    out = ShardRows()
+    try:
+        image, text, key_column = choose_columns(read_schema(path, file_format), options.image_column, options.text_column)
+    except ColumnError as err:
+        out.shard_error(err.reason, detail=str(err))
+        return out, {"bytes_read": 0, "reads": 0}
+    columns = [image] + [c for c in (text, key_column) if c]
+    row, read = 0, 0
+    for batch in iter_batches(path, file_format, columns):
+        values = image_values(batch.column(0))
+        texts = batch.column(text).to_pylist() if text else None
+        keys = batch.column(key_column).to_pylist() if key_column else struct_paths(batch.column(0))
+        for i, value in enumerate(values):
+            key = keys[i] if keys is not None and keys[i] is not None else str(row)
+            text_span = (row, len(texts[i].encode("utf-8"))) if texts is not None and texts[i] is not None else (-1, -1)
+            entry = _value_entry(image, row, value)
+            read += entry[2]
+            out.rows.append((key, out.documents, 0) + entry + text_span + (-1, -1))
+            out.documents += 1
+            row += 1
+    return out, {"bytes_read": read, "reads": row}
+
+
+def _value_entry(column: str, row: int, value: bytes | None) -> tuple:
+    if value is None:
+        return column, row, 0, 0, 0, "", 1, "error", "missing_image"
+    if not value:
+        return column, row, 0, 0, 0, "", 1, "error", "zero_size"
+    try:
+        fmt, width, height, orientation = probe(value, len(value))
+    except ProbeError as err:
+        return (column, row, len(value), min(err.width, _INT32_MAX), min(err.height, _INT32_MAX), err.format,
+                err.orientation, "error", err.reason)
+    return column, row, len(value), width, height, fmt, orientation, "ok", ""
+
+
+# ------------------------------------------------------------------------------ one shard, cached
+
+
+def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
+    """Rows and statistics of one input; unreadable inputs give a shard-level error row."""
+    from mmtok.scan.tables import sniff_format
+
+    file_format = "tar"
+    try:
+        file_format = sniff_format(source.path)
+        with _gc_paused():
+            if file_format == "tar":
+                rows, stats = scan_tar(source.path)
+            else:
+                rows, stats = scan_table(source.path, file_format, options)
+    except OSError as err:
+        rows, stats = ShardRows(), {"bytes_read": 0, "reads": 0, "cacheable": False}
+        rows.shard_error("unreadable_shard", detail=f"{type(err).__name__}: {err}")
+    stats["file_format"] = file_format
+    stats["container"] = "tar" if file_format == "tar" else "parquet"
+    return rows, stats
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Rows are acyclic tuples: cyclic-GC passes over millions of them cost time and free nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def cache_path(out_dir: Path, source: Source, options: ScanOptions) -> Path:
+    ident = json.dumps([SCAN_VERSION, source.path, source.size, source.mtime_ns,
+                        options.image_column, options.text_column])
+    return out_dir / CACHE_DIR / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".arrow")
+
+
+def shard_table(rows: ShardRows):
+    """ShardRows as an Arrow table (SHARD_COLUMNS), built column-wise from the row tuples."""
+    import pyarrow as pa
+
+    from mmtok.formats.manifest import SCHEMA
+
+    columns = list(zip(*rows.rows)) if rows.rows else [()] * len(SHARD_COLUMNS)
+    return pa.table({name: pa.array(values, SCHEMA.field(name).type) for name, values in zip(SHARD_COLUMNS, columns)})
+
+
+def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> dict:
+    """Scan one input, store its rows in the cache (unless unreadable), return its statistics."""
+    import pyarrow as pa
+
+    from mmtok.fsutil import atomic_writer
+
+    began = time.perf_counter()
+    rows, stats = scan_source(source, options)
+    stats.update(documents=rows.documents, ignored=dict(rows.ignored), shard_errors=rows.shard_errors,
+                 seconds=time.perf_counter() - began)
+    table = shard_table(rows)
+    stats.update(_row_counts(table))
+    if stats.pop("cacheable", True):
+        table = table.replace_schema_metadata({"mmtok.scan": json.dumps(stats)})
+        with atomic_writer(cache_path(Path(out_dir), source, options)) as handle:
+            with pa.ipc.new_file(handle, table.schema) as writer:
+                writer.write_table(table)
+        stats["cached"] = True
+    else:
+        stats["table"] = table
+    return stats
+
+
+def _row_counts(table) -> dict:
+    """Rows, ok images by format, error rows by reason (vectorized over the shard table)."""
+    import pyarrow.compute as pc
+
+    ok = pc.equal(table.column("status"), "ok")
+    formats = {d["values"]: d["counts"] for d in pc.value_counts(table.column("format").filter(ok)).to_pylist()}
+    reasons = {d["values"]: d["counts"] for d in pc.value_counts(table.column("reason").filter(pc.invert(ok))).to_pylist()}
+    return {"rows": table.num_rows, "images_ok": sum(formats.values()), "formats": formats, "reasons": reasons}
+
+
+def cached_stats(path: Path) -> dict | None:
+    """Statistics of a cached shard (from the file's schema, without reading rows), or None."""
+    import pyarrow as pa
+
+    try:
+        with pa.OSFile(str(path)) as source:
+            meta = pa.ipc.open_file(source).schema.metadata or {}
+    except (OSError, pa.ArrowInvalid):
+        return None
+    return json.loads(meta[b"mmtok.scan"]) if b"mmtok.scan" in meta else None
+
+
+def cached_table(path: Path):
+    """The rows of a cached shard, memory-mapped."""
+    import pyarrow as pa
+
+    return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+
+
+# ----------------------------------------------------------------------------------- the whole run
+
+
+def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers: int, progress: bool = True) -> dict:
+    """Scan all sources (cached shards are not rescanned) and write the manifest; return its metadata."""
+    from tqdm import tqdm
+
+    from mmtok.formats.manifest import write_manifest
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CACHE_DIR).mkdir(exist_ok=True)
+    stats: list[dict | None] = [None] * len(sources)
+    for i, source in enumerate(sources):
+        stats[i] = cached_stats(cache_path(out_dir, source, options)) if source.size >= 0 else None
+    todo = [i for i, s in enumerate(stats) if s is None]
+    began = time.perf_counter()
+    bar = tqdm(total=len(sources), initial=len(sources) - len(todo), unit="shard", desc="scan",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    images = 0
+    for i, result in _run(todo, sources, options, out_dir, workers):
+        stats[i] = result
+        images += result["rows"]
+        bar.update(1)
+        bar.set_postfix(images=images, refresh=False)
+    bar.close()
+    seconds = time.perf_counter() - began
+    meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summarize(sources, stats, options))
+    _prune_cache(out_dir, {cache_path(out_dir, s, options).name for s in sources})
+    meta["_run"] = {"scanned_shards": len(todo), "cached_shards": len(sources) - len(todo), "seconds": seconds,
+                    "rows_scanned": images, "workers": workers}
+    return meta
+
+
+def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: Path, workers: int) -> Iterator[tuple[int, dict]]:
+    """Scan the shards `todo`, yielding (index, stats) as they finish; a crashed worker becomes an error row."""
+    if workers <= 1 or len(todo) <= 1:
+        for i in todo:
+            yield i, _guarded(sources[i], options, str(out_dir))
+        return
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+        futures = {pool.submit(_guarded, sources[i], options, str(out_dir)): i for i in todo}
+        for future in as_completed(futures):
+            try:
+                result = future.result()
+            except Exception as err:  # the worker process died (e.g. killed for memory)
+                result = _failed(f"{type(err).__name__}: {err}")
+            yield futures[future], result
+
+
+def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
+    try:
+        return scan_to_cache(source, options, out_dir)
+    except Exception as err:  # a bug must cost one shard, not the run; the row names it
+        return _failed(f"{type(err).__name__}: {err}")
+
+
+def _failed(detail: str) -> dict:
+    rows = ShardRows()
+    rows.shard_error("scan_failed", detail=detail)
+    table = shard_table(rows)
+    return {"bytes_read": 0, "reads": 0, "container": "tar", "file_format": "tar", "documents": rows.documents, "ignored": {},
+            "shard_errors": rows.shard_errors, "table": table, **_row_counts(table)}
+
+
+def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, options: ScanOptions):
+    """Shard tables in input order with `tar`, `container` and global document ids."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    first_document = 0
+    for source, st in zip(sources, stats):
+        table = st.get("table")
+        if table is None:
+            table = cached_table(cache_path(out_dir, source, options))
+        n = table.num_rows
+        table = table.set_column(table.schema.get_field_index("document"), "document",
+                                 pc.add(table.column("document"), pa.scalar(first_document, pa.int64())))
+        table = table.append_column("tar", pa.array([source.path] * n, pa.string()))
+        table = table.append_column("container", pa.array([st["container"]] * n, pa.string()))
+        first_document += st["documents"]
+        yield table.replace_schema_metadata(None)
+
+
+def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) -> dict:
+    """The deterministic part of manifest.json: inputs, counts by reason and format, skipped members."""
+    totals: dict[str, Counter] = {"reasons": Counter(), "formats": Counter(), "ignored": Counter()}
+    inputs, shard_errors = [], []
+    for source, st in zip(sources, stats):
+        for name in totals:
+            totals[name].update(st[name])
+        shard_errors += [{"path": source.path, **err} for err in st["shard_errors"]]
+        inputs.append({"path": source.path, "size": source.size, "mtime_ns": source.mtime_ns,
+                       "container": st["container"], "file_format": st["file_format"], "rows": st["rows"]})
+    return {
+        "inputs": inputs,
+        "shards": len(sources),
+        "documents": sum(st["documents"] for st in stats),
+        "images_ok": sum(st["images_ok"] for st in stats),
+        "errors": sum(totals["reasons"].values()),
+        "reasons": dict(sorted(totals["reasons"].items())),
+        "formats": dict(sorted(totals["formats"].items())),
+        "ignored_members": dict(sorted(totals["ignored"].items())),
+        "shard_errors": shard_errors,
+        "bytes_read": sum(st["bytes_read"] for st in stats),
+        "options": {"image_column": options.image_column, "text_column": options.text_column},
+        "scan_version": SCAN_VERSION,
+    }
+
+
+def _prune_cache(out_dir: Path, keep: set[str]) -> None:
+    """Drop cache entries of inputs no longer scanned into this directory."""
+    for path in (out_dir / CACHE_DIR).glob("*.arrow"):
+        if path.name not in keep:
+            path.unlink(missing_ok=True)

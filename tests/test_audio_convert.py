@@ -1,0 +1,288 @@
+"""`mmtok audio convert`: every source kind -> Lhotse Shar that lhotse reads back, with exact audio,
+text tokens and drop reasons; deterministic and restartable."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from audio_corpus import PLANTED, STORY, build_directory_corpus, digit, read, write_jsonl, write_story
+from mmtok.audio import convert as convert_module
+from mmtok.audio.convert import ConvertOptions, convert
+from mmtok.audio.preprocess import resample, to_mono
+from mmtok.audio.sources import number_clips
+from mmtok.cli import main as cli_main
+from mmtok.text import load_text_tokenizer
+
+LSB24 = 2.0**-23  # one step of 24-bit PCM
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_text_tokenizer("tekken")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return build_directory_corpus(tmp_path_factory.mktemp("corpus") / "audio")
+
+
+@pytest.fixture(scope="module")
+def converted(corpus, tmp_path_factory):
+    root, table, _ = corpus
+    out = tmp_path_factory.mktemp("converted")
+    code = cli_main(["audio", "convert", str(root), "--transcripts", str(table), "--out", str(out),
+                     "--max-duration", "6", "--shard-size", "4", "--workers", "2"])
+    assert code == 0
+    return out
+
+
+def load_cuts(out: Path) -> list:
+    from lhotse import CutSet
+
+    return list(CutSet.from_shar(in_dir=out / "shar"))
+
+
+def report(out: Path) -> dict:
+    return json.loads((out / "conversion.json").read_text())
+
+
+def expected_wave(path: Path, start: float | None = None, end: float | None = None) -> np.ndarray:
+    samples, rate = read(path)
+    mono = to_mono(samples)
+    if start is not None:
+        mono = mono[int(round(start * rate)): int(round(end * rate))]
+    return resample(mono, rate)
+
+
+def assert_same_audio(stored: np.ndarray, expected: np.ndarray) -> None:
+    assert stored.shape == expected.shape
+    assert np.max(np.abs(stored - expected)) <= LSB24
+
+
+def test_directory_source_reads_back_with_lhotse_at_24khz_with_text_tokens(corpus, converted, tokenizer):
+    root, _, expected = corpus
+    cuts = {cut.id: cut for cut in load_cuts(converted)}
+    assert set(cuts) == set(expected)
+    for cut_id, want in expected.items():
+        cut = cuts[cut_id]
+        assert cut.sampling_rate == 24_000 and cut.recording.sampling_rate == 24_000
+        assert cut.custom["original_sampling_rate"] == want["rate"]
+        assert (cut.custom["source_id"], cut.custom["clip"]) == (want["source_id"], want["clip"])
+        assert cut.custom.get("language") == want.get("language")
+        assert cut.custom.get("target_language") == want.get("target_language")
+        if want["text"] is None:
+            assert "text_tokens" not in cut.custom and not cut.supervisions
+        else:
+            assert cut.custom["text_tokens"] == tokenizer.encode(want["text"])
+            assert cut.supervisions[0].text == want["text"]
+        source = next(root.rglob(cut_id + ".*"))
+        assert_same_audio(cut.load_audio()[0], expected_wave(source))
+
+
+def test_invalid_clips_are_dropped_with_their_reasons(converted):
+    counts = report(converted)["counts"]
+    assert {k: v for k, v in counts.items() if k.startswith("dropped:")} == {
+        f"dropped:{reason}": 1 for reason in PLANTED.values()}
+    dropped = [json.loads(line) for path in sorted((converted / "dropped").glob("*.jsonl"))
+               for line in path.read_text().splitlines()]
+    assert sorted((d["id"], d["reason"]) for d in dropped) == sorted(
+        (f"bad/{name.removesuffix('.wav')}", reason) for name, reason in PLANTED.items())
+
+
+def test_shards_hold_the_configured_number_of_cuts_in_input_order(converted):
+    shards = report(converted)["shards"]
+    sizes = [s["cuts"] for s in shards]
+    assert sizes[:-1] == [4] * (len(sizes) - 1) and 0 < sizes[-1] <= 4
+    ids = [cut.id for cut in load_cuts(converted)]
+    assert ids == sorted(ids)  # directory units follow sorted relative paths
+
+
+def stored_bytes(out: Path) -> dict[str, bytes]:
+    files = {}
+    for path in sorted((out / "shar").iterdir()):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as handle:
+            files[path.name] = handle.read()
+    return files
+
+
+def test_output_is_identical_with_and_without_worker_processes(corpus, converted, tmp_path):
+    root, table, _ = corpus
+    options = ConvertOptions(max_duration=6.0, shard_size=4)
+    convert([root], tmp_path, options, transcripts=table, workers=0, progress=False)
+    assert stored_bytes(tmp_path) == stored_bytes(converted)
+
+
+def test_killed_conversion_resumes_without_redoing_finished_shards(corpus, converted, tmp_path, monkeypatch):
+    root, table, _ = corpus
+    options = ConvertOptions(max_duration=6.0, shard_size=4)
+    real_write = convert_module.write_shard
+    written = []
+
+    def dying_write(out, index, clips):
+        if len(written) == 2:
+            raise KeyboardInterrupt  # a kill between shards
+        written.append(index)
+        return real_write(out, index, clips)
+
+    monkeypatch.setattr(convert_module, "write_shard", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        convert([root], tmp_path, options, transcripts=table, workers=0, progress=False)
+    assert not report(tmp_path)["complete"] and len(report(tmp_path)["shards"]) == 2
+    first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "shar").iterdir()}
+    redone = []
+    monkeypatch.setattr(convert_module, "write_shard", lambda out, index, clips: redone.append(index) or
+                        real_write(out, index, clips))
+    convert([root], tmp_path, options, transcripts=table, workers=0, progress=False)
+    assert redone and min(redone) == 2
+    assert all((tmp_path / "shar" / name).stat().st_mtime_ns == mtime for name, mtime in first.items())
+    assert stored_bytes(tmp_path) == stored_bytes(converted)
+    assert report(tmp_path)["counts"] == report(converted)["counts"]
+
+
+def test_resume_with_other_settings_is_refused(corpus, tmp_path, capsys):
+    root, table, _ = corpus
+    convert([root / "story"], tmp_path, ConvertOptions(shard_size=2), workers=0, progress=False)
+    code = cli_main(["audio", "convert", str(root / "story"), "--out", str(tmp_path), "--shard-size", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "refusing to resume" in err and "options.shard_size" in err
+    assert report(tmp_path)["identity"]["options"]["shard_size"] == 2
+
+
+def test_clipping_source_is_stored_below_full_scale_with_its_gain(tmp_path):
+    loud, rate = read(digit("3"))
+    loud = loud / np.max(np.abs(loud)) * 1.5  # a float source over full scale
+    (tmp_path / "in").mkdir()
+    soundfile.write(tmp_path / "in" / "loud.wav", loud.astype(np.float32), rate, subtype="FLOAT")
+    convert([tmp_path / "in"], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    (cut,) = load_cuts(tmp_path / "out")
+    with tarfile.open(tmp_path / "out" / "shar" / "recording.000000.tar") as archive:
+        assert soundfile.info(io.BytesIO(archive.extractfile("loud.flac").read())).subtype == "PCM_24"
+    gain = cut.custom["gain"]
+    expected = resample(loud.astype(np.float32), rate) * np.float32(gain)
+    assert gain < 1 / 1.5 and np.max(np.abs(expected)) < 1.0
+    assert_same_audio(cut.load_audio()[0], expected)
+
+
+def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w") as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def encoded(path: Path, fmt: str = "FLAC") -> bytes:
+    samples, rate = read(path)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format=fmt)
+    return buffer.getvalue()
+
+
+def test_webdataset_tar_source_with_txt_and_json_sidecars(tmp_path, tokenizer):
+    meta = {"text": "seven", "recording_id": "call-1", "clip": 4, "language": "en"}
+    tar = make_tar(tmp_path / "calls.tar", [
+        ("s1.flac", encoded(digit("6"))), ("s1.txt", b"six\n"),
+        ("s2.wav", encoded(digit("7"), "WAV")), ("s2.json", json.dumps(meta).encode()),
+        ("s3.txt", b"no audio here"),
+        ("s4.wav", b"not audio at all"),
+    ])
+    convert([tar], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    cuts = {cut.id: cut for cut in load_cuts(tmp_path / "out")}
+    assert list(cuts) == ["calls/s1", "calls/s2"]
+    assert cuts["calls/s1"].custom["text_tokens"] == tokenizer.encode("six")
+    assert (cuts["calls/s1"].custom["source_id"], cuts["calls/s1"].custom["clip"]) == ("calls/s1", 0)
+    two = cuts["calls/s2"].custom
+    assert (two["text_tokens"], two["source_id"], two["clip"], two["language"]) == (
+        tokenizer.encode("seven"), "call-1", 4, "en")
+    assert_same_audio(cuts["calls/s2"].load_audio()[0], expected_wave(digit("7")))
+    assert report(tmp_path / "out")["counts"] == {"dropped:decode_error": 1, "dropped:no_audio_member": 1, "written": 2}
+
+
+def test_truncated_tar_keeps_the_samples_before_the_damage(tmp_path):
+    full = make_tar(tmp_path / "full.tar", [("a.flac", encoded(digit("1"))), ("b.flac", encoded(digit("2")))])
+    data = full.read_bytes()
+    cut_at = data.index(b"fLaC", data.index(b"b.flac")) + 100  # inside member b's data
+    (tmp_path / "damaged.tar").write_bytes(data[:cut_at])
+    convert([tmp_path / "damaged.tar"], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    assert [cut.id for cut in load_cuts(tmp_path / "out")] == ["damaged/a"]
+    dropped = {k: v for k, v in report(tmp_path / "out")["counts"].items() if k.startswith("dropped:")}
+    assert dropped.get("dropped:truncated_member", 0) + dropped.get("dropped:truncated_tar", 0) >= 1
+
+
+def test_lhotse_manifests_cut_supervised_segments_in_start_order(tmp_path, tokenizer):
+    from lhotse import Recording
+
+    pieces = [read(tmp_path / name)[0] for name, _ in write_story(tmp_path)]
+    rate = 22_050
+    gap = np.zeros(rate // 2, np.float32)  # half a second of digital silence between sentences
+    audio = np.concatenate([pieces[0], gap, pieces[1], gap, gap, pieces[2], gap, pieces[3]])
+    soundfile.write(tmp_path / "story.wav", audio, rate, subtype="FLOAT")
+    starts, position = [], 0
+    for piece, after in zip(pieces, [1, 2, 1, 0]):
+        starts.append((position / rate, (position + len(piece)) / rate))
+        position += len(piece) + after * len(gap)
+    silence_start = (len(pieces[0]) + len(gap) + len(pieces[1])) / rate
+    segments = [(s, e, STORY[i]) for i, (s, e) in enumerate(starts)]
+    segments.insert(2, (silence_start, silence_start + 0.9, "nothing"))  # a silent supervision -> gap
+    sups = [{"id": f"sup{i}", "recording_id": "story", "start": s, "duration": e - s, "channel": 0, "text": t,
+             "language": "en"} for i, (s, e, t) in enumerate(segments)]
+    recordings = [Recording.from_file(tmp_path / "story.wav", recording_id="story").to_dict(),
+                  Recording.from_file(digit("8"), recording_id="eight").to_dict()]
+    write_jsonl(tmp_path / "recordings.jsonl", recordings)
+    write_jsonl(tmp_path / "supervisions.jsonl", list(reversed(sups)))  # manifest order must not matter
+    convert([tmp_path / "recordings.jsonl", tmp_path / "supervisions.jsonl"], tmp_path / "out", ConvertOptions(),
+            workers=0, progress=False)
+    cuts = load_cuts(tmp_path / "out")
+    assert [c.id for c in cuts] == ["sup0", "sup1", "sup3", "sup4", "eight"]
+    assert [c.custom["clip"] for c in cuts[:4]] == [0, 1, 3, 4]  # the silent clip 2 leaves a gap
+    assert {c.custom["source_id"] for c in cuts[:4]} == {"story"}
+    for cut, (start, end, text) in zip(cuts[:4], [segments[i] for i in (0, 1, 3, 4)]):
+        assert cut.custom["text_tokens"] == tokenizer.encode(text)
+        assert_same_audio(cut.load_audio()[0], expected_wave(tmp_path / "story.wav", start, end))
+    assert report(tmp_path / "out")["counts"] == {"dropped:silent": 1, "written": 5}
+
+
+def test_parquet_source_with_audio_bytes_column(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"audio": {"bytes": encoded(digit(k)), "path": f"{k}.flac"}, "text": word, "recording_id": "count",
+             "start": float(i)} for i, (k, word) in enumerate([("2", "two"), ("1", "one"), ("3", "three")])]
+    rows.append({"audio": {"bytes": b"\x00" * 64, "path": "x.flac"}, "text": "junk", "recording_id": "junk",
+                 "start": 0.0})
+    rows.append({"audio": None, "text": "missing", "recording_id": "none", "start": 0.0})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "speech.parquet", row_group_size=2)
+    convert([tmp_path / "speech.parquet"], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    cuts = load_cuts(tmp_path / "out")
+    assert [c.id for c in cuts] == ["speech/00000000", "speech/00000001", "speech/00000002"]
+    assert [c.custom["clip"] for c in cuts] == [0, 1, 2]  # numbered by start within the recording
+    assert [c.custom["text_tokens"] for c in cuts] == [tokenizer.encode(w) for w in ("two", "one", "three")]
+    assert_same_audio(cuts[1].load_audio()[0], expected_wave(digit("1")))
+    assert report(tmp_path / "out")["counts"] == {"dropped:decode_error": 1, "dropped:no_audio_bytes": 1,
+                                                  "written": 3}
+
+
+def test_clip_numbers_prefer_explicit_numbers_then_start_times():
+    records = [{"recording_id": "a", "start": 5.0}, {"recording_id": "a", "start": 1.0},
+               {"recording_id": "b", "clip": 7}, {"recording_id": "a", "start": 3.0}, {"recording_id": "b"}]
+    assert number_clips(records) == [2, 0, 7, 1, 0]
+
+
+def test_table_rows_for_missing_files_and_without_paths_are_counted(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "one.wav").write_bytes(digit("1").read_bytes())
+    table = tmp_path / "t.jsonl"
+    write_jsonl(table, [{"path": "one.wav", "text": "one"}, {"path": "gone.wav", "text": "gone"}, {"text": "x"}])
+    convert([tmp_path / "in"], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
+    assert report(tmp_path / "out")["counts"] == {"dropped:bad_table_row": 1, "dropped:missing_file": 1,
+                                                  "written": 1}

@@ -1,0 +1,240 @@
+"""`mmtok encode --modality audio`: rank-independent merged output, exact sequences, kill -9 + resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from audio_corpus import DIGITS, digit, write_story
+from mmtok.audio.cache import cache_path, read_tokens
+from mmtok.audio.convert import ConvertOptions, convert
+from mmtok.audio.encode import encode_rank, load_clip
+from mmtok.audio.interleave import LONG, STAGE, interleave
+from mmtok.audio.shards import Batching, assign_shards, discover_shards
+from mmtok.codecs.base import load_codec
+from mmtok.formats.megatron import read_sequences
+from mmtok.fsutil import sha256_file
+from mmtok.merge import merge
+from mmtok.vocab import VocabLayout
+from realmedia import REPO, alsa_sounds, espeak
+
+LAYOUT = VocabLayout(131_072)
+SPECIAL = LAYOUT.special_ids()
+BATCHING = Batching(max_duration=4.0, num_buckets=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from mmtok.codecs.wavtokenizer import write_random_checkpoint
+
+    return write_random_checkpoint(tmp_path_factory.mktemp("wavtokenizer"))
+
+
+@pytest.fixture(scope="module")
+def codec(checkpoint):
+    return load_codec("wavtokenizer", checkpoint, "cpu")
+
+
+@pytest.fixture(scope="module")
+def shar(tmp_path_factory):
+    """About 11 s of real speech in 3 shards: spoken digits, a three-clip story, a German clip with an
+    English translation, and alsa's 48 kHz "Front Center" without text."""
+    root = tmp_path_factory.mktemp("speech")
+    source = root / "in"
+    source.mkdir()
+    rows = ["path\ttext\trecording_id\tclip\tlanguage\ttarget_language"]
+    for key in "1234":
+        (source / f"digit{key}.wav").write_bytes(digit(key).read_bytes())
+        rows.append(f"digit{key}.wav\t{DIGITS[key]}\t\t\ten\t")
+    for index, (name, text) in enumerate(write_story(source, 3)):
+        rows.append(f"{name}\t{text}\tstory\t{index}\ten\t")
+    espeak("Guten Morgen, wie geht es dir?", source / "greeting.wav", "de")
+    rows.append("greeting.wav\tGood morning, how are you?\t\t\tde\ten")
+    (source / "front.wav").write_bytes(next(p for p in alsa_sounds() if p.name == "Front_Center.wav").read_bytes())
+    (root / "t.tsv").write_text("\n".join(rows) + "\n")
+    convert([source], root / "shar", ConvertOptions(shard_size=3), transcripts=root / "t.tsv", workers=0,
+            progress=False)
+    return root / "shar"
+
+
+def encode_all(shar: Path, out: Path, codec, world_size: int, batching: Batching = BATCHING) -> Path:
+    for rank in range(world_size):
+        encode_rank(shar, out, codec, rank=rank, world_size=world_size, batching=batching, num_workers=1,
+                    progress=False)
+    merge(out)
+    return out
+
+
+def fingerprint(out: Path) -> dict[str, str]:
+    files = [out / "merged.bin", out / "merged.idx", out / "merged.provenance.jsonl",
+             *sorted((out / "audio-cache").glob("*.parquet"))]
+    return {f.name: sha256_file(f) for f in files}
+
+
+@pytest.fixture(scope="module")
+def one_rank(shar, codec, tmp_path_factory):
+    return encode_all(shar, tmp_path_factory.mktemp("one_rank"), codec, 1)
+
+
+def test_merged_output_does_not_depend_on_the_number_of_ranks(shar, codec, one_rank, tmp_path):
+    shards, _ = discover_shards(shar)
+    assert len(shards) == 3 and all(len(r) for r in assign_shards([s.duration for s in shards], 3))
+    assert fingerprint(encode_all(shar, tmp_path, codec, 3)) == fingerprint(one_rank)
+
+
+def test_merged_output_does_not_depend_on_batch_composition(shar, codec, one_rank, tmp_path):
+    single_clip_batches = Batching(max_duration=0.5, num_buckets=3, seed=5)  # every batch holds one clip
+    assert fingerprint(encode_all(shar, tmp_path, codec, 1, single_clip_batches)) == fingerprint(one_rank)
+
+
+def sequences_with_provenance(out: Path) -> list[tuple[np.ndarray, dict]]:
+    lines = (out / "merged.provenance.jsonl").read_text().splitlines()
+    return list(zip(read_sequences(out / "merged"), map(json.loads, lines)))
+
+
+def test_sequences_have_the_exact_token_layout_in_cut_order(shar, one_rank):
+    from lhotse import CutSet
+
+    cuts = {c.id: c for c in CutSet.from_shar(in_dir=shar / "shar")}
+    pairs = sequences_with_provenance(one_rank)
+    assert [(p["shard"], p["position"]) for _, p in pairs] == sorted((p["shard"], p["position"]) for _, p in pairs)
+    kinds = {p["cut_id"]: p["kind"] for _, p in pairs}
+    assert kinds["front"] == "audio" and kinds["greeting"] == "translation" and kinds["digit1"] == "transcription"
+    assert len(kinds) == len(cuts) == len(pairs)
+    for tokens, prov in pairs:
+        cut = cuts[prov["cut_id"]]
+        n_codes = math.ceil(cut.num_samples / 600) - 5
+        tokens = tokens.tolist()
+        assert tokens[:2] == [1, SPECIAL["<|audio_start|>"]] and tokens[-1] == 2
+        audio = tokens[2:2 + n_codes]
+        assert all(LAYOUT.audio_offset <= t < LAYOUT.total_size for t in audio)
+        tail = tokens[2 + n_codes:-1]
+        if prov["kind"] == "audio":
+            assert tail == [SPECIAL["<|audio_end|>"]]
+        else:
+            task = "<|stt_translate|>" if prov["kind"] == "translation" else "<|stt_transcribe|>"
+            assert tail == [SPECIAL["<|audio_end|>"], SPECIAL[task], *cut.custom["text_tokens"]]
+
+
+def test_clip_tokens_equal_the_codec_output_for_the_clip_alone(shar, codec, one_rank):
+    shards, _ = discover_shards(shar)
+    pairs = sequences_with_provenance(one_rank)
+    from mmtok.audio.shards import index_members
+
+    for tokens, prov in pairs[:3]:
+        shard = shards[prov["shard"]]
+        member = index_members(shard.recording_path)[prov["cut_id"]]
+        with open(shard.recording_path, "rb") as handle:
+            wave = load_clip(handle, member, 3000)
+        codes, counts = codec.encode(torch.from_numpy(wave[None]), torch.tensor([wave.size]))
+        alone = LAYOUT.audio_ids(codes[0, :int(counts[0]) - 5].numpy())
+        assert tokens[2:2 + alone.size].tolist() == alone.tolist()
+
+
+def test_token_cache_matches_the_sequences(one_rank):
+    pairs = sequences_with_provenance(one_rank)
+    by_cut = {p["cut_id"]: tokens for tokens, p in pairs}
+    import pyarrow.parquet as pq
+
+    for part in sorted((one_rank / "audio-cache").glob("*.parquet")):
+        table = pq.read_table(part).to_pylist()
+        audio, text = read_tokens(part)
+        for row, audio_ids, text_ids in zip(table, audio, text):
+            tokens = by_cut[row["cut_id"]].tolist()
+            assert tokens[2:2 + audio_ids.size] == audio_ids.tolist()
+            if text_ids is not None:
+                assert tokens[-1 - text_ids.size:-1] == text_ids.tolist()
+
+
+def test_interleave_of_encoded_story_alternates_real_clips(shar, one_rank, tmp_path):
+    summary = interleave(one_rank, tmp_path, progress=False)
+    assert summary["counts"]["runs_of_3+"] == 1 and summary["counts"]["translations"] == 1
+    stage = list(read_sequences(tmp_path / STAGE))
+    assert not list(read_sequences(tmp_path / LONG))
+    with_continue = [s for s in stage if SPECIAL["<|stt_continue|>"] in s.tolist()]
+    assert len(with_continue) == 2  # the two copies of the story run
+    assert all(s[-2] < LAYOUT.special_offset for s in stage)  # every sequence ends with text, then EOS
+
+
+def encode_command(shar: Path, checkpoint: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "mmtok", "encode", "--modality", "audio", "--checkpoint", str(checkpoint),
+            "--shar", str(shar), "--out", str(out), "--max-duration", str(BATCHING.max_duration),
+            "--num-buckets", str(BATCHING.num_buckets), "--bucket-seed", str(BATCHING.seed), "--num-workers", "1",
+            "--no-progress", "--device", "cpu"]
+
+
+def committed_units(out: Path) -> int:
+    return sum(len(p.read_bytes().splitlines()) for p in out.glob("parts/*/commits.log"))
+
+
+def test_kill_9_at_random_points_then_resume_gives_identical_bytes(shar, checkpoint, one_rank, tmp_path):
+    """Kill the rank after a random number of commits plus a random delay (so kills also land inside
+    commits, assemblies and loader start-up), resume, repeat; the final bytes must not change."""
+    command = encode_command(shar, checkpoint, tmp_path)
+    total = committed_units(one_rank)  # same batching -> same units
+    rng = random.Random(20251130)
+    targets = sorted(rng.sample(range(1, total), 3))
+    mid_run_kills = 0
+    for target in targets:
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while process.poll() is None and committed_units(tmp_path) < target:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.5))
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            mid_run_kills += 1
+        process.wait()
+    assert mid_run_kills >= 2
+    subprocess.run(command, check=True, cwd=REPO, capture_output=True)
+    assert committed_units(tmp_path) == total
+    merge(tmp_path)
+    assert fingerprint(tmp_path) == fingerprint(one_rank)
+
+
+def test_shards_go_largest_first_to_the_least_loaded_rank():
+    # 1 (9) -> r0, 3 (9) -> r1, 0 (5) -> r0 (tie: lower rank), 4 (4) -> r1, 2 (2) -> r1, 5 (1) -> r0
+    assert assign_shards([5.0, 9.0, 2.0, 9.0, 4.0, 1.0], 2) == [[0, 1, 5], [2, 3, 4]]
+    assert assign_shards([1.0, 1.0, 1.0], 5) == [[0], [1], [2], [], []]
+
+
+def test_foreign_shar_text_is_tokenized_and_silent_clips_are_skipped(codec, tmp_path):
+    from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
+    from lhotse.audio import AudioSource
+    from lhotse.shar import SharWriter
+
+    import io
+
+    import soundfile
+
+    from mmtok.text import load_text_tokenizer
+
+    speech, rate = soundfile.read(digit("7"), dtype="float32")
+    waves = {"seven": np.interp(np.arange(int(speech.size * 3)) / 3, np.arange(speech.size), speech).astype(np.float32),
+             "quiet": np.zeros(24_000, np.float32)}
+    (tmp_path / "shar").mkdir()
+    with SharWriter(tmp_path / "shar", fields={"recording": "flac"}, shard_size=10) as writer:
+        for name, wave in waves.items():
+            buffer = io.BytesIO()
+            soundfile.write(buffer, wave, 24_000, format="FLAC", subtype="PCM_24")
+            recording = Recording(name, [AudioSource("memory", [0], buffer.getvalue())], 24_000, wave.size,
+                                  wave.size / 24_000)
+            sup = SupervisionSegment(name, name, 0.0, wave.size / 24_000, text=name)
+            writer.write(MonoCut(name, 0.0, wave.size / 24_000, 0, recording=recording, supervisions=[sup]))
+    assert len(CutSet.from_shar(in_dir=tmp_path / "shar")) == 2
+    encode_rank(tmp_path / "shar", tmp_path / "out", codec, rank=0, world_size=1, batching=BATCHING,
+                num_workers=0, progress=False)
+    summary = merge(tmp_path / "out")
+    assert summary["counts"]["skipped:silent"] == 1 and summary["sequences"] == 1
+    (tokens,) = read_sequences(tmp_path / "out" / "merged")
+    assert tokens[-1 - len(load_text_tokenizer().encode("seven")):-1].tolist() == load_text_tokenizer().encode("seven")
+    assert cache_path(tmp_path / "out", 0).is_file()

@@ -1,0 +1,198 @@
+"""`mmtok audio interleave`: runs, the two copies, leftovers, routing and splitting, exact token layout."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmtok.audio.cache import cache_path, write_cache
+from mmtok.audio.interleave import LONG, STAGE, interleave
+from mmtok.formats.megatron import read_sequences
+from mmtok.fsutil import sha256_file
+from mmtok.vocab import VocabLayout
+
+LAYOUT = VocabLayout(131_072)
+BOS, EOS = 1, 2
+SPECIAL = LAYOUT.special_ids()
+A_START, A_END = SPECIAL["<|audio_start|>"], SPECIAL["<|audio_end|>"]
+STT_CONT, TTS_CONT = SPECIAL["<|stt_continue|>"], SPECIAL["<|tts_continue|>"]
+TRANSCRIBE, TRANSLATE = SPECIAL["<|stt_transcribe|>"], SPECIAL["<|stt_translate|>"]
+
+# source -> [(clip number, audio length, text length (-1 = no text), target language)]
+SOURCES = {
+    "five": [(c, 30 + c, 5 + c, None) for c in range(5)],
+    "pair": [(0, 20, 4, None), (1, 21, 4, None)],
+    "single": [(0, 25, 6, None)],
+    "gappy": [(c, 12, 3, None) for c in (0, 1, 2, 4, 5, 6, 7)],       # runs of 3 and 4
+    "untexted": [(0, 10, 3, None), (1, 10, -1, None), (2, 10, 3, None)],  # no-text clip splits the run
+    "translated": [(0, 15, 5, "en"), (1, 15, 5, None), (2, 15, 5, None)],  # translation breaks the run
+    "long": [(c, 400, 50, None) for c in range(6)],
+}
+
+
+def clip_key(index: int) -> int:
+    """Each clip gets its own audio code and text id, so sequences can be parsed back to clips."""
+    return index
+
+
+def make_cache(out: Path) -> dict[int, tuple[str, int]]:
+    """Two cache parts (the `gappy` source spans both); returns key -> (source, clip number)."""
+    rows, keys = [], {}
+    for source, clips in SOURCES.items():
+        for number, audio_length, text_length, target in clips:
+            key = len(keys)
+            keys[key] = (source, number)
+            rows.append({"cut_id": f"{source}-{number}", "source_id": source, "clip": number, "part": 0,
+                         "position": 0, "duration": audio_length / 40, "language": "de" if target else "en",
+                         "target_language": target,
+                         "audio_ids": LAYOUT.audio_ids(np.full(audio_length, key)),
+                         "text_ids": None if text_length < 0 else np.full(text_length, 1000 + key, np.int32)})
+    split = 9  # inside `gappy`
+    meta = {"num_parts": 2, "vocab": LAYOUT.to_dict(), "format": "mmtok-audio-cache/1", "codec": {"name": "test"},
+            "text_tokenizer": {"name": "test", "bos_id": BOS, "eos_id": EOS}, "trim": 5}
+    for part, chunk in enumerate((rows[:split], rows[split:])):
+        for position, row in enumerate(chunk):
+            row.update(part=part, position=position)
+        write_cache(cache_path(out, part), chunk, {**meta, "part": part})
+    return keys
+
+
+def parse(sequence: np.ndarray) -> list[tuple[str, int]]:
+    """A sequence -> [(kind, clip key)] with kind audio/text/transcribe-text/translate-text; checks the
+    BOS/EOS placement and the separators exactly."""
+    tokens = sequence.tolist()
+    assert tokens[0] == BOS and tokens[-1] == EOS
+    assert BOS not in tokens[1:] and EOS not in tokens[:-1]
+    body, segments, i = tokens[1:-1], [], 0
+    while i < len(body):
+        if body[i] == A_START:
+            end = body.index(A_END, i)
+            codes = set(body[i + 1:end])
+            assert len(codes) == 1
+            segments.append(("audio", codes.pop() - LAYOUT.audio_offset))
+            i = end + 1
+        elif body[i] in (STT_CONT, TTS_CONT, TRANSCRIBE, TRANSLATE):
+            segments.append(("sep", body[i]))
+            i += 1
+        else:
+            run = i
+            while run < len(body) and body[run] == body[i]:
+                run += 1
+            segments.append(("text", body[i] - 1000))
+            i = run
+    for (kind, value), (next_kind, next_value) in zip(segments, segments[1:]):
+        if kind == "sep":
+            assert next_kind == ("audio" if value == TTS_CONT else "text")
+        elif next_kind != "sep":
+            raise AssertionError(f"two segments without a separator: {segments}")
+    return segments
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("interleave")
+    keys = make_cache(root / "enc")
+    summary = interleave(root / "enc", root / "out", stage_max_tokens=300, max_tokens=900, progress=False)
+    sequences = {name: list(read_sequences(root / "out" / name)) for name in (STAGE, LONG)}
+    return root, keys, summary, sequences
+
+
+def usable(keys) -> set[int]:
+    texted = {(s, c) for s, clips in SOURCES.items() for c, _, t, target in clips if t >= 0}
+    return {k for k, sc in keys.items() if sc in texted}
+
+
+def test_every_clip_is_audio_exactly_once_and_every_sequence_ends_with_text(built):
+    _, keys, _, sequences = built
+    audio, text = Counter(), Counter()
+    for sequence in sequences[STAGE] + sequences[LONG]:
+        segments = parse(sequence)
+        assert segments[-1][0] == "text"
+        for kind, key in segments:
+            (audio if kind == "audio" else text if kind == "text" else Counter())[key] += 1
+    assert set(audio) == usable(keys) and set(audio.values()) == {1}
+    leftovers = {max(k for k in run) for run in runs(keys) if len(run) >= 3}
+    assert {k: n for k, n in text.items() if n != 1} == {k: 2 for k in leftovers}
+    assert set(text) == usable(keys)
+
+
+def runs(keys) -> list[list[int]]:
+    """The runs the module docstring defines, computed independently from SOURCES."""
+    found = []
+    for source, clips in SOURCES.items():
+        current = []
+        for number, _, text_length, target in clips:
+            key = next(k for k, sc in keys.items() if sc == (source, number))
+            breaks = text_length < 0 or bool(target) or (current and keys[current[-1]][1] != number - 1)
+            if breaks and current:
+                found.append(current)
+                current = []
+            if text_length >= 0 and not target:
+                current.append(key)
+        if current:
+            found.append(current)
+    return found
+
+
+def key_of(keys, source: str, number: int) -> int:
+    return next(k for k, sc in keys.items() if sc == (source, number))
+
+
+def test_run_of_three_gives_two_shifted_copies_and_a_transcribed_leftover(built):
+    _, keys, _, sequences = built
+    c0, c1, c2 = (key_of(keys, "gappy", n) for n in (0, 1, 2))
+
+    def audio(key):
+        return [A_START, *[LAYOUT.audio_offset + key] * 12, A_END]
+
+    def text(key):
+        return [1000 + key] * 3
+
+    expected = [
+        [BOS, *audio(c0), STT_CONT, *text(c1), EOS],
+        [BOS, *text(c0), TTS_CONT, *audio(c1), STT_CONT, *text(c2), EOS],
+        [BOS, *audio(c2), TRANSCRIBE, *text(c2), EOS],
+    ]
+    stage = [s.tolist() for s in sequences[STAGE]]
+    start = stage.index(expected[0])
+    assert stage[start:start + 3] == expected
+
+
+def test_translation_clips_get_the_translate_token_and_break_runs(built):
+    _, keys, summary, sequences = built
+    key = key_of(keys, "translated", 0)
+    translated = [parse(s) for s in sequences[STAGE] if TRANSLATE in s.tolist()]
+    assert translated == [[("audio", key), ("sep", TRANSLATE), ("text", key)]]
+    assert summary["counts"]["translations"] == 1 and summary["counts"]["skipped:no_text"] == 1
+
+
+def test_sequences_are_routed_by_length_and_long_ones_split_at_clip_boundaries(built):
+    _, keys, summary, sequences = built
+    assert all(s.size <= 300 for s in sequences[STAGE])
+    assert sequences[LONG] and all(300 < s.size <= 900 for s in sequences[LONG])
+    long_keys = {key_of(keys, "long", n) for n in range(6)}
+    pieces = [parse(s) for s in sequences[LONG]]
+    assert all({k for kind, k in p if kind != "sep"} <= long_keys for p in pieces)
+    assert summary["counts"]["split_sequences"] == 2  # both copies of the 6-clip run exceed 900 tokens
+    assert all(p[-1][0] == "text" for p in pieces)
+
+
+def test_output_is_deterministic(built, tmp_path):
+    root, _, _, _ = built
+    interleave(root / "enc", tmp_path, stage_max_tokens=300, max_tokens=900, progress=False)
+    for name in (STAGE, LONG):
+        for suffix in (".bin", ".idx"):
+            assert sha256_file(tmp_path / f"{name}{suffix}") == sha256_file(root / "out" / f"{name}{suffix}")
+
+
+def test_missing_cache_part_is_refused(built, tmp_path):
+    from mmtok.errors import MmtokError
+
+    root, _, _, _ = built
+    (tmp_path / "audio-cache").mkdir()
+    (tmp_path / "audio-cache" / "part-00000.parquet").write_bytes(cache_path(root / "enc", 0).read_bytes())
+    with pytest.raises(MmtokError, match="part-00001"):
+        interleave(tmp_path, tmp_path / "out", progress=False)

@@ -1,0 +1,435 @@
+"""`mmtok scan` on real tar shards: exact rows, every tar dialect, named damage, resume, determinism."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+import tarfile
+import time
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image, ImageOps
+
+from mmtok.cli import main as cli
+from mmtok.errors import MmtokError
+from mmtok.formats.manifest import COLUMNS, MemberReader, manifest_fingerprint, read_manifest, read_manifest_metadata
+from mmtok.scan.scanner import ScanOptions, describe, document_order, run_scan
+from realmedia import mate_photos, skimage_images
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------ test media
+
+
+def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **kwargs)
+    return out.getvalue()
+
+
+def orientation_exif(value: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif.tobytes()
+
+
+@pytest.fixture(scope="session")
+def media() -> list[tuple[str, bytes]]:
+    """(extension, bytes) of real photos in each format, small enough for fast tests."""
+    sources = [p for p in skimage_images() if p.name in ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg",
+                                                         "camera.png", "horse.png", "hubble_deep_field.jpg")]
+    sources += [p for p in mate_photos() if p.name in ("Aqua.jpg", "LadyBird.jpg", "Flow.png")]
+    items = []
+    for k, path in enumerate(sources):
+        with Image.open(path) as image:
+            image.draft("RGB", (400, 400))
+            image = ImageOps.exif_transpose(image)
+            image.thumbnail((240, 240))
+            rgb = image.convert("RGB")
+        items += [
+            ("jpg", encode(rgb, "JPEG", exif=orientation_exif(k % 8 + 1))),
+            ("jpg", encode(rgb, "JPEG", progressive=True)),
+            ("png", encode(image, "PNG", compress_level=1)),
+            ("webp", encode(rgb, "WEBP", quality=70)),
+        ]
+    items += [("gif", encode(rgb.quantize(32, method=Image.Quantize.FASTOCTREE), "GIF")),
+              ("bmp", encode(rgb, "BMP")), ("tif", encode(rgb, "TIFF"))]
+    return items
+
+
+def pil_size(data: bytes) -> tuple[int, int]:
+    with Image.open(io.BytesIO(data)) as image:
+        return ImageOps.exif_transpose(image).size
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes, **fields) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime = len(data), 1_700_000_000
+    for key, value in fields.items():
+        setattr(info, key, value)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shard(path: Path, members: list[tuple[str, bytes]], fmt=tarfile.GNU_FORMAT, **kwargs) -> Path:
+    with tarfile.open(path, "w", format=fmt, **kwargs) as tar:
+        for name, data in members:
+            add(tar, name, data)
+    return path
+
+
+def webdataset_members(media, prefix: str = "", start: int = 0) -> list[tuple[str, bytes]]:
+    members = []
+    for k, (ext, data) in enumerate(media):
+        key = f"{prefix}{start + k:06d}"
+        members += [(f"{key}.{ext}", data), (f"{key}.txt", f"caption {start + k}".encode())]
+        if k % 3 == 0:
+            members.append((f"{key}.json", json.dumps({"id": start + k}).encode()))
+    return members
+
+
+def scan(tmp_path: Path, shards: list[Path], workers: int = 1, name: str = "out", **options) -> tuple[Path, list[dict]]:
+    out = tmp_path / name
+    run_scan([describe(str(p)) for p in shards], out, ScanOptions(**options), workers=workers, progress=False)
+    return out, read_manifest(out).to_pylist()
+
+
+def member_bytes(row: dict) -> bytes:
+    with open(row["tar"], "rb") as handle:
+        handle.seek(row["offset"])
+        return handle.read(row["size"])
+
+
+# --------------------------------------------------------------------------- exact on real images
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT],
+                         ids=["gnu", "pax", "ustar"])
+def test_rows_locate_every_member_and_match_pil(tmp_path, media, fmt):
+    prefix = "shards/part-a/" + "d" * 60 + "/"  # 127-char names: GNU `L`, pax `path`, ustar prefix
+    members = webdataset_members(media, prefix)
+    shard = write_shard(tmp_path / "s.tar", members, fmt=fmt)
+    _out, rows = scan(tmp_path, [shard])
+    images = [(n, d) for n, d in members if not n.endswith((".txt", ".json"))]
+    assert [r["member"] for r in rows] == [n for n, _ in images]
+    for row, (name, data) in zip(rows, images):
+        assert row["status"] == "ok" and row["reason"] == "", row
+        assert member_bytes(row) == data
+        assert (row["width"], row["height"]) == pil_size(data), name
+        assert row["key"] == name.rsplit(".", 1)[0] and row["container"] == "tar"
+    assert [r["document"] for r in rows] == list(range(len(rows)))
+
+
+def test_sidecar_offsets_read_back_the_caption_and_json(tmp_path, media):
+    shard = write_shard(tmp_path / "s.tar", webdataset_members(media[:6]))
+    _out, rows = scan(tmp_path, [shard])
+    reader = MemberReader()
+    for k, row in enumerate(rows):
+        assert reader.read_text(row["tar"], "tar", row["text_offset"], row["text_size"]) == f"caption {k}"
+        with open(row["tar"], "rb") as handle:
+            handle.seek(row["text_offset"])
+            assert handle.read(row["text_size"]) == f"caption {k}".encode()
+            if k % 3 == 0:
+                handle.seek(row["json_offset"])
+                assert json.loads(handle.read(row["json_size"])) == {"id": k}
+            else:
+                assert (row["json_offset"], row["json_size"]) == (-1, -1)
+
+
+def test_multi_image_documents_share_an_id_in_image_order(tmp_path, media):
+    jpg, png, webp = media[0][1], media[2][1], media[3][1]
+    listed = {"texts": ["intro", None, "middle", None], "images": [None, "b.webp", None, "doc2.png"]}
+    shard = write_shard(tmp_path / "s.tar", [
+        ("doc1.2.jpg", jpg), ("doc1.0.png", png), ("doc1.1.webp", webp), ("doc1.txt", b"caption"),
+        ("doc2.png", png), ("doc2.b.webp", webp), ("doc2.json", json.dumps(listed).encode()),
+        ("doc3.jpg", jpg),
+    ])
+    _out, rows = scan(tmp_path, [shard])
+    got = [(r["member"], r["document"], r["image_index"]) for r in rows]
+    assert got == [("doc1.2.jpg", 0, 2), ("doc1.0.png", 0, 0), ("doc1.1.webp", 0, 1),
+                   ("doc2.png", 1, 1), ("doc2.b.webp", 1, 0), ("doc3.jpg", 2, 0)]
+    assert {r["text_size"] for r in rows[:3]} == {7}
+
+
+def test_document_order_rules():
+    members = ["dir/k.b.jpg", "dir/k.10.jpg", "dir/k.2.jpg", "dir/k.a.jpg"]
+    assert document_order(members, "dir/k", None) == [3, 1, 0, 2]  # numbers first, then names
+    # json entries name a member by its part after the key, its base name or its full name
+    listed = json.dumps({"images": ["a.jpg", None, "k.b.jpg"]}).encode()
+    assert document_order(members, "dir/k", listed) == [1, 3, 2, 0]
+    assert document_order(members, "dir/k", b"{not json") == [3, 1, 0, 2]
+
+
+# ------------------------------------------------------------------------------------- damage
+
+
+def png_with_size(width: int, height: int) -> bytes:
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = b"IDAT" + zlib.compress(b"\x00" * 64)
+    return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+            + struct.pack(">I", len(idat) - 4) + idat + struct.pack(">I", zlib.crc32(idat)) + bytes(12))
+
+
+def header_offsets(path: Path) -> list[int]:
+    with tarfile.open(path) as tar:
+        return [m.offset for m in tar.getmembers()]
+
+
+def reasons(rows: list[dict]) -> list[tuple[str, str]]:
+    return [(r["member"], r["reason"]) for r in rows]
+
+
+def test_bad_members_get_named_rows_and_the_rest_stays_ok(tmp_path, media):
+    jpg = media[0][1]
+    shard = write_shard(tmp_path / "s.tar", [
+        ("a.jpg", jpg),
+        ("b.jpg", os.urandom(5000)),                  # garbage bytes
+        ("c.png", b""),                               # zero-size member
+        ("d.png", png_with_size(100_000, 100_000)),   # absurd header
+        ("e.png", png_with_size(0, 10)),
+        ("f.jpg", jpg[:jpg.find(b"\xff\xdb") + 20]),  # image cut inside its tables, before the frame header
+        ("g.heic", b"ignored format"),
+        ("h.jpg", jpg),
+    ])
+    out, rows = scan(tmp_path, [shard])
+    assert reasons(rows) == [("a.jpg", ""), ("b.jpg", "unknown_format"), ("c.png", "zero_size"),
+                             ("d.png", "absurd_dimensions"), ("e.png", "zero_dimensions"),
+                             ("f.jpg", "truncated_image_header"), ("h.jpg", "")]
+    assert (rows[3]["width"], rows[3]["height"], rows[3]["format"]) == (100_000, 100_000, "png")
+    meta = read_manifest_metadata(out)
+    assert meta["reasons"] == {"absurd_dimensions": 1, "truncated_image_header": 1, "unknown_format": 1,
+                               "zero_dimensions": 1, "zero_size": 1}
+    assert meta["images_ok"] == 2 and meta["ignored_members"] == {"(sample without image)": 1, "heic": 1}
+
+
+def test_truncated_tar_keeps_everything_before_the_damage(tmp_path, media):
+    members = [(f"{k:03d}.{ext}", data) for k, (ext, data) in enumerate(media[:5])]
+    full = write_shard(tmp_path / "full.tar", members)
+    offsets = header_offsets(full)
+    data = full.read_bytes()
+    mid_header = tmp_path / "mid_header.tar"
+    mid_header.write_bytes(data[:offsets[3] + 100])
+    mid_member = tmp_path / "mid_member.tar"
+    mid_member.write_bytes(data[:offsets[3] + 512 + 200])
+    no_end = tmp_path / "no_end.tar"
+    no_end.write_bytes(data[:offsets[3]])
+    _out, rows = scan(tmp_path, [mid_header, mid_member, no_end])
+    by_tar = {}
+    for row in rows:
+        by_tar.setdefault(Path(row["tar"]).name, []).append((row["member"], row["status"], row["reason"]))
+    ok3 = [(n, "ok", "") for n, _ in members[:3]]
+    assert by_tar["mid_header.tar"] == ok3 + [("", "error", "truncated_tar")]
+    assert by_tar["mid_member.tar"] == ok3 + [(members[3][0], "error", "truncated_member")]
+    assert by_tar["no_end.tar"] == ok3 + [("", "error", "truncated_tar")]
+    truncated = [r for r in rows if r["reason"] == "truncated_tar"]
+    assert [r["offset"] for r in truncated] == [offsets[3], offsets[3]]
+
+
+def test_corrupt_header_checksum_is_named_and_the_scan_resyncs(tmp_path, media):
+    members = [(f"{k:03d}.{ext}", data) for k, (ext, data) in enumerate(media[:5])]
+    shard = write_shard(tmp_path / "s.tar", members)
+    offsets = header_offsets(shard)
+    data = bytearray(shard.read_bytes())
+    data[offsets[2] + 5] ^= 0x20  # a flipped bit in the third member's name
+    shard.write_bytes(bytes(data))
+    _out, rows = scan(tmp_path, [shard])
+    assert reasons(rows) == [(members[0][0], ""), (members[1][0], ""), ("", "corrupt_header"),
+                             (members[3][0], ""), (members[4][0], "")]
+    assert rows[2]["offset"] == offsets[2]
+    assert [r["document"] for r in rows] == [0, 1, 2, 3, 4]
+
+
+def test_garbage_and_empty_and_missing_shards_do_not_stop_the_run(tmp_path, media):
+    garbage = tmp_path / "garbage.tar"
+    garbage.write_bytes(os.urandom(64 * 1024))
+    empty = tmp_path / "empty.tar"
+    empty.write_bytes(b"")
+    good = write_shard(tmp_path / "good.tar", [("a.jpg", media[0][1])])
+    out, rows = scan(tmp_path, [garbage, empty, tmp_path / "missing.tar", good])
+    assert [(Path(r["tar"]).name, r["reason"]) for r in rows] == [
+        ("garbage.tar", "not_a_tar"), ("empty.tar", "empty_file"), ("missing.tar", "unreadable_shard"),
+        ("good.tar", "")]
+    meta = read_manifest_metadata(out)
+    assert [e["reason"] for e in meta["shard_errors"]] == ["not_a_tar", "empty_file", "unreadable_shard"]
+    assert "FileNotFoundError" in meta["shard_errors"][2]["detail"]
+
+
+def test_non_utf8_member_names_are_named(tmp_path, media):
+    jpg = media[0][1]
+    gnu = tmp_path / "gnu.tar"
+    with tarfile.open(gnu, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as tar:
+        add(tar, "caf\xe9.jpg", jpg)
+        add(tar, "ok.jpg", jpg)
+    pax = tmp_path / "pax.tar"
+    with tarfile.open(pax, "w", format=tarfile.PAX_FORMAT, errors="surrogateescape") as tar:
+        add(tar, "caf\udce9.jpg", jpg)  # written as pax path with hdrcharset=BINARY
+    _out, rows = scan(tmp_path, [gnu, pax])
+    assert [(r["member"], r["reason"]) for r in rows] == [
+        ("caf\\xe9.jpg", "non_utf8_name"), ("ok.jpg", ""), ("caf\\xe9.jpg", "non_utf8_name")]
+
+
+def test_links_named_like_images_are_not_read(tmp_path, media):
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w", format=tarfile.GNU_FORMAT) as tar:
+        add(tar, "a.jpg", media[0][1])
+        add(tar, "b.jpg", b"", type=tarfile.SYMTYPE, linkname="a.jpg")
+    _out, rows = scan(tmp_path, [shard])
+    assert reasons(rows) == [("a.jpg", ""), ("b.jpg", "not_a_regular_file")]
+
+
+# ------------------------------------------------------------------------ parquet / arrow sources
+
+
+def test_parquet_and_arrow_exports_are_sources(tmp_path, media):
+    images = [data for _ext, data in media[:6]]
+    struct_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    column = pa.array([{"bytes": d, "path": f"img{k}.x"} for k, d in enumerate(images)] + [None], struct_type)
+    texts = pa.array([f"text {k}" for k in range(6)] + [None])
+    table = pa.table({"caption": texts, "image": column})
+    pq.write_table(table, tmp_path / "hf.parquet", row_group_size=4)
+    with pa.ipc.new_stream(tmp_path / "hf.arrow", table.schema) as writer:  # datasets.save_to_disk layout
+        writer.write_table(table)
+    raw = tmp_path / "raw.parquet"
+    pq.write_table(pa.table({"jpeg": pa.array(images, pa.binary())}), raw)
+    out, rows = scan(tmp_path, [tmp_path / "hf.parquet", tmp_path / "hf.arrow"], text_column="caption")
+    reader = MemberReader()
+    assert [i["file_format"] for i in read_manifest_metadata(out)["inputs"]] == ["parquet", "arrow"]
+    for name in ("hf.parquet", "hf.arrow"):
+        got = [r for r in rows if r["tar"].endswith(name)]
+        assert {r["container"] for r in got} == {"parquet"}
+        assert [r["offset"] for r in got] == list(range(7))
+        assert [r["reason"] for r in got] == [""] * 6 + ["missing_image"]
+        for row, data in zip(got, images):
+            assert row["member"] == "image" and row["key"].startswith("img")
+            assert (row["width"], row["height"]) == pil_size(data)
+            assert row["text_size"] == len(f"text {row['offset']}")
+            assert reader.read(row["tar"], row["container"], row["member"], row["offset"], row["size"]) == data
+            caption = reader.read_text(row["tar"], row["container"], row["text_offset"], row["text_size"], "caption")
+            assert caption == f"text {row['offset']}"
+    _out, raw_rows = scan(tmp_path, [raw], name="raw", image_column="jpeg")
+    assert [(r["member"], r["key"], r["reason"]) for r in raw_rows] == [("jpeg", str(k), "") for k in range(6)]
+
+
+def test_parquet_without_an_image_column_gets_a_shard_error(tmp_path):
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "t.parquet")
+    _out, rows = scan(tmp_path, [tmp_path / "t.parquet"])
+    assert reasons(rows) == [("", "no_image_column")]
+
+
+# --------------------------------------------------------------------- determinism and restarts
+
+
+@pytest.fixture()
+def shards(tmp_path, media) -> list[Path]:
+    directory = tmp_path / "shards"
+    directory.mkdir()
+    paths = []
+    for s in range(6):
+        members = webdataset_members(media[s::3], start=100 * s)
+        paths.append(write_shard(directory / f"shard-{s:03d}.tar", members))
+    broken = directory / "shard-006.tar"
+    broken.write_bytes(paths[0].read_bytes()[:20_000])
+    return paths + [broken]
+
+
+def test_manifest_bytes_do_not_depend_on_worker_count(tmp_path, shards):
+    one, rows = scan(tmp_path, shards, workers=1, name="one")
+    two, _ = scan(tmp_path, shards, workers=2, name="two")
+    assert (one / "manifest.parquet").read_bytes() == (two / "manifest.parquet").read_bytes()
+    docs = [r["document"] for r in rows]
+    assert docs == sorted(docs) and rows[-1]["reason"] in ("truncated_member", "truncated_tar")
+    meta = read_manifest_metadata(one)
+    assert meta["fingerprint"] == manifest_fingerprint(two, verify=True)
+    assert meta["rows"] == len(rows) and meta["shards"] == 7
+    assert read_manifest(one, columns=["width", "status"]).column_names == ["width", "status"]
+    assert pq.ParquetFile(one / "manifest.parquet").schema_arrow.names == list(COLUMNS)
+
+
+def test_rescan_after_partial_cache_gives_identical_bytes(tmp_path, shards):
+    out, _ = scan(tmp_path, shards)
+    reference = (out / "manifest.parquet").read_bytes()
+    cache = sorted((out / ".scan-cache").glob("*.arrow"))
+    assert len(cache) == len(shards)
+    for path in cache[::2]:  # as if the run had been killed after the other shards finished
+        path.unlink()
+    (out / "manifest.json").unlink()
+    (out / "manifest.parquet").unlink()
+    meta = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=2, progress=False)
+    assert meta["_run"]["cached_shards"] == len(shards) - len(cache[::2])
+    assert (out / "manifest.parquet").read_bytes() == reference
+
+
+def test_changed_shard_is_rescanned(tmp_path, shards, media):
+    out, _ = scan(tmp_path, shards)
+    write_shard(shards[1], [("only.jpg", media[0][1])])
+    os.utime(shards[1], ns=(time.time_ns(), time.time_ns() + 10**9))
+    meta = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=1, progress=False)
+    assert meta["_run"]["scanned_shards"] == 1
+    assert "only.jpg" in read_manifest(out, columns=["member"]).column("member").to_pylist()
+    assert len(list((out / ".scan-cache").glob("*.arrow"))) == len(shards)  # the stale entry was pruned
+
+
+def test_killed_scan_resumes_to_identical_bytes(tmp_path, media):
+    directory = tmp_path / "many"
+    directory.mkdir()
+    for s in range(60):
+        write_shard(directory / f"{s:03d}.tar", webdataset_members(media[s % 5::5], start=100 * s))
+    reference, _ = scan(tmp_path, sorted(directory.glob("*.tar")), name="reference")
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "mmtok", "scan", str(directory / "*.tar"), "--out", str(out),
+               "--workers", "1", "--no-progress"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cache = out / ".scan-cache"
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        if len(list(cache.glob("*.arrow"))) >= 3:
+            process.kill()
+            break
+        time.sleep(0.005)
+    process.wait()
+    finished_before_kill = (out / "manifest.json").exists()
+    resumed = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert (out / "manifest.parquet").read_bytes() == (reference / "manifest.parquet").read_bytes()
+    if not finished_before_kill:
+        assert "from cache" in resumed.stderr and "(0 from cache)" not in resumed.stderr
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_expands_globs_and_shard_lists_in_order(tmp_path, shards, capsys):
+    listing = tmp_path / "shards" / "list.txt"
+    listing.write_text("# the broken one last\nshard-00[45].tar\n\nshard-006.tar\n")
+    out = tmp_path / "cli"
+    assert cli(["scan", str(tmp_path / "shards" / "shard-00[0-3].tar"), "--shard-list", str(listing),
+                "--out", str(out), "--workers", "2", "--no-progress"]) == 0
+    inputs = [Path(i["path"]).name for i in read_manifest_metadata(out)["inputs"]]
+    assert inputs == [f"shard-{s:03d}.tar" for s in range(7)]
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.startswith("mmtok scan: 7 shards (0 from cache),") and "images ok" in summary
+
+
+def test_cli_refuses_unusable_inputs_with_a_fix(tmp_path, shards, capsys):
+    assert cli(["scan", str(tmp_path / "nothing-*.tar"), "--out", str(tmp_path / "o")]) == 2
+    assert "matches no file" in capsys.readouterr().err
+    assert cli(["scan", str(shards[0]), str(shards[0]), "--out", str(tmp_path / "o")]) == 2
+    assert "given twice" in capsys.readouterr().err
+
+
+def test_reading_an_incomplete_manifest_names_the_fix(tmp_path, shards):
+    out, _ = scan(tmp_path, shards[:1])
+    table = read_manifest(out)
+    pq.write_table(table.slice(1), out / "manifest.parquet")
+    with pytest.raises(MmtokError, match="changed after the scan"):
+        manifest_fingerprint(out, verify=True)
+    (out / "manifest.json").unlink()
+    with pytest.raises(MmtokError, match="run `mmtok scan"):
+        read_manifest(out)
