@@ -63,7 +63,7 @@ def _encode(codec, args) -> np.ndarray:
     device = next(codec.parameters()).device
     if codec.modality == "image":
         pixels = _image_input(args.input, codec.pixels_per_code, args.min_pixels, args.max_pixels)
-        batch = torch.from_numpy(pixels[None]).to(device)
+        batch = torch.tensor(pixels[None], device=device)  # a copy: PIL-backed arrays are read-only
         return codec.encode(batch)[0].cpu().numpy().astype(np.int32)
     wave = _audio_input(args.input, codec.sample_rate)
     batch = torch.from_numpy(wave[None]).to(device)
