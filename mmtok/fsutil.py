@@ -52,6 +52,33 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
+    """Append the bytes of file `source` to the open binary file `handle`.
+
+    Uses copy_file_range (an in-kernel copy: no trip through user space, a reflink on filesystems
+    that share extents), falling back to a buffered copy where the kernel or filesystem cannot.
+    """
+    import errno
+    import shutil
+
+    handle.flush()
+    with open(source, "rb") as src:
+        size, copied = os.fstat(src.fileno()).st_size, 0
+        try:
+            while copied < size:
+                step = os.copy_file_range(src.fileno(), handle.fileno(), size - copied)
+                if step == 0:  # the source shrank while copying
+                    break
+                copied += step
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            src.seek(copied)
+            handle.seek(0, os.SEEK_END)
+            shutil.copyfileobj(src, handle, 1 << 24)
+    handle.seek(0, os.SEEK_END)  # the kernel moved the descriptor's offset; resync the buffered writer
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     import hashlib
 

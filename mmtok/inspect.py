@@ -118,15 +118,21 @@ def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_voca
 
 def render_sequence(tokens: np.ndarray, layout: VocabLayout, tokenizer) -> str:
     """One line per segment: decoded text, `<image HxW codes>`, `<audio N codes = S s>`."""
+    specials = {v: k for k, v in layout.special_ids().items()}
     parts = []
     for segment in layout.split_sequence(tokens):
         if segment[0] == "text":
-            specials = {v: k for k, v in layout.special_ids().items()}
-            ids = [int(t) for t in segment[1]]
-            if any(t in specials for t in ids):
-                parts.append(" ".join(specials.get(t) or tokenizer.decode([t]) for t in ids))
-            else:
-                parts.append(repr(tokenizer.decode(ids)))
+            words, run = [], []
+            for token in [int(t) for t in segment[1]] + [None]:
+                if token is not None and token not in specials:
+                    run.append(token)
+                    continue
+                if run:
+                    words.append(repr(tokenizer.decode(run)))
+                    run = []
+                if token is not None:
+                    words.append(specials[token])
+            parts.append(" ".join(words))
         elif segment[0] == "image":
             height, width = segment[1].shape
             parts.append(f"<image {height}x{width} codes, dims {tokenizer.decode(segment[2].tolist())!r}>")

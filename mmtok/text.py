@@ -87,6 +87,9 @@ class HFTokenizer(TextTokenizer):
     def token_id(self, name: str) -> int:
         return self._lookup(name)
 
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_token(token_id)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -112,6 +115,9 @@ class TekkenTokenizer(TextTokenizer):
             return self._tok.get_special_token(name)
         except Exception:
             raise MmtokError(f"text tokenizer {self.name} has no special token {name!r}") from None
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.id_to_piece(token_id)
 
     def decode(self, ids: Sequence[int]) -> str:
         from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy

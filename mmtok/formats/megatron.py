@@ -13,14 +13,13 @@ This is the only module that knows these byte layouts.
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-from mmtok.fsutil import atomic_writer, fsync_dir
+from mmtok.fsutil import atomic_writer, copy_file_into, fsync_dir
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -162,8 +161,7 @@ def concatenate(prefixes: list[str | os.PathLike], out_prefix: str | os.PathLike
     dtype = dtypes.pop() if dtypes else TOKEN_DTYPE
     with atomic_writer(bin_path(out_prefix)) as out:
         for prefix in prefixes:
-            with open(bin_path(prefix), "rb") as part:
-                shutil.copyfileobj(part, out, 1 << 24)
+            copy_file_into(bin_path(prefix), out)
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
     write_index(out_prefix, all_lengths, dtype)
     return len(all_lengths)

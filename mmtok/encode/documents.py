@@ -1,0 +1,188 @@
+"""Token documents per plan mode: a *template* of text ids and image slots, filled with image blocks.
+
+A document is one sample (one key); it becomes one sequence. Templates are built in the loader
+threads (text is tokenized there, off the device's critical path); `assemble` fills them with the
+image blocks once every image of the document is encoded. Layouts (DESIGN.md §4):
+
+  image        BOS block_0 .. block_n EOS
+  image-text   BOS block_0 .. block_n caption EOS                 (image -> text)
+  text-image   BOS caption block_0 .. block_n EOS                 (text -> image)
+  interleaved  BOS segments in the json sidecar's order EOS       (OBELICS / MINT-1T `texts`/`images`
+               parallel lists; a run of consecutive texts is joined with "\\n\\n" and tokenized once)
+  sft          the chat template's rendering of the json sidecar (`messages`, `tools`, ...), cut at
+               image placeholders; BOS prepended / EOS appended unless the rendering starts / ends
+               with them
+
+text-image puts no `<|img_generation_start|>` between caption and image: DESIGN.md §4's caption
+documents are `BOS caption block EOS`, which is also what the plan counts exactly. The caption is
+`mmtok.plan.caption_text(txt sidecar)`, the normalisation the plan counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from mmtok.encode.chat import ChatRenderer, ConversationError, split_images
+from mmtok.plan import caption_text
+from mmtok.text import TextTokenizer
+from mmtok.vocab import VocabLayout
+
+# A template: text ids (int32 arrays) and image slots (the image_index of the block that goes there).
+Template = list[Union[np.ndarray, int]]
+TEXT_SEPARATOR = "\n\n"  # between consecutive text segments of an interleaved document
+
+
+class DocumentError(Exception):
+    """A document that cannot be built; `reason` is the counted skip reason (snake_case)."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Sidecars:
+    """The raw sidecar bytes of one sample (None where the sample has none)."""
+
+    text: bytes | None = None
+    json: bytes | None = None
+
+
+class Documents:
+    """Builds templates and image blocks for one mode, tokenizer and vocabulary layout (thread-safe)."""
+
+    def __init__(self, mode: str, tokenizer: TextTokenizer, layout: VocabLayout):
+        self.mode = mode
+        self.tokenizer = tokenizer
+        self.layout = layout
+        self.chat = ChatRenderer.from_tokenizer(tokenizer) if mode == "sft" else None
+        self._bos = np.array([tokenizer.bos_id], np.int32)
+        self._eos = np.array([tokenizer.eos_id], np.int32)
+        self._dims: dict[tuple[int, int], list[int]] = {}
+        self._builders = {"image": self._image, "image-text": self._image_text, "text-image": self._text_image,
+                          "interleaved": self._interleaved, "sft": self._sft}
+        if mode not in self._builders:
+            raise ValueError(f"unknown document mode {mode!r}; known: {sorted(self._builders)}")
+
+    @property
+    def needs_text(self) -> bool:
+        return self.mode in ("image-text", "text-image")
+
+    @property
+    def needs_json(self) -> bool:
+        return self.mode in ("interleaved", "sft")
+
+    def template(self, num_images: int, sidecars: Sidecars) -> Template:
+        """The template of a document with `num_images` planned images; DocumentError if unusable."""
+        return self._builders[self.mode](num_images, sidecars)
+
+    def image_block(self, codes: np.ndarray) -> np.ndarray:
+        """The full token block of one image's codes [h, w] (dimension digits tokenized once per shape)."""
+        shape = (int(codes.shape[0]), int(codes.shape[1]))
+        dims = self._dims.get(shape)
+        if dims is None:
+            dims = self._dims.setdefault(shape, self.tokenizer.encode(f"{shape[0]}*{shape[1]}"))
+        return self.layout.image_block(codes, dims)
+
+    def block_length(self, height: int, width: int) -> int:
+        """Exact length of the block of an image of [height, width] codes."""
+        dims = self.tokenizer.encode(f"{height}*{width}")
+        return self.layout.image_block_length(height, width, len(dims))
+
+    @staticmethod
+    def assemble(template: Template, blocks: dict[int, np.ndarray]) -> np.ndarray:
+        """Concatenate a template with each slot replaced by its image block."""
+        return np.concatenate([blocks[part] if isinstance(part, int) else part for part in template])
+
+    # -- per mode ---------------------------------------------------------------------------------
+    def _text(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int32)
+
+    def _image(self, num_images: int, sidecars: Sidecars) -> Template:
+        return [self._bos, *range(num_images), self._eos]
+
+    def _caption(self, sidecars: Sidecars) -> np.ndarray:
+        if sidecars.text is None:
+            raise DocumentError("missing_caption")
+        try:
+            text = caption_text(sidecars.text)
+        except UnicodeDecodeError:
+            raise DocumentError("caption_not_utf8") from None
+        if not text:
+            raise DocumentError("empty_caption")
+        return self._text(text)
+
+    def _image_text(self, num_images: int, sidecars: Sidecars) -> Template:
+        return [self._bos, *range(num_images), self._caption(sidecars), self._eos]
+
+    def _text_image(self, num_images: int, sidecars: Sidecars) -> Template:
+        return [self._bos, self._caption(sidecars), *range(num_images), self._eos]
+
+    def _interleaved(self, num_images: int, sidecars: Sidecars) -> Template:
+        sample = _json(sidecars)
+        texts, images = sample.get("texts"), sample.get("images")
+        if not isinstance(texts, list) or not isinstance(images, list) or len(texts) != len(images):
+            raise DocumentError("invalid_interleaved_json", "needs parallel `texts` and `images` lists")
+        template: Template = [self._bos]
+        run: list[str] = []
+        slot = 0
+        for text, image in zip(texts, images):
+            if text is not None:
+                if not isinstance(text, str):
+                    raise DocumentError("invalid_interleaved_json", f"text entry of type {type(text).__name__}")
+                run.append(text)
+            if image is not None:
+                template, run = self._flush(template, run), []
+                template.append(slot)
+                slot += 1
+        template = self._flush(template, run)
+        if slot != num_images:
+            raise DocumentError("image_count_mismatch", f"json names {slot} images, the plan has {num_images}")
+        return [*template, self._eos]
+
+    def _flush(self, template: Template, run: list[str]) -> Template:
+        text = TEXT_SEPARATOR.join(run)
+        return [*template, self._text(text)] if text else template
+
+    def _sft(self, num_images: int, sidecars: Sidecars) -> Template:
+        try:
+            rendered = self.chat.render(_json(sidecars))
+        except ConversationError as err:
+            raise DocumentError(err.reason, str(err)) from None
+        template: Template = []
+        slot = 0
+        for piece in split_images(rendered):
+            if piece is None:
+                template.append(slot)
+                slot += 1
+            elif (ids := self._text(piece)).size:
+                template.append(ids)
+        if slot != num_images:
+            raise DocumentError("image_count_mismatch", f"conversation has {slot} image placeholders, the plan "
+                                f"has {num_images} images")
+        if not _text_edge(template, 0, self._bos[0]):
+            template.insert(0, self._bos)
+        if not _text_edge(template, -1, self._eos[0]):
+            template.append(self._eos)
+        return template
+
+
+def _text_edge(template: Template, end: int, token: int) -> bool:
+    """Whether the template's first (end=0) or last (end=-1) token is the text token `token`."""
+    return bool(template) and not isinstance(template[end], int) and template[end][end] == token
+
+
+def _json(sidecars: Sidecars) -> dict:
+    if sidecars.json is None:
+        raise DocumentError("missing_json")
+    try:
+        sample = json.loads(sidecars.json)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise DocumentError("invalid_json", str(err)) from None
+    if not isinstance(sample, dict):
+        raise DocumentError("invalid_json", f"top level is {type(sample).__name__}, not an object")
+    return sample

@@ -1,0 +1,350 @@
+"""The per-rank encode loop: loaders ahead of the device, the device encoding, a committer behind it.
+
+Three stages run at once:
+  loader threads  (mmtok.encode.loader)  read, decode, resize and tokenize batch b+1, b+2, ...
+  device loop     (this thread)          copies batch b to the device (non-blocking from pinned
+                                         memory) and encodes it
+  committer       (one thread)           assembles the documents batch b-1 completes and makes
+                                         them durable (PartShard.commit: tokens, provenance and
+                                         the commit record fsynced)
+so the device waits for neither decoding nor fsync. Every stage handles batches in global order
+and everything a commit holds is a function of the plan alone, so a rank's files are the same for
+any number of loader threads, after any number of kills and resumes, and merge to the same bytes
+for any world size.
+
+Multi-image documents: a document's images can sit in different batches of its window (batches are
+shape-uniform). The blocks of images whose document is still open are appended to the part's
+*carry* with the commit of their batch, so a killed rank resumes with them; the document is written in the
+batch that encodes its last image (the plan's `last_batch`).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmtok import __version__
+from mmtok.codecs.base import refuse_low_precision
+from mmtok.encode.documents import DocumentError, Documents
+from mmtok.encode.loader import BatchLoader, PreparedBatch
+from mmtok.encode.work import RankWork, load_rank_work
+from mmtok.errors import MmtokError
+from mmtok.formats.commitlog import CommitThread, PartShard, part_dir
+from mmtok.text import TextTokenizer, load_text_tokenizer
+from mmtok.vocab import VocabLayout
+
+# Text special tokens recorded (id by name) in the part identity when the tokenizer has them:
+# merge --strip-reasoning and inspection tools read them from there.
+RECORDED_SPECIAL_TOKENS = (
+    "<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>", "<|user_start|>",
+    "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|inner_prefix|>", "<|inner_suffix|>",
+    "<|tools_prefix|>", "<|tools_suffix|>", "<|tool_output_start|>", "<|tool_output_end|>",
+)
+_CARRY_HEADER = struct.Struct("<qiiH")  # document, image_index, block tokens, reason bytes
+
+
+@dataclass
+class EncodeOptions:
+    loader_threads: int = 4
+    prefetch: int = 4  # host memory for batches loaded ahead: prefetch x the largest batch (pinned on CUDA)
+    max_consecutive_failures: int = 64  # more undecodable images in a row = a systematic problem: stop
+    progress: bool = True
+
+
+# -- setup -----------------------------------------------------------------------------------------
+def plan_tokenizer(work: RankWork) -> TextTokenizer:
+    """The plan's text tokenizer, refused if its files changed since planning."""
+    params = work.plan_meta["parameters"]
+    tokenizer = load_text_tokenizer(params["text_tokenizer"])
+    if tokenizer.fingerprint != params.get("text_tokenizer_sha256", tokenizer.fingerprint):
+        raise MmtokError(f"text tokenizer {params['text_tokenizer']} changed since planning (sha256 "
+                         f"{tokenizer.fingerprint[:12]}..., plan {params['text_tokenizer_sha256'][:12]}...); "
+                         "re-run `mmtok plan` with it")
+    return tokenizer
+
+
+def check_codec(work: RankWork, codec, documents: Documents) -> None:
+    """The codec must be an image codec with the plan's pixels per code and the plan's block sizes."""
+    params = work.plan_meta["parameters"]
+    if codec.modality != "image":
+        raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; an image plan needs an image codec")
+    if codec.pixels_per_code != params["factor"]:
+        raise MmtokError(f"codec {codec.name} has {codec.pixels_per_code} pixels per code but the plan was made "
+                         f"with factor {params['factor']}; re-plan with --factor {codec.pixels_per_code}")
+    refuse_low_precision(codec.precision.dtype, codec.name)
+    rows = work.rows
+    shapes = {(int(h), int(w)): int(t) for h, w, t in zip(rows["target_height"], rows["target_width"], rows["tokens"])}
+    factor = codec.pixels_per_code
+    for (height, width), tokens in shapes.items():
+        have = documents.block_length(height // factor, width // factor)
+        if have != tokens:
+            raise MmtokError(f"plan counts {tokens} tokens for a {height}x{width} image block but this text tokenizer "
+                             f"gives {have}; the plan was made with another tokenizer -- re-run `mmtok plan`")
+
+
+def part_identity(work: RankWork, codec, tokenizer: TextTokenizer, layout: VocabLayout) -> dict:
+    """What a part is made from; a resume must match it exactly (see PartShard)."""
+    special = {}
+    for name in RECORDED_SPECIAL_TOKENS:
+        try:
+            special[name] = tokenizer.token_id(name)
+        except MmtokError:
+            pass
+    return {
+        "part": work.rank, "num_parts": work.world_size, "modality": "image", "mode": work.mode,
+        "part_batches": list(work.batch_range),
+        "plan_fingerprint": work.plan_meta["fingerprint"],
+        "manifest_fingerprint": work.plan_meta["manifest_fingerprint"],
+        "codec": codec.describe(),
+        "text_tokenizer": tokenizer.describe(),
+        "text_special_ids": special,
+        "vocab": {"text_size": layout.text_size, "total_size": layout.total_size,
+                  "image_offset": layout.image_offset, "audio_offset": layout.audio_offset},
+    }
+
+
+# -- documents -------------------------------------------------------------------------------------
+@dataclass
+class Commit:
+    sequences: list[np.ndarray] = field(default_factory=list)
+    provenance: list[dict] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    carry: bytes = b""
+    carry_done: bool = False
+
+
+class Assembler:
+    """Encoded batches -> documents, in batch order. Open documents' images live in `pending`
+    (and in the part's carry, so they survive a kill)."""
+
+    def __init__(self, work: RankWork, documents: Documents, carry: bytes, next_batch: int):
+        self.work = work
+        self.documents = documents
+        self.pending: dict[int, dict[int, np.ndarray | str]] = {}
+        self.consecutive_failures = 0
+        for document, image_index, value in unpack_carry(carry):
+            if work.doc_last_batch[work.doc_position(document)] >= next_batch:  # still open at the resume point
+                self.pending.setdefault(document, {})[image_index] = value
+
+    def add(self, prepared: PreparedBatch, codes: np.ndarray | None, max_failures: int) -> Commit:
+        work, rows, commit = self.work, self.work.rows, Commit()
+        carry = []
+        for slot, row in enumerate(range(prepared.rows.start, prepared.rows.stop)):
+            document, image_index = int(rows["document"][row]), int(rows["image_index"][row])
+            value = prepared.failures[slot] or self._block(codes[slot], row)
+            self._count_failure(prepared.failures[slot], row, max_failures)
+            self.pending.setdefault(document, {})[image_index] = value
+            if work.doc_last_batch[work.doc_position(document)] != prepared.batch:
+                carry.append(pack_carry(document, image_index, value))
+        for position in work.completing(prepared.batch):
+            self._finish_document(int(position), prepared.templates, commit)
+        commit.carry = b"".join(carry)
+        commit.carry_done = not self.pending
+        return commit
+
+    def _block(self, codes: np.ndarray, row: int) -> np.ndarray:
+        block = self.documents.image_block(codes)
+        if block.size != self.work.rows["tokens"][row]:
+            raise MmtokError(f"image block of manifest row {self.work.rows['manifest_row'][row]} has {block.size} "
+                             f"tokens, the plan counted {self.work.rows['tokens'][row]}")
+        return block
+
+    def _count_failure(self, reason: str | None, row: int, limit: int) -> None:
+        self.consecutive_failures = self.consecutive_failures + 1 if reason else 0
+        if self.consecutive_failures > limit:
+            r = self.work.rows
+            raise MmtokError(
+                f"{self.consecutive_failures} images in a row failed to decode (last: {r['tar'][row]} member "
+                f"{r['member'][row]}: {reason}). This looks systematic (wrong or damaged input files, a copy "
+                f"that differs from what was scanned), not a few bad images; check the inputs and re-scan. "
+                f"(--max-consecutive-failures raises the limit.)")
+
+    def _finish_document(self, position: int, templates: dict, commit: Commit) -> None:
+        work = self.work
+        document = int(work.documents[position])
+        images = self.pending.pop(document, {})
+        if len(images) != work.doc_images[position]:
+            raise MmtokError(f"document {document}: {len(images)} of {work.doc_images[position]} images were "
+                             "encoded; the part's carry is damaged -- delete the part directory to re-encode it")
+        failed = {i: v for i, v in images.items() if isinstance(v, str)}
+        template = templates[document]
+        if failed or isinstance(template, DocumentError):  # skipped whole; every image counted once
+            for index in images:
+                reason = failed.get(index, "document_image_failed") if failed else template.reason
+                commit.counts[f"skipped:{reason}"] += 1
+            commit.counts["documents_skipped"] += 1
+            return
+        tokens = self.documents.assemble(template, images)
+        rows = work.document_rows(position)
+        first = int(work.doc_row[position])
+        commit.sequences.append(tokens)
+        commit.provenance.append({"document": document, "key": work.rows["key"][first], "tar": work.rows["tar"][first],
+                                  "rows": work.rows["manifest_row"][rows].tolist()})
+        commit.counts.update(images_written=len(images), documents_written=1, tokens=int(tokens.size))
+
+
+def pack_carry(document: int, image_index: int, value: np.ndarray | str) -> bytes:
+    """One carried image: its block (int32), or the reason it failed."""
+    if isinstance(value, str):
+        reason = value.encode()
+        return _CARRY_HEADER.pack(document, image_index, 0, len(reason)) + reason
+    return _CARRY_HEADER.pack(document, image_index, int(value.size), 0) + value.astype(np.int32).tobytes()
+
+
+def unpack_carry(data: bytes):
+    """Yield (document, image_index, block or reason) from carry bytes."""
+    position = 0
+    while position < len(data):
+        document, image_index, size, reason_len = _CARRY_HEADER.unpack_from(data, position)
+        position += _CARRY_HEADER.size
+        if reason_len:
+            yield document, image_index, data[position : position + reason_len].decode()
+            position += reason_len
+        else:
+            yield document, image_index, np.frombuffer(data, np.int32, size, position).copy()
+            position += size * 4
+
+
+# -- the loop --------------------------------------------------------------------------------------
+class Meter:
+    """Throughput and device-busy figures for the progress bar and the stats (thread-safe enough:
+    the device loop adds busy time, the committer adds the rest)."""
+
+    def __init__(self, bar, images_done: int):
+        self.bar = bar
+        self.started = time.perf_counter()
+        self.last_commit = self.started
+        self.first_batch: float | None = None  # when the device got its first batch (pipeline fill)
+        self.busy = 0.0
+        self.busy_since_commit = 0.0
+        self.images = 0
+        self.tokens = 0
+        bar.update(images_done)
+
+    def device(self, started: float, finished: float) -> None:
+        if self.first_batch is None:
+            self.first_batch = started
+        self.busy += finished - started
+        self.busy_since_commit += finished - started
+
+    @property
+    def fill_seconds(self) -> float:
+        """Seconds this session's device waited for its first batch (loaders warming up)."""
+        return (self.first_batch or time.perf_counter()) - self.started
+
+    def committed(self, images: int, tokens: int) -> dict[str, int]:
+        """Account one commit; returns its timing increments (milliseconds) for the part's counters."""
+        now = time.perf_counter()
+        increments = {"wall_ms": round((now - self.last_commit) * 1000),
+                      "device_busy_ms": round(self.busy_since_commit * 1000)}
+        self.last_commit, self.busy_since_commit = now, 0.0
+        self.images += images
+        self.tokens += tokens
+        elapsed = max(now - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{self.images / elapsed:.1f} img/s, {self.tokens / elapsed:,.0f} tok/s, "
+                                 f"device busy {100 * self.busy / elapsed:.1f}%", refresh=False)
+        self.bar.update(images)
+        return increments
+
+
+def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, world_size: int,
+                device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> dict:
+    """Encode rank `rank` of `world_size` of the plan into OUT/parts/part-<rank>; returns its stats.
+
+    Creates or resumes the part (refusing a different plan, codec or precision), encodes the batches
+    not yet committed, and finishes the part (tokens.idx, stats.json, DONE). A rank with no batches
+    finishes an empty part.
+    """
+    options = options or EncodeOptions()
+    device = torch.device(device)
+    work = load_rank_work(plan_dir, rank, world_size)
+    tokenizer = plan_tokenizer(work)
+    layout = VocabLayout(text_size=tokenizer.vocab_size)
+    documents = Documents(work.mode, tokenizer, layout)
+    check_codec(work, codec, documents)
+    codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
+    shard = PartShard(part_dir(out, rank), part_identity(work, codec, tokenizer, layout))
+    if shard.done:
+        return {"already_done": True, **_summary_counts(shard)}
+    start = max(work.batch_range[0], shard.next_unit)
+    assembler = Assembler(work, documents, shard.carry(), start)
+    batches = range(start, work.batch_range[1])
+    meter = _run_batches(work, codec, shard, assembler, batches, device, options)
+    stats = {**_stats(shard, codec, device, options, work), "fill_s": meter.fill_seconds}
+    shard.finish(stats)
+    return {**stats, **_summary_counts(shard)}
+
+
+def _run_batches(work: RankWork, codec, shard: PartShard, assembler: Assembler, batches: range,
+                 device: torch.device, options: EncodeOptions) -> Meter:
+    from tqdm import tqdm
+
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    bar = tqdm(total=work.num_images, desc=f"encode rank {work.rank}", unit="img", file=sys.stderr,
+               disable=not options.progress, mininterval=1.0 if sys.stderr.isatty() else 30.0)
+    meter = Meter(bar, work.images_before(batches.start))
+    loader = BatchLoader(work, assembler.documents, batches, threads=options.loader_threads,
+                         prefetch=options.prefetch, pin=pin)
+    committer = CommitThread()
+    try:
+        with torch.inference_mode():
+            for prepared in loader:
+                codes = _encode(codec, prepared, device, meter)
+                loader.release(prepared)
+                committer.submit(lambda p=prepared, c=codes: _commit(shard, assembler, p, c, meter, options))
+    finally:
+        loader.close()
+        try:
+            committer.close()
+        finally:
+            bar.close()
+    return meter
+
+
+def _encode(codec, prepared: PreparedBatch, device: torch.device, meter: Meter) -> np.ndarray | None:
+    """Codes [B, h, w] of a batch (None when every image failed: nothing to encode)."""
+    if all(prepared.failures):
+        return None
+    started = time.perf_counter()
+    pixels = prepared.pixels.to(device, non_blocking=True)  # async from pinned memory on CUDA
+    codes = codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
+    meter.device(started, time.perf_counter())
+    return codes
+
+
+def _commit(shard: PartShard, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
+            meter: Meter, options: EncodeOptions) -> None:
+    commit = assembler.add(prepared, codes, options.max_consecutive_failures)
+    timing = meter.committed(len(prepared.failures), int(commit.counts.get("tokens", 0)))
+    shard.commit(prepared.batch, commit.sequences, commit.provenance, {**commit.counts, **timing},
+                 carry=commit.carry, carry_done=commit.carry_done)
+
+
+def _stats(shard: PartShard, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:
+    counts = shard.counts
+    wall = counts.get("wall_ms", 0) / 1000
+    busy = counts.get("device_busy_ms", 0) / 1000
+    return {
+        "tool_version": __version__,
+        "rank": work.rank, "world_size": work.world_size, "batches": list(work.batch_range),
+        "ranges_rederived": work.rederived,
+        "images_planned": work.num_images,
+        "images_written": counts.get("images_written", 0),
+        "skipped": {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")},
+        "wall_s": wall, "device_busy_s": busy, "device_busy_fraction": busy / wall if wall else 0.0,
+        "images_per_s": counts.get("images_written", 0) / wall if wall else 0.0,
+        "tokens_per_s": counts.get("tokens", 0) / wall if wall else 0.0,
+        "device": str(device), "loader_threads": options.loader_threads,
+        "precision": codec.precision.to_dict(),
+    }
+
+
+def _summary_counts(shard: PartShard) -> dict:
+    return {"counts": dict(shard.counts), "sequences": len(shard.lengths), "part_dir": str(shard.directory)}

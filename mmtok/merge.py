@@ -1,0 +1,312 @@
+"""Merge the finished parts of an encode output into one Megatron dataset (and a no-reasoning copy).
+
+`merge(out)` requires parts 0..num_parts-1 under `OUT/parts/` to be finished (DONE), joins them in
+part order (bytes copied, pointers rebuilt) into `OUT/merged.bin/.idx`, concatenates their
+provenance into `OUT/merged.provenance.jsonl`, sums their stats into `OUT/merged.json` (written
+last: its presence means the merge completed) and verifies the result with megatron-core's
+`IndexedDataset`. Parts hold contiguous ranges of a fixed global work order, so the merged bytes do
+not depend on how many parts (ranks) produced them.
+
+`strip_reasoning=True` also writes `OUT/merged_no_reasoning.*`: every reasoning span removed,
+under these rules (ids looked up by name in the text tokenizer recorded in the parts):
+  * a span runs from `<|inner_prefix|>` to the next `<|inner_suffix|>`, both markers included; a
+    prefix inside an open span is part of that span (spans do not nest);
+  * an orphan prefix (no suffix before the turn ends) removes everything up to, not including, the
+    next `<|assistant_end|>` -- or, without one, up to the end of the sequence, keeping a final EOS;
+  * an orphan suffix (no open span) is removed alone;
+  * a sequence left with nothing but BOS/EOS is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmtok.errors import MmtokError
+from mmtok.formats import commitlog
+from mmtok.formats.megatron import bin_path, concatenate, read_index, write_index
+from mmtok.fsutil import atomic_write_json, atomic_writer, copy_file_into
+
+MERGED = "merged"
+NO_REASONING = "merged_no_reasoning"
+PROVENANCE_SUFFIX = ".provenance.jsonl"
+REASONING_MARKERS = ("<|inner_prefix|>", "<|inner_suffix|>")
+TURN_END = "<|assistant_end|>"
+BLOCK_TOKENS = 1 << 24  # strip-reasoning works through the merged tokens in blocks of about this size
+
+
+@dataclass(frozen=True)
+class Part:
+    number: int
+    directory: Path
+    identity: dict
+
+
+def find_parts(out: Path) -> list[Part]:
+    """The finished parts of `out`, in part order; refuses missing/unfinished or inconsistent parts."""
+    found = {}
+    for directory in sorted((out / "parts").glob("part-*")):
+        if (directory / commitlog.IDENTITY).is_file():
+            identity = commitlog.read_identity(directory)
+            found[identity["part"]] = Part(identity["part"], directory, identity)
+    if not found:
+        raise MmtokError(f"{out}: no encoded parts under {out / 'parts'}; run `mmtok encode --out {out}` first")
+    counts = {part.identity["num_parts"] for part in found.values()}
+    if len(counts) != 1:
+        raise MmtokError(f"{out}: parts disagree on the number of parts ({sorted(counts)}); they come from "
+                         "different encode runs -- use one --out per run")
+    num_parts = counts.pop()
+    missing = [n for n in range(num_parts) if n not in found or not commitlog.is_done(found[n].directory)]
+    if missing:
+        listed = ", ".join(str(commitlog.part_dir(out, n)) for n in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise MmtokError(f"{out}: {len(missing)} of {num_parts} parts are not finished (no DONE marker): "
+                         f"{listed}{more}. Run (or resume) `mmtok encode` for them, then merge again.")
+    parts = [found[n] for n in range(num_parts)]
+    _check_same_run(parts)
+    return parts
+
+
+def shared_identity(identity: dict) -> dict:
+    """The identity keys every part of one run shares (per-part keys are `part` and `part_*`)."""
+    return {k: v for k, v in identity.items() if k != "part" and not k.startswith("part_")}
+
+
+def _check_same_run(parts: list[Part]) -> None:
+    reference = shared_identity(parts[0].identity)
+    for part in parts[1:]:
+        difference = commitlog.identity_difference(reference, shared_identity(part.identity))
+        if difference:
+            raise MmtokError(f"{part.directory}: does not belong to the same encode run as part 0: {difference}")
+
+
+def merge(out: str | os.PathLike, *, strip_reasoning: bool = False) -> dict:
+    """Merge the parts of `out`; returns the summary written to `OUT/merged.json`."""
+    out = Path(out)
+    parts = find_parts(out)
+    prefixes = [commitlog.part_prefix(part.directory) for part in parts]
+    sequences = concatenate(prefixes, out / MERGED)
+    _concatenate_files([part.directory / commitlog.PROVENANCE for part in parts], out / (MERGED + PROVENANCE_SUFFIX))
+    verified_with = verify_merged(out / MERGED, prefixes)
+    summary = _merge_stats(parts)
+    summary.update(sequences=sequences, verified_with=verified_with)
+    if strip_reasoning:
+        summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity))
+    atomic_write_json(out / f"{MERGED}.json", summary)
+    return summary
+
+
+def _concatenate_files(sources: list[Path], target: Path) -> None:
+    with atomic_writer(target) as handle:
+        for source in sources:
+            copy_file_into(source, handle)
+
+
+def _merge_stats(parts: list[Part]) -> dict:
+    counts: dict[str, int] = {}
+    per_part = []
+    for part in parts:
+        stats = commitlog.read_stats(part.directory)
+        for key, value in stats.get("counts", {}).items():
+            counts[key] = counts.get(key, 0) + value
+        per_part.append({k: stats.get(k) for k in ("sequences", "tokens", "wall_s", "device_busy_s")
+                         if k in stats} | {"part": part.number})
+    return {
+        "identity": shared_identity(parts[0].identity),
+        "num_parts": len(parts),
+        "tokens": sum(p.get("tokens", 0) for p in per_part),
+        "counts": dict(sorted(counts.items())),
+        "parts": per_part,
+    }
+
+
+def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
+    """Read the merged dataset back with megatron-core and compare it with the parts.
+
+    Checks the sequence count, every length, the document index, and the first and last sequence
+    of every part token for token. Returns the name of the reader used.
+    """
+    lengths = [read_index(p)[1] for p in part_prefixes]
+    expected = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
+    if not expected.sum():
+        _, merged_lengths, _, _ = read_index(prefix)  # megatron-core cannot mmap an empty .bin
+        if not np.array_equal(merged_lengths, expected):
+            raise MmtokError(f"{prefix}: merged index does not match the parts")
+        return "mmtok (empty dataset)"
+    try:
+        IndexedDataset = _import_indexed_dataset()
+    except ImportError:
+        print("mmtok merge: megatron-core is not installed; verifying with mmtok's own reader")
+        return _verify_with_mmtok(prefix, expected)
+    dataset = IndexedDataset(str(prefix))  # keep alive while its arrays are in use: they view its mmap
+    problems = []
+    if len(dataset) != expected.size or not np.array_equal(dataset.sequence_lengths, expected):
+        problems.append("sequence lengths differ from the parts'")
+    if not np.array_equal(dataset.document_indices, np.arange(expected.size + 1)):
+        problems.append("document index is not one document per sequence")
+    start = 0
+    for part_prefix, part_lengths in zip(part_prefixes, lengths):
+        for local in {0, part_lengths.size - 1} if part_lengths.size else ():
+            source = _read_sequence(part_prefix, local)
+            if not np.array_equal(dataset[start + local], source):
+                problems.append(f"sequence {start + local} differs from {part_prefix} sequence {local}")
+        start += part_lengths.size
+    del dataset
+    if problems:
+        raise MmtokError(f"{prefix}: merged dataset failed verification: {'; '.join(problems)}")
+    return "megatron-core IndexedDataset"
+
+
+def _import_indexed_dataset():
+    """megatron-core's reader, imported without its warnings about absent training extras (Apex,
+    Transformer Engine, CUDA), which say nothing about reading a dataset."""
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+    finally:
+        torch_log.setLevel(level)
+    return IndexedDataset
+
+
+def _verify_with_mmtok(prefix: Path, expected: np.ndarray) -> str:
+    _, lengths, _, documents = read_index(prefix)
+    if not np.array_equal(lengths, expected) or not np.array_equal(documents, np.arange(expected.size + 1)):
+        raise MmtokError(f"{prefix}: merged index does not match the parts")
+    return "mmtok reader"
+
+
+def _read_sequence(prefix: Path, index: int) -> np.ndarray:
+    dtype, lengths, pointers, _ = read_index(prefix)
+    with open(bin_path(prefix), "rb") as handle:
+        handle.seek(int(pointers[index]))
+        return np.frombuffer(handle.read(int(lengths[index]) * dtype.itemsize), dtype)
+
+
+# -- strip reasoning ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReasoningIds:
+    prefix: int
+    suffix: int
+    turn_end: int | None
+    bos: int
+    eos: int
+
+
+def reasoning_ids(identity: dict) -> ReasoningIds:
+    """Marker ids recorded in a part identity by encode (looked up by name in its text tokenizer)."""
+    special = identity.get("text_special_ids", {})
+    tokenizer = identity.get("text_tokenizer", {})
+    absent = [name for name in REASONING_MARKERS if name not in special]
+    if absent:
+        raise MmtokError(f"--strip-reasoning: the text tokenizer of this run ({tokenizer.get('name', '?')}) has no "
+                         f"{' / '.join(absent)} token, so its sequences cannot hold reasoning spans")
+    return ReasoningIds(special["<|inner_prefix|>"], special["<|inner_suffix|>"], special.get(TURN_END),
+                        tokenizer["bos_id"], tokenizer["eos_id"])
+
+
+def strip_sequence(tokens: np.ndarray, ids: ReasoningIds, stats: dict[str, int]) -> np.ndarray:
+    """A boolean keep-mask for one sequence under the module's rules; updates `stats`."""
+    keep = np.ones(tokens.size, dtype=bool)
+    open_at = None
+    for position in np.flatnonzero(np.isin(tokens, [ids.prefix, ids.suffix, -1 if ids.turn_end is None
+                                                    else ids.turn_end])):
+        token = tokens[position]
+        if token == ids.prefix and open_at is None:
+            open_at = position
+        elif token == ids.suffix and open_at is None:
+            keep[position] = False
+            stats["orphan_suffixes"] += 1
+        elif token == ids.suffix:
+            keep[open_at : position + 1] = False
+            stats["spans_removed"] += 1
+            open_at = None
+        elif token == ids.turn_end and open_at is not None:
+            keep[open_at:position] = False
+            stats["orphan_prefixes"] += 1
+            open_at = None
+    if open_at is not None:
+        end = tokens.size - 1 if tokens.size and tokens[-1] == ids.eos else tokens.size
+        keep[open_at:end] = False
+        stats["orphan_prefixes"] += 1
+    return keep
+
+
+def write_stripped(out: Path, ids: ReasoningIds) -> dict[str, int]:
+    """Write `OUT/merged_no_reasoning.*` from `OUT/merged.*`; returns what was removed."""
+    dtype, lengths, pointers, _ = read_index(out / MERGED)
+    stats = dict.fromkeys(("spans_removed", "orphan_prefixes", "orphan_suffixes", "reasoning_tokens_removed",
+                           "sequences_changed", "dropped_empty_sequences"), 0)
+    tokens = np.memmap(bin_path(out / MERGED), dtype=dtype, mode="r") if lengths.sum() else np.zeros(0, dtype)
+    starts = pointers // dtype.itemsize
+    kept_lengths, kept_sequences = [], []
+    with atomic_writer(bin_path(out / NO_REASONING)) as handle:
+        for first, last in _blocks(lengths):
+            base = int(starts[first])
+            block = np.asarray(tokens[base : int(starts[last - 1] + lengths[last - 1])])
+            keep, block_lengths, block_kept = _strip_block(block, starts[first:last] - base, ids, stats)
+            handle.write(block[keep].tobytes())
+            kept_lengths.append(block_lengths)
+            kept_sequences.append(block_kept + first)
+    kept_lengths = np.concatenate(kept_lengths) if kept_lengths else np.zeros(0, np.int64)
+    write_index(out / NO_REASONING, kept_lengths, dtype)
+    kept = np.zeros(lengths.size, dtype=bool)
+    if kept_sequences:
+        kept[np.concatenate(kept_sequences)] = True
+    _filter_lines(out / (MERGED + PROVENANCE_SUFFIX), out / (NO_REASONING + PROVENANCE_SUFFIX), kept)
+    stats["sequences"] = int(kept_lengths.size)
+    return stats
+
+
+def _blocks(lengths: np.ndarray) -> list[tuple[int, int]]:
+    """[first, last) sequence ranges of about BLOCK_TOKENS tokens each (at least one sequence)."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    blocks, first = [], 0
+    while first < lengths.size:
+        budget = (ends[first - 1] if first else 0) + BLOCK_TOKENS
+        last = max(first + 1, int(np.searchsorted(ends, budget, side="right")))
+        blocks.append((first, last))
+        first = last
+    return blocks
+
+
+def _strip_block(block: np.ndarray, offsets: np.ndarray, ids: ReasoningIds,
+                 stats: dict[str, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token keep-mask, lengths of the kept sequences, local indices of the kept sequences)."""
+    bounds = np.append(offsets, block.size).astype(np.int64)
+    keep = np.ones(block.size, dtype=bool)
+    marker_at = np.flatnonzero(np.isin(block, [ids.prefix, ids.suffix]))
+    for local in np.unique(np.searchsorted(bounds, marker_at, side="right") - 1):
+        lo, hi = bounds[local], bounds[local + 1]
+        keep[lo:hi] = strip_sequence(block[lo:hi], ids, stats)
+        stats["sequences_changed"] += 1
+    stats["reasoning_tokens_removed"] += int(block.size - keep.sum())
+    kept = _per_sequence(keep, bounds)
+    content = _per_sequence(keep & ~np.isin(block, [ids.bos, ids.eos]), bounds)
+    empty = np.flatnonzero(content == 0)
+    for local in empty:
+        keep[bounds[local] : bounds[local + 1]] = False
+    stats["dropped_empty_sequences"] += int(empty.size)
+    survivors = np.flatnonzero(content > 0)
+    return keep, kept[survivors], survivors
+
+
+def _per_sequence(mask: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Number of True entries of `mask` in each [bounds[i], bounds[i+1]) range."""
+    cumulative = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    return cumulative[bounds[1:]] - cumulative[bounds[:-1]]
+
+
+def _filter_lines(source: Path, target: Path, keep: np.ndarray) -> None:
+    with open(source, "rb") as lines, atomic_writer(target) as handle:
+        for index, line in enumerate(lines):
+            if keep[index]:
+                handle.write(line)

@@ -1,0 +1,261 @@
+"""Test support for encode/merge: a small HF tokenizer in the Apertus chat format, and tar shards.
+
+`chat_tokenizer(dir)` trains a byte-level BPE (the `tokenizers` library) on a few sentences, adds the
+Apertus chat special tokens as added tokens (at ids that differ from the real Apertus build, so a
+hard-coded id would be caught) and saves tokenizer.json + tokenizer_config.json with a jinja chat
+template in the Apertus format (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = [
+    "<unk>", "<s>", "</s>", "<pad>",
+    "<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>",
+    "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+    "<|tools_prefix|>", "<|tools_suffix|>", "<|tool_output_start|>", "<|tool_output_end|>",
+    "<|inner_prefix|>", "<|inner_suffix|>",
+]
+
+# The Apertus chat format: BOS; a system block (empty when there is no system message); a developer
+# block with `Deliberation:` and `Tool Capabilities:`; user turns; assistant turns holding reasoning
+# (<|inner_prefix|>..<|inner_suffix|>), tool calls (<|tools_prefix|>..<|tools_suffix|>) and tool
+# outputs (<|tool_output_start|>..<|tool_output_end|>) until the next user turn.
+APERTUS_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages[0].role == 'system' -%}"
+    "{{- '<|system_start|>' ~ messages[0].content ~ '<|system_end|>' -}}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{{- '<|system_start|><|system_end|>' -}}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{{- '<|developer_start|>Deliberation: ' ~ ('enabled' if enable_thinking else 'disabled') ~ '\\n' -}}"
+    "{%- if tools -%}"
+    "{{- 'Tool Capabilities:\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{%- if not loop.last -%}{{- '\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- else -%}"
+    "{{- 'Tool Capabilities: disabled' -}}"
+    "{%- endif -%}"
+    "{{- '<|developer_end|>' -}}"
+    "{%- set ns = namespace(in_assistant=false) -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message.role == 'user' -%}"
+    "{%- if ns.in_assistant -%}{{- '<|assistant_end|>' -}}{%- set ns.in_assistant = false -%}{%- endif -%}"
+    "{{- '<|user_start|>' ~ message.content ~ '<|user_end|>' -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{%- if not ns.in_assistant -%}{{- '<|assistant_start|>' -}}{%- set ns.in_assistant = true -%}{%- endif -%}"
+    "{%- if message.reasoning_content -%}"
+    "{{- '<|inner_prefix|>' ~ message.reasoning_content ~ '<|inner_suffix|>' -}}"
+    "{%- endif -%}"
+    "{%- if message.content -%}{{- message.content -}}{%- endif -%}"
+    "{%- if message.tool_calls -%}"
+    "{{- '<|tools_prefix|>' ~ (message.tool_calls | tojson) ~ '<|tools_suffix|>' -}}"
+    "{%- endif -%}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|tool_output_start|>' ~ message.content ~ '<|tool_output_end|>' -}}"
+    "{%- else -%}"
+    "{{- raise_exception('unknown role ' ~ message.role) -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.in_assistant -%}{{- '<|assistant_end|>' -}}{%- endif -%}"
+)
+
+TRAINING_TEXT = [
+    "A photo of a cat sitting on a red chair in the afternoon sun.",
+    "The astronaut floats above the earth; the rocket waits on the launch pad.",
+    "What is in this image? Describe the colours, the objects and the weather.",
+    "Let me think step by step about the question before I answer it.",
+    "The weather in Zurich is cloudy with a chance of rain, 14 degrees.",
+    "Deliberation: enabled disabled. Tool Capabilities: get_weather city name.",
+    "0 1 2 3 4 5 6 7 8 9 10 12 16 24 32 48 64 * x",
+]
+
+
+def chat_tokenizer(directory: Path, vocab_size: int = 400) -> Path:
+    """Train and save the test tokenizer; returns its directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS[:4],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(TRAINING_TEXT * 4, trainer)
+    tokenizer.add_special_tokens(SPECIAL_TOKENS[4:])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": APERTUS_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A POSIX tar with the given (name, bytes) members in order (deterministic headers)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 1_700_000_000
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+# -- corpora of real images in tar shards -----------------------------------------------------------
+def real_images() -> dict[str, Path]:
+    """Small real images of every PIL mode the loaders must handle (RGB, L, RGBA, P/GIF, LA, JPEG, PNG)."""
+    from realmedia import mate_photos, skimage_images
+
+    wanted = {"astronaut.png", "camera.png", "chelsea.png", "coffee.png", "coins.png", "color.png", "horse.png",
+              "logo.png", "microaneurysms.png", "moon.png", "page.png", "rocket.jpg", "text.png", "phantom.png",
+              "no_time_for_that_tiny.gif", "chessboard_RGB.png", "clock_motion.png", "hubble_deep_field.jpg",
+              "FreshFlower.jpg", "GreenMeadow.jpg", "Stripes.png"}
+    found = {p.name: p for p in skimage_images() + mate_photos() if p.name in wanted}
+    assert set(found) == wanted, f"missing test images: {sorted(wanted - set(found))}"
+    return found
+
+
+def caption_corpus(directory: Path, corrupt: bool = False) -> list[Path]:
+    """Three tar shards of captioned samples: single images, two-image samples whose images have
+    different shapes (so they land in different batches), and -- with `corrupt` -- images whose
+    headers are valid but whose pixel data is damaged."""
+    images = real_images()
+    names = sorted(images)
+    in_pairs = ("horse.png", "rocket.jpg", "page.png", "moon.png")
+    singles = [(n, images[n].read_bytes()) for n in names if n not in in_pairs]
+    singles += converted_images(images)
+    shards: list[list[tuple[str, bytes]]] = [[], [], []]
+    for i, (name, data) in enumerate(singles):
+        key = f"s{i:03d}"
+        shards[i % 3] += [(f"{key}.{name.rsplit('.', 1)[1]}", data),
+                          (f"{key}.txt", f"  {name.split('.')[0]} in the afternoon sun\n".encode())]
+    for i, (first, second) in enumerate([("horse.png", "rocket.jpg"), ("page.png", "moon.png")]):
+        key = f"m{i:03d}"
+        shards[1] += [(f"{key}.0.{first.rsplit('.', 1)[1]}", images[first].read_bytes()),
+                      (f"{key}.1.{second.rsplit('.', 1)[1]}", images[second].read_bytes()),
+                      (f"{key}.txt", f"{first} and {second}".encode())]
+    if corrupt:
+        jpeg, png = images["rocket.jpg"].read_bytes(), images["coffee.png"].read_bytes()
+        shards[2] += [("c000.jpg", damaged_jpeg(jpeg)), ("c000.txt", b"a damaged jpeg"),
+                      ("c001.png", damaged_png(png)), ("c001.txt", b"a damaged png"),
+                      ("c002.0.png", png), ("c002.1.jpg", damaged_jpeg(jpeg)), ("c002.txt", b"one good, one bad")]
+    return [write_tar(directory / f"shard-{i}.tar", members) for i, members in enumerate(shards)]
+
+
+def converted_images(images: dict[str, Path]) -> list[tuple[str, bytes]]:
+    """Real photos stored the ways the loaders must undo: EXIF-rotated JPEG (orientation 6: displayed
+    sideways, so width and height swap), CMYK JPEG and 16-bit grayscale PNG."""
+    from PIL import Image
+
+    def save(image, fmt: str, **options) -> bytes:
+        buffer = io.BytesIO()
+        image.save(buffer, fmt, **options)
+        return buffer.getvalue()
+
+    chelsea = Image.open(images["chelsea.png"]).convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to display
+    coffee = Image.open(images["coffee.png"]).convert("CMYK")
+    camera = Image.fromarray((np.asarray(Image.open(images["camera.png"]).convert("L"), np.uint16) * 257))
+    return [("chelsea_rotated.jpg", save(chelsea, "JPEG", quality=90, exif=exif)),
+            ("coffee_cmyk.jpg", save(coffee, "JPEG", quality=90)),
+            ("camera_16bit.png", save(camera, "PNG"))]
+
+
+def damaged_jpeg(data: bytes) -> bytes:
+    """A JPEG whose headers (SOI..SOS) are intact but whose entropy-coded data stops a third of the way."""
+    scan = data.index(b"\xff\xda")
+    return data[: scan + (len(data) - scan) // 3]
+
+
+def damaged_png(data: bytes) -> bytes:
+    """A PNG whose IHDR is intact but whose first IDAT chunk has flipped bytes (CRC no longer matches)."""
+    idat = data.index(b"IDAT")
+    damaged = bytearray(data)
+    for i in range(idat + 20, idat + 60):
+        damaged[i] ^= 0x5A
+    return bytes(damaged)
+
+
+def interleaved_corpus(directory: Path) -> list[Path]:
+    """OBELICS-style samples: a json sidecar with parallel `texts`/`images` lists naming the members."""
+    images = real_images()
+    samples = [
+        ("w000", ["A cat sat on the chair.", None, "Then it slept.", "It woke at noon.", None],
+         [None, "0.png", None, None, "1.jpg"], ["chelsea.png", "rocket.jpg"]),
+        ("w001", [None, "The astronaut floats above the earth."], ["0.png", None], ["astronaut.png"]),
+        ("w002", ["Coins and coffee:", None, None, "That was all."], [None, "1.png", "0.png", None],
+         ["coins.png", "coffee.png"]),
+    ]
+    members = []
+    for key, texts, listed, files in samples:
+        for index, name in enumerate(files):
+            members.append((f"{key}.{index}.{name.rsplit('.', 1)[1]}", images[name].read_bytes()))
+        members.append((f"{key}.json", json.dumps({"texts": texts, "images": listed}).encode()))
+    return [write_tar(directory / "web-0.tar", members)]
+
+
+SFT_SAMPLES = [
+    ("c000", ["chelsea.png"], {
+        "enable_thinking": True,
+        "messages": [
+            {"role": "user", "content": "<image>\nWhat is in this image?"},
+            {"role": "assistant", "reasoning_content": "Let me think step by step about the cat.",
+             "content": "A cat sitting on a red chair."}]}),
+    ("c001", ["rocket.jpg", "astronaut.png"], {
+        "tools": [{"name": "get_weather", "parameters": {"city": "string"}}],
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " and "}, {"type": "image"},
+                                         {"type": "text", "text": ": the weather in Zurich?"}]},
+            {"role": "assistant", "reasoning_content": "The rocket waits on the launch pad.",
+             "tool_calls": [{"name": "get_weather", "arguments": {"city": "Zurich"}}]},
+            {"role": "tool", "content": "cloudy, 14 degrees"},
+            {"role": "assistant", "content": "Cloudy, 14 degrees."}]}),
+    ("c002", ["coffee.png"], {
+        "messages": [
+            {"role": "user", "content": "Describe <|image|>"},
+            {"role": "assistant", "reasoning_content": "Only reasoning here."}]}),
+]
+
+
+def sft_corpus(directory: Path) -> list[Path]:
+    images = real_images()
+    members = []
+    for key, files, conversation in SFT_SAMPLES:
+        for index, name in enumerate(files):
+            members.append((f"{key}.{index}.{name.rsplit('.', 1)[1]}", images[name].read_bytes()))
+        members.append((f"{key}.json", json.dumps(conversation).encode()))
+    return [write_tar(directory / "sft-0.tar", members)]
+
+
+# -- reading documents back -------------------------------------------------------------------------
+def parse_block(tokens, start: int, layout, tokenizer):
+    """Parse the image block at tokens[start:]; returns (codes [h, w], end). Asserts DESIGN.md §4's layout:
+    <|img_start|> "H*W" <|img_token_start|> (W codes <|img_end_of_row|>) x H <|img_end_of_frame|> <|img_end|>."""
+    import numpy as np
+
+    special = layout.special_ids()
+    tokens = np.asarray(tokens)
+    assert tokens[start] == special["<|img_start|>"]
+    token_start = start + int(np.flatnonzero(tokens[start:] == special["<|img_token_start|>"])[0])
+    frame_end = token_start + int(np.flatnonzero(tokens[token_start:] == special["<|img_end_of_frame|>"])[0])
+    width = int(np.flatnonzero(tokens[token_start + 1 : frame_end] == special["<|img_end_of_row|>"])[0])
+    grid = tokens[token_start + 1 : frame_end]
+    height = grid.size // (width + 1)
+    assert grid.size == height * (width + 1)
+    grid = grid.reshape(height, width + 1)
+    assert (grid[:, width] == special["<|img_end_of_row|>"]).all()
+    assert tokens[start + 1 : token_start].tolist() == tokenizer.encode(f"{height}*{width}")
+    assert tokens[frame_end + 1] == special["<|img_end|>"]
+    codes = grid[:, :width] - layout.image_offset
+    assert codes.min() >= 0 and codes.max() < layout.image_codebook
+    return codes, frame_end + 2

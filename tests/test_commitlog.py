@@ -1,0 +1,221 @@
+"""PartShard: durable per-unit commits, resume after a kill at any instant, identity checks."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmtok.errors import MmtokError
+from mmtok.formats.commitlog import COMMITS, PartShard, is_done, part_dir, part_prefix, read_commits, read_provenance
+from mmtok.formats.megatron import read_sequences
+from mmtok.fsutil import sha256_file
+
+IDENTITY = {"part": 0, "num_parts": 1, "modality": "image", "plan_fingerprint": "abc",
+            "codec": {"name": "x", "precision": {"tf32_matmul": True, "dtype": "float32"}}}
+
+# A writer whose every unit is a pure function of the unit number (as encode's are); the parent
+# kills it with SIGKILL at random instants and restarts it until it finishes.
+WRITER = r"""
+import sys, numpy as np
+from mmtok.formats.commitlog import PartShard
+directory, units, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+shard = PartShard(directory, {"part": 0, "num_parts": 1, "fingerprint": "f"})
+if not shard.done:
+    for unit in range(shard.next_unit, units):
+        rng = np.random.default_rng(unit)
+        seqs = [rng.integers(0, 266440, rng.integers(1, size), dtype=np.int32) for _ in range(3)]
+        carry = rng.bytes(1000) if unit % 4 else b""
+        shard.commit(unit, seqs, [{"unit": unit, "i": i} for i in range(3)], {"written": 3},
+                     carry=carry, carry_done=unit % 4 == 0)
+    shard.finish({"note": "done"})
+"""
+
+
+def _units(shard: PartShard, units: range, rng_seed: int = 0) -> list[list[np.ndarray]]:
+    written = []
+    for unit in units:
+        rng = np.random.default_rng(rng_seed + unit)
+        seqs = [rng.integers(0, 266440, rng.integers(1, 50), dtype=np.int32) for _ in range(unit % 3 + 1)]
+        shard.commit(unit, seqs, [{"unit": unit, "seq": i} for i in range(len(seqs))], {"written": len(seqs)})
+        written.append(seqs)
+    return written
+
+
+def test_finished_part_reads_back_with_megatron_core(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    written = [s for unit in _units(shard, range(5)) for s in unit]
+    shard.finish({"wall_s": 1.0})
+    assert is_done(tmp_path / "p")
+    dataset = IndexedDataset(str(part_prefix(tmp_path / "p")))
+    assert len(dataset) == len(written)
+    for i, seq in enumerate(written):
+        np.testing.assert_array_equal(dataset[i], seq)
+    provenance = list(read_provenance(tmp_path / "p"))
+    assert [p["unit"] for p in provenance] == [u for u in range(5) for _ in range(u % 3 + 1)]
+    stats = json.loads((tmp_path / "p" / "stats.json").read_text())
+    assert stats["counts"] == {"written": len(written)} and stats["sequences"] == len(written)
+
+
+def test_resume_continues_after_last_commit_and_restores_counts(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    _units(shard, range(3))
+    shard.close()
+    resumed = PartShard(tmp_path / "p", IDENTITY)
+    assert resumed.next_unit == 3
+    assert resumed.counts == {"written": 1 + 2 + 3}
+    assert not resumed.done
+
+
+def test_torn_tails_are_truncated_and_final_bytes_match_clean_run(tmp_path):
+    clean = PartShard(tmp_path / "clean", IDENTITY)
+    _units(clean, range(6))
+    clean.finish({})
+
+    torn = PartShard(tmp_path / "torn", IDENTITY)
+    _units(torn, range(4))
+    torn.close()
+    # A kill after the data of unit 4 was appended but in the middle of its commit record.
+    directory = tmp_path / "torn"
+    with open(directory / "tokens.bin", "ab") as handle:
+        handle.write(b"\x01" * 123)
+    with open(directory / "provenance.jsonl", "ab") as handle:
+        handle.write(b'{"unit": 4, "se')
+    with open(directory / COMMITS, "ab") as handle:
+        handle.write(b'{"unit":4,"lengths":[1')
+    resumed = PartShard(directory, IDENTITY)
+    assert resumed.next_unit == 4
+    _units(resumed, range(4, 6))
+    resumed.finish({})
+    for name in ("tokens.bin", "tokens.idx", "provenance.jsonl"):
+        assert sha256_file(directory / name) == sha256_file(tmp_path / "clean" / name), name
+
+
+def test_resume_refuses_a_different_identity_naming_the_key(tmp_path):
+    PartShard(tmp_path / "p", IDENTITY).close()
+    changed = json.loads(json.dumps(IDENTITY))
+    changed["codec"]["precision"]["tf32_matmul"] = False
+    with pytest.raises(MmtokError, match=r"codec\.precision\.tf32_matmul \(recorded True, now False\)"):
+        PartShard(tmp_path / "p", changed)
+    with pytest.raises(MmtokError, match=r"plan_fingerprint \(recorded 'abc', now 'xyz'\)"):
+        PartShard(tmp_path / "p", {**IDENTITY, "plan_fingerprint": "xyz"})
+
+
+def test_corrupt_record_before_intact_ones_is_refused(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    _units(shard, range(3))
+    shard.close()
+    log = tmp_path / "p" / COMMITS
+    lines = log.read_bytes().splitlines(keepends=True)
+    lines[0] = lines[0].replace(b'"unit":0', b'"unit":9')
+    log.write_bytes(b"".join(lines))
+    with pytest.raises(MmtokError, match="corrupt but later records are intact"):
+        PartShard(tmp_path / "p", IDENTITY)
+
+
+def test_data_shorter_than_its_commit_is_refused(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    _units(shard, range(2))
+    shard.close()
+    with open(tmp_path / "p" / "tokens.bin", "r+b") as handle:
+        handle.truncate(4)
+    with pytest.raises(MmtokError, match="tokens.bin: 4 bytes but the last commit record says"):
+        PartShard(tmp_path / "p", IDENTITY)
+
+
+def test_units_must_increase_and_done_parts_take_no_commits(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    _units(shard, range(2))
+    with pytest.raises(ValueError, match="out of order"):
+        shard.commit(1, [], [], {})
+    shard.finish({})
+    again = PartShard(tmp_path / "p", IDENTITY)
+    assert again.done and again.next_unit == 2
+    with pytest.raises(MmtokError, match="finished"):
+        again.commit(2, [], [], {})
+
+
+def test_carry_survives_resume_until_declared_done(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard.commit(0, [], [], {}, carry=b"abc")
+    shard.commit(1, [], [], {}, carry=b"def")
+    shard.close()
+    resumed = PartShard(tmp_path / "p", IDENTITY)
+    assert resumed.carry() == b"abcdef"
+    resumed.commit(2, [], [], {}, carry_done=True)
+    assert resumed.carry() == b""
+    assert (tmp_path / "p" / "carry.bin").stat().st_size == 0
+    resumed.commit(3, [], [], {}, carry=b"gh")
+    resumed.close()
+    assert PartShard(tmp_path / "p", IDENTITY).carry() == b"gh"
+
+
+def test_carry_reset_interrupted_before_next_commit_resumes_empty(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard.commit(0, [], [], {}, carry=b"abc")
+    shard.commit(1, [], [], {}, carry_done=True)  # record says carry_live == carry_bytes == 3; file emptied
+    with open(tmp_path / "p" / "carry.bin", "ab") as handle:  # a kill mid-append of unit 2's carry
+        handle.write(b"zz")
+    shard.close()
+    resumed = PartShard(tmp_path / "p", IDENTITY)
+    assert resumed.carry() == b"" and resumed.next_unit == 2
+    resumed.commit(2, [], [], {}, carry=b"x")
+    assert resumed.carry() == b"x"
+
+
+def test_empty_part_finishes_with_an_empty_dataset(tmp_path):
+    # (megatron-core cannot mmap an empty .bin, so an empty part is checked with our reader only)
+    shard = PartShard(part_dir(tmp_path, 3), {**IDENTITY, "part": 3})
+    shard.finish({})
+    assert part_dir(tmp_path, 3).name == "part-00003"
+    assert list(read_sequences(part_prefix(part_dir(tmp_path, 3)))) == []
+
+
+def _has_torn_tail(directory: Path, records: list[dict]) -> bool:
+    """Whether a kill left bytes past the last complete commit (data appended, record not yet written)."""
+    committed = records[-1]["tokens_bytes"] if records else 0
+    path = directory / "tokens.bin"
+    return path.exists() and path.stat().st_size > committed
+
+
+def _run_writer(directory: Path, units: int, size: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(units), str(size)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_sigkill_at_random_instants_leaves_bytes_identical_to_a_clean_run(tmp_path):
+    units, size = 300, 200_000
+    started = time.monotonic()
+    clean = _run_writer(tmp_path / "clean", units, size)
+    assert clean.wait() == 0, clean.stderr.read().decode()
+    seconds_per_unit = (time.monotonic() - started - 0.2) / units  # start-up takes ~0.2 s
+    rng = random.Random(1234)
+    kills, torn, progress = 0, 0, [-1]
+    while not is_done(tmp_path / "killed"):
+        proc = _run_writer(tmp_path / "killed", units, size)
+        if kills < 12:  # a random instant within the next quarter of the remaining work
+            time.sleep(0.2 + rng.uniform(0, seconds_per_unit * (units - 1 - progress[-1]) / 4))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+        proc.wait()
+        records, _ = read_commits(tmp_path / "killed")
+        progress.append(records[-1]["unit"] if records else -1)
+        torn += _has_torn_tail(tmp_path / "killed", records)
+        assert proc.returncode in (0, -signal.SIGKILL), proc.stderr.read().decode()
+    assert kills >= 10, f"only {kills} kills landed before the writer finished: {progress}"
+    assert len(set(progress)) > 6, f"kills did not land at different points: {progress}"
+    assert torn >= 1, "no kill landed between a unit's data and its commit record (mid-write)"
+    for name in ("tokens.bin", "tokens.idx", "provenance.jsonl"):
+        assert sha256_file(tmp_path / "killed" / name) == sha256_file(tmp_path / "clean" / name), name
+    done = [json.loads((tmp_path / run / "DONE").read_text()) for run in ("killed", "clean")]
+    assert done[0] == done[1]

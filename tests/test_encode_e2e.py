@@ -1,0 +1,345 @@
+"""scan -> plan -> encode -> merge on real images in tar shards, read back with megatron-core."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from encodekit import caption_corpus, chat_tokenizer, interleaved_corpus, parse_block, real_images
+
+from mmtok.cli import main
+from mmtok.codecs import emu35
+from mmtok.errors import MmtokError
+from mmtok.formats.commitlog import part_dir, read_stats
+from mmtok.formats.megatron import read_sequences
+from mmtok.fsutil import sha256_file
+from mmtok.images import ImageDecodeError, decode_rgb, resize_rgb
+from mmtok.plan import caption_text
+from mmtok.text import load_text_tokenizer
+from mmtok.vocab import VocabLayout
+
+# Tiny targets (at most 48x48 pixels = 3x3 codes) and small batches/windows keep the suite fast while
+# giving many batches, several shapes, windows, and multi-image documents split across batches.
+PLAN_FLAGS = ["--min-pixels", "1024", "--max-pixels", "2304", "--min-source-pixels", "100", "--token-budget", "60",
+              "--max-batch-images", "3", "--window-rows", "9"]
+MERGED_FILES = ("merged.bin", "merged.idx", "merged.provenance.jsonl")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The loader threads share this 2-core machine with the CPU "device": OpenMP spinning on a second
+    thread makes the tiny codec tens of times slower, so the device gets one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    checkpoint = emu35.write_random_checkpoint(root / "ckpt")
+    caption_corpus(root / "captions")
+    assert main(["scan", str(root / "captions" / "*.tar"), "--out", str(root / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    # A small HF tokenizer loads in milliseconds; the built-in 131k tekken is used where noted.
+    text = chat_tokenizer(root / "tokenizer")
+    return SimpleNamespace(root=root, checkpoint=checkpoint, manifest=root / "manifest", text=text,
+                           codec=emu35.load(checkpoint, "cpu"), tokenizer=load_text_tokenizer(str(text)))
+
+
+def plan(env, name: str, *flags: str, manifest: Path | None = None) -> Path:
+    out = env.root / name
+    assert main(["plan", str(manifest or env.manifest), "--out", str(out), "--quiet", *PLAN_FLAGS,
+                 "--text-tokenizer", str(env.text), *flags]) == 0
+    return out
+
+
+def encode_all(env, plan_dir: Path, out: Path, world_size: int, threads: int = 2, extra: tuple = ()) -> Path:
+    for rank in range(world_size):
+        assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out),
+                     "--rank", str(rank), "--world-size", str(world_size), "--loader-threads", str(threads),
+                     "--device", "cpu", "--no-progress", *extra]) == 0
+    assert main(["merge", str(out)]) == 0
+    return out
+
+
+def digests(out: Path) -> dict[str, str]:
+    return {name: sha256_file(out / name) for name in MERGED_FILES}
+
+
+def manifest_rows(manifest: Path) -> list[dict]:
+    return pq.read_table(manifest / "manifest.parquet").to_pylist()
+
+
+def serial_codes(env, plan_dir: Path) -> dict[int, np.ndarray]:
+    """Reference: each planned batch decoded, resized and encoded in one thread -> codes per manifest row."""
+    planned = pq.read_table(plan_dir / "plan.parquet").to_pylist()
+    manifest = manifest_rows(env.manifest)
+    batches: dict[int, list[dict]] = {}
+    for entry in planned:
+        batches.setdefault(entry["batch"], []).append(entry)
+    codes = {}
+    for batch in batches.values():
+        height, width = batch[0]["target_height"], batch[0]["target_width"]
+        pixels = np.zeros((len(batch), height, width, 3), np.uint8)
+        ok = []
+        for slot, planned_row in enumerate(batch):
+            entry = manifest[planned_row["manifest_row"]]
+            with open(entry["tar"], "rb") as handle:
+                handle.seek(entry["offset"])
+                data = handle.read(entry["size"])
+            try:
+                pixels[slot] = resize_rgb(decode_rgb(data), height, width)
+                ok.append((slot, planned_row["manifest_row"]))
+            except ImageDecodeError:
+                pass
+        if ok:
+            encoded = env.codec.encode(torch.from_numpy(pixels)).numpy()
+            codes.update({row: encoded[slot] for slot, row in ok})
+    return codes
+
+
+def test_merged_dataset_reads_with_megatron_core_and_matches_design_layout(env, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    plan_dir = plan(env, "plan-image-text", "--mode", "image-text", "--text-tokenizer", "tekken")
+    out = encode_all(env, plan_dir, tmp_path / "out", world_size=1)
+    tekken = load_text_tokenizer("tekken")
+    layout = VocabLayout(text_size=tekken.vocab_size)
+    reference = serial_codes(env, plan_dir)
+    manifest = manifest_rows(env.manifest)
+    provenance = [json.loads(line) for line in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    dataset = IndexedDataset(str(out / "merged"))
+    assert len(dataset) == len(provenance) > 0
+    blocks_seen = 0
+    for index, record in enumerate(provenance):
+        tokens = dataset[index]
+        assert tokens.dtype == np.int32 and tokens[0] == tekken.bos_id and tokens[-1] == tekken.eos_id
+        position = 1
+        for row in record["rows"]:  # BOS, the blocks in image order, the caption, EOS
+            codes, position = parse_block(tokens, position, layout, tekken)
+            np.testing.assert_array_equal(codes, reference[row])
+            blocks_seen += 1
+        entry = manifest[record["rows"][0]]
+        with open(entry["tar"], "rb") as handle:
+            handle.seek(entry["text_offset"])
+            caption = caption_text(handle.read(entry["text_size"]))
+        assert tokens[position:-1].tolist() == tekken.encode(caption)
+        if caption.startswith("chelsea_rotated"):  # stored 451x300 with EXIF orientation 6: displayed upright
+            assert codes.shape[0] > codes.shape[1]
+        assert record["key"] == entry["key"] and record["tar"] == entry["tar"]
+    meta = json.loads((plan_dir / "plan.json").read_text())
+    assert blocks_seen == meta["totals"]["kept_images"]
+    assert sum(len(dataset[i]) for i in range(len(dataset))) == meta["totals"]["document_tokens"]
+    assert any(len(r["rows"]) == 2 for r in provenance), "the corpus has two-image documents"
+    _check_gpt_dataset(out / "merged", layout, tekken.eos_id, tmp_path)
+
+
+class MegatronTokenizerStub:
+    """What GPTDatasetConfig reads from a tokenizer: vocabulary size, end-of-document id, identifiers."""
+
+    def __init__(self, vocab_size: int, eod: int):
+        self.vocab_size, self.eod, self.eos, self.pad = vocab_size, eod, eod, -1
+        self.unique_identifiers = {"class": "mmtok-test-stub", "vocab_size": vocab_size, "eod": eod}
+
+
+def _check_gpt_dataset(prefix: Path, layout: VocabLayout, eos: int, cache: Path) -> None:
+    """A GPTDataset built by BlendedMegatronDatasetBuilder on CPU serves exactly our token stream."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    sequences = list(read_sequences(prefix))
+    length = 32
+    tokenizer = MegatronTokenizerStub(layout.total_size, eos)
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=length, blend=([str(prefix)], None),
+                              split="100,0,0", tokenizer=tokenizer, reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(cache / "gpt-cache"))
+    total = sum(s.size for s in sequences)
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [(total - 1) // length, None, None], lambda: True,
+                                                config).build()
+    assert len(train) == (total - 1) // length
+    stream = np.concatenate([sequences[d] for d in train.document_index])
+    for i in range(len(train)):
+        sample = train[i]
+        j = int(train.shuffle_index[i])
+        expected = stream[j * length : (j + 1) * length + 1]
+        np.testing.assert_array_equal(sample["tokens"].numpy(), expected[:-1])
+        np.testing.assert_array_equal(sample["labels"].numpy(), expected[1:])
+
+
+def test_merged_bytes_do_not_depend_on_world_size(env, tmp_path):
+    plan_dir = plan(env, "plan-ws3", "--mode", "image-text", "--world-size", "3")
+    runs = {n: digests(encode_all(env, plan_dir, tmp_path / f"ws{n}", world_size=n)) for n in (1, 3, 7)}
+    assert runs[1] == runs[3] == runs[7]
+    assert all(read_stats(part_dir(tmp_path / "ws7", r))["ranges_rederived"] for r in range(7))
+    assert not read_stats(part_dir(tmp_path / "ws3", 0))["ranges_rederived"]
+
+
+def test_ranks_without_batches_finish_empty_parts(env, tmp_path):
+    plan_dir = plan(env, "plan-wide", "--mode", "image", "--token-budget", "200", "--max-batch-images", "8")
+    meta = json.loads((plan_dir / "plan.json").read_text())
+    world_size = meta["num_batches"] + 2
+    wide = digests(encode_all(env, plan_dir, tmp_path / "wide", world_size=world_size))
+    stats = [read_stats(part_dir(tmp_path / "wide", r)) for r in range(world_size)]
+    assert sum(s["images_planned"] == 0 and s["sequences"] == 0 for s in stats) >= 2
+    assert wide == digests(encode_all(env, plan_dir, tmp_path / "one", world_size=1))
+
+
+def test_loader_thread_count_does_not_change_the_output(env, tmp_path):
+    plan_dir = plan(env, "plan-threads", "--mode", "text-image")
+    one = digests(encode_all(env, plan_dir, tmp_path / "t1", world_size=1, threads=1))
+    four = digests(encode_all(env, plan_dir, tmp_path / "t4", world_size=1, threads=4, extra=("--prefetch", "2")))
+    assert one == four
+
+
+def test_text_image_and_image_modes_lay_out_documents_per_design(env, tmp_path):
+    layout = VocabLayout(text_size=env.tokenizer.vocab_size)
+    for mode in ("text-image", "image"):
+        out = encode_all(env, plan(env, f"plan-{mode}", "--mode", mode), tmp_path / mode, world_size=1)
+        provenance = [json.loads(x) for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+        for record, tokens in zip(provenance, read_sequences(out / "merged")):
+            position = 1
+            if mode == "text-image":  # BOS caption blocks EOS
+                position = int(np.flatnonzero(tokens == layout.special_id("<|img_start|>"))[0])
+                assert position > 1
+            for _ in record["rows"]:
+                _, position = parse_block(tokens, position, layout, env.tokenizer)
+            assert position == tokens.size - 1 and tokens[-1] == env.tokenizer.eos_id
+
+
+def test_corrupt_images_are_skipped_with_reasons_and_counts_add_up(env, tmp_path):
+    caption_corpus(tmp_path / "bad", corrupt=True)
+    assert main(["scan", str(tmp_path / "bad" / "*.tar"), "--out", str(tmp_path / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    plan_dir = plan(env, "plan-corrupt", "--mode", "image-text", manifest=tmp_path / "manifest")
+    out = encode_all(env, plan_dir, tmp_path / "out", world_size=2)
+    summary = json.loads((out / "merged.json").read_text())
+    counts = summary["counts"]
+    skipped = {k: v for k, v in counts.items() if k.startswith("skipped:")}
+    assert skipped.get("skipped:decode_error", 0) == 3  # c000, c001 and the bad half of c002
+    assert skipped.get("skipped:document_image_failed", 0) == 1  # the good half of c002
+    meta = json.loads((plan_dir / "plan.json").read_text())
+    assert counts["images_written"] + sum(skipped.values()) == meta["totals"]["kept_images"]
+    keys = {json.loads(x)["key"] for x in (out / "merged.provenance.jsonl").read_text().splitlines()}
+    assert not keys & {"c000", "c001", "c002"} and summary["sequences"] == counts["documents_written"]
+
+
+def test_interleaved_documents_follow_the_json_order(env, tmp_path):
+    interleaved_corpus(tmp_path / "web")
+    assert main(["scan", str(tmp_path / "web" / "*.tar"), "--out", str(tmp_path / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    out = encode_all(env, plan(env, "plan-web", "--mode", "interleaved", manifest=tmp_path / "manifest"),
+                     tmp_path / "out", world_size=1)
+    layout = VocabLayout(text_size=env.tokenizer.vocab_size)
+    encode = env.tokenizer.encode
+    documents = {json.loads(x)["key"]: tokens for x, tokens in
+                 zip((out / "merged.provenance.jsonl").read_text().splitlines(), read_sequences(out / "merged"))}
+    tokens = documents["w000"]  # text, image 0, two texts joined by a blank line, image 1
+    assert tokens[0] == env.tokenizer.bos_id
+    text = encode("A cat sat on the chair.")
+    assert tokens[1 : 1 + len(text)].tolist() == text
+    _, position = parse_block(tokens, 1 + len(text), layout, env.tokenizer)
+    text = encode("Then it slept.\n\nIt woke at noon.")
+    assert tokens[position : position + len(text)].tolist() == text
+    _, position = parse_block(tokens, position + len(text), layout, env.tokenizer)
+    assert position == tokens.size - 1 and tokens[-1] == env.tokenizer.eos_id
+    tokens = documents["w002"]  # json lists image 1 before image 0: blocks follow the json order
+    start = 1 + len(encode("Coins and coffee:"))
+    first, middle = parse_block(tokens, start, layout, env.tokenizer)
+    second, end = parse_block(tokens, middle, layout, env.tokenizer)
+    assert first.shape != second.shape or not np.array_equal(first, second)
+    assert tokens[end:-1].tolist() == encode("That was all.")
+
+
+def test_rerun_of_a_finished_rank_is_a_no_op_and_other_inputs_are_refused(env, tmp_path, capsys):
+    plan_dir = plan(env, "plan-refuse", "--mode", "image")
+    encode_all(env, plan_dir, tmp_path / "out", world_size=1)
+    before = digests(tmp_path / "out")
+    assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(tmp_path / "out"),
+                 "--device", "cpu", "--loader-threads", "3", "--no-progress"]) == 0  # loader threads may differ
+    assert "already finished" in capsys.readouterr().out and digests(tmp_path / "out") == before
+    other = emu35.write_random_checkpoint(tmp_path / "other", seed=7)
+    with pytest.raises(MmtokError, match=r"codec\.checkpoint_sha256 \(recorded"):
+        from mmtok.encode.runner import encode_rank
+
+        encode_rank(plan_dir, tmp_path / "out", emu35.load(other, "cpu"), rank=0, world_size=1)
+    other_plan = plan(env, "plan-refuse-2", "--mode", "image", "--token-budget", "40")
+    assert main(["encode", "--plan", str(other_plan), "--checkpoint", str(env.checkpoint), "--out",
+                 str(tmp_path / "out"), "--device", "cpu", "--no-progress"]) == 2
+
+
+def test_a_missing_tar_stops_the_rank_with_a_clear_message(env, tmp_path, capsys):
+    caption_corpus(tmp_path / "data")
+    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(tmp_path / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    plan_dir = plan(env, "plan-missing", "--mode", "image", manifest=tmp_path / "manifest")
+    (tmp_path / "data" / "shard-1.tar").unlink()
+    assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out",
+                 str(tmp_path / "out"), "--device", "cpu", "--no-progress"]) == 2
+    assert "shard-1.tar: input file listed in the manifest is missing" in capsys.readouterr().err
+
+
+def test_many_consecutive_decode_failures_stop_the_rank(env, tmp_path, capsys):
+    caption_corpus(tmp_path / "data", corrupt=True)
+    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(tmp_path / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    plan_dir = plan(env, "plan-systematic", "--mode", "image", manifest=tmp_path / "manifest")
+    assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out",
+                 str(tmp_path / "out"), "--device", "cpu", "--no-progress", "--max-consecutive-failures", "1"]) == 2
+    assert "images in a row failed to decode" in capsys.readouterr().err
+
+
+def test_parquet_inputs_are_read_by_row_with_their_caption_column(env, tmp_path):
+    import pyarrow as pa
+
+    images = real_images()
+    names = ["astronaut.png", "rocket.jpg", "coins.png", "horse.png", "color.png"]
+    table = pa.table({"image": [images[n].read_bytes() for n in names],
+                      "caption": [f"the {n.split('.')[0]} picture" for n in names]})
+    pq.write_table(table, tmp_path / "images.parquet", row_group_size=2)  # rows span several row groups
+    assert main(["scan", str(tmp_path / "images.parquet"), "--out", str(tmp_path / "manifest"), "--workers", "1",
+                 "--image-column", "image", "--text-column", "caption", "--no-progress"]) == 0
+    out = encode_all(env, plan(env, "plan-parquet", "--mode", "image-text", manifest=tmp_path / "manifest"),
+                     tmp_path / "out", world_size=1)
+    layout = VocabLayout(text_size=env.tokenizer.vocab_size)
+    records = [json.loads(x) for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    assert sorted(r["rows"][0] for r in records) == list(range(len(names)))
+    for record, tokens in zip(records, read_sequences(out / "merged")):
+        _, position = parse_block(tokens, 1, layout, env.tokenizer)
+        caption = f"the {names[record['rows'][0]].split('.')[0]} picture"
+        assert tokens[position:-1].tolist() == env.tokenizer.encode(caption)
+
+
+def test_a_stop_while_a_document_is_half_encoded_resumes_from_the_carry(env, tmp_path, monkeypatch):
+    from mmtok.encode.runner import encode_rank
+    from mmtok.formats.commitlog import PartShard
+
+    plan_dir = plan(env, "plan-carry", "--mode", "image-text")
+    clean = encode_all(env, plan_dir, tmp_path / "clean", world_size=1)
+    real_commit = PartShard.commit
+
+    class Stop(Exception):
+        pass
+
+    def commit_then_stop(self, unit, sequences, provenance, counts, *, carry=b"", carry_done=False):
+        real_commit(self, unit, sequences, provenance, counts, carry=carry, carry_done=carry_done)
+        if carry:  # a two-image document has its first block committed, its second not yet encoded
+            raise Stop(unit)
+
+    monkeypatch.setattr(PartShard, "commit", commit_then_stop)
+    with pytest.raises(Stop):
+        encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
+    monkeypatch.setattr(PartShard, "commit", real_commit)
+    shard = PartShard(part_dir(tmp_path / "stopped", 0), json.loads((part_dir(tmp_path / "stopped", 0) /
+                                                                    "identity.json").read_text()))
+    assert shard.carry(), "the stop must leave a carried block behind"
+    shard.close()
+    encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
+    assert main(["merge", str(tmp_path / "stopped")]) == 0
+    assert digests(tmp_path / "stopped") == digests(clean)

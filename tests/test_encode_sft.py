@@ -1,0 +1,117 @@
+"""SFT end to end: conversations rendered with the tokenizer's chat template, images expanded, merge
+--strip-reasoning removing exactly the reasoning spans."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from encodekit import SFT_SAMPLES, chat_tokenizer, parse_block, sft_corpus
+
+from mmtok.cli import main
+from mmtok.codecs import emu35
+from mmtok.formats.megatron import read_sequences
+from mmtok.text import load_text_tokenizer
+from mmtok.vocab import VocabLayout
+
+DEVELOPER = {False: "Deliberation: disabled\nTool Capabilities: disabled",
+             True: "Deliberation: enabled\nTool Capabilities: disabled"}
+IMAGE = object()  # where an image block goes in a reference rendering
+
+
+def _reference(key: str) -> list:
+    """The Apertus rendering of SFT_SAMPLES[key], written out by hand: special tokens by name, text, images."""
+    if key == "c000":
+        return ["<s>", "<|system_start|>", "<|system_end|>", "<|developer_start|>", DEVELOPER[True],
+                "<|developer_end|>", "<|user_start|>", IMAGE, "\nWhat is in this image?", "<|user_end|>",
+                "<|assistant_start|>", "<|inner_prefix|>", "Let me think step by step about the cat.",
+                "<|inner_suffix|>", "A cat sitting on a red chair.", "<|assistant_end|>", "</s>"]
+    if key == "c001":
+        tools = json.dumps({"name": "get_weather", "parameters": {"city": "string"}})
+        calls = json.dumps([{"name": "get_weather", "arguments": {"city": "Zurich"}}])
+        return ["<s>", "<|system_start|>", "Be brief.", "<|system_end|>", "<|developer_start|>",
+                "Deliberation: disabled\nTool Capabilities:\n" + tools, "<|developer_end|>", "<|user_start|>", IMAGE,
+                " and ", IMAGE, ": the weather in Zurich?", "<|user_end|>", "<|assistant_start|>", "<|inner_prefix|>",
+                "The rocket waits on the launch pad.", "<|inner_suffix|>", "<|tools_prefix|>", calls,
+                "<|tools_suffix|>", "<|tool_output_start|>", "cloudy, 14 degrees", "<|tool_output_end|>",
+                "Cloudy, 14 degrees.", "<|assistant_end|>", "</s>"]
+    return ["<s>", "<|system_start|>", "<|system_end|>", "<|developer_start|>", DEVELOPER[False], "<|developer_end|>",
+            "<|user_start|>", "Describe ", IMAGE, "<|user_end|>", "<|assistant_start|>", "<|inner_prefix|>",
+            "Only reasoning here.", "<|inner_suffix|>", "<|assistant_end|>", "</s>"]
+
+
+def _ids(parts: list, tokenizer, blocks: list) -> list[int]:
+    ids, images = [], iter(blocks)
+    for part in parts:
+        if part is IMAGE:
+            ids.extend(next(images).tolist())
+        elif part.startswith("<") and part.endswith(">") and " " not in part:
+            ids.append(tokenizer.token_id(part))
+        else:
+            ids.extend(tokenizer.encode(part))
+    return ids
+
+
+def _without_reasoning(parts: list) -> list:
+    out, inside = [], False
+    for part in parts:
+        if part is not IMAGE and part == "<|inner_prefix|>":
+            inside = True
+        elif part is not IMAGE and part == "<|inner_suffix|>":
+            inside = False
+        elif not inside:
+            out.append(part)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("sft")
+    text = chat_tokenizer(root / "tokenizer")
+    sft_corpus(root / "data")
+    checkpoint = emu35.write_random_checkpoint(root / "ckpt")
+    assert main(["scan", str(root / "data" / "*.tar"), "--out", str(root / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    assert main(["plan", str(root / "manifest"), "--out", str(root / "plan"), "--quiet", "--mode", "sft",
+                 "--text-tokenizer", str(text), "--min-pixels", "1024", "--max-pixels", "2304",
+                 "--token-budget", "40", "--max-batch-images", "2"]) == 0
+    assert main(["encode", "--plan", str(root / "plan"), "--checkpoint", str(checkpoint), "--out", str(root / "out"),
+                 "--device", "cpu", "--no-progress"]) == 0
+    assert main(["merge", str(root / "out"), "--strip-reasoning"]) == 0
+    return root / "out", load_text_tokenizer(str(text))
+
+
+def test_sft_tokens_equal_the_reference_rendering(sft_run):
+    out, tokenizer = sft_run
+    layout = VocabLayout(text_size=tokenizer.vocab_size)
+    keys = [json.loads(x)["key"] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    assert sorted(keys) == [key for key, _, _ in SFT_SAMPLES]  # written in the order documents complete
+    for key, tokens in zip(keys, read_sequences(out / "merged")):
+        starts = np.flatnonzero(tokens == layout.special_id("<|img_start|>"))
+        blocks = []
+        for start in starts:
+            _, end = parse_block(tokens, int(start), layout, tokenizer)
+            blocks.append(tokens[start:end])
+        assert tokens.tolist() == _ids(_reference(key), tokenizer, blocks), key
+
+
+def test_stripped_copy_has_no_reasoning_and_everything_else_intact(sft_run):
+    out, tokenizer = sft_run
+    layout = VocabLayout(text_size=tokenizer.vocab_size)
+    markers = [tokenizer.token_id("<|inner_prefix|>"), tokenizer.token_id("<|inner_suffix|>")]
+    keys = [json.loads(x)["key"] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    merged = list(read_sequences(out / "merged"))
+    stripped = list(read_sequences(out / "merged_no_reasoning"))
+    assert len(stripped) == len(merged) == len(SFT_SAMPLES)
+    for key, full, short in zip(keys, merged, stripped):
+        assert not np.isin(short, markers).any()
+        starts = np.flatnonzero(full == layout.special_id("<|img_start|>"))
+        blocks = [full[s : parse_block(full, int(s), layout, tokenizer)[1]] for s in starts]
+        assert short.tolist() == _ids(_without_reasoning(_reference(key)), tokenizer, blocks), key
+    summary = json.loads((out / "merged.json").read_text())["strip_reasoning"]
+    assert summary["spans_removed"] == 3 and summary["dropped_empty_sequences"] == 0
+    stripped_keys = (out / "merged_no_reasoning.provenance.jsonl").read_text().splitlines()
+    assert [json.loads(x)["key"] for x in stripped_keys] == keys

@@ -1,0 +1,145 @@
+"""mmtok merge: part checks, order, verification, and the no-reasoning copy's rules."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mmtok.cli import main
+from mmtok.errors import MmtokError
+from mmtok.formats.commitlog import PartShard, part_dir
+from mmtok.formats.megatron import read_sequences
+from mmtok.fsutil import sha256_file
+from mmtok.merge import ReasoningIds, find_parts, merge, strip_sequence
+
+BOS, EOS, PRE, SUF, END = 1, 2, 32, 33, 70
+SPECIAL = {"<|inner_prefix|>": PRE, "<|inner_suffix|>": SUF, "<|assistant_end|>": END}
+IDS = ReasoningIds(PRE, SUF, END, BOS, EOS)
+
+
+def _identity(part: int, num_parts: int, **extra) -> dict:
+    return {"part": part, "num_parts": num_parts, "modality": "image", "plan_fingerprint": "p",
+            "part_batches": [part, part + 1], "text_special_ids": SPECIAL,
+            "text_tokenizer": {"name": "t", "bos_id": BOS, "eos_id": EOS}, **extra}
+
+
+def _write_parts(out, parts: list[list[list[int]]], finish=True) -> None:
+    for number, sequences in enumerate(parts):
+        shard = PartShard(part_dir(out, number), _identity(number, len(parts)))
+        shard.commit(number, [np.array(s, np.int32) for s in sequences],
+                     [{"key": f"k{number}-{i}"} for i in range(len(sequences))], {"written": len(sequences)})
+        if finish:
+            shard.finish({"wall_s": 1.0})
+        shard.close()
+
+
+def test_merge_joins_parts_in_part_order_and_verifies_with_megatron_core(tmp_path):
+    parts = [[[BOS, 5, 6, EOS]], [[BOS, 7, EOS], [BOS, 8, 9, 10, EOS]], [], [[BOS, 11, EOS]]]
+    _write_parts(tmp_path, parts)
+    summary = merge(tmp_path)
+    flat = [s for part in parts for s in part]
+    assert [list(s) for s in read_sequences(tmp_path / "merged")] == flat
+    assert summary["verified_with"] == "megatron-core IndexedDataset"
+    assert summary["counts"] == {"written": 4} and summary["sequences"] == 4
+    lines = (tmp_path / "merged.provenance.jsonl").read_text().splitlines()
+    assert [json.loads(line)["key"] for line in lines] == ["k0-0", "k1-0", "k1-1", "k3-0"]
+    assert json.loads((tmp_path / "merged.json").read_text())["tokens"] == sum(map(len, flat))
+
+
+def test_merge_lists_every_unfinished_part(tmp_path):
+    _write_parts(tmp_path, [[[BOS, 5, EOS]]] * 4)
+    (part_dir(tmp_path, 1) / "DONE").unlink()
+    (part_dir(tmp_path, 3) / "DONE").unlink()
+    with pytest.raises(MmtokError, match=r"2 of 4 parts are not finished.*part-00001.*part-00003"):
+        merge(tmp_path)
+
+
+def test_merge_lists_parts_never_started(tmp_path):
+    shard = PartShard(part_dir(tmp_path, 2), _identity(2, 3))
+    shard.finish({})
+    with pytest.raises(MmtokError, match=r"2 of 3 parts.*part-00000.*part-00001"):
+        find_parts(tmp_path)
+
+
+def test_merge_refuses_parts_of_different_runs(tmp_path):
+    PartShard(part_dir(tmp_path, 0), _identity(0, 2)).finish({})
+    PartShard(part_dir(tmp_path, 1), _identity(1, 2, plan_fingerprint="other")).finish({})
+    with pytest.raises(MmtokError, match=r"part-00001.*plan_fingerprint \(recorded 'p', now 'other'\)"):
+        merge(tmp_path)
+
+
+def test_merge_of_nothing_says_to_encode_first(tmp_path):
+    with pytest.raises(MmtokError, match="run `mmtok encode"):
+        merge(tmp_path)
+
+
+@pytest.mark.parametrize("tokens, expected, counted", [
+    ([BOS, 5, PRE, 6, 7, SUF, 8, END, EOS], [BOS, 5, 8, END, EOS], "spans_removed"),
+    ([BOS, PRE, 6, PRE, 7, SUF, 8, EOS], [BOS, 8, EOS], "spans_removed"),  # no nesting: first suffix closes
+    ([BOS, 5, PRE, 6, 7, END, 9, EOS], [BOS, 5, END, 9, EOS], "orphan_prefixes"),  # closed by the turn end
+    ([BOS, 5, PRE, 6, 7, EOS], [BOS, 5, EOS], "orphan_prefixes"),  # runs to the end, final EOS kept
+    ([BOS, 5, SUF, 6, EOS], [BOS, 5, 6, EOS], "orphan_suffixes"),  # stray suffix removed alone
+])
+def test_strip_sequence_rules(tokens, expected, counted):
+    stats = dict.fromkeys(("spans_removed", "orphan_prefixes", "orphan_suffixes"), 0)
+    tokens = np.array(tokens, np.int32)
+    assert tokens[strip_sequence(tokens, IDS, stats)].tolist() == expected
+    assert stats == {**dict.fromkeys(stats, 0), counted: 1}
+
+
+def test_strip_reasoning_drops_emptied_sequences_and_keeps_provenance_aligned(tmp_path):
+    parts = [[[BOS, 5, PRE, 6, SUF, 7, EOS], [BOS, PRE, 6, 6, SUF, EOS]],
+             [[BOS, 9, 10, EOS], [BOS, PRE, 3, EOS]]]
+    _write_parts(tmp_path, parts)
+    assert main(["merge", str(tmp_path), "--strip-reasoning"]) == 0
+    assert [list(s) for s in read_sequences(tmp_path / "merged_no_reasoning")] == [[BOS, 5, 7, EOS], [BOS, 9, 10, EOS]]
+    keys = [json.loads(x)["key"] for x in (tmp_path / "merged_no_reasoning.provenance.jsonl").read_text().splitlines()]
+    assert keys == ["k0-0", "k1-0"]
+    strip = json.loads((tmp_path / "merged.json").read_text())["strip_reasoning"]
+    assert strip["dropped_empty_sequences"] == 2 and strip["spans_removed"] == 2 and strip["orphan_prefixes"] == 1
+    assert strip["reasoning_tokens_removed"] == 3 + 4 + 2 and strip["sequences"] == 2
+
+
+def test_strip_reasoning_works_across_block_boundaries(tmp_path, monkeypatch):
+    import mmtok.merge
+
+    rng = np.random.default_rng(0)
+    sequences = []
+    for i in range(300):
+        body = rng.integers(100, 200, rng.integers(1, 20)).tolist()
+        sequences.append([BOS, *body, PRE, *body[:3], SUF, i + 100, EOS] if i % 3 else [BOS, *body, EOS])
+    _write_parts(tmp_path, [sequences[:170], sequences[170:]])
+    merge(tmp_path, strip_reasoning=True)
+    reference = sha256_file(tmp_path / "merged_no_reasoning.bin")
+    monkeypatch.setattr(mmtok.merge, "BLOCK_TOKENS", 37)
+    merge(tmp_path, strip_reasoning=True)
+    assert sha256_file(tmp_path / "merged_no_reasoning.bin") == reference
+    stripped = list(read_sequences(tmp_path / "merged_no_reasoning"))
+    assert len(stripped) == 300 and not any(np.isin(s, [PRE, SUF]).any() for s in stripped)
+
+
+def test_strip_reasoning_needs_a_tokenizer_with_reasoning_markers(tmp_path):
+    shard = PartShard(part_dir(tmp_path, 0), {**_identity(0, 1), "text_special_ids": {}})
+    shard.commit(0, [np.array([BOS, 5, EOS], np.int32)], [{}], {})
+    shard.finish({})
+    with pytest.raises(MmtokError, match=r"has no <\|inner_prefix\|> / <\|inner_suffix\|> token"):
+        merge(tmp_path, strip_reasoning=True)
+
+
+def test_merged_bytes_are_the_same_without_an_in_kernel_copy(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    parts = [[[BOS, 5, 6, EOS]] * 3, [[BOS, 7, EOS], [BOS, 8, 9, 10, EOS]]]
+    _write_parts(tmp_path, parts)
+    merge(tmp_path)
+    reference = {name: sha256_file(tmp_path / name) for name in ("merged.bin", "merged.provenance.jsonl")}
+
+    def cross_device(*args):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", cross_device)  # e.g. parts and OUT on different filesystems
+    merge(tmp_path)
+    assert {name: sha256_file(tmp_path / name) for name in reference} == reference
