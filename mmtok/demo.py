@@ -20,6 +20,7 @@ from pathlib import Path
 from mmtok.errors import MmtokError
 
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo"
+SOURCES = Path(__file__).resolve().parent.parent / "manifests"  # the checkout's source declarations
 MARKER = "MMTOK_DEMO"
 
 
@@ -37,6 +38,9 @@ def run_demo(out: Path, *, world_size: int = 2, image_checkpoint: str | None = N
 
 
 def _prepare(out: Path) -> None:
+    if not SOURCES.is_dir():
+        raise MmtokError(f"the demo needs the source checkout's manifests/ ({SOURCES}); install with "
+                         "`pip install -e .` from the repository")
     if out.exists() and any(out.iterdir()):
         if not (out / MARKER).exists():
             raise MmtokError(f"{out} exists and is not an earlier demo output; pass another --out")
@@ -85,10 +89,10 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def _image_flow(out: Path, world_size: int, checkpoint: str | None) -> dict:
     from mmtok.codecs import emu35
 
-    shards = build_image_shards(out / "shards")
+    build_image_shards(out / "shards")
     if checkpoint is None:
         checkpoint = str(emu35.write_random_checkpoint(out / "checkpoints" / "emu3.5-tiny-random"))
-    _mmtok("scan", *map(str, shards), "--out", str(out / "manifest"))
+    _mmtok("scan", "--source", str(SOURCES / "demo-images.yaml"), "--root", str(out), "--out", str(out / "manifest"))
     _mmtok("plan", str(out / "manifest"), "--preset", "demo", "--world-size", str(world_size),
            "--out", str(out / "plan"))
     for rank in range(world_size):
@@ -106,8 +110,7 @@ def _audio_flow(out: Path, world_size: int, checkpoint: str | None) -> dict:
     audio = out / "audio"
     if checkpoint is None:
         checkpoint = str(wavtokenizer.write_random_checkpoint(out / "checkpoints" / "wavtokenizer-tiny-random"))
-    _mmtok("audio", "convert", str(DEMO_DATA / "audio"), "--transcripts",
-           str(DEMO_DATA / "audio" / "transcripts.jsonl"), "--out", str(audio / "shar"), "--shard-size", "4")
+    _mmtok("audio", "convert", "--source", str(SOURCES / "demo-speech.yaml"), "--out", str(audio / "shar"))
     for rank in range(world_size):
         _mmtok("encode", "--modality", "audio", "--shar", str(audio / "shar"), "--codec", "wavtokenizer",
                "--checkpoint", checkpoint, "--out", str(audio / "encoded"), "--rank", str(rank),

@@ -30,7 +30,12 @@ def add_parser(sub) -> None:
     audio_sub = parser.add_subparsers(dest="audio_command", required=True, metavar="SUBCOMMAND")
     convert = audio_sub.add_parser("convert", help="audio sources -> Lhotse Shar (24 kHz + text token ids)",
                                    description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    convert.add_argument("inputs", nargs="+", type=Path, metavar="INPUT", help="directory, .tar, .parquet or Lhotse .jsonl[.gz]")
+    convert.add_argument("inputs", nargs="*", type=Path, metavar="INPUT", help="directory, .tar, .parquet or Lhotse .jsonl[.gz]")
+    convert.add_argument("--source", type=Path, metavar="FILE",
+                         help="source declaration (manifests/*.yaml): its inputs follow INPUT arguments and its "
+                         "options apply where no flag is given")
+    convert.add_argument("--root", type=Path, metavar="DIR",
+                         help="directory that relative paths of --source are relative to (default: its folder)")
     convert.add_argument("--out", required=True, type=Path, help="output directory (Shar shards in OUT/shar)")
     convert.add_argument("--kind", default="auto", choices=("auto", "dir", "tar", "lhotse", "parquet"),
                          help="source kind of every input (default: detect per input)")
@@ -44,7 +49,7 @@ def add_parser(sub) -> None:
     convert.add_argument("--min-rms-dbfs", type=float, default=-60.0, help="drop clips quieter than this RMS (default -60)")
     convert.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                          help="decode processes (default: CPU count; 0 = in the main process)")
-    convert.set_defaults(func=run)
+    convert.set_defaults(func=run, parser=convert)
 
     interleave = audio_sub.add_parser("interleave", help="per-clip token cache -> interleaved speech/text sequences",
                                       description=INTERLEAVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,6 +67,13 @@ def run(args) -> int:
         from mmtok.audio.convert import ConvertOptions, convert
         from mmtok.errors import MmtokError
 
+        if args.source is not None:
+            from mmtok.sources import apply_source, load_source
+
+            declared = apply_source(args, args.parser, load_source(args.source, args.root), "audio")
+            args.inputs = list(args.inputs) + [Path(p) for p in declared]
+        if not args.inputs:
+            raise MmtokError("no input: give INPUT paths or --source FILE")
         if args.shard_size <= 0:
             raise MmtokError(f"--shard-size must be positive, got {args.shard_size}")
         options = ConvertOptions(min_duration=args.min_duration, max_duration=args.max_duration,

@@ -24,6 +24,11 @@ def add_parser(sub) -> None:
     parser.add_argument("--shard-list", type=Path, metavar="FILE",
                         help="file with one path or glob per line (# comments; relative paths are "
                         "relative to the list's directory); appended after SHARD arguments")
+    parser.add_argument("--source", type=Path, metavar="FILE",
+                        help="source declaration (manifests/*.yaml): its inputs are added after SHARD arguments "
+                        "and its options apply where no flag is given")
+    parser.add_argument("--root", type=Path, metavar="DIR",
+                        help="directory that relative inputs of --source are relative to (default: its folder)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="processes scanning shards in parallel (default: CPU count)")
@@ -32,7 +37,7 @@ def add_parser(sub) -> None:
                         "default: 'image' or the first such column")
     parser.add_argument("--text-column", metavar="NAME", help="Parquet/Arrow string column recorded as the caption")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, parser=parser)
 
 
 def expand_inputs(patterns: list[str], shard_list: Path | None) -> list[str]:
@@ -68,6 +73,10 @@ def expand_inputs(patterns: list[str], shard_list: Path | None) -> list[str]:
 def run(args) -> int:
     from mmtok.scan.scanner import ScanOptions, describe, run_scan
 
+    if args.source is not None:
+        from mmtok.sources import apply_source, load_source
+
+        args.shards = list(args.shards) + apply_source(args, args.parser, load_source(args.source, args.root), "image")
     if args.workers < 1:
         raise MmtokError(f"--workers must be at least 1, got {args.workers}")
     sources = [describe(p) for p in expand_inputs(args.shards, args.shard_list)]
