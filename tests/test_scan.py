@@ -133,7 +133,7 @@ def test_sidecar_offsets_read_back_the_caption_and_json(tmp_path, media):
     _out, rows = scan(tmp_path, [shard])
     reader = MemberReader()
     for k, row in enumerate(rows):
-        assert reader.read_text(row["tar"], "tar", row["text_offset"], row["text_size"]) == f"caption {k}"
+        assert reader.read_text("tar", row["tar"], row["text_offset"], row["text_size"], None) == f"caption {k}".encode()
         with open(row["tar"], "rb") as handle:
             handle.seek(row["text_offset"])
             assert handle.read(row["text_size"]) == f"caption {k}".encode()
@@ -311,9 +311,9 @@ def test_parquet_and_arrow_exports_are_sources(tmp_path, media):
             assert row["member"] == "image" and row["key"].startswith("img")
             assert (row["width"], row["height"]) == pil_size(data)
             assert row["text_size"] == len(f"text {row['offset']}")
-            assert reader.read(row["tar"], row["container"], row["member"], row["offset"], row["size"]) == data
-            caption = reader.read_text(row["tar"], row["container"], row["text_offset"], row["text_size"], "caption")
-            assert caption == f"text {row['offset']}"
+            assert reader.read_member(row["container"], row["tar"], row["member"], row["offset"], row["size"]) == data
+            caption = reader.read_text(row["container"], row["tar"], row["text_offset"], row["text_size"], "caption")
+            assert caption == f"text {row['offset']}".encode()
     _out, raw_rows = scan(tmp_path, [raw], name="raw", image_column="jpeg")
     assert [(r["member"], r["key"], r["reason"]) for r in raw_rows] == [("jpeg", str(k), "") for k in range(6)]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
+from mmtok.formats.manifest import MemberReader
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".jsonl", ".ndjson")
 
@@ -164,29 +165,17 @@ def _category_seed(category: str) -> int:
 
 
 class ByteReader:
-    """Reads item bytes by location; keeps Parquet containers' tables cached (a sample touches few files)."""
+    """Reads item bytes by location: a whole file, or a manifest row through the manifest's reader."""
 
     def __init__(self) -> None:
-        self._parquet: dict[tuple[str, str], object] = {}
+        self._members = MemberReader(max_open=16)
 
     def read(self, location: tuple) -> bytes:
-        kind = location[0]
-        if kind == "file":
+        if location[0] == "file":
             with open(location[1], "rb") as handle:
                 return handle.read()
-        if kind == "tar":
+        if location[0] == "tar":
             _, path, offset, size = location
-            with open(path, "rb") as handle:
-                handle.seek(offset)
-                data = handle.read(size)
-            if len(data) != size:
-                raise OSError(f"{path}: {len(data)} of {size} bytes at offset {offset} (truncated tar?)")
-            return data
+            return self._members.read_member("tar", path, "", offset, size)
         _, path, column, row = location
-        key = (path, column)
-        if key not in self._parquet:
-            import pyarrow.parquet
-
-            self._parquet[key] = pyarrow.parquet.read_table(path, columns=[column]).column(column)
-        value = self._parquet[key][row].as_py()
-        return value["bytes"] if isinstance(value, dict) else value
+        return self._members.read_member("parquet", path, column, row, -1)

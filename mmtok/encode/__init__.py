@@ -1,7 +1,7 @@
 """`mmtok encode` for images: one rank's share of a plan -> a durable Megatron part shard.
 
   work.py       the rank's batches of the plan, joined with the manifest columns it needs
-  reader.py     byte-range reads of tar members and sidecars (never iterating a tar)
+  reader.py     the manifest rows a rank needs (bytes come from formats.manifest.MemberReader)
   loader.py     loader threads: decode, resize into pinned buffers, tokenize text, ahead of the device
   documents.py  token documents per plan mode (templates of text ids and image slots)
   chat.py       SFT conversations rendered with the tokenizer's chat template

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from mmtok.encode.documents import DocumentError, Documents, Sidecars, Template
-from mmtok.encode.reader import MemberReader, ShortRead
+from mmtok.formats.manifest import MemberReader, ShortRead
 from mmtok.encode.work import RankWork
 from mmtok.images import ImageDecodeError, decode_rgb, resize_rgb
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable
 
@@ -134,44 +136,87 @@ def manifest_fingerprint(directory: str | os.PathLike, verify: bool = False) -> 
     return recorded
 
 
+class ShortRead(OSError):
+    """A member whose bytes end before its recorded size (a file truncated after the scan)."""
+
+
+def missing_input(path: str) -> MmtokError:
+    return MmtokError(f"{path}: input file listed in the manifest is missing; restore it (or re-run `mmtok scan` "
+                      "and `mmtok plan` on the data as it is now)")
+
+
 class MemberReader:
-    """Reads member bytes for manifest rows, keeping containers open. Use one per thread."""
+    """Reads the bytes of manifest rows: tar byte ranges and table-file cells. Thread-safe.
 
-    def __init__(self) -> None:
-        self._files: dict[str, object] = {}
-        self._tables: dict[str, object] = {}
+    Tar reads are `pread` on one descriptor per file shared by every thread (pread has no file
+    position, so threads never race, and it releases the GIL); at most `max_open` descriptors stay
+    open however many containers a job walks through. Table files are read through per-thread
+    `mmtok.scan.tables.TableRows` (each caches a row group), a few per thread.
+    """
 
-    def read(self, path: str, container: str, member: str, offset: int, size: int) -> bytes:
-        """The bytes of one member; raises OSError when the container is gone or shorter than recorded."""
+    def __init__(self, max_open: int = 256):
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._max_open = max_open
+
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.pop(path, None)
+            if fd is None:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    raise missing_input(path) from None
+                if len(self._fds) >= self._max_open:
+                    os.close(self._fds.popitem(last=False)[1])
+            self._fds[path] = fd
+            return fd
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        """Exactly `size` bytes at `offset` of `path`; ShortRead when the file ends early."""
+        data = os.pread(self._fd(path), size, offset)
+        if len(data) != size:
+            raise ShortRead(f"{path}: {len(data)} of {size} bytes at offset {offset}")
+        return data
+
+    def read_member(self, container: str, path: str, member: str, offset: int, size: int) -> bytes:
+        """An image's bytes: a tar byte range, or a table cell (`member` = column, `offset` = row)."""
         if container == "tar":
-            handle = self._files.get(path)
-            if handle is None:
-                handle = self._files[path] = open(path, "rb")
-            data = os.pread(handle.fileno(), size, offset)
-            if len(data) != size:
-                raise OSError(f"{path}: expected {size} bytes at offset {offset}, got {len(data)}")
-            return data
-        return self._table(path).image_bytes(member, offset)
+            return self.read(path, offset, size)
+        try:
+            return self._table(path).image_bytes(member, offset)
+        except OSError as err:
+            raise ShortRead(str(err)) from None
 
-    def read_text(self, path: str, container: str, offset: int, size: int, text_column: str | None = None) -> str:
-        """A row's caption (`text_offset`/`text_size`): the tar's txt sidecar, or for a table file the
-        text column at that row (its name is `options.text_column` in manifest.json)."""
+    def read_text(self, container: str, path: str, offset: int, size: int, text_column: str | None) -> bytes:
+        """A caption's UTF-8 bytes: a tar sidecar's byte range, or a table's text column at row `offset`
+        (the column is `options.text_column` in manifest.json)."""
         if container == "tar":
-            return self.read(path, container, "", offset, size).decode("utf-8", "replace")
+            return self.read(path, offset, size)
         if text_column is None:
-            raise ValueError("a table file's caption needs the text column name (manifest.json options.text_column)")
-        return self._table(path).text(text_column, offset)
+            raise ShortRead(f"{path}: manifest.json names no text column for the captions of table files")
+        try:
+            return self._table(path).text(text_column, offset).encode("utf-8")
+        except OSError as err:
+            raise ShortRead(str(err)) from None
 
     def _table(self, path: str):
         from mmtok.scan.tables import TableRows
 
-        table = self._tables.get(path)
+        tables = self._local.__dict__.setdefault("tables", OrderedDict())
+        table = tables.pop(path, None)
         if table is None:
-            table = self._tables[path] = TableRows(path)
+            try:
+                table = TableRows(path)
+            except FileNotFoundError:
+                raise missing_input(path) from None
+        tables[path] = table
+        if len(tables) > 4:
+            tables.popitem(last=False)
         return table
 
     def close(self) -> None:
-        for handle in self._files.values():
-            handle.close()
-        self._files.clear()
-        self._tables.clear()
+        with self._lock:
+            while self._fds:
+                os.close(self._fds.popitem()[1])

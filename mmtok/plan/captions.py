@@ -6,11 +6,10 @@ or the planned document totals would not match the written ones.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import BinaryIO
-
 import numpy as np
 
+from mmtok.errors import MmtokError
+from mmtok.formats.manifest import MemberReader
 from mmtok.text import TextTokenizer
 
 CAPTION_REASONS = ("missing_caption", "empty_caption", "caption_not_utf8", "caption_unreadable")
@@ -27,56 +26,25 @@ def caption_text(raw: bytes) -> str:
 
 
 class CaptionReader:
-    """Reads caption sidecars: byte ranges of tars (`seek(offset); read(size)`, a few files kept open);
-    for Parquet/Arrow containers the scan's text column at row `offset`."""
+    """Reads the caption of a manifest row by container index: a tar sidecar's byte range, or for a
+    Parquet/Arrow container the scan's text column at row `offset` (through the manifest's reader)."""
 
     def __init__(self, containers: list[tuple[str, str]], text_column: str | None = None):
         self._containers = containers
         self._text_column = text_column
-        self._files: OrderedDict[int, BinaryIO] = OrderedDict()
-        self._tables: dict[int, object] = {}
+        self._reader = MemberReader(max_open=_OPEN_FILES)
 
     def read(self, container: int, offset: int, size: int) -> bytes:
+        """The caption bytes; OSError when they cannot be read (a missing file included: for the plan
+        that is a counted reason per document, not a stop)."""
         path, kind = self._containers[container]
-        if kind != "tar":
-            return self._table_text(container, path, kind, offset)
-        handle = self._files.pop(container, None)
-        if handle is None:
-            handle = open(path, "rb")
-            if len(self._files) >= _OPEN_FILES:
-                self._files.popitem(last=False)[1].close()
-        self._files[container] = handle
-        handle.seek(offset)
-        data = handle.read(size)
-        if len(data) != size:
-            raise OSError(f"{path}: short read at offset {offset} ({len(data)} of {size} bytes)")
-        return data
-
-    def _table_text(self, container: int, path: str, kind: str, row: int) -> bytes:
-        import pyarrow as pa
-
-        from mmtok.scan.tables import iter_batches
-
-        if self._text_column is None:
-            raise OSError(f"{path}: the manifest names no text column for {kind} captions")
-        column = self._tables.get(container)
-        if column is None:
-            try:
-                chunks = [b.column(0) for b in iter_batches(path, kind, [self._text_column], batch_rows=1 << 16)]
-            except (pa.ArrowException, KeyError, ValueError) as err:
-                raise OSError(f"{path}: cannot read text column {self._text_column!r}: {err}") from None
-            column = self._tables[container] = pa.chunked_array(chunks, pa.string() if not chunks else None)
-            if len(self._tables) > _OPEN_FILES:
-                self._tables.pop(next(iter(self._tables)))
-        if not 0 <= row < len(column) or not column[row].is_valid:
-            raise OSError(f"{path}: no text at row {row}")
-        value = column[row].as_py()
-        return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        try:
+            return self._reader.read_text(kind, path, offset, size, self._text_column)
+        except MmtokError as err:
+            raise OSError(str(err)) from None
 
     def close(self) -> None:
-        while self._files:
-            self._files.popitem()[1].close()
-        self._tables.clear()
+        self._reader.close()
 
 
 def count_captions(reader: CaptionReader, tokenizer: TextTokenizer, container: np.ndarray, offset: np.ndarray,
