@@ -98,12 +98,27 @@ def probe(head: bytes, size: int, fetch: Fetch | None = None, origin: int = 0) -
     when needed (None when `head` is the whole member). Orientation is the EXIF value 1-8 (1 when
     absent or invalid); orientations 5-8 swap the stored sides. Raises ProbeError(reason).
     """
-    fmt = "jpeg" if head[:3] == b"\xff\xd8\xff" else sniff(head)
+    return probe_at(head, 0, len(head), size, fetch, origin)
+
+
+def probe_at(data: bytes, start: int, end: int, size: int, fetch: Fetch | None = None,
+             origin: int = 0) -> tuple[str, int, int, int]:
+    """`probe(data[start:end], size, fetch, origin)` without copying the head out of `data`.
+
+    The scan's read window holds a tar header and the member's first bytes: JPEG, PNG and WebP
+    headers are parsed where they lie (a copy of the head is made only for a parser that needs
+    bytes past `end`, or for GIF/BMP/TIFF). No parser reads `data` outside [start, end).
+    """
+    if data.startswith(b"\xff\xd8\xff", start, end):
+        fmt, parse = "jpeg", _jpeg
+    else:
+        fmt = sniff(data[start:start + 12 if end - start > 12 else end])
+        parse = _PARSERS.get(fmt)
     try:
-        if fmt is None:
+        if parse is None:
+            head = data[start:end]
             raise ProbeError(TRUNCATED_IMAGE_HEADER if len(head) < 12 and _is_magic_prefix(head) else UNKNOWN_FORMAT)
-        # Parsers work on `head` and build a _Reader only when they need bytes beyond it.
-        width, height, orientation = _PARSERS[fmt](head, size, fetch, origin)
+        width, height, orientation = parse(data, start, end, size, fetch, origin)
     except ProbeError as err:
         err.format = fmt or ""
         raise
@@ -159,28 +174,48 @@ def _orientation(exif_value: int | None, xmp: bytes | None) -> int:
 # --------------------------------------------------------------------------------------- JPEG
 
 
-def _jpeg(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
-    """Walk the segments up to the first SOF (JPEG puts APPn metadata before the frame header)."""
-    buf, base, reader = head, 0, None
+_SEGMENT = struct.Struct(">BBH").unpack_from  # fill byte, marker, length of a segment header
+_FRAME_SIZE = struct.Struct(">HH").unpack_from  # height, width in a SOF segment (after its precision byte)
+# Markers whose segment the walk passes without a look inside (APPn but APP1, DQT, DHT, DRI, COM, ...).
+_SKIPPED = frozenset(range(256)) - _SOF_MARKERS - _STANDALONE_MARKERS - {0xFF, 0xDA, 0xD9, 0xE1}
+
+
+def _jpeg(data: bytes, start: int, end: int, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
+    """Walk the segments up to the first SOF (JPEG puts APPn metadata before the frame header).
+
+    `buf[pos - base]` is the member's byte `pos`, valid below `buf[limit]`: first in place in
+    `data` (the head is data[start:end]), then in a _Reader's windows once the walk leaves the head.
+    """
+    buf, base, limit, reader = data, -start, end, None
     pos, exif, xmp_at = 2, None, None
     exif_seen = False
     while True:
         i = pos - base
-        if i + 4 > len(buf):
-            reader = reader or _Reader(head, size, fetch, origin)
+        while i + 4 <= limit:  # segments in _SKIPPED (most of them) are passed right here
+            fill, marker, length = _SEGMENT(buf, i)
+            if fill != 0xFF or marker not in _SKIPPED or length < 2:
+                break
+            i += 2 + length
+        else:  # the next segment header lies past the bytes at hand
+            pos = i + base
+            reader = reader or _Reader(data[start:end], size, fetch, origin)
             buf, base = reader.window(pos, 4)
-            i = pos - base
-        if buf[i] != 0xFF:  # PIL skips junk between segments
-            j = buf.find(b"\xff", i)
-            pos = base + (j if j >= 0 else len(buf))
+            i, limit = pos - base, len(buf)
+            fill, marker, length = _SEGMENT(buf, i)
+            if fill == 0xFF and marker in _SKIPPED and length >= 2:
+                pos += 2 + length
+                continue
+        pos = i + base
+        if fill != 0xFF:  # PIL skips junk between segments
+            j = buf.find(b"\xff", i, limit)
+            pos = base + (j if j >= 0 else limit)
             continue
-        marker = buf[i + 1]
         if marker in _SOF_MARKERS:
-            if i + 9 > len(buf):
-                reader = reader or _Reader(head, size, fetch, origin)
+            if i + 9 > limit:
+                reader = reader or _Reader(data[start:end], size, fetch, origin)
                 buf, base = reader.window(pos, 9)
                 i = pos - base
-            width, height = buf[i + 7] << 8 | buf[i + 8], buf[i + 5] << 8 | buf[i + 6]
+            height, width = _FRAME_SIZE(buf, i + 5)
             break
         if marker == 0xFF:
             pos += 1
@@ -190,26 +225,26 @@ def _jpeg(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int
         if marker in _STANDALONE_MARKERS:
             pos += 2
             continue
-        length = buf[i + 2] << 8 | buf[i + 3]
         if length < 2:
             raise ProbeError(CORRUPT_IMAGE_HEADER)
         if marker == 0xE1:
-            if i + 4 + len(_XMP_APP1) > len(buf) and pos + 4 + len(_XMP_APP1) <= size:
-                reader = reader or _Reader(head, size, fetch, origin)
+            if i + 4 + len(_XMP_APP1) > limit and pos + 4 + len(_XMP_APP1) <= size:
+                reader = reader or _Reader(data[start:end], size, fetch, origin)
                 buf, base = reader.window(pos, 4 + len(_XMP_APP1))
-                i = pos - base
-            if not exif_seen and buf.startswith(_EXIF_APP1, i + 4):
+                i, limit = pos - base, len(buf)
+            if not exif_seen and buf.startswith(_EXIF_APP1, i + 4, limit):
                 exif_seen = True
-                exif = _exif_orientation_in(buf, i + 10, min(i + 2 + length, len(buf)))
+                exif = _exif_orientation_in(buf, i + 10, min(i + 2 + length, limit))
                 if exif == -1:  # the IFD lies past the bytes at hand
-                    reader = reader or _Reader(head, size, fetch, origin)
+                    reader = reader or _Reader(data[start:end], size, fetch, origin)
                     exif = _tiff_orientation(reader, pos + 10, pos + 2 + length)
                     buf, base = reader.buf, reader.base
-            elif buf.startswith(_XMP_APP1, i + 4):
+                    limit = len(buf)
+            elif buf.startswith(_XMP_APP1, i + 4, limit):
                 xmp_at = (pos + 4 + len(_XMP_APP1), length - 2 - len(_XMP_APP1))
         pos += 2 + length
     if exif is None and xmp_at is not None and xmp_at[1] > 0:
-        reader = reader or _Reader(head, size, fetch, origin)
+        reader = reader or _Reader(data[start:end], size, fetch, origin)
         return width, height, _orientation(None, reader.get(*xmp_at))
     return width, height, exif if exif is not None and 1 <= exif <= 8 else 1
 
@@ -309,8 +344,8 @@ def _exif_bytes_orientation(data: bytes) -> int | None:
         return None
 
 
-def _tiff(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
-    r = _Reader(head, size, fetch, origin)
+def _tiff(data: bytes, start: int, end: int, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
+    r = _Reader(data[start:end], size, fetch, origin)
     found = _ifd_values(r, 0, r.size, (256, 257, _TIFF_ORIENTATION))
     width, height = found.get(256), found.get(257)
     if width is None or height is None:
@@ -325,21 +360,22 @@ _PNG_CHUNK = struct.Struct(">I4s").unpack_from
 _PNG_METADATA = frozenset((b"eXIf", b"tEXt", b"zTXt", b"iTXt"))
 
 
-def _png(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
-    if len(head) < 33:
-        head = _Reader(head, size, fetch, origin).get(0, 33)
-    if head[12:16] != b"IHDR":
+def _png(data: bytes, start: int, end: int, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
+    """IHDR, then the chunks before IDAT (in place in data[start:end]) for orientation metadata."""
+    if end - start < 33:
+        data, start, end = _Reader(data[start:end], size, fetch, origin).get(0, 33), 0, 33
+    if not data.startswith(b"IHDR", start + 12, end):
         raise ProbeError(CORRUPT_IMAGE_HEADER)
-    width, height = struct.unpack_from(">II", head, 16)
-    pos = 33
-    while pos + 8 <= len(head):  # usually IDAT follows a few small chunks, all inside `head`
-        length, kind = _PNG_CHUNK(head, pos)
+    width, height = struct.unpack_from(">II", data, start + 16)
+    at = start + 33
+    while at + 8 <= end:  # usually IDAT follows a few small chunks, all inside the head
+        length, kind = _PNG_CHUNK(data, at)
         if kind == b"IDAT" or kind == b"IEND":
             return width, height, 1
         if kind in _PNG_METADATA:
             break
-        pos += 12 + length
-    return width, height, _png_orientation(_Reader(head, size, fetch, origin), pos)
+        at += 12 + length
+    return width, height, _png_orientation(_Reader(data[start:end], size, fetch, origin), at - start)
 
 
 def _png_orientation(r: _Reader, pos: int) -> int:
@@ -401,26 +437,27 @@ def _raw_profile_bytes(text: bytes | None) -> bytes | None:
 # ---------------------------------------------------------------------------------------- WebP
 
 
-def _webp(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
-    if len(head) < 30:
+def _webp(data: bytes, start: int, end: int, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
+    """The first chunk's size fields, read in place (all within the first 30 bytes)."""
+    if end - start < 30:
         raise ProbeError(TRUNCATED_IMAGE_HEADER)
-    chunk = head[12:16]
+    chunk = data[start + 12:start + 16]
     if chunk == b"VP8 ":
-        if head[23:26] != b"\x9d\x01\x2a":
+        if data[start + 23:start + 26] != b"\x9d\x01\x2a":
             raise ProbeError(CORRUPT_IMAGE_HEADER)
-        width, height = struct.unpack_from("<HH", head, 26)
+        width, height = struct.unpack_from("<HH", data, start + 26)
         return width & 0x3FFF, height & 0x3FFF, 1
     if chunk == b"VP8L":
-        if head[20] != 0x2F:
+        if data[start + 20] != 0x2F:
             raise ProbeError(CORRUPT_IMAGE_HEADER)
-        bits = struct.unpack_from("<I", head, 21)[0]
+        bits = struct.unpack_from("<I", data, start + 21)[0]
         return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1, 1
     if chunk == b"VP8X":
-        width = int.from_bytes(head[24:27], "little") + 1
-        height = int.from_bytes(head[27:30], "little") + 1
+        width = int.from_bytes(data[start + 24:start + 27], "little") + 1
+        height = int.from_bytes(data[start + 27:start + 30], "little") + 1
         # Flag bits 3 (EXIF) and 2 (XMP) announce metadata chunks; libwebp's muxer sets them.
-        if head[20] & 0x0C:
-            return width, height, _webp_orientation(_Reader(head, size, fetch, origin))
+        if data[start + 20] & 0x0C:
+            return width, height, _webp_orientation(_Reader(data[start:end], size, fetch, origin))
         return width, height, 1
     raise ProbeError(CORRUPT_IMAGE_HEADER)
 
@@ -446,8 +483,8 @@ def _webp_orientation(r: _Reader) -> int:
 # ----------------------------------------------------------------------------------- GIF / BMP
 
 
-def _gif(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
-    r = _Reader(head, size, fetch, origin)
+def _gif(data: bytes, start: int, end: int, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
+    r = _Reader(data[start:end], size, fetch, origin)
     head = r.get(0, 13)
     width, height = struct.unpack_from("<HH", head, 6)
     flags = head[10]
@@ -466,8 +503,8 @@ def _gif(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int,
         pos += 1
 
 
-def _bmp(head: bytes, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
-    r = _Reader(head, size, fetch, origin)
+def _bmp(data: bytes, start: int, end: int, size: int, fetch: Fetch | None, origin: int) -> tuple[int, int, int]:
+    r = _Reader(data[start:end], size, fetch, origin)
     head = r.get(0, 26)
     header_size = struct.unpack_from("<I", head, 14)[0]
     if header_size == 12:  # OS/2 BITMAPCOREHEADER

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe
+from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe, probe_at
 from mmtok.scan.tarindex import BLOCK, REGULAR, TRUNCATED, TarWalker
 
 SCAN_VERSION = 2  # bump when rows for the same input change; invalidates caches
@@ -136,27 +136,44 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
     """Group members into samples (consecutive members sharing a key) and append their rows.
 
     Names stay bytes until a row needs them: the key is the name up to the first dot of its last
-    path component (WebDataset's rule), the extension the rest.
+    path component (WebDataset's rule), the extension the rest. This loop runs once per member:
+    the common cases (an image member whose head lies in the read window, a one-image sample)
+    take the shortest path, everything else goes through `_image_entry` and `_add_sample`.
     """
-    ignored = out.ignored
+    rows, ignored = out.rows, out.ignored
+    documents = out.documents  # kept here, and written back before anything else uses it
     key = None
     images: list[tuple] = []
     text = json_sidecar = _NO_SIDECAR
-    for raw, kind, offset, size in walker.members(start, stop):
-        dot = raw.find(b".", raw.rfind(b"/") + 1)
-        sample = raw if dot < 0 else raw[:dot]
-        ext = b"" if dot < 0 else raw[dot + 1:]
+    fetch = walker.read
+    for raw, kind, offset, size, window, at in walker.members(start, stop):
+        if b"/" in raw:
+            dot = raw.find(b".", raw.rfind(b"/") + 1)
+            sample, ext = (raw, b"") if dot < 0 else (raw[:dot], raw[dot + 1:])
+        else:
+            sample, _, ext = raw.partition(b".")
         if sample != key:
-            if images:
-                _add_sample(walker, out, key, images, text, json_sidecar)
+            if len(images) == 1:
+                rows.append((key.decode("utf-8", "backslashreplace"), documents, 0) + images[0] + text + json_sidecar)
+                documents += 1
+            elif images:
+                _add_sample(walker, out, documents, key, images, text, json_sidecar)
+                documents += 1
             elif key is not None:
                 ignored["(sample without image)"] += 1
             key, images, text, json_sidecar = sample, [], _NO_SIDECAR, _NO_SIDECAR
+        if ext in _IMAGE_SUFFIXES and kind == REGULAR and size:
+            end = at + (size if size < HEAD_BYTES else HEAD_BYTES)
+            if end <= len(window):
+                images.append(_image_row(raw, offset, size, window, at, end, fetch))
+                continue
         suffix = ext if ext in _KNOWN_SUFFIXES else ext[ext.rfind(b".") + 1:].lower()
         if suffix in _IMAGE_SUFFIXES:
             images.append(_image_entry(walker, raw, kind, offset, size))
         elif kind == TRUNCATED:
+            out.documents = documents
             out.shard_error("truncated_member", offset, raw.decode("utf-8", "backslashreplace"))
+            documents = out.documents
         elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
             text = (offset, size)
         elif suffix == b"json" and kind == REGULAR and json_sidecar[0] < 0:
@@ -164,9 +181,25 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         else:
             ignored[suffix.decode("utf-8", "backslashreplace") or "(no extension)"] += 1
     if images:
-        _add_sample(walker, out, key, images, text, json_sidecar)
+        _add_sample(walker, out, documents, key, images, text, json_sidecar)
+        documents += 1
     elif key is not None:
         ignored["(sample without image)"] += 1
+    out.documents = documents
+
+
+def _image_row(raw: bytes, offset: int, size: int, data: bytes, start: int, end: int, fetch) -> tuple:
+    """The entry of a regular, non-empty image member whose head is data[start:end] (see _image_entry)."""
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", "non_utf8_name"
+    try:
+        fmt, width, height, orientation = probe_at(data, start, end, size, fetch, offset)
+    except ProbeError as err:
+        return (name, offset, size, min(err.width, _INT32_MAX), min(err.height, _INT32_MAX), err.format,
+                err.orientation, "error", err.reason)
+    return name, offset, size, width, height, fmt, orientation, "ok", ""
 
 
 def _image_entry(walker: TarWalker, raw: bytes, kind: int, offset: int, size: int) -> tuple:
@@ -180,20 +213,13 @@ def _image_entry(walker: TarWalker, raw: bytes, kind: int, offset: int, size: in
     if size == 0:
         return name, offset, size, 0, 0, "", 1, "error", "zero_size"
     head = walker.head(offset, size if size < HEAD_BYTES else HEAD_BYTES)
-    try:
-        fmt, width, height, orientation = probe(head, size, walker.read, offset)
-    except ProbeError as err:
-        return (name, offset, size, min(err.width, _INT32_MAX), min(err.height, _INT32_MAX), err.format,
-                err.orientation, "error", err.reason)
-    return name, offset, size, width, height, fmt, orientation, "ok", ""
+    return _image_row(raw, offset, size, head, 0, len(head), walker.read)
 
 
-def _add_sample(walker: TarWalker, out: ShardRows, raw_key: bytes, images: list[tuple],
+def _add_sample(walker: TarWalker, out: ShardRows, doc: int, raw_key: bytes, images: list[tuple],
                 text: tuple[int, int], json_sidecar: tuple[int, int]) -> None:
-    """Append a document's rows in container order, with image indices in document order."""
+    """Append the rows of document `doc` in container order, with image indices in document order."""
     key = raw_key.decode("utf-8", "backslashreplace")
-    doc = out.documents
-    out.documents += 1
     sidecars = text + json_sidecar
     if len(images) == 1:
         out.rows.append((key, doc, 0) + images[0] + sidecars)

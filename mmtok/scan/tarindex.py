@@ -10,6 +10,7 @@ are yielded optimistically and the caller re-walks up to the first bad header wh
 from __future__ import annotations
 
 import os
+import struct
 from typing import Iterator
 
 import numpy as np
@@ -28,6 +29,8 @@ CORRUPT_HEADER = "corrupt_header"
 _ZERO_BLOCK = bytes(BLOCK)
 _REGULAR_TYPES = frozenset(b"07\x00")
 _POSIX_MAGIC = b"ustar\x0000"
+# Name (100 bytes), size (12), type flag, magic (8) and the first byte of the ustar prefix.
+_HEADER_FIELDS = struct.Struct("100s24x12s20xB100x8s80xB").unpack_from
 
 
 class _BadHeader(Exception):
@@ -68,8 +71,11 @@ class TarWalker:
             return buf[i:] + self.read(end, offset + n - end)
         return self.read(offset, n)
 
-    def members(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[bytes, int, int, int]]:
-        """Yield (raw name, kind, data offset, size) for each member from the header at `start`.
+    def members(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[bytes, int, int, int, bytes, int]]:
+        """Yield (raw name, kind, data offset, size, window, at) for each member from the header at `start`.
+
+        `window[at:]` is what the last read holds of the member's data (empty when `at` is past its
+        end): the caller parses a member's head there, without a copy, before taking the next member.
 
         Stops before `stop`, at the end-of-archive block, at the end of the file (`end_reason`
         "truncated_tar" unless a zero block was seen), after a TRUNCATED member, or at an unusable
@@ -82,87 +88,94 @@ class TarWalker:
         offsets: list[int] = []
         unchecked = CHECK_BATCH
         pos, file_size, window, limit = start, self.file_size, self.window, stop if stop is not None else 1 << 62
+        fd, pread = self.fd, os.pread
         long_name: bytes | None = None
         pax: dict[bytes, bytes] = {}
         pax_global: dict[bytes, bytes] = {}
         buf, base, end = self._buf, self._base, self._base + len(self._buf)
-        while pos < limit:
-            if pos < base or pos + BLOCK > end:
-                if pos + BLOCK > file_size:
-                    self.end_reason, self.end_offset = TRUNCATED_TAR, pos
+        reads = requested = 0  # added to self.reads and self.bytes_read once, when the walk ends
+        try:
+            while pos < limit:
+                if pos < base or pos + BLOCK > end:
+                    if pos + BLOCK > file_size:
+                        self.end_reason, self.end_offset = TRUNCATED_TAR, pos
+                        break
+                    buf = self._buf = pread(fd, window, pos)  # one read per member: header and head
+                    reads += 1
+                    requested += len(buf)
+                    base = self._base = pos
+                    end = pos + len(buf)
+                i = pos - base
+                # The fields the walk needs, in one call; the checksum of the whole block is
+                # verified later, in batches.
+                name, size_field, flag, magic, has_prefix = _HEADER_FIELDS(buf, i)
+                name = name.partition(b"\x00")[0]
+                if not name and buf[i:i + BLOCK] == _ZERO_BLOCK:
+                    self.end_offset = pos
                     break
-                buf = self._buf = self.read(pos, window)
-                base = self._base = pos
-                end = pos + len(buf)
-            i = pos - base
-            # Fields are read in place (name, size, type flag, ustar prefix); the checksum of the
-            # whole block is verified later, in batches.
-            nul = buf.find(b"\x00", i, i + 100)
-            name = buf[i:nul if nul >= 0 else i + 100]
-            if not name and buf[i:i + BLOCK] == _ZERO_BLOCK:
-                self.end_offset = pos
-                break
-            headers.append(buf[i:i + BLOCK])
-            offsets.append(pos)
-            try:
-                size = int(buf[i + 124:i + 136].rstrip(b"\x00"), 8)
-            except ValueError:
-                size = _parse_size(buf[i + 124:i + 136])
-            if size is None or size < 0:
-                self._fail(headers, offsets, len(headers) - 1)
-                return
-            if buf[i + 345] and buf[i + 257:i + 265] == _POSIX_MAGIC:
-                name = buf[i + 345:i + 500].split(b"\x00", 1)[0] + b"/" + name
-            flag = buf[i + 156]
-            unchecked -= 1
-            if not unchecked:
-                if self._fail(headers, offsets, _first_bad_checksum(headers)):
-                    return
-                headers, offsets, unchecked = [], [], CHECK_BATCH
-            data = pos + BLOCK
-            pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
-            if flag in _REGULAR_TYPES:
-                kind = REGULAR
-            elif flag in b"LKxg":
-                if size > MAX_NAME_BYTES:
+                headers.append(buf[i:i + BLOCK])
+                offsets.append(pos)
+                try:
+                    size = int(size_field.rstrip(b"\x00"), 8)
+                except ValueError:
+                    size = _parse_size(size_field)
+                if size is None or size < 0:
                     self._fail(headers, offsets, len(headers) - 1)
                     return
-                if data + size > file_size:
-                    if not self._fail(headers, offsets, _first_bad_checksum(headers)):
-                        self.end_reason, self.end_offset = TRUNCATED_TAR, data
-                    return
-                payload = self.head(data, size)
-                if flag == 0x4C:  # L: GNU long name of the next member
-                    long_name = payload.split(b"\x00", 1)[0]
-                elif flag == 0x78 or flag == 0x67:  # x: pax header of the next member; g: global
+                if has_prefix and magic == _POSIX_MAGIC:
+                    name = buf[i + 345:i + 500].split(b"\x00", 1)[0] + b"/" + name
+                unchecked -= 1
+                if not unchecked:
+                    if self._fail(headers, offsets, _first_bad_checksum(headers)):
+                        return
+                    headers, offsets, unchecked = [], [], CHECK_BATCH
+                data = pos + BLOCK
+                pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
+                if flag in _REGULAR_TYPES:
+                    kind = REGULAR
+                elif flag in b"LKxg":
+                    if size > MAX_NAME_BYTES:
+                        self._fail(headers, offsets, len(headers) - 1)
+                        return
+                    if data + size > file_size:
+                        if not self._fail(headers, offsets, _first_bad_checksum(headers)):
+                            self.end_reason, self.end_offset = TRUNCATED_TAR, data
+                        return
+                    payload = self.head(data, size)
+                    if flag == 0x4C:  # L: GNU long name of the next member
+                        long_name = payload.split(b"\x00", 1)[0]
+                    elif flag == 0x78 or flag == 0x67:  # x: pax header of the next member; g: global
+                        try:
+                            (pax if flag == 0x78 else pax_global).update(_pax_records(payload))
+                        except _BadHeader:
+                            self._fail(headers, offsets, len(headers) - 1)
+                            return
+                    continue
+                elif flag == 0x35:  # directory
+                    long_name, pax = None, {}
+                    continue
+                else:
+                    kind = SPECIAL
+                if pax or pax_global:
                     try:
-                        (pax if flag == 0x78 else pax_global).update(_pax_records(payload))
+                        name, size = _apply_pax(name, size, pax_global, pax)
                     except _BadHeader:
                         self._fail(headers, offsets, len(headers) - 1)
                         return
-                continue
-            elif flag == 0x35:  # directory
-                long_name, pax = None, {}
-                continue
-            else:
-                kind = SPECIAL
-            if pax or pax_global:
-                try:
-                    name, size = _apply_pax(name, size, pax_global, pax)
-                except _BadHeader:
-                    self._fail(headers, offsets, len(headers) - 1)
+                    pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
+                    pax = {}
+                if long_name is not None:
+                    name, long_name = long_name, None
+                if data + size > file_size and kind == REGULAR:
+                    if not self._fail(headers, offsets, _first_bad_checksum(headers)):
+                        self.end_offset = data
+                        yield name, TRUNCATED, data, size, buf, data - base
                     return
-                pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
-                pax = {}
-            if long_name is not None:
-                name, long_name = long_name, None
-            if data + size > file_size and kind == REGULAR:
-                if not self._fail(headers, offsets, _first_bad_checksum(headers)):
-                    self.end_offset = data
-                    yield name, TRUNCATED, data, size
-                return
-            yield name, kind, data, size
-        self._fail(headers, offsets, _first_bad_checksum(headers))
+                yield name, kind, data, size, buf, data - base
+            self._fail(headers, offsets, _first_bad_checksum(headers))
+        finally:  # also when the caller drops the walk early
+            self.reads += reads
+            self.bytes_read += requested
 
     def _fail(self, headers: list[bytes], offsets: list[int], bad: int | None) -> bool:
         """Record the first bad header among `headers[:bad+1]` (checksums first); True if any."""
