@@ -110,13 +110,14 @@ def _audio_flow(out: Path, world_size: int, checkpoint: str | None) -> dict:
     audio = out / "audio"
     if checkpoint is None:
         checkpoint = str(wavtokenizer.write_random_checkpoint(out / "checkpoints" / "wavtokenizer-tiny-random"))
-    _mmtok("audio", "convert", "--source", str(SOURCES / "demo-speech.yaml"), "--out", str(audio / "shar"))
+    _mmtok("audio", "convert", "--source", str(SOURCES / "demo-speech.yaml"), "--out", str(audio / "shar"),
+           "--no-progress")
     for rank in range(world_size):
         _mmtok("encode", "--modality", "audio", "--shar", str(audio / "shar"), "--codec", "wavtokenizer",
                "--checkpoint", checkpoint, "--out", str(audio / "encoded"), "--rank", str(rank),
                "--world-size", str(world_size), "--num-workers", "0", "--no-progress")
     _mmtok("merge", str(audio / "encoded"))
-    _mmtok("audio", "interleave", str(audio / "encoded"), "--out", str(audio / "interleaved"))
+    _mmtok("audio", "interleave", str(audio / "encoded"), "--out", str(audio / "interleaved"), "--no-progress")
     _mmtok("inspect", str(audio / "encoded" / "merged"), "--limit", "1")
     return json.loads((audio / "encoded" / "merged.json").read_text())
 

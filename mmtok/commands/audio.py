@@ -49,6 +49,7 @@ def add_parser(sub) -> None:
     convert.add_argument("--min-rms-dbfs", type=float, default=-60.0, help="drop clips quieter than this RMS (default -60)")
     convert.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                          help="decode processes (default: CPU count; 0 = in the main process)")
+    convert.add_argument("--no-progress", action="store_true", help="no progress bar")
     convert.set_defaults(func=run, parser=convert)
 
     interleave = audio_sub.add_parser("interleave", help="per-clip token cache -> interleaved speech/text sequences",
@@ -59,6 +60,7 @@ def add_parser(sub) -> None:
                             help="longest sequence of the stage set (default 8192)")
     interleave.add_argument("--max-tokens", type=int, default=262_144,
                             help="longest long-context sequence; longer ones are split at clip boundaries (default 262144)")
+    interleave.add_argument("--no-progress", action="store_true", help="no progress bar")
     interleave.set_defaults(func=run)
 
 
@@ -80,9 +82,11 @@ def run(args) -> int:
                                  min_rms_dbfs=args.min_rms_dbfs, shard_size=args.shard_size,
                                  text_tokenizer=args.text_tokenizer)
         convert(args.inputs, args.out, options, kind=args.kind, transcripts=args.transcripts,
-                audio_column=args.audio_column, text_column=args.text_column, workers=args.workers)
+                audio_column=args.audio_column, text_column=args.text_column, workers=args.workers,
+                progress=not args.no_progress)
         return 0
     from mmtok.audio.interleave import interleave
 
-    interleave(args.encoded, args.out, stage_max_tokens=args.stage_max_tokens, max_tokens=args.max_tokens)
+    interleave(args.encoded, args.out, stage_max_tokens=args.stage_max_tokens, max_tokens=args.max_tokens,
+               progress=not args.no_progress)
     return 0
