@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe, probe_at
+from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at
 from mmtok.scan.tarindex import BLOCK, REGULAR, TRUNCATED, TarWalker
 
 SCAN_VERSION = 2  # bump when rows for the same input change; invalidates caches
@@ -141,7 +141,6 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
     take the shortest path, everything else goes through `_image_entry` and `_add_sample`.
     """
     rows, ignored = out.rows, out.ignored
-    documents = out.documents  # kept here, and written back before anything else uses it
     key = None
     images: list[tuple] = []
     text = json_sidecar = _NO_SIDECAR
@@ -153,12 +152,11 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         else:
             sample, _, ext = raw.partition(b".")
         if sample != key:
-            if len(images) == 1:
-                rows.append((key.decode("utf-8", "backslashreplace"), documents, 0) + images[0] + text + json_sidecar)
-                documents += 1
+            if len(images) == 1:  # `_add_sample`'s first case, inline
+                rows.append((key.decode("utf-8", "backslashreplace"), out.documents, 0) + images[0] + text + json_sidecar)
+                out.documents += 1
             elif images:
-                _add_sample(walker, out, documents, key, images, text, json_sidecar)
-                documents += 1
+                _add_sample(walker, out, key, images, text, json_sidecar)
             elif key is not None:
                 ignored["(sample without image)"] += 1
             key, images, text, json_sidecar = sample, [], _NO_SIDECAR, _NO_SIDECAR
@@ -171,9 +169,7 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         if suffix in _IMAGE_SUFFIXES:
             images.append(_image_entry(walker, raw, kind, offset, size))
         elif kind == TRUNCATED:
-            out.documents = documents
             out.shard_error("truncated_member", offset, raw.decode("utf-8", "backslashreplace"))
-            documents = out.documents
         elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
             text = (offset, size)
         elif suffix == b"json" and kind == REGULAR and json_sidecar[0] < 0:
@@ -181,11 +177,9 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         else:
             ignored[suffix.decode("utf-8", "backslashreplace") or "(no extension)"] += 1
     if images:
-        _add_sample(walker, out, documents, key, images, text, json_sidecar)
-        documents += 1
+        _add_sample(walker, out, key, images, text, json_sidecar)
     elif key is not None:
         ignored["(sample without image)"] += 1
-    out.documents = documents
 
 
 def _image_row(raw: bytes, offset: int, size: int, data: bytes, start: int, end: int, fetch) -> tuple:
@@ -194,6 +188,11 @@ def _image_row(raw: bytes, offset: int, size: int, data: bytes, start: int, end:
         name = raw.decode("utf-8")
     except UnicodeDecodeError:
         return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", "non_utf8_name"
+    return _probed(name, offset, size, data, start, end, fetch)
+
+
+def _probed(name: str, offset: int, size: int, data: bytes, start: int, end: int, fetch) -> tuple:
+    """The entry of an image whose first bytes are data[start:end]; `fetch` reads more at `offset`."""
     try:
         fmt, width, height, orientation = probe_at(data, start, end, size, fetch, offset)
     except ProbeError as err:
@@ -216,10 +215,12 @@ def _image_entry(walker: TarWalker, raw: bytes, kind: int, offset: int, size: in
     return _image_row(raw, offset, size, head, 0, len(head), walker.read)
 
 
-def _add_sample(walker: TarWalker, out: ShardRows, doc: int, raw_key: bytes, images: list[tuple],
+def _add_sample(walker: TarWalker, out: ShardRows, raw_key: bytes, images: list[tuple],
                 text: tuple[int, int], json_sidecar: tuple[int, int]) -> None:
-    """Append the rows of document `doc` in container order, with image indices in document order."""
+    """Append a document's rows in container order, with image indices in document order."""
     key = raw_key.decode("utf-8", "backslashreplace")
+    doc = out.documents
+    out.documents += 1
     sidecars = text + json_sidecar
     if len(images) == 1:
         out.rows.append((key, doc, 0) + images[0] + sidecars)
@@ -306,12 +307,7 @@ def _value_entry(column: str, row: int, value: bytes | None) -> tuple:
         return column, row, 0, 0, 0, "", 1, "error", "missing_image"
     if not value:
         return column, row, 0, 0, 0, "", 1, "error", "zero_size"
-    try:
-        fmt, width, height, orientation = probe(value, len(value))
-    except ProbeError as err:
-        return (column, row, len(value), min(err.width, _INT32_MAX), min(err.height, _INT32_MAX), err.format,
-                err.orientation, "error", err.reason)
-    return column, row, len(value), width, height, fmt, orientation, "ok", ""
+    return _probed(column, row, len(value), value, 0, len(value), None)
 
 
 # ------------------------------------------------------------------------------ one shard, cached
