@@ -8,6 +8,7 @@ so `mmtok --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -37,9 +38,34 @@ def main(argv: list[str] | None = None) -> int:
     except MmtokError as err:
         print(f"mmtok {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # disk full, read-only output, unreadable input: one line, not a traceback
+        print(f"mmtok {args.command}: error: {os_error_line(err)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"mmtok {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+# What to do about the OS errors a long run meets; every stage is restartable, so the advice ends in a rerun.
+OS_ERROR_FIXES = {
+    errno.ENOSPC: "free space on that file system (or use another --out), then rerun the same command: it resumes",
+    errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then rerun the same command: it resumes",
+    errno.EROFS: "the file system is read-only: use a writable --out (or remount it read-write), then rerun",
+    errno.EACCES: "no permission: fix the permissions or use another location, then rerun",
+    errno.EPERM: "not permitted: fix the permissions or use another location, then rerun",
+    errno.EIO: "an I/O error: the disk or the file is damaged; check it (dmesg), restore the file, then rerun",
+    errno.ENOENT: "check the path (a file or directory that the command needs is missing)",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n), then rerun",
+}
+
+
+def os_error_line(err: OSError) -> str:
+    """'<path>: <what the OS said> [ERRNO] -- <what to do>' for an OSError."""
+    where = " -> ".join(str(name) for name in (err.filename, err.filename2) if name is not None)
+    code = errno.errorcode.get(err.errno, "") if err.errno is not None else ""
+    what = f"{err.strerror or err} [{code}]" if code else str(err.strerror or err)
+    fix = OS_ERROR_FIXES.get(err.errno, "fix the cause, then rerun the same command")
+    return f"{where + ': ' if where else ''}{what} -- {fix}"
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 from pathlib import Path
@@ -35,10 +36,27 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         handle.close()
         os.replace(tmp, path)
         fsync_dir(path.parent)
+    except OSError as err:
+        _discard(handle, tmp)
+        raise with_filename(err, path) from None
     except BaseException:
-        handle.close()
-        tmp.unlink(missing_ok=True)
+        _discard(handle, tmp)
         raise
+
+
+def _discard(handle: IO, tmp: Path) -> None:
+    try:
+        handle.close()  # may fail again (a full disk cannot take the buffered rest)
+    except OSError:
+        pass
+    tmp.unlink(missing_ok=True)
+
+
+def with_filename(err: OSError, path: str | os.PathLike) -> OSError:
+    """`err` naming `path` when it names no file (a failed write() or fsync() says only the errno)."""
+    if err.filename is not None or err.errno is None:
+        return err
+    return type(err)(err.errno, err.strerror, str(path))
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -87,3 +105,68 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+class WriterLock:
+    """One writer at a time for an output directory: an exclusive POSIX record lock on `DIR/.lock`.
+
+    The lock is an fcntl (POSIX) lock, so the kernel -- or, on a shared file system, its lock manager
+    (NFSv4, Lustre mounted with `flock`, GPFS) -- drops it when the holding process dies, SIGKILL
+    included: a killed writer never blocks the next run. The file also records who holds it (host,
+    pid, start time) so a refused process can name the holder; that text may be stale, the lock
+    never is. POSIX locks are per process and are released when the process closes *any* descriptor
+    of the file, so the file is opened once per process and a process-wide table refuses a second
+    writer inside the same process too.
+    """
+
+    NAME = ".lock"
+    _held: dict[str, "WriterLock"] = {}
+
+    def __init__(self, directory: str | os.PathLike, what: str):
+        import fcntl
+        import socket
+        import time
+
+        from mmtok.errors import MmtokError
+
+        self.path = Path(directory) / self.NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = os.path.realpath(self.path)
+        if key in WriterLock._held:
+            raise MmtokError(f"{what} is already being written by this process; one writer per output")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(self._fd)
+            if err.errno in (errno.EACCES, errno.EAGAIN):
+                raise MmtokError(f"{what} is being written by another process ({self._holder()}); wait for it "
+                                 "to finish or stop it, then rerun this command (it resumes). One writer per "
+                                 "output: a second one is refused.") from None
+            raise MmtokError(f"{self.path}: cannot take the writer lock ({os.strerror(err.errno)}); mmtok needs a "
+                             "file system with POSIX (fcntl) locks for its outputs (local disks, NFSv4, "
+                             "Lustre mounted with -o flock, GPFS)") from None
+        holder = f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, (holder + "\n").encode(), 0)
+        self._key = key
+        WriterLock._held[key] = self
+
+    def _holder(self) -> str:
+        try:
+            text = self.path.read_text("utf-8", errors="replace").strip()
+        except OSError:
+            text = ""
+        return text or "holder unknown"
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases it); safe to call twice."""
+        if WriterLock._held.get(getattr(self, "_key", None)) is self:
+            del WriterLock._held[self._key]
+            os.close(self._fd)
+
+    def __enter__(self) -> "WriterLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -13,18 +13,16 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps
 
+from mmtok.errors import Skip
+
 # Pixel count above which a decode is refused as a decompression bomb. The plan's max-pixels filter
 # drops such images long before; this guards against files whose header lies.
 MAX_DECODE_PIXELS = 16384 * 16384
 WHITE = (255, 255, 255)
 
 
-class ImageDecodeError(Exception):
+class ImageDecodeError(Skip):
     """An image that cannot be turned into RGB pixels; `reason` is a short counted name."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 def open_image(data: bytes) -> Image.Image:

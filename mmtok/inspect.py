@@ -34,6 +34,12 @@ def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str = "tekken", t
     if prefix is not None:
         return describe_dataset(prefix, limit=limit, text_tokenizer=text_tokenizer, text_vocab_size=text_vocab_size,
                                 render_dir=render_dir, codec=codec)
+    from mmtok.audio.interleave import not_written_reason
+
+    for candidate in (target, target.with_suffix("")):
+        reason = not_written_reason(candidate) or merged_not_written(candidate)
+        if reason:
+            raise MmtokError(f"{path}: no dataset here: {reason}")
     raise MmtokError(f"{path}: not a manifest dir, plan dir, encode output dir or Megatron dataset (.bin/.idx)")
 
 
@@ -86,13 +92,31 @@ def describe_encode_output(directory: Path) -> str:
         detail = ""
         if stats_path.is_file():
             stats = json.loads(stats_path.read_text())
+            state += "" if stats.get("dataset", True) else " (no tokens: no dataset)"
             detail = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("counts", {}).items()))
         lines.append(f"  {part.name}: {state} {detail}")
     for name in ("merged", "merged_no_reasoning"):
         if megatron.idx_path(directory / name).is_file():
             _, lengths, _, _ = megatron.read_index(directory / name)
             lines.append(f"{name}: {len(lengths)} sequences, {int(lengths.sum())} tokens")
+        elif reason := merged_not_written(directory / name):
+            lines.append(f"{name}: not written: {reason}")
     return "\n".join(lines)
+
+
+def merged_not_written(prefix: Path) -> str | None:
+    """Why a merge output has no dataset at `prefix`, when OUT/merged.json records it as not written."""
+    from mmtok.merge import MERGED, NO_REASONING
+
+    try:
+        summary = json.loads((prefix.parent / f"{MERGED}.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    entry = {MERGED: summary, NO_REASONING: summary.get("strip_reasoning") or {}}.get(prefix.name, {})
+    if entry.get("dataset", True):
+        return None
+    return (f"no sequence has a token (every input was skipped: see {prefix.parent / summary['skipped_file']}), "
+            "so `mmtok merge` wrote no dataset")
 
 
 def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_vocab_size: int | None,

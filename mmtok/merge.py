@@ -4,7 +4,13 @@
 part order (bytes copied, pointers rebuilt) into `OUT/merged.bin/.idx`, concatenates their
 provenance into `OUT/merged.provenance.jsonl`, sums their stats into `OUT/merged.json` (written
 last: its presence means the merge completed) and verifies the result with megatron-core's
-`IndexedDataset`. Parts hold contiguous ranges of a fixed global work order, so the merged bytes do
+`IndexedDataset`. Before anything is copied every part is checked against the checksums of its
+commit log (`commitlog.verify_part`): a damaged part is refused naming the part and the unit. The
+parts' skip lists are joined into `OUT/merged.skipped.jsonl` (one line per input that did not become
+tokens: key, source, member, reason, detail), counted by reason in merged.json. Parts without tokens
+have no dataset and are left out; when no part has a token, no merged dataset is written (an empty
+one would not open in megatron-core) and merged.json says `"dataset": false`. One merge writes an
+output at a time (`OUT/.lock`). Parts hold contiguous ranges of a fixed global work order, so the merged bytes do
 not depend on how many parts (ranks) produced them.
 
 `strip_reasoning=True` also writes `OUT/merged_no_reasoning.*`: every reasoning span removed,
@@ -29,12 +35,13 @@ import numpy as np
 
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
-from mmtok.formats.megatron import bin_path, concatenate, read_index, write_index
-from mmtok.fsutil import atomic_write_json, atomic_writer, copy_file_into
+from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, write_index
+from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, copy_file_into
 
 MERGED = "merged"
 NO_REASONING = "merged_no_reasoning"
 PROVENANCE_SUFFIX = ".provenance.jsonl"
+SKIPPED_SUFFIX = ".skipped.jsonl"
 REASONING_MARKERS = ("<|inner_prefix|>", "<|inner_suffix|>")
 TURN_END = "<|assistant_end|>"
 BLOCK_TOKENS = 1 << 24  # strip-reasoning works through the merged tokens in blocks of about this size
@@ -52,7 +59,7 @@ def find_parts(out: Path) -> list[Part]:
     found = {}
     for directory in sorted((out / "parts").glob("part-*")):
         if (directory / commitlog.IDENTITY).is_file():
-            identity = commitlog.read_identity(directory)
+            identity = _read_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
             found[identity["part"]] = Part(identity["part"], directory, identity)
     if not found:
         raise MmtokError(f"{out}: no encoded parts under {out / 'parts'}; run `mmtok encode --out {out}` first")
@@ -85,36 +92,56 @@ def _check_same_run(parts: list[Part]) -> None:
             raise MmtokError(f"{part.directory}: does not belong to the same encode run as part 0: {difference}")
 
 
+def _read_json(path: Path, reader, directory: Path):
+    """`reader(directory)`, with a damaged or unreadable file reported as one line naming it."""
+    try:
+        return reader(directory)
+    except (ValueError, OSError) as err:
+        raise MmtokError(f"{path}: unreadable ({err}); the part is damaged -- delete {directory} and re-encode "
+                         "this part") from None
+
+
 def merge(out: str | os.PathLike, *, strip_reasoning: bool = False) -> dict:
     """Merge the parts of `out`; returns the summary written to `OUT/merged.json`."""
     out = Path(out)
-    parts = find_parts(out)
-    prefixes = [commitlog.part_prefix(part.directory) for part in parts]
-    sequences = concatenate(prefixes, out / MERGED)
-    _concatenate_files([part.directory / commitlog.PROVENANCE for part in parts], out / (MERGED + PROVENANCE_SUFFIX))
-    verified_with = verify_merged(out / MERGED, prefixes)
-    summary = _merge_stats(parts)
-    summary.update(sequences=sequences, verified_with=verified_with)
-    if strip_reasoning:
-        summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity))
-    atomic_write_json(out / f"{MERGED}.json", summary)
+    with WriterLock(out, f"merge output {out}"):
+        parts = find_parts(out)
+        for part in parts:
+            commitlog.verify_part(part.directory)
+        (out / f"{MERGED}.json").unlink(missing_ok=True)  # until rewritten, the output is not a finished merge
+        summary = _merge_stats(parts)
+        with_data = [part for part in parts if commitlog.has_dataset(part.directory)]
+        _concatenate_files([part.directory / commitlog.PROVENANCE for part in parts], out / (MERGED + PROVENANCE_SUFFIX))
+        _concatenate_files([part.directory / commitlog.SKIPPED for part in parts], out / (MERGED + SKIPPED_SUFFIX))
+        summary["skipped_file"] = MERGED + SKIPPED_SUFFIX
+        if with_data:
+            prefixes = [commitlog.part_prefix(part.directory) for part in with_data]
+            summary.update(sequences=concatenate(prefixes, out / MERGED), dataset=True,
+                           verified_with=verify_merged(out / MERGED, prefixes))
+        else:
+            remove_dataset(out / MERGED)
+            summary.update(sequences=0, dataset=False, verified_with=None)
+        if strip_reasoning:
+            summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity), with_data)
+        atomic_write_json(out / f"{MERGED}.json", summary)
     return summary
 
 
 def _concatenate_files(sources: list[Path], target: Path) -> None:
     with atomic_writer(target) as handle:
         for source in sources:
-            copy_file_into(source, handle)
+            if source.is_file():  # a part of an older format may lack a skip list
+                copy_file_into(source, handle)
 
 
 def _merge_stats(parts: list[Part]) -> dict:
     counts: dict[str, int] = {}
     per_part = []
     for part in parts:
-        stats = commitlog.read_stats(part.directory)
+        stats = _read_json(part.directory / commitlog.STATS, commitlog.read_stats, part.directory)
         for key, value in stats.get("counts", {}).items():
             counts[key] = counts.get(key, 0) + value
-        per_part.append({k: stats.get(k) for k in ("sequences", "tokens", "wall_s", "device_busy_s")
+        per_part.append({k: stats.get(k) for k in ("sequences", "tokens", "wall_s", "device_busy_s", "dataset")
                          if k in stats} | {"part": part.number})
     return {
         "identity": shared_identity(parts[0].identity),
@@ -133,11 +160,6 @@ def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
     """
     lengths = [read_index(p)[1] for p in part_prefixes]
     expected = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
-    if not expected.sum():
-        _, merged_lengths, _, _ = read_index(prefix)  # megatron-core cannot mmap an empty .bin
-        if not np.array_equal(merged_lengths, expected):
-            raise MmtokError(f"{prefix}: merged index does not match the parts")
-        return "mmtok (empty dataset)"
     try:
         IndexedDataset = _import_indexed_dataset()
     except ImportError:
@@ -156,6 +178,7 @@ def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
             if not np.array_equal(dataset[start + local], source):
                 problems.append(f"sequence {start + local} differs from {part_prefix} sequence {local}")
         start += part_lengths.size
+    release_reader(dataset)
     del dataset
     if problems:
         raise MmtokError(f"{prefix}: merged dataset failed verification: {'; '.join(problems)}")
@@ -175,6 +198,15 @@ def _import_indexed_dataset():
     finally:
         torch_log.setLevel(level)
     return IndexedDataset
+
+
+def release_reader(dataset) -> None:
+    """Let go of a megatron-core IndexedDataset's files. Its index reader's `__getitem__` is an
+    `lru_cache` on the class, which keeps the last readers -- and their open mmaps -- alive after
+    the dataset is dropped; clearing it closes them (a merge must not hold its outputs open)."""
+    getitem = getattr(type(getattr(dataset, "index", None)), "__getitem__", None)
+    if hasattr(getitem, "cache_clear"):
+        getitem.cache_clear()
 
 
 def _verify_with_mmtok(prefix: Path, expected: np.ndarray) -> str:
@@ -240,8 +272,13 @@ def strip_sequence(tokens: np.ndarray, ids: ReasoningIds, stats: dict[str, int])
     return keep
 
 
-def write_stripped(out: Path, ids: ReasoningIds) -> dict[str, int]:
-    """Write `OUT/merged_no_reasoning.*` from `OUT/merged.*`; returns what was removed."""
+def write_stripped(out: Path, ids: ReasoningIds, has_merged: bool = True) -> dict[str, int]:
+    """Write `OUT/merged_no_reasoning.*` from `OUT/merged.*`; returns what was removed. Like the merged
+    dataset, the copy is not written (and `dataset` is False) when no token is left."""
+    if not has_merged:
+        remove_dataset(out / NO_REASONING)
+        _filter_lines(out / (MERGED + PROVENANCE_SUFFIX), out / (NO_REASONING + PROVENANCE_SUFFIX), np.zeros(0, bool))
+        return {"sequences": 0, "dataset": False}
     dtype, lengths, pointers, _ = read_index(out / MERGED)
     stats = dict.fromkeys(("spans_removed", "orphan_prefixes", "orphan_suffixes", "reasoning_tokens_removed",
                            "sequences_changed", "dropped_empty_sequences"), 0)
@@ -257,7 +294,11 @@ def write_stripped(out: Path, ids: ReasoningIds) -> dict[str, int]:
             kept_lengths.append(block_lengths)
             kept_sequences.append(block_kept + first)
     kept_lengths = np.concatenate(kept_lengths) if kept_lengths else np.zeros(0, np.int64)
-    write_index(out / NO_REASONING, kept_lengths, dtype)
+    stats["dataset"] = bool(kept_lengths.sum())
+    if stats["dataset"]:
+        write_index(out / NO_REASONING, kept_lengths, dtype)
+    else:
+        remove_dataset(out / NO_REASONING)
     kept = np.zeros(lengths.size, dtype=bool)
     if kept_sequences:
         kept[np.concatenate(kept_sequences)] = True

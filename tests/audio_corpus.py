@@ -108,3 +108,21 @@ def build_directory_corpus(root: Path) -> tuple[Path, Path, dict]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def write_audio_by_content(folder: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """Spoken digits whose names do not say "audio" (`.oga`, Ogg and WAV without extension, `.WAV`,
+    `.aiff`) next to files that are not audio (text, random bytes, a `.vox` name libsndfile would read
+    as headerless raw). Returns (audio file name -> spoken word, non-audio files by extension)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    audio = {"one.oga": ("1", "OGG", "VORBIS"), "two": ("2", "OGG", "VORBIS"), "THREE.WAV": ("3", "WAV", "PCM_16"),
+             "four.aiff": ("4", "AIFF", "PCM_16"), "five": ("5", "WAV", "PCM_16")}
+    for name, (key, fmt, subtype) in audio.items():
+        samples, rate = read(digit(key))
+        soundfile.write(folder / name, samples, rate, format=fmt, subtype=subtype)
+    (folder / "notes.txt").write_text("recorded on a Tuesday\n", encoding="utf-8")
+    (folder / "LICENSE").write_text("public domain\n", encoding="utf-8")
+    (folder / "cover.jpg").write_bytes(bytes(range(256)) * 8)
+    (folder / "speech.vox").write_text("not audio either\n", encoding="utf-8")
+    ignored = {"txt": 1, "(no extension)": 1, "jpg": 1, "vox": 1}
+    return {name: DIGITS[key] for name, (key, _, _) in audio.items()}, ignored

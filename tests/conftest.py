@@ -5,3 +5,39 @@ from pathlib import Path
 # Keep CPU tests quiet and reproducible on small machines.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import time
+
+import pytest
+
+_CHECKED: set[Path] = set()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "damages_datasets: the test corrupts .idx/.bin files on purpose; the "
+                            "megatron-core open check after it is skipped")
+
+
+@pytest.fixture(autouse=True)
+def every_written_dataset_opens_in_megatron_core(request, tmp_path_factory):
+    """After each test, every `.idx` written under pytest's temporary root since the test started must
+    open with megatron-core's IndexedDataset (DESIGN.md §11: no dataset Megatron cannot load)."""
+    started = time.time() - 1
+    yield
+    root = tmp_path_factory.getbasetemp()
+    fresh = [p for p in root.rglob("*.idx") if p not in _CHECKED and p.stat().st_mtime >= started]
+    _CHECKED.update(fresh)  # each file is judged once, after the test that wrote it
+    if not fresh or request.node.get_closest_marker("damages_datasets"):
+        return
+    from mmtok.merge import _import_indexed_dataset, release_reader
+
+    IndexedDataset = _import_indexed_dataset()
+    for idx in fresh:
+        prefix = str(idx)[: -len(".idx")]
+        try:
+            dataset = IndexedDataset(prefix)
+            assert len(dataset) == len(dataset.sequence_lengths)
+            release_reader(dataset)
+            del dataset
+        except Exception as err:  # noqa: BLE001 - report any reader failure as the test's failure
+            pytest.fail(f"{idx} does not open in megatron-core's IndexedDataset: {type(err).__name__}: {err}")

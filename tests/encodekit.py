@@ -259,3 +259,24 @@ def parse_block(tokens, start: int, layout, tokenizer):
     codes = grid[:, :width] - layout.image_offset
     assert codes.min() >= 0 and codes.max() < layout.image_codebook
     return codes, frame_end + 2
+
+
+# One image per batch at 32-48 px: many small batches (many commits), a fast tiny codec.
+ONE_IMAGE_BATCHES = ["--min-pixels", "1024", "--max-pixels", "2304", "--min-source-pixels", "100", "--token-budget",
+                     "40", "--max-batch-images", "1", "--window-rows", "9", "--mode", "image-text"]
+
+
+def planned_job(root: Path, corrupt: bool = False):
+    """caption_corpus -> scan -> plan (ONE_IMAGE_BATCHES, the small HF tokenizer) under `root`, and a tiny
+    random Emu3.5 checkpoint. Returns (plan directory, checkpoint directory)."""
+    from mmtok.cli import main
+    from mmtok.codecs import emu35
+
+    caption_corpus(root / "data", corrupt=corrupt)
+    checkpoint = emu35.write_random_checkpoint(root / "ckpt")
+    assert main(["scan", str(root / "data" / "*.tar"), "--out", str(root / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    text = chat_tokenizer(root / "tokenizer")  # loads in milliseconds: restarts stay cheap
+    assert main(["plan", str(root / "manifest"), "--out", str(root / "plan"), "--quiet", *ONE_IMAGE_BATCHES,
+                 "--text-tokenizer", str(text)]) == 0
+    return root / "plan", checkpoint

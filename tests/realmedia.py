@@ -20,7 +20,7 @@ GOLDEN = Path(os.environ.get("MMTOK_GOLDEN", REPO.parent / "shared" / "golden"))
 MATE_DIR = Path("/usr/share/backgrounds/mate")
 ALSA_DIR = Path("/usr/share/sounds/alsa")
 ASTERISK_DIR = Path("/usr/share/asterisk/sounds/en")
-DEBIAN_MEDIA = "mate-backgrounds alsa-utils asterisk-core-sounds-en-wav espeak-ng"
+DEBIAN_MEDIA = "mate-backgrounds alsa-utils asterisk-core-sounds-en asterisk-core-sounds-en-wav espeak-ng"
 
 
 def _require(paths: list[Path], what: str) -> list[Path]:

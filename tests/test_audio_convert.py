@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import soundfile
 
-from audio_corpus import PLANTED, STORY, build_directory_corpus, digit, read, write_jsonl, write_story
+from audio_corpus import (DIGITS, PLANTED, STORY, build_directory_corpus, digit, read, write_audio_by_content,
+                          write_jsonl, write_story)
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.audio.preprocess import resample, to_mono
@@ -205,7 +206,8 @@ def test_webdataset_tar_source_with_txt_and_json_sidecars(tmp_path, tokenizer):
     assert (two["text_tokens"], two["source_id"], two["clip"], two["language"]) == (
         tokenizer.encode("seven"), "call-1", 4, "en")
     assert_same_audio(cuts["calls/s2"].load_audio()[0], expected_wave(digit("7")))
-    assert report(tmp_path / "out")["counts"] == {"dropped:decode_error": 1, "dropped:no_audio_member": 1, "written": 2}
+    assert report(tmp_path / "out")["counts"] == {"dropped:decode_error": 1, "dropped:no_audio_member": 1, "written": 2,
+                                                  "in": 4}
 
 
 def test_truncated_tar_keeps_the_samples_before_the_damage(tmp_path):
@@ -249,7 +251,7 @@ def test_lhotse_manifests_cut_supervised_segments_in_start_order(tmp_path, token
     for cut, (start, end, text) in zip(cuts[:4], [segments[i] for i in (0, 1, 3, 4)]):
         assert cut.custom["text_tokens"] == tokenizer.encode(text)
         assert_same_audio(cut.load_audio()[0], expected_wave(tmp_path / "story.wav", start, end))
-    assert report(tmp_path / "out")["counts"] == {"dropped:silent": 1, "written": 5}
+    assert report(tmp_path / "out")["counts"] == {"dropped:silent": 1, "written": 5, "in": 6}
 
 
 def test_parquet_source_with_audio_bytes_column(tmp_path, tokenizer):
@@ -269,7 +271,7 @@ def test_parquet_source_with_audio_bytes_column(tmp_path, tokenizer):
     assert [c.custom["text_tokens"] for c in cuts] == [tokenizer.encode(w) for w in ("two", "one", "three")]
     assert_same_audio(cuts[1].load_audio()[0], expected_wave(digit("1")))
     assert report(tmp_path / "out")["counts"] == {"dropped:decode_error": 1, "dropped:no_audio_bytes": 1,
-                                                  "written": 3}
+                                                  "written": 3, "in": 5}
 
 
 def test_clip_numbers_prefer_explicit_numbers_then_start_times():
@@ -285,4 +287,255 @@ def test_table_rows_for_missing_files_and_without_paths_are_counted(tmp_path):
     write_jsonl(table, [{"path": "one.wav", "text": "one"}, {"path": "gone.wav", "text": "gone"}, {"text": "x"}])
     convert([tmp_path / "in"], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
     assert report(tmp_path / "out")["counts"] == {"dropped:bad_table_row": 1, "dropped:missing_file": 1,
-                                                  "written": 1}
+                                                  "written": 1, "in": 3}
+
+
+# --- trust under real operating conditions (issue 12) ---------------------------------------------
+
+def dropped_records(out: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted((out / "dropped").glob("*.jsonl"))
+            for line in path.read_text("utf-8").splitlines()]
+
+
+def assert_counts_add_up(counts: dict) -> None:
+    skipped = sum(v for k, v in counts.items() if k.startswith(("dropped:", "ignored:")))
+    assert counts["in"] == counts.get("written", 0) + skipped, counts
+
+
+def test_audio_files_are_recognised_by_content_not_by_extension(tmp_path, tokenizer):
+    words, ignored = write_audio_by_content(tmp_path / "in")
+    table = write_jsonl(tmp_path / "t.jsonl", [{"path": "one.oga", "text": "one"}])
+    convert([tmp_path / "in"], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
+    cuts = {cut.id: cut for cut in load_cuts(tmp_path / "out")}
+    assert sorted(cuts) == sorted(name.split(".")[0] for name in words)
+    assert cuts["one"].custom["text_tokens"] == tokenizer.encode("one")  # named by the table, not missing_file
+    for name in words:
+        assert_same_audio(cuts[name.split(".")[0]].load_audio()[0], expected_wave(tmp_path / "in" / name))
+    counts = report(tmp_path / "out")["counts"]
+    assert counts == {"in": len(words) + sum(ignored.values()), "written": len(words),
+                      **{f"ignored:{ext}": n for ext, n in ignored.items()}}
+
+
+TSV_TABLE = [  # (line, is it a good row); line 7 is blank
+    (b"path\ttext\tclip\tstart", None),
+    (b"one.wav\tone\t\t", True),
+    (b"one.wav\t\xff\xfe latin-1 bytes \xe9\t\t", False),
+    (b"two.wav\ttwo\t\t", True),
+    (b"two.wav\ttwo\tabc\t", False),
+    (b"two.wav\ttwo", False),
+    (b"", None),
+    (b"three.wav\tthree\t\tnan", False),
+    (b"three.wav\tthree\t\t", True),
+]
+JSONL_TABLE = [
+    (b'{"path": "one.wav", "text": "one"}', True),
+    (b'{"path": "one.wav", "text": "\xff"}', False),
+    (b'{"path": "two.wav", "text": "two"}', True),
+    (b'{"path": "two.wav", "clip": "abc"}', False),
+    (b'{"path": "two.wav", "text": ', False),
+    (b'["two.wav", "two"]', False),
+    (b'{"path": 7, "text": "seven"}', False),
+    (b'{"path": "three.wav", "start": -1}', False),
+    (b'{"path": "three.wav", "text": "three"}', True),
+]
+
+
+@pytest.mark.parametrize("suffix, lines", [(".tsv", TSV_TABLE), (".jsonl", JSONL_TABLE)])
+def test_bad_transcript_rows_are_counted_by_file_and_line_and_the_rest_convert(tmp_path, tokenizer, suffix, lines):
+    (tmp_path / "in").mkdir()
+    for key, word in (("1", "one"), ("2", "two"), ("3", "three")):
+        (tmp_path / "in" / f"{word}.wav").write_bytes(digit(key).read_bytes())
+    table = tmp_path / f"t{suffix}"
+    table.write_bytes(b"\n".join(line for line, _ in lines) + b"\n")
+    convert([tmp_path / "in"], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
+    cuts = load_cuts(tmp_path / "out")
+    words = ("one", "three", "two")  # sorted by file name
+    assert [(c.id, c.custom["text_tokens"]) for c in cuts] == [(w, tokenizer.encode(w)) for w in words]
+    bad = [number for number, (_, good) in enumerate(lines, 1) if good is False]
+    assert sorted((d["origin"], d["reason"]) for d in dropped_records(tmp_path / "out")) == sorted(
+        (f"{table}:{n}", "bad_table_row") for n in bad)
+    assert report(tmp_path / "out")["counts"] == {"in": 3 + len(bad), "written": 3, "dropped:bad_table_row": len(bad)}
+
+
+def test_tsv_table_without_a_path_column_is_refused_naming_the_file(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "one.wav").write_bytes(digit("1").read_bytes())
+    (tmp_path / "t.tsv").write_text("file\ttext\none.wav\tone\n", encoding="utf-8")
+    code = cli_main(["audio", "convert", str(tmp_path / "in"), "--transcripts", str(tmp_path / "t.tsv"),
+                     "--out", str(tmp_path / "out"), "--workers", "0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{tmp_path / 't.tsv'}:1" in err and "`path` column" in err
+
+
+def test_tar_sidecars_that_are_not_utf8_or_not_valid_are_counted_not_replaced(tmp_path):
+    tar = make_tar(tmp_path / "t.tar", [
+        ("s1.flac", encoded(digit("1"))), ("s1.txt", "café".encode("latin-1")),
+        ("s2.flac", encoded(digit("2"))), ("s2.txt", b"two"),
+        ("s3.flac", encoded(digit("3"))), ("s3.json", b'{"text": "three", "clip": "abc"}'),
+        ("s4.flac", encoded(digit("4"))), ("s4.json", b'{"text": "four",'),
+    ])
+    convert([tar], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    assert [c.id for c in load_cuts(tmp_path / "out")] == ["t/s2"]
+    assert sorted((d["id"], d["reason"]) for d in dropped_records(tmp_path / "out")) == [
+        ("t/s1", "bad_text_encoding"), ("t/s3", "bad_metadata"), ("t/s4", "bad_metadata")]
+    assert report(tmp_path / "out")["counts"] == {"in": 4, "written": 1, "dropped:bad_text_encoding": 1,
+                                                  "dropped:bad_metadata": 2}
+
+
+def test_parquet_rows_with_bad_metadata_are_counted(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"audio": encoded(digit(k)), "text": DIGITS[k], "clip": clip} for k, clip in (("1", "0"), ("2", "abc"))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    convert([tmp_path / "p.parquet"], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    assert [c.id for c in load_cuts(tmp_path / "out")] == ["p/00000000"]
+    assert [(d["origin"], d["reason"]) for d in dropped_records(tmp_path / "out")] == [
+        (f"{tmp_path / 'p.parquet'}:row 1", "bad_metadata")]
+
+
+def test_counts_add_up_to_every_clip_record_and_file_of_the_inputs(converted, tmp_path, capsys):
+    assert report(converted)["counts"]["in"] == 16  # the corpus: 11 good files + 5 planted bad ones
+    assert_counts_add_up(report(converted)["counts"])
+    (tmp_path / "in").mkdir()
+    for name, key in (("one.wav", "1"), ("two.wav", "2")):
+        (tmp_path / "in" / name).write_bytes(digit(key).read_bytes())
+    (tmp_path / "in" / "broken.wav").write_bytes(b"RIFF junk")  # decode_error
+    (tmp_path / "in" / "notes.txt").write_text("not audio\n")  # ignored:txt
+    table = tmp_path / "t.jsonl"
+    table.write_bytes(b'{"path": "one.wav", "text": "one"}\n{"path": "gone.wav"}\n{"path": \n')
+    tar = make_tar(tmp_path / "t.tar", [
+        ("s1.flac", encoded(digit("3"))), ("s1.txt", b"three"),
+        ("s2.txt", b"no audio"),  # no_audio_member
+        ("s3.flac", encoded(digit("4"))), ("s3.wav", encoded(digit("4"), "WAV")),  # written + extra_audio_member
+        ("s4.flac", encoded(digit("5"))), ("s4.txt", b"\xff"),  # bad_text_encoding
+    ])
+    convert([tmp_path / "in", tar], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
+    counts = report(tmp_path / "out")["counts"]
+    assert counts == {"in": 11, "written": 4, "ignored:txt": 1, "dropped:decode_error": 1,
+                      "dropped:missing_file": 1, "dropped:bad_table_row": 1, "dropped:no_audio_member": 1,
+                      "dropped:extra_audio_member": 1, "dropped:bad_text_encoding": 1}
+    assert_counts_add_up(counts)
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.startswith("in 11: 4 clips") and "dropped 6 (" in summary
+    assert "ignored non-audio files 1 (txt: 1)" in summary
+
+
+# --- processes: workers die with the run, one writer per output ------------------------------------
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time in clock ticks) of a live process, None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> dict[int, int]:
+    """pid -> start time of every living descendant of process `root`."""
+    stats = {int(p.name): proc_stat(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit()}
+    found, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, stat in stats.items():
+            if stat is not None and stat[1] == parent and stat[0] != "Z" and pid not in found:
+                found[pid] = stat[2]
+                frontier.append(pid)
+    return found
+
+
+def alive(pid: int, started: int) -> bool:
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[2] == started  # a reused pid is another process
+
+
+BLOCKED_CONVERT = """
+import sys, threading
+from mmtok.audio import convert
+def blocked(*args):  # the first shard is ready: workers have decoded; hold the run here until killed
+    print("writing", flush=True)
+    threading.Event().wait()
+convert.write_shard = blocked
+from mmtok.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def wait_for_line(proc, expected: str, timeout: float, stderr: Path) -> None:
+    import select
+
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    line = proc.stdout.readline() if ready else ""
+    assert line == expected + "\n", f"no {expected!r} from the child: {stderr.read_text()[-3000:]}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_killed_conversion_leaves_no_worker_processes(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "in").mkdir()
+    for key in "1234":
+        (tmp_path / "in" / f"{key}.wav").write_bytes(digit(key).read_bytes())
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", BLOCKED_CONVERT, "audio", "convert", str(tmp_path / "in"),
+                                 "--out", str(tmp_path / "out"), "--workers", "2", "--shard-size", "1",
+                                 "--no-progress"], stdout=subprocess.PIPE, stderr=err, text=True)
+    children: dict[int, int] = {}
+    try:
+        wait_for_line(proc, "writing", 300, stderr)
+        children = descendants(proc.pid)
+        assert len(children) >= 2, children  # two decode workers (and multiprocessing's helpers)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(pid, t) for pid, t in children.items()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid, t in children.items() if alive(pid, t)], "workers outlived the killed convert"
+    finally:
+        for pid, started in children.items():  # leave no orphan behind when the test fails
+            if alive(pid, started):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+HOLD_LOCK = """
+import sys
+from mmtok.fsutil import WriterLock
+lock = WriterLock(sys.argv[1], what="test holder")
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_second_conversion_into_the_same_output_is_refused_naming_the_holder(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "one.wav").write_bytes(digit("1").read_bytes())
+    args = ["audio", "convert", str(tmp_path / "in"), "--out", str(tmp_path / "out"), "--workers", "0", "--no-progress"]
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / "out")], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        wait_for_line(holder, "held", 120, stderr)
+        code = cli_main(args)
+        message = capsys.readouterr().err
+        assert code != 0 and f"pid {holder.pid}," in message and "conversion output" in message
+        assert not (tmp_path / "out" / "conversion.json").exists()  # refused before doing anything
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+        holder.stdout.close()
+    assert cli_main(args) == 0 and report(tmp_path / "out")["complete"]  # the lock dies with its holder

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -135,7 +136,7 @@ def test_clip_tokens_equal_the_codec_output_for_the_clip_alone(shar, codec, one_
         shard = shards[prov["shard"]]
         member = index_members(shard.recording_path)[prov["cut_id"]]
         with open(shard.recording_path, "rb") as handle:
-            wave = load_clip(handle, member, 3000)
+            wave = load_clip(handle, member, 1.0, SimpleNamespace(min_samples=3000, max_clip_duration=600.0))
         codes, counts = codec.encode(torch.from_numpy(wave[None]), torch.tensor([wave.size]))
         alone = LAYOUT.audio_ids(codes[0, :int(counts[0]) - 5].numpy())
         assert tokens[2:2 + alone.size].tolist() == alone.tolist()
@@ -160,7 +161,7 @@ def test_interleave_of_encoded_story_alternates_real_clips(shar, one_rank, tmp_p
     summary = interleave(one_rank, tmp_path, progress=False)
     assert summary["counts"]["runs_of_3+"] == 1 and summary["counts"]["translations"] == 1
     stage = list(read_sequences(tmp_path / STAGE))
-    assert not list(read_sequences(tmp_path / LONG))
+    assert not (tmp_path / f"{LONG}.idx").exists() and not (tmp_path / f"{LONG}.bin").exists()  # no empty dataset
     with_continue = [s for s in stage if SPECIAL["<|stt_continue|>"] in s.tolist()]
     assert len(with_continue) == 2  # the two copies of the story run
     assert all(s[-2] < LAYOUT.special_offset for s in stage)  # every sequence ends with text, then EOS
@@ -238,3 +239,22 @@ def test_foreign_shar_text_is_tokenized_and_silent_clips_are_skipped(codec, tmp_
     (tokens,) = read_sequences(tmp_path / "out" / "merged")
     assert tokens[-1 - len(load_text_tokenizer().encode("seven")):-1].tolist() == load_text_tokenizer().encode("seven")
     assert cache_path(tmp_path / "out", 0).is_file()
+
+
+def test_a_clip_too_long_to_encode_is_a_named_skip_and_the_rank_finishes(shar, codec, one_rank, tmp_path):
+    # The memory bound: a clip over --max-clip-duration is never loaded or encoded (a 2-hour recording
+    # would need ~22 GB); it is counted, named in the merged skip list, and every other clip is written.
+    from lhotse import CutSet
+
+    cuts = {c.id: c.duration for shard in discover_shards(shar)[0] for c in CutSet.from_file(shard.cuts_path)}
+    limit = sorted(cuts.values())[-2] - 1e-3  # the two longest clips are over the limit
+    over = sorted(k for k, d in cuts.items() if d > limit)
+    out = tmp_path / "out"
+    encode_rank(shar, out, codec, rank=0, world_size=1, num_workers=1, progress=False,
+                batching=Batching(max_duration=4.0, num_buckets=3, seed=0, max_clip_duration=limit))
+    summary = merge(out)
+    assert summary["counts"]["skipped:too_long"] == len(over) == 2
+    skipped = [json.loads(line) for line in (out / "merged.skipped.jsonl").read_text().splitlines()]
+    assert sorted(s["key"] for s in skipped if s["reason"] == "too_long") == over
+    assert all("--max-clip-duration" in s["detail"] and s["source"].endswith(".tar") for s in skipped)
+    assert summary["counts"]["encoded"] == len(cuts) - 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 
 from mmtok.audio.cache import cache_path, write_cache
 from mmtok.audio.interleave import LONG, STAGE, interleave
+from mmtok.cli import main
+from mmtok.errors import MmtokError
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.vocab import VocabLayout
@@ -38,10 +41,10 @@ def clip_key(index: int) -> int:
     return index
 
 
-def make_cache(out: Path) -> dict[int, tuple[str, int]]:
-    """Two cache parts (the `gappy` source spans both); returns key -> (source, clip number)."""
+def make_cache(out: Path, sources: dict = SOURCES, split: int = 9) -> dict[int, tuple[str, int]]:
+    """Two cache parts split after row `split` (for SOURCES: inside `gappy`); returns key -> (source, clip number)."""
     rows, keys = [], {}
-    for source, clips in SOURCES.items():
+    for source, clips in sources.items():
         for number, audio_length, text_length, target in clips:
             key = len(keys)
             keys[key] = (source, number)
@@ -50,7 +53,6 @@ def make_cache(out: Path) -> dict[int, tuple[str, int]]:
                          "target_language": target,
                          "audio_ids": LAYOUT.audio_ids(np.full(audio_length, key)),
                          "text_ids": None if text_length < 0 else np.full(text_length, 1000 + key, np.int32)})
-    split = 9  # inside `gappy`
     meta = {"num_parts": 2, "vocab": LAYOUT.to_dict(), "format": "mmtok-audio-cache/1", "codec": {"name": "test"},
             "text_tokenizer": {"name": "test", "bos_id": BOS, "eos_id": EOS}, "trim": 5}
     for part, chunk in enumerate((rows[:split], rows[split:])):
@@ -189,10 +191,76 @@ def test_output_is_deterministic(built, tmp_path):
 
 
 def test_missing_cache_part_is_refused(built, tmp_path):
-    from mmtok.errors import MmtokError
-
     root, _, _, _ = built
     (tmp_path / "audio-cache").mkdir()
     (tmp_path / "audio-cache" / "part-00000.parquet").write_bytes(cache_path(root / "enc", 0).read_bytes())
     with pytest.raises(MmtokError, match="part-00001"):
         interleave(tmp_path, tmp_path / "out", progress=False)
+
+
+SHORT = {name: SOURCES[name] for name in ("five", "pair", "single", "untexted")}  # nothing over 300 tokens
+
+
+def dataset_files(out: Path, name: str) -> list[str]:
+    """Every file of set `name` in `out`, temporary ones included."""
+    return sorted(p.name for p in out.glob(f"*{name}.*")) if out.exists() else []
+
+
+def opens_in_megatron_core(prefix: Path) -> int:
+    from mmtok.merge import _import_indexed_dataset
+
+    return len(_import_indexed_dataset()(str(prefix)))
+
+
+def test_a_set_without_sequences_is_not_written_and_the_metadata_says_so(tmp_path, capsys):
+    make_cache(tmp_path / "enc", SHORT, split=4)
+    summary = interleave(tmp_path / "enc", tmp_path / "out", stage_max_tokens=300, max_tokens=900, progress=False)
+    assert dataset_files(tmp_path / "out", LONG) == []
+    recorded = json.loads((tmp_path / "out" / "interleave.json").read_text())
+    assert recorded["datasets"] == summary["datasets"]
+    assert recorded["datasets"][LONG] == {"written": False, "sequences": 0, "tokens": 0,
+                                          "reason": "no sequence over 300 tokens"}
+    stage = recorded["datasets"][STAGE]
+    assert stage["written"] and stage["sequences"] == opens_in_megatron_core(tmp_path / "out" / STAGE) > 0
+    assert stage["tokens"] == recorded["counts"]["stage:tokens"]
+    assert "long-context: no sequence over 300 tokens -- not written" in capsys.readouterr().err
+
+
+def test_a_stale_set_from_an_earlier_run_is_removed_when_the_new_run_has_none(built, tmp_path):
+    root, _, _, _ = built
+    interleave(root / "enc", tmp_path / "out", stage_max_tokens=300, max_tokens=900, progress=False)
+    assert dataset_files(tmp_path / "out", LONG) == ["long-context.bin", "long-context.idx"]
+    make_cache(tmp_path / "enc", SHORT, split=4)
+    interleave(tmp_path / "enc", tmp_path / "out", stage_max_tokens=300, max_tokens=900, progress=False)
+    assert dataset_files(tmp_path / "out", LONG) == []
+    assert not json.loads((tmp_path / "out" / "interleave.json").read_text())["datasets"][LONG]["written"]
+
+
+def test_only_long_sequences_leave_the_stage_set_unwritten(tmp_path):
+    make_cache(tmp_path / "enc", {"long": SOURCES["long"]}, split=3)
+    summary = interleave(tmp_path / "enc", tmp_path / "out", stage_max_tokens=300, max_tokens=900, progress=False)
+    assert dataset_files(tmp_path / "out", STAGE) == []
+    assert summary["datasets"][STAGE] == {"written": False, "sequences": 0, "tokens": 0,
+                                          "reason": "no sequence of at most 300 tokens"}
+    assert summary["datasets"][LONG]["sequences"] == opens_in_megatron_core(tmp_path / "out" / LONG) > 0
+
+
+def test_a_corpus_without_text_fails_naming_the_skips_and_writes_nothing(tmp_path, capsys):
+    untexted = {"quiet": [(c, 20, -1, None) for c in range(4)], "silent": [(0, 30, -1, None)]}
+    make_cache(tmp_path / "enc", untexted, split=2)
+    argv = ["audio", "interleave", str(tmp_path / "enc"), "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "no sequence to interleave" in error and "skipped: no_text=5" in error and "--transcripts" in error
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(MmtokError, match="none of its 5 clips gave a sequence"):
+        interleave(tmp_path / "enc", tmp_path / "out", progress=False)
+
+
+def test_inspect_of_an_unwritten_set_says_why(tmp_path):
+    from mmtok.inspect import inspect_path
+
+    make_cache(tmp_path / "enc", SHORT, split=4)
+    interleave(tmp_path / "enc", tmp_path / "out", stage_max_tokens=300, max_tokens=900, progress=False)
+    with pytest.raises(MmtokError, match="no sequence over 300 tokens, so `mmtok audio interleave` did not write"):
+        inspect_path(str(tmp_path / "out" / LONG))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import COMMITS, PartShard, is_done, part_dir, part_prefix, read_commits, read_provenance
-from mmtok.formats.megatron import read_sequences
+from mmtok.formats.commitlog import (COMMITS, PartShard, has_dataset, is_done, part_dir, part_prefix, read_commits,
+                                     read_provenance, read_skipped, verify_part)
 from mmtok.fsutil import sha256_file
 
 IDENTITY = {"part": 0, "num_parts": 1, "modality": "image", "plan_fingerprint": "abc",
@@ -172,12 +172,118 @@ def test_carry_reset_interrupted_before_next_commit_resumes_empty(tmp_path):
     assert resumed.carry() == b"x"
 
 
-def test_empty_part_finishes_with_an_empty_dataset(tmp_path):
-    # (megatron-core cannot mmap an empty .bin, so an empty part is checked with our reader only)
+def test_part_without_tokens_finishes_without_a_dataset(tmp_path):
+    # megatron-core cannot mmap an empty .bin: such a part has no tokens.bin/.idx, and says so
     shard = PartShard(part_dir(tmp_path, 3), {**IDENTITY, "part": 3})
+    shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[{"key": "a", "reason": "decode_error"}])
     shard.finish({})
-    assert part_dir(tmp_path, 3).name == "part-00003"
-    assert list(read_sequences(part_prefix(part_dir(tmp_path, 3)))) == []
+    directory = part_dir(tmp_path, 3)
+    assert directory.name == "part-00003" and is_done(directory) and not has_dataset(directory)
+    assert not (directory / "tokens.bin").exists() and not (directory / "tokens.idx").exists()
+    assert json.loads((directory / "stats.json").read_text())["dataset"] is False
+    assert [r["key"] for r in read_skipped(directory)] == ["a"]
+    verify_part(directory)
+
+
+def test_skip_records_are_durable_with_their_unit_and_cut_back_with_it(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard.commit(0, [np.arange(3)], [{"u": 0}], {}, skipped=[{"key": "k0", "reason": "decode_error"}])
+    shard.close()
+    with open(tmp_path / "p" / "skipped.jsonl", "ab") as handle:  # a kill after the data, before the record
+        handle.write(b'{"key": "k1", "reason": "decode_error"}\n')
+    resumed = PartShard(tmp_path / "p", IDENTITY)
+    assert [r["key"] for r in read_skipped(tmp_path / "p")] == ["k0"]
+    resumed.commit(1, [np.arange(2)], [{"u": 1}], {}, skipped=[{"key": "k2", "reason": "short_read"}])
+    resumed.finish({})
+    assert [r["key"] for r in read_skipped(tmp_path / "p")] == ["k0", "k2"]
+
+
+@pytest.mark.damages_datasets
+@pytest.mark.parametrize("name", ["tokens.bin", "provenance.jsonl", "skipped.jsonl"])
+def test_a_flipped_byte_in_a_committed_unit_is_refused_naming_the_unit(tmp_path, name):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    for unit in range(4):
+        shard.commit(unit, [np.full(5, unit + 7)], [{"unit": unit}], {}, skipped=[{"key": f"k{unit}", "reason": "x"}])
+    shard.close()
+    path = tmp_path / "p" / name
+    data = bytearray(path.read_bytes())
+    records, _ = read_commits(tmp_path / "p")
+    size_key = {"tokens.bin": "tokens_bytes", "provenance.jsonl": "provenance_bytes",
+                "skipped.jsonl": "skipped_bytes"}[name]
+    data[records[1][size_key] + 1] ^= 0x01  # a byte of unit 2
+    path.write_bytes(bytes(data))
+    with pytest.raises(MmtokError, match=rf"{name}: the bytes of unit 2 do not match their checksum"):
+        PartShard(tmp_path / "p", IDENTITY)  # resume
+    with pytest.raises(MmtokError, match="unit 2"):
+        verify_part(tmp_path / "p")  # what merge runs
+
+
+@pytest.mark.damages_datasets
+def test_a_flipped_byte_in_a_finished_part_index_is_refused(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    _units(shard, range(3))
+    shard.finish({})
+    index = tmp_path / "p" / "tokens.idx"
+    data = bytearray(index.read_bytes())
+    data[-20] ^= 0x10
+    index.write_bytes(bytes(data))
+    with pytest.raises(MmtokError, match="tokens.idx: missing or does not match the commit log"):
+        verify_part(tmp_path / "p")
+
+
+def test_carried_bytes_are_checked_before_use(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard.commit(0, [], [], {}, carry=b"abcdef")
+    shard.close()
+    with open(tmp_path / "p" / "carry.bin", "r+b") as handle:
+        handle.seek(2)
+        handle.write(b"X")
+    with pytest.raises(MmtokError, match="carried bytes do not match their checksum"):
+        PartShard(tmp_path / "p", IDENTITY).carry()
+
+
+HOLDER = r"""
+import sys
+from mmtok.formats.commitlog import PartShard
+shard = PartShard(sys.argv[1], {"part": 0, "num_parts": 1, "fingerprint": "f"})
+print("holding", flush=True)
+sys.stdin.read()  # hold the part until the parent closes our stdin (or kills us)
+"""
+
+
+def _hold(directory: Path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    return holder
+
+
+def test_a_second_writer_of_a_part_is_refused_naming_the_holder(tmp_path):
+    holder = _hold(tmp_path / "p")
+    try:
+        with pytest.raises(MmtokError, match=rf"being written by another process \(host .*, pid {holder.pid}, since"):
+            PartShard(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"})
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    PartShard(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"}).close()  # free once it has exited
+
+
+def test_a_writer_killed_with_sigkill_never_blocks_the_next(tmp_path):
+    holder = _hold(tmp_path / "p")
+    holder.kill()
+    holder.wait()
+    shard = PartShard(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"})
+    shard.finish({})
+    assert is_done(tmp_path / "p")
+
+
+def test_one_process_cannot_open_a_part_twice(tmp_path):
+    shard = PartShard(tmp_path / "p", IDENTITY)
+    with pytest.raises(MmtokError, match="already being written by this process"):
+        PartShard(tmp_path / "p", IDENTITY)
+    shard.close()
+    PartShard(tmp_path / "p", IDENTITY).close()
 
 
 def _has_torn_tail(directory: Path, records: list[dict]) -> bool:

@@ -228,6 +228,14 @@ def test_corrupt_images_are_skipped_with_reasons_and_counts_add_up(env, tmp_path
     assert counts["images_written"] + sum(skipped.values()) == meta["totals"]["kept_images"]
     keys = {json.loads(x)["key"] for x in (out / "merged.provenance.jsonl").read_text().splitlines()}
     assert not keys & {"c000", "c001", "c002"} and summary["sequences"] == counts["documents_written"]
+    # every skipped image is named: sample key, container, member, reason and detail
+    skipped_file = [json.loads(x) for x in (out / summary["skipped_file"]).read_text().splitlines()]
+    assert len(skipped_file) == sum(skipped.values())
+    named = {(s["key"], s["member"], s["reason"]) for s in skipped_file}
+    assert named == {("c000", "c000.jpg", "decode_error"), ("c001", "c001.png", "decode_error"),
+                     ("c002", "c002.1.jpg", "decode_error"), ("c002", "c002.0.png", "document_image_failed")}
+    for record in skipped_file:
+        assert record["source"].endswith("shard-2.tar") and record["detail"], record
 
 
 def test_interleaved_documents_follow_the_json_order(env, tmp_path):
@@ -327,8 +335,8 @@ def test_a_stop_while_a_document_is_half_encoded_resumes_from_the_carry(env, tmp
     class Stop(Exception):
         pass
 
-    def commit_then_stop(self, unit, sequences, provenance, counts, *, carry=b"", carry_done=False):
-        real_commit(self, unit, sequences, provenance, counts, carry=carry, carry_done=carry_done)
+    def commit_then_stop(self, unit, sequences, provenance, counts, *, carry=b"", carry_done=False, skipped=()):
+        real_commit(self, unit, sequences, provenance, counts, carry=carry, carry_done=carry_done, skipped=skipped)
         if carry:  # a two-image document has its first block committed, its second not yet encoded
             raise Stop(unit)
 
@@ -343,3 +351,31 @@ def test_a_stop_while_a_document_is_half_encoded_resumes_from_the_carry(env, tmp
     encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
     assert main(["merge", str(tmp_path / "stopped")]) == 0
     assert digests(tmp_path / "stopped") == digests(clean)
+
+
+def test_a_device_error_is_reported_even_when_the_committer_fails_after_it(env, tmp_path, monkeypatch):
+    import threading
+
+    from mmtok.encode.runner import encode_rank
+    from mmtok.formats.commitlog import PartShard
+
+    plan_dir = plan(env, "plan-first-error", "--mode", "image-text")
+    device_failed = threading.Event()
+    real_encode = type(env.codec).encode
+    calls = []
+
+    def failing_encode(self, pixels):
+        calls.append(1)
+        if len(calls) == 2:
+            device_failed.set()
+            raise RuntimeError("the device failed first")
+        return real_encode(self, pixels)
+
+    def failing_commit(self, *args, **kwargs):
+        assert device_failed.wait(60)  # fails strictly after the device did
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(env.codec), "encode", failing_encode)
+    monkeypatch.setattr(PartShard, "commit", failing_commit)
+    with pytest.raises(RuntimeError, match="the device failed first"):
+        encode_rank(plan_dir, tmp_path / "out", env.codec, rank=0, world_size=1)

@@ -1,4 +1,4 @@
-"""Fault injection: `mmtok encode` killed with SIGKILL at random instants, resumed until done."""
+"""Fault injection: `mmtok encode` killed with SIGKILL at scheduled points, torn, resumed until done."""
 
 from __future__ import annotations
 
@@ -6,18 +6,16 @@ import multiprocessing
 import os
 import random
 import signal
+import sys
 import time
 
 import pytest
-from encodekit import caption_corpus, chat_tokenizer
+from encodekit import planned_job
 
 from mmtok.cli import main
 from mmtok.codecs import emu35
-from mmtok.formats.commitlog import COMMITS, is_done, part_dir, read_commits, read_stats
+from mmtok.formats.commitlog import COMMITS, is_done, part_dir, read_commits
 from mmtok.fsutil import sha256_file
-
-FLAGS = ["--min-pixels", "1024", "--max-pixels", "2304", "--min-source-pixels", "100", "--token-budget", "40",
-         "--max-batch-images", "1", "--window-rows", "9", "--mode", "image-text"]
 
 
 @pytest.fixture(scope="module")
@@ -42,50 +40,96 @@ def _records(out) -> int:
     return len(read_commits(part_dir(out, 0))[0])
 
 
-def test_sigkill_at_random_instants_then_resume_gives_the_clean_merged_bytes(tmp_path, forkserver):
-    caption_corpus(tmp_path / "data")
-    checkpoint = emu35.write_random_checkpoint(tmp_path / "ckpt")
-    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(tmp_path / "manifest"), "--workers", "1",
-                 "--no-progress"]) == 0
-    text = chat_tokenizer(tmp_path / "tokenizer")  # loads in milliseconds: restarts stay cheap
-    assert main(["plan", str(tmp_path / "manifest"), "--out", str(tmp_path / "plan"), "--quiet", *FLAGS,
-                 "--text-tokenizer", str(text)]) == 0
+def _gated_encode(argv: list[str], arrived, gate) -> None:
+    """A child `mmtok encode` whose codec announces each batch on `arrived` and then waits for one permit
+    from `gate`: it commits exactly the batches the test allows, so it is always alive to be killed."""
+    encode = emu35.Emu35Codec.encode
+
+    def gated(self, pixels):
+        arrived.release()
+        gate.acquire()
+        return encode(self, pixels)
+
+    emu35.Emu35Codec.encode = gated  # this forked child only
+    _encode(argv)
+
+
+def _encode(argv: list[str]) -> None:
+    sys.exit(main(argv))  # the exit status becomes the child's exitcode
+
+
+# (where the kill lands, batches allowed), tearing tails after the kills marked `+tear`:
+#   startup   at a random instant of start-up/resume (imports done, plan/part/lock/recovery), no commit yet
+#   device    once the rank waits at the device for its first batch: loaders running, nothing committed
+#   between   after exactly `allowed` more commits, at a random instant before the next batch may start
+#   inflight  at a random instant while the last allowed batch is encoded or committed
+SCHEDULE = [("startup", 0), ("device", 0), ("between", 2), ("startup+tear", 0), ("inflight", 3), ("between", 1),
+            ("startup", 0), ("device+tear", 0), ("between", 3), ("inflight", 2), ("between+tear", 2), ("device", 0)]
+
+
+def test_sigkill_at_startup_between_commits_and_in_flight_then_resume_gives_the_clean_merged_bytes(
+        tmp_path, forkserver):
+    plan_dir, checkpoint = planned_job(tmp_path)
 
     def argv(out):
-        return ["encode", "--plan", str(tmp_path / "plan"), "--checkpoint", str(checkpoint), "--out", str(out),
+        return ["encode", "--plan", str(plan_dir), "--checkpoint", str(checkpoint), "--out", str(out),
                 "--device", "cpu", "--loader-threads", "2", "--no-progress"]
 
     assert main(argv(tmp_path / "clean")) == 0 and main(["merge", str(tmp_path / "clean")]) == 0
     total = _records(tmp_path / "clean")
-    per_batch = read_stats(part_dir(tmp_path / "clean", 0))["wall_s"] / total  # kill timing scales with speed
-    killed = tmp_path / "killed"
-    rng = random.Random(20240611)
-    kills, torn, landed_at = 0, 0, []
-    while not is_done(part_dir(killed, 0)):
-        before = _records(killed) if (part_dir(killed, 0) / COMMITS).exists() else 0
-        process = forkserver.Process(target=main, args=(argv(killed),))
+    assert total > sum(allowed for _, allowed in SCHEDULE)  # no scheduled run can finish the rank
+    killed, rng = tmp_path / "killed", random.Random(20240611)
+    landed = []
+    for kind, allowed in SCHEDULE:
+        before = _records(killed)
+        arrived, gate = forkserver.Semaphore(0), forkserver.Semaphore(0)
+        process = forkserver.Process(target=_gated_encode, args=(argv(killed), arrived, gate))
         process.start()
-        if kills < 12:
-            # Kill after 0-2 more commits plus a random fraction of a batch's time: during start-up,
-            # loading, encoding, or between a batch's data and its commit record.
-            wait_for = before + rng.randint(0, 2)
-            deadline = time.monotonic() + 60
-            while _safe_records(killed) < wait_for and process.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            time.sleep(rng.uniform(0, 1.5 * per_batch))
-            if process.is_alive():
-                os.kill(process.pid, signal.SIGKILL)
-                kills += 1
+        for _ in range(allowed):
+            gate.release()
+        if kind.startswith("startup"):
+            time.sleep(rng.uniform(0, 0.3))
+        elif kind.startswith("device"):
+            _wait_until(lambda: arrived.acquire(timeout=0.01), process, kind)
+            time.sleep(rng.uniform(0, 0.02))
+        elif kind.startswith("between"):
+            _wait_until(lambda: _safe_records(killed) >= before + allowed, process, kind)
+            time.sleep(rng.uniform(0, 0.02))
+        else:  # inflight: the last allowed batch has reached the device
+            for _ in range(allowed):
+                _wait_until(lambda: arrived.acquire(timeout=0.01), process, kind)
+            time.sleep(rng.uniform(0, 0.03))
+        os.kill(process.pid, signal.SIGKILL)
         process.join()
-        landed_at.append(_safe_records(killed))
-        if kills and kills % 3 == 0 and not is_done(part_dir(killed, 0)):
-            torn += _tear_tails(part_dir(killed, 0), rng)  # what a kill in the middle of write() leaves
-    assert kills >= 10, f"only {kills} kills landed before the rank finished (records after each: {landed_at})"
-    assert len(set(landed_at)) >= 4 and min(landed_at) < total, landed_at
+        assert process.exitcode == -signal.SIGKILL, (kind, process.exitcode)  # killed, not finished or failed
+        after = _records(killed)
+        landed.append((kind, before, after))
+        if kind.endswith("+tear"):
+            _tear_tails(part_dir(killed, 0), rng)  # what a kill in the middle of write() leaves
+    assert len(landed) == len(SCHEDULE) == 12 and not is_done(part_dir(killed, 0))
+    for (kind, allowed), (_, before, after) in zip(SCHEDULE, landed):
+        if kind.startswith("inflight"):
+            assert before <= after <= before + allowed, landed
+        else:  # nothing commits at start-up or at the device; `between` lands after exactly `allowed` commits
+            assert after == before + allowed, landed
+    assert landed[0][1] == 0 and 0 < landed[-1][2] < total, landed
+
+    process = forkserver.Process(target=_encode, args=(argv(killed),))  # resume, uninterrupted, to the end
+    process.start()
+    process.join()
+    assert process.exitcode == 0 and is_done(part_dir(killed, 0)) and _records(killed) == total
     assert main(["merge", str(killed)]) == 0
     for name in ("merged.bin", "merged.idx", "merged.provenance.jsonl"):
         assert sha256_file(killed / name) == sha256_file(tmp_path / "clean" / name), name
-    assert torn >= 1
+
+
+def _wait_until(condition, process, kind: str, timeout: float = 60) -> None:
+    """Poll `condition` while the child runs; fail naming `kind` if it exits or takes over `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.is_alive(), f"{kind}: the encode process exited ({process.exitcode}) before the kill"
+        assert time.monotonic() < deadline, f"{kind}: nothing happened for {timeout} s"
+        time.sleep(0.001)
 
 
 def _safe_records(out) -> int:
@@ -95,9 +139,8 @@ def _safe_records(out) -> int:
         return -1
 
 
-def _tear_tails(directory, rng: random.Random) -> int:
+def _tear_tails(directory, rng: random.Random) -> None:
     """Append partial bytes to every appended file, as a kill during write() would."""
     for name in ("tokens.bin", "provenance.jsonl", "carry.bin", COMMITS):
         with open(directory / name, "ab") as handle:
             handle.write(rng.randbytes(rng.randint(1, 37)).replace(b"\n", b"x"))
-    return 1

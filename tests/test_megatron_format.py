@@ -46,7 +46,7 @@ def test_ids_that_do_not_fit_the_dtype_are_refused(tmp_path):
 
 
 def test_concatenate_equals_writing_everything_at_once(tmp_path):
-    parts = [[[1, 2], [3]], [], [[4, 5, 6]]]
+    parts = [[[1, 2], [3]], [[7]], [[4, 5, 6]]]
     for i, part in enumerate(parts):
         _write(tmp_path / f"part{i}", part)
     _write(tmp_path / "whole", [seq for part in parts for seq in part])
@@ -55,9 +55,19 @@ def test_concatenate_equals_writing_everything_at_once(tmp_path):
         assert (tmp_path / f"merged{suffix}").read_bytes() == (tmp_path / f"whole{suffix}").read_bytes()
 
 
+@pytest.mark.damages_datasets
 def test_truncated_index_is_rejected(tmp_path):
     _write(tmp_path / "data", [[1, 2, 3]])
     data = (tmp_path / "data.idx").read_bytes()
     (tmp_path / "data.idx").write_bytes(data[:-4])
     with pytest.raises(ValueError, match="truncated"):
         megatron.read_index(tmp_path / "data")
+
+
+def test_a_dataset_without_tokens_is_never_written(tmp_path):
+    # megatron-core cannot mmap an empty .bin: the writer leaves such a dataset out (and says so)
+    writer = megatron.DatasetWriter(tmp_path / "empty")
+    assert writer.close() is False
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="without tokens"):
+        megatron.write_index(tmp_path / "empty", np.zeros(3, np.int64))

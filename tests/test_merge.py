@@ -143,3 +143,78 @@ def test_merged_bytes_are_the_same_without_an_in_kernel_copy(tmp_path, monkeypat
     monkeypatch.setattr(os, "copy_file_range", cross_device)  # e.g. parts and OUT on different filesystems
     merge(tmp_path)
     assert {name: sha256_file(tmp_path / name) for name in reference} == reference
+
+
+@pytest.mark.damages_datasets
+def test_a_flipped_byte_in_a_part_is_refused_by_merge_naming_the_part_and_unit(tmp_path):
+    _write_parts(tmp_path, [[[BOS, 5, 6, EOS]], [[BOS, 7, 8, 9, EOS]]])
+    tokens = part_dir(tmp_path, 1) / "tokens.bin"
+    data = bytearray(tokens.read_bytes())
+    data[6] ^= 0x04  # a bit of token 1, as bit rot or a bad copy would flip it
+    tokens.write_bytes(bytes(data))
+    with pytest.raises(MmtokError, match=r"part-00001/tokens.bin: the bytes of unit 1 do not match their checksum"):
+        merge(tmp_path)
+    assert not (tmp_path / "merged.bin").exists() and not (tmp_path / "merged.json").exists()
+
+
+@pytest.mark.damages_datasets
+@pytest.mark.parametrize("damage", ["truncate tokens.bin", "delete tokens.idx", "truncate stats.json",
+                                    "truncate identity.json"])
+def test_a_truncated_or_missing_part_file_is_one_line_error(tmp_path, capsys, damage):
+    _write_parts(tmp_path, [[[BOS, 5, 6, EOS]], [[BOS, 7, 8, 9, EOS]]])
+    action, name = damage.split()
+    path = part_dir(tmp_path, 0) / name
+    if action == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert main(["merge", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "part-00000" in err and "Traceback" not in err, err
+
+
+def test_merge_of_parts_without_tokens_writes_no_dataset_and_says_so(tmp_path):
+    for number in range(2):
+        shard = PartShard(part_dir(tmp_path, number), _identity(number, 2))
+        shard.commit(0, [], [], {"skipped:decode_error": 1},
+                     skipped=[{"key": f"k{number}", "source": "a.tar", "reason": "decode_error", "detail": "x"}])
+        shard.finish({})
+    (tmp_path / "merged.bin").write_bytes(b"stale")  # an earlier merge's output must not survive looking valid
+    summary = merge(tmp_path, strip_reasoning=True)
+    assert summary["dataset"] is False and summary["sequences"] == 0
+    assert summary["strip_reasoning"]["dataset"] is False
+    for name in ("merged.bin", "merged.idx", "merged_no_reasoning.bin", "merged_no_reasoning.idx"):
+        assert not (tmp_path / name).exists(), name
+    skipped = [json.loads(line) for line in (tmp_path / "merged.skipped.jsonl").read_text().splitlines()]
+    assert [s["key"] for s in skipped] == ["k0", "k1"]
+    assert json.loads((tmp_path / "merged.json").read_text())["counts"]["skipped:decode_error"] == 2
+
+
+def test_parts_without_tokens_are_left_out_of_the_merged_dataset(tmp_path):
+    _write_parts(tmp_path, [[[BOS, 5, EOS]], [], [[BOS, 6, EOS]]])
+    assert not (part_dir(tmp_path, 1) / "tokens.idx").exists()
+    summary = merge(tmp_path)
+    assert [list(s) for s in read_sequences(tmp_path / "merged")] == [[BOS, 5, EOS], [BOS, 6, EOS]]
+    assert [p["dataset"] for p in summary["parts"]] == [True, False, True]
+
+
+def test_a_second_merge_of_one_output_is_refused(tmp_path):
+    from mmtok.fsutil import WriterLock
+
+    _write_parts(tmp_path, [[[BOS, 5, EOS]]])
+    with WriterLock(tmp_path, "merge output"):  # held in this process: the same rule as across processes
+        with pytest.raises(MmtokError, match="already being written"):
+            merge(tmp_path)
+    merge(tmp_path)
+
+
+def test_inspect_says_why_a_merge_wrote_no_dataset(tmp_path, capsys):
+    shard = PartShard(part_dir(tmp_path, 0), _identity(0, 1))
+    shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[{"key": "k", "reason": "decode_error"}])
+    shard.finish({})
+    merge(tmp_path)
+    assert main(["inspect", str(tmp_path / "merged")]) == 2
+    assert "every input was skipped" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no tokens: no dataset" in out and "merged: not written" in out

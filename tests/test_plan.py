@@ -326,13 +326,31 @@ def test_image_above_budget_gets_its_own_batch_and_is_reported(tmp_path):
     assert "above the budget" in explain_plan(tmp_path / "p")
 
 
-def test_empty_manifest_gives_an_empty_plan(tmp_path):
-    meta = plan(write_manifest(tmp_path / "m", []), tmp_path / "p", world_size=4)
+def test_empty_manifest_is_refused_after_writing_an_empty_plan(tmp_path):
+    with pytest.raises(MmtokError, match="has no rows, so the plan holds no image; rerun `mmtok scan`"):
+        plan(write_manifest(tmp_path / "m", []), tmp_path / "p", world_size=4)
+    meta = plan_format.read_meta(tmp_path / "p")  # written first, so --explain can show it
     assert meta["num_batches"] == 0 and meta["rank_batches"] == [[0, 0]] * 4 and meta["imbalance"] == 0.0
-    assert meta["totals"]["manifest_rows"] == 0
     for rank in range(4):
         assert plan_format.rank_rows(tmp_path / "p", rank).num_rows == 0
     assert "batch shapes: none" in explain_plan(tmp_path / "p")
+
+
+@pytest.mark.parametrize("rows,words", [
+    ([row(0, width=40, height=40), row(1, width=50, height=50), row(2, width=2000, height=200)],
+     ["all 3 manifest rows were dropped (too_few_pixels 2, aspect_ratio 1)", "lower --min-source-pixels (now 4,096)",
+      "raise --max-aspect-ratio (now 4.0)"]),
+    ([row(d, status="error", reason="unknown_format", width=0, height=0) for d in range(12)],
+     ["all 12 manifest rows were dropped (scan:unknown_format 12)", "fix the inputs and rerun `mmtok scan`"]),
+], ids=["filtered", "scan-errors"])
+def test_plan_that_keeps_no_image_exits_2_naming_the_drops_and_the_fix(tmp_path, capsys, rows, words):
+    out = tmp_path / "p"
+    assert cli_main(["plan", str(write_manifest(tmp_path / "m", rows)), "--out", str(out), "--quiet"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("mmtok plan: error: all ")
+    for expected in words + [str(out / "dropped.parquet"), f"mmtok plan --explain {out}"]:
+        assert expected in line
+    assert pq.read_table(out / "dropped.parquet").num_rows == len(rows)
 
 
 def test_one_giant_document_makes_one_window(images, tmp_path):
@@ -495,7 +513,10 @@ def test_caption_mode_counts_caption_tokens_exactly(tmp_path):
 
 
 def test_unreadable_caption_file_is_a_reason_not_a_crash(tmp_path):
-    rows = [row(0, text_offset=0, text_size=10), row(1, tar=str(tmp_path), text_offset=0, text_size=4)]
+    readable = tmp_path / "captions.tar"
+    readable.write_bytes(b"a red chair")
+    rows = [row(0, text_offset=0, text_size=10), row(1, tar=str(tmp_path), text_offset=0, text_size=4),
+            row(2, tar=str(readable), text_offset=0, text_size=11)]  # one kept: a plan with no image is refused
     meta = plan(write_manifest(tmp_path / "m", rows), tmp_path / "p", PlanParameters(mode="text-image"))
     assert meta["dropped_by_reason"] == {"caption_unreadable": 2}
 

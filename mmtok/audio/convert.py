@@ -7,6 +7,10 @@ Output directory OUT:
   OUT/conversion.json   parameters, inputs, shards (cuts, duration, fingerprint), counts by reason,
       the resume cursor and `complete`; rewritten atomically after every shard
   OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl   every dropped clip with its reason
+  OUT/.lock             the writer lock: one conversion writes OUT at a time, a second is refused
+
+Counts add up: `in` (every clip, record and file the inputs hold) = `written` + every `dropped:<reason>`
++ every `ignored:<extension>` (non-audio files of a directory input).
 
 Guarantees: the output depends only on the inputs and the parameters (not on --workers or on
 restarts); clips appear in input order (units in input order, clips in unit order); a shard is
@@ -27,6 +31,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -38,9 +43,9 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.audio.preprocess import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
-from mmtok.audio.sources import ClipSpec, Dropped, Unit, collect_units, pick_channel
+from mmtok.audio.sources import ClipSpec, Collected, Dropped, Unit, collect_units, pick_channel
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir
+from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir
 
 REPORT = "conversion.json"
 REPORT_FORMAT = "mmtok-audio-convert/1"
@@ -128,12 +133,30 @@ def encode_flac(wave: np.ndarray) -> bytes:
 _WORKER: dict = {}
 
 
-def init_worker(options: ConvertOptions, tokenizer=None) -> None:
-    """Process-pool initializer: load the text tokenizer once per worker (or take the caller's)."""
+def init_worker(options: ConvertOptions, tokenizer=None, parent: int | None = None) -> None:
+    """Process-pool initializer: tie the worker's life to `parent`, then load the text tokenizer once
+    per worker (or take the caller's)."""
     from mmtok.text import load_text_tokenizer
 
+    if parent is not None:
+        die_with_parent(parent)
     _WORKER["options"] = options
     _WORKER["tokenizer"] = tokenizer or load_text_tokenizer(options.text_tokenizer)
+
+
+def die_with_parent(parent: int) -> None:
+    """Guarantee this process ends when process `parent` (its parent) does, SIGKILL included.
+
+    Linux delivers SIGKILL to us when the parent exits (PR_SET_PDEATHSIG); a parent that died before
+    that call is caught by the pid check after it. Elsewhere only the check is made.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # re-parented: the parent is gone already
+        os._exit(1)  # what the death signal would have done; raising would only mark a dead pool broken
 
 
 def process_unit(unit: Unit) -> list[Clip | Dropped]:
@@ -167,9 +190,12 @@ def ordered_results(units: list[Unit], options: ConvertOptions, workers: int,
         return
     import multiprocessing
 
-    # forkserver: the parent holds torch/lhotse threads, which fork would copy in a locked state
-    context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker, initargs=(options,)) as pool:
+    # spawn, not fork: the parent holds torch/lhotse threads, which fork would copy in a locked state.
+    # Not forkserver either: its workers are the server's children, and die_with_parent needs ours.
+    # Workers are started by submit(), from this (the iterating) thread, which outlives them.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=init_worker,
+                             initargs=(options, None, os.getpid())) as pool:
         pending: list[Future] = []
         iterator = iter(units)
         for unit in iterator:
@@ -319,6 +345,8 @@ class Conversion:
         return len(self.report["shards"])
 
     def add(self, result: Clip | Dropped) -> None:
+        """Count one clip or record of a unit (in, then written or dropped) and buffer it."""
+        self.counts["in"] += 1
         if isinstance(result, Clip) and result.spec.id in self.seen:
             result = Dropped(result.spec.id, result.spec.origin, "duplicate_id", "an earlier clip has this cut id")
         if isinstance(result, Dropped):
@@ -328,6 +356,15 @@ class Conversion:
         self.seen.add(result.spec.id)
         self.buffer.append(result)
         self.counts["written"] += 1
+
+    def add_inputs(self, collected: Collected) -> None:
+        """Count what the inputs dropped or ignored before any unit ran (once, in the final flush)."""
+        for drop in collected.dropped:
+            self.counts["in"] += 1
+            self.counts[f"dropped:{drop.reason}"] += 1
+        for extension, count in collected.ignored.items():
+            self.counts["in"] += count
+            self.counts[f"ignored:{extension}"] += count
 
     def flush(self, cursor: dict, *, final: bool = False) -> None:
         """Write the buffered clips as the next shard (and their drops), then record the cursor durably."""
@@ -349,23 +386,36 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
     """Convert `inputs` into Lhotse Shar shards under `out`; returns the conversion report.
 
     Restartable: shards recorded in OUT/conversion.json are kept; work resumes after the last one.
+    One writer per output: OUT is locked for the whole run, and a second run into it is refused at once.
     """
-    from tqdm import tqdm
-
     from mmtok.text import load_text_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_text_tokenizer(options.text_tokenizer)
-    identity = {"tool": f"mmtok {__version__}", "inputs": describe_inputs(inputs, transcripts), "kind": kind,
-                "options": asdict(options), "audio_column": audio_column, "text_column": text_column,
-                "text_tokenizer": tokenizer.describe(), "storage": STORAGE, "resampler": RESAMPLER}
-    state = Conversion(out, identity, options)
-    if state.report["complete"]:
-        print_summary(state.report, file=sys.stderr, prefix="already complete: ")
-        return state.report
-    units, input_drops = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
-                                       text_column=text_column)
-    write_dropped(out, "inputs", input_drops)
+    with WriterLock(out, what=f"conversion output {out}"):
+        tokenizer = load_text_tokenizer(options.text_tokenizer)
+        identity = {"tool": f"mmtok {__version__}", "inputs": describe_inputs(inputs, transcripts), "kind": kind,
+                    "options": asdict(options), "audio_column": audio_column, "text_column": text_column,
+                    "text_tokenizer": tokenizer.describe(), "storage": STORAGE, "resampler": RESAMPLER}
+        state = Conversion(out, identity, options)
+        if state.report["complete"]:
+            print_summary(state.report, file=sys.stderr, prefix="already complete: ")
+            return state.report
+        collected = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
+                                  text_column=text_column)
+        write_dropped(out, "inputs", collected.dropped)
+        convert_units(state, collected.units, workers, tokenizer, progress)
+        state.add_inputs(collected)
+        state.flush({"unit": len(collected.units), "skip": 0}, final=True)
+        shutil.rmtree(out / ".work", ignore_errors=True)
+    print_summary(state.report, file=sys.stderr)
+    return state.report
+
+
+def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer, progress: bool) -> None:
+    """Add every result of `units` after the report's cursor to `state`, flushing each full shard."""
+    from tqdm import tqdm
+
+    options = state.options
     start, skip = state.report["cursor"]["unit"], state.report["cursor"]["skip"]
     bar = tqdm(total=len(units), initial=start, unit="unit", desc="audio convert", file=sys.stderr,
                disable=not progress)
@@ -379,18 +429,16 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
         bar.update(1)
         bar.set_postfix(clips=state.counts["written"], shards=state.next_shard)
     bar.close()
-    for drop in input_drops:
-        state.counts[f"dropped:{drop.reason}"] += 1
-    state.flush({"unit": len(units), "skip": 0}, final=True)
-    shutil.rmtree(out / ".work", ignore_errors=True)
-    print_summary(state.report, file=sys.stderr)
-    return state.report
 
 
 def print_summary(report: dict, file=sys.stderr, prefix: str = "") -> None:
+    """One line: in = written + dropped + ignored, each with its reasons / extensions."""
     counts = report["counts"]
-    dropped = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("dropped:")}
     hours = sum(s["duration"] for s in report["shards"]) / 3600
-    print(f"{prefix}{counts.get('written', 0)} clips ({hours:.3f} h) in {len(report['shards'])} shards; "
-          f"dropped {sum(dropped.values())}" + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(dropped.items()))})"
-                                                 if dropped else ""), file=file)
+    parts = [f"{prefix}in {counts.get('in', 0)}: {counts.get('written', 0)} clips ({hours:.3f} h) written in "
+             f"{len(report['shards'])} shards"]
+    for kind, noun in (("dropped", "dropped"), ("ignored", "ignored non-audio files")):
+        these = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith(f"{kind}:")}
+        if these:
+            parts.append(f"{noun} {sum(these.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(these.items()))})")
+    print("; ".join(parts), file=file)

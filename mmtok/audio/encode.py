@@ -37,7 +37,7 @@ from mmtok import __version__
 from mmtok.audio.preprocess import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
 from mmtok.audio.sequences import SequenceBuilder, is_translation
 from mmtok.audio.shards import Batching, Shard, assign_shards, discover_shards, index_members, make_batches, shard_fingerprint
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, Skip
 
 SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
 DEFAULT_TRIM = 5  # codes dropped at the end of every clip (WavTokenizer's look-ahead; the codec reports its own)
@@ -50,6 +50,9 @@ def add_arguments(parser) -> None:
         (("--shar",), {"type": Path, "help": "output of `mmtok audio convert` (or a Lhotse Shar directory)"}),
         (("--max-duration",), {"type": float, "default": 300.0,
                                "help": "audio: padded seconds per batch (longest clip x clips; default 300)"}),
+        (("--max-clip-duration",), {"type": float, "default": 600.0,
+                                    "help": "audio: clips longer than this many seconds are skipped as too_long "
+                                            "(memory grows with a clip's length: ~3 GB per 1,000 s; default 600)"}),
         (("--num-buckets",), {"type": int, "default": 50,
                               "help": "audio: duration buckets of the sampler (default 50: < 5%% padding, see the benchmark)"}),
         (("--bucket-seed",), {"type": int, "default": 0, "help": "audio: seed of the bucketing sampler (default 0)"}),
@@ -77,7 +80,7 @@ def run(args) -> int:
     codec = load_codec(args.codec or "wavtokenizer", args.checkpoint, device_from_env(args.device))
     if codec.modality != "audio":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
-    batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed)
+    batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
     encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size, batching=batching,
                 sequences=args.sequences, num_workers=args.num_workers, text_tokenizer=args.text_tokenizer,
                 progress=not getattr(args, "no_progress", False))
@@ -95,7 +98,9 @@ class BatchRequest:
     recording_path: str
     positions: tuple[int, ...]
     members: tuple[tuple[int, int] | None, ...]  # (offset, size) per clip; None = no audio member
+    durations: tuple[float, ...]  # seconds per clip, from the cuts
     min_samples: int  # clips with at most this many samples keep no code after the trim
+    max_clip_duration: float  # longer clips are not loaded (see Batching.max_clip_duration)
 
 
 class BatchDataset:
@@ -105,7 +110,7 @@ class BatchDataset:
         return load_batch(request)
 
 
-def load_clip(handle, member: tuple[int, int] | None, min_samples: int) -> np.ndarray:
+def load_clip(handle, member: tuple[int, int] | None, duration: float, request: BatchRequest) -> np.ndarray:
     """Read, decode, check and peak-normalize one clip; raises AudioReason."""
     import io
 
@@ -113,6 +118,8 @@ def load_clip(handle, member: tuple[int, int] | None, min_samples: int) -> np.nd
 
     if member is None:
         raise AudioReason("missing_audio", "no audio member in the recording tar")
+    if duration > request.max_clip_duration:  # checked before reading: a 2-hour clip would need ~22 GB to encode
+        raise AudioReason("too_long", f"{duration:.1f} s > --max-clip-duration {request.max_clip_duration:g} s")
     handle.seek(member[0])
     data = handle.read(member[1])
     try:
@@ -121,7 +128,7 @@ def load_clip(handle, member: tuple[int, int] | None, min_samples: int) -> np.nd
         raise AudioReason("decode_error", str(err)) from None
     wave = resample(to_mono(samples), int(rate), TARGET_SAMPLE_RATE)
     wave = peak_normalize(wave)  # zero_length / non_finite / silent
-    if wave.size <= min_samples:
+    if wave.size <= request.min_samples:
         raise AudioReason("too_short", f"{wave.size} samples keep no code after the trim")
     return wave
 
@@ -132,12 +139,12 @@ def load_batch(request: BatchRequest) -> dict:
 
     waves, positions, skipped = [], [], []
     with open(request.recording_path, "rb") as handle:
-        for position, member in zip(request.positions, request.members):
+        for position, member, duration in zip(request.positions, request.members, request.durations):
             try:
-                waves.append(load_clip(handle, member, request.min_samples))
+                waves.append(load_clip(handle, member, duration, request))
                 positions.append(position)
             except AudioReason as err:
-                skipped.append((position, err.reason))
+                skipped.append((position, str(err)))
     batch = np.zeros((len(waves), max((w.size for w in waves), default=0)), dtype=np.float32)
     for row, wave in zip(batch, waves):
         row[: wave.size] = wave
@@ -154,15 +161,16 @@ def _worker_init(_worker_id: int) -> None:
 
 # --- carry records: one batch's per-clip results, kept in the part until assembly ------------------
 
-_CARRY_HEAD = struct.Struct("<iiB")  # position, number of audio ids, length of the reason string
+_CARRY_HEAD = struct.Struct("<iiH")  # position, number of audio ids, length of the skip text
+MAX_SKIP_TEXT = 4000  # bytes of "reason: detail" kept per skipped clip
 
 
 def pack_clips(results: list[tuple[int, str, np.ndarray | None]]) -> bytes:
-    """(position, reason ("" = encoded), audio ids) per clip -> carry bytes."""
+    """(position, skip text "reason: detail" ("" = encoded), audio ids) per clip -> carry bytes."""
     chunks = []
     for position, reason, ids in results:
         ids = np.zeros(0, np.int32) if ids is None else np.asarray(ids, np.int32)
-        reason_bytes = reason.encode()
+        reason_bytes = reason.encode()[:MAX_SKIP_TEXT].decode("utf-8", "ignore").encode()
         chunks += [_CARRY_HEAD.pack(position, ids.size, len(reason_bytes)), reason_bytes, ids.tobytes()]
     return b"".join(chunks)
 
@@ -238,12 +246,14 @@ def assemble_part(w: "PartWork", context: Context, stats: dict) -> None:
     if missing:
         raise MmtokError(f"{part.directory}: clips {missing[:10]} were never committed; the part directory is "
                          "damaged -- delete it to re-encode this shard")
-    sequences, provenance, rows = [], [], []
+    sequences, provenance, rows, skipped = [], [], [], []
     counts = {"clips": len(cuts), "encoded": 0}
     for position, cut in enumerate(cuts):
         reason, audio_ids = carried[position]
         if reason:
-            counts[f"skipped:{reason}"] = counts.get(f"skipped:{reason}", 0) + 1
+            skip = Skip.parse(reason)
+            counts[f"skipped:{skip.reason}"] = counts.get(f"skipped:{skip.reason}", 0) + 1
+            skipped.append(_skip_record(cut, shard, position, skip))
             continue
         counts["encoded"] += 1
         text_ids, language, target = clip_text(cut, context.tokenizer)
@@ -251,6 +261,7 @@ def assemble_part(w: "PartWork", context: Context, stats: dict) -> None:
         made = sequences_for(context.sequences, context.builder, audio_ids, text_ids, is_translation(language, target))
         if not made:
             counts["skipped:no_text"] = counts.get("skipped:no_text", 0) + 1
+            skipped.append(_skip_record(cut, shard, position, Skip("no_text", f"--sequences {context.sequences}")))
         for kind, tokens in made:
             sequences.append(tokens)
             provenance.append({"cut_id": cut.id, "shard": shard.index, "position": position, "kind": kind,
@@ -262,29 +273,37 @@ def assemble_part(w: "PartWork", context: Context, stats: dict) -> None:
                      "duration": float(cut.duration), "language": language, "target_language": target,
                      "audio_ids": audio_ids, "text_ids": text_ids})
     write_cache(cache_path(context.out, shard.index), rows, {**context.cache_metadata, "part": shard.index})
-    part.commit(unit, sequences, provenance, counts, carry_done=True)
+    part.commit(unit, sequences, provenance, counts, carry_done=True, skipped=skipped)
     w.finish(stats)
+
+
+def _skip_record(cut, shard: Shard, position: int, skip: Skip) -> dict:
+    """The skipped.jsonl line of a clip: which cut, where its audio lives, and why."""
+    return {"key": cut.id, "source": str(shard.recording_path), "container": "shar", "member": cut.id,
+            "shard": shard.index, "position": position, "reason": skip.reason, "detail": skip.detail}
 
 
 # --- the rank loop ------------------------------------------------------------------------------------
 
 @dataclass
 class PartWork:
-    """One part still to do: its batches as loader requests, and its PartShard, which is opened only
-    while the commit thread works on it (a rank may hold hundreds of shards)."""
+    """One part still to do: its batches as loader requests, its writer lock (held for the whole run,
+    so no other process writes the part meanwhile), and its PartShard, which is opened only while the
+    commit thread works on it (a rank may hold hundreds of shards: one descriptor each, not five)."""
 
     shard: Shard
     directory: Path
     identity: dict
     num_batches: int
     requests: list[BatchRequest]
+    lock: object
     part: object = None
 
     def open(self):
         from mmtok.formats.commitlog import PartShard
 
         if self.part is None:
-            self.part = PartShard(self.directory, self.identity)
+            self.part = PartShard(self.directory, self.identity, lock=self.lock)
         return self.part
 
     def finish(self, stats: dict) -> None:
@@ -299,29 +318,56 @@ class PartWork:
 
 def open_parts(shards: list[Shard], context: Context, batching: Batching, num_parts: int,
                min_samples: int) -> list[PartWork]:
-    """Create or resume the part of each shard and list its remaining batches; finished parts are left out."""
+    """Create or resume the part of each shard and list its remaining batches; finished parts are left out.
+    Each listed part is locked until `release_parts` (a second process for the same part is refused)."""
+    from mmtok.formats.commitlog import is_done, lock_part, part_dir
+
+    work: list[PartWork] = []
+    try:
+        for shard in shards:
+            directory = part_dir(context.out, shard.index)
+            if is_done(directory):
+                continue
+            lock = lock_part(directory)
+            if is_done(directory):  # finished by another process just before we took the lock
+                lock.release()
+                continue
+            work.append(_part_work(shard, directory, lock, context, batching, num_parts, min_samples))
+    except BaseException:
+        release_parts(work)
+        raise
+    return work
+
+
+def release_parts(work: list[PartWork]) -> None:
+    for w in work:
+        w.close()
+        w.lock.release()
+
+
+def _part_work(shard: Shard, directory: Path, lock, context: Context, batching: Batching, num_parts: int,
+               min_samples: int) -> PartWork:
     from lhotse import CutSet
 
-    from mmtok.formats.commitlog import is_done, part_dir
-
-    work = []
-    for shard in shards:
-        directory = part_dir(context.out, shard.index)
-        if is_done(directory):
-            continue
-        identity = {**context.identity, "part": shard.index, "num_parts": num_parts,
-                    "part_shard": shard_fingerprint(shard)}
+    identity = {**context.identity, "part": shard.index, "num_parts": num_parts, "part_shard": shard_fingerprint(shard)}
+    w = PartWork(shard, directory, identity, 0, [], lock)
+    try:
         cuts = CutSet.from_file(shard.cuts_path).to_eager()
         batches = make_batches(cuts, batching)
-        w = PartWork(shard, directory, identity, len(batches), [])
-        next_unit = w.open().next_unit  # checks the identity and recovers from a kill
+        w.num_batches = len(batches)
+        next_unit = w.open().next_unit  # checks the identity and the checksums, recovers from a kill
         w.close()
         members = index_members(shard.recording_path)
         w.requests = [BatchRequest(shard.index, unit, str(shard.recording_path), tuple(positions),
-                                   tuple(members.get(cuts[p].id) for p in positions), min_samples)
+                                   tuple(members.get(cuts[p].id) for p in positions),
+                                   tuple(float(cuts[p].duration) for p in positions), min_samples,
+                                   batching.max_clip_duration)
                       for unit, positions in enumerate(batches) if unit >= next_unit]
-        work.append(w)
-    return work
+    except BaseException:
+        w.close()
+        lock.release()
+        raise
+    return w
 
 
 def build_context(out: Path, codec, tokenizer, sequences: str, batching: Batching, report: dict | None) -> Context:
@@ -421,11 +467,14 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
                 committer.submit(_assemble_job(w, context, stats))
             bar.update(1)
             bar.set_postfix(clips=clips, busy=f"{100 * busy / max(time.perf_counter() - started, 1e-9):.0f}%")
-    finally:
+    except BaseException:
+        committer.close(reraise=False)  # the device loop's error is the one to report, not a later one
+        raise
+    else:
         committer.close()
+    finally:
         bar.close()
-        for w in work:
-            w.close()
+        release_parts(work)
     wall = time.perf_counter() - started
     return {"batches": len(requests), "clips": clips, "wall_s": wall, "device_busy_s": busy,
             "loader_wait_s": waited, "first_batch_s": first_batch or wall}

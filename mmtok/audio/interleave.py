@@ -21,10 +21,15 @@ Definition (every rule here is tested):
   pieces of at most --max-tokens that each end with text (each piece is a sequence with its own
   BOS/EOS and is routed by its own length). A segment that cannot end any piece within the limit is
   skipped (`over_max_tokens`).
+* A set that receives no sequence is not written (megatron-core cannot open an empty dataset): no
+  OUT/<set>.bin/.idx, a stale one from an earlier run is removed, and interleave.json's
+  `datasets[<set>]` says `"written": false` with the reason. When neither set gets a sequence the
+  command fails (MmtokError naming the skips) and leaves OUT as it was.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -36,10 +41,14 @@ import numpy as np
 from mmtok import __version__
 from mmtok.audio.cache import find_parts, read_index, read_metadata, read_tokens
 from mmtok.audio.sequences import AUDIO, TEXT, SequenceBuilder, is_translation
+from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.fsutil import atomic_write_json, sha256_file
 from mmtok.vocab import VocabLayout
 
 STAGE, LONG = "stage", "long-context"
+METADATA = "interleave.json"
+FIXES = {"no_text": "convert the clips with their text (--transcripts, a text column or sidecar)",
+         "over_max_tokens": "raise --max-tokens"}
 
 
 @dataclass(frozen=True)
@@ -181,11 +190,14 @@ def build(planned: Planned, builder: SequenceBuilder, tokens: TokenSource) -> np
 
 def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_tokens: int = 262_144,
                progress: bool = True) -> dict:
-    """Write OUT/stage and OUT/long-context (Megatron) from ENCODED's token cache; returns the summary."""
+    """Write OUT/stage and OUT/long-context (Megatron) from ENCODED's token cache; returns the summary.
+
+    Only sets that receive a sequence are written (see the module docstring); with no sequence at
+    all nothing in OUT is touched and MmtokError says why.
+    """
     from tqdm import tqdm
 
     from mmtok.errors import MmtokError
-    from mmtok.formats.megatron import DatasetWriter
 
     if not 0 < stage_max_tokens <= max_tokens:
         raise MmtokError(f"need 0 < --stage-max-tokens ({stage_max_tokens}) <= --max-tokens ({max_tokens})")
@@ -196,7 +208,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
     clips = load_clips(parts)
     counts: Counter = Counter(clips=len(clips))
     tokens = TokenSource(parts)
-    writers = {STAGE: DatasetWriter(out / STAGE), LONG: DatasetWriter(out / LONG)}
+    writers: dict[str, DatasetWriter] = {}  # opened by a set's first sequence: an empty set leaves no file
     try:
         for planned in tqdm(plan(clips, counts), desc="audio interleave", unit="seq", file=sys.stderr,
                             disable=not progress):
@@ -209,6 +221,8 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
             for piece in pieces:
                 sequence = build(Planned(planned.kind, piece), builder, tokens)
                 target = STAGE if sequence.size <= stage_max_tokens else LONG
+                if target not in writers:
+                    writers[target] = DatasetWriter(out / target)
                 writers[target].add(sequence)
                 counts[f"{target}:{planned.kind}"] += 1
                 counts[f"{target}:tokens"] += int(sequence.size)
@@ -216,23 +230,66 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
         for writer in writers.values():
             writer.abort()
         raise
+    if not writers:
+        raise MmtokError(_nothing_message(encoded, out, counts))
+    datasets = {name: _dataset_entry(name, counts, stage_max_tokens, name in writers) for name in (STAGE, LONG)}
+    (out / METADATA).unlink(missing_ok=True)  # until it is rewritten, OUT does not claim to be complete
     for writer in writers.values():
         writer.close()
+    for name in (STAGE, LONG):
+        if name not in writers:
+            remove_dataset(out / name)  # a stale set from an earlier run must not look like this run's
     summary = {"tool": f"mmtok {__version__}", "input": str(encoded.resolve()),
                "cache": [{"part": i, "sha256": sha256_file(p)} for i, p in enumerate(parts)],
                "parameters": {"stage_max_tokens": stage_max_tokens, "max_tokens": max_tokens},
                "vocab": meta["vocab"], "text_tokenizer": meta["text_tokenizer"], "codec": meta["codec"],
-               "sequences": builder.describe(), "counts": dict(sorted(counts.items()))}
-    atomic_write_json(out / "interleave.json", summary)
-    print(_summary_line(counts), file=sys.stderr)
+               "sequences": builder.describe(), "datasets": datasets, "counts": dict(sorted(counts.items()))}
+    atomic_write_json(out / METADATA, summary)
+    print(_summary_line(counts, datasets), file=sys.stderr)
     return summary
 
 
-def _summary_line(counts: Counter) -> str:
+def _dataset_entry(name: str, counts: Counter, stage_max_tokens: int, written: bool) -> dict:
+    """interleave.json's `datasets[name]`: whether OUT/name.bin/.idx exists, its size, or why not."""
+    sequences = sum(v for k, v in counts.items() if k.startswith(f"{name}:") and not k.endswith(":tokens"))
+    entry = {"written": written, "sequences": sequences, "tokens": counts.get(f"{name}:tokens", 0)}
+    if not written:
+        limit = f"{stage_max_tokens:,} tokens"
+        entry["reason"] = f"no sequence over {limit}" if name == LONG else f"no sequence of at most {limit}"
+    return entry
+
+
+def not_written_reason(prefix: Path) -> str | None:
+    """Why OUT/<set> has no dataset, when OUT/interleave.json records that set as not written."""
+    metadata = prefix.parent / METADATA
+    try:
+        entry = json.loads(metadata.read_text("utf-8")).get("datasets", {}).get(prefix.name)
+    except (OSError, ValueError):  # absent or not ours: the caller reports the path as it is
+        return None
+    if not entry or entry.get("written", True):
+        return None
+    return f"{entry['reason']}, so `mmtok audio interleave` did not write it (see {metadata})"
+
+
+def _nothing_message(encoded: Path, out: Path, counts: Counter) -> str:
+    skipped = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")}
+    if not counts["clips"]:
+        why = "its token cache holds no clips"
+    else:
+        why = f"none of its {counts['clips']} clips gave a sequence (skipped: " + ", ".join(
+            f"{k}={v}" for k, v in skipped.items()) + ")"
+    fixes = [FIXES[k] for k in skipped if k in FIXES]
+    return (f"{encoded}: no sequence to interleave: {why}; nothing written to {out}"
+            + (f"; to fix: {'; '.join(fixes)}" if fixes else ""))
+
+
+def _summary_line(counts: Counter, datasets: dict) -> str:
     sets = []
-    for target in (STAGE, LONG):
-        n = sum(v for k, v in counts.items() if k.startswith(f"{target}:") and not k.endswith(":tokens"))
-        sets.append(f"{target}: {n} sequences, {counts.get(f'{target}:tokens', 0)} tokens")
+    for name, entry in datasets.items():
+        if entry["written"]:
+            sets.append(f"{name}: {entry['sequences']} sequences, {entry['tokens']} tokens")
+        else:
+            sets.append(f"{name}: {entry['reason']} -- not written")
     skipped = {k.split(':', 1)[1]: v for k, v in counts.items() if k.startswith("skipped:")}
     return (f"{counts['clips']} clips -> " + "; ".join(sets)
             + (f"; skipped {dict(sorted(skipped.items()))}" if skipped else ""))

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from mmtok.errors import Skip
+
 TARGET_SAMPLE_RATE = 24_000
 PEAK_DBFS = -3.0
 RESAMPLER = {"library": "soxr", "quality": "VHQ"}
 SILENCE_PEAK = 1e-6  # peak below this (about -120 dBFS) counts as silent
 
 
-class AudioReason(Exception):
+class AudioReason(Skip):
     """A clip that cannot be used; `reason` is a short counted name."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 def to_mono(samples: np.ndarray) -> np.ndarray:

@@ -39,12 +39,17 @@ class Batching:
     max_duration: float = 300.0
     num_buckets: int = 50
     seed: int = 0
+    # Longer clips are skipped (`too_long`), not encoded: the sampler yields such a clip alone, and
+    # the encoder's activations grow with its length (a 2-hour clip needs ~22 GB), so this bounds a
+    # batch's memory by max(max_duration, max_clip_duration) seconds of audio.
+    max_clip_duration: float = 600.0
 
     def to_dict(self) -> dict:
         import lhotse
 
         return {"sampler": "lhotse.dataset.DynamicBucketingSampler", "lhotse": lhotse.__version__,
-                "max_duration": self.max_duration, "num_buckets": self.num_buckets, "seed": self.seed}
+                "max_duration": self.max_duration, "num_buckets": self.num_buckets, "seed": self.seed,
+                "max_clip_duration": self.max_clip_duration}
 
 
 def shar_location(path: Path) -> tuple[Path, dict | None]:

@@ -15,27 +15,34 @@ recording form runs for interleaving), `clip` (the clip number in its recording)
 supervisions `start`/`end` cut a segment out of the audio; in tars and Parquet each audio payload
 *is* one clip and `start` only orders clips of a recording that carry no explicit `clip` number.
 Clip numbers are assigned before any clip is validated, so a dropped clip leaves a gap (which the
-interleave builder treats as a break in the run).
+interleave builder treats as a break in the run); a record whose metadata cannot be read (a bad table
+row, an unreadable json sidecar) takes no number.
+
+What is audio is decided by content: a directory file with a known audio extension is decoded (a
+broken one is a `decode_error`), any other file is audio when libsndfile opens its header, and what is
+left is counted by extension (`ignored`), never dropped silently.
 """
 
 from __future__ import annotations
 
-import csv
 import io
 import json
+import math
 import tarfile
+from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from mmtok.audio.preprocess import AudioReason, to_mono
 from mmtok.errors import MmtokError
 
-AUDIO_EXTENSIONS = ("wav", "flac", "ogg", "opus", "mp3")
+AUDIO_EXTENSIONS = ("wav", "flac", "ogg", "oga", "opus", "mp3")  # audio without a probe (tars: the only audio)
 KINDS = ("dir", "tar", "lhotse", "parquet")
 META_KEYS = ("text", "recording_id", "clip", "start", "end", "language", "target_language", "id")
+NO_EXTENSION = "(no extension)"
 
 
 @dataclass
@@ -95,7 +102,8 @@ def decode_audio(data: bytes | str, origin: str) -> tuple[np.ndarray, int]:
 def number_clips(records: list[dict]) -> list[int]:
     """Clip number of each record: its explicit `clip`, else its rank by (start, position) in its recording.
 
-    `records` are metadata dicts with `recording_id` set; the result follows their order.
+    `records` are metadata dicts with `recording_id` set, values as `clean_metadata` leaves them; the
+    result follows their order.
     """
     numbers: list[int | None] = [None] * len(records)
     pending: dict[str, list[tuple[float, int]]] = {}
@@ -109,6 +117,39 @@ def number_clips(records: list[dict]) -> list[int]:
         for rank, (_, position) in enumerate(sorted(entries)):
             numbers[position] = rank
     return [int(n) for n in numbers]
+
+
+def clean_metadata(record: dict) -> dict:
+    """`record` with `clip`/`channel` as non-negative ints and `start`/`end` as finite non-negative
+    seconds (None when absent or empty), its names checked to be strings (ids: or integers), so that
+    numbering and cutting cannot fail on it.
+
+    Raises ValueError naming the first field whose value is none of these (say "clip='abc' ...").
+    """
+    cleaned = dict(record)
+    for key, kind in (("clip", int), ("channel", int), ("start", float), ("end", float)):
+        cleaned[key] = _number(key, record.get(key), kind)
+    for key in ("text", "language", "target_language", "id", "recording_id"):
+        value = record.get(key)
+        allowed = (str, int) if key in ("id", "recording_id") else (str,)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, allowed)):
+            raise ValueError(f"{key}={value!r} is not a string")
+    return cleaned
+
+
+def _number(key: str, value, kind: type) -> int | float | None:
+    if value is None or value == "":
+        return None
+    try:
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        number = kind(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError, OverflowError):
+        number = None
+    if number is None or not math.isfinite(number) or number < 0:
+        noun = "integer" if kind is int else "number of seconds"
+        raise ValueError(f"{key}={value!r} is not a non-negative {noun}")
+    return number
 
 
 def _float_or_none(value) -> float | None:
@@ -144,41 +185,131 @@ class FileUnit(Unit):
 
 
 def read_transcript_table(path: Path) -> tuple[list[dict], list[Dropped]]:
-    """Rows of a TSV (header line) or JSONL transcript table; rows without `path` are Dropped."""
+    """Rows of a TSV (header line) or JSONL transcript table, values checked by `clean_metadata`.
+
+    Every line that cannot be read as a row (not UTF-8, not a JSON object, a wrong number of TSV
+    fields, no `path`, a bad field value) is Dropped as `bad_table_row` naming the file and line; the
+    other rows are returned with their line number in `_line`. A TSV header without a `path`
+    column is a user error.
+    """
     rows, dropped = [], []
-    with open(path, encoding="utf-8", newline="") as handle:
-        if path.suffix.lower() in (".jsonl", ".json"):
-            raw = [(n, json.loads(line)) for n, line in enumerate(handle, 1) if line.strip()]
-        else:
-            reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
-            raw = [(n, row) for n, row in enumerate(reader, 2)]
-    for line, row in raw:
-        if not isinstance(row, dict) or not row.get("path"):
-            dropped.append(Dropped(f"{path.name}:{line}", f"{path}:{line}", "bad_table_row", "no `path` value"))
+    lines = _table_lines(path)
+    if not lines:
+        return rows, dropped
+    parse = _json_row if path.suffix.lower() in (".jsonl", ".json") else _tsv_parser(path, lines)
+    for line, text in lines:
+        try:
+            if text is None:
+                raise ValueError("not UTF-8 text")
+            row = clean_metadata(parse(text))
+            if not isinstance(row.get("path"), str) or not row["path"]:
+                raise ValueError("no `path` value")
+        except ValueError as err:
+            dropped.append(Dropped(f"{path.name}:{line}", f"{path}:{line}", "bad_table_row",
+                                   f"{err}; fix or remove line {line}"))
             continue
         rows.append({**row, "_line": line})
     return rows, dropped
 
 
-def directory_units(root: Path, table: Path | None) -> tuple[list[Unit], list[Dropped]]:
+def _table_lines(path: Path) -> list[tuple[int, str | None]]:
+    """(line number, text or None where the line is not UTF-8) of every non-blank line."""
+    lines = []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        raw = raw.removesuffix(b"\r")
+        try:
+            # a UTF-8 byte-order mark (spreadsheet exports) is not part of the first field
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is None or text.strip():
+            lines.append((number, text))
+    return lines
+
+
+def _json_row(text: str) -> dict:
+    row = json.loads(text)  # JSONDecodeError is a ValueError
+    if not isinstance(row, dict):
+        raise ValueError(f"not a JSON object but {type(row).__name__}")
+    return row
+
+
+def _tsv_parser(path: Path, lines: list[tuple[int, str | None]]) -> Callable[[str], dict]:
+    """Take the header off `lines` and return the row parser it defines (tab-separated, no quoting)."""
+    line, header = lines.pop(0)
+    columns = (header or "").split("\t")
+    if header is None or "path" not in columns:
+        raise MmtokError(f"{path}:{line}: the header line names no `path` column (got {columns[:8]}); the first "
+                         "line of a TSV transcript table names its tab-separated columns, one of them `path`")
+
+    def parse(text: str) -> dict:
+        fields = text.split("\t")
+        if len(fields) != len(columns):
+            raise ValueError(f"{len(fields)} tab-separated fields, the header has {len(columns)}")
+        return dict(zip(columns, fields))
+
+    return parse
+
+
+def is_audio_file(path: Path) -> bool:
+    """True when the extension is a known audio one or libsndfile opens the file by its content.
+
+    Only the header is read. A headerless RAW guess (libsndfile's reading of `.vox`, `.gsm`, ...
+    by extension alone) does not count: any bytes would pass.
+    """
+    if extension_of(path.name) in AUDIO_EXTENSIONS:
+        return True
+    import soundfile
+
+    try:
+        return soundfile.info(str(path)).format != "RAW"
+    except Exception:  # libsndfile reports every unrecognised input as a generic error
+        return False
+
+
+def extension_of(name: str) -> str:
+    """The lower-case extension without its dot, or NO_EXTENSION: the key non-audio files are counted by."""
+    return PurePosixPath(name).suffix.lower().lstrip(".") or NO_EXTENSION
+
+
+def scan_directory(root: Path, named: set[str], skip: Path | None) -> tuple[list[str], Counter]:
+    """(audio files under `root` as sorted relative paths, other files counted by extension).
+
+    A file the transcript table names is audio whatever its content (its decoder decides); `skip`
+    (the table itself) is neither.
+    """
+    audio, ignored = [], Counter()
+    skip = skip.resolve() if skip else None
+    for path in root.rglob("*"):
+        if not path.is_file():
+            continue
+        rel = path.relative_to(root).as_posix()
+        if rel in named or is_audio_file(path):
+            audio.append(rel)
+        elif skip is None or path.resolve() != skip:
+            ignored[extension_of(rel)] += 1
+    return sorted(audio), ignored
+
+
+def directory_units(root: Path, table: Path | None) -> tuple[list[Unit], list[Dropped], Counter]:
     """One unit per audio file under `root` (sorted by relative path); table rows define its clips.
 
     A file without table rows is one clip without text. A table row may name a segment
-    (`start`/`end`); its default recording id is the file's relative path, its default cut id the
-    relative path (plus `/NNNNN`, the row's index among the file's rows, when the file has several).
+    (`start`/`end`); its default recording id is the file's relative path without its extension, its
+    default cut id the same (plus `/NNNNN`, the row's index among the file's rows, when the file has
+    several). Also returns the non-audio files counted by extension.
     """
-    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                   if p.is_file() and p.suffix.lower().lstrip(".") in AUDIO_EXTENSIONS)
     rows, dropped = read_transcript_table(table) if table else ([], [])
     by_file: dict[str, list[dict]] = {}
     for row in rows:
         rel = _relative_to(Path(row["path"]), root)
         by_file.setdefault(rel, []).append(row)
+    files, ignored = scan_directory(root, set(by_file), table)
     records: list[dict] = []
     owners: list[str] = []
     for rel in sorted(set(files) | set(by_file)):
         file_rows = by_file.get(rel) or [{}]
-        stem = rel.rsplit(".", 1)[0]
+        stem = rel[: len(rel) - len(PurePosixPath(rel).suffix)]
         for index, row in enumerate(file_rows):
             default_id = stem if len(file_rows) == 1 else f"{stem}/{index:05d}"
             records.append({**row, "id": row.get("id") or default_id, "recording_id": row.get("recording_id") or stem})
@@ -194,7 +325,7 @@ def directory_units(root: Path, table: Path | None) -> tuple[list[Unit], list[Dr
         clips = [_spec(r, n, f"{rel}" + (f" ({table.name}:{r['_line']})" if "_line" in r else ""), cut_segment=True)
                  for r, n in mine]
         units.append(FileUnit(origin=rel, path=str(root / rel), clips=clips))
-    return units, dropped
+    return units, dropped, ignored
 
 
 def _relative_to(path: Path, root: Path) -> str:
@@ -216,7 +347,7 @@ class TarUnit(Unit):
         tar_id = Path(self.path).name.removesuffix(".tar")
         samples, errors = scan_tar(self.path)
         yield from errors
-        records, audio = [], []
+        records, audio, problems = [], [], []
         for key, members in samples.items():
             audio_members = [m for m in members if m[0] in AUDIO_EXTENSIONS]
             if not audio_members:
@@ -225,13 +356,17 @@ class TarUnit(Unit):
                 continue
             for extra in audio_members[1:]:
                 yield Dropped(f"{tar_id}/{key}", f"{self.path}:{key}.{extra[0]}", "extra_audio_member")
-            meta = _sidecar_metadata(members)
+            meta, problem = _sidecar_metadata(members)
             records.append({**meta, "id": meta.get("id") or f"{tar_id}/{key}",
                             "recording_id": meta.get("recording_id") or f"{tar_id}/{key}"})
             audio.append(audio_members[0])
-        numbers = number_clips(records)
-        for record, number, (ext, offset, size, _) in zip(records, numbers, audio):
+            problems.append(problem)
+        numbers = number_clips(records)  # before dropping bad sidecars: a dropped clip leaves a gap
+        for record, number, (ext, offset, size, _), problem in zip(records, numbers, audio, problems):
             origin = f"{self.path}:{record['id']}.{ext}"
+            if problem is not None:
+                yield Dropped(str(record["id"]), origin, *problem)
+                continue
             loader = _ByteRangeLoader(self.path, offset, size, origin)
             yield loader, [_spec(record, number, origin, cut_segment=False)]
 
@@ -280,20 +415,34 @@ def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[Dropped]]:
     return samples, errors
 
 
-def _sidecar_metadata(members: list[tuple]) -> dict:
+def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | None]:
+    """(metadata from the json sidecar, its text else the txt sidecar's; (reason, detail) or None).
+
+    A sidecar that is not UTF-8 is `bad_text_encoding` (never decoded with replacement characters);
+    a json sidecar that is not an object or has a bad field value is `bad_metadata`. The metadata
+    then holds what could be read, so the clip still takes its number.
+    """
     meta: dict = {}
     for ext, _, _, body in members:
         if ext == "json" and body is not None:
             try:
-                loaded = json.loads(body)
-            except ValueError:
-                continue
-            if isinstance(loaded, dict):
-                meta.update({k: loaded[k] for k in META_KEYS if k in loaded})
+                loaded = _json_row(body.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                return meta, ("bad_text_encoding", f"json sidecar: {err}")
+            except ValueError as err:
+                return meta, ("bad_metadata", f"json sidecar: {err}")
+            picked = {k: loaded[k] for k in META_KEYS if k in loaded}
+            try:
+                meta.update(clean_metadata(picked))
+            except ValueError as err:
+                return {}, ("bad_metadata", f"json sidecar: {err}")
     for ext, _, _, body in members:
         if ext == "txt" and body is not None and not meta.get("text"):
-            meta["text"] = body.decode("utf-8", errors="replace").strip()
-    return meta
+            try:
+                meta["text"] = body.decode("utf-8").strip()
+            except UnicodeDecodeError as err:
+                return meta, ("bad_text_encoding", f"txt sidecar: {err}")
+    return meta, None
 
 
 # --- (c) Lhotse manifests ------------------------------------------------------------------------
@@ -375,7 +524,7 @@ class ParquetUnit(Unit):
     row_group: int = 0
     first_row: int = 0
     audio_column: str = "audio"
-    clips: list[ClipSpec] = field(default_factory=list)
+    clips: list[ClipSpec | Dropped] = field(default_factory=list)  # one per row; Dropped: bad metadata
 
     def payloads(self):
         import pyarrow.parquet as pq
@@ -384,9 +533,13 @@ class ParquetUnit(Unit):
             table = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=[self.audio_column])
         except Exception as err:  # pyarrow raises several types for damaged files
             for clip in self.clips:
-                yield Dropped(clip.id, clip.origin, "unreadable_row_group", str(err))
+                unreadable = Dropped(clip.id, clip.origin, "unreadable_row_group", str(err))
+                yield clip if isinstance(clip, Dropped) else unreadable
             return
         for clip, value in zip(self.clips, table.column(0).to_pylist()):
+            if isinstance(clip, Dropped):
+                yield clip
+                continue
             data = value.get("bytes") if isinstance(value, dict) else value  # HF `Audio` struct or raw bytes
             if not data:
                 yield Dropped(clip.id, clip.origin, "no_audio_bytes")
@@ -409,17 +562,23 @@ def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list
     columns = [c for c in wanted.values() if c in names]
     meta = handle.read(columns=columns).to_pylist() if columns else [{} for _ in range(handle.metadata.num_rows)]
     stem = path.name.removesuffix(".parquet")
-    records = []
+    records, problems = [], []
     for row_index, row in enumerate(meta):
-        record = {key: row.get(col) for key, col in wanted.items()}
-        record["id"] = record["id"] or f"{stem}/{row_index:08d}"
-        record["recording_id"] = record["recording_id"] or record["id"]
+        try:
+            record, problem = clean_metadata({key: row.get(col) for key, col in wanted.items()}), None
+        except ValueError as err:
+            record, problem = {}, str(err)
+        record["id"] = record.get("id") or f"{stem}/{row_index:08d}"
+        record["recording_id"] = record.get("recording_id") or record["id"]
         records.append(record)
+        problems.append(problem)
     numbers = number_clips(records)
     units, first = [], 0
     for group in range(handle.num_row_groups):
         count = handle.metadata.row_group(group).num_rows
-        clips = [_spec(records[i], numbers[i], f"{path}:row {i}", cut_segment=False) for i in range(first, first + count)]
+        clips = [_spec(records[i], numbers[i], f"{path}:row {i}", cut_segment=False) if problems[i] is None
+                 else Dropped(str(records[i]["id"]), f"{path}:row {i}", "bad_metadata", problems[i])
+                 for i in range(first, first + count)]
         units.append(ParquetUnit(origin=f"{path}:row group {group}", path=str(path), row_group=group,
                                  first_row=first, audio_column=audio_column, clips=clips))
         first += count
@@ -443,21 +602,31 @@ def detect_kind(path: Path) -> str:
                      "pass --kind")
 
 
+class Collected(NamedTuple):
+    """What the inputs hold before decoding: work units, records dropped already, ignored files by extension."""
+
+    units: list[Unit]
+    dropped: list[Dropped]
+    ignored: Counter
+
+
 def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path | None = None,
-                  audio_column: str = "audio", text_column: str = "text") -> tuple[list[Unit], list[Dropped]]:
+                  audio_column: str = "audio", text_column: str = "text") -> Collected:
     """Every work unit of every input, in input order (Lhotse manifests are read together)."""
     for path in inputs:
         if not path.exists():
             raise MmtokError(f"input not found: {path}")
     units: list[Unit] = []
     dropped: list[Dropped] = []
+    ignored: Counter = Counter()
     kinds = [detect_kind(p) if kind == "auto" else kind for p in inputs]
     if transcripts is not None and "dir" not in kinds:
         raise MmtokError("--transcripts applies to a directory input; none was given")
     lhotse_inputs = [p for p, k in zip(inputs, kinds) if k == "lhotse"]
     for path, this_kind in zip(inputs, kinds):
         if this_kind == "dir":
-            found = directory_units(path, transcripts)
+            *found, files_ignored = directory_units(path, transcripts)
+            ignored.update(files_ignored)
         elif this_kind == "tar":
             found = ([TarUnit(origin=str(path), path=str(path))], [])
         elif this_kind == "parquet":
@@ -470,7 +639,7 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
             raise MmtokError(f"unknown source kind {this_kind!r}; known: {', '.join(KINDS)}")
         units.extend(found[0])
         dropped.extend(found[1])
-    return units, dropped
+    return Collected(units, dropped, ignored)
 
 
 def pick_channel(samples: np.ndarray, channel: int | None) -> np.ndarray:

@@ -9,11 +9,14 @@ from pathlib import Path
 CONVERT_HELP = """\
 Convert audio sources into Lhotse Shar shards: 24 kHz mono audio (24-bit FLAC) with the text already
 tokenized into cut.custom["text_tokens"], plus source id, clip number, original sampling rate and
-languages. INPUT kinds (auto-detected, or --kind): a directory of audio files (wav flac ogg opus mp3;
---transcripts TSV/JSONL with columns path, text, recording_id, start, end, language, target_language,
-id, clip), WebDataset .tar files (audio member + txt/json sidecar per key), Lhotse manifests (.jsonl[.gz]
-recordings + supervisions) and .parquet files (an audio-bytes column). Invalid clips are dropped with
-a counted reason (OUT/conversion.json, OUT/dropped/). Rerunning resumes after the last complete shard.
+languages. INPUT kinds (auto-detected, or --kind): a directory of audio files (any file libsndfile
+opens: wav flac ogg oga opus mp3 aiff ..., with or without extension; other files are counted by
+extension; --transcripts TSV/JSONL with columns path, text, recording_id, start, end, language,
+target_language, id, clip), WebDataset .tar files (audio member + txt/json sidecar per key), Lhotse
+manifests (.jsonl[.gz] recordings + supervisions) and .parquet files (an audio-bytes column). Invalid
+clips and unreadable table rows are dropped with a counted reason (OUT/conversion.json, OUT/dropped/);
+in = written + dropped + ignored. Rerunning resumes after the last complete shard; one run at a time
+writes OUT (a second is refused, naming the holder).
 """
 
 INTERLEAVE_HELP = """\
@@ -21,7 +24,9 @@ Build interleaved speech/text sequences from the per-clip token cache of `mmtok 
 consecutive clips of one recording form runs; each run gives two copies alternating audio and text
 (one starting with audio, one with text) that end with text; single clips and each run's leftover
 clip give transcription sequences. Sequences up to --stage-max-tokens go to OUT/stage, longer ones
-(split at clip boundaries to at most --max-tokens) to OUT/long-context.
+(split at clip boundaries to at most --max-tokens) to OUT/long-context. A set that gets no sequence
+is not written (Megatron cannot load an empty dataset; OUT/interleave.json and the summary say so);
+when no clip gives a sequence at all, the command fails and writes nothing.
 """
 
 

@@ -82,8 +82,30 @@ def run(args) -> int:
     sources = [describe(p) for p in expand_inputs(args.shards, args.shard_list)]
     options = ScanOptions(image_column=args.image_column, text_column=args.text_column)
     meta = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
+    if not meta["images_ok"]:
+        raise MmtokError(no_image_message(meta, args.out))
     print(summary_line(meta, args.out), file=sys.stderr)
     return 0
+
+
+def no_image_message(meta: dict, out: Path) -> str:
+    """One line for a scan that found no usable image: the errors by reason, each with its first
+    input and detail, the members skipped by extension, and what to check."""
+    first: dict[str, dict] = {}
+    for err in meta["shard_errors"]:
+        first.setdefault(err["reason"], err)
+    found = []
+    for reason, count in sorted(meta["reasons"].items(), key=lambda item: -item[1]):
+        err = first.get(reason)
+        where = f" (first: {err['path']}{': ' + err['detail'] if err['detail'] else ''})" if err else ""
+        found.append(f"{reason} {count:,}{where}")
+    ignored = ", ".join(f"{name} {count:,}" for name, count in meta["ignored_members"].items())
+    if ignored:
+        found.append(f"skipped members: {ignored}")
+    return (f"no image found in {meta['shards']:,} input(s): {'; '.join(found) or 'no image members'}. "
+            "Check the paths: mmtok scan reads uncompressed tar shards (image members named "
+            "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; every error row is in "
+            f"{out / 'manifest.parquet'}")
 
 
 def summary_line(meta: dict, out: Path) -> str:

@@ -27,6 +27,7 @@ from typing import Union
 import numpy as np
 
 from mmtok.encode.chat import ChatRenderer, ConversationError, split_images
+from mmtok.errors import Skip
 from mmtok.plan import caption_text
 from mmtok.text import TextTokenizer
 from mmtok.vocab import VocabLayout
@@ -36,12 +37,8 @@ Template = list[Union[np.ndarray, int]]
 TEXT_SEPARATOR = "\n\n"  # between consecutive text segments of an interleaved document
 
 
-class DocumentError(Exception):
+class DocumentError(Skip):
     """A document that cannot be built; `reason` is the counted skip reason (snake_case)."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True)

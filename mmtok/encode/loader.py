@@ -29,6 +29,7 @@ import torch
 from mmtok.encode.documents import DocumentError, Documents, Sidecars, Template
 from mmtok.formats.manifest import MemberReader, ShortRead
 from mmtok.encode.work import RankWork
+from mmtok.errors import Skip
 from mmtok.images import ImageDecodeError, decode_rgb, resize_rgb
 
 
@@ -39,7 +40,7 @@ class PreparedBatch:
     batch: int  # global batch id
     rows: slice  # its rows in the RankWork arrays
     pixels: torch.Tensor  # uint8 [B, H, W, 3], a view of the loader's host ring
-    failures: list[str | None]  # per image: skip reason, or None when decoded
+    failures: list[Skip | None]  # per image: why it was skipped, or None when decoded
     templates: dict[int, Template | DocumentError]  # per document the batch completes
 
 
@@ -131,8 +132,8 @@ class BatchLoader:
         finally:
             self._queue.put(None)
 
-    def _load_image(self, target: np.ndarray, slot: int, row: int) -> str | None:
-        """Decode row `row` into `target[slot]`; returns a skip reason (slot zeroed) or None."""
+    def _load_image(self, target: np.ndarray, slot: int, row: int) -> Skip | None:
+        """Decode row `row` into `target[slot]`; returns why it was skipped (slot zeroed) or None."""
         r = self.work.rows
         try:
             data = self.reader.read_member(r["container"][row], r["tar"][row], r["member"][row],
@@ -145,10 +146,10 @@ class BatchLoader:
             return None
         except ImageDecodeError as err:
             target[slot] = 0
-            return err.reason
-        except ShortRead:
+            return err
+        except ShortRead as err:
             target[slot] = 0
-            return "short_read"
+            return Skip("short_read", str(err))
 
     def _templates(self, batch: int) -> dict[int, Template | DocumentError]:
         out: dict[int, Template | DocumentError] = {}

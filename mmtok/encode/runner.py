@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from mmtok.codecs.base import refuse_low_precision
 from mmtok.encode.documents import DocumentError, Documents
 from mmtok.encode.loader import BatchLoader, PreparedBatch
 from mmtok.encode.work import RankWork, load_rank_work
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, Skip
 from mmtok.formats.commitlog import CommitThread, PartShard, part_dir
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
@@ -118,6 +119,7 @@ class Commit:
     counts: Counter = field(default_factory=Counter)
     carry: bytes = b""
     carry_done: bool = False
+    skipped: list[dict] = field(default_factory=list)
 
 
 class Assembler:
@@ -138,8 +140,9 @@ class Assembler:
         carry = []
         for slot, row in enumerate(range(prepared.rows.start, prepared.rows.stop)):
             document, image_index = int(rows["document"][row]), int(rows["image_index"][row])
-            value = prepared.failures[slot] or self._block(codes[slot], row)
-            self._count_failure(prepared.failures[slot], row, max_failures)
+            failure = prepared.failures[slot]
+            value = str(failure) if failure else self._block(codes[slot], row)
+            self._count_failure(failure, row, max_failures)
             self.pending.setdefault(document, {})[image_index] = value
             if work.doc_last_batch[work.doc_position(document)] != prepared.batch:
                 carry.append(pack_carry(document, image_index, value))
@@ -173,21 +176,40 @@ class Assembler:
         if len(images) != work.doc_images[position]:
             raise MmtokError(f"document {document}: {len(images)} of {work.doc_images[position]} images were "
                              "encoded; the part's carry is damaged -- delete the part directory to re-encode it")
-        failed = {i: v for i, v in images.items() if isinstance(v, str)}
+        failed = {i: Skip.parse(v) for i, v in images.items() if isinstance(v, str)}
         template = templates[document]
-        if failed or isinstance(template, DocumentError):  # skipped whole; every image counted once
-            for index in images:
-                reason = failed.get(index, "document_image_failed") if failed else template.reason
-                commit.counts[f"skipped:{reason}"] += 1
+        rows = work.document_rows(position)
+        if failed or isinstance(template, DocumentError):  # skipped whole; every image counted and named once
+            for index, row in zip(sorted(images), rows):
+                skip = self._why_skipped(index, failed, template)
+                commit.counts[f"skipped:{skip.reason}"] += 1
+                commit.skipped.append(self._skip_record(int(row), skip))
             commit.counts["documents_skipped"] += 1
             return
         tokens = self.documents.assemble(template, images)
-        rows = work.document_rows(position)
         first = int(work.doc_row[position])
         commit.sequences.append(tokens)
         commit.provenance.append({"document": document, "key": work.rows["key"][first], "tar": work.rows["tar"][first],
                                   "rows": work.rows["manifest_row"][rows].tolist()})
         commit.counts.update(images_written=len(images), documents_written=1, tokens=int(tokens.size))
+
+
+    @staticmethod
+    def _why_skipped(index: int, failed: dict[int, "Skip"], template) -> "Skip":
+        if index in failed:
+            return failed[index]
+        if failed:
+            first = min(failed)
+            return Skip("document_image_failed", f"image {first} of the document: {failed[first]}")
+        return Skip(template.reason, str(template))
+
+    def _skip_record(self, row: int, skip: "Skip") -> dict:
+        """The skipped.jsonl line of plan row `row`: which sample, where it lives, and why."""
+        r = self.work.rows
+        return {"key": r["key"][row], "source": r["tar"][row], "container": r["container"][row],
+                "member": r["member"][row], "manifest_row": int(r["manifest_row"][row]),
+                "document": int(r["document"][row]), "image_index": int(r["image_index"][row]),
+                "reason": skip.reason, "detail": skip.detail}
 
 
 def pack_carry(document: int, image_index: int, value: np.ndarray | str) -> bytes:
@@ -218,6 +240,7 @@ class Meter:
     the device loop adds busy time, the committer adds the rest)."""
 
     def __init__(self, bar, images_done: int):
+        self._lock = threading.Lock()  # busy time is added by the device loop and taken by the committer
         self.bar = bar
         self.started = time.perf_counter()
         self.last_commit = self.started
@@ -229,10 +252,11 @@ class Meter:
         bar.update(images_done)
 
     def device(self, started: float, finished: float) -> None:
-        if self.first_batch is None:
-            self.first_batch = started
-        self.busy += finished - started
-        self.busy_since_commit += finished - started
+        with self._lock:
+            if self.first_batch is None:
+                self.first_batch = started
+            self.busy += finished - started
+            self.busy_since_commit += finished - started
 
     @property
     def fill_seconds(self) -> float:
@@ -242,9 +266,10 @@ class Meter:
     def committed(self, images: int, tokens: int) -> dict[str, int]:
         """Account one commit; returns its timing increments (milliseconds) for the part's counters."""
         now = time.perf_counter()
-        increments = {"wall_ms": round((now - self.last_commit) * 1000),
-                      "device_busy_ms": round(self.busy_since_commit * 1000)}
-        self.last_commit, self.busy_since_commit = now, 0.0
+        with self._lock:
+            busy, self.busy_since_commit = self.busy_since_commit, 0.0
+        increments = {"wall_ms": round((now - self.last_commit) * 1000), "device_busy_ms": round(busy * 1000)}
+        self.last_commit = now
         self.images += images
         self.tokens += tokens
         elapsed = max(now - self.started, 1e-9)
@@ -270,15 +295,15 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     documents = Documents(work.mode, tokenizer, layout)
     check_codec(work, codec, documents)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
-    shard = PartShard(part_dir(out, rank), part_identity(work, codec, tokenizer, layout))
-    if shard.done:
-        return {"already_done": True, **_summary_counts(shard)}
-    start = max(work.batch_range[0], shard.next_unit)
-    assembler = Assembler(work, documents, shard.carry(), start)
-    batches = range(start, work.batch_range[1])
-    meter = _run_batches(work, codec, shard, assembler, batches, device, options)
-    stats = {**_stats(shard, codec, device, options, work), "fill_s": meter.fill_seconds}
-    shard.finish(stats)
+    with PartShard(part_dir(out, rank), part_identity(work, codec, tokenizer, layout)) as shard:
+        if shard.done:
+            return {"already_done": True, **_summary_counts(shard)}
+        start = max(work.batch_range[0], shard.next_unit)
+        assembler = Assembler(work, documents, shard.carry(), start)
+        batches = range(start, work.batch_range[1])
+        meter = _run_batches(work, codec, shard, assembler, batches, device, options)
+        stats = {**_stats(shard, codec, device, options, work), "fill_s": meter.fill_seconds}
+        shard.finish(stats)
     return {**stats, **_summary_counts(shard)}
 
 
@@ -299,12 +324,14 @@ def _run_batches(work: RankWork, codec, shard: PartShard, assembler: Assembler, 
                 codes = _encode(codec, prepared, device, meter)
                 loader.release(prepared)
                 committer.submit(lambda p=prepared, c=codes: _commit(shard, assembler, p, c, meter, options))
+    except BaseException:
+        committer.close(reraise=False)  # the device loop's error is the one to report, not a later one
+        raise
+    else:
+        committer.close()
     finally:
         loader.close()
-        try:
-            committer.close()
-        finally:
-            bar.close()
+        bar.close()
     return meter
 
 
@@ -324,7 +351,7 @@ def _commit(shard: PartShard, assembler: Assembler, prepared: PreparedBatch, cod
     commit = assembler.add(prepared, codes, options.max_consecutive_failures)
     timing = meter.committed(len(prepared.failures), int(commit.counts.get("tokens", 0)))
     shard.commit(prepared.batch, commit.sequences, commit.provenance, {**commit.counts, **timing},
-                 carry=commit.carry, carry_done=commit.carry_done)
+                 carry=commit.carry, carry_done=commit.carry_done, skipped=commit.skipped)
 
 
 def _stats(shard: PartShard, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:

@@ -7,12 +7,17 @@ part = input Shar shard). A part directory contains
                     tokenizer, part number, ...); written once, compared on every resume
   tokens.bin        int32 tokens, one sequence per document, appended per unit
   provenance.jsonl  one JSON line per sequence (line i describes sequence i), appended per unit
+  skipped.jsonl     one JSON line per input that did not become tokens (key, source, member,
+                    reason, detail), appended per unit
   carry.bin         opaque bytes the writer carries between units (e.g. codes of images whose
                     multi-image document is not complete yet); see `PartShard.carry`
   commits.log       one record per committed unit: `<json>\\t<crc32 hex>\\n`
-  tokens.idx        written by `finish` (atomic)
+  tokens.idx        written by `finish` (atomic) -- only when the part has tokens: megatron-core
+                    cannot open an empty dataset, so a part without sequences has no tokens.bin/.idx
+                    and its stats say `"dataset": false`
   stats.json        written by `finish` (atomic)
   DONE              written last by `finish` (atomic)
+  .lock             the writer lock (`mmtok.fsutil.WriterLock`): one process writes a part at a time
 
 Durability protocol of `commit`: the unit's tokens, provenance lines and carry bytes are appended
 and fdatasync'ed, *then* the commit record is appended and fdatasync'ed. A record names the size
@@ -20,6 +25,11 @@ every file had after its unit, so a process killed at any instant resumes from t
 record: files are truncated back to that record's sizes and a torn (partial or corrupt) last record
 is dropped. Everything a unit writes is a deterministic function of the unit, so the finished files
 are byte-identical to those of an uninterrupted run.
+
+Checked bytes: each record holds the CRC-32 of the bytes its unit appended to tokens.bin,
+provenance.jsonl and skipped.jsonl, and the CRC-32 of the live carry. `verify_part` re-reads a part
+against its records (on every resume and by merge), so bit rot or a damaged copy is refused naming
+the part and the unit instead of being merged.
 
 This is the only module that knows the layout of a part directory.
 """
@@ -37,13 +47,15 @@ import numpy as np
 
 from mmtok.errors import MmtokError
 from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, write_index
-from mmtok.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir
+from mmtok.formats.megatron import encode_index, idx_path
+from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, with_filename
 
-PART_FORMAT = "mmtok-part/1"
+PART_FORMAT = "mmtok-part/2"  # /2: per-unit checksums, skipped.jsonl, no empty dataset
 TOKENS = "tokens"  # dataset prefix inside a part directory: tokens.bin / tokens.idx
 TOKENS_BIN = bin_path(TOKENS).name
 IDENTITY = "identity.json"
 PROVENANCE = "provenance.jsonl"
+SKIPPED = "skipped.jsonl"
 CARRY = "carry.bin"
 COMMITS = "commits.log"
 STATS = "stats.json"
@@ -136,19 +148,75 @@ def read_commits(directory: str | os.PathLike) -> tuple[list[dict], int]:
     return records, good_bytes
 
 
+# Appended files of a part: name -> the commit-record key of its size. Their bytes are checksummed
+# per unit; carry.bin is not (it is emptied when nothing in it is live) -- its live bytes have a
+# running checksum instead (`carry_crc`).
+APPENDED = {TOKENS_BIN: "tokens_bytes", PROVENANCE: "provenance_bytes", SKIPPED: "skipped_bytes"}
+
+
+def _json_lines(records: list[dict]) -> bytes:
+    return b"".join(json.dumps(r, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+                    for r in records)
+
+
+def verify_part(directory: str | os.PathLike, records: list[dict] | None = None) -> None:
+    """Check a part's files against its commit records: every unit's bytes by CRC-32, sizes, and (when
+    finished) tokens.idx. Raises MmtokError naming the part, the file and the unit on any damage."""
+    directory = Path(directory)
+    if records is None:
+        records, _ = read_commits(directory)
+    for name, size_key in APPENDED.items():
+        path = directory / name
+        expected = records[-1].get(size_key, 0) if records else 0
+        have = path.stat().st_size if path.exists() else 0
+        if have < expected or (is_done(directory) and have != expected):
+            raise MmtokError(f"{path}: {have} bytes but the commit log records {expected}; the part was damaged "
+                             f"after it was written. Delete {directory} and re-encode this part.")
+        if not expected:
+            continue
+        with open(path, "rb") as handle:
+            start = 0
+            for record in records:
+                end = record[size_key]
+                data = handle.read(end - start)
+                if zlib.crc32(data) != record["crc"][name]:
+                    raise MmtokError(f"{path}: the bytes of unit {record['unit']} do not match their checksum "
+                                     f"(bit rot or a damaged copy). Delete {directory} and re-encode this part.")
+                start = end
+    if is_done(directory) and records and records[-1].get("tokens_bytes"):
+        lengths = np.fromiter((n for record in records for n in record["lengths"]), np.int64)
+        index = idx_path(part_prefix(directory))
+        if not index.is_file() or index.read_bytes() != encode_index(lengths, TOKEN_DTYPE):
+            raise MmtokError(f"{index}: missing or does not match the commit log. Delete {directory} and "
+                             "re-encode this part.")
+
+
 class PartShard:
-    """A part's output directory, created fresh or resumed from its last commit.
+    """A part's output directory, created fresh or resumed from its last commit, written by one
+    process at a time (a second writer is refused naming the holder; see `WriterLock`).
 
     `identity` must be JSON-serializable; on resume it must equal the recorded one (else an
-    MmtokError names the first differing key). After construction:
+    MmtokError names the first differing key) and the committed bytes must match their checksums.
+    After construction:
       next_unit  first work unit not yet committed (last committed unit + 1; 0 when none)
       counts     running totals of the counters passed to `commit` (restored on resume)
       done       True when `finish` completed earlier (nothing more may be committed)
+    The lock is taken here and held until `close` (or the end of a `with` block), unless the caller
+    passes a `lock` it already holds for this directory (and releases itself).
     """
 
-    def __init__(self, directory: str | os.PathLike, identity: dict):
+    def __init__(self, directory: str | os.PathLike, identity: dict, lock: WriterLock | None = None):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._handles: dict[str, Any] = {}
+        self._own_lock = lock is None
+        self._lock = lock or lock_part(self.directory)
+        try:
+            self._open(identity)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, identity: dict) -> None:
         self.identity = _normalize({**identity, "format": PART_FORMAT})
         self._check_identity()
         self.done = is_done(self.directory)
@@ -157,11 +225,12 @@ class PartShard:
         self.next_unit = last["unit"] + 1 if records else 0
         self.counts: dict[str, int] = dict(last.get("counts", {}))
         self.lengths = array("q", (n for record in records for n in record["lengths"]))
-        self._sizes = {name: last.get(name, 0) for name in ("tokens_bytes", "provenance_bytes", "carry_bytes")}
+        self._sizes = {key: last.get(key, 0) for key in (*APPENDED.values(), "carry_bytes")}
         self._carry_live = last.get("carry_live", 0)
-        self._handles: dict[str, Any] = {}
+        self._carry_crc = last.get("carry_crc", 0)
         if not self.done:
             self._recover(log_bytes)
+            verify_part(self.directory, records)
 
     # -- resume ---------------------------------------------------------------------------------
     def _check_identity(self) -> None:
@@ -182,8 +251,8 @@ class PartShard:
         """Cut every file back to the last complete commit and open them for appending."""
         if self._carry_live == self._sizes["carry_bytes"]:
             self._sizes["carry_bytes"] = self._carry_live = 0  # nothing live: the file may have been reset
-        files = {COMMITS: log_bytes, TOKENS_BIN: self._sizes["tokens_bytes"],
-                 PROVENANCE: self._sizes["provenance_bytes"], CARRY: self._sizes["carry_bytes"]}
+        files = {COMMITS: log_bytes, CARRY: self._sizes["carry_bytes"],
+                 **{name: self._sizes[key] for name, key in APPENDED.items()}}
         for name, size in files.items():
             path = self.directory / name
             have = path.stat().st_size if path.exists() else 0
@@ -203,16 +272,22 @@ class PartShard:
             return b""
         with open(path, "rb") as handle:
             handle.seek(self._carry_live)
-            return handle.read(self._sizes["carry_bytes"] - self._carry_live)
+            data = handle.read(self._sizes["carry_bytes"] - self._carry_live)
+        if zlib.crc32(data) != self._carry_crc:
+            raise MmtokError(f"{path}: the carried bytes do not match their checksum (bit rot or a damaged copy). "
+                             f"Delete {self.directory} and re-encode this part.")
+        return data
 
     # -- writing --------------------------------------------------------------------------------
     def commit(self, unit: int, sequences: list[np.ndarray], provenance: list[dict], counts: dict[str, int],
-               *, carry: bytes = b"", carry_done: bool = False) -> None:
-        """Durably append one unit's sequences (one per document) and provenance lines.
+               *, carry: bytes = b"", carry_done: bool = False, skipped: list[dict] = ()) -> None:
+        """Durably append one unit's sequences (one per document), provenance lines and skip records.
 
-        `counts` are this unit's increments (added to `self.counts`). `carry` bytes are appended to
-        the carry file; `carry_done=True` declares that nothing carried so far (this unit's `carry`
-        included) is needed any more. Units must increase strictly. Returns once the unit is durable.
+        `counts` are this unit's increments (added to `self.counts`). `skipped` names each input of
+        the unit that did not become tokens (one JSON line each in skipped.jsonl). `carry` bytes are
+        appended to the carry file; `carry_done=True` declares that nothing carried so far (this
+        unit's `carry` included) is needed any more. Units must increase strictly. Returns once the
+        unit is durable.
         """
         if self.done:
             raise MmtokError(f"{self.directory}: part is finished (DONE); nothing more can be committed")
@@ -223,36 +298,41 @@ class PartShard:
         if carry_done and carry:
             raise ValueError("carry bytes passed together with carry_done=True would be dropped at once")
         arrays = [check_tokens_fit(np.asarray(s), TOKEN_DTYPE) for s in sequences]
-        token_bytes = np.concatenate(arrays).tobytes() if arrays else b""
-        lines = b"".join(json.dumps(p, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
-                         for p in provenance)
-        self._append(TOKENS_BIN, "tokens_bytes", token_bytes)
-        self._append(PROVENANCE, "provenance_bytes", lines)
+        data = {TOKENS_BIN: np.concatenate(arrays).tobytes() if arrays else b"",
+                PROVENANCE: _json_lines(provenance), SKIPPED: _json_lines(list(skipped))}
+        for name, size_key in APPENDED.items():
+            self._append(name, size_key, data[name])
         self._append(CARRY, "carry_bytes", carry)
+        self._carry_crc = 0 if carry_done else zlib.crc32(carry, self._carry_crc)
         if carry_done:
             self._carry_live = self._sizes["carry_bytes"]
         for key, value in counts.items():
             self.counts[key] = self.counts.get(key, 0) + int(value)
         lengths = [int(a.size) for a in arrays]
         record = {"unit": int(unit), "lengths": lengths, "counts": self.counts, "carry_live": self._carry_live,
+                  "carry_crc": self._carry_crc, "crc": {name: zlib.crc32(data[name]) for name in APPENDED},
                   **self._sizes}
-        log = self._handles[COMMITS]
-        log.write(_encode_record(record))
-        os.fdatasync(log.fileno())
+        self._write_all(COMMITS, _encode_record(record))
         self.lengths.extend(lengths)
         self.next_unit = int(unit) + 1
         if carry_done and self._sizes["carry_bytes"]:
             self._reset_carry()
 
     def _append(self, name: str, size_key: str, data: bytes) -> None:
-        if not data:
-            return
+        if data:
+            self._write_all(name, data)
+            self._sizes[size_key] += len(data)
+
+    def _write_all(self, name: str, data: bytes) -> None:
+        """Append all of `data` (unbuffered writes may be short) and make it durable."""
         handle = self._handles[name]
         view = memoryview(data)
-        while view:  # unbuffered writes may be short
-            view = view[handle.write(view):]
-        os.fdatasync(handle.fileno())
-        self._sizes[size_key] += len(data)
+        try:
+            while view:
+                view = view[handle.write(view):]
+            os.fdatasync(handle.fileno())
+        except OSError as err:  # e.g. a full disk: name the file; what was appended is cut on resume
+            raise with_filename(err, self.directory / name) from None
 
     def _reset_carry(self) -> None:
         """Empty the carry file once a durable record says nothing in it is live (see `_recover`)."""
@@ -261,22 +341,37 @@ class PartShard:
         self._sizes["carry_bytes"] = self._carry_live = 0
 
     def finish(self, stats: dict) -> None:
-        """Write tokens.idx, stats.json (counts and totals merged into `stats`) and the DONE marker."""
+        """Write tokens.idx, stats.json (counts and totals merged into `stats`) and the DONE marker.
+
+        A part without tokens gets no dataset at all (megatron-core cannot open an empty one): its
+        empty tokens.bin is removed and stats/DONE say `"dataset": false`.
+        """
         if self.done:
             raise MmtokError(f"{self.directory}: part is already finished")
-        self.close()
+        self._close_files()
         lengths = np.frombuffer(self.lengths, dtype=np.int64) if self.lengths else np.zeros(0, np.int64)
-        write_index(part_prefix(self.directory), lengths)
+        has_dataset = bool(lengths.sum())
+        if has_dataset:
+            write_index(part_prefix(self.directory), lengths)
+        else:
+            (self.directory / TOKENS_BIN).unlink(missing_ok=True)
         summary = {"sequences": int(lengths.size), "tokens": int(lengths.sum()), "counts": dict(self.counts),
-                   "last_unit": self.next_unit - 1}
+                   "last_unit": self.next_unit - 1, "dataset": has_dataset}
         atomic_write_json(self.directory / STATS, {**stats, **summary, "identity": self.identity})
         atomic_write_bytes(self.directory / DONE, (json.dumps(summary, sort_keys=True) + "\n").encode())
         self.done = True
+        self.close()  # nothing more can be written: the lock goes with the files
 
-    def close(self) -> None:
+    def _close_files(self) -> None:
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
+
+    def close(self) -> None:
+        """Close the files and release the writer lock (if this object took it)."""
+        self._close_files()
+        if self._own_lock:
+            self._lock.release()
 
     def __enter__(self) -> "PartShard":
         return self
@@ -285,11 +380,30 @@ class PartShard:
         self.close()
 
 
+def lock_part(directory: str | os.PathLike) -> WriterLock:
+    """The writer lock of a part directory (see PartShard)."""
+    return WriterLock(directory, f"part {directory}")
+
+
+def has_dataset(directory: str | os.PathLike) -> bool:
+    """Whether a finished part has a tokens.bin/.idx (a part without tokens has none)."""
+    return idx_path(part_prefix(directory)).is_file()
+
+
 def read_provenance(directory: str | os.PathLike) -> Iterator[dict]:
     """The provenance records of a part, one per sequence, in sequence order."""
     with open(Path(directory) / PROVENANCE, "rb") as handle:
         for line in handle:
             yield json.loads(line)
+
+
+def read_skipped(directory: str | os.PathLike) -> Iterator[dict]:
+    """The skip records of a part (inputs that did not become tokens), in commit order."""
+    path = Path(directory) / SKIPPED
+    if path.is_file():
+        with open(path, "rb") as handle:
+            for line in handle:
+                yield json.loads(line)
 
 
 class CommitThread:
@@ -325,8 +439,10 @@ class CommitThread:
         if self.error is not None:
             raise self.error
 
-    def close(self) -> None:
-        """Wait for every submitted job; re-raise the first error."""
+    def close(self, reraise: bool = True) -> None:
+        """Wait for every submitted job; re-raise the first error (unless `reraise` is False: the
+        caller is already handling an error of its own, which must not be replaced)."""
         self._jobs.put(None)
         self._thread.join()
-        self.check()
+        if reraise:
+            self.check()

@@ -145,37 +145,70 @@ def missing_input(path: str) -> MmtokError:
                       "and `mmtok plan` on the data as it is now)")
 
 
+class _Descriptor:
+    """An open tar file and the number of reads using it now; `cached` while MemberReader lists it."""
+
+    __slots__ = ("fd", "users", "cached")
+
+    def __init__(self, fd: int):
+        self.fd, self.users, self.cached = fd, 0, True
+
+
 class MemberReader:
     """Reads the bytes of manifest rows: tar byte ranges and table-file cells. Thread-safe.
 
     Tar reads are `pread` on one descriptor per file shared by every thread (pread has no file
-    position, so threads never race, and it releases the GIL); at most `max_open` descriptors stay
-    open however many containers a job walks through. Table files are read through per-thread
-    `mmtok.scan.tables.TableRows` (each caches a row group), a few per thread.
+    position, so threads never race, and it releases the GIL). A descriptor is closed only when no
+    read is using it, so a read never sees it closed or its number reused for another file. At most
+    `max_open` idle descriptors stay open however many containers a job walks through; while more
+    files than that are being read at once, each of them stays open until its last read ends.
+    Table files are read through per-thread `mmtok.scan.tables.TableRows` (each caches a row
+    group), a few per thread.
     """
 
     def __init__(self, max_open: int = 256):
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fds: OrderedDict[str, _Descriptor] = OrderedDict()  # least recently used first
         self._local = threading.local()
         self._lock = threading.Lock()
         self._max_open = max_open
 
-    def _fd(self, path: str) -> int:
+    def _acquire(self, path: str) -> _Descriptor:
+        """The descriptor of `path`, counted as in use until `_release`."""
         with self._lock:
-            fd = self._fds.pop(path, None)
-            if fd is None:
+            entry = self._fds.pop(path, None)
+            if entry is None:
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    entry = _Descriptor(os.open(path, os.O_RDONLY))
                 except FileNotFoundError:
                     raise missing_input(path) from None
-                if len(self._fds) >= self._max_open:
-                    os.close(self._fds.popitem(last=False)[1])
-            self._fds[path] = fd
-            return fd
+            entry.users += 1
+            self._fds[path] = entry
+            self._trim()
+            return entry
+
+    def _release(self, entry: _Descriptor) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.cached:
+                self._trim()
+            elif not entry.users:  # dropped by close() while this read was running
+                os.close(entry.fd)
+
+    def _trim(self) -> None:
+        """Close least recently used idle descriptors while more than `max_open` are open (lock held)."""
+        excess = len(self._fds) - self._max_open
+        if excess <= 0:
+            return
+        for path in [p for p, entry in self._fds.items() if not entry.users][:excess]:
+            os.close(self._fds.pop(path).fd)
 
     def read(self, path: str, offset: int, size: int) -> bytes:
         """Exactly `size` bytes at `offset` of `path`; ShortRead when the file ends early."""
-        data = os.pread(self._fd(path), size, offset)
+        entry = self._acquire(path)
+        try:
+            data = os.pread(entry.fd, size, offset)  # outside the lock: reads of many threads overlap
+        finally:
+            self._release(entry)
         if len(data) != size:
             raise ShortRead(f"{path}: {len(data)} of {size} bytes at offset {offset}")
         return data
@@ -217,6 +250,10 @@ class MemberReader:
         return table
 
     def close(self) -> None:
+        """Close every descriptor; one still in use by a read is closed when that read ends."""
         with self._lock:
-            while self._fds:
-                os.close(self._fds.popitem()[1])
+            for entry in self._fds.values():
+                entry.cached = False
+                if not entry.users:
+                    os.close(entry.fd)
+            self._fds.clear()

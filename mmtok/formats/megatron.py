@@ -19,7 +19,7 @@ from typing import Iterable
 
 import numpy as np
 
-from mmtok.fsutil import atomic_writer, copy_file_into, fsync_dir
+from mmtok.fsutil import atomic_writer, copy_file_into, fsync_dir, with_filename
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -35,6 +35,13 @@ def bin_path(prefix: str | os.PathLike) -> Path:
 
 def idx_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{prefix}.idx")
+
+
+def remove_dataset(prefix: str | os.PathLike) -> None:
+    """Remove the dataset at `prefix` if there is one (.idx first: a lone .bin is not a dataset), so a
+    dataset an earlier run left behind cannot be taken for this run's."""
+    for path in (idx_path(prefix), bin_path(prefix)):
+        path.unlink(missing_ok=True)
 
 
 def check_tokens_fit(tokens: np.ndarray, dtype: np.dtype = TOKEN_DTYPE) -> np.ndarray:
@@ -65,7 +72,14 @@ def encode_index(lengths: np.ndarray, dtype: np.dtype = TOKEN_DTYPE) -> bytes:
 
 
 def write_index(prefix: str | os.PathLike, lengths: np.ndarray, dtype: np.dtype = TOKEN_DTYPE) -> None:
-    """Atomically write `prefix.idx` for sequences of `lengths` tokens."""
+    """Atomically write `prefix.idx` for sequences of `lengths` tokens.
+
+    Refuses a dataset without tokens: megatron-core cannot open it (it cannot mmap an empty .bin),
+    so writers leave such a dataset out and say so in their metadata (DESIGN.md §11).
+    """
+    if not int(np.asarray(lengths, np.int64).sum()):
+        raise ValueError(f"{idx_path(prefix)}: refusing to write a dataset without tokens (megatron-core cannot "
+                         "open it); the caller must leave it out")
     with atomic_writer(idx_path(prefix)) as handle:
         handle.write(encode_index(lengths, dtype))
 
@@ -120,19 +134,35 @@ class DatasetWriter:
 
     def add(self, tokens: np.ndarray) -> None:
         tokens = check_tokens_fit(tokens, self.dtype)
-        self._handle.write(tokens.tobytes())
+        try:
+            self._handle.write(tokens.tobytes())
+        except OSError as err:
+            raise with_filename(err, self._tmp_bin) from None
         self.lengths.append(int(tokens.size))
 
-    def close(self) -> None:
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
+    def close(self) -> bool:
+        """Publish the dataset; returns False (writing nothing) when it has no tokens, which
+        megatron-core could not open."""
+        if not sum(self.lengths):
+            self.abort()
+            return False
+        try:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+        except OSError as err:
+            self.abort()
+            raise with_filename(err, self._tmp_bin) from None
         os.replace(self._tmp_bin, bin_path(self.prefix))
         write_index(self.prefix, np.asarray(self.lengths, np.int64), self.dtype)
         fsync_dir(self.prefix.parent)
+        return True
 
     def abort(self) -> None:
-        self._handle.close()
+        try:
+            self._handle.close()
+        except OSError:  # a full disk cannot take the buffered rest; the file goes anyway
+            pass
         self._tmp_bin.unlink(missing_ok=True)
 
     def __enter__(self) -> "DatasetWriter":

@@ -21,6 +21,7 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.plan import PlanWriter
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_bounds, window_groups
+from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.plan.params import PlanParameters
 from mmtok.plan.ranks import imbalance, partition_ranks, rank_costs
 from mmtok.plan.rows import (MANIFEST_META, ManifestRows, Reasons, ShapeTable, manifest_fingerprint,
@@ -56,7 +57,9 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     Guarantees: deterministic (same manifest and parameters -> byte-identical files); the global
     batch list does not depend on `world_size`; every manifest row is in exactly one of plan.parquet
     and dropped.parquet; every batch is one target shape and within the token budget unless it is a
-    single image; a document never spans two windows or two ranks.
+    single image; a document never spans two windows or two ranks. A plan that keeps no image is an
+    MmtokError naming the drops and the flag to change, raised after the plan is written (so
+    dropped.parquet and `--explain` can show the rows).
     """
     from tqdm import tqdm
 
@@ -86,7 +89,46 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
         planner.close()
         meta = _metadata(manifest_dir, fingerprint, params, tokenizer, rows, reasons, log, documents,
                          n_windows=len(bounds) - 1, world_size=world_size)
-        return writer.finish(meta)
+        meta = writer.finish(meta)
+    _refuse_empty(meta, Path(out_dir))
+    return meta
+
+
+# The change that lets rows dropped for a reason through; the parameter whose value it quotes.
+_DROP_FIXES = {
+    "too_few_pixels": ("lower --min-source-pixels", "min_source_pixels"),
+    "too_many_pixels": ("raise --max-source-pixels", "max_source_pixels"),
+    "aspect_ratio": ("raise --max-aspect-ratio", "max_aspect_ratio"),
+    "target_too_large": ("lower --max-pixels", "max_pixels"),
+}
+
+
+def _drop_fix(reason: str, parameters: dict) -> str | None:
+    """What to change for rows dropped with `reason`; None for a reason that follows from another."""
+    if reason in _DROP_FIXES:
+        change, name = _DROP_FIXES[reason]
+        return f"{change} (now {parameters[name]:,})"
+    if reason.startswith("scan:") or reason == "unknown_dimensions":
+        return "the scan found no usable image in those rows: fix the inputs and rerun `mmtok scan`"
+    if reason in CAPTION_REASONS:
+        return "fix the captions, or plan with --mode image (no captions needed)"
+    return None
+
+
+def _refuse_empty(meta: dict, out_dir: Path) -> None:
+    """MmtokError when the plan keeps no image: how many rows, dropped why, and what to change."""
+    totals = meta["totals"]
+    if totals["kept_images"]:
+        return
+    if not totals["manifest_rows"]:
+        raise MmtokError(f"{meta['manifest_dir']} has no rows, so the plan holds no image; rerun `mmtok scan` on "
+                         "shards that contain images")
+    counts = sorted(meta["dropped_by_reason"].items(), key=lambda item: (-item[1], item[0]))
+    fixes = dict.fromkeys(fix for fix in (_drop_fix(reason, meta["parameters"]) for reason, _ in counts) if fix)
+    raise MmtokError(f"all {totals['manifest_rows']:,} manifest rows were dropped "
+                     f"({', '.join(f'{reason} {count:,}' for reason, count in counts)}), so the plan holds no image "
+                     f"-- see {out_dir / 'dropped.parquet'} or `mmtok plan --explain {out_dir}`"
+                     + "".join(f"; {fix}" for fix in fixes))
 
 
 def _text_column(manifest_dir: Path) -> str | None:

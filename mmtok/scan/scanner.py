@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at
-from mmtok.scan.tarindex import BLOCK, REGULAR, TRUNCATED, TarWalker
+from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
+from mmtok.scan.tarindex import (BAD_MEMBER_SIZE, BAD_SIZE, BLOCK, CORRUPT_HEADER, REGULAR, TRUNCATED, TarWalker,
+                                  compression)
 
-SCAN_VERSION = 2  # bump when rows for the same input change; invalidates caches
+SCAN_VERSION = 3  # bump when rows for the same input change; invalidates caches
 CACHE_DIR = ".scan-cache"
 # One read at a sample's first header usually holds its small sidecars, the next image's header and
 # that image's first HEAD_BYTES: ~1.1 reads and ~7 KB per image on WebDataset shards with captions
@@ -42,6 +43,7 @@ _NO_SIDECAR = (-1, -1)
 SHARD_COLUMNS = ("key", "document", "image_index", "member", "offset", "size", "width", "height", "format",
                  "orientation", "status", "reason", "text_offset", "text_size", "json_offset", "json_size")
 _NO_SIDECARS = (-1, -1, -1, -1)
+_KIND_REASONS = {TRUNCATED: "truncated_member", BAD_SIZE: BAD_MEMBER_SIZE}  # rows of members that are not REGULAR
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -115,21 +117,45 @@ def scan_tar(path: str) -> tuple[ShardRows, dict]:
         while True:
             snap = out.snapshot()
             _walk(walker, out, start, None)
+            if start == 0 and walker.end_reason and walker.end_offset == 0 and _compressed(walker, out, snap):
+                break
             bad = walker.bad_offset
             if bad is None:
                 if walker.end_reason:
                     out.shard_error(walker.end_reason, walker.end_offset)
                 break
+            reason, member, detail = walker.end_reason, walker.bad_name, walker.bad_detail
             out.restore(snap)  # members past the bad header were parsed from an unchecked size
             _walk(walker, out, start, bad)
             start = walker.resync(bad)
-            no_tar_seen = bad == 0 and start is None
-            out.shard_error("not_a_tar" if no_tar_seen else "corrupt_header", bad)
+            if reason == CORRUPT_HEADER and bad == 0 and start is None:
+                reason, detail = "not_a_tar", _not_a_tar(walker)
+            out.shard_error(reason, bad, member.decode("utf-8", "backslashreplace"), detail)
             if start is None:
                 break
         return out, {"bytes_read": walker.bytes_read, "reads": walker.reads}
     finally:
         os.close(fd)
+
+
+def _not_a_tar(walker: TarWalker) -> str:
+    """What a file without a single valid tar header is, as far as its first bytes tell."""
+    fmt = sniff(walker.read(0, 12))
+    if fmt:
+        return f"a {fmt} image, not a container: pack images into tar shards (WebDataset) and scan those"
+    return "no valid tar header anywhere in the file"
+
+
+def _compressed(walker: TarWalker, out: ShardRows, snap: tuple) -> bool:
+    """When the first header is unusable because the file is a compressed stream: its row; True."""
+    found = compression(walker.read(0, 8))
+    if found is None:
+        return False
+    kind, command = found
+    out.restore(snap)
+    out.shard_error("compressed_tar", detail=f"{kind}-compressed: members are read by byte range, which needs an "
+                    f"uncompressed tar; decompress it (`{command}`) and scan the .tar")
+    return True
 
 
 def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> None:
@@ -168,8 +194,8 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         suffix = ext if ext in _KNOWN_SUFFIXES else ext[ext.rfind(b".") + 1:].lower()
         if suffix in _IMAGE_SUFFIXES:
             images.append(_image_entry(walker, raw, kind, offset, size))
-        elif kind == TRUNCATED:
-            out.shard_error("truncated_member", offset, raw.decode("utf-8", "backslashreplace"))
+        elif kind == TRUNCATED or kind == BAD_SIZE:
+            out.shard_error(_KIND_REASONS[kind], offset, raw.decode("utf-8", "backslashreplace"))
         elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
             text = (offset, size)
         elif suffix == b"json" and kind == REGULAR and json_sidecar[0] < 0:
@@ -208,7 +234,7 @@ def _image_entry(walker: TarWalker, raw: bytes, kind: int, offset: int, size: in
     except UnicodeDecodeError:
         return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", "non_utf8_name"
     if kind != REGULAR:
-        return name, offset, size, 0, 0, "", 1, "error", "truncated_member" if kind == TRUNCATED else "not_a_regular_file"
+        return name, offset, size, 0, 0, "", 1, "error", _KIND_REASONS.get(kind, "not_a_regular_file")
     if size == 0:
         return name, offset, size, 0, 0, "", 1, "error", "zero_size"
     head = walker.head(offset, size if size < HEAD_BYTES else HEAD_BYTES)
@@ -327,7 +353,10 @@ def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
                 rows, stats = scan_table(source.path, file_format, options)
     except OSError as err:
         rows, stats = ShardRows(), {"bytes_read": 0, "reads": 0, "cacheable": False}
-        rows.shard_error("unreadable_shard", detail=f"{type(err).__name__}: {err}")
+        detail = f"{type(err).__name__}: {err}"
+        if isinstance(err, IsADirectoryError):
+            detail += f"; pass the shards inside it (e.g. '{source.path}/*.tar'), not the directory"
+        rows.shard_error("unreadable_shard", detail=detail)
     stats["file_format"] = file_format
     stats["container"] = "tar" if file_format == "tar" else "parquet"
     return rows, stats
@@ -459,6 +488,9 @@ def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: 
         for future in as_completed(futures):
             try:
                 result = future.result()
+            except OSError:  # the output cannot be written (see _guarded): the queued shards would fail alike
+                pool.shutdown(cancel_futures=True)
+                raise
             except Exception as err:  # the worker process died (e.g. killed for memory)
                 result = _failed(f"{type(err).__name__}: {err}")
             yield futures[future], result
@@ -467,6 +499,8 @@ def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: 
 def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
     try:
         return scan_to_cache(source, options, out_dir)
+    except OSError:  # input errors are rows already (scan_source): this one is the output's, e.g. a full disk
+        raise
     except Exception as err:  # a bug must cost one shard, not the run; the row names it
         return _failed(f"{type(err).__name__}: {err}")
 

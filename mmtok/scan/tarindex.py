@@ -19,12 +19,20 @@ BLOCK = 512
 CHECK_BATCH = 4096  # headers verified together (bounds the memory held for verification)
 RESYNC_CHUNK = 1 << 20
 MAX_NAME_BYTES = 1 << 16  # a GNU long name or pax header larger than this is treated as corrupt
+MAX_SIZE = (1 << 63) - 1  # off_t's limit, as in GNU tar; also what the manifest's int64 columns hold
 
-REGULAR, TRUNCATED, SPECIAL = 0, 1, 2  # member kinds yielded by TarWalker.members
+# Member kinds yielded by TarWalker.members. BAD_SIZE: the pax `size` record is unusable and the
+# walk went on with the ustar size field (as GNU tar does), so neither size can be trusted.
+REGULAR, TRUNCATED, SPECIAL, BAD_SIZE = 0, 1, 2, 3
 
 # How a walk ended (TarWalker.end_reason); "" is a clean end-of-archive block.
 TRUNCATED_TAR = "truncated_tar"
 CORRUPT_HEADER = "corrupt_header"
+BAD_MEMBER_SIZE = "bad_member_size"  # a header with a valid checksum but no usable size
+
+# Stream magics of compressed tars (`tar czf` and friends), with the command that undoes each.
+_COMPRESSIONS = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"), (b"\xfd7zXZ\x00", "xz", "unxz"),
+                 (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"), (b"\x04\x22\x4d\x18", "lz4", "unlz4"))
 
 _ZERO_BLOCK = bytes(BLOCK)
 _REGULAR_TYPES = frozenset(b"07\x00")
@@ -47,6 +55,8 @@ class TarWalker:
         self.end_reason = ""
         self.end_offset = 0
         self.bad_offset: int | None = None  # first header that failed its checksum or parse
+        self.bad_name = b""  # the member at bad_offset when end_reason is BAD_MEMBER_SIZE
+        self.bad_detail = ""  # its size fields, as found
         self._buf, self._base = b"", 0
 
     def read(self, offset: int, n: int) -> bytes:
@@ -79,11 +89,13 @@ class TarWalker:
 
         Stops before `stop`, at the end-of-archive block, at the end of the file (`end_reason`
         "truncated_tar" unless a zero block was seen), after a TRUNCATED member, or at an unusable
-        header (`bad_offset`). Directories and metadata headers are consumed, not yielded.
+        header (`bad_offset`; `end_reason` "bad_member_size" when its checksum holds but it gives no
+        size in [0, MAX_SIZE], since the next header cannot be located). Directories and metadata
+        headers are consumed, not yielded.
         Members past a header with a bad checksum may have been yielded: when `bad_offset` is set
         afterwards, walk again with `stop=bad_offset`.
         """
-        self.end_reason, self.end_offset, self.bad_offset = "", start, None
+        self.end_reason, self.end_offset, self.bad_offset, self.bad_name, self.bad_detail = "", start, None, b"", ""
         headers: list[bytes] = []
         offsets: list[int] = []
         unchecked = CHECK_BATCH
@@ -119,9 +131,8 @@ class TarWalker:
                     size = int(size_field.rstrip(b"\x00"), 8)
                 except ValueError:
                     size = _parse_size(size_field)
-                if size is None or size < 0:
-                    self._fail(headers, offsets, len(headers) - 1)
-                    return
+                if size is not None and not 0 <= size <= MAX_SIZE:
+                    size = None  # a pax `size` record may still give it
                 if has_prefix and magic == _POSIX_MAGIC:
                     name = buf[i + 345:i + 500].split(b"\x00", 1)[0] + b"/" + name
                 unchecked -= 1
@@ -130,10 +141,16 @@ class TarWalker:
                         return
                     headers, offsets, unchecked = [], [], CHECK_BATCH
                 data = pos + BLOCK
-                pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
                 if flag in _REGULAR_TYPES:
                     kind = REGULAR
-                elif flag in b"LKxg":
+                elif flag in b"LKxg" or flag == 0x35:  # metadata of the next member, or a directory
+                    if size is None:
+                        self._bad_size(headers, offsets, name, f"size field {size_field!r}")
+                        return
+                    pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
+                    if flag == 0x35:
+                        long_name, pax = None, {}
+                        continue
                     if size > MAX_NAME_BYTES:
                         self._fail(headers, offsets, len(headers) - 1)
                         return
@@ -151,21 +168,21 @@ class TarWalker:
                             self._fail(headers, offsets, len(headers) - 1)
                             return
                     continue
-                elif flag == 0x35:  # directory
-                    long_name, pax = None, {}
-                    continue
                 else:
                     kind = SPECIAL
+                bad_record = None
                 if pax or pax_global:
-                    try:
-                        name, size = _apply_pax(name, size, pax_global, pax)
-                    except _BadHeader:
-                        self._fail(headers, offsets, len(headers) - 1)
-                        return
-                    pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
+                    name, size, bad_record = _apply_pax(name, size, pax_global, pax)
                     pax = {}
                 if long_name is not None:
                     name, long_name = long_name, None
+                if size is None:
+                    pax_text = "" if bad_record is None else f"pax size={bad_record!r}, "
+                    self._bad_size(headers, offsets, name, f"{pax_text}size field {size_field!r}")
+                    return
+                if bad_record is not None:
+                    kind = BAD_SIZE
+                pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
                 if data + size > file_size and kind == REGULAR:
                     if not self._fail(headers, offsets, _first_bad_checksum(headers)):
                         self.end_offset = data
@@ -185,6 +202,13 @@ class TarWalker:
         self.bad_offset = offsets[earlier if earlier is not None else bad]
         self.end_reason, self.end_offset = CORRUPT_HEADER, self.bad_offset
         return True
+
+    def _bad_size(self, headers: list[bytes], offsets: list[int], name: bytes, detail: str) -> None:
+        """Stop at the last header, whose size is unusable -- unless a checksum says it is garbage."""
+        if self._fail(headers, offsets, _first_bad_checksum(headers)):
+            return
+        self.bad_offset, self.bad_name, self.bad_detail = offsets[-1], name, detail
+        self.end_reason, self.end_offset = BAD_MEMBER_SIZE, offsets[-1]
 
     def resync(self, after: int) -> int | None:
         """Offset of the next block after `after` that is a valid ustar/GNU header, or None."""
@@ -235,16 +259,31 @@ def _pax_records(data: bytes) -> dict[bytes, bytes]:
     return records
 
 
-def _apply_pax(name: bytes, size: int, pax_global: dict[bytes, bytes], pax: dict[bytes, bytes]) -> tuple[bytes, int]:
-    """Member name and size after pax `path`/`size` records (local over global)."""
+def _apply_pax(name: bytes, size: int | None, pax_global: dict[bytes, bytes],
+               pax: dict[bytes, bytes]) -> tuple[bytes, int | None, bytes | None]:
+    """Member name and size after pax `path`/`size` records (local over global), and the `size`
+    record when it is unusable (not decimal digits, or above MAX_SIZE).
+
+    An unusable `size` record leaves the ustar size in place, as GNU tar does.
+    """
     merged = {**pax_global, **pax}
     name = merged.get(b"path", name)
-    if b"size" in merged:
-        try:
-            size = int(merged[b"size"])
-        except ValueError:
-            raise _BadHeader from None
-    return name, size
+    record = merged.get(b"size")
+    if record is None:
+        return name, size, None
+    digits = record.lstrip(b"0") or b"0"  # bounded before int(): Python refuses > 4300 digits
+    if record.isdigit() and len(digits) <= 19 and int(digits) <= MAX_SIZE:  # no sign, exponent, spaces
+        return name, int(digits), None
+    return name, size, record
+
+
+def compression(head: bytes) -> tuple[str, str] | None:
+    """(format, command that decompresses it) when `head`, a file's first bytes, opens a compressed
+    stream (gzip, bzip2, xz, zstd, lz4) rather than a tar header; else None."""
+    for magic, kind, command in _COMPRESSIONS:
+        if head.startswith(magic):
+            return kind, command
+    return None
 
 
 def _first_bad_checksum(headers: list[bytes]) -> int | None:
