@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from mmtok.codecs.base import Codec, PrecisionContract
+from mmtok.formats.shar import read_report
 from mmtok.fsutil import sha256_file
 
 ASTERISK = Path("/usr/share/asterisk/sounds/en")
@@ -66,7 +66,7 @@ def make_shar(workdir: Path, copies: int) -> Path:
     from mmtok.audio.convert import ConvertOptions, convert
 
     out = workdir / f"shar-x{copies}"
-    if not (out / "conversion.json").is_file() or '"complete": true' not in (out / "conversion.json").read_text():
+    if not (read_report(out) or {}).get("complete"):
         files = sorted(ASTERISK.rglob("*.wav"))
         if not files:
             raise SystemExit(f"no prompts under {ASTERISK}: apt-get install asterisk-core-sounds-en-wav")
@@ -92,7 +92,8 @@ def pipeline(shar: Path, out: Path, codec, workers: int) -> dict:
 def serial(shar: Path, out: Path, codec) -> dict:
     """The naive loop: every step on the critical path."""
     from mmtok.audio import encode as enc
-    from mmtok.audio.shards import Batching, discover_shards
+    from mmtok.audio.shards import Batching
+    from mmtok.formats.shar import discover_shards
     from mmtok.text import load_text_tokenizer
 
     shutil.rmtree(out, ignore_errors=True)
@@ -120,7 +121,8 @@ def loader_capacity(shar: Path) -> float:
     from lhotse import CutSet
 
     from mmtok.audio.encode import BatchRequest, load_batch
-    from mmtok.audio.shards import Batching, discover_shards, index_members, make_batches
+    from mmtok.audio.shards import Batching, make_batches
+    from mmtok.formats.shar import discover_shards, index_members
 
     shard = discover_shards(shar)[0][0]
     cuts = CutSet.from_file(shard.cuts_path).to_eager()
@@ -149,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     shar = make_shar(args.workdir, args.copies)
-    report = json.loads((shar / "conversion.json").read_text())
+    report = read_report(shar)
     print(f"input: {args.copies} x the asterisk prompts, {report['duration_written'] / 3600:.2f} h in "
           f"{len(report['shards'])} Shar shards of 200 cuts; DataLoader workers: {args.workers}; loader capacity "
           f"{loader_capacity(shar):,.0f} s of audio per CPU-second\n")

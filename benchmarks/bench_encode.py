@@ -7,7 +7,7 @@ Corpus: --images distinct JPEGs cut from the real photos on this machine (Debian
 aspect ratios (1:1, 4:3, 3:2, 16:9 and portrait) scaled to a long side of 512-2048 px, quality 90,
 with captions, in WebDataset tar shards; scanned and planned as `image-text` with 512x512 targets
 (min 256x256), at most 16 images per batch.
-The device is `mmtok.encode.standin.StandInCodec`: encode time proportional to pixels, a sleep that
+The device is `benchmarks/standin.py` `StandInCodec`: encode time proportional to pixels, a sleep that
 releases the GIL like a CUDA sync, simulating a GPU that encodes R images of 512x512 per second.
 
 1. Overlap: device-busy fraction of wall time, end to end (`encode_rank`: loader threads, device
@@ -50,8 +50,8 @@ from realmedia import mate_photos, skimage_images  # noqa: E402
 
 from mmtok.cli import main as cli  # noqa: E402
 from mmtok.encode.runner import EncodeOptions, encode_rank  # noqa: E402
-from mmtok.encode.standin import StandInCodec  # noqa: E402
-from mmtok.formats.commitlog import CommitThread, PartShard  # noqa: E402
+from standin import StandInCodec  # noqa: E402 (benchmarks/standin.py: a simulated device, not a codec)
+from mmtok.formats.commitlog import CommitThread, PartWriter  # noqa: E402
 from mmtok.images import decode_rgb, resize_rgb  # noqa: E402
 from mmtok.resize import target_shape  # noqa: E402
 
@@ -168,7 +168,7 @@ def commit_cost(plan: Path, root: Path, rate: float, threads: int, repeats: int)
     """Durable commits vs no-op commits (alternating runs, best wall of `repeats`), the time one commit
     takes, and how long the device loop waited for the committer (its queue full): the commit's cost
     on the critical path."""
-    real_commit, real_submit = PartShard.commit, CommitThread.submit
+    real_commit, real_submit = PartWriter.commit, CommitThread.submit
     inside: list[float] = []
     stalled = [0.0]
 
@@ -193,10 +193,10 @@ def commit_cost(plan: Path, root: Path, rate: float, threads: int, repeats: int)
     try:
         for _ in range(repeats):
             for mode, method in (("durable", timed_commit), ("none", no_commit)):
-                PartShard.commit = method
+                PartWriter.commit = method
                 walls[mode].append(overlapped(plan, root / f"out-{mode}", rate, threads)["wall_s"])
     finally:
-        PartShard.commit, CommitThread.submit = real_commit, real_submit
+        PartWriter.commit, CommitThread.submit = real_commit, real_submit
     durable, none = min(walls["durable"]), min(walls["none"])
     return {"durable_s": durable, "none_s": none, "overhead": durable / none - 1,
             "commit_s": statistics.median(inside), "commits": len(inside),

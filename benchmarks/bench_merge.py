@@ -2,7 +2,7 @@
 
     python benchmarks/bench_merge.py [--parts 8] [--mib-per-part 256] [--repeats 3] [--dir DIR]
 
-Writes --parts finished parts (PartShard, int32 tokens of random lengths 64..8192) under DIR, then
+Writes --parts finished parts (PartWriter, int32 tokens of random lengths 64..8192) under DIR, then
 times, alternating and --repeats times each:
   cat       `cat parts/*/tokens.bin > cat.bin` (GNU coreutils; copy_file_range where the kernel allows)
   cat+fsync the same, then fsync: durable like the merge's outputs (atomic writes fsync before rename)
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.formats.commitlog import PartShard, part_dir, part_prefix
+from mmtok.formats.commitlog import PartWriter, part_dir, part_prefix
 from mmtok.formats.megatron import bin_path, concatenate
 from mmtok.merge import merge
 
@@ -36,7 +36,7 @@ def write_parts(out: Path, parts: int, mib: int, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     total = 0
     for number in range(parts):
-        shard = PartShard(part_dir(out, number), {"part": number, "num_parts": parts, "bench": True})
+        shard = PartWriter(part_dir(out, number), {"part": number, "num_parts": parts, "bench": True})
         remaining = mib << 18  # int32 tokens
         unit = 0
         while remaining > 0:

@@ -108,9 +108,12 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, see
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from mmtok.formats.manifest import FORMAT, FORMAT_VERSION
+
     path = directory / "manifest.parquet"
     meta = directory / "manifest.json"
-    if path.is_file() and meta.is_file() and json.loads(meta.read_text())["fingerprint"] == _tag(rows, multi_share, seed):
+    recorded = json.loads(meta.read_text()) if meta.is_file() else {}
+    if path.is_file() and "format" in recorded and recorded["fingerprint"] == _tag(rows, multi_share, seed):
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     rng, sizes = np.random.default_rng(seed), real_sizes()
@@ -122,7 +125,8 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, see
             writer = pq.ParquetWriter(path, table.schema, compression="zstd")
         writer.write_table(table, row_group_size=1 << 20)
     writer.close()
-    (directory / "manifest.json").write_text(json.dumps({"rows": rows, "fingerprint": _tag(rows, multi_share, seed)}))
+    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "rows": rows,
+                                                         "fingerprint": _tag(rows, multi_share, seed)}))
     return directory
 
 
@@ -153,7 +157,7 @@ def timed(owner, name, phase):
             phases[phase] += time.process_time() - t
     setattr(owner, name, wrapper)
 
-timed(core, "read_manifest_rows", "read + filter + target shapes")
+timed(core, "filter_manifest", "read + filter + target shapes")
 timed(batching.GroupPlanner, "plan", "windows + batches")
 timed(core, "_write_group", "write files")
 timed(PlanWriter, "finish", "write files")
@@ -184,7 +188,7 @@ def rank_imbalance(plan_dir: Path) -> dict:
     """Imbalance and partition time per world size, from the plan's batch costs and documents."""
     import pyarrow.parquet as pq
 
-    from mmtok.plan import allowed_cuts, imbalance, partition_ranks, rank_costs
+    from mmtok.ranks import allowed_cuts, imbalance, partition_ranks, rank_costs
 
     cost = pq.read_table(plan_dir / "batches.parquet", columns=["cost"]).column(0).to_numpy()
     docs = pq.read_table(plan_dir / "documents.parquet", columns=["first_batch", "last_batch"])

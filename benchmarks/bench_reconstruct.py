@@ -101,7 +101,7 @@ def report(summary: dict, out: Path, total: float, args) -> None:
     pixels = {label: statistics.mean(int(r["height"]) * int(r["width"]) for r in rows if r["tokenizer"] == label)
               for label in ("emu3.5", "emu3")}
     alone = per_metric_times(out)
-    print(f"# bench reconstruct: runner overhead vs codec time\n")
+    print("# bench reconstruct: runner overhead vs codec time\n")
     print(f"machine: {platform.machine()} {os.cpu_count()}-core CPU VM, no GPU; torch {torch.__version__}, "
           f"{args.threads} threads; load average {os.getloadavg()[0]:.1f} at the end")
     print(f"{items} images x 2 tokenizers (tiny random configs), mean pixels per scored image: "

@@ -6,7 +6,8 @@
    with the official-size SEANet encoder and 4,096 x 512 codebook (random weights; the encoder size is
    fixed by the official EncodecFeatures, so a random checkpoint has exactly the official encoder).
 2. Resampling cost per minute of real 48 kHz (alsa-utils) and 8 kHz (asterisk prompts) speech: soxr VHQ
-   (the pipeline's resampler) vs torchaudio.functional.resample (its default windowed sinc), same run.
+   (the pipeline's resampler) vs torchaudio.functional.resample (its default windowed sinc), same run;
+   skipped when torchaudio is not installed (mmtok does not depend on it).
 3. Padding reach on real speech: each clip encoded alone vs inside zero-padded batches; how many trailing
    codes actually differ (max over clips), and whether the ceil(n/600) - 5 kept codes ever differ.
 4. CUDA (only when torch.cuda.is_available()): seconds of audio per second at batch 1/16/64, and the
@@ -116,7 +117,12 @@ def one_minute(paths, rate: int) -> np.ndarray:
 
 
 def bench_resampling(repeats: int) -> None:
-    import torchaudio.functional as AF
+    try:
+        import torchaudio.functional as AF
+    except ImportError:  # mmtok does not depend on torchaudio: it must match the installed torch exactly
+        print("\n### Resampling: skipped (torchaudio is not installed; install the torchaudio release built for "
+              "this torch to compare soxr with it)\n")
+        return
 
     print(f"\n### Resampling 60 s of real speech to 24 kHz, median of {repeats} (single process)\n")
     print("| source | soxr VHQ wall s/min | torchaudio wall s/min | ratio | soxr CPU s/min | torchaudio CPU s/min "

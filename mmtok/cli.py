@@ -15,7 +15,7 @@ import sys
 from mmtok import __version__
 from mmtok.errors import MmtokError
 
-COMMANDS = ("scan", "plan", "encode", "merge", "audio", "bench", "inspect", "codec", "demo")
+COMMANDS = ("scan", "plan", "encode", "merge", "audio", "bench", "inspect", "codec", "demo", "tokenizer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
 # What to do about the OS errors a long run meets; every stage is restartable, so the advice ends in a rerun.
 OS_ERROR_FIXES = {
-    errno.ENOSPC: "free space on that file system (or use another --out), then rerun the same command: it resumes",
-    errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then rerun the same command: it resumes",
+    errno.ENOSPC: "free space on that file system (or use another --out), then rerun the same command (scan, "
+                  "encode and audio convert resume where they stopped)",
+    errno.EDQUOT: "the disk quota is exhausted: free space or raise the quota, then rerun the same command",
     errno.EROFS: "the file system is read-only: use a writable --out (or remount it read-write), then rerun",
     errno.EACCES: "no permission: fix the permissions or use another location, then rerun",
     errno.EPERM: "not permitted: fix the permissions or use another location, then rerun",

@@ -152,6 +152,13 @@ class WriterLock:
         self._key = key
         WriterLock._held[key] = self
 
+    @classmethod
+    def check_free(cls, directory: str | os.PathLike, what: str) -> None:
+        """Refuse now if another process holds the lock (taken and dropped at once): a duplicate job
+        stops before it loads a model, not after. The lock that guards the writes is taken later."""
+        if os.path.isdir(directory):
+            cls(directory, what).release()
+
     def _holder(self) -> str:
         try:
             text = self.path.read_text("utf-8", errors="replace").strip()

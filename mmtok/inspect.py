@@ -51,11 +51,10 @@ def _dataset_prefix(target: Path) -> Path | None:
 
 
 def describe_manifest(directory: Path, limit: int) -> str:
-    import pyarrow.parquet as pq
+    from mmtok.formats.manifest import Manifest
 
-    meta = json.loads((directory / "manifest.json").read_text())
-    table = pq.read_table(directory / "manifest.parquet",
-                          columns=["key", "format", "width", "height", "status", "reason", "size"])
+    manifest = Manifest.open(directory)
+    table = manifest.read(columns=["key", "format", "width", "height", "status", "reason", "size"])
     status = Counter(table.column("status").to_pylist())
     reasons = Counter(r for r in table.column("reason").to_pylist() if r)
     formats = Counter(table.column("format").to_pylist())
@@ -67,7 +66,7 @@ def describe_manifest(directory: Path, limit: int) -> str:
         pixels = np.asarray(table.column("width"), np.int64) * np.asarray(table.column("height"), np.int64)
         if ok.any():
             lines.append(f"pixels (ok rows): median {int(np.median(pixels[ok]))}, max {int(pixels[ok].max())}")
-    lines.append(f"fingerprint: {meta.get('fingerprint', '?')}")
+    lines.append(f"fingerprint: {manifest.fingerprint}")
     for row in table.slice(0, limit).to_pylist():
         lines.append(f"  {row}")
     return "\n".join(lines)
@@ -77,7 +76,9 @@ def describe_plan(directory: Path) -> str:
     try:
         from mmtok.plan import explain_plan
     except ImportError:
-        meta = json.loads((directory / "plan.json").read_text())
+        from mmtok.formats.plan import Plan
+
+        meta = Plan.open(directory).meta
         keys = ("num_batches", "world_size", "imbalance", "totals")
         return "\n".join(f"{key}: {meta.get(key)}" for key in keys)
     return explain_plan(directory)
@@ -191,3 +192,118 @@ def render_blocks(tokens: np.ndarray, layout: VocabLayout, codec, out_dir: Path,
             soundfile.write(path, decoded, codec.sample_rate, subtype="FLOAT")
         written.append(f"  rendered {path}")
     return written
+
+
+# -- `inspect --megatron`: the training arguments for datasets -------------------------------------
+VOCAB_DIVISIBLE_BY = 128  # --make-vocab-size-divisible-by (Megatron-LM's default)
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+LONGEST_WHOLE_SAMPLE = 32_768  # above this, advise the 8,192-token stage length instead of the longest document
+STAGE_SEQ_LENGTH = 8_192
+
+
+def megatron_recipe(paths: list[str], *, weights: list[float] | None = None, tokenizer: str | None = None) -> str:
+    """The Megatron-LM arguments that train on the datasets at `paths`, then `#` lines that explain them.
+
+    The argument block is shell-ready (one argument per line, joined by backslashes). Refused with
+    MmtokError: a path that is no dataset, datasets of different layouts, weights that do not match the
+    paths, and a `tokenizer` directory that `mmtok tokenizer check` does not pass for these datasets.
+    """
+    from mmtok.tokenizer import check_tokenizer, dataset_metadata
+
+    prefixes = [_require_prefix(path) for path in paths]
+    if weights is not None and (len(weights) != len(prefixes) or min(weights) <= 0):
+        raise MmtokError(f"--weights needs one positive weight per dataset ({len(prefixes)}), got {weights}")
+    metas = [dataset_metadata(prefix) for prefix in prefixes]
+    sizes = {(meta["vocab"]["text_size"], meta["vocab"].get("total_size")) for meta in metas}
+    if len(sizes) > 1:
+        raise MmtokError(f"the datasets use different vocabulary layouts {sorted(sizes)}: one model trains on one "
+                         "layout -- encode them with the same text tokenizer")
+    if tokenizer:
+        problems, _ = check_tokenizer(tokenizer, [str(p) for p in prefixes])
+        if problems:
+            raise MmtokError(f"tokenizer {tokenizer} does not fit the data: {problems[0]} ({len(problems)} problem(s); "
+                             f"`mmtok tokenizer check {tokenizer} --data PREFIX` lists them all)")
+    lengths = [megatron.read_index(prefix)[1] for prefix in prefixes]
+    layout = VocabLayout(metas[0]["vocab"]["text_size"])
+    seq_length, seq_note = advise_seq_length(np.concatenate(lengths))
+    split, split_note = advise_split([len(part) for part in lengths])
+    data = [str(prefix.resolve()) for prefix in prefixes]
+    data_path = " ".join(f"{w:g} {p}" for w, p in zip(weights, data)) if weights else " ".join(data)
+    arguments = [f"--data-path {data_path}", f"--split {split}", "--tokenizer-type HuggingFaceTokenizer",
+                 f"--tokenizer-model {Path(tokenizer).resolve() if tokenizer else 'TOKENIZER_DIR'}",
+                 f"--make-vocab-size-divisible-by {VOCAB_DIVISIBLE_BY}", f"--seq-length {seq_length}"]
+    lines = [f"# Megatron-LM data and tokenizer arguments for {len(prefixes)} mmtok dataset(s)",
+             " \\\n".join(arguments),
+             *_recipe_notes(prefixes, metas, lengths, layout, weights, tokenizer, seq_note, split_note)]
+    return "\n".join(lines)
+
+
+def _recipe_notes(prefixes, metas, lengths, layout: VocabLayout, weights, tokenizer, seq_note: str,
+                  split_note: str) -> list[str]:
+    padded = ", ".join(f"{_padded(layout.total_size, tp):,} at TP {tp}" for tp in TENSOR_PARALLEL_SIZES)
+    notes = [f"# data: {prefix}: {len(part):,} documents, {int(part.sum()):,} tokens, longest {int(part.max()):,}"
+             for prefix, part in zip(prefixes, lengths)]
+    if len(metas) > 1:
+        notes.append("# --data-path: weights are normalized by Megatron" if weights else
+                     "# --data-path: no weights given, so Megatron blends the datasets by their sizes")
+    notes += [
+        f"# vocabulary: {layout.total_size:,} ids = {layout.text_size:,} text + {layout.image_offset - layout.text_size} "
+        f"omni-special + {layout.image_codebook:,} image + {layout.audio_codebook:,} audio; Megatron pads the "
+        f"embedding to a multiple of {VOCAB_DIVISIBLE_BY} x --tensor-model-parallel-size: {padded} "
+        "(the padding ids never occur in the data)",
+        f"# --seq-length: {seq_note}",
+        "# samples: megatron-core's GPTDataset shuffles the documents, concatenates them (each mmtok document ends "
+        "with EOS, the tokenizer's eos_token, which Megatron uses as eod) and cuts samples of --seq-length + 1 tokens "
+        "straight across document boundaries: a document longer than --seq-length continues in the next sample, and "
+        "a sample may end inside an image or audio block; --reset-position-ids --reset-attention-mask keep the "
+        "documents that share a sample apart",
+        f"# --split: {split_note}",
+    ]
+    if tokenizer:
+        notes.append(f"# tokenizer: {tokenizer} passes `mmtok tokenizer check` for these datasets")
+    else:
+        notes.append(f"# TOKENIZER_DIR: run `mmtok tokenizer build --text-tokenizer {_text_spec(metas[0])} --out "
+                     "TOKENIZER_DIR`, then pass it with --tokenizer to check it against the data")
+    return notes
+
+
+def advise_seq_length(lengths: np.ndarray) -> tuple[int, str]:
+    """A --seq-length for documents of `lengths` and why: the power of two (at least 1,024) that holds the longest
+    document, or the 8,192-token stage length when that would exceed 32,768."""
+    longest = int(lengths.max())
+    whole = max(1024, 1 << max(longest - 1, 1).bit_length())
+    if whole <= LONGEST_WHOLE_SAMPLE:
+        return whole, f"no document is longer than one sample (longest {longest:,} tokens)"
+    over = lengths > STAGE_SEQ_LENGTH
+    share = lengths[over].sum() / lengths.sum()
+    return STAGE_SEQ_LENGTH, (f"{int(over.sum()):,} documents ({share:.1%} of the tokens, longest {longest:,}) are "
+                              f"longer and continue over several samples; a long-context stage with a larger "
+                              "--seq-length keeps them whole")
+
+
+def advise_split(documents: list[int]) -> tuple[str, str]:
+    """A --split for datasets of `documents` documents each and why."""
+    if min(documents) >= 100:
+        return "99,1,0", ("Megatron gives each dataset's last 1% of documents (in file order, i.e. corpus order) to "
+                          "validation; mmtok writes no separate validation set")
+    return "100,0,0", (f"a dataset has only {min(documents)} documents, so a 1% validation split would be empty; "
+                       "every document trains")
+
+
+def _padded(size: int, tensor_parallel: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tensor_parallel
+    return -(-size // multiple) * multiple
+
+
+def _require_prefix(path: str) -> Path:
+    prefix = _dataset_prefix(Path(path))
+    if prefix is None:
+        raise MmtokError(f"{path}: not a Megatron dataset (pass a prefix such as OUT/merged, or its .bin/.idx)")
+    return prefix
+
+
+def _text_spec(meta: dict) -> str:
+    from mmtok.text import BUILTIN_TEKKEN, builtin_tekken_path
+
+    name = meta["text_tokenizer"].get("name", "T")
+    return BUILTIN_TEKKEN if name == builtin_tekken_path().name else name

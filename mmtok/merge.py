@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
+from mmtok.encode.loop import timing_stats
 from mmtok.formats import commitlog
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, write_index
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, copy_file_into
@@ -52,15 +53,18 @@ class Part:
     number: int
     directory: Path
     identity: dict
+    records: tuple = ()  # its commit records, checked against the part's bytes (commitlog.verify_part)
 
 
 def find_parts(out: Path) -> list[Part]:
     """The finished parts of `out`, in part order; refuses missing/unfinished or inconsistent parts."""
     found = {}
     for directory in sorted((out / "parts").glob("part-*")):
-        if (directory / commitlog.IDENTITY).is_file():
-            identity = _read_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
-            found[identity["part"]] = Part(identity["part"], directory, identity)
+        if not (directory / commitlog.IDENTITY).is_file():
+            raise MmtokError(f"{directory}: no {commitlog.IDENTITY} (damaged, or not an mmtok part); delete the "
+                             "directory and re-encode that part (rerun its `mmtok encode`)")
+        identity = _read_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
+        found[identity["part"]] = Part(identity["part"], directory, identity)
     if not found:
         raise MmtokError(f"{out}: no encoded parts under {out / 'parts'}; run `mmtok encode --out {out}` first")
     counts = {part.identity["num_parts"] for part in found.values()}
@@ -74,7 +78,8 @@ def find_parts(out: Path) -> list[Part]:
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise MmtokError(f"{out}: {len(missing)} of {num_parts} parts are not finished (no DONE marker): "
                          f"{listed}{more}. Run (or resume) `mmtok encode` for them, then merge again.")
-    parts = [found[n] for n in range(num_parts)]
+    parts = [Part(n, found[n].directory, found[n].identity, tuple(commitlog.verify_part(found[n].directory)))
+             for n in range(num_parts)]  # damage is named before it can pass for another run's part
     _check_same_run(parts)
     return parts
 
@@ -106,8 +111,6 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False) -> dict:
     out = Path(out)
     with WriterLock(out, f"merge output {out}"):
         parts = find_parts(out)
-        for part in parts:
-            commitlog.verify_part(part.directory)
         (out / f"{MERGED}.json").unlink(missing_ok=True)  # until rewritten, the output is not a finished merge
         summary = _merge_stats(parts)
         with_data = [part for part in parts if commitlog.has_dataset(part.directory)]
@@ -135,14 +138,18 @@ def _concatenate_files(sources: list[Path], target: Path) -> None:
 
 
 def _merge_stats(parts: list[Part]) -> dict:
+    """Summed counters and per-part figures, from the checksummed commit records (not stats.json)."""
     counts: dict[str, int] = {}
     per_part = []
     for part in parts:
-        stats = _read_json(part.directory / commitlog.STATS, commitlog.read_stats, part.directory)
-        for key, value in stats.get("counts", {}).items():
+        part_records = part.records
+        part_counts = part_records[-1]["counts"] if part_records else {}
+        for key, value in part_counts.items():
             counts[key] = counts.get(key, 0) + value
-        per_part.append({k: stats.get(k) for k in ("sequences", "tokens", "wall_s", "device_busy_s", "dataset")
-                         if k in stats} | {"part": part.number})
+        lengths = [n for record in part_records for n in record["lengths"]]
+        per_part.append({"part": part.number, "sequences": len(lengths), "tokens": sum(lengths),
+                         "dataset": commitlog.has_dataset(part.directory),
+                         **{k: v for k, v in timing_stats(part_counts).items() if k in ("wall_s", "device_busy_s")}})
     return {
         "identity": shared_identity(parts[0].identity),
         "num_parts": len(parts),
@@ -163,7 +170,8 @@ def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
     try:
         IndexedDataset = _import_indexed_dataset()
     except ImportError:
-        print("mmtok merge: megatron-core is not installed; verifying with mmtok's own reader")
+        print("mmtok merge: megatron-core is not installed (pip install 'mmtok[megatron]'); verifying with "
+              "mmtok's own reader")
         return _verify_with_mmtok(prefix, expected)
     dataset = IndexedDataset(str(prefix))  # keep alive while its arrays are in use: they view its mmap
     problems = []

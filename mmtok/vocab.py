@@ -33,6 +33,12 @@ OMNI_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|audio_annotate|>",
 )
 TOKEN_ALIASES = {"<image>": "<|image|>", "<audio>": "<|audio|>"}
+# Structure tokens per modality: slots 1-7 vision, 8-15 audio (the slot allocation of the public
+# swiss-ai/apertus-omni-tokenizer); (name, start token, end token, structure tokens) in offset order.
+MODALITY_TOKENS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("vision", "<|img_start|>", "<|img_end|>", OMNI_SPECIAL_TOKENS[1:8]),
+    ("audio", "<|audio_start|>", "<|audio_end|>", OMNI_SPECIAL_TOKENS[8:16]),
+)
 OMNI_SPECIAL_BLOCK = 200  # named tokens + reserved slots before the image codebook
 IMAGE_CODEBOOK = 131_072  # Emu3.5 IBQ
 AUDIO_CODEBOOK = 4_096  # WavTokenizer 40 Hz
@@ -172,18 +178,25 @@ class VocabLayout:
             raise ValueError(f"audio block at {start}: a non-audio id among the codes")
         return ("audio", codes), end + 1
 
-    def omnimodal_config(self) -> dict:
-        """The tokenizer_config.json fields the swiss-ai Megatron-LM fork reads."""
-        return {
-            "base_vocab_size": self.text_size,
-            "omnimodal_config": {
-                "omni_special_token_offset": self.special_offset,
-                "modalities": [
-                    {"name": "vision", "offset": self.image_offset, "vocab_size": self.image_codebook},
-                    {"name": "audio", "offset": self.audio_offset, "vocab_size": self.audio_codebook},
-                ],
-            },
-        }
+    def omnimodal_config(self, *, structure: bool = False) -> dict:
+        """The `base_vocab_size` + `omnimodal_config` fields of tokenizer_config.json.
+
+        Modalities are sorted by offset. By default each has `name`, `offset` and `vocab_size`: what
+        the swiss-ai Megatron-LM fork reads, and what dataset metadata records (so it stays stable).
+        `structure=True` adds `start_token`, `end_token` and `structure_token_ids` (name -> id), the
+        full contract of swiss-ai/apertus-omni-tokenizer's docs/omnimodal_config.md.
+        """
+        sizes = {"vision": (self.image_offset, self.image_codebook), "audio": (self.audio_offset, self.audio_codebook)}
+        modalities = []
+        for name, start, end, tokens in MODALITY_TOKENS:
+            entry = {"name": name, "offset": sizes[name][0], "vocab_size": sizes[name][1]}
+            if structure:
+                entry.update(start_token=self.special_id(start), end_token=self.special_id(end),
+                             structure_token_ids={token: self.special_id(token) for token in tokens})
+            modalities.append(entry)
+        modalities.sort(key=lambda entry: entry["offset"])
+        return {"base_vocab_size": self.text_size,
+                "omnimodal_config": {"omni_special_token_offset": self.special_offset, "modalities": modalities}}
 
     def to_dict(self) -> dict:
         """Everything a consumer needs to interpret the ids; recorded in output metadata."""

@@ -8,10 +8,12 @@ template in the Apertus format (DESIGN.md §7).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -280,3 +282,75 @@ def planned_job(root: Path, corrupt: bool = False):
     assert main(["plan", str(root / "manifest"), "--out", str(root / "plan"), "--quiet", *ONE_IMAGE_BATCHES,
                  "--text-tokenizer", str(text)]) == 0
     return root / "plan", checkpoint
+
+
+# -- the caption pipeline on CPU: scan -> plan -> encode -> merge ------------------------------------
+# Tiny targets (at most 48x48 pixels = 3x3 codes) and small batches/windows keep the suite fast while
+# giving many batches, several shapes, windows, and multi-image documents split across batches.
+PLAN_FLAGS = ["--min-pixels", "1024", "--max-pixels", "2304", "--min-source-pixels", "100", "--token-budget", "60",
+              "--max-batch-images", "3", "--window-rows", "9"]
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """The loader threads share this 2-core machine with the CPU "device": OpenMP spinning on a second
+    thread makes the tiny codec tens of times slower, so the device gets one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def caption_env(root: Path) -> SimpleNamespace:
+    """Under `root`: the tiny random Emu3.5 checkpoint, caption_corpus scanned into a manifest, and the
+    small chat tokenizer (`root`, `checkpoint`, `manifest`, `text`): what `plan` and `encode_all` need."""
+    from mmtok.cli import main
+    from mmtok.codecs import emu35
+
+    checkpoint = emu35.write_random_checkpoint(root / "ckpt")
+    caption_corpus(root / "captions")
+    assert main(["scan", str(root / "captions" / "*.tar"), "--out", str(root / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    return SimpleNamespace(root=root, checkpoint=checkpoint, manifest=root / "manifest",
+                           text=chat_tokenizer(root / "tokenizer"))
+
+
+def plan(env, name: str, *flags: str, manifest: Path | None = None) -> Path:
+    """`mmtok plan` of env's manifest (or `manifest`) with PLAN_FLAGS and env's text tokenizer, then `flags`."""
+    from mmtok.cli import main
+
+    out = env.root / name
+    assert main(["plan", str(manifest or env.manifest), "--out", str(out), "--quiet", *PLAN_FLAGS,
+                 "--text-tokenizer", str(env.text), *flags]) == 0
+    return out
+
+
+def encode_all(env, plan_dir: Path, out: Path, world_size: int, threads: int = 2, extra: tuple = ()) -> Path:
+    """Every rank of `plan_dir` encoded on CPU with env's checkpoint into `out`, then merged; returns `out`."""
+    from mmtok.cli import main
+
+    for rank in range(world_size):
+        assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out),
+                     "--rank", str(rank), "--world-size", str(world_size), "--loader-threads", str(threads),
+                     "--device", "cpu", "--no-progress", *extra]) == 0
+    assert main(["merge", str(out)]) == 0
+    return out
+
+
+def gpt_dataset(blend: tuple[list[str], list[float] | None], tokenizer, sequence_length: int, num_samples: int,
+                cache: Path, split: str = "100,0,0"):
+    """The train split that megatron-core's BlendedMegatronDatasetBuilder builds on CPU for `blend`
+    (prefixes, weights or None), as Megatron-LM's pretrain_gpt configures it with default flags."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=sequence_length, blend=blend, split=split,
+                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(cache / "gpt-cache"))
+    other = None if blend[1] is None else 0  # with weights, Megatron needs a size for every split
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, other, other], lambda: True, config).build()
+    return train

@@ -539,3 +539,21 @@ def test_second_conversion_into_the_same_output_is_refused_naming_the_holder(tmp
         holder.wait(timeout=60)
         holder.stdout.close()
     assert cli_main(args) == 0 and report(tmp_path / "out")["complete"]  # the lock dies with its holder
+
+
+def test_an_output_inside_the_input_is_not_read_as_input_and_keeps_its_lock(tmp_path, monkeypatch):
+    # Opening OUT/.lock in the writing process (e.g. to sniff whether it is audio) would drop its
+    # POSIX lock; OUT's own files must not count as inputs either.
+    from mmtok.audio import sources
+
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "one.wav").write_bytes(digit("1").read_bytes())
+    probed = []
+    real = sources.is_audio_file
+    monkeypatch.setattr(sources, "is_audio_file", lambda path: probed.append(path) or real(path))
+    for _ in range(2):  # the rerun finds the first run's output inside its input
+        assert cli_main(["audio", "convert", str(source), "--out", str(source / "out"), "--workers", "0",
+                         "--no-progress"]) == 0
+    assert probed and not [p for p in probed if "out" in p.relative_to(source).parts]
+    assert not report(source / "out")["counts"].get("ignored:(no extension)")

@@ -17,13 +17,14 @@ import pytest
 import torch
 
 from audio_corpus import DIGITS, digit, write_story
-from mmtok.audio.cache import cache_path, read_tokens
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.audio.encode import encode_rank, load_clip
 from mmtok.audio.interleave import LONG, STAGE, interleave
-from mmtok.audio.shards import Batching, assign_shards, discover_shards
+from mmtok.audio.shards import Batching, assign_shards
 from mmtok.codecs.base import load_codec
+from mmtok.formats.audio_cache import cache_path, read_tokens
 from mmtok.formats.megatron import read_sequences
+from mmtok.formats.shar import discover_shards, index_members
 from mmtok.fsutil import sha256_file
 from mmtok.merge import merge
 from mmtok.vocab import VocabLayout
@@ -130,8 +131,6 @@ def test_sequences_have_the_exact_token_layout_in_cut_order(shar, one_rank):
 def test_clip_tokens_equal_the_codec_output_for_the_clip_alone(shar, codec, one_rank):
     shards, _ = discover_shards(shar)
     pairs = sequences_with_provenance(one_rank)
-    from mmtok.audio.shards import index_members
-
     for tokens, prov in pairs[:3]:
         shard = shards[prov["shard"]]
         member = index_members(shard.recording_path)[prov["cut_id"]]

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmtok.audio.cache import cache_path, write_cache
 from mmtok.audio.interleave import LONG, STAGE, interleave
 from mmtok.cli import main
 from mmtok.errors import MmtokError
+from mmtok.formats.audio_cache import cache_path, write_cache
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.vocab import VocabLayout

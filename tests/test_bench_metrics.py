@@ -185,6 +185,31 @@ def test_degraded_speech_scores_worse_on_every_audio_metric(speech, tmp_path):
     assert wrong["stoi"] < bad["stoi"]
 
 
+def mel_pair() -> tuple[np.ndarray, np.ndarray]:
+    """3 s of a 220 Hz tone in noise at 24 kHz, and the same with more noise (seeded)."""
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal(72_000).astype(np.float32) * 0.3
+    reference += (0.5 * np.sin(2 * np.pi * 220 * np.arange(reference.size) / 24_000)).astype(np.float32)
+    return reference, (reference + 0.05 * rng.standard_normal(reference.size)).astype(np.float32)
+
+
+def test_mel_l1_is_torchaudios_mel_spectrogram_without_torchaudio():
+    # Value recorded with torchaudio 2.11.1's MelSpectrogram (MEL_SETTINGS) on torch 2.14.1; mmtok computes
+    # the same filters and STFT in plain torch, so the bench extra needs no torchaudio.
+    reference, test = mel_pair()
+    assert metrics.AudioScorer().mel_l1(reference, test) == pytest.approx(0.06376428157091141, rel=1e-5)
+
+
+def test_mel_spectrogram_matches_torchaudio_when_installed():
+    torchaudio = pytest.importorskip("torchaudio")
+    expected = torchaudio.transforms.MelSpectrogram(
+        sample_rate=24_000, n_fft=metrics.MEL_SETTINGS["n_fft"], hop_length=metrics.MEL_SETTINGS["hop_length"],
+        n_mels=metrics.MEL_SETTINGS["n_mels"], power=metrics.MEL_SETTINGS["power"])
+    pair = torch.from_numpy(np.stack(mel_pair()))
+    assert torch.equal(metrics.mel_filterbank(24_000, 1024, 100), expected.mel_scale.fb)
+    torch.testing.assert_close(metrics.AudioScorer().mel(pair), expected(pair), rtol=1e-6, atol=1e-6)
+
+
 def test_pesq_on_a_clip_without_speech_is_nan_with_a_named_note(speech):
     value, note = metrics.AudioScorer().pesq(np.zeros_like(speech), speech)
     assert math.isnan(value) and note == "pesq:no_utterances"

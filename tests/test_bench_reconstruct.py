@@ -210,6 +210,8 @@ def write_shards(folder: Path) -> list[Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from mmtok.formats.manifest import FORMAT, FORMAT_VERSION
+
     photos = [p for p in skimage_images() if p.suffix == ".png"][:6]
     shards, rows = [], []
     for shard_index in range(2):
@@ -230,7 +232,8 @@ def write_shards(folder: Path) -> list[Path]:
     manifest = folder / "manifest"
     manifest.mkdir()
     pq.write_table(table, manifest / "manifest.parquet", compression="zstd")
-    (manifest / "manifest.json").write_text(json.dumps({"fingerprint": "f" * 64, "rows": len(rows)}))
+    (manifest / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
+                                                        "fingerprint": "f" * 64, "rows": len(rows)}))
     return shards
 
 

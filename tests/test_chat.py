@@ -9,7 +9,7 @@ import pytest
 from encodekit import chat_tokenizer
 
 from mmtok.encode.chat import split_images
-from mmtok.encode.documents import DocumentError, Documents, Sidecars
+from mmtok.encode.documents import DocumentError, DocumentBuilder, Sidecars
 from mmtok.errors import MmtokError
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
@@ -37,7 +37,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def documents(tokenizer):
-    return Documents("sft", tokenizer, VocabLayout(text_size=tokenizer.vocab_size))
+    return DocumentBuilder("sft", tokenizer, VocabLayout(text_size=tokenizer.vocab_size))
 
 
 def _reference(tokenizer, parts) -> list[int]:
@@ -112,7 +112,7 @@ def test_unusable_conversations_are_skipped_with_a_reason(documents, sidecar, re
 def test_sft_needs_a_tokenizer_with_a_chat_template():
     tekken = load_text_tokenizer("tekken")
     with pytest.raises(MmtokError, match="needs a chat template"):
-        Documents("sft", tekken, VocabLayout(text_size=tekken.vocab_size))
+        DocumentBuilder("sft", tekken, VocabLayout(text_size=tekken.vocab_size))
 
 
 def test_split_images_accepts_both_placeholder_spellings():

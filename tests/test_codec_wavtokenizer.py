@@ -13,11 +13,11 @@ import torch
 import yaml
 from realmedia import ALSA_DIR, ASTERISK_DIR, alsa_sounds, asterisk_prompts, golden
 
-from mmtok.audio.preprocess import AudioReason, load_audio, peak_normalize
+from mmtok.audio.preprocess import load_audio, peak_normalize
 from mmtok.cli import main
 from mmtok.codecs import wavtokenizer as wt
 from mmtok.codecs.base import PrecisionContract, load_codec
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, Skip
 
 REFERENCE_LOOKAHEAD = 2877  # measured on the official code by perturbing single samples (golden README)
 
@@ -221,10 +221,10 @@ def test_trimmed_count_is_ceil_minus_five_and_refuses_short_clips(codec):
     assert wt.trimmed_count(72_000) == 120 - 5
     assert wt.trimmed_count(3_001) == 1
     for n in (3_000, 600, 1):
-        with pytest.raises(AudioReason) as err:
+        with pytest.raises(Skip) as err:
             wt.trimmed_count(n)
         assert err.value.reason == "too_short"
-    with pytest.raises(AudioReason, match="too_short"):
+    with pytest.raises(Skip, match="too_short"):
         codec.encode_clips([np.zeros(5000, np.float32) + 0.1, np.zeros(2000, np.float32) + 0.1], sample_rate=24_000)
 
 

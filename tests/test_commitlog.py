@@ -1,4 +1,4 @@
-"""PartShard: durable per-unit commits, resume after a kill at any instant, identity checks."""
+"""PartWriter: durable per-unit commits, resume after a kill at any instant, identity checks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import (COMMITS, PartShard, has_dataset, is_done, part_dir, part_prefix, read_commits,
+from mmtok.formats.commitlog import (COMMITS, PartWriter, has_dataset, is_done, part_dir, part_prefix, read_commits,
                                      read_provenance, read_skipped, verify_part)
 from mmtok.fsutil import sha256_file
 
@@ -25,9 +25,9 @@ IDENTITY = {"part": 0, "num_parts": 1, "modality": "image", "plan_fingerprint": 
 # kills it with SIGKILL at random instants and restarts it until it finishes.
 WRITER = r"""
 import sys, numpy as np
-from mmtok.formats.commitlog import PartShard
+from mmtok.formats.commitlog import PartWriter
 directory, units, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-shard = PartShard(directory, {"part": 0, "num_parts": 1, "fingerprint": "f"})
+shard = PartWriter(directory, {"part": 0, "num_parts": 1, "fingerprint": "f"})
 if not shard.done:
     for unit in range(shard.next_unit, units):
         rng = np.random.default_rng(unit)
@@ -39,7 +39,7 @@ if not shard.done:
 """
 
 
-def _units(shard: PartShard, units: range, rng_seed: int = 0) -> list[list[np.ndarray]]:
+def _units(shard: PartWriter, units: range, rng_seed: int = 0) -> list[list[np.ndarray]]:
     written = []
     for unit in units:
         rng = np.random.default_rng(rng_seed + unit)
@@ -52,7 +52,7 @@ def _units(shard: PartShard, units: range, rng_seed: int = 0) -> list[list[np.nd
 def test_finished_part_reads_back_with_megatron_core(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     written = [s for unit in _units(shard, range(5)) for s in unit]
     shard.finish({"wall_s": 1.0})
     assert is_done(tmp_path / "p")
@@ -67,21 +67,21 @@ def test_finished_part_reads_back_with_megatron_core(tmp_path):
 
 
 def test_resume_continues_after_last_commit_and_restores_counts(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     _units(shard, range(3))
     shard.close()
-    resumed = PartShard(tmp_path / "p", IDENTITY)
+    resumed = PartWriter(tmp_path / "p", IDENTITY)
     assert resumed.next_unit == 3
     assert resumed.counts == {"written": 1 + 2 + 3}
     assert not resumed.done
 
 
 def test_torn_tails_are_truncated_and_final_bytes_match_clean_run(tmp_path):
-    clean = PartShard(tmp_path / "clean", IDENTITY)
+    clean = PartWriter(tmp_path / "clean", IDENTITY)
     _units(clean, range(6))
     clean.finish({})
 
-    torn = PartShard(tmp_path / "torn", IDENTITY)
+    torn = PartWriter(tmp_path / "torn", IDENTITY)
     _units(torn, range(4))
     torn.close()
     # A kill after the data of unit 4 was appended but in the middle of its commit record.
@@ -92,7 +92,7 @@ def test_torn_tails_are_truncated_and_final_bytes_match_clean_run(tmp_path):
         handle.write(b'{"unit": 4, "se')
     with open(directory / COMMITS, "ab") as handle:
         handle.write(b'{"unit":4,"lengths":[1')
-    resumed = PartShard(directory, IDENTITY)
+    resumed = PartWriter(directory, IDENTITY)
     assert resumed.next_unit == 4
     _units(resumed, range(4, 6))
     resumed.finish({})
@@ -101,17 +101,17 @@ def test_torn_tails_are_truncated_and_final_bytes_match_clean_run(tmp_path):
 
 
 def test_resume_refuses_a_different_identity_naming_the_key(tmp_path):
-    PartShard(tmp_path / "p", IDENTITY).close()
+    PartWriter(tmp_path / "p", IDENTITY).close()
     changed = json.loads(json.dumps(IDENTITY))
     changed["codec"]["precision"]["tf32_matmul"] = False
     with pytest.raises(MmtokError, match=r"codec\.precision\.tf32_matmul \(recorded True, now False\)"):
-        PartShard(tmp_path / "p", changed)
+        PartWriter(tmp_path / "p", changed)
     with pytest.raises(MmtokError, match=r"plan_fingerprint \(recorded 'abc', now 'xyz'\)"):
-        PartShard(tmp_path / "p", {**IDENTITY, "plan_fingerprint": "xyz"})
+        PartWriter(tmp_path / "p", {**IDENTITY, "plan_fingerprint": "xyz"})
 
 
 def test_corrupt_record_before_intact_ones_is_refused(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     _units(shard, range(3))
     shard.close()
     log = tmp_path / "p" / COMMITS
@@ -119,54 +119,54 @@ def test_corrupt_record_before_intact_ones_is_refused(tmp_path):
     lines[0] = lines[0].replace(b'"unit":0', b'"unit":9')
     log.write_bytes(b"".join(lines))
     with pytest.raises(MmtokError, match="corrupt but later records are intact"):
-        PartShard(tmp_path / "p", IDENTITY)
+        PartWriter(tmp_path / "p", IDENTITY)
 
 
 def test_data_shorter_than_its_commit_is_refused(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     _units(shard, range(2))
     shard.close()
     with open(tmp_path / "p" / "tokens.bin", "r+b") as handle:
         handle.truncate(4)
     with pytest.raises(MmtokError, match="tokens.bin: 4 bytes but the last commit record says"):
-        PartShard(tmp_path / "p", IDENTITY)
+        PartWriter(tmp_path / "p", IDENTITY)
 
 
 def test_units_must_increase_and_done_parts_take_no_commits(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     _units(shard, range(2))
     with pytest.raises(ValueError, match="out of order"):
         shard.commit(1, [], [], {})
     shard.finish({})
-    again = PartShard(tmp_path / "p", IDENTITY)
+    again = PartWriter(tmp_path / "p", IDENTITY)
     assert again.done and again.next_unit == 2
     with pytest.raises(MmtokError, match="finished"):
         again.commit(2, [], [], {})
 
 
 def test_carry_survives_resume_until_declared_done(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     shard.commit(0, [], [], {}, carry=b"abc")
     shard.commit(1, [], [], {}, carry=b"def")
     shard.close()
-    resumed = PartShard(tmp_path / "p", IDENTITY)
+    resumed = PartWriter(tmp_path / "p", IDENTITY)
     assert resumed.carry() == b"abcdef"
     resumed.commit(2, [], [], {}, carry_done=True)
     assert resumed.carry() == b""
     assert (tmp_path / "p" / "carry.bin").stat().st_size == 0
     resumed.commit(3, [], [], {}, carry=b"gh")
     resumed.close()
-    assert PartShard(tmp_path / "p", IDENTITY).carry() == b"gh"
+    assert PartWriter(tmp_path / "p", IDENTITY).carry() == b"gh"
 
 
 def test_carry_reset_interrupted_before_next_commit_resumes_empty(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     shard.commit(0, [], [], {}, carry=b"abc")
     shard.commit(1, [], [], {}, carry_done=True)  # record says carry_live == carry_bytes == 3; file emptied
     with open(tmp_path / "p" / "carry.bin", "ab") as handle:  # a kill mid-append of unit 2's carry
         handle.write(b"zz")
     shard.close()
-    resumed = PartShard(tmp_path / "p", IDENTITY)
+    resumed = PartWriter(tmp_path / "p", IDENTITY)
     assert resumed.carry() == b"" and resumed.next_unit == 2
     resumed.commit(2, [], [], {}, carry=b"x")
     assert resumed.carry() == b"x"
@@ -174,7 +174,7 @@ def test_carry_reset_interrupted_before_next_commit_resumes_empty(tmp_path):
 
 def test_part_without_tokens_finishes_without_a_dataset(tmp_path):
     # megatron-core cannot mmap an empty .bin: such a part has no tokens.bin/.idx, and says so
-    shard = PartShard(part_dir(tmp_path, 3), {**IDENTITY, "part": 3})
+    shard = PartWriter(part_dir(tmp_path, 3), {**IDENTITY, "part": 3})
     shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[{"key": "a", "reason": "decode_error"}])
     shard.finish({})
     directory = part_dir(tmp_path, 3)
@@ -186,12 +186,12 @@ def test_part_without_tokens_finishes_without_a_dataset(tmp_path):
 
 
 def test_skip_records_are_durable_with_their_unit_and_cut_back_with_it(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     shard.commit(0, [np.arange(3)], [{"u": 0}], {}, skipped=[{"key": "k0", "reason": "decode_error"}])
     shard.close()
     with open(tmp_path / "p" / "skipped.jsonl", "ab") as handle:  # a kill after the data, before the record
         handle.write(b'{"key": "k1", "reason": "decode_error"}\n')
-    resumed = PartShard(tmp_path / "p", IDENTITY)
+    resumed = PartWriter(tmp_path / "p", IDENTITY)
     assert [r["key"] for r in read_skipped(tmp_path / "p")] == ["k0"]
     resumed.commit(1, [np.arange(2)], [{"u": 1}], {}, skipped=[{"key": "k2", "reason": "short_read"}])
     resumed.finish({})
@@ -201,7 +201,7 @@ def test_skip_records_are_durable_with_their_unit_and_cut_back_with_it(tmp_path)
 @pytest.mark.damages_datasets
 @pytest.mark.parametrize("name", ["tokens.bin", "provenance.jsonl", "skipped.jsonl"])
 def test_a_flipped_byte_in_a_committed_unit_is_refused_naming_the_unit(tmp_path, name):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     for unit in range(4):
         shard.commit(unit, [np.full(5, unit + 7)], [{"unit": unit}], {}, skipped=[{"key": f"k{unit}", "reason": "x"}])
     shard.close()
@@ -213,14 +213,14 @@ def test_a_flipped_byte_in_a_committed_unit_is_refused_naming_the_unit(tmp_path,
     data[records[1][size_key] + 1] ^= 0x01  # a byte of unit 2
     path.write_bytes(bytes(data))
     with pytest.raises(MmtokError, match=rf"{name}: the bytes of unit 2 do not match their checksum"):
-        PartShard(tmp_path / "p", IDENTITY)  # resume
+        PartWriter(tmp_path / "p", IDENTITY)  # resume
     with pytest.raises(MmtokError, match="unit 2"):
         verify_part(tmp_path / "p")  # what merge runs
 
 
 @pytest.mark.damages_datasets
 def test_a_flipped_byte_in_a_finished_part_index_is_refused(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     _units(shard, range(3))
     shard.finish({})
     index = tmp_path / "p" / "tokens.idx"
@@ -232,20 +232,20 @@ def test_a_flipped_byte_in_a_finished_part_index_is_refused(tmp_path):
 
 
 def test_carried_bytes_are_checked_before_use(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     shard.commit(0, [], [], {}, carry=b"abcdef")
     shard.close()
     with open(tmp_path / "p" / "carry.bin", "r+b") as handle:
         handle.seek(2)
         handle.write(b"X")
     with pytest.raises(MmtokError, match="carried bytes do not match their checksum"):
-        PartShard(tmp_path / "p", IDENTITY).carry()
+        PartWriter(tmp_path / "p", IDENTITY).carry()
 
 
 HOLDER = r"""
 import sys
-from mmtok.formats.commitlog import PartShard
-shard = PartShard(sys.argv[1], {"part": 0, "num_parts": 1, "fingerprint": "f"})
+from mmtok.formats.commitlog import PartWriter
+shard = PartWriter(sys.argv[1], {"part": 0, "num_parts": 1, "fingerprint": "f"})
 print("holding", flush=True)
 sys.stdin.read()  # hold the part until the parent closes our stdin (or kills us)
 """
@@ -262,28 +262,28 @@ def test_a_second_writer_of_a_part_is_refused_naming_the_holder(tmp_path):
     holder = _hold(tmp_path / "p")
     try:
         with pytest.raises(MmtokError, match=rf"being written by another process \(host .*, pid {holder.pid}, since"):
-            PartShard(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"})
+            PartWriter(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"})
     finally:
         holder.stdin.close()
         holder.wait()
-    PartShard(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"}).close()  # free once it has exited
+    PartWriter(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"}).close()  # free once it has exited
 
 
 def test_a_writer_killed_with_sigkill_never_blocks_the_next(tmp_path):
     holder = _hold(tmp_path / "p")
     holder.kill()
     holder.wait()
-    shard = PartShard(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"})
+    shard = PartWriter(tmp_path / "p", {"part": 0, "num_parts": 1, "fingerprint": "f"})
     shard.finish({})
     assert is_done(tmp_path / "p")
 
 
 def test_one_process_cannot_open_a_part_twice(tmp_path):
-    shard = PartShard(tmp_path / "p", IDENTITY)
+    shard = PartWriter(tmp_path / "p", IDENTITY)
     with pytest.raises(MmtokError, match="already being written by this process"):
-        PartShard(tmp_path / "p", IDENTITY)
+        PartWriter(tmp_path / "p", IDENTITY)
     shard.close()
-    PartShard(tmp_path / "p", IDENTITY).close()
+    PartWriter(tmp_path / "p", IDENTITY).close()
 
 
 def _has_torn_tail(directory: Path, records: list[dict]) -> bool:

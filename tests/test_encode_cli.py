@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mmtok.cli import build_parser
-from mmtok.commands.encode import resolve_rank
+from mmtok.launch import resolve_rank
 from mmtok.errors import MmtokError
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "SLURM_LOCALID")
@@ -55,3 +55,23 @@ def test_the_parser_takes_the_audio_options_too():
                                       "--shar", "s", "--loader-threads", "3"])
     assert args.modality == "audio" and str(args.shar) == "s" and args.loader_threads == 3
 
+
+
+@pytest.mark.parametrize("env, expected", [({"LOCAL_RANK": "3"}, 3), ({"SLURM_LOCALID": "5"}, 1), ({}, 0)])
+def test_the_cuda_device_is_made_current_before_anything_allocates(monkeypatch, env, expected):
+    # pinned buffers and weights create their CUDA context on the *current* device: it must be ours
+    import torch
+
+    from mmtok.launch import resolve_device
+
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert resolve_device(None) == torch.device("cuda", expected)
+    assert made_current == [torch.device("cuda", expected)]
+    assert resolve_device("cpu") == torch.device("cpu") and len(made_current) == 1

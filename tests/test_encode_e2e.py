@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from encodekit import caption_corpus, chat_tokenizer, interleaved_corpus, parse_block, real_images
+from encodekit import (PLAN_FLAGS, caption_corpus, caption_env, encode_all, gpt_dataset, interleaved_corpus,
+                       one_torch_thread, parse_block, plan, real_images)
 
 from mmtok.cli import main
 from mmtok.codecs import emu35
@@ -23,50 +23,21 @@ from mmtok.plan import caption_text
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
-# Tiny targets (at most 48x48 pixels = 3x3 codes) and small batches/windows keep the suite fast while
-# giving many batches, several shapes, windows, and multi-image documents split across batches.
-PLAN_FLAGS = ["--min-pixels", "1024", "--max-pixels", "2304", "--min-source-pixels", "100", "--token-budget", "60",
-              "--max-batch-images", "3", "--window-rows", "9"]
 MERGED_FILES = ("merged.bin", "merged.idx", "merged.provenance.jsonl")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The loader threads share this 2-core machine with the CPU "device": OpenMP spinning on a second
-    thread makes the tiny codec tens of times slower, so the device gets one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("e2e")
-    checkpoint = emu35.write_random_checkpoint(root / "ckpt")
-    caption_corpus(root / "captions")
-    assert main(["scan", str(root / "captions" / "*.tar"), "--out", str(root / "manifest"), "--workers", "1",
-                 "--no-progress"]) == 0
+    env = caption_env(tmp_path_factory.mktemp("e2e"))
     # A small HF tokenizer loads in milliseconds; the built-in 131k tekken is used where noted.
-    text = chat_tokenizer(root / "tokenizer")
-    return SimpleNamespace(root=root, checkpoint=checkpoint, manifest=root / "manifest", text=text,
-                           codec=emu35.load(checkpoint, "cpu"), tokenizer=load_text_tokenizer(str(text)))
-
-
-def plan(env, name: str, *flags: str, manifest: Path | None = None) -> Path:
-    out = env.root / name
-    assert main(["plan", str(manifest or env.manifest), "--out", str(out), "--quiet", *PLAN_FLAGS,
-                 "--text-tokenizer", str(env.text), *flags]) == 0
-    return out
-
-
-def encode_all(env, plan_dir: Path, out: Path, world_size: int, threads: int = 2, extra: tuple = ()) -> Path:
-    for rank in range(world_size):
-        assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out),
-                     "--rank", str(rank), "--world-size", str(world_size), "--loader-threads", str(threads),
-                     "--device", "cpu", "--no-progress", *extra]) == 0
-    assert main(["merge", str(out)]) == 0
-    return out
+    env.codec, env.tokenizer = emu35.load(env.checkpoint, "cpu"), load_text_tokenizer(str(env.text))
+    return env
 
 
 def digests(out: Path) -> dict[str, str]:
@@ -151,18 +122,11 @@ class MegatronTokenizerStub:
 
 def _check_gpt_dataset(prefix: Path, layout: VocabLayout, eos: int, cache: Path) -> None:
     """A GPTDataset built by BlendedMegatronDatasetBuilder on CPU serves exactly our token stream."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
     sequences = list(read_sequences(prefix))
     length = 32
     tokenizer = MegatronTokenizerStub(layout.total_size, eos)
-    config = GPTDatasetConfig(random_seed=1234, sequence_length=length, blend=([str(prefix)], None),
-                              split="100,0,0", tokenizer=tokenizer, reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False, path_to_cache=str(cache / "gpt-cache"))
     total = sum(s.size for s in sequences)
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [(total - 1) // length, None, None], lambda: True,
-                                                config).build()
+    train = gpt_dataset(([str(prefix)], None), tokenizer, length, (total - 1) // length, cache)
     assert len(train) == (total - 1) // length
     stream = np.concatenate([sequences[d] for d in train.document_index])
     for i in range(len(train)):
@@ -326,11 +290,11 @@ def test_parquet_inputs_are_read_by_row_with_their_caption_column(env, tmp_path)
 
 def test_a_stop_while_a_document_is_half_encoded_resumes_from_the_carry(env, tmp_path, monkeypatch):
     from mmtok.encode.runner import encode_rank
-    from mmtok.formats.commitlog import PartShard
+    from mmtok.formats.commitlog import PartWriter
 
     plan_dir = plan(env, "plan-carry", "--mode", "image-text")
     clean = encode_all(env, plan_dir, tmp_path / "clean", world_size=1)
-    real_commit = PartShard.commit
+    real_commit = PartWriter.commit
 
     class Stop(Exception):
         pass
@@ -340,11 +304,11 @@ def test_a_stop_while_a_document_is_half_encoded_resumes_from_the_carry(env, tmp
         if carry:  # a two-image document has its first block committed, its second not yet encoded
             raise Stop(unit)
 
-    monkeypatch.setattr(PartShard, "commit", commit_then_stop)
+    monkeypatch.setattr(PartWriter, "commit", commit_then_stop)
     with pytest.raises(Stop):
         encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
-    monkeypatch.setattr(PartShard, "commit", real_commit)
-    shard = PartShard(part_dir(tmp_path / "stopped", 0), json.loads((part_dir(tmp_path / "stopped", 0) /
+    monkeypatch.setattr(PartWriter, "commit", real_commit)
+    shard = PartWriter(part_dir(tmp_path / "stopped", 0), json.loads((part_dir(tmp_path / "stopped", 0) /
                                                                     "identity.json").read_text()))
     assert shard.carry(), "the stop must leave a carried block behind"
     shard.close()
@@ -357,7 +321,7 @@ def test_a_device_error_is_reported_even_when_the_committer_fails_after_it(env, 
     import threading
 
     from mmtok.encode.runner import encode_rank
-    from mmtok.formats.commitlog import PartShard
+    from mmtok.formats.commitlog import PartWriter
 
     plan_dir = plan(env, "plan-first-error", "--mode", "image-text")
     device_failed = threading.Event()
@@ -376,6 +340,18 @@ def test_a_device_error_is_reported_even_when_the_committer_fails_after_it(env, 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(type(env.codec), "encode", failing_encode)
-    monkeypatch.setattr(PartShard, "commit", failing_commit)
+    monkeypatch.setattr(PartWriter, "commit", failing_commit)
     with pytest.raises(RuntimeError, match="the device failed first"):
         encode_rank(plan_dir, tmp_path / "out", env.codec, rank=0, world_size=1)
+
+
+def test_encode_refuses_a_plan_that_keeps_no_image(env, tmp_path, capsys):
+    # nothing from nothing: the plan exits 2 (and says why); encode then refuses instead of writing empty parts
+    out = env.root / "plan-nothing"
+    assert main(["plan", str(env.manifest), "--out", str(out), "--quiet", *PLAN_FLAGS, "--text-tokenizer",
+                 str(env.text), "--min-source-pixels", "50000000", "--max-source-pixels", "60000000"]) == 2
+    capsys.readouterr()
+    assert main(["encode", "--plan", str(out), "--checkpoint", str(env.checkpoint), "--out", str(tmp_path / "o"),
+                 "--device", "cpu", "--no-progress"]) == 2
+    assert "the plan keeps no image" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "parts").exists()

@@ -9,7 +9,7 @@ import pytest
 
 from mmtok.cli import main
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import PartShard, part_dir
+from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.merge import ReasoningIds, find_parts, merge, strip_sequence
@@ -27,7 +27,7 @@ def _identity(part: int, num_parts: int, **extra) -> dict:
 
 def _write_parts(out, parts: list[list[list[int]]], finish=True) -> None:
     for number, sequences in enumerate(parts):
-        shard = PartShard(part_dir(out, number), _identity(number, len(parts)))
+        shard = PartWriter(part_dir(out, number), _identity(number, len(parts)))
         shard.commit(number, [np.array(s, np.int32) for s in sequences],
                      [{"key": f"k{number}-{i}"} for i in range(len(sequences))], {"written": len(sequences)})
         if finish:
@@ -57,15 +57,15 @@ def test_merge_lists_every_unfinished_part(tmp_path):
 
 
 def test_merge_lists_parts_never_started(tmp_path):
-    shard = PartShard(part_dir(tmp_path, 2), _identity(2, 3))
+    shard = PartWriter(part_dir(tmp_path, 2), _identity(2, 3))
     shard.finish({})
     with pytest.raises(MmtokError, match=r"2 of 3 parts.*part-00000.*part-00001"):
         find_parts(tmp_path)
 
 
 def test_merge_refuses_parts_of_different_runs(tmp_path):
-    PartShard(part_dir(tmp_path, 0), _identity(0, 2)).finish({})
-    PartShard(part_dir(tmp_path, 1), _identity(1, 2, plan_fingerprint="other")).finish({})
+    PartWriter(part_dir(tmp_path, 0), _identity(0, 2)).finish({})
+    PartWriter(part_dir(tmp_path, 1), _identity(1, 2, plan_fingerprint="other")).finish({})
     with pytest.raises(MmtokError, match=r"part-00001.*plan_fingerprint \(recorded 'p', now 'other'\)"):
         merge(tmp_path)
 
@@ -121,7 +121,7 @@ def test_strip_reasoning_works_across_block_boundaries(tmp_path, monkeypatch):
 
 
 def test_strip_reasoning_needs_a_tokenizer_with_reasoning_markers(tmp_path):
-    shard = PartShard(part_dir(tmp_path, 0), {**_identity(0, 1), "text_special_ids": {}})
+    shard = PartWriter(part_dir(tmp_path, 0), {**_identity(0, 1), "text_special_ids": {}})
     shard.commit(0, [np.array([BOS, 5, EOS], np.int32)], [{}], {})
     shard.finish({})
     with pytest.raises(MmtokError, match=r"has no <\|inner_prefix\|> / <\|inner_suffix\|> token"):
@@ -159,13 +159,19 @@ def test_a_flipped_byte_in_a_part_is_refused_by_merge_naming_the_part_and_unit(t
 
 @pytest.mark.damages_datasets
 @pytest.mark.parametrize("damage", ["truncate tokens.bin", "delete tokens.idx", "truncate stats.json",
-                                    "truncate identity.json"])
+                                    "truncate identity.json", "flip identity.json", "flip stats.json",
+                                    "delete DONE", "truncate DONE", "delete commits.log"])
 def test_a_truncated_or_missing_part_file_is_one_line_error(tmp_path, capsys, damage):
     _write_parts(tmp_path, [[[BOS, 5, 6, EOS]], [[BOS, 7, 8, 9, EOS]]])
     action, name = damage.split()
     path = part_dir(tmp_path, 0) / name
     if action == "delete":
         path.unlink()
+    elif action == "flip":  # one bit, the JSON still parses: only a checksum can tell
+        data = bytearray(path.read_bytes())
+        digit = next(i for i, c in enumerate(data) if chr(c).isdigit())
+        data[digit] = ord("7") if data[digit] != ord("7") else ord("3")
+        path.write_bytes(bytes(data))
     else:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert main(["merge", str(tmp_path)]) == 2
@@ -175,7 +181,7 @@ def test_a_truncated_or_missing_part_file_is_one_line_error(tmp_path, capsys, da
 
 def test_merge_of_parts_without_tokens_writes_no_dataset_and_says_so(tmp_path):
     for number in range(2):
-        shard = PartShard(part_dir(tmp_path, number), _identity(number, 2))
+        shard = PartWriter(part_dir(tmp_path, number), _identity(number, 2))
         shard.commit(0, [], [], {"skipped:decode_error": 1},
                      skipped=[{"key": f"k{number}", "source": "a.tar", "reason": "decode_error", "detail": "x"}])
         shard.finish({})
@@ -209,7 +215,7 @@ def test_a_second_merge_of_one_output_is_refused(tmp_path):
 
 
 def test_inspect_says_why_a_merge_wrote_no_dataset(tmp_path, capsys):
-    shard = PartShard(part_dir(tmp_path, 0), _identity(0, 1))
+    shard = PartWriter(part_dir(tmp_path, 0), _identity(0, 1))
     shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[{"key": "k", "reason": "decode_error"}])
     shard.finish({})
     merge(tmp_path)

@@ -98,7 +98,7 @@ def test_encode_on_a_full_disk_is_one_line_and_resumes_once_space_is_freed(job, 
     out = fs.path / "out"
     _fill(fs.path, leave=PAGES_FREE * 4096)  # room for a few commits, not for the whole part
     assert main([*encode, str(out)]) == 2
-    _one_line_error(capsys, "No space left on device [ENOSPC]", str(out), "rerun the same command")
+    _one_line_error(capsys, "No space left on device [ENOSPC]", str(out), "rerun the same command", "resume")
     assert not _temp_files(fs.path)
     assert read_commits(part_dir(out, 0))[0], "the disk must fill up mid-run, after some commits"
     (fs.path / "ballast").unlink()

@@ -17,11 +17,14 @@ from PIL import Image, UnidentifiedImageError
 
 from mmtok.cli import main as cli_main
 from mmtok.errors import MmtokError
+from mmtok.formats import manifest as manifest_format
 from mmtok.formats import plan as plan_format
+from mmtok.formats.plan import Plan
 from mmtok.plan import (CostModel, PlanParameters, available_presets, batching, build_plan, caption_text, core,
-                        explain_plan, load_preset, partition_ranks, rank_costs)
+                        explain_plan, load_preset)
 from mmtok.plan import rows as plan_rows
 from mmtok.plan.rows import text_tokenizer
+from mmtok.ranks import partition_ranks, rank_costs
 from mmtok.resize import target_shape
 from mmtok.vocab import VocabLayout
 from realmedia import mate_photos, skimage_images
@@ -86,9 +89,16 @@ def write_manifest(directory: Path, rows: list[dict], with_json: bool = True) ->
     columns = {f.name: [r[f.name] for r in rows] for f in MANIFEST_SCHEMA}
     pq.write_table(pa.table(columns, schema=MANIFEST_SCHEMA), directory / "manifest.parquet", compression="zstd")
     if with_json:
-        digest = hashlib.sha256((directory / "manifest.parquet").read_bytes()).hexdigest()
-        (directory / "manifest.json").write_text(json.dumps({"rows": len(rows), "fingerprint": digest}))
+        write_manifest_json(directory, len(rows))
     return directory
+
+
+def write_manifest_json(directory: Path, rows: int) -> None:
+    """The manifest.json the scan writes last: format, row count, fingerprint (sha256 of manifest.parquet)."""
+    digest = hashlib.sha256((directory / "manifest.parquet").read_bytes()).hexdigest()
+    meta = {"format": manifest_format.FORMAT, "format_version": manifest_format.FORMAT_VERSION, "rows": rows,
+            "fingerprint": digest}
+    (directory / "manifest.json").write_text(json.dumps(meta))
 
 
 @pytest.fixture(scope="module")
@@ -329,10 +339,11 @@ def test_image_above_budget_gets_its_own_batch_and_is_reported(tmp_path):
 def test_empty_manifest_is_refused_after_writing_an_empty_plan(tmp_path):
     with pytest.raises(MmtokError, match="has no rows, so the plan holds no image; rerun `mmtok scan`"):
         plan(write_manifest(tmp_path / "m", []), tmp_path / "p", world_size=4)
-    meta = plan_format.read_meta(tmp_path / "p")  # written first, so --explain can show it
+    written = Plan.open(tmp_path / "p")  # written first, so --explain can show it
+    meta = written.meta
     assert meta["num_batches"] == 0 and meta["rank_batches"] == [[0, 0]] * 4 and meta["imbalance"] == 0.0
     for rank in range(4):
-        assert plan_format.rank_rows(tmp_path / "p", rank).num_rows == 0
+        assert written.rank_rows(rank).num_rows == 0 and written.rank_range(rank, world_size=5) == (0, 0)
     assert "batch shapes: none" in explain_plan(tmp_path / "p")
 
 
@@ -374,8 +385,9 @@ def test_world_size_larger_than_batch_count_gives_idle_ranks(corpus, tmp_path):
     ranges = np.array(meta["rank_batches"])
     idle = ranges[:, 0] == ranges[:, 1]
     assert idle.sum() >= 7 and meta["rank_cost"]["idle_ranks"] == idle.sum()
-    whole = plan_format.read_plan(tmp_path / "p")[0]
-    parts = [plan_format.rank_rows(tmp_path / "p", r) for r in range(n)]
+    opened = Plan.open(tmp_path / "p")
+    whole = opened.table(plan_format.IMAGES_FILE)
+    parts = [opened.rank_rows(r) for r in range(n)]
     assert all(p.num_rows == 0 for p, i in zip(parts, idle) if i)
     assert pa.concat_tables(parts).equals(whole)
 
@@ -383,16 +395,27 @@ def test_world_size_larger_than_batch_count_gives_idle_ranks(corpus, tmp_path):
 def test_rank_rows_are_the_ranks_batches_in_order(corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(plan_format, "ROW_GROUP_ROWS", 16)  # several row groups per rank
     meta = plan(corpus, tmp_path / "p", world_size=5)
-    whole, _ = plan_format.read_plan(tmp_path / "p")
+    opened = Plan.open(tmp_path / "p")
+    whole = opened.table(plan_format.IMAGES_FILE)
     assert pq.ParquetFile(tmp_path / "p" / "plan.parquet").num_row_groups > 5
     batch = whole.column("batch").to_numpy()
     for rank, (start, end) in enumerate(meta["rank_batches"]):
-        mine = plan_format.rank_rows(tmp_path / "p", rank, columns=["manifest_row", "batch"])
+        mine = opened.rank_rows(rank, columns=["manifest_row", "batch"])
         expected = (batch >= start) & (batch < end)
         assert mine.column("batch").to_numpy().tolist() == batch[expected].tolist()
         assert mine.column("manifest_row").to_pylist() == whole.column("manifest_row").filter(expected).to_pylist()
     with pytest.raises(MmtokError, match="outside the plan's world size"):
-        plan_format.rank_rows(tmp_path / "p", 5)
+        opened.rank_rows(5)
+
+
+def test_ranges_rederived_for_another_world_size_are_the_planners_for_it(corpus, tmp_path):
+    planned = {n: plan(corpus, tmp_path / str(n), world_size=n)["rank_batches"] for n in (2, 7)}
+    opened = Plan.open(tmp_path / "2")
+    assert opened.ranges(7).tolist() == planned[7]
+    assert [opened.rank_range(rank, world_size=7) for rank in range(7)] == [tuple(r) for r in planned[7]]
+    assert opened.ranges().tolist() == planned[2]
+    with pytest.raises(MmtokError, match="rank 7 is outside 0..6"):
+        opened.rank_range(7, world_size=7)
 
 
 # ----------------------------------------------------------------------------- ranks and cost model
@@ -543,10 +566,11 @@ def test_fingerprints_in_plan_json(corpus, tmp_path):
     assert other["fingerprint"] != meta["fingerprint"]
 
 
-def test_manifest_without_json_is_fingerprinted_by_its_parquet(images, tmp_path):
+def test_manifest_without_json_is_refused_as_incomplete(images, tmp_path):
     manifest = write_manifest(tmp_path / "m", documents_of(images, [1, 1, 2]), with_json=False)
-    meta = plan(manifest, tmp_path / "p")
-    assert meta["manifest_fingerprint"] == hashlib.sha256((manifest / "manifest.parquet").read_bytes()).hexdigest()
+    with pytest.raises(MmtokError, match="holds no complete manifest; run `mmtok scan"):
+        plan(manifest, tmp_path / "p")
+    assert not (tmp_path / "p" / "plan.json").exists()
 
 
 def test_changed_or_incomplete_plan_is_refused(corpus, tmp_path):
@@ -554,10 +578,10 @@ def test_changed_or_incomplete_plan_is_refused(corpus, tmp_path):
     with open(tmp_path / "p" / "batches.parquet", "ab") as handle:
         handle.write(b"x")
     with pytest.raises(MmtokError, match="does not match"):
-        plan_format.read_plan(tmp_path / "p")
+        Plan.open(tmp_path / "p")
     (tmp_path / "p" / "plan.json").unlink()
     with pytest.raises(MmtokError, match="plan.json is missing"):
-        plan_format.rank_rows(tmp_path / "p", 0)
+        Plan.open(tmp_path / "p")
 
 
 def test_failed_plan_leaves_no_plan_json_and_no_temporaries(corpus, tmp_path, monkeypatch):
@@ -577,6 +601,7 @@ def test_bad_manifests_are_refused_with_the_row(tmp_path):
     with pytest.raises(MmtokError, match="decreases at row 2"):
         plan(write_manifest(tmp_path / "m", rows), tmp_path / "p")
     pq.write_table(pa.table({"document": [0], "width": [1], "height": [1]}), tmp_path / "manifest.parquet")
+    write_manifest_json(tmp_path, 1)
     with pytest.raises(MmtokError, match="lacks column"):
         plan(tmp_path, tmp_path / "q")
     with pytest.raises(MmtokError, match="cannot read manifest"):
@@ -627,8 +652,6 @@ def test_explain_summarises_many_ranks(corpus, tmp_path):
 
 
 def test_scan_then_plan_real_tar_shards(tmp_path):
-    from mmtok.formats.manifest import read_manifest
-
     pngs = [p for p in skimage_images() if p.suffix == ".png"][:7]
     photo = mate_photos()[0]
     samples = [  # (key, [(member suffix, bytes)], caption)
@@ -653,7 +676,7 @@ def test_scan_then_plan_real_tar_shards(tmp_path):
     assert cli_main(["scan", *map(str, shards), "--out", str(manifest), "--workers", "1", "--no-progress"]) == 0
     assert cli_main(["plan", str(manifest), "--out", str(out), "--preset", "apertus-stage1", "--min-source-pixels",
                      "1", "--world-size", "3", "--quiet"]) == 0
-    rows = read_manifest(manifest).to_pydict()
+    rows = manifest_format.Manifest.open(manifest).read().to_pydict()
     t = tables(out)
     kept, dropped = t["plan.parquet"], t["dropped.parquet"]
     assert sorted(np.concatenate([kept["manifest_row"], dropped["manifest_row"]])) == list(range(len(rows["key"])))

@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 
 from mmtok.cli import main as cli
 from mmtok.errors import MmtokError
-from mmtok.formats.manifest import COLUMNS, MemberReader, manifest_fingerprint, read_manifest, read_manifest_metadata
+from mmtok.formats.manifest import COLUMNS, Manifest, MemberReader
 from mmtok.scan.scanner import ScanOptions, describe, document_order, run_scan
 from realmedia import mate_photos, skimage_images
 
@@ -99,7 +99,7 @@ def webdataset_members(media, prefix: str = "", start: int = 0) -> list[tuple[st
 def scan(tmp_path: Path, shards: list[Path], workers: int = 1, name: str = "out", **options) -> tuple[Path, list[dict]]:
     out = tmp_path / name
     run_scan([describe(str(p)) for p in shards], out, ScanOptions(**options), workers=workers, progress=False)
-    return out, read_manifest(out).to_pylist()
+    return out, Manifest.open(out).read().to_pylist()
 
 
 def member_bytes(row: dict) -> bytes:
@@ -204,7 +204,7 @@ def test_bad_members_get_named_rows_and_the_rest_stays_ok(tmp_path, media):
                              ("d.png", "absurd_dimensions"), ("e.png", "zero_dimensions"),
                              ("f.jpg", "truncated_image_header"), ("h.jpg", "")]
     assert (rows[3]["width"], rows[3]["height"], rows[3]["format"]) == (100_000, 100_000, "png")
-    meta = read_manifest_metadata(out)
+    meta = Manifest.open(out).metadata
     assert meta["reasons"] == {"absurd_dimensions": 1, "truncated_image_header": 1, "unknown_format": 1,
                                "zero_dimensions": 1, "zero_size": 1}
     assert meta["images_ok"] == 2 and meta["ignored_members"] == {"(sample without image)": 1, "heic": 1}
@@ -257,7 +257,7 @@ def test_garbage_and_empty_and_missing_shards_do_not_stop_the_run(tmp_path, medi
     assert [(Path(r["tar"]).name, r["reason"]) for r in rows] == [
         ("garbage.tar", "not_a_tar"), ("empty.tar", "empty_file"), ("missing.tar", "unreadable_shard"),
         ("good.tar", "")]
-    meta = read_manifest_metadata(out)
+    meta = Manifest.open(out).metadata
     assert [e["reason"] for e in meta["shard_errors"]] == ["not_a_tar", "empty_file", "unreadable_shard"]
     assert "FileNotFoundError" in meta["shard_errors"][2]["detail"]
 
@@ -301,7 +301,7 @@ def test_parquet_and_arrow_exports_are_sources(tmp_path, media):
     pq.write_table(pa.table({"jpeg": pa.array(images, pa.binary())}), raw)
     out, rows = scan(tmp_path, [tmp_path / "hf.parquet", tmp_path / "hf.arrow"], text_column="caption")
     reader = MemberReader()
-    assert [i["file_format"] for i in read_manifest_metadata(out)["inputs"]] == ["parquet", "arrow"]
+    assert [i["file_format"] for i in Manifest.open(out).metadata["inputs"]] == ["parquet", "arrow"]
     for name in ("hf.parquet", "hf.arrow"):
         got = [r for r in rows if r["tar"].endswith(name)]
         assert {r["container"] for r in got} == {"parquet"}
@@ -346,10 +346,10 @@ def test_manifest_bytes_do_not_depend_on_worker_count(tmp_path, shards):
     assert (one / "manifest.parquet").read_bytes() == (two / "manifest.parquet").read_bytes()
     docs = [r["document"] for r in rows]
     assert docs == sorted(docs) and rows[-1]["reason"] in ("truncated_member", "truncated_tar")
-    meta = read_manifest_metadata(one)
-    assert meta["fingerprint"] == manifest_fingerprint(two, verify=True)
+    meta = Manifest.open(one).metadata
+    assert meta["fingerprint"] == Manifest.open(two).verify()
     assert meta["rows"] == len(rows) and meta["shards"] == 7
-    assert read_manifest(one, columns=["width", "status"]).column_names == ["width", "status"]
+    assert Manifest.open(one).read(columns=["width", "status"]).column_names == ["width", "status"]
     assert pq.ParquetFile(one / "manifest.parquet").schema_arrow.names == list(COLUMNS)
 
 
@@ -373,7 +373,7 @@ def test_changed_shard_is_rescanned(tmp_path, shards, media):
     os.utime(shards[1], ns=(time.time_ns(), time.time_ns() + 10**9))
     meta = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=1, progress=False)
     assert meta["_run"]["scanned_shards"] == 1
-    assert "only.jpg" in read_manifest(out, columns=["member"]).column("member").to_pylist()
+    assert "only.jpg" in Manifest.open(out).read(columns=["member"]).column("member").to_pylist()
     assert len(list((out / ".scan-cache").glob("*.arrow"))) == len(shards)  # the stale entry was pruned
 
 
@@ -411,7 +411,7 @@ def test_cli_expands_globs_and_shard_lists_in_order(tmp_path, shards, capsys):
     out = tmp_path / "cli"
     assert cli(["scan", str(tmp_path / "shards" / "shard-00[0-3].tar"), "--shard-list", str(listing),
                 "--out", str(out), "--workers", "2", "--no-progress"]) == 0
-    inputs = [Path(i["path"]).name for i in read_manifest_metadata(out)["inputs"]]
+    inputs = [Path(i["path"]).name for i in Manifest.open(out).metadata["inputs"]]
     assert inputs == [f"shard-{s:03d}.tar" for s in range(7)]
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     assert summary.startswith("mmtok scan: 7 shards (0 from cache),") and "images ok" in summary
@@ -426,10 +426,10 @@ def test_cli_refuses_unusable_inputs_with_a_fix(tmp_path, shards, capsys):
 
 def test_reading_an_incomplete_manifest_names_the_fix(tmp_path, shards):
     out, _ = scan(tmp_path, shards[:1])
-    table = read_manifest(out)
+    table = Manifest.open(out).read()
     pq.write_table(table.slice(1), out / "manifest.parquet")
     with pytest.raises(MmtokError, match="changed after the scan"):
-        manifest_fingerprint(out, verify=True)
+        Manifest.open(out).verify()
     (out / "manifest.json").unlink()
     with pytest.raises(MmtokError, match="run `mmtok scan"):
-        read_manifest(out)
+        Manifest.open(out).read()

@@ -12,7 +12,7 @@ import pytest
 
 import mmtok.fsutil
 from mmtok.cli import main as cli
-from mmtok.formats.manifest import read_manifest, read_manifest_metadata
+from mmtok.formats.manifest import Manifest
 from mmtok.scan.scanner import ScanOptions, describe, run_scan
 from realmedia import skimage_images
 
@@ -52,8 +52,8 @@ def header_offsets(data: bytes) -> list[int]:
 def scan_rows(tmp_path: Path, shards: list[Path]) -> tuple[list[tuple], dict]:
     out = tmp_path / "out"
     run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=1, progress=False)
-    rows = [(r["member"], r["size"], r["status"], r["reason"]) for r in read_manifest(out).to_pylist()]
-    return rows, read_manifest_metadata(out)
+    rows = [(r["member"], r["size"], r["status"], r["reason"]) for r in Manifest.open(out).read().to_pylist()]
+    return rows, Manifest.open(out).metadata
 
 
 # ------------------------------------------------------------------------------ size fields

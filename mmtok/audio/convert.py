@@ -1,9 +1,8 @@
 """`mmtok audio convert`: audio sources -> Lhotse Shar shards (24 kHz mono FLAC + text token ids).
 
-Output directory OUT:
+Output directory OUT (the Shar layout and the report are `mmtok.formats.shar`'s):
   OUT/shar/cuts.NNNNNN.jsonl.gz, OUT/shar/recording.NNNNNN.tar   lhotse's own SharWriter output,
-      read back with `CutSet.from_shar(in_dir=OUT/shar)`; nothing else lives in OUT/shar, because
-      lhotse treats every file there as a Shar field
+      read back with `CutSet.from_shar(in_dir=OUT/shar)`
   OUT/conversion.json   parameters, inputs, shards (cuts, duration, fingerprint), counts by reason,
       the resume cursor and `complete`; rewritten atomically after every shard
   OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl   every dropped clip with its reason
@@ -26,7 +25,6 @@ gain is recorded in `cut.custom["gain"]`; the encode stage peak-normalizes, whic
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -45,11 +43,9 @@ from mmtok import __version__
 from mmtok.audio.preprocess import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
 from mmtok.audio.sources import ClipSpec, Collected, Dropped, Unit, collect_units, pick_channel
 from mmtok.errors import MmtokError
-from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir
+from mmtok.formats import shar as shar_format
+from mmtok.fsutil import WriterLock, atomic_write_bytes, with_filename
 
-REPORT = "conversion.json"
-REPORT_FORMAT = "mmtok-audio-convert/1"
-SHAR_DIR = "shar"
 STORAGE = {"format": "flac", "subtype": "PCM_24", "sample_rate": TARGET_SAMPLE_RATE, "channels": 1}
 MAX_STORED_PEAK = 1.0 - 2.0**-22  # largest |x| that survives float -> 24-bit PCM without clipping
 
@@ -252,44 +248,25 @@ def make_cut(clip: Clip):
                    supervisions=supervisions, custom=custom)
 
 
-def shard_files(index: int) -> tuple[str, str]:
-    return f"cuts.{index:06d}.jsonl.gz", f"recording.{index:06d}.tar"
-
-
 def write_shard(out: Path, index: int, clips: list[Clip]) -> dict:
     """Write shard `index` with lhotse's SharWriter under OUT/.work, then move it into OUT/shar."""
     from lhotse.audio.backend import audio_backend
     from lhotse.shar import SharWriter
 
-    work = out / ".work" / f"shard-{index:06d}"
+    work = shar_format.shard_work_dir(out, index)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    with audio_backend(flac24_backend()):
-        with SharWriter(work, fields={"recording": "flac"}, shard_size=len(clips), shard_offset=index) as writer:
-            for clip in clips:
-                writer.write(make_cut(clip))
-    shar = out / SHAR_DIR
-    for name in shard_files(index):
-        with open(work / name, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(work / name, shar / name)
-    fsync_dir(shar)
-    shutil.rmtree(work)
+    try:
+        with audio_backend(flac24_backend()):
+            with SharWriter(work, fields=dict(shar_format.FIELDS), shard_size=len(clips), shard_offset=index) as writer:
+                for clip in clips:
+                    writer.write(make_cut(clip))
+        cuts = shar_format.publish_shard(out, index)
+    except OSError as err:  # e.g. a full disk: name the shard (lhotse's writer does not) and drop its work dir
+        shutil.rmtree(work, ignore_errors=True)
+        raise with_filename(err, work) from None
     duration = sum(c.num_samples for c in clips) / TARGET_SAMPLE_RATE
-    return {"index": index, "cuts": len(clips), "duration": duration, "cuts_sha256": manifest_sha256(shar / shard_files(index)[0])}
-
-
-def manifest_sha256(path: Path) -> str:
-    """sha256 of a decompressed cuts manifest (gzip headers carry a timestamp, the content does not)."""
-    import hashlib
-
-    with gzip.open(path, "rb") as handle:
-        return hashlib.sha256(handle.read()).hexdigest()
-
-
-def read_cut_ids(shar: Path, index: int) -> list[str]:
-    with gzip.open(shar / shard_files(index)[0], "rt", encoding="utf-8") as handle:
-        return [json.loads(line)["id"] for line in handle if line.strip()]
+    return {"index": index, "cuts": len(clips), "duration": duration, "cuts_sha256": shar_format.manifest_sha256(cuts)}
 
 
 def write_dropped(out: Path, name: str, dropped: list[Dropped]) -> None:
@@ -299,12 +276,13 @@ def write_dropped(out: Path, name: str, dropped: list[Dropped]) -> None:
 
 # --- the run ------------------------------------------------------------------------------------
 
-def describe_inputs(inputs: list[Path], transcripts: Path | None) -> list[dict]:
-    """Input paths with sizes (a directory: its file count and total bytes), recorded and checked on resume."""
-    described = []
+def describe_inputs(inputs: list[Path], transcripts: Path | None, exclude: Path) -> list[dict]:
+    """Input paths with sizes (a directory: its file count and total bytes, without the output `exclude`
+    when it lies inside), recorded and checked on resume."""
+    described, exclude = [], exclude.resolve()
     for path in [*inputs, *([transcripts] if transcripts else [])]:
         if path.is_dir():
-            files = [p for p in path.rglob("*") if p.is_file()]
+            files = [p for p in path.rglob("*") if p.is_file() and not p.resolve().is_relative_to(exclude)]
             described.append({"path": str(path.resolve()), "files": len(files), "bytes": sum(p.stat().st_size for p in files)})
         else:
             described.append({"path": str(path.resolve()), "bytes": path.stat().st_size})
@@ -317,27 +295,28 @@ class Conversion:
     def __init__(self, out: Path, identity: dict, options: ConvertOptions):
         self.out, self.options = out, options
         self.report = self._load_or_start(identity)
-        self.shar = out / SHAR_DIR
+        self.shar = out / shar_format.SHAR_DIR
         self.shar.mkdir(parents=True, exist_ok=True)
         self.counts = Counter(self.report["counts"])
         self.seen: set[str] = set()
         for shard in self.report["shards"]:
-            self.seen.update(read_cut_ids(self.shar, shard["index"]))
+            cuts_name = shar_format.shard_files(shard["index"])[0]
+            self.seen.update(cut["id"] for cut in shar_format.read_cut_dicts(self.shar / cuts_name))
         self.buffer: list[Clip] = []
         self.dropped: list[Dropped] = []
 
     def _load_or_start(self, identity: dict) -> dict:
         from mmtok.formats.commitlog import identity_difference
 
-        path = self.out / REPORT
-        if path.is_file():
-            report = json.loads(path.read_text("utf-8"))
+        report = shar_format.read_report(self.out)
+        if report is not None:
             difference = identity_difference(report.get("identity"), identity)
             if difference:
-                raise MmtokError(f"{path}: refusing to resume a conversion with different settings: {difference}. "
-                                 "Rerun with the original inputs/options, or use another --out.")
+                raise MmtokError(f"{self.out / shar_format.REPORT}: refusing to resume a conversion with different "
+                                 f"settings: {difference}. Rerun with the original inputs/options, or use another "
+                                 "--out.")
             return report
-        return {"format": REPORT_FORMAT, "identity": identity, "complete": False, "cursor": {"unit": 0, "skip": 0},
+        return {"format": shar_format.REPORT_FORMAT, "identity": identity, "complete": False, "cursor": {"unit": 0, "skip": 0},
                 "shards": [], "counts": {}}
 
     @property
@@ -377,7 +356,7 @@ class Conversion:
         self.buffer, self.dropped = [], []
         self.report.update(cursor=cursor, counts=dict(sorted(self.counts.items())), complete=final,
                            duration_written=sum(s["duration"] for s in self.report["shards"]))
-        atomic_write_json(self.out / REPORT, self.report)
+        shar_format.write_report(self.out, self.report)
 
 
 def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str = "auto",
@@ -393,7 +372,7 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, what=f"conversion output {out}"):
         tokenizer = load_text_tokenizer(options.text_tokenizer)
-        identity = {"tool": f"mmtok {__version__}", "inputs": describe_inputs(inputs, transcripts), "kind": kind,
+        identity = {"tool": f"mmtok {__version__}", "inputs": describe_inputs(inputs, transcripts, out), "kind": kind,
                     "options": asdict(options), "audio_column": audio_column, "text_column": text_column,
                     "text_tokenizer": tokenizer.describe(), "storage": STORAGE, "resampler": RESAMPLER}
         state = Conversion(out, identity, options)
@@ -401,24 +380,23 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
             print_summary(state.report, file=sys.stderr, prefix="already complete: ")
             return state.report
         collected = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
-                                  text_column=text_column)
+                                  text_column=text_column, exclude=out)
         write_dropped(out, "inputs", collected.dropped)
         convert_units(state, collected.units, workers, tokenizer, progress)
         state.add_inputs(collected)
         state.flush({"unit": len(collected.units), "skip": 0}, final=True)
-        shutil.rmtree(out / ".work", ignore_errors=True)
+        shutil.rmtree(out / shar_format.WORK_DIR, ignore_errors=True)
     print_summary(state.report, file=sys.stderr)
     return state.report
 
 
 def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer, progress: bool) -> None:
     """Add every result of `units` after the report's cursor to `state`, flushing each full shard."""
-    from tqdm import tqdm
+    from mmtok.progress import progress as progress_bar
 
     options = state.options
     start, skip = state.report["cursor"]["unit"], state.report["cursor"]["skip"]
-    bar = tqdm(total=len(units), initial=start, unit="unit", desc="audio convert", file=sys.stderr,
-               disable=not progress)
+    bar = progress_bar(total=len(units), initial=start, unit="unit", desc="audio convert", enabled=progress)
     for number, results in enumerate(ordered_results(units[start:], options, workers, tokenizer), start):
         first = skip if number == start else 0
         for position in range(first, len(results)):

@@ -16,75 +16,34 @@ Inside a part:
   finished. Sequence order therefore follows cut order and never batch composition; a kill at any
   instant resumes from the last durable commit and ends with the same bytes.
 
-A prefetch thread takes batches from the DataLoader and a commit thread commits and assembles, so
-the device loop does nothing but encode.
+The batches run through the rank loop every modality shares (`mmtok.encode.loop`): a prefetch
+thread takes them from the DataLoader, the device encodes, the committer commits and assembles.
 """
 
 from __future__ import annotations
 
-import os
 import queue
-import struct
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from mmtok import __version__
 from mmtok.audio.preprocess import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
 from mmtok.audio.sequences import SequenceBuilder, is_translation
-from mmtok.audio.shards import Batching, Shard, assign_shards, discover_shards, index_members, make_batches, shard_fingerprint
+from mmtok.audio.shards import Batching, assign_shards, make_batches
+from mmtok.encode.loop import Meter, run_device, timing_stats
 from mmtok.errors import MmtokError, Skip
+from mmtok.formats.commitlog import pack_carry, unpack_carry
+from mmtok.formats.shar import SharShard, discover_shards, index_members, shard_fingerprint
 
 SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
 DEFAULT_TRIM = 5  # codes dropped at the end of every clip (WavTokenizer's look-ahead; the codec reports its own)
-
-
-def add_arguments(parser) -> None:
-    """Register the audio-only options of `mmtok encode` (called by mmtok/commands/encode.py)."""
-    group = parser.add_argument_group("audio options (--modality audio)")
-    options = [
-        (("--shar",), {"type": Path, "help": "output of `mmtok audio convert` (or a Lhotse Shar directory)"}),
-        (("--max-duration",), {"type": float, "default": 300.0,
-                               "help": "audio: padded seconds per batch (longest clip x clips; default 300)"}),
-        (("--max-clip-duration",), {"type": float, "default": 600.0,
-                                    "help": "audio: clips longer than this many seconds are skipped as too_long "
-                                            "(memory grows with a clip's length: ~3 GB per 1,000 s; default 600)"}),
-        (("--num-buckets",), {"type": int, "default": 50,
-                              "help": "audio: duration buckets of the sampler (default 50: < 5%% padding, see the benchmark)"}),
-        (("--bucket-seed",), {"type": int, "default": 0, "help": "audio: seed of the bucketing sampler (default 0)"}),
-        (("--sequences",), {"choices": SEQUENCE_MODES, "default": "auto",
-                            "help": "audio: which sequences to write per clip: auto = transcription (translation "
-                                    "when the clip has a target language) if it has text, else audio-only "
-                                    "(default); audio = audio-only for every clip; transcription = only clips "
-                                    "with text; both = audio-only for every clip plus a transcription"}),
-        (("--num-workers",), {"type": int, "default": min(4, os.cpu_count() or 1),
-                              "help": "CPU data-loader worker processes (default min(4, CPUs))"}),
-        (("--text-tokenizer",), {"default": "tekken",
-                                 "help": "text tokenizer spec; must match the one the Shar text was tokenized with"}),
-    ]
-    for flags, kwargs in options:
-        group.add_argument(*flags, **kwargs)
-
-
-def run(args) -> int:
-    from mmtok.codecs.base import device_from_env, load_codec
-    from mmtok.commands.encode import resolve_rank
-
-    if args.shar is None:
-        raise MmtokError("--modality audio needs --shar (the output directory of `mmtok audio convert`)")
-    rank, world_size = resolve_rank(args.rank, args.world_size)
-    codec = load_codec(args.codec or "wavtokenizer", args.checkpoint, device_from_env(args.device))
-    if codec.modality != "audio":
-        raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
-    batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
-    encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size, batching=batching,
-                sequences=args.sequences, num_workers=args.num_workers, text_tokenizer=args.text_tokenizer,
-                progress=not getattr(args, "no_progress", False))
-    return 0
 
 
 # --- data loading (DataLoader worker side) --------------------------------------------------------
@@ -159,35 +118,6 @@ def _worker_init(_worker_id: int) -> None:
     torch.set_num_threads(1)  # workers decode; the device (or the main process on CPU) computes
 
 
-# --- carry records: one batch's per-clip results, kept in the part until assembly ------------------
-
-_CARRY_HEAD = struct.Struct("<iiH")  # position, number of audio ids, length of the skip text
-MAX_SKIP_TEXT = 4000  # bytes of "reason: detail" kept per skipped clip
-
-
-def pack_clips(results: list[tuple[int, str, np.ndarray | None]]) -> bytes:
-    """(position, skip text "reason: detail" ("" = encoded), audio ids) per clip -> carry bytes."""
-    chunks = []
-    for position, reason, ids in results:
-        ids = np.zeros(0, np.int32) if ids is None else np.asarray(ids, np.int32)
-        reason_bytes = reason.encode()[:MAX_SKIP_TEXT].decode("utf-8", "ignore").encode()
-        chunks += [_CARRY_HEAD.pack(position, ids.size, len(reason_bytes)), reason_bytes, ids.tobytes()]
-    return b"".join(chunks)
-
-
-def unpack_clips(data: bytes) -> dict[int, tuple[str, np.ndarray]]:
-    """Inverse of pack_clips over any number of concatenated batches: position -> (reason, audio ids)."""
-    clips, offset = {}, 0
-    while offset < len(data):
-        position, count, reason_length = _CARRY_HEAD.unpack_from(data, offset)
-        offset += _CARRY_HEAD.size
-        reason = data[offset: offset + reason_length].decode()
-        offset += reason_length
-        clips[position] = (reason, np.frombuffer(data, np.int32, count, offset).copy())
-        offset += 4 * count
-    return clips
-
-
 # --- assembling a part -------------------------------------------------------------------------------
 
 @dataclass
@@ -228,20 +158,20 @@ def sequences_for(mode: str, builder: SequenceBuilder, audio_ids: np.ndarray, te
     return out
 
 
-def assemble_part(w: "PartWork", context: Context, stats: dict) -> None:
+def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) -> None:
     """The part's last unit (= its number of batches): carried clips -> sequences in cut order, the
     token cache, then finish. Runs on the commit thread, after every batch of the part."""
     from lhotse import CutSet
 
-    from mmtok.audio.cache import cache_path, write_cache
+    from mmtok.formats.audio_cache import cache_path, write_cache
 
     part, shard, unit = w.open(), w.shard, w.num_batches
     stats = {**stats, "shard": shard.index, "duration": shard.duration}
     if part.next_unit > unit:  # assembled and committed before a kill; the cache was written before that commit
-        w.finish(stats)
+        w.finish({**stats, **timing_stats(part.counts)})
         return
     cuts = CutSet.from_file(shard.cuts_path).to_eager()
-    carried = unpack_clips(part.carry())
+    carried = {position: (skip, ids) for position, _, skip, ids in unpack_carry(part.carry())}
     missing = [i for i in range(len(cuts)) if i not in carried]
     if missing:
         raise MmtokError(f"{part.directory}: clips {missing[:10]} were never committed; the part directory is "
@@ -273,11 +203,12 @@ def assemble_part(w: "PartWork", context: Context, stats: dict) -> None:
                      "duration": float(cut.duration), "language": language, "target_language": target,
                      "audio_ids": audio_ids, "text_ids": text_ids})
     write_cache(cache_path(context.out, shard.index), rows, {**context.cache_metadata, "part": shard.index})
-    part.commit(unit, sequences, provenance, counts, carry_done=True, skipped=skipped)
-    w.finish(stats)
+    timing = meter.committed(0, sum(int(t.size) for t in sequences))
+    part.commit(unit, sequences, provenance, {**counts, **timing}, carry_done=True, skipped=skipped)
+    w.finish({**stats, **timing_stats(part.counts)})
 
 
-def _skip_record(cut, shard: Shard, position: int, skip: Skip) -> dict:
+def _skip_record(cut, shard: SharShard, position: int, skip: Skip) -> dict:
     """The skipped.jsonl line of a clip: which cut, where its audio lives, and why."""
     return {"key": cut.id, "source": str(shard.recording_path), "container": "shar", "member": cut.id,
             "shard": shard.index, "position": position, "reason": skip.reason, "detail": skip.detail}
@@ -288,10 +219,10 @@ def _skip_record(cut, shard: Shard, position: int, skip: Skip) -> dict:
 @dataclass
 class PartWork:
     """One part still to do: its batches as loader requests, its writer lock (held for the whole run,
-    so no other process writes the part meanwhile), and its PartShard, which is opened only while the
+    so no other process writes the part meanwhile), and its PartWriter, which is opened only while the
     commit thread works on it (a rank may hold hundreds of shards: one descriptor each, not five)."""
 
-    shard: Shard
+    shard: SharShard
     directory: Path
     identity: dict
     num_batches: int
@@ -300,10 +231,10 @@ class PartWork:
     part: object = None
 
     def open(self):
-        from mmtok.formats.commitlog import PartShard
+        from mmtok.formats.commitlog import PartWriter
 
         if self.part is None:
-            self.part = PartShard(self.directory, self.identity, lock=self.lock)
+            self.part = PartWriter(self.directory, self.identity, lock=self.lock)
         return self.part
 
     def finish(self, stats: dict) -> None:
@@ -316,7 +247,7 @@ class PartWork:
             self.part = None
 
 
-def open_parts(shards: list[Shard], context: Context, batching: Batching, num_parts: int,
+def open_parts(shards: list[SharShard], context: Context, batching: Batching, num_parts: int,
                min_samples: int) -> list[PartWork]:
     """Create or resume the part of each shard and list its remaining batches; finished parts are left out.
     Each listed part is locked until `release_parts` (a second process for the same part is refused)."""
@@ -345,7 +276,7 @@ def release_parts(work: list[PartWork]) -> None:
         w.lock.release()
 
 
-def _part_work(shard: Shard, directory: Path, lock, context: Context, batching: Batching, num_parts: int,
+def _part_work(shard: SharShard, directory: Path, lock, context: Context, batching: Batching, num_parts: int,
                min_samples: int) -> PartWork:
     from lhotse import CutSet
 
@@ -414,76 +345,65 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
     summary = run_parts(work, codec, context, num_workers=num_workers, progress=progress)
     summary.update(rank=rank, world_size=world_size, shards=mine)
     busy = summary["device_busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
+    lost = sum(summary["skipped"].values())
+    reasons = ", ".join(f"{k} {v:,}" for k, v in summary["skipped"].items())
     print(f"mmtok encode (audio) rank {rank}/{world_size}: {len(mine)} shards ({len(work)} to do), "
-          f"{summary['batches']} batches, {summary['clips']} clips in {summary['wall_s']:.1f} s, "
+          f"{summary['batches']} batches, {summary['clips']} clips: {summary['clips'] - lost} encoded, {lost} skipped"
+          f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
           f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)", file=sys.stderr)
     return summary
 
 
 def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int, progress: bool) -> dict:
-    """The device loop over every remaining batch of `work`; commits and assembly on a CommitThread."""
+    """Every remaining batch of `work` through the rank loop (mmtok.encode.loop): DataLoader workers
+    load, the device encodes, the committer commits each batch's clips and assembles each finished part."""
     import torch
-    from tqdm import tqdm
 
-    from mmtok.formats.commitlog import CommitThread
+    from mmtok.progress import progress as progress_bar
 
     trim = trim_of(codec)
     requests = [r for w in work for r in w.requests]
     by_shard = {w.shard.index: w for w in work}
     device = torch.device(getattr(codec, "device", "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before pinning: the pinned buffers' context belongs on this GPU
     loader = torch.utils.data.DataLoader(
         BatchDataset(), sampler=requests, batch_size=None, num_workers=num_workers,
         pin_memory=device.type == "cuda", worker_init_fn=_worker_init if num_workers else None,
         prefetch_factor=4 if num_workers else None)
-    started, busy, clips = time.perf_counter(), 0.0, 0
     batches = iter(loader)  # forks the workers before any other thread of ours exists
-    committer = CommitThread(depth=4)
-    bar = tqdm(total=len(requests), unit="batch", desc="encode audio", file=sys.stderr, disable=not progress)
-    part_busy = {w.shard.index: 0.0 for w in work}
-    for w in work:  # parts whose batches were all committed before a kill: assemble right away
-        if not w.requests:
-            committer.submit(_assemble_job(w, context, {"num_workers": num_workers, "device_busy_s": 0.0}))
-    first_batch, waited = None, 0.0
-    ready = prefetch(batches)
+    bar = progress_bar(total=sum(len(r.positions) for r in requests), unit="clip", desc="encode audio",
+                       enabled=progress)
+    meter, skipped, stats = Meter(bar, item="clip"), Counter(), {"num_workers": num_workers}
+
+    def encode(batch: dict) -> list:
+        results = encode_batch(codec, batch, device, trim, context.builder.layout)
+        skipped.update(Skip.parse(reason).reason for _, reason, _ in results if reason)
+        return results
+
+    def commit(batch: dict, results: list) -> None:
+        w = by_shard[batch["shard"]]
+        w.open().commit(batch["unit"], [], [], meter.committed(len(results), 0),
+                        carry=pack_carry((position, 0, reason, ids) for position, reason, ids in results))
+        if batch["unit"] == w.num_batches - 1:
+            assemble_part(w, context, stats, meter)
+
     try:
-        while True:
-            tick = time.perf_counter()
-            batch = ready.get()
-            waited += time.perf_counter() - tick
-            if batch is None:
-                break
-            if isinstance(batch, BaseException):
-                raise batch
-            first_batch = first_batch or time.perf_counter() - started
-            w = by_shard[batch["shard"]]
-            tick = time.perf_counter()
-            results = encode_batch(codec, batch, device, trim, context.builder.layout)
-            busy += time.perf_counter() - tick
-            part_busy[w.shard.index] += time.perf_counter() - tick
-            clips += len(results)
-            committer.submit(_commit_job(w, batch["unit"], results))
-            if batch["unit"] == w.num_batches - 1:
-                stats = {"num_workers": num_workers, "device_busy_s": part_busy[w.shard.index]}
-                committer.submit(_assemble_job(w, context, stats))
-            bar.update(1)
-            bar.set_postfix(clips=clips, busy=f"{100 * busy / max(time.perf_counter() - started, 1e-9):.0f}%")
-    except BaseException:
-        committer.close(reraise=False)  # the device loop's error is the one to report, not a later one
-        raise
-    else:
-        committer.close()
+        for w in work:  # parts whose batches were all committed before a kill: assemble right away
+            if not w.requests:
+                assemble_part(w, context, stats, meter)
+        run_device(prefetched(batches), encode, commit, meter, depth=4)
     finally:
         bar.close()
         release_parts(work)
-    wall = time.perf_counter() - started
-    return {"batches": len(requests), "clips": clips, "wall_s": wall, "device_busy_s": busy,
-            "loader_wait_s": waited, "first_batch_s": first_batch or wall}
+    wall = time.perf_counter() - meter.started
+    return {"batches": len(requests), "clips": meter.items, "skipped": dict(sorted(skipped.items())), "wall_s": wall,
+            "device_busy_s": meter.busy, "loader_wait_s": meter.waited, "first_batch_s": meter.fill_seconds}
 
 
-def prefetch(batches, depth: int = 2) -> queue.Queue:
-    """Hand batches over through a queue filled by a thread, so taking the next batch from the
-    DataLoader (unpickling, shared-memory rebuild, pinning) overlaps the device's work; ends with None
-    (or the loader's exception)."""
+def prefetched(batches, depth: int = 2) -> Iterator[dict]:
+    """The batches, taken from the DataLoader by a thread (unpickling, shared-memory rebuild and pinning
+    overlap the device's work); the loader's exception is re-raised here."""
     ready: queue.Queue = queue.Queue(depth)
 
     def fill() -> None:
@@ -496,7 +416,10 @@ def prefetch(batches, depth: int = 2) -> queue.Queue:
         ready.put(None)
 
     threading.Thread(target=fill, name="mmtok-prefetch", daemon=True).start()
-    return ready
+    while (batch := ready.get()) is not None:
+        if isinstance(batch, BaseException):
+            raise batch
+        yield batch
 
 
 def encode_batch(codec, batch: dict, device, trim: int, layout) -> list[tuple[int, str, np.ndarray | None]]:
@@ -510,11 +433,3 @@ def encode_batch(codec, batch: dict, device, trim: int, layout) -> list[tuple[in
             keep = int(counts[row]) - trim
             results.append((position, "", layout.audio_ids(codes[row, :keep])))
     return results
-
-
-def _commit_job(w: PartWork, unit: int, results: list):
-    return lambda: w.open().commit(unit, [], [], {}, carry=pack_clips(results))
-
-
-def _assemble_job(w: PartWork, context: Context, stats: dict):
-    return lambda: assemble_part(w, context, stats)

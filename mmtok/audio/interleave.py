@@ -39,8 +39,8 @@ from typing import Iterator
 import numpy as np
 
 from mmtok import __version__
-from mmtok.audio.cache import find_parts, read_index, read_metadata, read_tokens
 from mmtok.audio.sequences import AUDIO, TEXT, SequenceBuilder, is_translation
+from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.fsutil import atomic_write_json, sha256_file
 from mmtok.vocab import VocabLayout
@@ -195,7 +195,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
     Only sets that receive a sequence are written (see the module docstring); with no sequence at
     all nothing in OUT is touched and MmtokError says why.
     """
-    from tqdm import tqdm
+    from mmtok.progress import progress as progress_bar
 
     from mmtok.errors import MmtokError
 
@@ -210,8 +210,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
     tokens = TokenSource(parts)
     writers: dict[str, DatasetWriter] = {}  # opened by a set's first sequence: an empty set leaves no file
     try:
-        for planned in tqdm(plan(clips, counts), desc="audio interleave", unit="seq", file=sys.stderr,
-                            disable=not progress):
+        for planned in progress_bar(plan(clips, counts), desc="audio interleave", unit="seq", enabled=progress):
             pieces = [planned.segments]
             if planned.kind == "interleaved":
                 total = SequenceBuilder.interleaved_length([segment_length(s) for s in planned.segments])

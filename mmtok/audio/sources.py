@@ -272,15 +272,20 @@ def extension_of(name: str) -> str:
     return PurePosixPath(name).suffix.lower().lstrip(".") or NO_EXTENSION
 
 
-def scan_directory(root: Path, named: set[str], skip: Path | None) -> tuple[list[str], Counter]:
+def scan_directory(root: Path, named: set[str], skip: Path | None,
+                   exclude: Path | None = None) -> tuple[list[str], Counter]:
     """(audio files under `root` as sorted relative paths, other files counted by extension).
 
     A file the transcript table names is audio whatever its content (its decoder decides); `skip`
-    (the table itself) is neither.
+    (the table itself) is neither; nothing under `exclude` (the conversion's own output, when it lies
+    inside the input) is looked at -- opening its `.lock` would drop the writer lock.
     """
     audio, ignored = [], Counter()
     skip = skip.resolve() if skip else None
+    exclude = exclude.resolve() if exclude else None
     for path in root.rglob("*"):
+        if exclude is not None and path.resolve().is_relative_to(exclude):
+            continue
         if not path.is_file():
             continue
         rel = path.relative_to(root).as_posix()
@@ -291,7 +296,8 @@ def scan_directory(root: Path, named: set[str], skip: Path | None) -> tuple[list
     return sorted(audio), ignored
 
 
-def directory_units(root: Path, table: Path | None) -> tuple[list[Unit], list[Dropped], Counter]:
+def directory_units(root: Path, table: Path | None,
+                    exclude: Path | None = None) -> tuple[list[Unit], list[Dropped], Counter]:
     """One unit per audio file under `root` (sorted by relative path); table rows define its clips.
 
     A file without table rows is one clip without text. A table row may name a segment
@@ -304,7 +310,7 @@ def directory_units(root: Path, table: Path | None) -> tuple[list[Unit], list[Dr
     for row in rows:
         rel = _relative_to(Path(row["path"]), root)
         by_file.setdefault(rel, []).append(row)
-    files, ignored = scan_directory(root, set(by_file), table)
+    files, ignored = scan_directory(root, set(by_file), table, exclude)
     records: list[dict] = []
     owners: list[str] = []
     for rel in sorted(set(files) | set(by_file)):
@@ -611,8 +617,9 @@ class Collected(NamedTuple):
 
 
 def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path | None = None,
-                  audio_column: str = "audio", text_column: str = "text") -> Collected:
-    """Every work unit of every input, in input order (Lhotse manifests are read together)."""
+                  audio_column: str = "audio", text_column: str = "text", exclude: Path | None = None) -> Collected:
+    """Every work unit of every input, in input order (Lhotse manifests are read together); nothing
+    under `exclude` (the output directory) is an input."""
     for path in inputs:
         if not path.exists():
             raise MmtokError(f"input not found: {path}")
@@ -625,7 +632,7 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
     lhotse_inputs = [p for p, k in zip(inputs, kinds) if k == "lhotse"]
     for path, this_kind in zip(inputs, kinds):
         if this_kind == "dir":
-            *found, files_ignored = directory_units(path, transcripts)
+            *found, files_ignored = directory_units(path, transcripts, exclude)
             ignored.update(files_ignored)
         elif this_kind == "tar":
             found = ([TarUnit(origin=str(path), path=str(path))], [])

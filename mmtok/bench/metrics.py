@@ -15,8 +15,9 @@ Audio is compared at the codec's rate (24 kHz) between the peak-normalized input
 trimmed to the input length.
 
 - mel L1: mean |log(max(M_ref, 1e-5)) - log(max(M_dec, 1e-5))| over a 100-band magnitude mel
-  spectrogram (n_fft 1024, hop 256, Hann window, centered; torchaudio's HTK mel scale, unnormalized filters),
-  the mel-loss setup of the WavTokenizer/Vocos training recipes.
+  spectrogram (n_fft 1024, hop 256, Hann window, centered; the HTK mel scale with unnormalized filters, as
+  torchaudio's MelSpectrogram computes it, here in plain torch: `mel_filterbank`), the mel-loss setup of
+  the WavTokenizer/Vocos training recipes.
 - STOI: `pystoi.stoi(ref, dec, 24000, extended=False)` (pystoi resamples to 10 kHz internally, as the
   standard specifies).
 - PESQ: `pesq.pesq(16000, ref, dec, "wb")` (ITU-T P.862.2 wideband) after resampling both signals to
@@ -31,6 +32,10 @@ import warnings
 
 import numpy as np
 import torch
+
+from mmtok.extras import require
+
+COMMAND = "mmtok bench reconstruct"
 
 SSIM_SETTINGS = {"channel_axis": -1, "data_range": 255, "gaussian_weights": True, "sigma": 1.5,
                  "use_sample_covariance": False}
@@ -51,20 +56,20 @@ def to_uint8(decoded: torch.Tensor) -> np.ndarray:
 
 def psnr(reference: np.ndarray, test: np.ndarray) -> float:
     """PSNR in dB of two uint8 images of one shape; inf when they are identical."""
-    from skimage.metrics import peak_signal_noise_ratio
+    skimage_metrics = require("skimage.metrics", "bench", COMMAND)
 
     _check_pair(reference, test)
     if np.array_equal(reference, test):
         return math.inf
-    return float(peak_signal_noise_ratio(reference, test, data_range=255))
+    return float(skimage_metrics.peak_signal_noise_ratio(reference, test, data_range=255))
 
 
 def ssim(reference: np.ndarray, test: np.ndarray) -> float:
     """Mean SSIM (Wang et al. settings, see module docstring) of two uint8 RGB images; 1.0 when identical."""
-    from skimage.metrics import structural_similarity
+    skimage_metrics = require("skimage.metrics", "bench", COMMAND)
 
     _check_pair(reference, test)
-    return float(structural_similarity(reference, test, **SSIM_SETTINGS))
+    return float(skimage_metrics.structural_similarity(reference, test, **SSIM_SETTINGS))
 
 
 def _check_pair(reference: np.ndarray, test: np.ndarray) -> None:
@@ -106,12 +111,19 @@ class AudioScorer:
     """mel L1, STOI and wideband PESQ of a reference clip and its reconstruction (float32, 24 kHz)."""
 
     def __init__(self, sample_rate: int = 24_000):
-        import torchaudio
-
         self.sample_rate = sample_rate
-        self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=sample_rate, n_fft=MEL_SETTINGS["n_fft"], hop_length=MEL_SETTINGS["hop_length"],
-            n_mels=MEL_SETTINGS["n_mels"], power=MEL_SETTINGS["power"], center=MEL_SETTINGS["center"])
+        self.window = torch.hann_window(MEL_SETTINGS["n_fft"])
+        self.filters = mel_filterbank(sample_rate, MEL_SETTINGS["n_fft"], MEL_SETTINGS["n_mels"])
+
+    def mel(self, waves: torch.Tensor) -> torch.Tensor:
+        """Magnitude mel spectrogram [..., n_mels, frames] of float32 waves [..., samples] (MEL_SETTINGS)."""
+        shape = waves.shape
+        spectrum = torch.stft(waves.reshape(-1, shape[-1]), n_fft=MEL_SETTINGS["n_fft"],
+                              hop_length=MEL_SETTINGS["hop_length"], win_length=MEL_SETTINGS["n_fft"],
+                              window=self.window, center=MEL_SETTINGS["center"], pad_mode="reflect",
+                              normalized=False, onesided=True, return_complex=True)
+        magnitude = spectrum.reshape(shape[:-1] + spectrum.shape[-2:]).abs()  # power 1.0
+        return torch.matmul(magnitude.transpose(-1, -2), self.filters).transpose(-1, -2)
 
     @torch.no_grad()
     def mel_l1(self, reference: np.ndarray, test: np.ndarray) -> float:
@@ -120,23 +132,23 @@ class AudioScorer:
         return float((log_mel[0] - log_mel[1]).abs().mean())
 
     def stoi(self, reference: np.ndarray, test: np.ndarray) -> float:
-        from pystoi import stoi
+        pystoi = require("pystoi", "bench", COMMAND)
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # pystoi warns (and returns ~1e-5) on clips shorter than 30 frames
-            return float(stoi(reference.astype(np.float64), test.astype(np.float64), self.sample_rate, extended=False))
+            return float(pystoi.stoi(reference.astype(np.float64), test.astype(np.float64), self.sample_rate, extended=False))
 
     def pesq(self, reference: np.ndarray, test: np.ndarray) -> tuple[float, str]:
         """(wideband PESQ MOS-LQO, note); NaN with a note such as `pesq:no_utterances` when unscorable."""
-        from pesq import PesqError, pesq
-
         from mmtok.audio.preprocess import resample
+
+        pesq = require("pesq", "bench", COMMAND)
 
         ref16 = resample(reference, self.sample_rate, PESQ_RATE).astype(np.float64)
         deg16 = resample(test, self.sample_rate, PESQ_RATE).astype(np.float64)
         try:
-            return float(pesq(PESQ_RATE, ref16, deg16, "wb")), ""
-        except PesqError as err:
+            return float(pesq.pesq(PESQ_RATE, ref16, deg16, "wb")), ""
+        except pesq.PesqError as err:
             return math.nan, "pesq:" + _snake(type(err).__name__.removesuffix("Error"))
 
     def score(self, reference: np.ndarray, test: np.ndarray) -> tuple[dict[str, float], str]:
@@ -144,6 +156,22 @@ class AudioScorer:
         test = match_length(test, reference.size)
         pesq_value, note = self.pesq(reference, test)
         return {"mel_l1": self.mel_l1(reference, test), "stoi": self.stoi(reference, test), "pesq": pesq_value}, note
+
+
+def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> torch.Tensor:
+    """[n_fft // 2 + 1, n_mels] triangular filters on the HTK mel scale from 0 Hz to sample_rate // 2,
+    unnormalized: torchaudio's `melscale_fbanks(norm=None, mel_scale="htk")`, computed by the same steps in
+    the same float32 order, so mel L1 equals torchaudio's MelSpectrogram without depending on torchaudio
+    (whose wheels follow torch releases and would pull a training container's torch along)."""
+    nyquist = float(sample_rate // 2)
+    freqs = torch.linspace(0, sample_rate // 2, n_fft // 2 + 1)
+    mel_points = torch.linspace(0.0, 2595.0 * math.log10(1.0 + nyquist / 700.0), n_mels + 2)
+    hz_points = 700.0 * (10.0 ** (mel_points / 2595.0) - 1.0)
+    widths = hz_points[1:] - hz_points[:-1]
+    slopes = hz_points.unsqueeze(0) - freqs.unsqueeze(1)
+    rising = (-1.0 * slopes[:, :-2]) / widths[:-1]
+    falling = slopes[:, 2:] / widths[1:]
+    return torch.max(torch.zeros(1), torch.min(rising, falling))
 
 
 def match_length(wave: np.ndarray, length: int) -> np.ndarray:

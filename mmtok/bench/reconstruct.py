@@ -200,9 +200,9 @@ class RunOptions:
 def run(options: RunOptions) -> dict:
     """Run (or resume) the benchmark and write the report; returns the summary dict."""
     from mmtok.bench.report import write_report
-    from mmtok.codecs.base import device_from_env
+    from mmtok.launch import resolve_device
 
-    device = device_from_env(options.device)
+    device = resolve_device(options.device)
     catalog = inputs.read_catalog(options.manifest, options.category_column, options.path_column, options.categories)
     sample = inputs.stratified_sample(catalog.categories, options.per_category, options.seed)
     loaded = _load_tokenizers(options, device)
@@ -290,14 +290,14 @@ def _first_difference(old, new, where: str) -> str:
 
 def _loop(options: RunOptions, catalog: inputs.Catalog, sample: np.ndarray, loaded: list[Loaded], task,
           log: ResultsLog) -> dict:
-    from tqdm import tqdm
+    from mmtok.progress import progress as progress_bar
 
     from mmtok.bench.report import kept_name
 
     reader = inputs.ByteReader()
     keep = _kept_positions(catalog.categories[sample], options.keep_per_category)
     timing = {"items": 0, "load_s": 0.0, "encode_s": 0.0, "decode_s": 0.0, "metrics_s": 0.0, "write_s": 0.0}
-    bar = tqdm(total=len(sample), unit="item", desc="bench reconstruct", disable=not options.progress)
+    bar = progress_bar(total=len(sample), unit="item", desc="bench reconstruct", enabled=options.progress)
     for position, index in enumerate(sample):
         item = {"item": str(catalog.ids[index]), "category": str(catalog.categories[index]),
                 "source": str(catalog.sources[index])}

@@ -225,10 +225,11 @@ def _wav_lines(kept: dict, labels: list[str]) -> list[str]:
 
 def plot_means(path: Path, stats: dict, metrics: tuple[Metric, ...], labels: list[str], categories: list[str]) -> None:
     """Grouped bars: one panel per metric, categories (and Overall) on x, one bar per tokenizer."""
-    import matplotlib
+    from mmtok.extras import require
 
+    matplotlib = require("matplotlib", "bench", "mmtok bench reconstruct")
     matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    plt = require("matplotlib.pyplot", "bench", "mmtok bench reconstruct")
 
     groups = categories + [OVERALL]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6 + 0.08 * len(groups)), squeeze=False)

@@ -108,15 +108,6 @@ def load_codec(name: str, checkpoint: str | os.PathLike, device: str | torch.dev
     return codec.eval()
 
 
-def device_from_env(requested: str | None = None) -> torch.device:
-    """The device for this process: `requested` if given, else cuda:LOCAL_RANK when CUDA exists, else cpu."""
-    if requested:
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def checkpoint_fingerprint(paths: list[Path]) -> str:
     """sha256 over the given checkpoint files (name + bytes), in the given order."""
     digest = hashlib.sha256()

@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmtok.audio.preprocess import AudioReason
 from mmtok.codecs.base import Codec, PrecisionContract, checkpoint_fingerprint, refuse_low_precision
 from mmtok.codecs.wavtokenizer_modules import (
     DIMENSION,
@@ -37,7 +36,7 @@ from mmtok.codecs.wavtokenizer_modules import (
     SEANetEncoder,
     VocosBackbone,
 )
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, Skip
 
 NAME = "wavtokenizer"
 SAMPLE_RATE = 24_000
@@ -291,11 +290,11 @@ def trimmed_count(n_samples: int) -> int:
     """Codes the audio pipeline keeps for a clip of n samples: ceil(n / 600) - 5, the same rule for
     every clip, so a clip's tokens never depend on the zero padding of its batch (a code's receptive
     field reaches at most 2,877 samples past its start; see SEANetEncoder.lookahead_samples).
-    Raises AudioReason("too_short") when fewer than one code would be kept (n <= 3,000 samples)."""
+    Raises Skip("too_short") when fewer than one code would be kept (n <= 3,000 samples)."""
     kept = -(-int(n_samples) // HOP) - TRIM
     if kept < 1:
-        raise AudioReason("too_short", f"{n_samples} samples at {SAMPLE_RATE} Hz keep no code after the "
-                                       f"uniform trim (need more than {TRIM * HOP})")
+        raise Skip("too_short", f"{n_samples} samples at {SAMPLE_RATE} Hz keep no code after the "
+                               f"uniform trim (need more than {TRIM * HOP})")
     return kept
 
 

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from mmtok.extras import require_extra
+
+    require_extra("bench", "mmtok bench reconstruct")  # before hours of encoding, not at the report
     from mmtok.bench.reconstruct import RunOptions, parse_tokenizer
     from mmtok.bench.reconstruct import run as run_bench
 

@@ -40,9 +40,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from mmtok.codecs.base import device_from_env, load_codec
+    from mmtok.codecs.base import load_codec
+    from mmtok.launch import resolve_device
 
-    codec = load_codec(args.codec, args.checkpoint, device_from_env(args.device))
+    codec = load_codec(args.codec, args.checkpoint, resolve_device(args.device))
     codec.precision.apply()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from mmtok.errors import MmtokError
 
@@ -19,15 +20,15 @@ Images (--modality image): the rank takes its contiguous range of the plan's glo
 world size defaults to the plan's. If it differs from the plan's, the plan's cost-balanced ranges
 are re-derived for it (the merged output is the same for every world size).
 
-Every batch is committed durably; rerunning the same command after a crash or kill resumes from the
-last committed batch and yields byte-identical files. A resume with a different plan, codec
-checkpoint or precision contract is refused.
+Every batch is committed durably, with a checksum; rerunning the same command after a crash or kill
+resumes from the last committed batch (after checking what was committed) and yields byte-identical
+files. A resume with a different plan, codec checkpoint or precision contract is refused. One process
+writes a part at a time: a second one for the same part is refused at once, naming the holder.
+Every input that does not become tokens is named in the part's skipped.jsonl (merge joins them).
 """
 
 
 def add_parser(sub) -> None:
-    from mmtok.audio import encode as audio_encode
-
     parser = sub.add_parser("encode", help="encode one rank's share of a plan (images) or Shar shards (audio)",
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modality", choices=("image", "audio"), default="image",
@@ -49,57 +50,31 @@ def add_parser(sub) -> None:
     group.add_argument("--max-consecutive-failures", type=int, default=64,
                        help="stop the rank after this many undecodable images in a row (default 64)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
-    audio_encode.add_arguments(parser)
+    add_audio_arguments(parser)
     parser.set_defaults(func=run)
-
-
-def resolve_rank(rank: int | None, world_size: int | None, default_world_size: int = 1) -> tuple[int, int]:
-    """Flags first, then RANK/WORLD_SIZE (torchrun sets them per worker, also inside an srun task),
-    then SLURM_PROCID/SLURM_NTASKS, then (0, default_world_size)."""
-    env = os.environ
-    if rank is None:
-        rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-    if world_size is None:
-        world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", default_world_size)))
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise MmtokError(f"rank {rank} is outside 0..{world_size - 1} (world size {world_size})")
-    return rank, world_size
-
-
-def resolve_device(requested: str | None):
-    """--device, else cuda:LOCAL_RANK, else cuda:(SLURM_LOCALID mod visible GPUs) under srun, else the default."""
-    import torch
-
-    from mmtok.codecs.base import device_from_env
-
-    local = os.environ.get("SLURM_LOCALID")
-    if requested is None and "LOCAL_RANK" not in os.environ and local is not None and torch.cuda.is_available():
-        return torch.device("cuda", int(local) % torch.cuda.device_count())
-    return device_from_env(requested)
 
 
 def run(args) -> int:
     if args.modality == "audio":
-        from mmtok.audio import encode as audio_encode
-
-        args.rank, args.world_size = resolve_rank(args.rank, args.world_size)  # one rule for both modalities
-        args.device = str(resolve_device(args.device))
-        return audio_encode.run(args)
+        return run_audio(args)
     return run_images(args)
 
 
 def run_images(args) -> int:
     from mmtok.codecs.base import load_codec
+    from mmtok.formats.commitlog import check_part_free, part_dir
+    from mmtok.launch import resolve_device, resolve_rank
     from mmtok.encode.runner import EncodeOptions, encode_rank
-    from mmtok.formats.plan import read_meta
+    from mmtok.formats.plan import Plan
 
     if not args.plan:
         raise MmtokError("--modality image needs --plan (the output directory of `mmtok plan`)")
-    meta = read_meta(args.plan)
+    meta = Plan.open(args.plan).meta
     rank, world_size = resolve_rank(args.rank, args.world_size, meta["world_size"])
     if world_size != meta["world_size"]:
         print(f"mmtok encode: the plan was balanced for {meta['world_size']} ranks; re-deriving its contiguous "
               f"cost-balanced ranges for {world_size} ranks (the merged output does not depend on the world size)")
+    check_part_free(part_dir(args.out, rank))  # a duplicate job stops here, before it loads the model
     device = resolve_device(args.device)
     codec = load_codec(args.codec or "emu3.5", args.checkpoint, device)
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
@@ -119,6 +94,61 @@ def print_summary(rank: int, world_size: int, stats: dict) -> None:
     skipped = ", ".join(f"{reason} {n:,}" for reason, n in stats["skipped"].items()) or "none"
     print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
           f"{stats['images_planned']:,} images in {stats['sequences']:,} documents, {counts.get('tokens', 0):,} "
-          f"tokens; skipped: {skipped}")
+          f"tokens; skipped: {skipped}" + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else ""))
+    if not stats["dataset"]:
+        print("  no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
     print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
           f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
+
+
+def add_audio_arguments(parser) -> None:
+    """Register the audio-only options of `mmtok encode`."""
+    from mmtok.audio.encode import SEQUENCE_MODES
+
+    group = parser.add_argument_group("audio options (--modality audio)")
+    options = [
+        (("--shar",), {"type": Path, "help": "output of `mmtok audio convert` (or a Lhotse Shar directory)"}),
+        (("--max-duration",), {"type": float, "default": 300.0,
+                               "help": "audio: padded seconds per batch (longest clip x clips; default 300)"}),
+        (("--max-clip-duration",), {"type": float, "default": 600.0,
+                                    "help": "audio: clips longer than this many seconds are skipped as too_long "
+                                            "(memory grows with a clip's length: ~3 GB per 1,000 s; default 600)"}),
+        (("--num-buckets",), {"type": int, "default": 50,
+                              "help": "audio: duration buckets of the sampler (default 50: < 5%% padding, see the benchmark)"}),
+        (("--bucket-seed",), {"type": int, "default": 0, "help": "audio: seed of the bucketing sampler (default 0)"}),
+        (("--sequences",), {"choices": SEQUENCE_MODES, "default": "auto",
+                            "help": "audio: which sequences to write per clip: auto = transcription (translation "
+                                    "when the clip has a target language) if it has text, else audio-only "
+                                    "(default); audio = audio-only for every clip; transcription = only clips "
+                                    "with text; both = audio-only for every clip plus a transcription"}),
+        (("--num-workers",), {"type": int, "default": min(4, os.cpu_count() or 1),
+                              "help": "CPU data-loader worker processes (default min(4, CPUs))"}),
+        (("--text-tokenizer",), {"default": "tekken",
+                                 "help": "text tokenizer spec; must match the one the Shar text was tokenized with"}),
+    ]
+    for flags, kwargs in options:
+        group.add_argument(*flags, **kwargs)
+
+
+def run_audio(args) -> int:
+    from mmtok.audio.encode import encode_rank
+    from mmtok.audio.shards import Batching, assign_shards
+    from mmtok.formats.commitlog import check_part_free, part_dir
+    from mmtok.formats.shar import discover_shards
+    from mmtok.codecs.base import load_codec
+    from mmtok.launch import resolve_device, resolve_rank
+
+    if args.shar is None:
+        raise MmtokError("--modality audio needs --shar (the output directory of `mmtok audio convert`)")
+    rank, world_size = resolve_rank(args.rank, args.world_size)
+    shards, _ = discover_shards(Path(args.shar))
+    for index in assign_shards([s.duration for s in shards], world_size)[rank]:
+        check_part_free(part_dir(args.out, shards[index].index))  # a duplicate job stops before loading the model
+    codec = load_codec(args.codec or "wavtokenizer", args.checkpoint, resolve_device(args.device))
+    if codec.modality != "audio":
+        raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
+    batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
+    encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size, batching=batching,
+                sequences=args.sequences, num_workers=args.num_workers, text_tokenizer=args.text_tokenizer,
+                progress=not getattr(args, "no_progress", False))
+    return 0

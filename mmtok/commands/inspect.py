@@ -8,8 +8,11 @@ def add_parser(sub) -> None:
         "inspect", help="print what a manifest, plan, encode output or dataset holds",
         description="Print what PATH holds: a scan manifest dir, a plan dir, an encode output dir, or a Megatron "
         "dataset (prefix, .bin or .idx). Datasets are shown document by document with text decoded and image/audio "
-        "blocks summarized; --render decodes the blocks of the shown documents to PNG/WAV with a codec.")
-    parser.add_argument("path", help="manifest dir, plan dir, encode output dir, or dataset prefix/.bin/.idx")
+        "blocks summarized; --render decodes the blocks of the shown documents to PNG/WAV with a codec. "
+        "--megatron instead prints the Megatron-LM arguments that train on the datasets given (one or more PATHs).")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="manifest dir, plan dir, encode output dir, or dataset prefix/.bin/.idx (several "
+                        "datasets only with --megatron)")
     parser.add_argument("--limit", type=int, default=3, help="documents (or rows) to show (default 3)")
     parser.add_argument("--text-tokenizer", default="tekken",
                         help="text tokenizer used for the dataset (default: tekken, the built-in Mistral-NeMo one)")
@@ -18,20 +21,33 @@ def add_parser(sub) -> None:
     parser.add_argument("--render", metavar="DIR", default=None, help="decode shown blocks into DIR (needs --codec)")
     parser.add_argument("--codec", default=None, help="codec name for --render (emu3.5, emu3, wavtokenizer)")
     parser.add_argument("--checkpoint", default=None, help="codec checkpoint directory for --render")
+    parser.add_argument("--megatron", action="store_true",
+                        help="print the Megatron-LM arguments for the datasets: --data-path, --split, tokenizer, vocab "
+                        "padding, --seq-length (from the longest document in the .idx), with one comment line each")
+    parser.add_argument("--weights", type=float, nargs="+", default=None, metavar="W",
+                        help="with --megatron: one blending weight per PATH, in order (put it after the PATHs)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="with --megatron: the `mmtok tokenizer build` directory; checked against the data")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from mmtok.errors import MmtokError
-    from mmtok.inspect import inspect_path
+    from mmtok.inspect import inspect_path, megatron_recipe
 
+    if args.megatron:
+        print(megatron_recipe(args.paths, weights=args.weights, tokenizer=args.tokenizer))
+        return 0
+    if len(args.paths) > 1 or args.weights or args.tokenizer:
+        raise MmtokError("several PATHs, --weights and --tokenizer go with --megatron; without it give one PATH")
     codec = None
     if args.render:
         if not (args.codec and args.checkpoint):
             raise MmtokError("--render needs --codec and --checkpoint")
-        from mmtok.codecs.base import device_from_env, load_codec
+        from mmtok.codecs.base import load_codec
+        from mmtok.launch import resolve_device
 
-        codec = load_codec(args.codec, args.checkpoint, device_from_env())
-    print(inspect_path(args.path, limit=args.limit, text_tokenizer=args.text_tokenizer,
+        codec = load_codec(args.codec, args.checkpoint, resolve_device())
+    print(inspect_path(args.paths[0], limit=args.limit, text_tokenizer=args.text_tokenizer,
                        text_vocab_size=args.text_vocab_size, render_dir=args.render, codec=codec))
     return 0

@@ -1,12 +1,13 @@
-"""`mmtok encode` for images: one rank's share of a plan -> a durable Megatron part shard.
+"""`mmtok encode`: the rank loop every modality runs, and the image pieces plugged into it.
 
-  work.py       the rank's batches of the plan, joined with the manifest columns it needs
-  reader.py     the manifest rows a rank needs (bytes come from formats.manifest.MemberReader)
+  loop.py       the modality-neutral rank loop: loader ahead -> device -> committer behind, one Meter
+
+  work.py       the rank's batches of the plan (formats.plan.Plan), joined with the manifest rows they need
   loader.py     loader threads: decode, resize into pinned buffers, tokenize text, ahead of the device
   documents.py  token documents per plan mode (templates of text ids and image slots)
   chat.py       SFT conversations rendered with the tokenizer's chat template
-  runner.py     the device loop, document assembly, background commits, progress and stats
-  standin.py    a simulated image device for tests and benchmarks (not a codec)
+  runner.py     images through the loop: document assembly, commits, progress and stats
+(audio plugs into the same loop from mmtok.audio.encode)
 
 Public entry point: `mmtok.encode.runner.encode_rank(plan_dir, out, codec, rank=, world_size=, device=, options=)`.
 The part-shard format (commits, resume, carry) lives in `mmtok.formats.commitlog`.

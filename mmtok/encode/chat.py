@@ -17,18 +17,14 @@ import json
 import re
 from typing import Any
 
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, Skip
 
 IMAGE_PLACEHOLDERS = ("<|image|>", "<image>")
 _PLACEHOLDER = re.compile("|".join(re.escape(p) for p in IMAGE_PLACEHOLDERS))
 
 
-class ConversationError(Exception):
+class ConversationError(Skip):
     """A conversation that cannot be rendered; `reason` is the counted skip reason."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 def _raise_exception(message: str) -> None:

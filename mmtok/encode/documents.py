@@ -49,7 +49,7 @@ class Sidecars:
     json: bytes | None = None
 
 
-class Documents:
+class DocumentBuilder:
     """Builds templates and image blocks for one mode, tokenizer and vocabulary layout (thread-safe)."""
 
     def __init__(self, mode: str, tokenizer: TextTokenizer, layout: VocabLayout):
@@ -149,7 +149,7 @@ class Documents:
         try:
             rendered = self.chat.render(_json(sidecars))
         except ConversationError as err:
-            raise DocumentError(err.reason, str(err)) from None
+            raise DocumentError(err.reason, err.detail) from None
         template: Template = []
         slot = 0
         for piece in split_images(rendered):

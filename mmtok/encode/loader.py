@@ -26,7 +26,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from mmtok.encode.documents import DocumentError, Documents, Sidecars, Template
+from mmtok.encode.documents import DocumentError, DocumentBuilder, Sidecars, Template
 from mmtok.formats.manifest import MemberReader, ShortRead
 from mmtok.encode.work import RankWork
 from mmtok.errors import Skip
@@ -92,10 +92,10 @@ class HostRing:
 class BatchLoader:
     """Iterate `PreparedBatch`es for global batches `batches` of `work`, loaded in the background."""
 
-    def __init__(self, work: RankWork, documents: Documents, batches: range, *, threads: int = 4,
+    def __init__(self, work: RankWork, builder: DocumentBuilder, batches: range, *, threads: int = 4,
                  prefetch: int = 4, pin: bool = False):
         self.work = work
-        self.documents = documents
+        self.builder = builder
         self.reader = MemberReader()
         self._batches = batches
         self._stop = threading.Event()
@@ -154,10 +154,10 @@ class BatchLoader:
     def _templates(self, batch: int) -> dict[int, Template | DocumentError]:
         out: dict[int, Template | DocumentError] = {}
         for position in self.work.completing(batch):
-            document = int(self.work.documents[position])
+            document = int(self.work.doc_ids[position])
             try:
                 sidecars = self._sidecars(int(self.work.doc_row[position]))
-                out[document] = self.documents.template(int(self.work.doc_images[position]), sidecars)
+                out[document] = self.builder.template(int(self.work.doc_images[position]), sidecars)
             except DocumentError as err:
                 out[document] = err
         return out
@@ -166,10 +166,10 @@ class BatchLoader:
         r = self.work.rows
         text = json = None
         try:
-            if self.documents.needs_text and r["text_offset"][row] >= 0:
+            if self.builder.needs_text and r["text_offset"][row] >= 0:
                 text = self.reader.read_text(r["container"][row], r["tar"][row], int(r["text_offset"][row]),
                                              int(r["text_size"][row]), self.work.text_column)
-            if self.documents.needs_json and r["json_offset"][row] >= 0:
+            if self.builder.needs_json and r["json_offset"][row] >= 0:
                 json = self.reader.read(r["tar"][row], int(r["json_offset"][row]), int(r["json_size"][row]))
         except ShortRead:
             raise DocumentError("sidecar_unreadable") from None

@@ -1,16 +1,13 @@
-"""The per-rank encode loop: loaders ahead of the device, the device encoding, a committer behind it.
+"""Images through the rank loop (mmtok.encode.loop): a rank's plan batches, their pixels, their documents.
 
-Three stages run at once:
   loader threads  (mmtok.encode.loader)  read, decode, resize and tokenize batch b+1, b+2, ...
-  device loop     (this thread)          copies batch b to the device (non-blocking from pinned
+  device          (encode.loop)          copies batch b to the device (non-blocking from pinned
                                          memory) and encodes it
-  committer       (one thread)           assembles the documents batch b-1 completes and makes
-                                         them durable (PartShard.commit: tokens, provenance and
-                                         the commit record fsynced)
-so the device waits for neither decoding nor fsync. Every stage handles batches in global order
-and everything a commit holds is a function of the plan alone, so a rank's files are the same for
-any number of loader threads, after any number of kills and resumes, and merge to the same bytes
-for any world size.
+  committer       (encode.loop)          assembles the documents batch b-1 completes (`Assembler`)
+                                         and makes them durable (PartWriter.commit)
+Every stage handles batches in global order and everything a commit holds is a function of the plan
+alone, so a rank's files are the same for any number of loader threads, after any number of kills
+and resumes, and merge to the same bytes for any world size.
 
 Multi-image documents: a document's images can sit in different batches of its window (batches are
 shape-uniform). The blocks of images whose document is still open are appended to the part's
@@ -20,24 +17,22 @@ batch that encodes its last image (the plan's `last_batch`).
 
 from __future__ import annotations
 
-import struct
-import sys
-import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import PIL
 import torch
 
 from mmtok import __version__
 from mmtok.codecs.base import refuse_low_precision
-from mmtok.encode.documents import DocumentError, Documents
+from mmtok.encode.documents import DocumentError, DocumentBuilder
 from mmtok.encode.loader import BatchLoader, PreparedBatch
 from mmtok.encode.work import RankWork, load_rank_work
 from mmtok.errors import MmtokError, Skip
-from mmtok.formats.commitlog import CommitThread, PartShard, part_dir
+from mmtok.encode.loop import Meter, run_device, timing_stats
+from mmtok.formats.commitlog import PartWriter, has_dataset, pack_carry, part_dir, unpack_carry
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -48,7 +43,6 @@ RECORDED_SPECIAL_TOKENS = (
     "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|inner_prefix|>", "<|inner_suffix|>",
     "<|tools_prefix|>", "<|tools_suffix|>", "<|tool_output_start|>", "<|tool_output_end|>",
 )
-_CARRY_HEADER = struct.Struct("<qiiH")  # document, image_index, block tokens, reason bytes
 
 
 @dataclass
@@ -71,7 +65,7 @@ def plan_tokenizer(work: RankWork) -> TextTokenizer:
     return tokenizer
 
 
-def check_codec(work: RankWork, codec, documents: Documents) -> None:
+def check_codec(work: RankWork, codec, builder: DocumentBuilder) -> None:
     """The codec must be an image codec with the plan's pixels per code and the plan's block sizes."""
     params = work.plan_meta["parameters"]
     if codec.modality != "image":
@@ -84,14 +78,14 @@ def check_codec(work: RankWork, codec, documents: Documents) -> None:
     shapes = {(int(h), int(w)): int(t) for h, w, t in zip(rows["target_height"], rows["target_width"], rows["tokens"])}
     factor = codec.pixels_per_code
     for (height, width), tokens in shapes.items():
-        have = documents.block_length(height // factor, width // factor)
+        have = builder.block_length(height // factor, width // factor)
         if have != tokens:
             raise MmtokError(f"plan counts {tokens} tokens for a {height}x{width} image block but this text tokenizer "
                              f"gives {have}; the plan was made with another tokenizer -- re-run `mmtok plan`")
 
 
 def part_identity(work: RankWork, codec, tokenizer: TextTokenizer, layout: VocabLayout) -> dict:
-    """What a part is made from; a resume must match it exactly (see PartShard)."""
+    """What a part is made from; a resume must match it exactly (see PartWriter)."""
     special = {}
     for name in RECORDED_SPECIAL_TOKENS:
         try:
@@ -104,6 +98,9 @@ def part_identity(work: RankWork, codec, tokenizer: TextTokenizer, layout: Vocab
         "plan_fingerprint": work.plan_meta["fingerprint"],
         "manifest_fingerprint": work.plan_meta["manifest_fingerprint"],
         "codec": codec.describe(),
+        # Pillow's bicubic resize changed in 13.0 (values differ by up to 3/255): ranks decoding with another
+        # Pillow would write other tokens, so a resume or a merge across versions is refused.
+        "image_decoder": {"pillow": PIL.__version__},
         "text_tokenizer": tokenizer.describe(),
         "text_special_ids": special,
         "vocab": {"text_size": layout.text_size, "total_size": layout.total_size,
@@ -126,14 +123,14 @@ class Assembler:
     """Encoded batches -> documents, in batch order. Open documents' images live in `pending`
     (and in the part's carry, so they survive a kill)."""
 
-    def __init__(self, work: RankWork, documents: Documents, carry: bytes, next_batch: int):
+    def __init__(self, work: RankWork, builder: DocumentBuilder, carry: bytes, next_batch: int):
         self.work = work
-        self.documents = documents
+        self.builder = builder
         self.pending: dict[int, dict[int, np.ndarray | str]] = {}
         self.consecutive_failures = 0
-        for document, image_index, value in unpack_carry(carry):
+        for document, image_index, skip, block in unpack_carry(carry):
             if work.doc_last_batch[work.doc_position(document)] >= next_batch:  # still open at the resume point
-                self.pending.setdefault(document, {})[image_index] = value
+                self.pending.setdefault(document, {})[image_index] = skip or block
 
     def add(self, prepared: PreparedBatch, codes: np.ndarray | None, max_failures: int) -> Commit:
         work, rows, commit = self.work, self.work.rows, Commit()
@@ -145,15 +142,16 @@ class Assembler:
             self._count_failure(failure, row, max_failures)
             self.pending.setdefault(document, {})[image_index] = value
             if work.doc_last_batch[work.doc_position(document)] != prepared.batch:
-                carry.append(pack_carry(document, image_index, value))
+                carry.append((document, image_index, value, None) if isinstance(value, str)
+                             else (document, image_index, "", value))
         for position in work.completing(prepared.batch):
             self._finish_document(int(position), prepared.templates, commit)
-        commit.carry = b"".join(carry)
+        commit.carry = pack_carry(carry)
         commit.carry_done = not self.pending
         return commit
 
     def _block(self, codes: np.ndarray, row: int) -> np.ndarray:
-        block = self.documents.image_block(codes)
+        block = self.builder.image_block(codes)
         if block.size != self.work.rows["tokens"][row]:
             raise MmtokError(f"image block of manifest row {self.work.rows['manifest_row'][row]} has {block.size} "
                              f"tokens, the plan counted {self.work.rows['tokens'][row]}")
@@ -171,7 +169,7 @@ class Assembler:
 
     def _finish_document(self, position: int, templates: dict, commit: Commit) -> None:
         work = self.work
-        document = int(work.documents[position])
+        document = int(work.doc_ids[position])
         images = self.pending.pop(document, {})
         if len(images) != work.doc_images[position]:
             raise MmtokError(f"document {document}: {len(images)} of {work.doc_images[position]} images were "
@@ -186,7 +184,7 @@ class Assembler:
                 commit.skipped.append(self._skip_record(int(row), skip))
             commit.counts["documents_skipped"] += 1
             return
-        tokens = self.documents.assemble(template, images)
+        tokens = self.builder.assemble(template, images)
         first = int(work.doc_row[position])
         commit.sequences.append(tokens)
         commit.provenance.append({"document": document, "key": work.rows["key"][first], "tar": work.rows["tar"][first],
@@ -212,73 +210,7 @@ class Assembler:
                 "reason": skip.reason, "detail": skip.detail}
 
 
-def pack_carry(document: int, image_index: int, value: np.ndarray | str) -> bytes:
-    """One carried image: its block (int32), or the reason it failed."""
-    if isinstance(value, str):
-        reason = value.encode()
-        return _CARRY_HEADER.pack(document, image_index, 0, len(reason)) + reason
-    return _CARRY_HEADER.pack(document, image_index, int(value.size), 0) + value.astype(np.int32).tobytes()
-
-
-def unpack_carry(data: bytes):
-    """Yield (document, image_index, block or reason) from carry bytes."""
-    position = 0
-    while position < len(data):
-        document, image_index, size, reason_len = _CARRY_HEADER.unpack_from(data, position)
-        position += _CARRY_HEADER.size
-        if reason_len:
-            yield document, image_index, data[position : position + reason_len].decode()
-            position += reason_len
-        else:
-            yield document, image_index, np.frombuffer(data, np.int32, size, position).copy()
-            position += size * 4
-
-
-# -- the loop --------------------------------------------------------------------------------------
-class Meter:
-    """Throughput and device-busy figures for the progress bar and the stats (thread-safe enough:
-    the device loop adds busy time, the committer adds the rest)."""
-
-    def __init__(self, bar, images_done: int):
-        self._lock = threading.Lock()  # busy time is added by the device loop and taken by the committer
-        self.bar = bar
-        self.started = time.perf_counter()
-        self.last_commit = self.started
-        self.first_batch: float | None = None  # when the device got its first batch (pipeline fill)
-        self.busy = 0.0
-        self.busy_since_commit = 0.0
-        self.images = 0
-        self.tokens = 0
-        bar.update(images_done)
-
-    def device(self, started: float, finished: float) -> None:
-        with self._lock:
-            if self.first_batch is None:
-                self.first_batch = started
-            self.busy += finished - started
-            self.busy_since_commit += finished - started
-
-    @property
-    def fill_seconds(self) -> float:
-        """Seconds this session's device waited for its first batch (loaders warming up)."""
-        return (self.first_batch or time.perf_counter()) - self.started
-
-    def committed(self, images: int, tokens: int) -> dict[str, int]:
-        """Account one commit; returns its timing increments (milliseconds) for the part's counters."""
-        now = time.perf_counter()
-        with self._lock:
-            busy, self.busy_since_commit = self.busy_since_commit, 0.0
-        increments = {"wall_ms": round((now - self.last_commit) * 1000), "device_busy_ms": round(busy * 1000)}
-        self.last_commit = now
-        self.images += images
-        self.tokens += tokens
-        elapsed = max(now - self.started, 1e-9)
-        self.bar.set_postfix_str(f"{self.images / elapsed:.1f} img/s, {self.tokens / elapsed:,.0f} tok/s, "
-                                 f"device busy {100 * self.busy / elapsed:.1f}%", refresh=False)
-        self.bar.update(images)
-        return increments
-
-
+# -- the rank --------------------------------------------------------------------------------------
 def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, world_size: int,
                 device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> dict:
     """Encode rank `rank` of `world_size` of the plan into OUT/parts/part-<rank>; returns its stats.
@@ -289,17 +221,22 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     """
     options = options or EncodeOptions()
     device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the pinned ring: its context belongs on this GPU, not cuda:0
     work = load_rank_work(plan_dir, rank, world_size)
+    if not work.plan_meta["totals"]["kept_images"]:  # nothing from nothing: say so rather than write empty parts
+        raise MmtokError(f"{plan_dir}: the plan keeps no image (see `mmtok plan --explain` and its dropped.parquet "
+                         "for why); re-plan with other limits -- nothing to encode")
     tokenizer = plan_tokenizer(work)
     layout = VocabLayout(text_size=tokenizer.vocab_size)
-    documents = Documents(work.mode, tokenizer, layout)
-    check_codec(work, codec, documents)
+    builder = DocumentBuilder(work.mode, tokenizer, layout)
+    check_codec(work, codec, builder)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
-    with PartShard(part_dir(out, rank), part_identity(work, codec, tokenizer, layout)) as shard:
+    with PartWriter(part_dir(out, rank), part_identity(work, codec, tokenizer, layout)) as shard:
         if shard.done:
             return {"already_done": True, **_summary_counts(shard)}
         start = max(work.batch_range[0], shard.next_unit)
-        assembler = Assembler(work, documents, shard.carry(), start)
+        assembler = Assembler(work, builder, shard.carry(), start)
         batches = range(start, work.batch_range[1])
         meter = _run_batches(work, codec, shard, assembler, batches, device, options)
         stats = {**_stats(shard, codec, device, options, work), "fill_s": meter.fill_seconds}
@@ -307,46 +244,35 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     return {**stats, **_summary_counts(shard)}
 
 
-def _run_batches(work: RankWork, codec, shard: PartShard, assembler: Assembler, batches: range,
+def _run_batches(work: RankWork, codec, shard: PartWriter, assembler: Assembler, batches: range,
                  device: torch.device, options: EncodeOptions) -> Meter:
-    from tqdm import tqdm
+    from mmtok.progress import progress as progress_bar
 
     pin = device.type == "cuda" and torch.cuda.is_available()
-    bar = tqdm(total=work.num_images, desc=f"encode rank {work.rank}", unit="img", file=sys.stderr,
-               disable=not options.progress, mininterval=1.0 if sys.stderr.isatty() else 30.0)
-    meter = Meter(bar, work.images_before(batches.start))
-    loader = BatchLoader(work, assembler.documents, batches, threads=options.loader_threads,
+    bar = progress_bar(total=work.num_images, desc=f"encode rank {work.rank}", unit="img", enabled=options.progress,
+                       mininterval=1.0)
+    meter = Meter(bar, work.images_before(batches.start), item="img")
+    loader = BatchLoader(work, assembler.builder, batches, threads=options.loader_threads,
                          prefetch=options.prefetch, pin=pin)
-    committer = CommitThread()
     try:
-        with torch.inference_mode():
-            for prepared in loader:
-                codes = _encode(codec, prepared, device, meter)
-                loader.release(prepared)
-                committer.submit(lambda p=prepared, c=codes: _commit(shard, assembler, p, c, meter, options))
-    except BaseException:
-        committer.close(reraise=False)  # the device loop's error is the one to report, not a later one
-        raise
-    else:
-        committer.close()
+        run_device(loader, lambda prepared: _encode(codec, prepared, device),
+                   lambda prepared, codes: _commit(shard, assembler, prepared, codes, meter, options),
+                   meter, release=loader.release)
     finally:
         loader.close()
         bar.close()
     return meter
 
 
-def _encode(codec, prepared: PreparedBatch, device: torch.device, meter: Meter) -> np.ndarray | None:
+def _encode(codec, prepared: PreparedBatch, device: torch.device) -> np.ndarray | None:
     """Codes [B, h, w] of a batch (None when every image failed: nothing to encode)."""
     if all(prepared.failures):
         return None
-    started = time.perf_counter()
     pixels = prepared.pixels.to(device, non_blocking=True)  # async from pinned memory on CUDA
-    codes = codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
-    meter.device(started, time.perf_counter())
-    return codes
+    return codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
 
 
-def _commit(shard: PartShard, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
+def _commit(shard: PartWriter, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
             meter: Meter, options: EncodeOptions) -> None:
     commit = assembler.add(prepared, codes, options.max_consecutive_failures)
     timing = meter.committed(len(prepared.failures), int(commit.counts.get("tokens", 0)))
@@ -354,10 +280,9 @@ def _commit(shard: PartShard, assembler: Assembler, prepared: PreparedBatch, cod
                  carry=commit.carry, carry_done=commit.carry_done, skipped=commit.skipped)
 
 
-def _stats(shard: PartShard, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:
+def _stats(shard: PartWriter, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:
     counts = shard.counts
-    wall = counts.get("wall_ms", 0) / 1000
-    busy = counts.get("device_busy_ms", 0) / 1000
+    timing = timing_stats(counts)
     return {
         "tool_version": __version__,
         "rank": work.rank, "world_size": work.world_size, "batches": list(work.batch_range),
@@ -365,13 +290,12 @@ def _stats(shard: PartShard, codec, device: torch.device, options: EncodeOptions
         "images_planned": work.num_images,
         "images_written": counts.get("images_written", 0),
         "skipped": {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")},
-        "wall_s": wall, "device_busy_s": busy, "device_busy_fraction": busy / wall if wall else 0.0,
-        "images_per_s": counts.get("images_written", 0) / wall if wall else 0.0,
-        "tokens_per_s": counts.get("tokens", 0) / wall if wall else 0.0,
+        **timing, "images_per_s": counts.get("images_written", 0) / timing["wall_s"] if timing["wall_s"] else 0.0,
         "device": str(device), "loader_threads": options.loader_threads,
         "precision": codec.precision.to_dict(),
     }
 
 
-def _summary_counts(shard: PartShard) -> dict:
-    return {"counts": dict(shard.counts), "sequences": len(shard.lengths), "part_dir": str(shard.directory)}
+def _summary_counts(shard: PartWriter) -> dict:
+    return {"counts": dict(shard.counts), "sequences": len(shard.lengths), "part_dir": str(shard.directory),
+            "dataset": has_dataset(shard.directory)}

@@ -10,7 +10,7 @@ part = input Shar shard). A part directory contains
   skipped.jsonl     one JSON line per input that did not become tokens (key, source, member,
                     reason, detail), appended per unit
   carry.bin         opaque bytes the writer carries between units (e.g. codes of images whose
-                    multi-image document is not complete yet); see `PartShard.carry`
+                    multi-image document is not complete yet); see `PartWriter.carry`
   commits.log       one record per committed unit: `<json>\\t<crc32 hex>\\n`
   tokens.idx        written by `finish` (atomic) -- only when the part has tokens: megatron-core
                     cannot open an empty dataset, so a part without sequences has no tokens.bin/.idx
@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import zlib
 from array import array
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -159,12 +160,14 @@ def _json_lines(records: list[dict]) -> bytes:
                     for r in records)
 
 
-def verify_part(directory: str | os.PathLike, records: list[dict] | None = None) -> None:
-    """Check a part's files against its commit records: every unit's bytes by CRC-32, sizes, and (when
-    finished) tokens.idx. Raises MmtokError naming the part, the file and the unit on any damage."""
+def verify_part(directory: str | os.PathLike, records: list[dict] | None = None) -> list[dict]:
+    """Check a part's files against its commit records: every unit's bytes by CRC-32, sizes,
+    identity.json, and (when finished) tokens.idx. Raises MmtokError naming the part, the file and
+    the unit on any damage; returns the records (the checked source of a part's counts and lengths)."""
     directory = Path(directory)
     if records is None:
         records, _ = read_commits(directory)
+    _verify_identity(directory, records)
     for name, size_key in APPENDED.items():
         path = directory / name
         expected = records[-1].get(size_key, 0) if records else 0
@@ -189,9 +192,36 @@ def verify_part(directory: str | os.PathLike, records: list[dict] | None = None)
         if not index.is_file() or index.read_bytes() != encode_index(lengths, TOKEN_DTYPE):
             raise MmtokError(f"{index}: missing or does not match the commit log. Delete {directory} and "
                              "re-encode this part.")
+    return records
 
 
-class PartShard:
+def _crc_of(path: Path) -> int:
+    try:
+        return zlib.crc32(path.read_bytes())
+    except FileNotFoundError:
+        raise MmtokError(f"{path}: missing; the part is damaged. Delete {path.parent} and re-encode this part.") from None
+
+
+def _verify_identity(directory: Path, records: list[dict]) -> None:
+    """identity.json must be the bytes the commits (and DONE) were made under; a finished part's
+    stats.json the bytes DONE records."""
+    recorded = [r["identity_crc"] for r in records[-1:]]
+    if is_done(directory):
+        try:
+            done = json.loads((directory / DONE).read_text("utf-8"))
+            recorded.append(done["identity_crc"])
+            stats_crc = done["stats_crc"]
+        except (ValueError, KeyError) as err:
+            raise MmtokError(f"{directory / DONE}: damaged ({err}). Delete {directory} and re-encode this part.") from None
+        if stats_crc != _crc_of(directory / STATS):
+            raise MmtokError(f"{directory / STATS}: does not match its checksum in DONE (bit rot or a damaged copy). "
+                             f"Delete {directory} and re-encode this part.")
+    if any(crc != _crc_of(directory / IDENTITY) for crc in recorded):
+        raise MmtokError(f"{directory / IDENTITY}: does not match its checksum in the commit log (bit rot or a "
+                         f"damaged copy). Delete {directory} and re-encode this part.")
+
+
+class PartWriter:
     """A part's output directory, created fresh or resumed from its last commit, written by one
     process at a time (a second writer is refused naming the holder; see `WriterLock`).
 
@@ -219,6 +249,7 @@ class PartShard:
     def _open(self, identity: dict) -> None:
         self.identity = _normalize({**identity, "format": PART_FORMAT})
         self._check_identity()
+        self._identity_crc = _crc_of(self.directory / IDENTITY)
         self.done = is_done(self.directory)
         records, log_bytes = read_commits(self.directory)
         last = records[-1] if records else {}
@@ -311,6 +342,7 @@ class PartShard:
         lengths = [int(a.size) for a in arrays]
         record = {"unit": int(unit), "lengths": lengths, "counts": self.counts, "carry_live": self._carry_live,
                   "carry_crc": self._carry_crc, "crc": {name: zlib.crc32(data[name]) for name in APPENDED},
+                  "identity_crc": self._identity_crc,
                   **self._sizes}
         self._write_all(COMMITS, _encode_record(record))
         self.lengths.extend(lengths)
@@ -356,8 +388,9 @@ class PartShard:
         else:
             (self.directory / TOKENS_BIN).unlink(missing_ok=True)
         summary = {"sequences": int(lengths.size), "tokens": int(lengths.sum()), "counts": dict(self.counts),
-                   "last_unit": self.next_unit - 1, "dataset": has_dataset}
+                   "last_unit": self.next_unit - 1, "dataset": has_dataset, "identity_crc": self._identity_crc}
         atomic_write_json(self.directory / STATS, {**stats, **summary, "identity": self.identity})
+        summary["stats_crc"] = _crc_of(self.directory / STATS)
         atomic_write_bytes(self.directory / DONE, (json.dumps(summary, sort_keys=True) + "\n").encode())
         self.done = True
         self.close()  # nothing more can be written: the lock goes with the files
@@ -373,16 +406,48 @@ class PartShard:
         if self._own_lock:
             self._lock.release()
 
-    def __enter__(self) -> "PartShard":
+    def __enter__(self) -> "PartWriter":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
+_CARRY_ITEM = struct.Struct("<qiiH")  # key, sub-key, number of int32 ids, bytes of the skip text
+MAX_SKIP_TEXT = 4000  # bytes of "reason: detail" kept per carried item
+
+
+def pack_carry(items: Iterable[tuple[int, int, str, np.ndarray | None]]) -> bytes:
+    """Carry bytes for items (key, sub-key, skip text "reason: detail" -- "" when encoded --, int32 ids):
+    what a writer keeps in a part between units (images of open documents, a shard's encoded clips)."""
+    chunks = []
+    for key, sub, skip, ids in items:
+        ids = np.zeros(0, np.int32) if ids is None else np.asarray(ids, np.int32)
+        text = skip.encode()[:MAX_SKIP_TEXT].decode("utf-8", "ignore").encode()
+        chunks += [_CARRY_ITEM.pack(key, sub, ids.size, len(text)), text, ids.tobytes()]
+    return b"".join(chunks)
+
+
+def unpack_carry(data: bytes) -> Iterator[tuple[int, int, str, np.ndarray]]:
+    """The items of `pack_carry` output (any number of concatenated packs), in order."""
+    offset = 0
+    while offset < len(data):
+        key, sub, count, length = _CARRY_ITEM.unpack_from(data, offset)
+        offset += _CARRY_ITEM.size
+        skip = data[offset: offset + length].decode()
+        offset += length
+        yield key, sub, skip, np.frombuffer(data, np.int32, count, offset).copy()
+        offset += 4 * count
+
+
 def lock_part(directory: str | os.PathLike) -> WriterLock:
-    """The writer lock of a part directory (see PartShard)."""
+    """The writer lock of a part directory (see PartWriter)."""
     return WriterLock(directory, f"part {directory}")
+
+
+def check_part_free(directory: str | os.PathLike) -> None:
+    """Refuse at once when another process writes the part (see WriterLock.check_free)."""
+    WriterLock.check_free(directory, f"part {directory}")
 
 
 def has_dataset(directory: str | os.PathLike) -> bool:

@@ -10,6 +10,10 @@ Parquet file is complete; its `fingerprint` is the sha256 of manifest.parquet.
 Reading a member: for `container == "tar"`, `open(tar, "rb").seek(offset); read(size)`; for
 `container == "parquet"` (a Parquet or Arrow IPC table file), `offset` is the row index and
 `member` the column name (a binary column or a struct with a `bytes` field). `MemberReader` does both.
+
+Writing is `write_manifest`; every reader opens the directory with `Manifest.open`, which validates
+it and serves the metadata, the fingerprint, the text column and the rows (whole, a batch at a time,
+or given rows reading only their row groups).
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
+import numpy as np
 import pyarrow as pa
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
+from mmtok.formats.parquet import FixedRowGroups
 from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, sha256_file
 
 MANIFEST_FILE = "manifest.parquet"
@@ -68,24 +74,12 @@ def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], met
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / METADATA_FILE).unlink(missing_ok=True)
-    rows = 0
     with atomic_writer(directory / MANIFEST_FILE) as handle:
         writer = pq.ParquetWriter(handle, SCHEMA, compression="zstd")
-        pending: list[pa.Table] = []
-        pending_rows = 0
+        groups = FixedRowGroups(writer, SCHEMA, ROW_GROUP_ROWS)
         for table in tables:
-            table = table.select(COLUMNS).cast(SCHEMA)
-            pending.append(table)
-            pending_rows += table.num_rows
-            while pending_rows >= ROW_GROUP_ROWS:
-                merged = pa.concat_tables(pending)
-                writer.write_table(merged.slice(0, ROW_GROUP_ROWS), row_group_size=ROW_GROUP_ROWS)
-                pending, pending_rows = [merged.slice(ROW_GROUP_ROWS)], pending_rows - ROW_GROUP_ROWS
-                rows += ROW_GROUP_ROWS
-        if pending_rows or rows == 0:
-            writer.write_table(pa.concat_tables(pending, promote_options="none") if pending
-                               else SCHEMA.empty_table(), row_group_size=ROW_GROUP_ROWS)
-            rows += pending_rows
+            groups.write(table.select(COLUMNS).cast(SCHEMA))
+        rows = groups.finish(empty_group=True)
         writer.close()
         handle.flush()
         fingerprint = sha256_file(handle.name)
@@ -96,44 +90,125 @@ def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], met
     return meta
 
 
-def read_manifest_metadata(directory: str | os.PathLike) -> dict:
-    """manifest.json of a complete manifest; MmtokError naming the fix when absent or foreign."""
-    path = Path(directory) / METADATA_FILE
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise MmtokError(f"{path} not found: {directory} holds no complete manifest; run `mmtok scan ... --out {directory}`") from None
-    except (OSError, ValueError) as err:
-        raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok scan` into {directory}") from None
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise MmtokError(f"{path} is not an mmtok manifest of version {FORMAT_VERSION} "
-                         f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); rerun `mmtok scan`")
-    return meta
+class Manifest:
+    """A complete manifest directory, opened once: its metadata, fingerprint, text column and rows.
 
-
-def read_manifest(directory: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
-    """The manifest rows (all columns, or `columns` in that order), memory-mapped."""
-    import pyarrow.parquet as pq
-
-    read_manifest_metadata(directory)
-    unknown = sorted(set(columns or ()) - set(COLUMNS))
-    if unknown:
-        raise MmtokError(f"unknown manifest column(s) {unknown}; the manifest has {list(COLUMNS)}")
-    return pq.read_table(Path(directory) / MANIFEST_FILE, columns=columns, memory_map=True)
-
-
-def manifest_fingerprint(directory: str | os.PathLike, verify: bool = False) -> str:
-    """The manifest's fingerprint (sha256 of manifest.parquet) as recorded at scan time.
-
-    With `verify`, the file is hashed and a mismatch (the Parquet changed after the scan) raises.
+    `Manifest.open` is the one place a manifest is validated; every reader (plan, encode, bench,
+    inspect) goes through it, so they all refuse the same incomplete or foreign directories.
     """
-    recorded = read_manifest_metadata(directory)["fingerprint"]
-    if verify:
-        actual = sha256_file(Path(directory) / MANIFEST_FILE)
-        if actual != recorded:
-            raise MmtokError(f"{Path(directory) / MANIFEST_FILE} changed after the scan (sha256 {actual[:12]}... "
-                             f"!= recorded {recorded[:12]}...); rerun `mmtok scan` into {directory}")
-    return recorded
+
+    def __init__(self, directory: Path, metadata: dict):
+        self.directory = directory
+        self.metadata = metadata
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> Manifest:
+        """The manifest in `directory`; MmtokError naming the fix when it is absent, incomplete
+        (no manifest.json: the scan did not finish) or not an mmtok manifest of this version."""
+        directory = Path(directory)
+        path = directory / METADATA_FILE
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise MmtokError(f"cannot read manifest {directory}: {METADATA_FILE} not found, so it holds no complete "
+                             f"manifest; run `mmtok scan ... --out {directory}`") from None
+        except (OSError, ValueError) as err:
+            raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok scan` into {directory}") from None
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            raise MmtokError(f"{path} is not an mmtok manifest of version {FORMAT_VERSION} "
+                             f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); rerun `mmtok scan`")
+        if not (directory / MANIFEST_FILE).is_file():
+            raise MmtokError(f"cannot read manifest {directory / MANIFEST_FILE}: no such file (though {METADATA_FILE} "
+                             f"is there); rerun `mmtok scan` into {directory}")
+        return cls(directory, meta)
+
+    @property
+    def path(self) -> Path:
+        """manifest.parquet."""
+        return self.directory / MANIFEST_FILE
+
+    @property
+    def fingerprint(self) -> str:
+        """The sha256 of manifest.parquet as recorded at scan time (see `verify`)."""
+        return str(self.metadata["fingerprint"])
+
+    def verify(self) -> str:
+        """The fingerprint, after hashing the file: MmtokError when the Parquet changed after the scan."""
+        actual = sha256_file(self.path)
+        if actual != self.fingerprint:
+            raise MmtokError(f"{self.path} changed after the scan (sha256 {actual[:12]}... != recorded "
+                             f"{self.fingerprint[:12]}...); rerun `mmtok scan` into {self.directory}")
+        return actual
+
+    @property
+    def text_column(self) -> str | None:
+        """The caption column of Parquet/Arrow inputs, as the scan recorded it (tars use txt sidecars)."""
+        return (self.metadata.get("options") or {}).get("text_column")
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in manifest.parquet."""
+        return self._parquet().metadata.num_rows
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """All rows (all columns, or `columns` in that order), memory-mapped."""
+        return self._parquet(columns, memory_map=True).read(columns=columns)
+
+    def batches(self, columns: list[str], batch_size: int = ROW_GROUP_ROWS,
+                dictionary: Iterable[str] = ()) -> Iterator[pa.RecordBatch]:
+        """Every row in row order, `batch_size` rows at a time (by default one row group at a time);
+        the `dictionary` columns dictionary-encoded."""
+        parquet = self._parquet(columns, read_dictionary=list(dictionary))
+        return parquet.iter_batches(batch_size=batch_size, columns=columns)
+
+    def read_rows(self, rows: np.ndarray, columns: Iterable[str]) -> dict[str, np.ndarray]:
+        """The given rows (any order), reading only the row groups that hold them.
+
+        Returns column name -> array aligned with `rows` (strings as object arrays sharing one str
+        per distinct value: a rank's millions of rows repeat a few hundred tar paths).
+        """
+        columns = list(columns)
+        rows = np.asarray(rows, np.int64)
+        parquet = self._parquet(columns)
+        if not rows.size:
+            return {c: np.zeros(0, object) for c in columns}
+        starts = np.cumsum([0] + [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)])
+        if rows.max() >= starts[-1]:
+            raise MmtokError(f"{self.path}: row {rows.max()} is asked for but the manifest has {starts[-1]} rows; "
+                             "the manifest changed since planning -- re-run `mmtok plan`")
+        group_of_row = np.searchsorted(starts, rows, side="right") - 1
+        groups = np.unique(group_of_row)
+        table = pa.concat_tables([parquet.read_row_group(int(g), columns=columns) for g in groups])
+        group_base = np.concatenate([[0], np.cumsum(starts[groups + 1] - starts[groups])])
+        local = group_base[np.searchsorted(groups, group_of_row)] + rows - starts[group_of_row]
+        taken = table.take(pa.array(local))
+        return {name: _numpy(taken.column(name)) for name in columns}
+
+    def _parquet(self, columns: Iterable[str] | None = None, **options):
+        """manifest.parquet opened, after checking that it has `columns`."""
+        import pyarrow.parquet as pq
+
+        unknown = sorted(set(columns or ()) - set(COLUMNS))
+        if unknown:
+            raise MmtokError(f"unknown manifest column(s) {unknown}; the manifest has {list(COLUMNS)}")
+        try:
+            parquet = pq.ParquetFile(self.path)
+            missing = [c for c in columns or () if c not in parquet.schema_arrow.names]
+            if missing:
+                raise MmtokError(f"manifest {self.path} lacks column(s) {missing}; it was not written by `mmtok scan` "
+                                 f"(rerun `mmtok scan` into {self.directory})")
+            return pq.ParquetFile(self.path, **options) if options else parquet
+        except (OSError, pa.ArrowException) as err:
+            raise MmtokError(f"cannot read manifest {self.path}: {err}; rerun `mmtok scan` into {self.directory}") from None
+
+
+def _numpy(column) -> np.ndarray:
+    """Numbers as NumPy arrays; strings as object arrays sharing one str per distinct value."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        encoded = column.combine_chunks().dictionary_encode()
+        values = np.asarray(encoded.dictionary.to_pylist() + [None], dtype=object)
+        return values[encoded.indices.fill_null(len(values) - 1).to_numpy(zero_copy_only=False)]
+    return column.to_numpy()
 
 
 class ShortRead(OSError):
@@ -162,7 +237,7 @@ class MemberReader:
     read is using it, so a read never sees it closed or its number reused for another file. At most
     `max_open` idle descriptors stay open however many containers a job walks through; while more
     files than that are being read at once, each of them stays open until its last read ends.
-    Table files are read through per-thread `mmtok.scan.tables.TableRows` (each caches a row
+    Table files are read through per-thread `mmtok.formats.tables.TableRows` (each caches a row
     group), a few per thread.
     """
 
@@ -235,7 +310,7 @@ class MemberReader:
             raise ShortRead(str(err)) from None
 
     def _table(self, path: str):
-        from mmtok.scan.tables import TableRows
+        from mmtok.formats.tables import TableRows
 
         tables = self._local.__dict__.setdefault("tables", OrderedDict())
         table = tables.pop(path, None)

@@ -15,6 +15,9 @@ before anything else is written, so a directory holds a plan exactly when plan.j
 sizes it records match the files. Parquet files use fixed options and fixed row-group sizes, so the
 same inputs give byte-identical files (Parquet stores no timestamps; `created_by` names the pyarrow
 version). No pickle anywhere.
+
+`PlanWriter` writes a plan; `Plan.open` reads one (plan.json once) and serves its tables, the
+manifest it was made from, and each rank's batch range and rows for any world size.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mmtok.errors import MmtokError
+from mmtok.formats.manifest import Manifest
+from mmtok.formats.parquet import FixedRowGroups
 from mmtok.fsutil import atomic_write_json, fsync_dir, sha256_file
+from mmtok.ranks import allowed_cuts, partition_ranks
 
 FORMAT = "mmtok-plan"
 FORMAT_VERSION = 1
@@ -91,7 +97,7 @@ def _parquet_options(name: str) -> dict:
         compression={c: ("lz4" if c in compressed else "none") for c in schema.names},
         use_dictionary=[c for c in schema.names if c not in encodings and pa.types.is_string(schema.field(c).type)],
         column_encoding=encodings,
-        write_statistics=["batch"] if name == IMAGES_FILE else False,  # the encoder filters its rank by batch
+        write_statistics=["batch"] if name == IMAGES_FILE else False,  # per-row-group batch range: readers may filter on it
         write_page_index=False, store_schema=True, version="2.6",
     )
 
@@ -105,29 +111,15 @@ class _TableFile:
         self.schema = schema
         self.rows = 0
         self._writer = pq.ParquetWriter(self.tmp, schema, **_parquet_options(path.name))
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
+        self._groups = FixedRowGroups(self._writer, schema, ROW_GROUP_ROWS)
 
     def write(self, columns: Mapping[str, np.ndarray | pa.Array]) -> None:
         arrays = [_arrow(columns[f.name], f.type) for f in self.schema]
-        table = pa.Table.from_arrays(arrays, schema=self.schema)
-        self.rows += table.num_rows
-        self._pending.append(table)
-        self._pending_rows += table.num_rows
-        if self._pending_rows >= ROW_GROUP_ROWS:
-            self._flush(final=False)
-
-    def _flush(self, final: bool) -> None:
-        table = pa.concat_tables(self._pending) if self._pending else self.schema.empty_table()
-        full = table.num_rows if final else table.num_rows - table.num_rows % ROW_GROUP_ROWS
-        if full:
-            self._writer.write_table(table.slice(0, full), row_group_size=ROW_GROUP_ROWS)
-        rest = table.slice(full)
-        self._pending = [rest] if rest.num_rows else []
-        self._pending_rows = rest.num_rows
+        self._groups.write(pa.Table.from_arrays(arrays, schema=self.schema))
+        self.rows = self._groups.rows
 
     def commit(self) -> None:
-        self._flush(final=True)
+        self._groups.finish()
         self._writer.close()
         with open(self.tmp, "rb") as handle:
             os.fsync(handle.fileno())
@@ -201,61 +193,94 @@ def plan_fingerprint(images_sha256: str, parameters: dict, manifest_fingerprint:
     return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def read_meta(directory: str | os.PathLike) -> dict:
-    """plan.json, after checking the format and that every file has the recorded size."""
-    directory = Path(directory)
-    path = directory / META_FILE
-    if not path.is_file():
-        raise MmtokError(f"no plan in {directory}: {META_FILE} is missing (run `mmtok plan MANIFEST --out {directory}`)")
-    meta = json.loads(path.read_text("utf-8"))
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise MmtokError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} plan (format {meta.get('format')!r}, "
-                         f"version {meta.get('format_version')!r}); re-run `mmtok plan`")
-    for name, info in meta["files"].items():
-        file = directory / name
-        if not file.is_file() or file.stat().st_size != info["bytes"]:
-            raise MmtokError(f"{file} does not match {path} (missing or changed size); re-run `mmtok plan`")
-    return meta
+class Plan:
+    """A plan directory, opened once: plan.json checked against the files, its tables, and what
+    each rank encodes (for the plan's world size or, re-derived, for any other)."""
 
+    def __init__(self, directory: Path, meta: dict):
+        self.directory = directory
+        self.meta = meta
+        self._ranges: dict[int, np.ndarray] = {}
 
-def read_plan(directory: str | os.PathLike, columns: list[str] | None = None) -> tuple[pa.Table, dict]:
-    """(plan.parquet as a table, plan.json)."""
-    meta = read_meta(directory)
-    return pq.read_table(Path(directory) / IMAGES_FILE, columns=columns), meta
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> Plan:
+        """The plan in `directory`, after checking the format and that every file has the recorded size."""
+        directory = Path(directory)
+        path = directory / META_FILE
+        if not path.is_file():
+            raise MmtokError(f"no plan in {directory}: {META_FILE} is missing (run `mmtok plan MANIFEST --out {directory}`)")
+        meta = json.loads(path.read_text("utf-8"))
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            raise MmtokError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} plan (format {meta.get('format')!r}, "
+                             f"version {meta.get('format_version')!r}); re-run `mmtok plan`")
+        for name, info in meta["files"].items():
+            file = directory / name
+            if not file.is_file() or file.stat().st_size != info["bytes"]:
+                raise MmtokError(f"{file} does not match {path} (missing or changed size); re-run `mmtok plan`")
+        return cls(directory, meta)
 
+    @property
+    def world_size(self) -> int:
+        """The world size the plan's own rank ranges were balanced for."""
+        return int(self.meta["world_size"])
 
-def read_table(directory: str | os.PathLike, name: str, columns: list[str] | None = None) -> pa.Table:
-    """One of the plan's Parquet files (BATCHES_FILE, DOCUMENTS_FILE, DROPPED_FILE, IMAGES_FILE)."""
-    if name not in SCHEMAS:
-        raise ValueError(f"{name!r} is not a plan file; known: {sorted(SCHEMAS)}")
-    read_meta(directory)
-    return pq.read_table(Path(directory) / name, columns=columns)
+    def table(self, name: str, columns: list[str] | None = None) -> pa.Table:
+        """One of the plan's Parquet files (IMAGES_FILE, BATCHES_FILE, DOCUMENTS_FILE, DROPPED_FILE)."""
+        if name not in SCHEMAS:
+            raise ValueError(f"{name!r} is not a plan file; known: {sorted(SCHEMAS)}")
+        return pq.read_table(self.directory / name, columns=columns)
 
+    def manifest(self) -> Manifest:
+        """The manifest the plan was made from; MmtokError when it was rewritten since."""
+        manifest = Manifest.open(self.meta["manifest_dir"])
+        planned = self.meta["manifest_fingerprint"]
+        if manifest.fingerprint != planned:
+            raise MmtokError(f"the manifest in {manifest.directory} was rewritten after planning (fingerprint "
+                             f"{manifest.fingerprint[:12]}... != plan's {planned[:12]}...); re-run `mmtok plan`")
+        return manifest
 
-def rank_range(meta: dict, rank: int) -> tuple[int, int]:
-    """[start, end) global batch range of `rank` (empty for idle ranks)."""
-    world_size = meta["world_size"]
-    if not 0 <= rank < world_size:
-        raise MmtokError(f"rank {rank} is outside the plan's world size {world_size}; re-plan with "
-                         f"`mmtok plan --world-size N` for the job's size")
-    start, end = meta["rank_batches"][rank]
-    return int(start), int(end)
+    def ranges(self, world_size: int | None = None) -> np.ndarray:
+        """[start, end) global batch range per rank, shape [world_size, 2]: the plan's own ranges for
+        its world size (the default), else the same cost-balanced partition re-derived for `world_size`
+        (`mmtok.ranks`: the batch costs and the legal cuts the documents allow, as the planner used them)."""
+        world_size = self.world_size if world_size is None else world_size
+        if world_size < 1:
+            raise MmtokError(f"world size must be >= 1, got {world_size}")
+        if world_size not in self._ranges:
+            if world_size == self.world_size:
+                ranges = np.asarray(self.meta["rank_batches"], np.int64).reshape(-1, 2)
+            else:
+                costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+                documents = self.table(DOCUMENTS_FILE, ["first_batch", "last_batch"])
+                cut_ok = allowed_cuts(documents.column(0).to_numpy(), documents.column(1).to_numpy(), len(costs))
+                ranges = partition_ranks(costs, cut_ok, world_size)
+            self._ranges[world_size] = ranges
+        return self._ranges[world_size]
 
+    def rank_range(self, rank: int, world_size: int | None = None) -> tuple[int, int]:
+        """[start, end) global batch range of `rank` of `world_size` (default: the plan's); empty for idle ranks."""
+        if world_size is None:
+            if not 0 <= rank < self.world_size:
+                raise MmtokError(f"rank {rank} is outside the plan's world size {self.world_size}; re-plan with "
+                                 f"`mmtok plan --world-size N` for the job's size")
+        elif not 0 <= rank < world_size:
+            raise MmtokError(f"rank {rank} is outside 0..{world_size - 1} (world size {world_size})")
+        start, end = self.ranges(world_size)[rank]
+        return int(start), int(end)
 
-def rank_rows(directory: str | os.PathLike, rank: int, columns: list[str] | None = None) -> pa.Table:
-    """The plan.parquet rows of `rank`'s batches, in plan order; reads only the row groups it needs."""
-    directory = Path(directory)
-    meta = read_meta(directory)
-    start, end = rank_range(meta, rank)
-    images = pq.ParquetFile(directory / IMAGES_FILE)
-    if start == end:
-        schema = images.schema_arrow
-        return schema.empty_table() if columns is None else pa.schema([schema.field(c) for c in columns]).empty_table()
-    plan_row = pq.read_table(directory / BATCHES_FILE, columns=["plan_row"]).column(0).to_numpy()
-    first = int(plan_row[start])
-    stop = int(plan_row[end]) if end < len(plan_row) else images.metadata.num_rows
-    group_rows = np.array([images.metadata.row_group(i).num_rows for i in range(images.num_row_groups)], np.int64)
-    group_start = np.concatenate([[0], np.cumsum(group_rows)])
-    groups = np.flatnonzero((group_start[:-1] < stop) & (group_start[1:] > first))
-    table = images.read_row_groups(groups.tolist(), columns=columns)
-    return table.slice(first - int(group_start[groups[0]]), stop - first)
+    def rank_rows(self, rank: int, world_size: int | None = None, columns: list[str] | None = None) -> pa.Table:
+        """The plan.parquet rows of the rank's batches (see `rank_range`), in plan order; reads only
+        the row groups that hold them."""
+        start, end = self.rank_range(rank, world_size)
+        images = pq.ParquetFile(self.directory / IMAGES_FILE)
+        if start == end:
+            schema = images.schema_arrow
+            return schema.empty_table() if columns is None else pa.schema([schema.field(c) for c in columns]).empty_table()
+        plan_row = self.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
+        first = int(plan_row[start])
+        stop = int(plan_row[end]) if end < len(plan_row) else images.metadata.num_rows
+        group_rows = np.array([images.metadata.row_group(i).num_rows for i in range(images.num_row_groups)], np.int64)
+        group_start = np.concatenate([[0], np.cumsum(group_rows)])
+        groups = np.flatnonzero((group_start[:-1] < stop) & (group_start[1:] > first))
+        table = images.read_row_groups(groups.tolist(), columns=columns, use_threads=False)
+        return table.slice(first - int(group_start[groups[0]]), stop - first)

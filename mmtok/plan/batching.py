@@ -26,6 +26,7 @@ import numpy as np
 from mmtok.plan.captions import CaptionReader, count_captions
 from mmtok.plan.params import PlanParameters
 from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable
+from mmtok.ranks import allowed_cuts
 from mmtok.text import TextTokenizer
 
 GROUP_ROWS = 1 << 20  # windows are planned in groups of about this many rows; grouping never changes the plan
@@ -52,15 +53,6 @@ def window_groups(bounds: np.ndarray) -> np.ndarray:
     by_rows = np.searchsorted(bounds[:-1], np.arange(0, bounds[-1], GROUP_ROWS), side="right") - 1
     by_count = np.arange(0, n_windows, MAX_GROUP_WINDOWS)
     return np.unique(np.concatenate([by_rows, by_count, [n_windows]]).astype(np.int64))
-
-
-def allowed_cuts(first_batch: np.ndarray, last_batch: np.ndarray, num_batches: int, offset: int = 0) -> np.ndarray:
-    """cut_ok[j] for j in 0..num_batches: may a rank start at batch offset + j, i.e. does no document
-    (given by its first and last batch) have images both before it and from it on."""
-    span = first_batch < last_batch
-    opened = np.bincount(first_batch[span] - offset + 1, minlength=num_batches + 1)
-    closed = np.bincount(last_batch[span] - offset + 1, minlength=num_batches + 1)
-    return np.cumsum(opened[:num_batches + 1] - closed[:num_batches + 1]) == 0
 
 
 def _run_starts(values: np.ndarray) -> np.ndarray:

@@ -6,12 +6,11 @@
    lanes sorted by exact shape and cut into batches under the token budget and max_batch_images.
    Batches are numbered in that order, so the global batch list depends only on the manifest and
    the parameters -- never on the world size.
-4. here: rank ranges balance the cost model over the batch list (mmtok.plan.ranks); plan.json last.
+4. here: rank ranges balance the cost model over the batch list (`mmtok.ranks`); plan.json last.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -19,13 +18,13 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
+from mmtok.formats.manifest import Manifest
 from mmtok.formats.plan import PlanWriter
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_bounds, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.plan.params import PlanParameters
-from mmtok.plan.ranks import imbalance, partition_ranks, rank_costs
-from mmtok.plan.rows import (MANIFEST_META, ManifestRows, Reasons, ShapeTable, manifest_fingerprint,
-                             read_manifest_rows, text_tokenizer)
+from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable, filter_manifest, text_tokenizer
+from mmtok.ranks import imbalance, partition_ranks, rank_costs
 from mmtok.text import TextTokenizer
 
 
@@ -61,23 +60,22 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     MmtokError naming the drops and the flag to change, raised after the plan is written (so
     dropped.parquet and `--explain` can show the rows).
     """
-    from tqdm import tqdm
+    from mmtok.progress import progress as progress_bar
 
     if world_size < 1:
         raise MmtokError(f"--world-size must be >= 1, got {world_size}")
-    manifest_dir = Path(manifest_dir).resolve()
-    fingerprint = manifest_fingerprint(manifest_dir)
+    manifest = Manifest.open(Path(manifest_dir).resolve())
     tokenizer = text_tokenizer(params.text_tokenizer)
     reasons = Reasons()
-    rows = read_manifest_rows(manifest_dir, params, reasons, progress)
+    rows = filter_manifest(manifest, params, reasons, progress)
     shapes = ShapeTable.build(rows.shapes_seen, params, tokenizer)
     bounds = window_bounds(rows.document, params.window_rows)
     groups = window_groups(bounds)
-    planner = GroupPlanner(rows, shapes, params, reasons, tokenizer, _text_column(manifest_dir))
+    planner = GroupPlanner(rows, shapes, params, reasons, tokenizer, manifest.text_column)
     log = _BatchLog()
     documents = {"kept": 0, "total": 0, "image_tokens": 0, "text_tokens": 0, "tokens": 0}
     with PlanWriter(out_dir) as writer, \
-            tqdm(total=len(rows), desc="plan: batches", unit="row", unit_scale=True, disable=not progress) as bar:
+            progress_bar(total=len(rows), desc="plan: batches", unit="row", unit_scale=True, enabled=progress) as bar:
         for g in range(len(groups) - 1):
             w0, w1 = int(groups[g]), int(groups[g + 1])
             lo, hi = int(bounds[w0]), int(bounds[w1])
@@ -87,7 +85,7 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
             _add_document_totals(documents, plan)
             bar.update(hi - lo)
         planner.close()
-        meta = _metadata(manifest_dir, fingerprint, params, tokenizer, rows, reasons, log, documents,
+        meta = _metadata(manifest, params, tokenizer, rows, reasons, log, documents,
                          n_windows=len(bounds) - 1, world_size=world_size)
         meta = writer.finish(meta)
     _refuse_empty(meta, Path(out_dir))
@@ -131,14 +129,6 @@ def _refuse_empty(meta: dict, out_dir: Path) -> None:
                      + "".join(f"; {fix}" for fix in fixes))
 
 
-def _text_column(manifest_dir: Path) -> str | None:
-    """The caption column of Parquet/Arrow inputs, as the scan recorded it (tars use txt sidecars)."""
-    path = manifest_dir / MANIFEST_META
-    if not path.is_file():
-        return None
-    return (json.loads(path.read_text("utf-8")).get("options") or {}).get("text_column")
-
-
 def _write_group(writer: PlanWriter, plan: GroupPlan, reasons: Reasons) -> None:
     if len(plan.dropped_rows):
         writer.write_dropped(plan.dropped_rows, plan.dropped_codes, reasons.names)
@@ -180,7 +170,7 @@ def rank_summary(costs: np.ndarray, cut_ok: np.ndarray, world_size: int) -> dict
             "imbalance": imbalance(per_rank)}
 
 
-def _metadata(manifest_dir: Path, fingerprint: str, params: PlanParameters, tokenizer: TextTokenizer,
+def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer,
               rows: ManifestRows, reasons: Reasons, log: _BatchLog, documents: dict, n_windows: int,
               world_size: int) -> dict:
     costs = log.array("cost", np.float64)
@@ -191,8 +181,8 @@ def _metadata(manifest_dir: Path, fingerprint: str, params: PlanParameters, toke
     kept_images = int(count.sum())
     return {
         "tool_version": __version__,
-        "manifest_dir": str(manifest_dir),
-        "manifest_fingerprint": fingerprint,
+        "manifest_dir": str(manifest.directory),
+        "manifest_fingerprint": manifest.fingerprint,
         "parameters": {**params.to_dict(), "text_tokenizer_sha256": tokenizer.fingerprint,
                        "text_vocab_size": tokenizer.vocab_size},
         "world_size": world_size,

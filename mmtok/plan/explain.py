@@ -6,15 +6,16 @@ import os
 
 import numpy as np
 
-from mmtok.formats.plan import BATCHES_FILE, read_meta, read_table
-from mmtok.plan.ranks import rank_costs
+from mmtok.formats.plan import BATCHES_FILE, Plan
+from mmtok.ranks import rank_costs
 
 
 def explain_plan(plan_dir: str | os.PathLike, top_shapes: int = 20, rank_lines: int = 16) -> str:
     """Text report: inputs, drops by reason, padding-free token totals, batch shape histogram,
     per-rank cost (every rank up to `rank_lines` ranks, else a summary and the extremes)."""
-    meta = read_meta(plan_dir)
-    batches = read_table(plan_dir, BATCHES_FILE, columns=["num_images", "target_height", "target_width", "tokens", "cost"])
+    plan = Plan.open(plan_dir)
+    meta = plan.meta
+    batches = plan.table(BATCHES_FILE, columns=["num_images", "target_height", "target_width", "tokens", "cost"])
     columns = {name: batches.column(name).to_numpy() for name in batches.column_names}
     sections = [_header(plan_dir, meta), _dropped(meta), _tokens(meta), _batches(meta),
                 _shape_histogram(columns, top_shapes), _ranks(meta, columns["cost"], rank_lines)]

@@ -8,17 +8,14 @@ value sorts like (height, width) and indexes a lookup table, so later stages nev
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mmtok.errors import MmtokError
-from mmtok.formats.manifest import MANIFEST_FILE, METADATA_FILE as MANIFEST_META
-from mmtok.fsutil import sha256_file
+from mmtok.formats.manifest import Manifest
 from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.plan.params import PlanParameters
 from mmtok.resize import target_shapes
@@ -106,19 +103,6 @@ def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return packed >> SHAPE_BITS, packed & ((1 << SHAPE_BITS) - 1)
 
 
-def manifest_fingerprint(manifest_dir: Path) -> str:
-    """manifest.json's `fingerprint`, else the sha256 of manifest.parquet."""
-    if not (manifest_dir / MANIFEST_FILE).is_file():
-        raise MmtokError(f"cannot read manifest {manifest_dir / MANIFEST_FILE}: no such file "
-                         "(pass the directory `mmtok scan --out` wrote)")
-    meta_path = manifest_dir / MANIFEST_META
-    if meta_path.is_file():
-        fingerprint = json.loads(meta_path.read_text("utf-8")).get("fingerprint")
-        if fingerprint:
-            return str(fingerprint)
-    return sha256_file(manifest_dir / MANIFEST_FILE)
-
-
 @functools.lru_cache(maxsize=4)
 def _cached_tokenizer(spec: str, stamp: tuple | None) -> TextTokenizer:
     return load_text_tokenizer(spec)
@@ -203,22 +187,16 @@ class _Containers:
         return np.asarray(codes, np.int32)[inverse.ravel()] if codes else np.zeros(0, np.int32)
 
 
-def read_manifest_rows(manifest_dir: Path, params: PlanParameters, reasons: Reasons,
-                       progress: bool = True) -> ManifestRows:
+def filter_manifest(manifest: Manifest, params: PlanParameters, reasons: Reasons,
+                    progress: bool = True) -> ManifestRows:
     """Stage 1 over the manifest, READ_ROWS rows at a time."""
-    from tqdm import tqdm
+    from mmtok.progress import progress as progress_bar
 
-    path = manifest_dir / MANIFEST_FILE
+    path = manifest.path
     columns = list(BASE_COLUMNS) + (list(CAPTION_COLUMNS) if params.counts_captions else [])
-    try:
-        names = pq.read_schema(path).names
-    except (OSError, pa.ArrowException) as err:
-        raise MmtokError(f"cannot read manifest {path}: {err} (run `mmtok scan` to create it)") from None
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise MmtokError(f"manifest {path} lacks column(s) {missing}; it was not written by `mmtok scan`")
-    parquet = pq.ParquetFile(path, read_dictionary=[c for c in ("status", "reason", "tar", "container") if c in columns])
-    n = parquet.metadata.num_rows
+    batches = manifest.batches(columns, READ_ROWS, dictionary=[c for c in ("status", "reason", "tar", "container")
+                                                               if c in columns])
+    n = manifest.num_rows
     rows = ManifestRows(document=np.empty(n, np.int64), image_index=np.empty(n, np.int32),
                         reason=np.empty(n, np.uint16), shape=np.empty(n, np.uint32), shapes_seen=np.empty(0, np.uint32))
     containers = _Containers()
@@ -227,8 +205,8 @@ def read_manifest_rows(manifest_dir: Path, params: PlanParameters, reasons: Reas
         rows.text_offset, rows.text_size = np.empty(n, np.int64), np.empty(n, np.int64)
     seen = np.zeros(1 << (2 * SHAPE_BITS), bool)
     start, previous = 0, None
-    with tqdm(total=n, desc="plan: read manifest", unit="row", unit_scale=True, disable=not progress) as bar:
-        for batch in parquet.iter_batches(batch_size=READ_ROWS, columns=columns):
+    with progress_bar(total=n, desc="plan: read manifest", unit="row", unit_scale=True, enabled=progress) as bar:
+        for batch in batches:
             stop = start + batch.num_rows
             document = _column(batch, "document", np.int64, path, start)
             _check_document_order(document, previous, path, start)

@@ -20,6 +20,8 @@ import struct
 import zlib
 from typing import Callable
 
+from mmtok.errors import Skip
+
 HEAD_BYTES = 4096
 FETCH_BYTES = 4096
 MAX_FETCHES = 64  # bounds the work on a hostile file whose segments lead far into it
@@ -48,7 +50,7 @@ _XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')
 _TIFF_ORIENTATION = 0x0112
 
 
-class ProbeError(Exception):
+class ProbeError(Skip):
     """The header could not give a usable size; `reason` is the manifest reason.
 
     `format`, `width`, `height`, `orientation` hold what was learned before the failure (for
@@ -57,7 +59,7 @@ class ProbeError(Exception):
 
     def __init__(self, reason: str, format: str = "", width: int = 0, height: int = 0, orientation: int = 1):
         super().__init__(reason)
-        self.reason, self.format = reason, format
+        self.format = format
         self.width, self.height, self.orientation = width, height, orientation
 
 

@@ -14,7 +14,6 @@ import gc
 import hashlib
 import json
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -303,13 +302,13 @@ def document_order(members: list[str], key: str, json_bytes: bytes | None, ignor
 
 def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[ShardRows, dict]:
     """Rows of a Parquet/Arrow file: one document per row, `offset` = row index."""
-    from mmtok.scan.tables import ColumnError, choose_columns, image_values, iter_batches, read_schema, struct_paths
+    from mmtok.formats.tables import ColumnError, choose_columns, image_values, iter_batches, read_schema, struct_paths
 
     out = ShardRows()
     try:
         image, text, key_column = choose_columns(read_schema(path, file_format), options.image_column, options.text_column)
     except ColumnError as err:
-        out.shard_error(err.reason, detail=str(err))
+        out.shard_error(err.reason, detail=err.detail)
         return out, {"bytes_read": 0, "reads": 0}
     columns = [image] + [c for c in (text, key_column) if c]
     row, read = 0, 0
@@ -341,7 +340,7 @@ def _value_entry(column: str, row: int, value: bytes | None) -> tuple:
 
 def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
     """Rows and statistics of one input; unreadable inputs give a shard-level error row."""
-    from mmtok.scan.tables import sniff_format
+    from mmtok.formats.tables import sniff_format
 
     file_format = "tar"
     try:
@@ -447,7 +446,7 @@ def cached_table(path: Path):
 
 def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers: int, progress: bool = True) -> dict:
     """Scan all sources (cached shards are not rescanned) and write the manifest; return its metadata."""
-    from tqdm import tqdm
+    from mmtok.progress import progress as progress_bar
 
     from mmtok.formats.manifest import write_manifest
 
@@ -458,8 +457,8 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
         stats[i] = cached_stats(cache_path(out_dir, source, options)) if source.size >= 0 else None
     todo = [i for i, s in enumerate(stats) if s is None]
     began = time.perf_counter()
-    bar = tqdm(total=len(sources), initial=len(sources) - len(todo), unit="shard", desc="scan",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(total=len(sources), initial=len(sources) - len(todo), unit="shard", desc="scan",
+                       enabled=progress)
     images = 0
     for i, result in _run(todo, sources, options, out_dir, workers):
         stats[i] = result

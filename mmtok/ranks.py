@@ -1,9 +1,11 @@
-"""Contiguous, cost-balanced batch ranges for N ranks that never communicate.
+"""Contiguous, cost-balanced batch ranges for N ranks that never communicate: the one rank-range rule.
 
-The ranges minimise the largest rank cost (the job's wall time) over every partition whose cuts
-are legal (`cut_ok`: no document on both sides), then place each cut as close to its even-split
-target k/N of the total as that optimum allows, so ranks stay evenly loaded rather than the last
-ones idling. Only (costs, cut_ok, N) matter: any process re-derives the same ranges.
+A cut is legal where no document has images on both sides (`allowed_cuts`). The ranges minimise
+the largest rank cost (the job's wall time) over every partition with legal cuts, then place each
+cut as close to its even-split target k/N of the total as that optimum allows, so ranks stay evenly
+loaded rather than the last ones idling. Only (costs, cut_ok, N) matter: the planner
+(`mmtok.plan`) and a reader re-deriving the ranges for another world size
+(`mmtok.formats.plan.Plan.rank_range`) both call these functions and get the same ranges.
 """
 
 from __future__ import annotations
@@ -13,6 +15,15 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 _BISECTIONS = 64  # enough to pin the bottleneck to ~1e-9 of the mean rank cost
+
+
+def allowed_cuts(first_batch: np.ndarray, last_batch: np.ndarray, num_batches: int, offset: int = 0) -> np.ndarray:
+    """cut_ok[j] for j in 0..num_batches: may a rank start at batch offset + j, i.e. does no document
+    (given by its first and last batch) have images both before it and from it on."""
+    span = first_batch < last_batch
+    opened = np.bincount(first_batch[span] - offset + 1, minlength=num_batches + 1)
+    closed = np.bincount(last_batch[span] - offset + 1, minlength=num_batches + 1)
+    return np.cumsum(opened[:num_batches + 1] - closed[:num_batches + 1]) == 0
 
 
 def partition_ranks(costs: np.ndarray, cut_ok: np.ndarray, world_size: int) -> np.ndarray:

@@ -15,6 +15,8 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mmtok.errors import Skip
+
 PARQUET_MAGIC = b"PAR1"
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # continuation marker opening an IPC stream message
@@ -22,12 +24,8 @@ KEY_COLUMN = "__key__"  # WebDataset-to-Parquet exports keep the sample key here
 PREFERRED_IMAGE_COLUMN = "image"
 
 
-class ColumnError(Exception):
+class ColumnError(Skip):
     """The file has no usable image (or text) column; `reason` is the manifest reason."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
 
 
 def sniff_format(path: str) -> str:

@@ -1,4 +1,4 @@
-"""The per-clip token cache written by `mmtok encode --modality audio`, read by `mmtok audio interleave`.
+"""The audio token cache: written by `mmtok encode --modality audio`, read by `mmtok audio interleave`.
 
 One Parquet file per part (= input Shar shard): `OUT/audio-cache/part-00003.parquet`, one row per
 encoded clip in the shard's cut order. Columns:

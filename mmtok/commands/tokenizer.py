@@ -1,0 +1,73 @@
+"""`mmtok tokenizer build|check`: the omnimodal Hugging Face tokenizer for training, and its check against data."""
+
+from __future__ import annotations
+
+import argparse
+
+BUILD_HELP = """\
+Write a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+and the base's chat_template.jinja if it has one) whose ids are exactly mmtok's vocabulary layout for the
+text tokenizer T: the text ids of T unchanged; then the 200 omni-special ids (<|img_start|> ... by name,
+<image>/<audio> encoding to the ids of <|image|>/<|audio|>, free slots named <|omni_reserved_N|>); then
+one token per image code (<|visual token i|>) and per audio code (<|audio token i|>). With the built-in
+tekken (131,072 text ids) that is 266,440 ids: <|img_start|> = 131,073, image code 0 = 131,272, audio
+code 0 = 262,344; a 128,000-id base shifts every omni id down by 3,072. tokenizer_config.json carries
+base_vocab_size and the omnimodal_config block that the swiss-ai Megatron-LM fork reads. Use the same
+--text-tokenizer as `mmtok plan` / `mmtok audio convert`, then `mmtok tokenizer check` against the data.
+"""
+
+CHECK_HELP = """\
+Check a tokenizer directory against datasets written by `mmtok merge` (OUT/merged, OUT/merged_no_reasoning)
+or `mmtok audio interleave` (OUT/stage, OUT/long-context): the same layout as the dataset's metadata
+(OUT/merged.json or OUT/interleave.json), every structure token and BOS/EOS at the id the data uses, the
+same base text tokenizer and codec, and every id on disk inside the tokenizer's vocabulary. Prints one
+line per problem and exits 1, or one success line and exits 0.
+"""
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("tokenizer", help="build the omnimodal HF tokenizer for training; check it against data")
+    tokenizer_sub = parser.add_subparsers(dest="tokenizer_command", required=True, metavar="SUBCOMMAND")
+    build = tokenizer_sub.add_parser("build", help="write the omnimodal tokenizer directory for a text tokenizer",
+                                     description=BUILD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    build.add_argument("--text-tokenizer", required=True, metavar="T",
+                       help="`tekken` (built in), a tekken JSON, an HF tokenizer.json or its directory: the one the "
+                       "data was tokenized with")
+    build.add_argument("--out", required=True, metavar="DIR", help="tokenizer directory to write (created if needed)")
+    build.add_argument("--image-codec", default="emu3.5", metavar="NAME",
+                       help="image codec of the data, recorded in tokenizer_config.json and compared by `check` "
+                       "(emu3.5 or emu3; default emu3.5); its codes use the 131,072 image ids")
+    build.add_argument("--audio-codec", default="wavtokenizer", metavar="NAME",
+                       help="audio codec of the data, recorded like --image-codec (default wavtokenizer)")
+    build.set_defaults(func=run_build)
+    check = tokenizer_sub.add_parser("check", help="verify a tokenizer directory against datasets",
+                                     description=CHECK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("directory", metavar="DIR", help="tokenizer directory (the --out of `mmtok tokenizer build`)")
+    check.add_argument("--data", required=True, action="append", metavar="PREFIX",
+                       help="dataset prefix such as OUT/merged (repeat for several datasets)")
+    check.set_defaults(func=run_check)
+
+
+def run_build(args) -> int:
+    from mmtok.tokenizer import build_tokenizer
+
+    summary = build_tokenizer(args.text_tokenizer, args.out, image_codec=args.image_codec, audio_codec=args.audio_codec)
+    omni = summary["total_size"] - summary["text_size"]
+    print(f"mmtok tokenizer build: {summary['text_tokenizer']} ({summary['text_size']:,} text ids) + {omni:,} omni ids "
+          f"= {summary['total_size']:,} ids -> {summary['out']} (tokenizer.json "
+          f"{summary['tokenizer_json_bytes'] / 1e6:.1f} MB) in {summary['seconds']:.1f} s")
+    return 0
+
+
+def run_check(args) -> int:
+    from mmtok.tokenizer import check_tokenizer
+
+    problems, summaries = check_tokenizer(args.directory, args.data)
+    for problem in problems:
+        print(f"mmtok tokenizer check: {problem}")
+    if problems:
+        print(f"mmtok tokenizer check: {len(problems)} problem(s): {args.directory} does not fit this data")
+        return 1
+    for summary in summaries:
+        print(f"mmtok tokenizer check: ok: {args.directory} fits {summary}")
+    return 0

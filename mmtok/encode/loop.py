@@ -1,0 +1,108 @@
+"""The rank loop every modality runs: loaders ahead of the device, the device, a committer behind it.
+
+  loader     (the modality's: image loader threads, audio DataLoader workers)  yields batches in order
+  device     (this thread, `run_device`)   encodes batch b
+  committer  (one thread, CommitThread)    turns batch b-1 into durable part commits (PartWriter.commit)
+so the device waits for neither decoding nor fsync. A modality plugs in three functions: what to
+iterate (its loader), how to encode one loaded batch, and how to commit one encoded batch. Everything
+a commit holds is a function of the batch alone, so resumed and uninterrupted runs write the same
+bytes. The `Meter` times all three for the progress line and each part's counters; `timing_stats`
+turns those counters into the stats every part records.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterable, TypeVar
+
+from mmtok.formats.commitlog import CommitThread
+
+Batch = TypeVar("Batch")
+Result = TypeVar("Result")
+
+
+class Meter:
+    """Throughput and device-busy figures. The device loop adds busy time and loader waits, the
+    committer takes per-commit increments; both under one lock."""
+
+    def __init__(self, bar, done: int = 0, item: str = "item"):
+        self._lock = threading.Lock()
+        self.bar, self.item = bar, item
+        self.started = time.perf_counter()
+        self.last_commit = self.started
+        self.first_batch: float | None = None  # when the device got its first batch (pipeline fill)
+        self.busy = self.busy_since_commit = self.waited = 0.0
+        self.items = self.tokens = 0
+        bar.update(done)
+
+    def device(self, started: float, finished: float) -> None:
+        with self._lock:
+            if self.first_batch is None:
+                self.first_batch = started
+            self.busy += finished - started
+            self.busy_since_commit += finished - started
+
+    @property
+    def fill_seconds(self) -> float:
+        """Seconds this session's device waited for its first batch (loaders warming up)."""
+        return (self.first_batch or time.perf_counter()) - self.started
+
+    def committed(self, items: int, tokens: int) -> dict[str, int]:
+        """Account one commit; returns its timing increments (milliseconds) for the part's counters."""
+        now = time.perf_counter()
+        with self._lock:
+            busy, self.busy_since_commit = self.busy_since_commit, 0.0
+            total_busy = self.busy
+        increments = {"wall_ms": round((now - self.last_commit) * 1000), "device_busy_ms": round(busy * 1000)}
+        self.last_commit = now
+        self.items += items
+        self.tokens += tokens
+        elapsed = max(now - self.started, 1e-9)
+        self.bar.set_postfix_str(f"{self.items / elapsed:.1f} {self.item}/s, {self.tokens / elapsed:,.0f} tok/s, "
+                                 f"device busy {100 * total_busy / elapsed:.1f}%", refresh=False)
+        self.bar.update(items)
+        return increments
+
+
+def run_device(batches: Iterable[Batch], encode: Callable[[Batch], Result], commit: Callable[[Batch, Result], None],
+               meter: Meter, *, release: Callable[[Batch], None] | None = None, depth: int = 2) -> None:
+    """Encode every batch on this thread and commit it on a committer thread, in order.
+
+    `release(batch)` runs right after encoding (host memory back to the loader). Returns once every
+    commit is durable. The first error wins: a committer failing after the device loop did does not
+    replace the device loop's exception.
+    """
+    import torch
+
+    committer = CommitThread(depth)
+    try:
+        with torch.inference_mode():
+            iterator = iter(batches)
+            while True:
+                waited = time.perf_counter()
+                batch = next(iterator, _END)
+                started = time.perf_counter()
+                meter.waited += started - waited
+                if batch is _END:
+                    break
+                result = encode(batch)
+                meter.device(started, time.perf_counter())
+                if release is not None:
+                    release(batch)
+                committer.submit(lambda b=batch, r=result: commit(b, r))
+    except BaseException:
+        committer.close(reraise=False)
+        raise
+    committer.close()
+
+
+_END = object()
+
+
+def timing_stats(counts: dict[str, int]) -> dict[str, float]:
+    """A part's wall and device-busy seconds (summed over every session that wrote it) and their ratio."""
+    wall = counts.get("wall_ms", 0) / 1000
+    busy = counts.get("device_busy_ms", 0) / 1000
+    return {"wall_s": wall, "device_busy_s": busy, "device_busy_fraction": busy / wall if wall else 0.0,
+            "tokens_per_s": counts.get("tokens", 0) / wall if wall else 0.0}

@@ -1,0 +1,42 @@
+"""Parquet files whose bytes depend only on their rows: fixed row groups.
+
+pyarrow cuts row groups where the caller's tables end, so the same rows written in different pieces
+would give different files (and fingerprints). `FixedRowGroups` buffers tables and writes row
+groups of exactly `rows_per_group` rows (the last one shorter); the manifest and the plan use it.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class FixedRowGroups:
+    """Feed tables of `schema` to `writer` in row groups of exactly `rows_per_group` rows."""
+
+    def __init__(self, writer: pq.ParquetWriter, schema: pa.Schema, rows_per_group: int):
+        self.writer, self.schema, self.size = writer, schema, rows_per_group
+        self.rows = 0  # written so far, buffered rows included
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        self.rows += table.num_rows
+        if self._pending_rows >= self.size:
+            merged = pa.concat_tables(self._pending)
+            full = merged.num_rows - merged.num_rows % self.size
+            for start in range(0, full, self.size):
+                self.writer.write_table(merged.slice(start, self.size), row_group_size=self.size)
+            rest = merged.slice(full)
+            self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+
+    def finish(self, empty_group: bool = False) -> int:
+        """Write the last, shorter group (or, with `empty_group`, an empty one when nothing was written);
+        returns the number of rows. The caller closes the writer."""
+        if self._pending_rows or (empty_group and not self.rows):
+            table = pa.concat_tables(self._pending) if self._pending else self.schema.empty_table()
+            self.writer.write_table(table, row_group_size=self.size)
+        self._pending, self._pending_rows = [], 0
+        return self.rows

@@ -1,0 +1,154 @@
+"""mmtok's conventions around Lhotse Shar: the one module that knows them (writer and reader side by side).
+
+`mmtok audio convert` writes, `mmtok encode --modality audio` reads:
+
+  OUT/shar/cuts.NNNNNN.jsonl.gz    the cuts of shard NNNNNN (indices 0..n-1), written by lhotse's SharWriter
+  OUT/shar/recording.NNNNNN.tar    their audio: one member `<cut id>.flac` per cut (the `recording` field)
+  OUT/conversion.json              the conversion report (REPORT_FORMAT): `shards` (index, cuts, duration,
+                                   cuts_sha256), `complete`, counts and the resume cursor; rewritten
+                                   atomically after every shard
+  OUT/.work/shard-NNNNNN/          a shard being written; moved into OUT/shar only when complete
+
+Nothing else lives in OUT/shar, because lhotse treats every file there as a Shar field. lhotse writes
+and reads the files themselves (`SharWriter`, `CutSet.from_shar`, `CutSet.from_file`); this module
+knows the names, the member naming, the report and what identifies a shard. A bare Lhotse Shar
+directory (no report) is read too: durations then come from its cuts manifests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_write_json, fsync_dir
+
+SHAR_DIR = "shar"
+WORK_DIR = ".work"
+REPORT = "conversion.json"
+REPORT_FORMAT = "mmtok-audio-convert/1"
+FIELDS = {"recording": "flac"}  # SharWriter fields: each cut's audio is the tar member `<cut id>.flac`
+AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "opus", "ogg")  # recording members a (foreign) Shar may hold
+CUTS_GLOB = "cuts.*.jsonl.gz"
+
+
+# --- names ------------------------------------------------------------------------------------------
+
+def shard_files(index: int) -> tuple[str, str]:
+    """(cuts manifest, recording tar) file names of shard `index`."""
+    return f"cuts.{index:06d}.jsonl.gz", f"recording.{index:06d}.tar"
+
+
+def shard_work_dir(out: Path, index: int) -> Path:
+    """Where shard `index` of OUT is written before `publish_shard` moves it into OUT/shar."""
+    return out / WORK_DIR / f"shard-{index:06d}"
+
+
+# --- writer side ------------------------------------------------------------------------------------
+
+def publish_shard(out: Path, index: int) -> Path:
+    """Move the complete shard `index` from its work directory into OUT/shar (each file fsynced, then
+    renamed; the directory fsynced); returns its cuts manifest's path."""
+    work, shar = shard_work_dir(out, index), out / SHAR_DIR
+    for name in shard_files(index):
+        with open(work / name, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(work / name, shar / name)
+    fsync_dir(shar)
+    shutil.rmtree(work)
+    return shar / shard_files(index)[0]
+
+
+def write_report(out: Path, report: dict) -> None:
+    """Atomically (re)write OUT/conversion.json."""
+    atomic_write_json(out / REPORT, report)
+
+
+# --- reader side ------------------------------------------------------------------------------------
+
+def read_report(out: Path) -> dict | None:
+    """OUT/conversion.json, or None when OUT has none."""
+    path = out / REPORT
+    return json.loads(path.read_text("utf-8")) if path.is_file() else None
+
+
+def manifest_sha256(path: Path) -> str:
+    """sha256 of a decompressed cuts manifest (gzip headers carry a timestamp, the content does not)."""
+    with gzip.open(path, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
+
+
+def read_cut_dicts(path: Path) -> list[dict]:
+    """The cuts of one cuts manifest as JSON dicts, in order."""
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+@dataclass(frozen=True)
+class SharShard:
+    index: int
+    cuts_path: Path
+    recording_path: Path
+    duration: float
+    num_cuts: int
+
+
+def shar_location(path: Path) -> tuple[Path, dict | None]:
+    """(Shar directory, conversion report or None) for a `mmtok audio convert` output or a bare Shar dir."""
+    report = read_report(path) if (path / SHAR_DIR).is_dir() else None
+    if report is not None:
+        if not report.get("complete"):
+            raise MmtokError(f"{path / REPORT}: the conversion is not complete; rerun `mmtok audio convert` with the "
+                             "same arguments to finish it before encoding")
+        return path / SHAR_DIR, report
+    if not any(path.glob(CUTS_GLOB)):
+        raise MmtokError(f"{path}: no Shar shards (cuts.NNNNNN.jsonl.gz); pass the --out of `mmtok audio convert` "
+                         "or a Lhotse Shar directory")
+    return path, None
+
+
+def discover_shards(path: Path) -> tuple[list[SharShard], dict | None]:
+    """Every shard 0..n-1 of a Shar directory with its total duration (from the conversion report when
+    there is one, else summed from the cuts manifests)."""
+    shar, report = shar_location(path)
+    indices = sorted(int(p.name.split(".")[1]) for p in shar.glob(CUTS_GLOB))
+    if indices != list(range(len(indices))):
+        missing = sorted(set(range(max(indices) + 1)) - set(indices))
+        raise MmtokError(f"{shar}: shard indices must be 0..n-1; missing {missing[:10]}")
+    recorded = {s["index"]: s for s in report["shards"]} if report else {}
+    shards = []
+    for index in indices:
+        cuts_name, recording_name = shard_files(index)
+        if not (shar / recording_name).is_file():
+            raise MmtokError(f"{shar / recording_name}: missing (every Shar shard needs its recording tar)")
+        if index in recorded:
+            duration, count = recorded[index]["duration"], recorded[index]["cuts"]
+        else:
+            durations = [c["duration"] for c in read_cut_dicts(shar / cuts_name)]
+            duration, count = sum(durations), len(durations)
+        shards.append(SharShard(index, shar / cuts_name, shar / recording_name, float(duration), int(count)))
+    return shards, report
+
+
+def shard_fingerprint(shard: SharShard) -> dict:
+    """What identifies a shard's content for resume checks: the decompressed cuts manifest's sha256
+    (gzip headers carry a timestamp) and the recording tar's size."""
+    return {"index": shard.index, "cuts_sha256": manifest_sha256(shard.cuts_path),
+            "recording_bytes": shard.recording_path.stat().st_size, "cuts": shard.num_cuts}
+
+
+def index_members(recording_path: Path) -> dict[str, tuple[int, int]]:
+    """cut id -> (data offset, size) of its audio member in a Shar recording tar (headers only)."""
+    members = {}
+    with tarfile.open(recording_path, "r:") as archive:
+        for member in archive:
+            name, _, ext = member.name.rpartition(".")
+            if member.isfile() and ext in AUDIO_EXTENSIONS:
+                members[name] = (member.offset_data, member.size)
+    return members

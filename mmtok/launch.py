@@ -1,0 +1,48 @@
+"""Where this process's rank, world size and device come from: flags, then the launcher's environment.
+
+torchrun sets RANK/WORLD_SIZE/LOCAL_RANK per worker (also when it runs inside an srun task), srun
+sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID. Used by every command that runs a codec; imports no stage.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mmtok.errors import MmtokError
+
+
+def resolve_rank(rank: int | None, world_size: int | None, default_world_size: int = 1) -> tuple[int, int]:
+    """Flags first, then RANK/WORLD_SIZE (torchrun sets them per worker, also inside an srun task),
+    then SLURM_PROCID/SLURM_NTASKS, then (0, default_world_size)."""
+    env = os.environ
+    if rank is None:
+        rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+    if world_size is None:
+        world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", default_world_size)))
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise MmtokError(f"rank {rank} is outside 0..{world_size - 1} (world size {world_size})")
+    return rank, world_size
+
+
+def resolve_device(requested: str | None = None):
+    """--device, else cuda:LOCAL_RANK, else cuda:(SLURM_LOCALID mod visible GPUs) under srun, else cuda:0,
+    else cpu. A CUDA device is made this process's current device at once (`torch.cuda.set_device`),
+    before anything allocates on CUDA: pinned host buffers and the codec's weights then create their
+    context on this GPU, not a stray one on cuda:0 (one per process on a multi-GPU node)."""
+    import torch
+
+    if requested:
+        device = torch.device(requested)
+    elif not torch.cuda.is_available():
+        device = torch.device("cpu")
+    elif "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    elif "SLURM_LOCALID" in os.environ:
+        device = torch.device("cuda", int(os.environ["SLURM_LOCALID"]) % torch.cuda.device_count())
+    else:
+        device = torch.device("cuda", 0)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device

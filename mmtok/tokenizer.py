@@ -1,0 +1,430 @@
+"""The omnimodal Hugging Face tokenizer: mmtok's vocabulary layout as a `tokenizers` directory (DESIGN.md §12).
+
+`build_tokenizer` extends a text tokenizer into one whose ids are exactly `VocabLayout`'s:
+
+    0 … T-1                 the text tokenizer's own tokens, ids unchanged (T = its vocabulary size)
+    T … T+199               OMNI_SPECIAL_TOKENS by name; the free slots named `<|omni_reserved_N|>` (N = slot)
+    image_offset + i        `<|visual token i|>`  (image code i)
+    audio_offset + i        `<|audio token i|>`   (audio code i)
+
+The code-token names are those of the public swiss-ai/apertus-omni-tokenizer, so both tools name an id alike.
+Every omni token is an added token with special=True: matched as one token in text, dropped by
+`skip_special_tokens`. The aliases `<image>`/`<audio>` are Replace rules at the front of the normalizer,
+and their targets are matched on normalized text, so `<image>` encodes to the id of `<|image|>`.
+
+A tekken base (mistral-common) is converted to a byte-level BPE with the same ids: its encoding of text
+equals mmtok's TextTokenizer's, except that the converted tokenizer -- like every HF tokenizer -- turns the
+name of a control token written in the text (`<s>`, `[INST]`) into that token, where tekken's own
+encoder reads it as plain characters.
+
+`check_tokenizer` compares a tokenizer directory with the datasets mmtok wrote (`mmtok merge`,
+`mmtok audio interleave`): the layout, the structure and text special ids, and every id on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmtok import __version__
+from mmtok.errors import MmtokError
+from mmtok.formats import megatron
+from mmtok.fsutil import atomic_write_bytes, atomic_write_json
+from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer
+from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
+
+TOKENIZER_JSON = "tokenizer.json"
+CONFIG_JSON = "tokenizer_config.json"
+SPECIAL_MAP_JSON = "special_tokens_map.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+IMAGE_CODE_TOKEN = "<|visual token {i}|>"
+AUDIO_CODE_TOKEN = "<|audio token {i}|>"
+RESERVED_TOKEN = "<|omni_reserved_{i}|>"
+ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+IMAGE_CODECS = ("emu3.5", "emu3")
+AUDIO_CODECS = ("wavtokenizer",)
+CODEC_SECTIONS = {"image": "vision_tokenizer", "audio": "audio_tokenizer"}  # tokenizer_config.json keys
+
+
+def omni_token_names(layout: VocabLayout) -> list[str]:
+    """The names of ids layout.text_size … layout.total_size - 1, in id order: one per id, no gap."""
+    reserved = [RESERVED_TOKEN.format(i=slot) for slot in range(len(OMNI_SPECIAL_TOKENS), OMNI_SPECIAL_BLOCK)]
+    return [*OMNI_SPECIAL_TOKENS, *reserved,
+            *(IMAGE_CODE_TOKEN.format(i=code) for code in range(layout.image_codebook)),
+            *(AUDIO_CODE_TOKEN.format(i=code) for code in range(layout.audio_codebook))]
+
+
+def code_token_ids(layout: VocabLayout) -> dict[str, int]:
+    """Named structure tokens and every code token with its layout id (reserved slots excluded)."""
+    ids = layout.special_ids()
+    ids.update({IMAGE_CODE_TOKEN.format(i=code): layout.image_offset + code for code in range(layout.image_codebook)})
+    ids.update({AUDIO_CODE_TOKEN.format(i=code): layout.audio_offset + code for code in range(layout.audio_codebook)})
+    return ids
+
+
+# -- the base text tokenizer -----------------------------------------------------------------------
+@dataclass
+class Base:
+    """A text tokenizer ready to extend: its `tokenizers` object and the files around it to keep."""
+
+    tokenizer: object  # tokenizers.Tokenizer
+    config: dict  # tokenizer_config.json keys kept (roles, chat template, ...)
+    special_tokens_map: dict
+    chat_template_file: Path | None
+    text: TextTokenizer  # mmtok's view: vocabulary size, fingerprint, BOS/EOS
+
+
+def load_base(spec: str) -> Base:
+    """The base tokenizer named by `spec` (anything `load_text_tokenizer` accepts), with contiguous ids 0 … T-1."""
+    from tokenizers import Tokenizer
+
+    text = load_text_tokenizer(spec)
+    if isinstance(text, TekkenTokenizer):
+        tekken = text._tok  # the mistral-common Tekkenizer that mmtok encodes with
+        tokenizer, roles = tekken_to_hf(tekken), tekken_roles(tekken)
+        base = Base(tokenizer, dict(roles), dict(roles), None, text)
+    else:
+        path = Path(text.name)  # an HFTokenizer is named by its tokenizer.json
+        config = _read_json(path.with_name(CONFIG_JSON))
+        roles = {"bos_token": text.token_text(text.bos_id), "eos_token": text.token_text(text.eos_id)}
+        roles.update({role: config[role] for role in ROLES if role in config})
+        config = {**config, **roles}
+        template = path.with_name(CHAT_TEMPLATE)
+        base = Base(Tokenizer.from_file(str(path)), config, _read_json(path.with_name(SPECIAL_MAP_JSON)) or roles,
+                    template if template.is_file() else None, text)
+    _check_base(base, spec)
+    return base
+
+
+def _check_base(base: Base, spec: str) -> None:
+    vocab = base.tokenizer.get_vocab(with_added_tokens=True)
+    if len(vocab) != base.text.vocab_size or max(vocab.values()) != len(vocab) - 1:
+        raise MmtokError(f"text tokenizer {spec}: its ids are not contiguous ({len(vocab):,} tokens, highest id "
+                         f"{max(vocab.values()):,}); mmtok's layout needs ids 0 … N-1 -- use the tokenizer the data "
+                         "was made with")
+    taken = [name for name in [*OMNI_SPECIAL_TOKENS, *TOKEN_ALIASES, IMAGE_CODE_TOKEN.format(i=0),
+                               AUDIO_CODE_TOKEN.format(i=0)] if name in vocab]
+    if taken:
+        raise MmtokError(f"text tokenizer {spec} already has {taken[0]!r} (id {vocab[taken[0]]:,}): mmtok adds the "
+                         "omni tokens after the text vocabulary -- build from the text-only base tokenizer")
+
+
+def tekken_roles(tekken) -> dict[str, str]:
+    """The role tokens (bos/eos/unk/pad) of a Tekkenizer, by name."""
+    return {"bos_token": tekken.id_to_piece(tekken.bos_id), "eos_token": tekken.id_to_piece(tekken.eos_id),
+            "unk_token": tekken.id_to_piece(tekken.unk_id), "pad_token": tekken.id_to_piece(tekken.pad_id)}
+
+
+def tekken_to_hf(tekken):
+    """A byte-level BPE `tokenizers.Tokenizer` with the ids and the text encoding of `tekken` (a Tekkenizer).
+
+    Control tokens (ids below num_special_tokens) become special added tokens at their own ids; every
+    other id keeps its bytes. tiktoken merges, again and again, the adjacent pair whose union has the lowest
+    rank; so every split of a token into two vocabulary tokens is a merge, ordered by the token's rank, and
+    `ignore_merges` gives a pre-token that is itself in the vocabulary its own id first, as tiktoken does.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = tekken.num_special_tokens
+    ranks = {tekken.id_to_byte_piece(i): i for i in range(specials, tekken.n_words)}
+    chars = byte_level_chars()
+
+    def text(piece: bytes) -> str:
+        return "".join(chars[byte] for byte in piece)
+
+    vocab = {tekken.id_to_piece(i): i for i in range(specials)} | {text(piece): i for piece, i in ranks.items()}
+    if len(vocab) != tekken.n_words:
+        raise MmtokError(f"tekken {tekken.file_path}: a control token's name equals a text token's bytes; "
+                         "it cannot be converted")
+    merges = sorted((rank, ranks[piece[:cut]], ranks[piece[cut:]], cut, piece) for piece, rank in ranks.items()
+                    for cut in range(1, len(piece)) if piece[:cut] in ranks and piece[cut:] in ranks)
+    pattern = json.loads(Path(tekken.file_path).read_text("utf-8"))["config"]["pattern"]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(text(p[:c]), text(p[c:])) for *_, c, p in merges],
+                                     ignore_merges=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(tekken.id_to_piece(i), special=True, normalized=False)
+                                  for i in range(specials)])
+    return tokenizer
+
+
+def byte_level_chars() -> list[str]:
+    """GPT-2's byte -> character table (what `tokenizers`' ByteLevel pre-tokenizer maps each byte to)."""
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    chars, spare = [], 256
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(spare))
+            spare += 1
+    return chars
+
+
+# -- build -----------------------------------------------------------------------------------------
+def build_tokenizer(text_spec: str, out: str | Path, *, image_codec: str = "emu3.5",
+                    audio_codec: str = "wavtokenizer") -> dict:
+    """Write the omnimodal tokenizer of `text_spec` into `out`; returns a summary.
+
+    Checked before any file is written: every base token keeps its id, every omni token has its
+    `VocabLayout` id, the ids are exactly 0 … total_size - 1, and `<image>`/`<audio>` encode to the ids
+    of `<|image|>`/`<|audio|>`. Each file is replaced atomically.
+    """
+    from tokenizers import AddedToken
+
+    if image_codec not in IMAGE_CODECS or audio_codec not in AUDIO_CODECS:
+        raise MmtokError(f"--image-codec must be one of {', '.join(IMAGE_CODECS)} and --audio-codec one of "
+                         f"{', '.join(AUDIO_CODECS)} (got {image_codec}, {audio_codec})")
+    started = time.monotonic()
+    out = Path(out)
+    base = load_base(text_spec)
+    if (out / TOKENIZER_JSON).resolve() == Path(base.text.name).resolve():
+        raise MmtokError(f"--out {out} is the base tokenizer's own directory: write the omnimodal one elsewhere")
+    layout = VocabLayout(base.text.vocab_size)
+    base_vocab = base.tokenizer.get_vocab(with_added_tokens=True)
+    tokenizer = base.tokenizer
+    with_aliases(tokenizer)
+    aliased = set(TOKEN_ALIASES.values())
+    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=name in aliased)
+                                  for name in omni_token_names(layout)])
+    verify_ids(tokenizer, base_vocab, layout, text_spec)
+    data = tokenizer.to_str().encode("utf-8")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / TOKENIZER_JSON, data)
+    atomic_write_json(out / SPECIAL_MAP_JSON, base.special_tokens_map)
+    _copy_chat_template(base.chat_template_file, out)
+    atomic_write_json(out / CONFIG_JSON, tokenizer_config(base, layout, image_codec, audio_codec))
+    return {"out": str(out), "text_tokenizer": base.text.name, "text_size": layout.text_size,
+            "total_size": layout.total_size, "tokenizer_json_bytes": len(data),
+            "seconds": round(time.monotonic() - started, 2)}
+
+
+def with_aliases(tokenizer) -> None:
+    """Put Replace(alias, target) for every TOKEN_ALIASES entry in front of the tokenizer's normalizer."""
+    from tokenizers import normalizers
+
+    rules = [normalizers.Replace(alias, target) for alias, target in TOKEN_ALIASES.items()]
+    if tokenizer.normalizer is not None:
+        rules.append(tokenizer.normalizer)
+    tokenizer.normalizer = normalizers.Sequence(rules)
+
+
+def verify_ids(tokenizer, base_vocab: dict[str, int], layout: VocabLayout, spec: str) -> None:
+    """Raise MmtokError unless `tokenizer` holds the base ids unchanged and every omni id where the layout puts it."""
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    problem = None
+    if len(vocab) != layout.total_size:
+        problem = f"{len(vocab):,} ids instead of {layout.total_size:,}"
+    elif moved := next((name for name, i in base_vocab.items() if vocab.get(name) != i), None):
+        problem = f"text token {moved!r} moved from id {base_vocab[moved]:,} to {vocab.get(moved)}"
+    elif wrong := next((n for i, n in enumerate(omni_token_names(layout), layout.text_size) if vocab.get(n) != i), None):
+        problem = f"{wrong!r} got id {vocab.get(wrong)} instead of its layout id"
+    else:
+        for alias, target in TOKEN_ALIASES.items():
+            if tokenizer.encode(alias, add_special_tokens=False).ids != [layout.special_id(target)]:
+                problem = f"the alias {alias} does not encode to {target}"
+    if problem:
+        raise MmtokError(f"building the omnimodal tokenizer from {spec}: {problem} -- the base tokenizer has "
+                         "tokens this build does not expect; please report it with the base tokenizer attached")
+
+
+def tokenizer_config(base: Base, layout: VocabLayout, image_codec: str, audio_codec: str) -> dict:
+    """tokenizer_config.json: the base's keys (roles, chat template), the layout contract, and the build's provenance."""
+    # added_tokens_decoder would list the base's added tokens only; tokenizer.json holds them all
+    config = {key: value for key, value in base.config.items() if key != "added_tokens_decoder"}
+    return {
+        **config,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": config.get("clean_up_tokenization_spaces", False),  # decode text as it is
+        **layout.omnimodal_config(structure=True),
+        CODEC_SECTIONS["image"]: {"type": image_codec, "codebook_size": layout.image_codebook},
+        CODEC_SECTIONS["audio"]: {"type": audio_codec, "codebook_size": layout.audio_codebook},
+        "mmtok": {"version": __version__, "base_tokenizer": base.text.describe(),
+                  "content_tokens": {"vision": IMAGE_CODE_TOKEN, "audio": AUDIO_CODE_TOKEN},
+                  "reserved_token": RESERVED_TOKEN, "aliases": dict(TOKEN_ALIASES)},
+    }
+
+
+def _copy_chat_template(source: Path | None, out: Path) -> None:
+    target = out / CHAT_TEMPLATE
+    if source is None:
+        target.unlink(missing_ok=True)  # a template left from an earlier build would be read by transformers
+    else:
+        atomic_write_bytes(target, source.read_bytes())
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except ValueError as err:
+        raise MmtokError(f"{path}: not valid JSON ({err}); restore the file") from None
+
+
+# -- check -----------------------------------------------------------------------------------------
+def read_tokenizer(directory: str | Path) -> tuple[object, dict]:
+    """The `tokenizers.Tokenizer` and the tokenizer_config.json of a tokenizer directory."""
+    from tokenizers import Tokenizer
+
+    directory = Path(directory)
+    if not (directory / TOKENIZER_JSON).is_file():
+        raise MmtokError(f"{directory}: no {TOKENIZER_JSON} here -- pass a directory written by `mmtok tokenizer build`")
+    config = _read_json(directory / CONFIG_JSON)
+    if not isinstance(config.get("base_vocab_size"), int):
+        raise MmtokError(f"{directory / CONFIG_JSON}: no base_vocab_size, so not an omnimodal tokenizer -- "
+                         "build one with `mmtok tokenizer build`")
+    try:
+        return Tokenizer.from_file(str(directory / TOKENIZER_JSON)), config
+    except Exception as err:  # the tokenizers library raises plain Exceptions for a damaged file
+        raise MmtokError(f"{directory / TOKENIZER_JSON}: not a readable tokenizer ({err}); rebuild it with "
+                         "`mmtok tokenizer build`") from None
+
+
+def dataset_metadata(prefix: str | Path) -> dict:
+    """What mmtok recorded about the dataset at `prefix`: `vocab`, `text_tokenizer`, `codec` and, for image
+    data, `text_special_ids` -- from OUT/merged.json (`mmtok merge`) or OUT/interleave.json (`mmtok audio interleave`)."""
+    from mmtok.audio.interleave import METADATA
+    from mmtok.merge import MERGED
+
+    prefix = Path(prefix)
+    if not (megatron.idx_path(prefix).is_file() and megatron.bin_path(prefix).is_file()):
+        raise MmtokError(f"{prefix}: no {prefix.name}.bin/.idx -- pass a dataset prefix such as OUT/merged")
+    for path, section in ((prefix.parent / f"{MERGED}.json", "identity"), (prefix.parent / METADATA, None)):
+        if path.is_file():
+            meta = _read_json(path)
+            meta = meta.get(section, {}) if section else meta
+            if not isinstance(meta.get("vocab", {}).get("text_size"), int):
+                raise MmtokError(f"{path}: records no vocabulary layout (vocab.text_size); re-run the stage that wrote it")
+            return {"file": str(path), "vocab": meta.get("vocab", {}), "text_tokenizer": meta.get("text_tokenizer", {}),
+                    "codec": meta.get("codec", {}), "text_special_ids": meta.get("text_special_ids", {})}
+    raise MmtokError(f"{prefix}: no {MERGED}.json or {METADATA} next to it, so its layout is unknown -- pass a "
+                     "dataset written by `mmtok merge` (OUT/merged) or `mmtok audio interleave` (OUT/stage)")
+
+
+def check_tokenizer(directory: str | Path, datasets: list[str]) -> tuple[list[str], list[str]]:
+    """Compare a tokenizer directory with datasets; returns (problems, one summary line per dataset).
+
+    A problem is one line naming what differs and where. None means: the same layout, every structure and
+    text special token at the id the data uses, and every id on disk inside the tokenizer's vocabulary.
+    """
+    tokenizer, config = read_tokenizer(directory)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    layout = VocabLayout(config["base_vocab_size"])
+    problems = tokenizer_problems(vocab, config, layout, Path(directory))
+    summaries = []
+    for prefix in datasets:
+        meta = dataset_metadata(prefix)
+        different = layout_problems(meta, layout, prefix)  # then every omni id differs: one line says it
+        problems += different or special_problems(meta, vocab, config, prefix)
+        problems += provenance_problems(meta, config, prefix)
+        found, summary = id_problems(prefix, len(vocab))
+        problems += found
+        summaries.append(summary)
+    return problems, summaries
+
+
+def tokenizer_problems(vocab: dict[str, int], config: dict, layout: VocabLayout, directory: Path) -> list[str]:
+    """The tokenizer against its own base_vocab_size: size, named structure and code tokens, omnimodal_config."""
+    problems = []
+    if len(vocab) != layout.total_size:
+        problems.append(f"tokenizer {directory}: {len(vocab):,} ids, but base_vocab_size {layout.text_size:,} "
+                        f"makes the layout {layout.total_size:,}")
+    expected = code_token_ids(layout)
+    wrong = [name for name, i in expected.items() if vocab.get(name) != i]
+    if wrong:
+        problems.append(f"tokenizer {directory}: {len(wrong):,} structure/code tokens are not at their layout ids "
+                        f"(first {wrong[0]!r}: {vocab.get(wrong[0])}, layout {expected[wrong[0]]:,})")
+    if not _config_matches(config.get("omnimodal_config"), layout.omnimodal_config(structure=True)["omnimodal_config"]):
+        problems.append(f"tokenizer {directory / CONFIG_JSON}: omnimodal_config differs from the layout of "
+                        f"base_vocab_size {layout.text_size:,} -- rebuild it with `mmtok tokenizer build`")
+    return problems
+
+
+def _config_matches(actual, expected: dict) -> bool:
+    """Whether `actual` states `expected`: the offsets and sizes always, the structure ids where it has them
+    (tokenizers built by other tools may carry only the fields the Megatron-LM fork reads)."""
+    if not isinstance(actual, dict) or actual.get("omni_special_token_offset") != expected["omni_special_token_offset"]:
+        return False
+    have = actual.get("modalities")
+    required = ("name", "offset", "vocab_size")
+    return (isinstance(have, list) and len(have) == len(expected["modalities"])
+            and all(isinstance(h, dict) and all(h.get(k) == v for k, v in e.items() if k in h or k in required)
+                    for h, e in zip(have, expected["modalities"])))
+
+
+def layout_problems(meta: dict, layout: VocabLayout, prefix) -> list[str]:
+    """The dataset's recorded layout against the tokenizer's: no line, or one naming every value that differs."""
+    keys = [key for key in ("text_size", "image_offset", "audio_offset", "total_size")
+            if meta["vocab"].get(key) != getattr(layout, key)]
+    if not keys:
+        return []
+    recorded = ", ".join(f"{key} {_number(meta['vocab'].get(key))}" for key in keys)
+    have = ", ".join(f"{getattr(layout, key):,}" for key in keys)
+    return [f"layout: dataset {prefix} has {recorded} ({meta['file']}), the tokenizer {have} -- build the tokenizer "
+            f"from the text tokenizer the data was made with ({meta['text_tokenizer'].get('name', '?')})"]
+
+
+def special_problems(meta: dict, vocab: dict[str, int], config: dict, prefix) -> list[str]:
+    """Structure tokens, BOS/EOS and recorded text special tokens: the tokenizer's id for each name vs the data's."""
+    recorded = meta["vocab"].get("special_tokens") or VocabLayout(meta["vocab"]["text_size"]).special_ids()
+    recorded = dict(recorded, **meta["text_special_ids"])
+    for role, key in (("bos_token", "bos_id"), ("eos_token", "eos_id")):
+        name = _role_name(config.get(role))
+        if name and key in meta["text_tokenizer"]:
+            recorded[name] = meta["text_tokenizer"][key]
+    return [f"token {name}: dataset {prefix} uses id {i:,}, the tokenizer has "
+            f"{'no such token' if vocab.get(name) is None else f'id {vocab[name]:,}'}"
+            for name, i in recorded.items() if vocab.get(name) != i]
+
+
+def provenance_problems(meta: dict, config: dict, prefix) -> list[str]:
+    """The base text tokenizer and the codec the tokenizer was built for against those the data was made with."""
+    problems = []
+    base = config.get("mmtok", {}).get("base_tokenizer")  # absent in tokenizers built by other tools
+    data = meta["text_tokenizer"]
+    if base and data.get("sha256") and base.get("sha256") != data["sha256"]:
+        problems.append(f"text tokenizer: dataset {prefix} was made with {data.get('name')} (sha256 "
+                        f"{data['sha256'][:12]}…), the tokenizer built from {base.get('name')} (sha256 "
+                        f"{str(base.get('sha256'))[:12]}…) -- rebuild it with --text-tokenizer set to the data's")
+    codec = meta["codec"]
+    section = config.get(CODEC_SECTIONS.get(codec.get("modality"), ""), {})
+    if section.get("type") and codec.get("name") and section["type"].lower() != codec["name"].lower():  # "Emu3.5" too
+        problems.append(f"codec: dataset {prefix} holds {codec['name']} codes, the tokenizer was built for "
+                        f"{section['type']} -- rebuild it with --{codec['modality']}-codec {codec['name']}")
+    return problems
+
+
+def id_problems(prefix, vocab_size: int) -> tuple[list[str], str]:
+    """Every id of the dataset inside [0, vocab_size): (problems, a summary line)."""
+    dtype, lengths, _, _ = megatron.read_index(prefix)
+    tokens = np.memmap(megatron.bin_path(prefix), dtype=dtype, mode="r") if lengths.sum() else np.zeros(0, dtype)
+    low, high = id_range(tokens)
+    summary = f"{prefix}: {len(lengths):,} sequences, {int(lengths.sum()):,} tokens, ids {low:,} … {high:,}"
+    if low >= 0 and high < vocab_size:
+        return [], summary
+    position = int(np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0])
+    sequence = int(np.searchsorted(np.cumsum(lengths, dtype=np.int64), position, side="right"))
+    return [f"ids: dataset {prefix} holds id {int(tokens[position]):,} (sequence {sequence:,}), outside the "
+            f"tokenizer's {vocab_size:,} ids"], summary
+
+
+def id_range(tokens: np.ndarray, chunk: int = 1 << 24) -> tuple[int, int]:
+    """(min, max) of `tokens`, read in chunks so a memory-mapped dataset is not loaded whole; (0, -1) when empty."""
+    ranges = [(int(part.min()), int(part.max())) for part in (tokens[i : i + chunk] for i in range(0, len(tokens), chunk))]
+    return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else (0, -1)
+
+
+def _role_name(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _number(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else "none"
+

@@ -1,0 +1,169 @@
+"""`mmtok inspect --megatron`: the printed arguments, read as Megatron-LM reads them, build megatron-core's blended
+GPT dataset from two merged outputs, and its samples decode with the `mmtok tokenizer build` tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from encodekit import caption_env, chat_tokenizer, encode_all, gpt_dataset, one_torch_thread, plan
+from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from megatron.core.datasets.utils import get_blend_from_list
+from tokenizers import Tokenizer
+
+from mmtok.cli import main
+from mmtok.formats.megatron import read_index
+from mmtok.inspect import advise_seq_length, advise_split
+
+BLOCK = re.compile(r"<\|img_start\|>(\d+)\*(\d+)<\|img_token_start\|>(.*?)<\|img_end_of_frame\|><\|img_end\|>")
+ROW = re.compile(r"((?:<\|visual token \d+\|>)+)<\|img_end_of_row\|>")
+
+
+class OmniTokenizer(MegatronLegacyTokenizer):
+    """A `mmtok tokenizer build` directory read with the `tokenizers` library, offering what megatron-core's
+    datasets read from Megatron-LM's HuggingFaceTokenizer: vocab_size = every id, eod = the eos_token's id."""
+
+    def __init__(self, directory: Path):
+        super().__init__(str(directory))
+        self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        self._eod = self._tokenizer.token_to_id(config["eos_token"])
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        return {i: token for token, i in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+
+def megatron_arguments(output: str) -> argparse.Namespace:
+    """The recipe's argument block as the shell passes it, parsed with exactly the Megatron-LM flags it may use."""
+    block = " ".join(line for line in output.splitlines() if not line.startswith("#")).replace("\\", " ")
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--data-path", nargs="+", required=True)
+    for flag in ("--split", "--tokenizer-type", "--tokenizer-model"):
+        parser.add_argument(flag, required=True)
+    for flag in ("--make-vocab-size-divisible-by", "--seq-length"):
+        parser.add_argument(flag, type=int, required=True)
+    return parser.parse_args(shlex.split(block))
+
+
+def complete_image_blocks(text: str) -> int:
+    """How many whole image blocks `text` holds, each checked: H rows of W code tokens for the "H*W" it states."""
+    found = 0
+    for match in BLOCK.finditer(text):
+        height, width, body = int(match.group(1)), int(match.group(2)), match.group(3)
+        rows = ROW.findall(body)
+        assert "".join(row + "<|img_end_of_row|>" for row in rows) == body
+        assert len(rows) == height and all(row.count("<|visual token ") == width for row in rows)
+        found += 1
+    return found
+
+
+@contextlib.contextmanager
+def one_process_group(directory: Path):
+    """A one-process torch.distributed group, as Megatron-LM has when it builds datasets (BlendedDataset asks
+    for the rank)."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{directory / 'process-group'}", rank=0,
+                                         world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe")
+    with one_torch_thread():
+        env = caption_env(root)
+        outs = [encode_all(env, plan(env, f"plan-{mode}", "--mode", mode), root / mode, world_size=1)
+                for mode in ("image-text", "text-image")]
+    assert main(["tokenizer", "build", "--text-tokenizer", str(env.text), "--out", str(root / "omni")]) == 0
+    return SimpleNamespace(root=root, env=env, datasets=[out / "merged" for out in outs], tokenizer=root / "omni")
+
+
+def test_recipe_builds_a_weighted_blend_whose_samples_decode_to_image_blocks(recipe, capsys):
+    paths = [str(prefix) for prefix in recipe.datasets]
+    assert main(["inspect", *paths, "--megatron", "--weights", "0.7", "0.3", "--tokenizer", str(recipe.tokenizer)]) == 0
+    output = capsys.readouterr().out
+    args = megatron_arguments(output)
+    prefixes, weights = get_blend_from_list(args.data_path)
+    assert prefixes == [str(prefix.resolve()) for prefix in recipe.datasets] and weights == [0.7, 0.3]
+    assert args.tokenizer_type == "HuggingFaceTokenizer" and Path(args.tokenizer_model) == recipe.tokenizer.resolve()
+    tokenizer = OmniTokenizer(Path(args.tokenizer_model))
+    multiple = args.make_vocab_size_divisible_by
+    assert f"{-(-tokenizer.vocab_size // multiple) * multiple:,} at TP 1" in output
+    assert args.seq_length >= max(int(read_index(prefix)[1].max()) for prefix in recipe.datasets)
+
+    with one_process_group(recipe.root):
+        train = gpt_dataset((prefixes, weights), tokenizer, args.seq_length, 20, recipe.root, split=args.split)
+    assert np.bincount(train.dataset_index, minlength=2).tolist() == [14, 6]  # the weights, as Megatron blends them
+    blocks = 0
+    for index in range(len(train)):
+        sample = train[index]
+        ids = torch.cat([sample["tokens"], sample["labels"][-1:]]).tolist()
+        assert len(ids) == args.seq_length + 1 and 0 <= min(ids) and max(ids) < tokenizer.vocab_size
+        text = tokenizer.detokenize(ids)
+        assert "in the afternoon sun" in text  # captions of both datasets decode as text
+        blocks += complete_image_blocks(text)
+    assert blocks >= len(train)
+
+
+def test_recipe_refuses_a_tokenizer_built_from_another_text_tokenizer(recipe, capsys):
+    other = chat_tokenizer(recipe.root / "other-text", vocab_size=300)
+    assert main(["tokenizer", "build", "--text-tokenizer", str(other), "--out", str(recipe.root / "omni-other")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(recipe.datasets[0]), "--megatron", "--tokenizer", str(recipe.root / "omni-other")]) == 2
+    assert "does not fit the data: layout:" in capsys.readouterr().err
+
+
+def test_recipe_without_a_tokenizer_says_how_to_build_it(recipe, capsys):
+    assert main(["inspect", str(recipe.datasets[0]), "--megatron"]) == 0
+    output = capsys.readouterr().out
+    assert megatron_arguments(output).tokenizer_model == "TOKENIZER_DIR"
+    assert f"mmtok tokenizer build --text-tokenizer {recipe.env.text / 'tokenizer.json'} --out TOKENIZER_DIR" in output
+
+
+def test_weights_must_match_the_datasets(recipe, capsys):
+    paths = [str(prefix) for prefix in recipe.datasets]
+    assert main(["inspect", *paths, "--megatron", "--weights", "1"]) == 2
+    assert "one positive weight per dataset (2)" in capsys.readouterr().err
+    assert main(["inspect", *paths]) == 2  # several datasets only make sense for the recipe
+
+
+def test_seq_length_advice_holds_the_longest_document_up_to_32k():
+    assert advise_seq_length(np.array([43, 12]))[0] == 1024
+    assert advise_seq_length(np.array([3000, 4096]))[0] == 4096
+    assert advise_seq_length(np.array([4097]))[0] == 8192
+    length, note = advise_seq_length(np.array([100] * 9 + [40_000]))
+    assert length == 8192 and note.startswith("1 documents (97.8% of the tokens, longest 40,000)")
+
+
+def test_split_advice_holds_out_validation_only_when_every_dataset_can_spare_it():
+    assert advise_split([100, 2500])[0] == "99,1,0"
+    assert advise_split([99, 2500])[0] == "100,0,0"
