@@ -5,10 +5,6 @@ class MmtokError(Exception):
     """An error caused by the user's input or environment, with a message that says what to do."""
 
 
-class NotImplementedYet(MmtokError):
-    def __init__(self, command: str):
-        super().__init__(f"`mmtok {command}` is not implemented yet")
-
 
 class Skip(Exception):
     """An input that does not become tokens: a counted `reason` (snake_case) and a `detail` for people.

@@ -14,14 +14,27 @@ from mmtok.errors import MmtokError
 def resolve_rank(rank: int | None, world_size: int | None, default_world_size: int = 1) -> tuple[int, int]:
     """Flags first, then RANK/WORLD_SIZE (torchrun sets them per worker, also inside an srun task),
     then SLURM_PROCID/SLURM_NTASKS, then (0, default_world_size)."""
-    env = os.environ
     if rank is None:
-        rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+        rank = _env_int(("RANK", "SLURM_PROCID"), 0)
     if world_size is None:
-        world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", default_world_size)))
-    if world_size < 1 or not 0 <= rank < world_size:
+        world_size = _env_int(("WORLD_SIZE", "SLURM_NTASKS"), default_world_size)
+    if world_size < 1:
+        raise MmtokError(f"world size {world_size}: it must be at least 1")
+    if not 0 <= rank < world_size:
         raise MmtokError(f"rank {rank} is outside 0..{world_size - 1} (world size {world_size})")
     return rank, world_size
+
+
+def _env_int(names: tuple[str, ...], default: int) -> int:
+    """The first of `names` set in the environment, as an integer (else `default`)."""
+    for name in names:
+        if name in os.environ:
+            try:
+                return int(os.environ[name])
+            except ValueError:
+                raise MmtokError(f"{name}={os.environ[name]!r} is not an integer; fix the launcher environment "
+                                 "or pass --rank/--world-size") from None
+    return default
 
 
 def resolve_device(requested: str | None = None):

@@ -56,7 +56,7 @@ class Part:
     records: tuple = ()  # its commit records, checked against the part's bytes (commitlog.verify_part)
 
 
-def find_parts(out: Path) -> list[Part]:
+def find_parts(out: Path, progress: bool = False) -> list[Part]:
     """The finished parts of `out`, in part order; refuses missing/unfinished or inconsistent parts."""
     found = {}
     for directory in sorted((out / "parts").glob("part-*")):
@@ -78,8 +78,11 @@ def find_parts(out: Path) -> list[Part]:
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise MmtokError(f"{out}: {len(missing)} of {num_parts} parts are not finished (no DONE marker): "
                          f"{listed}{more}. Run (or resume) `mmtok encode` for them, then merge again.")
-    parts = [Part(n, found[n].directory, found[n].identity, tuple(commitlog.verify_part(found[n].directory)))
-             for n in range(num_parts)]  # damage is named before it can pass for another run's part
+    from mmtok.progress import progress as progress_bar
+
+    parts = []  # each checked against its checksums: damage is named before it can pass for another run's part
+    for n in progress_bar(range(num_parts), desc="merge: check parts", unit="part", enabled=progress):
+        parts.append(Part(n, found[n].directory, found[n].identity, tuple(commitlog.verify_part(found[n].directory))))
     _check_same_run(parts)
     return parts
 
@@ -106,11 +109,11 @@ def _read_json(path: Path, reader, directory: Path):
                          "this part") from None
 
 
-def merge(out: str | os.PathLike, *, strip_reasoning: bool = False) -> dict:
+def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bool = False) -> dict:
     """Merge the parts of `out`; returns the summary written to `OUT/merged.json`."""
     out = Path(out)
     with WriterLock(out, f"merge output {out}"):
-        parts = find_parts(out)
+        parts = find_parts(out, progress)
         (out / f"{MERGED}.json").unlink(missing_ok=True)  # until rewritten, the output is not a finished merge
         summary = _merge_stats(parts)
         with_data = [part for part in parts if commitlog.has_dataset(part.directory)]

@@ -26,9 +26,8 @@ class LogLines(tqdm):
         return True
 
     def close(self) -> None:
-        if not self.disable and not getattr(self, "_closed_line", False):
-            self._closed_line = True
-            self.display()  # the final count, whatever the interval
+        if not self.disable and self.last_print_n != self.n:
+            self.display()  # the final count, unless the last line already showed it
         self.disable = True  # tqdm's own close would redraw; our last line is written
         super().close()
 

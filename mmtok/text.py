@@ -140,9 +140,15 @@ def load_text_tokenizer(spec: str = BUILTIN_TEKKEN) -> TextTokenizer:
         raise MmtokError(f"text tokenizer not found: {spec} (pass `tekken`, a tokenizer.json, or its directory)")
     with open(path, "rb") as handle:
         head = handle.read(4096)
-    if b'"config"' in head and b'"pattern"' in head:  # tekken files open with their config block
-        return TekkenTokenizer(path)
-    return HFTokenizer(path)
+    try:
+        if b'"config"' in head and b'"pattern"' in head:  # tekken files open with their config block
+            return TekkenTokenizer(path)
+        return HFTokenizer(path)
+    except MmtokError:
+        raise
+    except Exception as err:  # the tokenizers/mistral-common loaders raise plain Exceptions for a bad file
+        raise MmtokError(f"{path}: not a text tokenizer this tool can read ({err}); pass `tekken`, an HF "
+                         "tokenizer.json (or its directory) or a tekken JSON") from None
 
 
 def _token_name(value, default: str) -> str:

@@ -75,3 +75,29 @@ def test_the_cuda_device_is_made_current_before_anything_allocates(monkeypatch, 
     assert resolve_device(None) == torch.device("cuda", expected)
     assert made_current == [torch.device("cuda", expected)]
     assert resolve_device("cpu") == torch.device("cpu") and len(made_current) == 1
+
+
+@pytest.mark.parametrize("env, message", [({"RANK": "abc"}, "RANK='abc' is not an integer"),
+                                          ({"WORLD_SIZE": "0"}, "world size 0: it must be at least 1")])
+def test_a_bad_launcher_environment_is_one_clear_error(monkeypatch, env, message):
+    from mmtok.errors import MmtokError
+    from mmtok.launch import resolve_rank
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MmtokError, match=message):
+        resolve_rank(None, None)
+
+
+def test_a_damaged_plan_or_tokenizer_file_is_one_line(tmp_path, capsys):
+    from mmtok.cli import main
+
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "plan.json").write_text("{")
+    assert main(["inspect", str(tmp_path / "plan")]) == 2
+    assert "plan.json: damaged" in capsys.readouterr().err
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"')
+    assert main(["tokenizer", "build", "--text-tokenizer", str(tmp_path / "tokenizer.json"),
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not a text tokenizer this tool can read" in err and "Traceback" not in err

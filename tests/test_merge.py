@@ -174,7 +174,7 @@ def test_a_truncated_or_missing_part_file_is_one_line_error(tmp_path, capsys, da
         path.write_bytes(bytes(data))
     else:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    assert main(["merge", str(tmp_path)]) == 2
+    assert main(["merge", str(tmp_path), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "part-00000" in err and "Traceback" not in err, err
 

@@ -12,7 +12,7 @@ Inside a part:
   batch). A batch is committed as *carry* bytes of the part (per clip: cut position, reason,
   audio ids) -- durable, but not yet sequences.
 * unit B assembles the part: all carried clips in the shard's cut order become the part's sequences
-  (see `sequences_for`), the per-clip token cache (mmtok.audio.cache) is written, and the part is
+  (see `sequences_for`), the per-clip token cache (mmtok.formats.audio_cache) is written, and the part is
   finished. Sequence order therefore follows cut order and never batch composition; a kill at any
   instant resumes from the last durable commit and ends with the same bytes.
 
@@ -251,13 +251,14 @@ def open_parts(shards: list[SharShard], context: Context, batching: Batching, nu
                min_samples: int) -> list[PartWork]:
     """Create or resume the part of each shard and list its remaining batches; finished parts are left out.
     Each listed part is locked until `release_parts` (a second process for the same part is refused)."""
-    from mmtok.formats.commitlog import is_done, lock_part, part_dir
+    from mmtok.formats.commitlog import check_identity, is_done, lock_part, part_dir
 
     work: list[PartWork] = []
     try:
         for shard in shards:
             directory = part_dir(context.out, shard.index)
-            if is_done(directory):
+            if is_done(directory):  # finished: nothing to do, but only if made with these very settings
+                check_identity(directory, part_identity(shard, context, num_parts))
                 continue
             lock = lock_part(directory)
             if is_done(directory):  # finished by another process just before we took the lock
@@ -276,12 +277,16 @@ def release_parts(work: list[PartWork]) -> None:
         w.lock.release()
 
 
+def part_identity(shard: SharShard, context: Context, num_parts: int) -> dict:
+    """What the part of `shard` is made from (see PartWriter)."""
+    return {**context.identity, "part": shard.index, "num_parts": num_parts, "part_shard": shard_fingerprint(shard)}
+
+
 def _part_work(shard: SharShard, directory: Path, lock, context: Context, batching: Batching, num_parts: int,
                min_samples: int) -> PartWork:
     from lhotse import CutSet
 
-    identity = {**context.identity, "part": shard.index, "num_parts": num_parts, "part_shard": shard_fingerprint(shard)}
-    w = PartWork(shard, directory, identity, 0, [], lock)
+    w = PartWork(shard, directory, part_identity(shard, context, num_parts), 0, [], lock)
     try:
         cuts = CutSet.from_file(shard.cuts_path).to_eager()
         batches = make_batches(cuts, batching)

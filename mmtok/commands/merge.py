@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--strip-reasoning", action="store_true",
                         help="also write OUT/merged_no_reasoning.bin/.idx with every <|inner_prefix|> ... "
                         "<|inner_suffix|> span removed (markers included); sequences left empty are dropped")
+    parser.add_argument("--no-progress", action="store_true", help="no progress (checking the parts reads every byte)")
     parser.set_defaults(func=run)
 
 
@@ -28,7 +29,7 @@ def run(args) -> int:
     from mmtok.merge import merge
 
     started = time.perf_counter()
-    summary = merge(args.out, strip_reasoning=args.strip_reasoning)
+    summary = merge(args.out, strip_reasoning=args.strip_reasoning, progress=not args.no_progress)
     seconds = time.perf_counter() - started
     skipped = {k.split(":", 1)[1]: v for k, v in summary["counts"].items() if k.startswith("skipped:")}
     if summary["dataset"]:

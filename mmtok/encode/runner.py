@@ -232,19 +232,19 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(work.mode, tokenizer, layout)
     check_codec(work, codec, builder)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
-    with PartWriter(part_dir(out, rank), part_identity(work, codec, tokenizer, layout)) as shard:
-        if shard.done:
-            return {"already_done": True, **_summary_counts(shard)}
-        start = max(work.batch_range[0], shard.next_unit)
-        assembler = Assembler(work, builder, shard.carry(), start)
+    with PartWriter(part_dir(out, rank), part_identity(work, codec, tokenizer, layout)) as part:
+        if part.done:
+            return {"already_done": True, **_summary_counts(part)}
+        start = max(work.batch_range[0], part.next_unit)
+        assembler = Assembler(work, builder, part.carry(), start)
         batches = range(start, work.batch_range[1])
-        meter = _run_batches(work, codec, shard, assembler, batches, device, options)
-        stats = {**_stats(shard, codec, device, options, work), "fill_s": meter.fill_seconds}
-        shard.finish(stats)
-    return {**stats, **_summary_counts(shard)}
+        meter = _run_batches(work, codec, part, assembler, batches, device, options)
+        stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
+        part.finish(stats)
+    return {**stats, **_summary_counts(part)}
 
 
-def _run_batches(work: RankWork, codec, shard: PartWriter, assembler: Assembler, batches: range,
+def _run_batches(work: RankWork, codec, part: PartWriter, assembler: Assembler, batches: range,
                  device: torch.device, options: EncodeOptions) -> Meter:
     from mmtok.progress import progress as progress_bar
 
@@ -256,7 +256,7 @@ def _run_batches(work: RankWork, codec, shard: PartWriter, assembler: Assembler,
                          prefetch=options.prefetch, pin=pin)
     try:
         run_device(loader, lambda prepared: _encode(codec, prepared, device),
-                   lambda prepared, codes: _commit(shard, assembler, prepared, codes, meter, options),
+                   lambda prepared, codes: _commit(part, assembler, prepared, codes, meter, options),
                    meter, release=loader.release)
     finally:
         loader.close()
@@ -272,16 +272,16 @@ def _encode(codec, prepared: PreparedBatch, device: torch.device) -> np.ndarray 
     return codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
 
 
-def _commit(shard: PartWriter, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
+def _commit(part: PartWriter, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
             meter: Meter, options: EncodeOptions) -> None:
     commit = assembler.add(prepared, codes, options.max_consecutive_failures)
     timing = meter.committed(len(prepared.failures), int(commit.counts.get("tokens", 0)))
-    shard.commit(prepared.batch, commit.sequences, commit.provenance, {**commit.counts, **timing},
+    part.commit(prepared.batch, commit.sequences, commit.provenance, {**commit.counts, **timing},
                  carry=commit.carry, carry_done=commit.carry_done, skipped=commit.skipped)
 
 
-def _stats(shard: PartWriter, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:
-    counts = shard.counts
+def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:
+    counts = part.counts
     timing = timing_stats(counts)
     return {
         "tool_version": __version__,
@@ -296,6 +296,6 @@ def _stats(shard: PartWriter, codec, device: torch.device, options: EncodeOption
     }
 
 
-def _summary_counts(shard: PartWriter) -> dict:
-    return {"counts": dict(shard.counts), "sequences": len(shard.lengths), "part_dir": str(shard.directory),
-            "dataset": has_dataset(shard.directory)}
+def _summary_counts(part: PartWriter) -> dict:
+    return {"counts": dict(part.counts), "sequences": len(part.lengths), "part_dir": str(part.directory),
+            "dataset": has_dataset(part.directory)}

@@ -1,4 +1,4 @@
-"""Part shards: one resumable Megatron dataset per encode *part*, made durable after every work unit.
+"""Parts: one resumable Megatron dataset per encode *part*, made durable after every work unit.
 
 An encode output directory holds `OUT/parts/part-00003/`, one per part (images: part = rank; audio:
 part = input Shar shard). A part directory contains
@@ -160,6 +160,23 @@ def _json_lines(records: list[dict]) -> bytes:
                     for r in records)
 
 
+def check_identity(directory: str | os.PathLike, identity: dict) -> None:
+    """Refuse (naming the first differing key) when the part in `directory` was made from anything other
+    than `identity` -- also for a finished part, so a rerun with other settings is never silently a no-op."""
+    directory = Path(directory)
+    try:
+        recorded = json.loads((directory / IDENTITY).read_text("utf-8"))
+    except (OSError, ValueError) as err:
+        raise MmtokError(f"{directory / IDENTITY}: unreadable ({err}); delete {directory} to re-encode this part") from None
+    difference = identity_difference(recorded, _normalize({**identity, "format": PART_FORMAT}))
+    if difference:
+        raise MmtokError(
+            f"{directory}: refusing to resume: {difference}. This part was started with different "
+            f"inputs or settings; rerun with the original ones, or use another --out (or delete "
+            f"{directory}) to start over."
+        )
+
+
 def verify_part(directory: str | os.PathLike, records: list[dict] | None = None) -> list[dict]:
     """Check a part's files against its commit records: every unit's bytes by CRC-32, sizes,
     identity.json, and (when finished) tokens.idx. Raises MmtokError naming the part, the file and
@@ -265,18 +282,10 @@ class PartWriter:
 
     # -- resume ---------------------------------------------------------------------------------
     def _check_identity(self) -> None:
-        path = self.directory / IDENTITY
-        if not path.is_file():
-            atomic_write_json(path, self.identity)
+        if not (self.directory / IDENTITY).is_file():
+            atomic_write_json(self.directory / IDENTITY, self.identity)
             return
-        recorded = json.loads(path.read_text("utf-8"))
-        difference = identity_difference(recorded, self.identity)
-        if difference:
-            raise MmtokError(
-                f"{self.directory}: refusing to resume: {difference}. This part was started with different "
-                f"inputs or settings; rerun with the original ones, or use another --out (or delete "
-                f"{self.directory}) to start over."
-            )
+        check_identity(self.directory, self.identity)
 
     def _recover(self, log_bytes: int) -> None:
         """Cut every file back to the last complete commit and open them for appending."""

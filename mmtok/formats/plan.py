@@ -209,8 +209,11 @@ class Plan:
         path = directory / META_FILE
         if not path.is_file():
             raise MmtokError(f"no plan in {directory}: {META_FILE} is missing (run `mmtok plan MANIFEST --out {directory}`)")
-        meta = json.loads(path.read_text("utf-8"))
-        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        try:
+            meta = json.loads(path.read_text("utf-8"))
+        except ValueError as err:
+            raise MmtokError(f"{path}: damaged ({err}); re-run `mmtok plan`") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise MmtokError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} plan (format {meta.get('format')!r}, "
                              f"version {meta.get('format_version')!r}); re-run `mmtok plan`")
         for name, info in meta["files"].items():
