@@ -1,13 +1,19 @@
-"""Durable, atomic file writes: a crash never leaves a half-written file under its final name."""
+"""Durable, atomic file writes (a crash never leaves a half-written file under its final name) and the
+one-writer lock of an output directory."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import IO, Iterator
+
+from mmtok.errors import MmtokError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -123,12 +129,6 @@ class WriterLock:
     _held: dict[str, "WriterLock"] = {}
 
     def __init__(self, directory: str | os.PathLike, what: str):
-        import fcntl
-        import socket
-        import time
-
-        from mmtok.errors import MmtokError
-
         self.path = Path(directory) / self.NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(self.path)

@@ -85,14 +85,15 @@ def describe_plan(directory: Path) -> str:
 
 
 def describe_encode_output(directory: Path) -> str:
+    from mmtok.formats import commitlog
+
     parts = sorted((directory / "parts").glob("part-*"))
     lines = [f"encode output {directory}: {len(parts)} part directories"]
     for part in parts:
-        stats_path = part / "stats.json"
-        state = "DONE" if (part / "DONE").exists() else "in progress"
+        state = "DONE" if commitlog.is_done(part) else "in progress"
         detail = ""
-        if stats_path.is_file():
-            stats = json.loads(stats_path.read_text())
+        if (part / commitlog.STATS).is_file():
+            stats = commitlog.read_stats(part)
             state += "" if stats.get("dataset", True) else " (no tokens: no dataset)"
             detail = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("counts", {}).items()))
         lines.append(f"  {part.name}: {state} {detail}")

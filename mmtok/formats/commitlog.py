@@ -233,7 +233,7 @@ def _verify_identity(directory: Path, records: list[dict]) -> None:
         if stats_crc != _crc_of(directory / STATS):
             raise MmtokError(f"{directory / STATS}: does not match its checksum in DONE (bit rot or a damaged copy). "
                              f"Delete {directory} and re-encode this part.")
-    if any(crc != _crc_of(directory / IDENTITY) for crc in recorded):
+    if recorded and set(recorded) != {_crc_of(directory / IDENTITY)}:
         raise MmtokError(f"{directory / IDENTITY}: does not match its checksum in the commit log (bit rot or a "
                          f"damaged copy). Delete {directory} and re-encode this part.")
 
