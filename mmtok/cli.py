@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
+import select
 import sys
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
 
-COMMANDS = ("scan", "plan", "encode", "merge", "audio", "bench", "inspect", "codec", "demo", "tokenizer")
+COMMANDS = ("scan", "plan", "calibrate", "encode", "merge", "audio", "bench", "inspect", "codec", "demo", "tokenizer", "status")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,16 +36,36 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away is seen here, not in the interpreter's final flush
+        return code
     except MmtokError as err:
         print(f"mmtok {args.command}: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # disk full, read-only output, unreadable input: one line, not a traceback
+        if isinstance(err, BrokenPipeError) and _stdout_reader_gone():
+            # `mmtok status OUT --json | head`: the reader has what it wanted; say nothing more. stdout goes
+            # to devnull so the interpreter's final flush of what is still buffered cannot fail again. 141
+            # is 128 + SIGPIPE, what a shell reports for a writer the signal stopped (`yes | head`): the
+            # pipeline still ends with the reader's status, and `set -o pipefail` still sees the cut output.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
         print(f"mmtok {args.command}: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"mmtok {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone; False for a broken pipe of the
+    command's own, which is an error like any other."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _fd, events in poller.poll(0))
+    except (OSError, ValueError):  # no descriptor of its own (stdout captured in-process)
+        return False
 
 
 # What to do about the OS errors a long run meets; every stage is restartable, so the advice ends in a rerun.

@@ -2,7 +2,8 @@
 
 `merge(out)` requires parts 0..num_parts-1 under `OUT/parts/` to be finished (DONE), joins them in
 part order (bytes copied, pointers rebuilt) into `OUT/merged.bin/.idx`, concatenates their
-provenance into `OUT/merged.provenance.jsonl`, sums their stats into `OUT/merged.json` (written
+provenance into `OUT/merged.provenance.jsonl`, then appends the documents of several images, assembled
+from the parts' items in document order (`mmtok.assemble`), sums the stats into `OUT/merged.json` (written
 last: its presence means the merge completed) and verifies the result with megatron-core's
 `IndexedDataset`. Before anything is copied every part is checked against the checksums of its
 commit log (`commitlog.verify_part`): a damaged part is refused naming the part and the unit. The
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmtok.assemble import assemble_documents
 from mmtok.errors import MmtokError
 from mmtok.encode.loop import timing_stats
 from mmtok.formats import commitlog
@@ -40,6 +42,7 @@ from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dat
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, copy_file_into
 
 MERGED = "merged"
+ASSEMBLED = ".assembled"  # the assembled documents' dataset, joined after the parts' sequences, then removed
 NO_REASONING = "merged_no_reasoning"
 PROVENANCE_SUFFIX = ".provenance.jsonl"
 SKIPPED_SUFFIX = ".skipped.jsonl"
@@ -116,28 +119,47 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
         parts = find_parts(out, progress)
         (out / f"{MERGED}.json").unlink(missing_ok=True)  # until rewritten, the output is not a finished merge
         summary = _merge_stats(parts)
-        with_data = [part for part in parts if commitlog.has_dataset(part.directory)]
-        _concatenate_files([part.directory / commitlog.PROVENANCE for part in parts], out / (MERGED + PROVENANCE_SUFFIX))
-        _concatenate_files([part.directory / commitlog.SKIPPED for part in parts], out / (MERGED + SKIPPED_SUFFIX))
+        prefixes = [commitlog.part_prefix(part.directory) for part in parts if commitlog.has_dataset(part.directory)]
+        with atomic_writer(out / (MERGED + PROVENANCE_SUFFIX)) as provenance, \
+                atomic_writer(out / (MERGED + SKIPPED_SUFFIX)) as skipped:
+            _copy_files([part.directory / commitlog.PROVENANCE for part in parts], provenance)
+            _copy_files([part.directory / commitlog.SKIPPED for part in parts], skipped)
+            assembled = assemble_documents([part.directory for part in parts], out / ASSEMBLED, provenance, skipped,
+                                           progress)
+        if assembled.dataset:
+            prefixes.append(out / ASSEMBLED)
+        _add_assembled(summary, assembled.counts)
         summary["skipped_file"] = MERGED + SKIPPED_SUFFIX
-        if with_data:
-            prefixes = [commitlog.part_prefix(part.directory) for part in with_data]
-            summary.update(sequences=concatenate(prefixes, out / MERGED), dataset=True,
-                           verified_with=verify_merged(out / MERGED, prefixes))
-        else:
-            remove_dataset(out / MERGED)
-            summary.update(sequences=0, dataset=False, verified_with=None)
+        try:
+            if prefixes:
+                summary.update(sequences=concatenate(prefixes, out / MERGED), dataset=True,
+                               verified_with=verify_merged(out / MERGED, prefixes))
+            else:
+                remove_dataset(out / MERGED)
+                summary.update(sequences=0, dataset=False, verified_with=None)
+        finally:
+            remove_dataset(out / ASSEMBLED)
         if strip_reasoning:
-            summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity), with_data)
+            summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity), bool(prefixes))
         atomic_write_json(out / f"{MERGED}.json", summary)
     return summary
 
 
-def _concatenate_files(sources: list[Path], target: Path) -> None:
-    with atomic_writer(target) as handle:
-        for source in sources:
-            if source.is_file():  # a part of an older format may lack a skip list
-                copy_file_into(source, handle)
+def _copy_files(sources: list[Path], handle) -> None:
+    for source in sources:
+        if source.is_file():  # a part without skips may have no skip list
+            copy_file_into(source, handle)
+
+
+def _add_assembled(summary: dict, counts: dict[str, int]) -> None:
+    """Fold the assembly's counts into the merge summary (`assembled` keeps them apart too)."""
+    for key, value in counts.items():
+        summary["counts"][key] = summary["counts"].get(key, 0) + value
+    summary["counts"] = dict(sorted(summary["counts"].items()))
+    summary["tokens"] += counts.get("tokens", 0)
+    summary["assembled"] = {"documents": counts.get("documents_written", 0),
+                            "documents_skipped": counts.get("documents_skipped", 0),
+                            "tokens": counts.get("tokens", 0)}
 
 
 def _merge_stats(parts: list[Part]) -> dict:

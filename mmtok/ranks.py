@@ -1,11 +1,15 @@
 """Contiguous, cost-balanced batch ranges for N ranks that never communicate: the one rank-range rule.
 
-A cut is legal where no document has images on both sides (`allowed_cuts`). The ranges minimise
-the largest rank cost (the job's wall time) over every partition with legal cuts, then place each
-cut as close to its even-split target k/N of the total as that optimum allows, so ranks stay evenly
-loaded rather than the last ones idling. Only (costs, cut_ok, N) matter: the planner
-(`mmtok.plan`) and a reader re-deriving the ranges for another world size
+Every batch boundary is a legal cut (a document of several images is assembled by merge, so its
+images may sit on any ranks). The ranges minimise the largest rank cost (the job's wall time) over
+every contiguous partition, then place each cut as close to its even-split target k/N of the total as
+that optimum allows, so ranks stay evenly loaded rather than the last ones idling. Only (costs, N)
+matter: the planner (`mmtok.plan`) and a reader re-deriving the ranges for another world size
 (`mmtok.formats.plan.Plan.rank_range`) both call these functions and get the same ranges.
+
+`balance_splits` says where the planner should split batches so that a small corpus still balances:
+with few batches per rank the nearest batch boundary can be far from k/N; splitting the batch that
+holds each target at the image nearest to it bounds every rank's error by about half an image.
 """
 
 from __future__ import annotations
@@ -15,23 +19,19 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 _BISECTIONS = 64  # enough to pin the bottleneck to ~1e-9 of the mean rank cost
+SEARCH_ABOVE = 0.005  # imbalance of the nearest-target splits above which `_searched_splits` runs
+MAX_SEARCH_IMAGES = 5_000_000  # it holds a float per image; corpora this large balance without it
+_SEARCH_BISECTIONS = 5  # below the target, a few halvings of the bound are enough
+_BELOW = 10.0  # a rank may fall this many slacks below the mean (only the largest rank matters)
+_ANCHOR = 0.05  # reachable cuts stay this share of the mean (times sqrt(k)) near their even share
 
 
-def allowed_cuts(first_batch: np.ndarray, last_batch: np.ndarray, num_batches: int, offset: int = 0) -> np.ndarray:
-    """cut_ok[j] for j in 0..num_batches: may a rank start at batch offset + j, i.e. does no document
-    (given by its first and last batch) have images both before it and from it on."""
-    span = first_batch < last_batch
-    opened = np.bincount(first_batch[span] - offset + 1, minlength=num_batches + 1)
-    closed = np.bincount(last_batch[span] - offset + 1, minlength=num_batches + 1)
-    return np.cumsum(opened[:num_batches + 1] - closed[:num_batches + 1]) == 0
 
-
-def partition_ranks(costs: np.ndarray, cut_ok: np.ndarray, world_size: int) -> np.ndarray:
+def partition_ranks(costs: np.ndarray, world_size: int) -> np.ndarray:
     """[start, end) batch ranges, shape [world_size, 2], covering 0..len(costs) in order.
 
-    `cut_ok[j]` (length len(costs) + 1; both ends must be True) says whether a rank may start at
-    batch j. The largest range cost is the minimum possible under those cuts (up to 1e-9 relative);
-    ranks past the work get empty ranges.
+    The largest range cost is the minimum possible (up to 1e-9 relative); ranks left without work
+    get empty ranges.
     """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
@@ -39,17 +39,182 @@ def partition_ranks(costs: np.ndarray, cut_ok: np.ndarray, world_size: int) -> n
     ranges = np.zeros((world_size, 2), np.int64)
     if n == 0:
         return ranges
-    prefix = np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)])
-    allowed = np.flatnonzero(cut_ok)
-    at = prefix[allowed]
+    at = np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)])
     cuts = _nearest_cuts(at, world_size)
     worst = float(np.max(np.diff(at[np.concatenate([[0], cuts, [len(at) - 1]])])))
     floor = max(float(at[-1]) / world_size, float(np.max(np.diff(at))))
     if worst > floor * (1 + 1e-9):
         cuts = _balanced_cuts(at.tolist(), world_size, _bottleneck(at.tolist(), world_size, floor, worst), cuts)
-    bounds = np.concatenate([[0], allowed[cuts], [n]])
+    bounds = np.concatenate([[0], cuts, [n]])
     ranges[:, 0], ranges[:, 1] = bounds[:-1], bounds[1:]
     return ranges
+
+
+def balance_splits(costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int) -> list[tuple[int, int]]:
+    """(batch, image position) of every split that brings a rank cut to its even-split target: the
+    splits that give the lowest imbalance under `partition_ranks`, none when no split helps.
+
+    `costs[i]` = counts[i] * per-image cost + `overhead` (one shape per batch); a piece of m images
+    of that batch costs m * per-image cost + `overhead`. The targets are k/N of the total after the
+    splits, which depends on how many are made: the split count is iterated to a fixed point, and
+    every candidate is scored by the partition it gives. Deterministic in its inputs.
+
+    Limit: a piece costs at least `overhead` + one image, so a target just after a batch start (or
+    inside a run of one-image batches) cannot be reached closer than about half of that.
+    """
+    costs = np.asarray(costs, np.float64)
+    counts = np.asarray(counts, np.int64)
+    if world_size < 2 or not len(costs):
+        return []
+    best, best_imbalance = [], imbalance(rank_costs(costs, partition_ranks(costs, world_size)))
+    assumed, tried = world_size - 1, set()
+    while assumed not in tried:
+        tried.add(assumed)
+        splits = _target_splits(costs, counts, overhead, world_size, assumed)
+        for candidate in (splits,):
+            pieces = split_costs(costs, counts, overhead, candidate)
+            value = imbalance(rank_costs(pieces, partition_ranks(pieces, world_size)))
+            if value < best_imbalance:
+                best, best_imbalance = candidate, value
+        assumed = len(splits)
+    if best_imbalance > SEARCH_ABOVE and int(counts.sum()) <= MAX_SEARCH_IMAGES:
+        searched = _searched_splits(costs, counts, overhead, world_size)
+        pieces = split_costs(costs, counts, overhead, searched)
+        if searched and imbalance(rank_costs(pieces, partition_ranks(pieces, world_size))) < best_imbalance:
+            best = searched
+    return best
+
+
+def _searched_splits(costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int) -> list[tuple[int, int]]:
+    """Cuts found by search where nearest-target splits miss: every cut is a batch start or a split
+    after j images of a batch; for a bound on the largest rank cost (first 0.9 x the target, then a
+    few halvings towards the best found), a forward pass
+    keeps the cut positions reachable with every rank under it (and not far below the mean), then a
+    backward pass picks, cut by cut, the reachable position whose next rank is nearest the mean.
+
+    Positions q are in unsplit coordinates: a split after j images of batch b is at
+    start_b + j * image_b and adds `overhead` to the rank it ends; a batch start adds nothing. So a
+    rank from q to q' costs q' + (overhead if q' is a split) - q.
+    """
+    per_image = (costs - overhead) / np.maximum(counts, 1)
+    start = np.concatenate([[0.0], np.cumsum(costs)[:-1]])
+    inner = np.maximum(counts - 1, 0)
+    split_batch = np.repeat(np.arange(len(costs)), inner)
+    split_at = np.arange(len(split_batch)) - np.repeat(np.cumsum(inner) - inner, inner) + 1
+    points = _CutPoints(np.concatenate([start[split_batch] + split_at * per_image[split_batch], start[1:]]),
+                        np.concatenate([np.full(len(split_batch), overhead), np.zeros(len(costs) - 1)]))
+    total = float(costs.sum())
+    mean = (total + (world_size - 1) * overhead) / world_size
+    low, high = 0.0, SEARCH_ABOVE * mean * 0.9  # only a partition under the target is worth its time
+    found = points.reachable(world_size, mean, high, total)
+    for _ in range(_SEARCH_BISECTIONS if found is not None else 0):
+        middle = (low + high) / 2
+        reach = points.reachable(world_size, mean, middle, total)
+        if reach is None:
+            low = middle
+        else:
+            high, found = middle, reach
+    if found is None:
+        return []
+    chosen = points.walk_back(found, mean, high, total)
+    return sorted((int(split_batch[i]), int(split_at[i])) for i in chosen if i < len(split_batch))
+
+
+class _CutPoints:
+    """Candidate cut positions (sorted by where a rank ending there ends) for `_searched_splits`."""
+
+    def __init__(self, position: np.ndarray, added: np.ndarray):
+        ends = position + added
+        order = np.argsort(ends, kind="stable")
+        self.order, self.ends, self.position = order, ends[order], position[order]
+
+    def reachable(self, world_size: int, mean: float, slack: float, total: float) -> list[np.ndarray] | None:
+        """Per cut 1..N-1 the sorted candidate indices reachable with every rank in
+        [mean - BELOW * slack, mean + slack] and within ANCHOR * mean of its even share; None when
+        the last rank cannot also fit."""
+        low = np.array([0.0])
+        high = np.array([0.0])
+        steps = []
+        for k in range(1, world_size):
+            found = self._within(low + mean - _BELOW * slack, high + mean + slack)
+            share = k * (mean - float(np.mean(self.ends - self.position)))  # drift guard only
+            found = found[np.abs(self.position[found] - share) <= _ANCHOR * mean * max(1, k) ** 0.5]
+            if not len(found):
+                return None
+            found = found[np.argsort(self.position[found], kind="stable")]
+            steps.append(found)
+            position = self.position[found]
+            breaks = np.flatnonzero(np.diff(position) > (1 + _BELOW) * slack)
+            low = position[np.concatenate([[0], breaks + 1])]
+            high = position[np.concatenate([breaks, [len(position) - 1]])]
+        last = total - self.position[steps[-1]]
+        if not np.any((last >= mean - _BELOW * slack) & (last <= mean + slack)):
+            return None
+        return steps
+
+    def _within(self, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+        """Indices of candidates whose end lies in any [low_i, high_i]."""
+        first = np.searchsorted(self.ends, low, "left")
+        stop = np.searchsorted(self.ends, high, "right")
+        size = np.maximum(stop - first, 0)
+        return np.unique(np.repeat(first - np.cumsum(size) + size, size) + np.arange(int(size.sum())))
+
+    def walk_back(self, steps: list[np.ndarray], mean: float, slack: float, total: float) -> list[int]:
+        """Original candidate indices of the chosen cuts."""
+        chosen = []
+        following = total  # where the next rank ends
+        for found in steps[::-1]:
+            cost = following - self.position[found]
+            fits = found[(cost >= mean - _BELOW * slack) & (cost <= mean + slack)]
+            pick = fits[np.argmin(np.abs(following - self.position[fits] - mean))]
+            chosen.append(int(self.order[pick]))
+            following = float(self.ends[pick])
+        return chosen
+
+
+def _target_splits(costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int,
+                   assumed: int) -> list[tuple[int, int]]:
+    """Splits putting a boundary nearest each target k/N of (total + assumed splits' overheads)."""
+    targets = (float(costs.sum()) + assumed * overhead) * np.arange(1, world_size) / world_size
+    per_image = (costs - overhead) / np.maximum(counts, 1)
+    splits: list[tuple[int, int]] = []
+    begin, k = 0.0, 0  # cost before the current piece (splits so far included); next target
+    for batch in range(len(costs)):
+        taken, piece, image = 0, costs[batch], per_image[batch]  # images in earlier pieces; this piece's cost
+        while k < len(targets) and targets[k] < begin + piece:
+            target, k = targets[k], k + 1
+            nearest = min(target - begin, begin + piece - target)
+            left = counts[batch] - taken
+            if left < 2 or image <= 0:
+                continue
+            first = int(min(max(np.rint((target - begin - overhead) / image), 1), left - 1))
+            cut = begin + overhead + first * image
+            if abs(cut - target) < nearest:  # nearer than the piece's ends
+                splits.append((batch, taken + first))
+                taken += first
+                begin = cut
+                piece = overhead + (counts[batch] - taken) * image
+        begin += piece
+    return splits
+
+
+def split_costs(costs: np.ndarray, counts: np.ndarray, overhead: float, splits: list[tuple[int, int]]) -> np.ndarray:
+    """Batch costs after `splits` (batch, image position; sorted), the pieces in order."""
+    if not splits:
+        return np.asarray(costs, np.float64)
+    costs = np.asarray(costs, np.float64)
+    per_image = (costs - overhead) / np.maximum(counts, 1)
+    out, at = [], 0
+    by_batch: dict[int, list[int]] = {}
+    for batch, position in splits:
+        by_batch.setdefault(batch, []).append(position)
+    for batch, positions in sorted(by_batch.items()):
+        out.append(costs[at:batch])
+        edges = np.array([0, *positions, counts[batch]])
+        out.append(np.diff(edges) * per_image[batch] + overhead)
+        at = batch + 1
+    out.append(costs[at:])
+    return np.concatenate(out)
 
 
 def _nearest_cuts(at: np.ndarray, world_size: int) -> np.ndarray:

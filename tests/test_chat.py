@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from encodekit import chat_tokenizer
 
-from mmtok.encode.chat import split_images
+from mmtok.encode.chat import MediaSlot, split_media
 from mmtok.encode.documents import DocumentError, DocumentBuilder, Sidecars
 from mmtok.errors import MmtokError
 from mmtok.text import load_text_tokenizer
@@ -101,7 +101,8 @@ def test_special_tokens_come_from_the_tokenizer_not_constants(tokenizer):
     (json.dumps({"messages": []}).encode(), "no_messages"),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), "template_error"),
     (json.dumps({"messages": [{"role": "user", "content": "<|image|> and <image>"}]}).encode(),
-     "image_count_mismatch"),
+     "placeholder_mismatch"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "video"}]}]}).encode(), "unknown_content_part"),
 ])
 def test_unusable_conversations_are_skipped_with_a_reason(documents, sidecar, reason):
     with pytest.raises(DocumentError) as caught:
@@ -115,6 +116,15 @@ def test_sft_needs_a_tokenizer_with_a_chat_template():
         DocumentBuilder("sft", tekken, VocabLayout(text_size=tekken.vocab_size))
 
 
-def test_split_images_accepts_both_placeholder_spellings():
-    assert split_images("a<image>b<|image|><|image|>") == ["a", None, "b", None, None]
-    assert split_images("no images") == ["no images"]
+def test_audio_placeholders_are_missing_media_in_an_image_run(documents):
+    conversation = {"messages": [{"role": "user", "content": "<image> <|audio|> and <audio>"}]}
+    with pytest.raises(DocumentError) as caught:
+        documents.template(1, Sidecars(json=json.dumps(conversation).encode()))
+    assert (caught.value.reason, caught.value.detail) == (
+        "missing_media", "2 audio placeholders but this run has no audio source")
+
+
+def test_split_media_accepts_both_spellings_and_numbers_each_kind():
+    assert split_media("a<image>b<|audio|><|image|><audio>") == [
+        "a", MediaSlot("image", 0), "b", MediaSlot("audio", 0), MediaSlot("image", 1), MediaSlot("audio", 1)]
+    assert split_media("no media") == ["no media"]

@@ -15,14 +15,15 @@ import pytest
 
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import (COMMITS, PartWriter, has_dataset, is_done, part_dir, part_prefix, read_commits,
-                                     read_provenance, read_skipped, verify_part)
+                                     read_items, read_provenance, read_skipped, verify_part)
 from mmtok.fsutil import sha256_file
 
 IDENTITY = {"part": 0, "num_parts": 1, "modality": "image", "plan_fingerprint": "abc",
             "codec": {"name": "x", "precision": {"tf32_matmul": True, "dtype": "float32"}}}
 
 # A writer whose every unit is a pure function of the unit number (as encode's are); the parent
-# kills it with SIGKILL at random instants and restarts it until it finishes.
+# kills it with SIGKILL at random instants and restarts it until it finishes. Units 1, 2 (mod 3) also
+# commit items (some of them with no ids, as a failed image has).
 WRITER = r"""
 import sys, numpy as np
 from mmtok.formats.commitlog import PartWriter
@@ -33,8 +34,10 @@ if not shard.done:
         rng = np.random.default_rng(unit)
         seqs = [rng.integers(0, 266440, rng.integers(1, size), dtype=np.int32) for _ in range(3)]
         carry = rng.bytes(1000) if unit % 4 else b""
+        items = [({"kind": "image", "document": unit, "image_index": k},
+                  rng.integers(0, 266440, rng.integers(0, size // 4), dtype=np.int32)) for k in range(unit % 3)]
         shard.commit(unit, seqs, [{"unit": unit, "i": i} for i in range(3)], {"written": 3},
-                     carry=carry, carry_done=unit % 4 == 0)
+                     carry=carry, carry_done=unit % 4 == 0, items=items)
     shard.finish({"note": "done"})
 """
 
@@ -198,18 +201,94 @@ def test_skip_records_are_durable_with_their_unit_and_cut_back_with_it(tmp_path)
     assert [r["key"] for r in read_skipped(tmp_path / "p")] == ["k0", "k2"]
 
 
+def _item(document: int, image_index: int, length: int) -> tuple[dict, np.ndarray]:
+    return ({"kind": "image", "document": document, "image_index": image_index},
+            np.arange(length, dtype=np.int32) + 1000 * document + 100 * image_index)
+
+
+def test_items_read_back_with_their_lengths_and_offsets_across_units(tmp_path):
+    units = [[_item(3, 0, 4), _item(3, 1, 0)], [], [_item(5, 0, 7)], [_item(3, 2, 2), _item(5, 1, 1)]]
+    shard = PartWriter(tmp_path / "p", IDENTITY)
+    for unit, items in enumerate(units):
+        shard.commit(unit, [np.arange(unit + 1)] if unit % 2 else [], [{"u": unit}] if unit % 2 else [], {},
+                     items=items)
+    shard.finish({})
+    verify_part(tmp_path / "p")
+    records, ids = read_items(tmp_path / "p")
+    committed = [item for items in units for item in items]
+    assert [r["length"] for r in records] == [4, 0, 7, 2, 1]
+    assert [r["offset"] for r in records] == [0, 4, 4, 11, 13]
+    assert ids.dtype == np.int32 and ids.size == 14
+    for record, (given, given_ids) in zip(records, committed, strict=True):
+        assert {k: v for k, v in record.items() if k not in ("length", "offset")} == given
+        np.testing.assert_array_equal(ids[record["offset"]:record["offset"] + record["length"]], given_ids)
+    assert "length" not in committed[0][0]  # the caller's record is not changed
+
+
+def test_a_part_of_items_only_finishes_without_a_dataset_and_keeps_its_items(tmp_path):
+    shard = PartWriter(tmp_path / "p", IDENTITY)
+    shard.commit(0, [], [], {"images_deferred": 1}, items=[_item(1, 0, 5)])
+    shard.finish({})
+    assert not has_dataset(tmp_path / "p")
+    assert json.loads((tmp_path / "p" / "stats.json").read_text())["dataset"] is False
+    verify_part(tmp_path / "p")
+    records, ids = read_items(tmp_path / "p")
+    assert [r["document"] for r in records] == [1] and ids.tolist() == _item(1, 0, 5)[1].tolist()
+
+
+def test_a_part_without_items_reads_back_no_items(tmp_path):
+    shard = PartWriter(tmp_path / "p", IDENTITY)
+    _units(shard, range(2))
+    shard.finish({})
+    records, ids = read_items(tmp_path / "p")
+    assert records == [] and ids.size == 0
+
+
+def test_item_bytes_are_cut_back_with_their_unit_and_match_a_clean_run(tmp_path):
+    clean = PartWriter(tmp_path / "clean", IDENTITY)
+    clean.commit(0, [np.arange(3)], [{"u": 0}], {}, items=[_item(1, 0, 3)])
+    clean.commit(1, [], [], {}, items=[_item(1, 1, 2)])
+    clean.finish({})
+
+    shard = PartWriter(tmp_path / "p", IDENTITY)
+    shard.commit(0, [np.arange(3)], [{"u": 0}], {}, items=[_item(1, 0, 3)])
+    shard.close()
+    with open(tmp_path / "p" / "items.ids", "ab") as handle:  # a kill after the data, before the record
+        handle.write(np.arange(9, dtype=np.int32).tobytes())
+    with open(tmp_path / "p" / "items.jsonl", "ab") as handle:
+        handle.write(b'{"kind":"image","document":9,"len')
+    resumed = PartWriter(tmp_path / "p", IDENTITY)
+    assert resumed.next_unit == 1
+    assert [r["document"] for r in read_items(tmp_path / "p")[0]] == [1]
+    resumed.commit(1, [], [], {}, items=[_item(1, 1, 2)])
+    resumed.finish({})
+    for name in ("items.ids", "items.jsonl", "DONE"):
+        assert sha256_file(tmp_path / "p" / name) == sha256_file(tmp_path / "clean" / name), name
+
+
+def test_a_truncated_items_file_of_a_finished_part_is_refused(tmp_path):
+    shard = PartWriter(tmp_path / "p", IDENTITY)
+    shard.commit(0, [np.arange(3)], [{"u": 0}], {}, items=[_item(1, 0, 3), _item(1, 1, 2)])
+    shard.finish({})
+    path = tmp_path / "p" / "items.ids"
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(MmtokError, match=r"items.ids: 16 bytes but the commit log records 20"):
+        verify_part(tmp_path / "p")
+
+
 @pytest.mark.damages_datasets
-@pytest.mark.parametrize("name", ["tokens.bin", "provenance.jsonl", "skipped.jsonl"])
+@pytest.mark.parametrize("name", ["tokens.bin", "provenance.jsonl", "skipped.jsonl", "items.ids", "items.jsonl"])
 def test_a_flipped_byte_in_a_committed_unit_is_refused_naming_the_unit(tmp_path, name):
     shard = PartWriter(tmp_path / "p", IDENTITY)
     for unit in range(4):
-        shard.commit(unit, [np.full(5, unit + 7)], [{"unit": unit}], {}, skipped=[{"key": f"k{unit}", "reason": "x"}])
+        shard.commit(unit, [np.full(5, unit + 7)], [{"unit": unit}], {}, skipped=[{"key": f"k{unit}", "reason": "x"}],
+                     items=[({"kind": "image", "document": unit}, np.full(3, unit + 100, np.int32))])
     shard.close()
     path = tmp_path / "p" / name
     data = bytearray(path.read_bytes())
     records, _ = read_commits(tmp_path / "p")
     size_key = {"tokens.bin": "tokens_bytes", "provenance.jsonl": "provenance_bytes",
-                "skipped.jsonl": "skipped_bytes"}[name]
+                "skipped.jsonl": "skipped_bytes", "items.ids": "item_ids_bytes", "items.jsonl": "items_bytes"}[name]
     data[records[1][size_key] + 1] ^= 0x01  # a byte of unit 2
     path.write_bytes(bytes(data))
     with pytest.raises(MmtokError, match=rf"{name}: the bytes of unit 2 do not match their checksum"):
@@ -321,7 +400,10 @@ def test_sigkill_at_random_instants_leaves_bytes_identical_to_a_clean_run(tmp_pa
     assert kills >= 10, f"only {kills} kills landed before the writer finished: {progress}"
     assert len(set(progress)) > 6, f"kills did not land at different points: {progress}"
     assert torn >= 1, "no kill landed between a unit's data and its commit record (mid-write)"
-    for name in ("tokens.bin", "tokens.idx", "provenance.jsonl"):
+    for name in ("tokens.bin", "tokens.idx", "provenance.jsonl", "items.ids", "items.jsonl"):
         assert sha256_file(tmp_path / "killed" / name) == sha256_file(tmp_path / "clean" / name), name
     done = [json.loads((tmp_path / run / "DONE").read_text()) for run in ("killed", "clean")]
     assert done[0] == done[1]
+    records, ids = read_items(tmp_path / "killed")
+    assert [(r["document"], r["image_index"]) for r in records] == [(u, k) for u in range(units) for k in range(u % 3)]
+    assert sum(r["length"] for r in records) == ids.size

@@ -288,30 +288,29 @@ def test_parquet_inputs_are_read_by_row_with_their_caption_column(env, tmp_path)
         assert tokens[position:-1].tolist() == env.tokenizer.encode(caption)
 
 
-def test_a_stop_while_a_document_is_half_encoded_resumes_from_the_carry(env, tmp_path, monkeypatch):
+def test_a_stop_while_a_document_is_half_encoded_resumes_and_merges_the_same_bytes(env, tmp_path, monkeypatch):
     from mmtok.encode.runner import encode_rank
-    from mmtok.formats.commitlog import PartWriter
+    from mmtok.formats.commitlog import PartWriter, read_items
 
-    plan_dir = plan(env, "plan-carry", "--mode", "image-text")
+    plan_dir = plan(env, "plan-items", "--mode", "image-text")
     clean = encode_all(env, plan_dir, tmp_path / "clean", world_size=1)
     real_commit = PartWriter.commit
 
     class Stop(Exception):
         pass
 
-    def commit_then_stop(self, unit, sequences, provenance, counts, *, carry=b"", carry_done=False, skipped=()):
-        real_commit(self, unit, sequences, provenance, counts, carry=carry, carry_done=carry_done, skipped=skipped)
-        if carry:  # a two-image document has its first block committed, its second not yet encoded
+    def commit_then_stop(self, unit, *args, items=(), **kwargs):
+        real_commit(self, unit, *args, items=items, **kwargs)
+        if any(record["kind"] == "image" for record, _ in items):  # part of a multi-image document is committed
             raise Stop(unit)
 
     monkeypatch.setattr(PartWriter, "commit", commit_then_stop)
     with pytest.raises(Stop):
         encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
     monkeypatch.setattr(PartWriter, "commit", real_commit)
-    shard = PartWriter(part_dir(tmp_path / "stopped", 0), json.loads((part_dir(tmp_path / "stopped", 0) /
-                                                                    "identity.json").read_text()))
-    assert shard.carry(), "the stop must leave a carried block behind"
-    shard.close()
+    records, _ = read_items(part_dir(tmp_path / "stopped", 0))
+    documents = {r["document"] for r in records if r["kind"] == "image"}
+    assert documents and not (tmp_path / "stopped" / "parts" / "part-00000" / "DONE").exists()
     encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
     assert main(["merge", str(tmp_path / "stopped")]) == 0
     assert digests(tmp_path / "stopped") == digests(clean)

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from encodekit import SFT_SAMPLES, chat_tokenizer, parse_block, sft_corpus
+from encodekit import SFT_SAMPLES, chat_tokenizer, parse_block, real_images, sft_corpus, write_tar
 
 from mmtok.cli import main
 from mmtok.codecs import emu35
@@ -66,22 +67,32 @@ def _without_reasoning(parts: list) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("sft")
-    text = chat_tokenizer(root / "tokenizer")
-    sft_corpus(root / "data")
-    checkpoint = emu35.write_random_checkpoint(root / "ckpt")
-    assert main(["scan", str(root / "data" / "*.tar"), "--out", str(root / "manifest"), "--workers", "1",
+def _sft_pipeline(data: Path, work: Path, text: Path, checkpoint: Path, *merge: str) -> Path:
+    """scan, plan (mode sft), encode and merge the tars in `data` under `work`; returns the encode output."""
+    assert main(["scan", str(data / "*.tar"), "--out", str(work / "manifest"), "--workers", "1",
                  "--no-progress"]) == 0
-    assert main(["plan", str(root / "manifest"), "--out", str(root / "plan"), "--quiet", "--mode", "sft",
+    assert main(["plan", str(work / "manifest"), "--out", str(work / "plan"), "--quiet", "--mode", "sft",
                  "--text-tokenizer", str(text), "--min-pixels", "1024", "--max-pixels", "2304",
                  "--token-budget", "40", "--max-batch-images", "2"]) == 0
-    assert main(["encode", "--plan", str(root / "plan"), "--checkpoint", str(checkpoint), "--out", str(root / "out"),
+    assert main(["encode", "--plan", str(work / "plan"), "--checkpoint", str(checkpoint), "--out", str(work / "out"),
                  "--device", "cpu", "--no-progress"]) == 0
-    assert main(["merge", str(root / "out"), "--strip-reasoning"]) == 0
-    return root / "out", load_text_tokenizer(str(text))
+    assert main(["merge", str(work / "out"), *merge]) == 0
+    return work / "out"
+
+
+@pytest.fixture(scope="module")
+def sft_inputs(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(a scratch directory, the chat tokenizer's directory, a random emu3.5 checkpoint)."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("sft")
+    return root, chat_tokenizer(root / "tokenizer"), emu35.write_random_checkpoint(root / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def sft_run(sft_inputs):
+    root, text, checkpoint = sft_inputs
+    sft_corpus(root / "data")
+    return _sft_pipeline(root / "data", root, text, checkpoint, "--strip-reasoning"), load_text_tokenizer(str(text))
 
 
 def test_sft_tokens_equal_the_reference_rendering(sft_run):
@@ -115,3 +126,17 @@ def test_stripped_copy_has_no_reasoning_and_everything_else_intact(sft_run):
     assert summary["spans_removed"] == 3 and summary["dropped_empty_sequences"] == 0
     stripped_keys = (out / "merged_no_reasoning.provenance.jsonl").read_text().splitlines()
     assert [json.loads(x)["key"] for x in stripped_keys] == keys
+
+
+def test_merged_rows_follow_the_order_the_messages_reference_the_images(sft_inputs):
+    root, text, checkpoint = sft_inputs
+    images = real_images()
+    parts = [{"type": "image_url", "image_url": "1.png"}, {"type": "text", "text": " or "},
+             {"type": "image_url", "image_url": {"url": "0.png"}}]
+    conversation = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "Both."}]}
+    write_tar(root / "refs" / "data" / "refs-0.tar", [
+        ("r000.0.png", images["coffee.png"].read_bytes()), ("r000.1.png", images["astronaut.png"].read_bytes()),
+        ("r000.json", json.dumps(conversation).encode())])
+    out = _sft_pipeline(root / "refs" / "data", root / "refs", text, checkpoint)
+    (document,) = [json.loads(x) for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    assert document["rows"] == [1, 0]  # manifest rows of r000.1.png (referenced first), then r000.0.png

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mmtok.cli import main
+from mmtok.encode.documents import pack_template
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.megatron import read_sequences
@@ -15,6 +16,7 @@ from mmtok.fsutil import sha256_file
 from mmtok.merge import ReasoningIds, find_parts, merge, strip_sequence
 
 BOS, EOS, PRE, SUF, END = 1, 2, 32, 33, 70
+BOI, EOI = 900, 901  # around an image block in these tests
 SPECIAL = {"<|inner_prefix|>": PRE, "<|inner_suffix|>": SUF, "<|assistant_end|>": END}
 IDS = ReasoningIds(PRE, SUF, END, BOS, EOS)
 
@@ -224,3 +226,216 @@ def test_inspect_says_why_a_merge_wrote_no_dataset(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "no tokens: no dataset" in out and "merged: not written" in out
+
+
+# -- documents of several images: assembled by merge from the parts' items --------------------------
+def _block(document: int, index: int) -> list[int]:
+    """The block of image `index` of `document` in these tests: BOI, index + 1 codes, EOI."""
+    return [BOI, *[1000 + 10 * document + index] * (index + 1), EOI]
+
+
+def _image(document: int, index: int, skip: str | None = None, detail: str = "") -> tuple[dict, np.ndarray]:
+    """An image item as encode commits it: its block, or (failed) no ids and why."""
+    record = {"kind": "image", "key": f"doc{document}", "source": "s.tar", "container": "s.tar",
+              "member": f"doc{document}.{index}.jpg", "manifest_row": 100 * document + index,
+              "document": document, "image_index": index}
+    if skip:
+        return {**record, "skip": skip, "detail": detail}, np.zeros(0, np.int32)
+    return record, np.array(_block(document, index), np.int32)
+
+
+def _template(document: int, pieces: list, skip: str | None = None, detail: str = "") -> tuple[dict, np.ndarray]:
+    """A template item as encode commits it; `pieces` are text id lists and image slots (ints)."""
+    record = {"kind": "template", "document": document, "key": f"doc{document}", "tar": "s.tar",
+              "num_images": sum(isinstance(piece, int) for piece in pieces)}
+    if skip:
+        return {**record, "skip": skip, "detail": detail}, np.zeros(0, np.int32)
+    ids, record["layout"] = pack_template([piece if isinstance(piece, int) else np.array(piece, np.int32)
+                                           for piece in pieces])
+    return record, ids
+
+
+def _write_batches(out, parts: list[list[tuple]]) -> None:
+    """Finished parts, one list of batches each; a batch is (sequences, items[, skipped]) committed as one
+    unit numbered by its global position, as encode commits a plan's batches."""
+    unit = 0
+    for number, batches in enumerate(parts):
+        shard = PartWriter(part_dir(out, number), _identity(number, len(parts)))
+        for sequences, items, *skipped in batches:
+            skipped = skipped[0] if skipped else []
+            counts = {"images_written": len(sequences), "documents_written": len(sequences),
+                      "tokens": sum(map(len, sequences)),
+                      "images_deferred": sum(record["kind"] == "image" for record, _ in items),
+                      **{f"skipped:{r['reason']}": 1 for r in skipped}}
+            shard.commit(unit, [np.array(s, np.int32) for s in sequences],
+                         [{"key": "-".join(map(str, s))} for s in sequences], counts, skipped=skipped, items=items)
+            unit += 1
+        shard.finish({})
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_document_over_three_parts_is_its_template_with_the_blocks_after_all_plain_sequences(tmp_path):
+    doc4 = _template(4, [[BOS, 40, 41], 0, [42], 1, 2, [EOS]])
+    doc2 = _template(2, [[BOS], 0, [20, 21], 1, [EOS]])
+    _write_batches(tmp_path, [
+        [([[BOS, 5, EOS]], [_image(4, 1), _image(2, 1)])],
+        [([[BOS, 6, EOS]], [_image(4, 2)]), ([], [doc4])],
+        [([[BOS, 7, 7, EOS]], [_image(4, 0), doc2, _image(2, 0)])],  # document 4's items before document 2's
+    ])
+    summary = merge(tmp_path)
+    expected_doc2 = [BOS, BOI, 1020, EOI, 20, 21, BOI, 1021, 1021, EOI, EOS]
+    expected_doc4 = [BOS, 40, 41, BOI, 1040, EOI, 42, BOI, 1041, 1041, EOI, BOI, 1042, 1042, 1042, EOI, EOS]
+    assert [list(s) for s in read_sequences(tmp_path / "merged")] == [
+        [BOS, 5, EOS], [BOS, 6, EOS], [BOS, 7, 7, EOS], expected_doc2, expected_doc4]
+    assert _lines(tmp_path / "merged.provenance.jsonl")[3:] == [
+        {"document": 2, "key": "doc2", "tar": "s.tar", "rows": [200, 201]},
+        {"document": 4, "key": "doc4", "tar": "s.tar", "rows": [400, 401, 402]}]
+    tokens = len(expected_doc2) + len(expected_doc4)
+    assert summary["assembled"] == {"documents": 2, "documents_skipped": 0, "tokens": tokens}
+    assert summary["sequences"] == 5 and summary["tokens"] == 3 + 3 + 4 + tokens
+    assert summary["counts"]["images_written"] == 3 + 5 and summary["counts"]["documents_written"] == 3 + 2
+    assert summary["counts"]["tokens"] == summary["tokens"]
+    assert json.loads((tmp_path / "merged.json").read_text())["assembled"] == summary["assembled"]
+    assert not list(tmp_path.glob("*assembled*")), "the assembled documents' dataset is joined, then removed"
+
+
+def _global_batches() -> list[tuple]:
+    """Batches of one plan in global order: plain sequences, a skip, and three documents of several images
+    whose items span batches (document 6 with a failed image; document 8's template before document 3's)."""
+    plain_skip = {"key": "k9", "source": "s.tar", "member": "k9.jpg", "reason": "decode_error", "detail": "x"}
+    return [
+        ([[BOS, 5, EOS]], [_template(8, [[BOS, 80], 0, [81], 1, 2, [EOS]]), _image(8, 0)]),
+        ([[BOS, 6, 6, EOS]], [_image(8, 1), _template(6, [[BOS], 0, 1, [EOS]]), _image(6, 0, "decode_error", "bad")]),
+        ([], [_template(3, [[BOS], 0, 1, [EOS]]), _image(3, 0), _image(8, 2)], [plain_skip]),
+        ([[BOS, 7, EOS], [BOS, 8, EOS]], [_image(6, 1), _image(3, 1)]),
+        ([[BOS, 9, EOS]], []),
+    ]
+
+
+def test_merged_bytes_of_assembled_documents_do_not_depend_on_the_number_of_parts(tmp_path):
+    batches = _global_batches()
+    _write_batches(tmp_path / "one", [batches])
+    _write_batches(tmp_path / "three", [batches[:2], batches[2:3], batches[3:]])
+    merged = {}
+    for run in ("one", "three"):
+        merge(tmp_path / run)
+        merged[run] = {name: sha256_file(tmp_path / run / name) for name in
+                       ("merged.bin", "merged.idx", "merged.provenance.jsonl", "merged.skipped.jsonl")}
+    assert merged["one"] == merged["three"]
+    documents = [p.get("document") for p in _lines(tmp_path / "three" / "merged.provenance.jsonl")]
+    assert documents == [None] * 5 + [3, 8]  # document 6 failed
+    assert [s["key"] for s in _lines(tmp_path / "three" / "merged.skipped.jsonl")] == ["k9", "doc6", "doc6"]
+
+
+def test_a_failed_image_skips_its_whole_document_naming_every_image(tmp_path):
+    _write_batches(tmp_path, [
+        [([[BOS, 5, EOS]], [_template(7, [[BOS], 0, 1, 2, [EOS]]), _image(7, 0),
+                            _image(7, 1, "decode_error", "bad huffman")])],
+        [([], [_image(7, 2), _template(9, [[BOS], 0, 1, [EOS]]), _image(9, 0), _image(9, 1)])],
+    ])
+    summary = merge(tmp_path)
+    sequences = [list(s) for s in read_sequences(tmp_path / "merged")]
+    assert sequences == [[BOS, 5, EOS], [BOS, *_block(9, 0), *_block(9, 1), EOS]]
+    assert [p.get("document") for p in _lines(tmp_path / "merged.provenance.jsonl")] == [None, 9]
+    skipped = _lines(tmp_path / "merged.skipped.jsonl")
+    assert [(s["document"], s["image_index"], s["reason"]) for s in skipped] == [
+        (7, 0, "document_image_failed"), (7, 1, "decode_error"), (7, 2, "document_image_failed")]
+    assert skipped[1] == {"key": "doc7", "source": "s.tar", "container": "s.tar", "member": "doc7.1.jpg",
+                          "manifest_row": 701, "document": 7, "image_index": 1, "reason": "decode_error",
+                          "detail": "bad huffman"}
+    assert skipped[0]["detail"] == skipped[2]["detail"] == "image 1 of the document: decode_error: bad huffman"
+    counts = summary["counts"]
+    assert counts["skipped:decode_error"] == 1 and counts["skipped:document_image_failed"] == 2
+    assert counts["documents_skipped"] == 1 and counts["documents_written"] == 2
+    skips = sum(v for k, v in counts.items() if k.startswith("skipped:"))
+    assert counts["images_written"] + skips == 1 + 3 + 2  # every planned image, once
+    assert summary["assembled"] == {"documents": 1, "documents_skipped": 1, "tokens": len(sequences[1])}
+    assert json.loads((tmp_path / "merged.json").read_text())["assembled"] == summary["assembled"]
+
+
+def test_a_failed_template_skips_every_image_with_its_reason(tmp_path):
+    _write_batches(tmp_path, [
+        [([[BOS, 5, EOS]], [_template(7, [0, 1, 2], "invalid_json", "Expecting value"), _image(7, 0)])],
+        [([], [_image(7, 1), _image(7, 2)])],
+    ])
+    summary = merge(tmp_path)
+    assert [list(s) for s in read_sequences(tmp_path / "merged")] == [[BOS, 5, EOS]]
+    skipped = _lines(tmp_path / "merged.skipped.jsonl")
+    assert [(s["image_index"], s["reason"], s["detail"]) for s in skipped] == [
+        (index, "invalid_json", "Expecting value") for index in range(3)]
+    assert summary["counts"]["skipped:invalid_json"] == 3 and summary["counts"]["documents_skipped"] == 1
+    assert summary["assembled"] == {"documents": 0, "documents_skipped": 1, "tokens": 0}
+
+
+def test_a_run_of_only_assembled_documents_still_merges_to_a_dataset(tmp_path):
+    _write_batches(tmp_path, [[([], [_template(1, [[BOS], 0, 1, [EOS]]), _image(1, 0)])], [([], [_image(1, 1)])]])
+    summary = merge(tmp_path, strip_reasoning=True)
+    assert [p["dataset"] for p in summary["parts"]] == [False, False]
+    assert summary["dataset"] is True and summary["sequences"] == 1
+    assert [list(s) for s in read_sequences(tmp_path / "merged")] == [[BOS, *_block(1, 0), *_block(1, 1), EOS]]
+    assert summary["strip_reasoning"]["sequences"] == 1
+
+
+def test_a_run_whose_assembled_documents_all_failed_writes_no_dataset(tmp_path):
+    _write_batches(tmp_path, [[([], [_template(1, [[BOS], 0, 1, [EOS]]), _image(1, 0, "decode_error"),
+                                     _image(1, 1)])]])
+    summary = merge(tmp_path)
+    assert summary["dataset"] is False and summary["sequences"] == 0
+    assert json.loads((tmp_path / "merged.json").read_text())["dataset"] is False
+    assert not (tmp_path / "merged.bin").exists() and not (tmp_path / "merged.idx").exists()
+    assert [s["reason"] for s in _lines(tmp_path / "merged.skipped.jsonl")] == ["decode_error", "document_image_failed"]
+    assert summary["assembled"] == {"documents": 0, "documents_skipped": 1, "tokens": 0}
+
+
+@pytest.mark.parametrize("case", ["missing template", "missing image", "extra image", "second template"])
+def test_a_document_with_inconsistent_items_is_refused_naming_it(tmp_path, capsys, case):
+    template = _template(7, [[BOS], 0, 1, [EOS]])
+    items = {"missing template": [_image(7, 0), _image(7, 1)],
+             "missing image": [template, _image(7, 1)],
+             "extra image": [template, _image(7, 0), _image(7, 1), _image(7, 2)],
+             "second template": [template, _image(7, 0), _image(7, 1)]}[case]
+    second = [template] if case == "second template" else []
+    _write_batches(tmp_path, [[([[BOS, 5, EOS]], items)], [([[BOS, 6, EOS]], second)]])
+    assert main(["merge", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "document 7" in err and "Traceback" not in err, err
+    assert not (tmp_path / "merged.json").exists() and not list(tmp_path.glob("*assembled*"))
+
+
+def test_a_second_item_for_one_image_is_refused_naming_the_document(tmp_path):
+    # parts of one run hold each image once; two copies (e.g. a part copied in from another run with the
+    # same plan) must not silently pick one of them
+    _write_batches(tmp_path, [[([], [_template(7, [[BOS], 0, 1, [EOS]]), _image(7, 0), _image(7, 1)])],
+                              [([], [_image(7, 1, "decode_error")])]])
+    with pytest.raises(MmtokError, match="document 7"):
+        merge(tmp_path)
+
+
+def test_a_flipped_byte_in_a_part_items_is_refused_by_merge_naming_the_part_and_file(tmp_path):
+    _write_batches(tmp_path, [[([[BOS, 5, EOS]], [_template(1, [[BOS], 0, 1, [EOS]]), _image(1, 0)])],
+                              [([[BOS, 6, EOS]], [_image(1, 1)])]])
+    ids = part_dir(tmp_path, 1) / "items.ids"
+    data = bytearray(ids.read_bytes())
+    data[5] ^= 0x04  # a bit of an image code
+    ids.write_bytes(bytes(data))
+    with pytest.raises(MmtokError, match=r"part-00001/items.ids: the bytes of unit 1 do not match their checksum"):
+        merge(tmp_path)
+    assert not (tmp_path / "merged.bin").exists() and not (tmp_path / "merged.json").exists()
+
+
+def test_strip_reasoning_removes_spans_in_assembled_documents(tmp_path):
+    _write_batches(tmp_path, [
+        [([[BOS, 5, PRE, 6, SUF, EOS]], [_template(3, [[BOS, 30, PRE, 31, SUF], 0, [36], 1, [EOS]]), _image(3, 0)])],
+        [([[BOS, 7, EOS]], [_image(3, 1), _template(4, [[BOS, PRE], 0, 1, [SUF, EOS]]), _image(4, 0), _image(4, 1)])],
+    ])
+    summary = merge(tmp_path, strip_reasoning=True)
+    assert [list(s) for s in read_sequences(tmp_path / "merged_no_reasoning")] == [
+        [BOS, 5, EOS], [BOS, 7, EOS], [BOS, 30, *_block(3, 0), 36, *_block(3, 1), EOS]]
+    keys = [p.get("key") for p in _lines(tmp_path / "merged_no_reasoning.provenance.jsonl")]
+    assert keys == [f"{BOS}-5-{PRE}-6-{SUF}-{EOS}", f"{BOS}-7-{EOS}", "doc3"]  # document 4 was all reasoning
+    strip = summary["strip_reasoning"]
+    assert strip["spans_removed"] == 3 and strip["dropped_empty_sequences"] == 1 and strip["sequences"] == 3
+    assert strip["reasoning_tokens_removed"] == 3 + 3 + 2 + len(_block(4, 0)) + len(_block(4, 1))

@@ -168,6 +168,24 @@ def test_document_order_rules():
     assert document_order(members, "dir/k", b"{not json") == [3, 1, 0, 2]
 
 
+def test_sft_content_parts_name_the_image_order(tmp_path, media):
+    png = media[2][1]
+    parts = [{"type": "image_url", "image_url": "1.png"}, {"type": "text", "text": " then "},
+             {"type": "image_url", "image_url": {"url": "0.png"}}]
+    conversation = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}]}
+    shard = write_shard(tmp_path / "s.tar", [("KEY.0.png", png), ("KEY.1.png", png),
+                                             ("KEY.json", json.dumps(conversation).encode())])
+    _out, rows = scan(tmp_path, [shard])
+    assert {r["member"]: r["image_index"] for r in rows} == {"KEY.0.png": 1, "KEY.1.png": 0}
+    # the Apertus `parts` form names members the same way; an unreadable conversation keeps the numeric order
+    members = ["KEY.0.png", "KEY.1.png"]
+    apertus = {"messages": [{"role": "user", "content": {"parts": [{"type": "image", "image": "KEY.1.png"},
+                                                                   {"type": "image", "image": "0.png"}]}}]}
+    assert document_order(members, "KEY", json.dumps(apertus).encode()) == [1, 0]
+    unknown = {"messages": [{"role": "user", "content": [{"type": "video", "video": "1.png"}]}]}
+    assert document_order(members, "KEY", json.dumps(unknown).encode()) == [0, 1]
+
+
 # ------------------------------------------------------------------------------------- damage
 
 

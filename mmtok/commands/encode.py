@@ -80,25 +80,29 @@ def run_images(args) -> int:
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
                             max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress)
     stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
-    print_summary(rank, world_size, stats)
+    print_summary(rank, world_size, stats, args.out)
     return 0
 
 
-def print_summary(rank: int, world_size: int, stats: dict) -> None:
+def print_summary(rank: int, world_size: int, stats: dict, out: str) -> None:
     counts = stats["counts"]
     where = stats["part_dir"]
     if stats.get("already_done"):
         print(f"mmtok encode: rank {rank}/{world_size}: {where} is already finished "
               f"({stats['sequences']:,} sequences); nothing to do")
-        return
-    skipped = ", ".join(f"{reason} {n:,}" for reason, n in stats["skipped"].items()) or "none"
-    print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
-          f"{stats['images_planned']:,} images in {stats['sequences']:,} documents, {counts.get('tokens', 0):,} "
-          f"tokens; skipped: {skipped}" + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else ""))
-    if not stats["dataset"]:
-        print("  no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
-    print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
-          f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
+    else:
+        skipped = ", ".join(f"{reason} {n:,}" for reason, n in stats["skipped"].items()) or "none"
+        print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
+              f"{stats['images_planned']:,} images in {stats['sequences']:,} documents, {counts.get('tokens', 0):,} "
+              f"tokens; skipped: {skipped}" + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else ""))
+        if stats["images_deferred"]:
+            print(f"  + {stats['images_deferred']:,} images of documents with several images, stored as items: "
+                  "`mmtok merge` assembles those documents (and lists any it skips)")
+        if not stats["dataset"]:
+            print("  no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
+        print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
+              f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
+    print(f"  job view (every rank): mmtok status {out}")
 
 
 def add_audio_arguments(parser) -> None:
@@ -131,6 +135,8 @@ def add_audio_arguments(parser) -> None:
 
 
 def run_audio(args) -> int:
+    import sys
+
     from mmtok.audio.encode import encode_rank
     from mmtok.audio.shards import Batching, assign_shards
     from mmtok.formats.commitlog import check_part_free, part_dir
@@ -151,4 +157,5 @@ def run_audio(args) -> int:
     encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size, batching=batching,
                 sequences=args.sequences, num_workers=args.num_workers, text_tokenizer=args.text_tokenizer,
                 progress=not getattr(args, "no_progress", False))
+    print(f"  job view (every shard): mmtok status {args.out}", file=sys.stderr)
     return 0

@@ -38,6 +38,10 @@ def run(args) -> int:
     else:
         print(f"mmtok merge: {summary['num_parts']} parts, no sequence with a token: no dataset written (megatron-core "
               f"cannot open an empty one); merged.json says so")
+    assembled = summary["assembled"]
+    if assembled["documents"] or assembled["documents_skipped"]:
+        print(f"  of which {assembled['documents']:,} documents with several images assembled from the parts' items "
+              f"({assembled['tokens']:,} tokens; {assembled['documents_skipped']:,} skipped)")
     if skipped:
         listed = f"{args.out}/{summary['skipped_file']}"
         print(f"  skipped {sum(skipped.values()):,} (" + ", ".join(f"{k} {v:,}" for k, v in sorted(skipped.items()))

@@ -19,7 +19,7 @@ PARAMETER_FLAGS = (
     ("--token-budget", int, "image-block tokens per batch"),
     ("--max-batch-images", int, "images per batch at most"),
     ("--window-rows", int, "manifest rows per window (snapped forward to a document boundary)"),
-    ("--multi-window-images", int, "images of multi-image documents per lane of a window"),
+    ("--max-document-tokens", int, "drop documents whose image blocks + BOS/EOS exceed this many tokens (0: no limit)"),
     ("--cost-a", float, "cost model: per latent position"),
     ("--cost-b", float, "cost model: per latent position squared (attention)"),
     ("--cost-c", float, "cost model: per image"),
@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--preset", help="preset name (plans/NAME.yaml) or a YAML file; flags override it")
     parser.add_argument("--world-size", type=int, default=1, help="number of encode ranks (default 1)")
     parser.add_argument("--mode", choices=MODES, help="document layout the encoder will write")
+    parser.add_argument("--cost-model", metavar="FILE", help="YAML with a `cost_model:` mapping (from `mmtok "
+                        "calibrate --out`, or a preset): replaces the preset's cost model; --cost-* flags still apply")
     for flag, kind, text in PARAMETER_FLAGS:
         parser.add_argument(flag, type=kind, help=text)
     parser.add_argument("--explain", action="store_true",
@@ -48,11 +50,19 @@ def add_parser(sub) -> None:
 
 
 def parameters_from_args(args):
-    """Preset (or the built-in defaults), then every flag that was given."""
-    from mmtok.plan import PlanParameters, load_preset
+    """Preset (or the built-in defaults), then the --cost-model file, then every flag that was given.
+    A --cost-* flag is recorded in the cost model's source."""
+    import dataclasses
+
+    from mmtok.plan import CostModel, PlanParameters, load_preset
 
     base = load_preset(args.preset) if args.preset else PlanParameters()
+    if args.cost_model:
+        base = dataclasses.replace(base, cost_model=CostModel.from_file(args.cost_model))
     overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in PARAMETER_FLAGS}
+    changed = [f"{name[5:]}={value}" for name, value in overrides.items() if name.startswith("cost_") and value is not None]
+    if changed:
+        overrides["cost_source"] = f"{base.cost_model.source}; overridden by flags: {', '.join(changed)}"
     return base.override(mode=args.mode, **overrides)
 
 
@@ -80,4 +90,18 @@ def summary(meta: dict, out) -> str:
             f"{', '.join(f'{k} {v:,}' for k, v in sorted(meta['dropped_by_reason'].items())) or 'none'}); "
             f"{t['image_tokens']:,} image tokens; {meta['world_size']} ranks, imbalance "
             f"{100 * meta['imbalance']:.3f}%" + (f"; {over:,} images above the budget" if over else "")
-            + f"; wrote {out}")
+            + f"; wrote {out}" + _warnings(meta))
+
+
+def _warnings(meta: dict) -> str:
+    """Lines for what the user should know: balance above target (and why), documents over the limit."""
+    lines = []
+    balance, long = meta["balance"], meta["long_documents"]
+    if balance["limited_by"]:
+        lines.append(f"warning: modeled imbalance {100 * meta['imbalance']:.2f}% is above the "
+                     f"{100 * balance['target']:.1f}% target: {balance['limited_by']}")
+    if long["dropped"]:
+        lines.append(f"warning: {long['dropped']:,} documents dropped as document_too_long (over "
+                     f"{long['limit']:,} tokens; the largest has {long['largest_tokens']:,}); raise "
+                     "--max-document-tokens (0: no limit) to keep them")
+    return "".join(f"\nmmtok plan: {line}" for line in lines)

@@ -10,5 +10,5 @@
 (audio plugs into the same loop from mmtok.audio.encode)
 
 Public entry point: `mmtok.encode.runner.encode_rank(plan_dir, out, codec, rank=, world_size=, device=, options=)`.
-The part format (commits, resume, carry) lives in `mmtok.formats.commitlog`.
+The part format (commits, resume, items, carry) lives in `mmtok.formats.commitlog`.
 """

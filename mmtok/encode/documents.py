@@ -26,7 +26,7 @@ from typing import Union
 
 import numpy as np
 
-from mmtok.encode.chat import ChatRenderer, ConversationError, split_images
+from mmtok.encode.chat import ChatRenderer, ConversationError, split_media
 from mmtok.errors import Skip
 from mmtok.plan import caption_text
 from mmtok.text import TextTokenizer
@@ -151,21 +151,49 @@ class DocumentBuilder:
         except ConversationError as err:
             raise DocumentError(err.reason, err.detail) from None
         template: Template = []
-        slot = 0
-        for piece in split_images(rendered):
-            if piece is None:
-                template.append(slot)
-                slot += 1
-            elif (ids := self._text(piece)).size:
-                template.append(ids)
-        if slot != num_images:
-            raise DocumentError("image_count_mismatch", f"conversation has {slot} image placeholders, the plan "
+        audio = 0
+        for piece in split_media(rendered):
+            if isinstance(piece, str):
+                if (ids := self._text(piece)).size:
+                    template.append(ids)
+            elif piece.kind == "image":
+                template.append(piece.index)
+            else:
+                audio += 1
+        if audio:
+            raise DocumentError("missing_media", f"{audio} audio placeholders but this run has no audio source")
+        images = sum(isinstance(part, int) for part in template)
+        if images != num_images:
+            raise DocumentError("placeholder_mismatch", f"conversation has {images} image placeholders, the plan "
                                 f"has {num_images} images")
         if not _text_edge(template, 0, self._bos[0]):
             template.insert(0, self._bos)
         if not _text_edge(template, -1, self._eos[0]):
             template.append(self._eos)
         return template
+
+
+def pack_template(template: Template) -> tuple[np.ndarray, list[int]]:
+    """(text ids, layout) of a template, for storing it: the layout lists each part in order -- a text
+    piece as its length (>= 0), image slot k as -(k + 1)."""
+    texts = [part for part in template if not isinstance(part, int)]
+    layout = [-(part + 1) if isinstance(part, int) else int(part.size) for part in template]
+    return (np.concatenate(texts).astype(np.int32) if texts else np.zeros(0, np.int32)), layout
+
+
+def unpack_template(ids: np.ndarray, layout: list[int]) -> Template:
+    """The template `pack_template` stored (`ids` may be a view of a memory map)."""
+    template: Template = []
+    at = 0
+    for entry in layout:
+        if entry < 0:
+            template.append(-entry - 1)
+        else:
+            template.append(np.asarray(ids[at:at + entry], np.int32))
+            at += entry
+    if at != len(ids):
+        raise ValueError(f"template layout covers {at} ids, the item has {len(ids)}")
+    return template
 
 
 def _text_edge(template: Template, end: int, token: int) -> bool:

@@ -41,7 +41,7 @@ class PreparedBatch:
     rows: slice  # its rows in the RankWork arrays
     pixels: torch.Tensor  # uint8 [B, H, W, 3], a view of the loader's host ring
     failures: list[Skip | None]  # per image: why it was skipped, or None when decoded
-    templates: dict[int, Template | DocumentError]  # per document the batch completes
+    templates: dict[int, Template | DocumentError]  # per document whose first image is in the batch
 
 
 class HostRing:
@@ -153,11 +153,11 @@ class BatchLoader:
 
     def _templates(self, batch: int) -> dict[int, Template | DocumentError]:
         out: dict[int, Template | DocumentError] = {}
-        for position in self.work.completing(batch):
-            document = int(self.work.doc_ids[position])
+        rows = self.work.rows
+        for row in self.work.template_rows(batch):
+            document = int(rows["document"][row])
             try:
-                sidecars = self._sidecars(int(self.work.doc_row[position]))
-                out[document] = self.builder.template(int(self.work.doc_images[position]), sidecars)
+                out[document] = self.builder.template(int(rows["document_images"][row]), self._sidecars(int(row)))
             except DocumentError as err:
                 out[document] = err
         return out

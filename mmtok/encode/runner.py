@@ -3,16 +3,15 @@
   loader threads  (mmtok.encode.loader)  read, decode, resize and tokenize batch b+1, b+2, ...
   device          (encode.loop)          copies batch b to the device (non-blocking from pinned
                                          memory) and encodes it
-  committer       (encode.loop)          assembles the documents batch b-1 completes (`Assembler`)
+  committer       (encode.loop)          turns batch b-1 into documents and items (`Assembler`)
                                          and makes them durable (PartWriter.commit)
 Every stage handles batches in global order and everything a commit holds is a function of the plan
 alone, so a rank's files are the same for any number of loader threads, after any number of kills
 and resumes, and merge to the same bytes for any world size.
 
-Multi-image documents: a document's images can sit in different batches of its window (batches are
-shape-uniform). The blocks of images whose document is still open are appended to the part's
-*carry* with the commit of their batch, so a killed rank resumes with them; the document is written in the
-batch that encodes its last image (the plan's `last_batch`).
+Documents of several images: their images can sit in any batches, on any ranks. Each image is
+committed as an item of the part (its block), the document's text template as another (with the
+batch of its first image), and `mmtok merge` assembles the document from them (`mmtok.assemble`).
 """
 
 from __future__ import annotations
@@ -27,12 +26,12 @@ import torch
 
 from mmtok import __version__
 from mmtok.codecs.base import refuse_low_precision
-from mmtok.encode.documents import DocumentError, DocumentBuilder
+from mmtok.encode.documents import DocumentError, DocumentBuilder, Template, pack_template
 from mmtok.encode.loader import BatchLoader, PreparedBatch
 from mmtok.encode.work import RankWork, load_rank_work
 from mmtok.errors import MmtokError, Skip
 from mmtok.encode.loop import Meter, run_device, timing_stats
-from mmtok.formats.commitlog import PartWriter, has_dataset, pack_carry, part_dir, unpack_carry
+from mmtok.formats.commitlog import PartWriter, has_dataset, part_dir
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -114,40 +113,45 @@ class Commit:
     sequences: list[np.ndarray] = field(default_factory=list)
     provenance: list[dict] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
-    carry: bytes = b""
-    carry_done: bool = False
     skipped: list[dict] = field(default_factory=list)
+    items: list[tuple[dict, np.ndarray]] = field(default_factory=list)
 
 
 class Assembler:
-    """Encoded batches -> documents, in batch order. Open documents' images live in `pending`
-    (and in the part's carry, so they survive a kill)."""
+    """Encoded batches -> what their commits hold, a function of the batch alone.
 
-    def __init__(self, work: RankWork, builder: DocumentBuilder, carry: bytes, next_batch: int):
+    A one-image document becomes its sequence (or its skip record) at once. A document of several
+    images may have them on several ranks: each image becomes an *image item* (its block, or why it
+    failed) and the document's template a *template item* (with the batch of its first image); merge
+    assembles those (`mmtok.assemble`), so no rank waits for another and any batch boundary is a cut.
+    """
+
+    def __init__(self, work: RankWork, builder: DocumentBuilder):
         self.work = work
         self.builder = builder
-        self.pending: dict[int, dict[int, np.ndarray | str]] = {}
         self.consecutive_failures = 0
-        for document, image_index, skip, block in unpack_carry(carry):
-            if work.doc_last_batch[work.doc_position(document)] >= next_batch:  # still open at the resume point
-                self.pending.setdefault(document, {})[image_index] = skip or block
 
     def add(self, prepared: PreparedBatch, codes: np.ndarray | None, max_failures: int) -> Commit:
-        work, rows, commit = self.work, self.work.rows, Commit()
-        carry = []
+        rows, commit = self.work.rows, Commit()
         for slot, row in enumerate(range(prepared.rows.start, prepared.rows.stop)):
-            document, image_index = int(rows["document"][row]), int(rows["image_index"][row])
             failure = prepared.failures[slot]
-            value = str(failure) if failure else self._block(codes[slot], row)
             self._count_failure(failure, row, max_failures)
-            self.pending.setdefault(document, {})[image_index] = value
-            if work.doc_last_batch[work.doc_position(document)] != prepared.batch:
-                carry.append((document, image_index, value, None) if isinstance(value, str)
-                             else (document, image_index, "", value))
-        for position in work.completing(prepared.batch):
-            self._finish_document(int(position), prepared.templates, commit)
-        commit.carry = pack_carry(carry)
-        commit.carry_done = not self.pending
+            block = None if failure else self._block(codes[slot], row)
+            if rows["document_images"][row] == 1:
+                template = prepared.templates.get(int(rows["document"][row]))
+                if template is None:  # a kept document always keeps its image 0 (documents are dropped whole)
+                    raise MmtokError(f"plan row of manifest row {rows['manifest_row'][row]}: a one-image document "
+                                     f"whose image has image_index {rows['image_index'][row]}, not 0; the plan does "
+                                     "not match this mmtok -- re-run `mmtok plan`")
+                self._one_image_document(row, failure, block, template, commit)
+            else:
+                commit.items.append(self._image_item(row, failure, block))
+                commit.counts["images_deferred"] += 1
+        for row in self.work.template_rows(prepared.batch):
+            if rows["document_images"][row] > 1:
+                commit.items.append(self._template_item(row, prepared.templates[int(rows["document"][row])]))
+        if commit.items:  # image blocks and template ids, the tokens merge assembles into documents
+            commit.counts["item_tokens"] += sum(int(ids.size) for _record, ids in commit.items)
         return commit
 
     def _block(self, codes: np.ndarray, row: int) -> np.ndarray:
@@ -157,7 +161,7 @@ class Assembler:
                              f"tokens, the plan counted {self.work.rows['tokens'][row]}")
         return block
 
-    def _count_failure(self, reason: str | None, row: int, limit: int) -> None:
+    def _count_failure(self, reason: Skip | None, row: int, limit: int) -> None:
         self.consecutive_failures = self.consecutive_failures + 1 if reason else 0
         if self.consecutive_failures > limit:
             r = self.work.rows
@@ -167,47 +171,43 @@ class Assembler:
                 f"that differs from what was scanned), not a few bad images; check the inputs and re-scan. "
                 f"(--max-consecutive-failures raises the limit.)")
 
-    def _finish_document(self, position: int, templates: dict, commit: Commit) -> None:
-        work = self.work
-        document = int(work.doc_ids[position])
-        images = self.pending.pop(document, {})
-        if len(images) != work.doc_images[position]:
-            raise MmtokError(f"document {document}: {len(images)} of {work.doc_images[position]} images were "
-                             "encoded; the part's carry is damaged -- delete the part directory to re-encode it")
-        failed = {i: Skip.parse(v) for i, v in images.items() if isinstance(v, str)}
-        template = templates[document]
-        rows = work.document_rows(position)
-        if failed or isinstance(template, DocumentError):  # skipped whole; every image counted and named once
-            for index, row in zip(sorted(images), rows):
-                skip = self._why_skipped(index, failed, template)
-                commit.counts[f"skipped:{skip.reason}"] += 1
-                commit.skipped.append(self._skip_record(int(row), skip))
+    def _one_image_document(self, row: int, failure: Skip | None, block: np.ndarray | None,
+                            template: Template | DocumentError, commit: Commit) -> None:
+        skip = failure or (template if isinstance(template, DocumentError) else None)
+        if skip is not None:
+            commit.counts[f"skipped:{skip.reason}"] += 1
             commit.counts["documents_skipped"] += 1
+            commit.skipped.append({**self.sample(row), "reason": skip.reason, "detail": skip.detail})
             return
-        tokens = self.builder.assemble(template, images)
-        first = int(work.doc_row[position])
+        tokens = self.builder.assemble(template, {0: block})
+        r = self.work.rows
         commit.sequences.append(tokens)
-        commit.provenance.append({"document": document, "key": work.rows["key"][first], "tar": work.rows["tar"][first],
-                                  "rows": work.rows["manifest_row"][rows].tolist()})
-        commit.counts.update(images_written=len(images), documents_written=1, tokens=int(tokens.size))
+        commit.provenance.append({"document": int(r["document"][row]), "key": r["key"][row], "tar": r["tar"][row],
+                                  "rows": [int(r["manifest_row"][row])]})
+        commit.counts.update(images_written=1, documents_written=1, tokens=int(tokens.size))
 
-
-    @staticmethod
-    def _why_skipped(index: int, failed: dict[int, "Skip"], template) -> "Skip":
-        if index in failed:
-            return failed[index]
-        if failed:
-            first = min(failed)
-            return Skip("document_image_failed", f"image {first} of the document: {failed[first]}")
-        return Skip(template.reason, str(template))
-
-    def _skip_record(self, row: int, skip: "Skip") -> dict:
-        """The skipped.jsonl line of plan row `row`: which sample, where it lives, and why."""
+    def sample(self, row: int) -> dict:
+        """Which sample plan row `row` is and where it lives (the fields of a skip record)."""
         r = self.work.rows
         return {"key": r["key"][row], "source": r["tar"][row], "container": r["container"][row],
                 "member": r["member"][row], "manifest_row": int(r["manifest_row"][row]),
-                "document": int(r["document"][row]), "image_index": int(r["image_index"][row]),
-                "reason": skip.reason, "detail": skip.detail}
+                "document": int(r["document"][row]), "image_index": int(r["image_index"][row])}
+
+    def _image_item(self, row: int, failure: Skip | None, block: np.ndarray | None) -> tuple[dict, np.ndarray]:
+        record = {"kind": "image", **self.sample(row)}
+        if failure:
+            record.update(skip=failure.reason, detail=failure.detail)
+        return record, block if block is not None else np.zeros(0, np.int32)
+
+    def _template_item(self, row: int, template: Template | DocumentError) -> tuple[dict, np.ndarray]:
+        r = self.work.rows
+        record = {"kind": "template", "document": int(r["document"][row]), "key": r["key"][row],
+                  "tar": r["tar"][row], "num_images": int(r["document_images"][row])}
+        if isinstance(template, DocumentError):
+            record.update(skip=template.reason, detail=template.detail)
+            return record, np.zeros(0, np.int32)
+        ids, record["layout"] = pack_template(template)
+        return record, ids
 
 
 # -- the rank --------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
         if part.done:
             return {"already_done": True, **_summary_counts(part)}
         start = max(work.batch_range[0], part.next_unit)
-        assembler = Assembler(work, builder, part.carry(), start)
+        assembler = Assembler(work, builder)
         batches = range(start, work.batch_range[1])
         meter = _run_batches(work, codec, part, assembler, batches, device, options)
         stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
@@ -277,7 +277,7 @@ def _commit(part: PartWriter, assembler: Assembler, prepared: PreparedBatch, cod
     commit = assembler.add(prepared, codes, options.max_consecutive_failures)
     timing = meter.committed(len(prepared.failures), int(commit.counts.get("tokens", 0)))
     part.commit(prepared.batch, commit.sequences, commit.provenance, {**commit.counts, **timing},
-                 carry=commit.carry, carry_done=commit.carry_done, skipped=commit.skipped)
+                skipped=commit.skipped, items=commit.items)
 
 
 def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:
@@ -289,8 +289,10 @@ def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions
         "ranges_rederived": work.rederived,
         "images_planned": work.num_images,
         "images_written": counts.get("images_written", 0),
+        "images_deferred": counts.get("images_deferred", 0),  # of documents with several images: merge assembles them
         "skipped": {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")},
-        **timing, "images_per_s": counts.get("images_written", 0) / timing["wall_s"] if timing["wall_s"] else 0.0,
+        **timing, "images_per_s": (counts.get("images_written", 0) + counts.get("images_deferred", 0)) / timing["wall_s"]
+        if timing["wall_s"] else 0.0,
         "device": str(device), "loader_threads": options.loader_threads,
         "precision": codec.precision.to_dict(),
     }

@@ -1,7 +1,9 @@
 """What one rank encodes: its batch range of the plan, joined with the manifest columns it needs.
 
-Everything is NumPy arrays over the rank's plan rows (plan order: batch, then position in batch) and
-over its documents, so the loaders and the writer index them without per-row Python objects.
+Everything is NumPy arrays over the rank's plan rows (plan order: batch, then position in batch), so
+the loaders and the writer index them without per-row Python objects. A document's template (its
+text) is built with the batch that holds its first image (image_index 0: a kept document always has
+it, documents are dropped whole).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import numpy as np
 from mmtok.errors import MmtokError
 from mmtok.formats.plan import Plan
 
-PLAN_COLUMNS = ["manifest_row", "batch", "target_height", "target_width", "tokens", "document", "image_index"]
+PLAN_COLUMNS = ["manifest_row", "batch", "target_height", "target_width", "tokens", "document", "image_index",
+                "document_images"]
 MANIFEST_COLUMNS = ("key", "document", "image_index", "tar", "container", "member", "offset", "size", "width",
                     "height", "text_offset", "text_size", "json_offset", "json_size")
 
@@ -30,17 +33,7 @@ class RankWork:
     rederived: bool  # True when the ranges were re-derived for a world size the plan was not made for
     batch_starts: np.ndarray  # row offset of batch start+i (length n_batches + 1)
     rows: dict[str, np.ndarray]  # plan columns + manifest columns, one entry per image
-    doc_ids: np.ndarray  # sorted unique document ids of the rank
-    doc_images: np.ndarray  # planned images per document
-    doc_last_batch: np.ndarray  # the batch that completes each document
-    doc_row: np.ndarray  # a row of each document (its first in plan order): key, tar and sidecars
     text_column: str | None  # captions of Parquet/Arrow inputs: the scan's text column
-
-    def __post_init__(self) -> None:
-        self._by_last = np.argsort(self.doc_last_batch, kind="stable")  # ties stay in document-id order
-        self._last_sorted = self.doc_last_batch[self._by_last]
-        self._rows_by_doc = np.lexsort((self.rows["image_index"], self.rows["document"]))
-        self._doc_starts = np.concatenate([[0], np.cumsum(self.doc_images)])
 
     @property
     def mode(self) -> str:
@@ -59,17 +52,10 @@ class RankWork:
         i = batch - self.batch_range[0]
         return slice(int(self.batch_starts[i]), int(self.batch_starts[i + 1]))
 
-    def completing(self, batch: int) -> np.ndarray:
-        """Positions (in `doc_ids`) of the documents whose last image is in `batch`, by document id."""
-        lo, hi = np.searchsorted(self._last_sorted, [batch, batch + 1])
-        return self._by_last[lo:hi]
-
-    def doc_position(self, document: int) -> int:
-        return int(np.searchsorted(self.doc_ids, document))
-
-    def document_rows(self, position: int) -> np.ndarray:
-        """Rows of the document at `position` in `doc_ids`, in image order."""
-        return self._rows_by_doc[self._doc_starts[position] : self._doc_starts[position + 1]]
+    def template_rows(self, batch: int) -> np.ndarray:
+        """Rows of `batch` whose document's template is built with it (the documents' first images)."""
+        rows = self.batch_rows(batch)
+        return rows.start + np.flatnonzero(self.rows["image_index"][rows] == 0)
 
     def images_before(self, batch: int) -> int:
         """Planned images of this rank in batches before `batch` (progress after a resume)."""
@@ -87,10 +73,6 @@ def load_rank_work(plan_dir: str | os.PathLike, rank: int, world_size: int) -> R
     manifest = plan.manifest()
     rows.update(manifest.read_rows(rows["manifest_row"], MANIFEST_COLUMNS))
     batch_starts = np.searchsorted(rows["batch"], np.arange(start, end + 1)).astype(np.int64)
-    documents, first_row, doc_images = np.unique(rows["document"], return_index=True, return_counts=True)
-    doc_last_batch = np.zeros(len(documents), np.int64)
-    np.maximum.at(doc_last_batch, np.searchsorted(documents, rows["document"]), rows["batch"])
     return RankWork(plan_meta=plan.meta, rank=rank, world_size=world_size, batch_range=(start, end),
                     rederived=world_size != plan.world_size, batch_starts=batch_starts, rows=rows,
-                    doc_ids=documents, doc_images=doc_images, doc_last_batch=doc_last_batch, doc_row=first_row,
                     text_column=manifest.text_column)

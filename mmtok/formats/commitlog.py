@@ -9,8 +9,12 @@ part = input Shar shard). A part directory contains
   provenance.jsonl  one JSON line per sequence (line i describes sequence i), appended per unit
   skipped.jsonl     one JSON line per input that did not become tokens (key, source, member,
                     reason, detail), appended per unit
-  carry.bin         opaque bytes the writer carries between units (e.g. codes of images whose
-                    multi-image document is not complete yet); see `PartWriter.carry`
+  items.ids         int32 ids of *items*: pieces a later stage assembles into sequences (the image
+                    blocks and text templates of documents with several images, which merge
+                    assembles); appended per unit
+  items.jsonl       one JSON line per item (what it is, its `length` in items.ids), appended per unit
+  carry.bin         opaque bytes the writer carries between units (e.g. the encoded clips of an audio
+                    shard until the shard is assembled); see `PartWriter.carry`
   commits.log       one record per committed unit: `<json>\\t<crc32 hex>\\n`
   tokens.idx        written by `finish` (atomic) -- only when the part has tokens: megatron-core
                     cannot open an empty dataset, so a part without sequences has no tokens.bin/.idx
@@ -19,7 +23,8 @@ part = input Shar shard). A part directory contains
   DONE              written last by `finish` (atomic)
   .lock             the writer lock (`mmtok.fsutil.WriterLock`): one process writes a part at a time
 
-Durability protocol of `commit`: the unit's tokens, provenance lines and carry bytes are appended
+Durability protocol of `commit`: the unit's tokens, provenance, skip and item lines, item ids and
+carry bytes are appended
 and fdatasync'ed, *then* the commit record is appended and fdatasync'ed. A record names the size
 every file had after its unit, so a process killed at any instant resumes from the last complete
 record: files are truncated back to that record's sizes and a torn (partial or corrupt) last record
@@ -27,7 +32,7 @@ is dropped. Everything a unit writes is a deterministic function of the unit, so
 are byte-identical to those of an uninterrupted run.
 
 Checked bytes: each record holds the CRC-32 of the bytes its unit appended to tokens.bin,
-provenance.jsonl and skipped.jsonl, and the CRC-32 of the live carry. `verify_part` re-reads a part
+provenance.jsonl, skipped.jsonl, items.ids and items.jsonl, and the CRC-32 of the live carry. `verify_part` re-reads a part
 against its records (on every resume and by merge), so bit rot or a damaged copy is refused naming
 the part and the unit instead of being merged.
 
@@ -51,12 +56,14 @@ from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, writ
 from mmtok.formats.megatron import encode_index, idx_path
 from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, with_filename
 
-PART_FORMAT = "mmtok-part/2"  # /2: per-unit checksums, skipped.jsonl, no empty dataset
+PART_FORMAT = "mmtok-part/3"  # /2: per-unit checksums, skipped.jsonl, no empty dataset; /3: items
 TOKENS = "tokens"  # dataset prefix inside a part directory: tokens.bin / tokens.idx
 TOKENS_BIN = bin_path(TOKENS).name
 IDENTITY = "identity.json"
 PROVENANCE = "provenance.jsonl"
 SKIPPED = "skipped.jsonl"
+ITEM_IDS = "items.ids"
+ITEMS = "items.jsonl"
 CARRY = "carry.bin"
 COMMITS = "commits.log"
 STATS = "stats.json"
@@ -152,7 +159,8 @@ def read_commits(directory: str | os.PathLike) -> tuple[list[dict], int]:
 # Appended files of a part: name -> the commit-record key of its size. Their bytes are checksummed
 # per unit; carry.bin is not (it is emptied when nothing in it is live) -- its live bytes have a
 # running checksum instead (`carry_crc`).
-APPENDED = {TOKENS_BIN: "tokens_bytes", PROVENANCE: "provenance_bytes", SKIPPED: "skipped_bytes"}
+APPENDED = {TOKENS_BIN: "tokens_bytes", PROVENANCE: "provenance_bytes", SKIPPED: "skipped_bytes",
+            ITEM_IDS: "item_ids_bytes", ITEMS: "items_bytes"}
 
 
 def _json_lines(records: list[dict]) -> bytes:
@@ -320,11 +328,14 @@ class PartWriter:
 
     # -- writing --------------------------------------------------------------------------------
     def commit(self, unit: int, sequences: list[np.ndarray], provenance: list[dict], counts: dict[str, int],
-               *, carry: bytes = b"", carry_done: bool = False, skipped: list[dict] = ()) -> None:
+               *, carry: bytes = b"", carry_done: bool = False, skipped: list[dict] = (),
+               items: list[tuple[dict, np.ndarray]] = ()) -> None:
         """Durably append one unit's sequences (one per document), provenance lines and skip records.
 
         `counts` are this unit's increments (added to `self.counts`). `skipped` names each input of
-        the unit that did not become tokens (one JSON line each in skipped.jsonl). `carry` bytes are
+        the unit that did not become tokens (one JSON line each in skipped.jsonl). `items` are
+        (record, int32 ids) pairs for a later stage (see the module docstring); each record gets its
+        `length`. `carry` bytes are
         appended to the carry file; `carry_done=True` declares that nothing carried so far (this
         unit's `carry` included) is needed any more. Units must increase strictly. Returns once the
         unit is durable.
@@ -338,8 +349,11 @@ class PartWriter:
         if carry_done and carry:
             raise ValueError("carry bytes passed together with carry_done=True would be dropped at once")
         arrays = [check_tokens_fit(np.asarray(s), TOKEN_DTYPE) for s in sequences]
+        item_arrays = [check_tokens_fit(np.asarray(ids), TOKEN_DTYPE) for _, ids in items]
         data = {TOKENS_BIN: np.concatenate(arrays).tobytes() if arrays else b"",
-                PROVENANCE: _json_lines(provenance), SKIPPED: _json_lines(list(skipped))}
+                PROVENANCE: _json_lines(provenance), SKIPPED: _json_lines(list(skipped)),
+                ITEM_IDS: np.concatenate(item_arrays).tobytes() if item_arrays else b"",
+                ITEMS: _json_lines([{**record, "length": int(ids.size)} for (record, _), ids in zip(items, item_arrays)])}
         for name, size_key in APPENDED.items():
             self._append(name, size_key, data[name])
         self._append(CARRY, "carry_bytes", carry)
@@ -469,6 +483,23 @@ def read_provenance(directory: str | os.PathLike) -> Iterator[dict]:
     with open(Path(directory) / PROVENANCE, "rb") as handle:
         for line in handle:
             yield json.loads(line)
+
+
+def read_items(directory: str | os.PathLike) -> tuple[list[dict], np.ndarray]:
+    """(item records, each with its `offset` into the ids, in commit order; the ids, memory-mapped)."""
+    directory = Path(directory)
+    records = []
+    offset = 0
+    path = directory / ITEMS
+    if path.is_file():
+        with open(path, "rb") as handle:
+            for line in handle:
+                record = json.loads(line)
+                record["offset"] = offset
+                offset += record["length"]
+                records.append(record)
+    ids = np.memmap(directory / ITEM_IDS, dtype=TOKEN_DTYPE, mode="r") if offset else np.zeros(0, TOKEN_DTYPE)
+    return records, ids
 
 
 def read_skipped(directory: str | os.PathLike) -> Iterator[dict]:

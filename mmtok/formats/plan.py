@@ -2,7 +2,8 @@
 
 ```
 PLAN_DIR/
-  plan.parquet       one row per kept image, sorted by batch, then manifest row inside a batch
+  plan.parquet       one row per kept image, sorted by batch, then manifest row inside a batch; with
+                     its document's kept image count (documents of several images are assembled by merge)
   batches.parquet    one row per batch (global order): where its rows start in plan.parquet, shape, cost
   documents.parquet  kept documents with several images or a counted caption: totals, first/last batch
                      (every other kept document is one image: tokens = its image's + 2, batch = its batch)
@@ -36,10 +37,10 @@ from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.fsutil import atomic_write_json, fsync_dir, sha256_file
-from mmtok.ranks import allowed_cuts, partition_ranks
+from mmtok.ranks import partition_ranks
 
 FORMAT = "mmtok-plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: document_images per image row, no lanes, any batch boundary is a rank cut
 META_FILE = "plan.json"
 IMAGES_FILE = "plan.parquet"
 BATCHES_FILE = "batches.parquet"
@@ -55,6 +56,7 @@ IMAGES_SCHEMA = pa.schema([
     ("tokens", pa.int32()),  # exact image-block length
     ("document", pa.int64()),
     ("image_index", pa.int32()),
+    ("document_images", pa.int32()),  # kept images of the row's document (> 1: the document is assembled by merge)
 ])
 BATCHES_SCHEMA = pa.schema([
     ("batch", pa.int64()),
@@ -65,7 +67,6 @@ BATCHES_SCHEMA = pa.schema([
     ("tokens", pa.int64()),  # image-block tokens of the whole batch
     ("cost", pa.float64()),  # cost model estimate
     ("window", pa.int64()),
-    ("lane", pa.int32()),  # 0: one-image documents; k >= 1: multi-image documents (mmtok.plan.batching)
     ("full", pa.bool_()),  # no further image of this shape would fit (budget or max_batch_images)
 ])
 DOCUMENTS_SCHEMA = pa.schema([
@@ -74,7 +75,7 @@ DOCUMENTS_SCHEMA = pa.schema([
     ("text_tokens", pa.int32()),  # caption tokens in caption modes; -1 where the encoder counts text
     ("tokens", pa.int64()),  # BOS + blocks + text + EOS (text excluded where text_tokens is -1)
     ("first_batch", pa.int64()),
-    ("last_batch", pa.int64()),  # the document is complete once this batch is encoded
+    ("last_batch", pa.int64()),  # the last batch holding one of its images
 ])
 DROPPED_SCHEMA = pa.schema([("manifest_row", pa.int64()), ("reason", pa.string())])
 SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_FILE: DOCUMENTS_SCHEMA,
@@ -82,9 +83,9 @@ SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_F
 _DELTA = "DELTA_BINARY_PACKED"  # sorted or slowly varying integers: small and cheap to write
 _ENCODINGS = {  # (column encodings, compressed columns); fixed options make files byte-reproducible
     IMAGES_FILE: ({"manifest_row": _DELTA, "document": _DELTA, "image_index": _DELTA},
-                  ("batch", "target_height", "target_width", "tokens")),  # runs: plain + lz4 is cheapest
+                  ("batch", "target_height", "target_width", "tokens", "document_images")),  # runs: plain + lz4 is cheapest
     BATCHES_FILE: ({"batch": _DELTA, "plan_row": _DELTA, "window": _DELTA}, ("num_images", "target_height",
-                   "target_width", "tokens", "cost", "lane", "full")),
+                   "target_width", "tokens", "cost", "full")),
     DOCUMENTS_FILE: ({name: _DELTA for name in DOCUMENTS_SCHEMA.names}, ()),
     DROPPED_FILE: ({"manifest_row": _DELTA}, ()),
 }
@@ -188,7 +189,8 @@ class PlanWriter:
 
 def plan_fingerprint(images_sha256: str, parameters: dict, manifest_fingerprint: str) -> str:
     """sha256 over plan.parquet's sha256, the canonical JSON of the parameters and the manifest
-    fingerprint. Independent of the world size: the global batch list does not depend on it."""
+    fingerprint. plan.parquet's batch column holds the balance splits made for the plan's world size,
+    so two plans for different world sizes may differ; ranks of one plan always agree."""
     material = {"plan.parquet": images_sha256, "parameters": parameters, "manifest_fingerprint": manifest_fingerprint}
     return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -245,7 +247,7 @@ class Plan:
     def ranges(self, world_size: int | None = None) -> np.ndarray:
         """[start, end) global batch range per rank, shape [world_size, 2]: the plan's own ranges for
         its world size (the default), else the same cost-balanced partition re-derived for `world_size`
-        (`mmtok.ranks`: the batch costs and the legal cuts the documents allow, as the planner used them)."""
+        from the batch costs (`mmtok.ranks`, as the planner used it)."""
         world_size = self.world_size if world_size is None else world_size
         if world_size < 1:
             raise MmtokError(f"world size must be >= 1, got {world_size}")
@@ -254,9 +256,7 @@ class Plan:
                 ranges = np.asarray(self.meta["rank_batches"], np.int64).reshape(-1, 2)
             else:
                 costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
-                documents = self.table(DOCUMENTS_FILE, ["first_batch", "last_batch"])
-                cut_ok = allowed_cuts(documents.column(0).to_numpy(), documents.column(1).to_numpy(), len(costs))
-                ranges = partition_ranks(costs, cut_ok, world_size)
+                ranges = partition_ranks(costs, world_size)
             self._ranges[world_size] = ranges
         return self._ranges[world_size]
 

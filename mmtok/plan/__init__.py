@@ -1,6 +1,6 @@
 """`mmtok plan`: manifest -> deterministic, shape-uniform GPU batches balanced across ranks.
 
-Stages: `rows` (read, filter, target shapes) -> `batching` (windows, lanes, batches) -> `core`
+Stages: `rows` (read, filter, target shapes) -> `batching` (windows, batches, balance splits) -> `core`
 (rank ranges via `mmtok.ranks`, plan files via `mmtok.formats.plan`). Public API: `PlanParameters`,
 `CostModel`, `load_preset`, `available_presets`, `build_plan`, `caption_text` (the caption
 normalisation the encoder shares), `explain_plan` (`mmtok plan --explain`, `mmtok inspect`). The

@@ -1,20 +1,18 @@
 """Stages 2 and 3 of the plan: windows, then shape-uniform batches inside each window.
 
 Windows are consecutive manifest rows; each boundary k * window_rows moves forward to the next
-document start, so a document never spans two windows. Inside a window the kept images are put in
-*lanes*: lane 0 holds the images of one-image documents; the images of multi-image documents go to
-lanes 1, 2, ... of about `multi_window_images` images each (a document is never split). Each lane
-is stable-sorted by exact target shape and every run of one shape is cut into batches of at most
+document start, so a document never spans two windows. Inside a window the kept images are
+stable-sorted by exact target shape and every run of one shape is cut into batches of at most
 min(max_batch_images, token_budget // tokens) images (at least one: an image above the budget gets
-a batch of its own).
+a batch of its own). Batches are numbered in (window, height, width, manifest row) order.
 
-Why lanes: a rank may only start where no document has images on both sides. A multi-image
-document's images land in batches of different shapes spread over its lane, so inside a lane of
-multi-image documents nearly no batch boundary is a legal cut. One-image documents never block a
-cut, so lane 0 stays cuttable everywhere; its batches are split into chunks placed between the
-multi-image lanes (`interleave_lanes`), so every blocked stretch is at most one lane long and has
-cuttable batches on both sides for the rank partition to balance with. Batches are numbered in
-this final order; within a chunk or lane they follow (height, width, manifest row).
+Images of documents with several images are batched like any other image: their codes go to a
+per-image store and merge assembles the documents (see mmtok.encode.runner), so batches stay full
+and every batch boundary is a legal rank cut. A document whose image blocks alone exceed
+`max_document_tokens` is dropped (`document_too_long`) rather than becoming one giant sequence.
+
+`splits` (from `mmtok.ranks.balance_splits`, for the second planning pass of a small corpus) cut
+chosen batches into two pieces of the same shape; image order, and so every document, is unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import numpy as np
 from mmtok.plan.captions import CaptionReader, count_captions
 from mmtok.plan.params import PlanParameters
 from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable
-from mmtok.ranks import allowed_cuts
 from mmtok.text import TextTokenizer
 
 GROUP_ROWS = 1 << 20  # windows are planned in groups of about this many rows; grouping never changes the plan
@@ -67,44 +64,16 @@ def _run_lengths(starts: np.ndarray, total: int) -> np.ndarray:
     return np.diff(np.append(starts, total))
 
 
-def _small(values: np.ndarray) -> np.ndarray:
-    """uint16 when the values fit (NumPy's stable sort is a radix sort for 16-bit keys)."""
-    return values.astype(np.uint16) if not len(values) or values.max() < (1 << 16) else values
-
-
-def stable_order(shape: np.ndarray, lane: np.ndarray | None, window: np.ndarray | None) -> np.ndarray:
-    """Stable order by (window, lane, shape): least significant key first, one stable sort per key.
-    Keys are merged while their product fits 16 bits (NumPy's stable sort is a radix sort there)."""
-    keys = [shape] + [k for k in (lane, window) if k is not None]
-    merged = [keys[0]]
-    for key in keys[1:]:
-        low, span = merged[-1], int(merged[-1].max()) + 1
-        if span * (int(key.max()) + 1) < (1 << 16):
-            merged[-1] = key.astype(np.uint16) * np.uint16(span) + low.astype(np.uint16)
-        else:
-            merged.append(key)
-    order = np.argsort(merged[0], kind="stable")
-    for key in merged[1:]:
-        order = order[np.argsort(key[order], kind="stable")]
-    return order
-
-
-def interleave_lanes(window: np.ndarray, lane: np.ndarray, cost: np.ndarray) -> np.ndarray:
-    """Batch order inside each window when it has multi-image lanes: lane 0's batches (shape order)
-    are split by cost into k + 1 chunks placed around the k lanes -- S0 M1 S1 M2 ... Mk Sk -- so a
-    finely cuttable stretch sits beside every lane and rank cuts can always be adjusted nearby.
-    `window`/`lane`/`cost` describe batches in (window, lane, shape) order; returns a permutation."""
-    start = _run_starts(window)
-    size = _run_lengths(start, len(window))
-    one_image = lane == 0
-    lane0_cost = np.where(one_image, cost, 0.0)
-    before = np.cumsum(lane0_cost) - lane0_cost
-    within = before - np.repeat(before[start], size)
-    total = np.repeat(np.add.reduceat(lane0_cost, start), size)
-    lanes = np.repeat(np.maximum.reduceat(lane, start), size).astype(np.int64)
-    chunk = np.minimum(np.floor(within * (lanes + 1) / np.where(total > 0, total, 1.0)).astype(np.int64), lanes)
-    key = np.where(one_image, 2 * chunk, 2 * lane.astype(np.int64) - 1)
-    return np.lexsort((key, window))
+def stable_order(shape: np.ndarray, window: np.ndarray | None) -> np.ndarray:
+    """Stable order by (window, shape): least significant key first, one stable sort per key.
+    The keys are merged when their product fits 16 bits (NumPy's stable sort is a radix sort there)."""
+    if window is None:
+        return np.argsort(shape, kind="stable")
+    span = int(shape.max()) + 1
+    if span * (int(window.max()) + 1) < (1 << 16):
+        return np.argsort(window.astype(np.uint16) * np.uint16(span) + shape.astype(np.uint16), kind="stable")
+    order = np.argsort(shape, kind="stable")
+    return order[np.argsort(window[order], kind="stable")]
 
 
 @dataclass
@@ -117,7 +86,6 @@ class GroupPlan:
     images: dict[str, np.ndarray] | None = None
     batches: dict[str, np.ndarray] | None = None
     documents: dict[str, np.ndarray] | None = None  # documents.parquet rows
-    cut_ok: np.ndarray | None = None  # may a rank start at each of the group's batches
     documents_kept: int = 0
     document_tokens: int = 0
     text_tokens: int = 0
@@ -132,19 +100,26 @@ class _Kept:
     doc_start: np.ndarray | None  # run starts of documents over kept rows; None: every document is one image
     window: np.ndarray | None  # local window per kept row; None: one window
     window_start: np.ndarray  # first kept row of each local window
-    lane: np.ndarray | None  # lane per kept row; None: lane 0 only
 
 
 class GroupPlanner:
-    """Plans one group of windows at a time, numbering batches and plan rows globally."""
+    """Plans one group of windows at a time, numbering batches and plan rows globally.
+
+    `splits` maps a batch number of the unsplit plan to the image positions where it is cut
+    (see the module docstring); the batches are then renumbered in order."""
 
     def __init__(self, rows: ManifestRows, shapes: ShapeTable, params: PlanParameters, reasons: Reasons,
-                 tokenizer: TextTokenizer, text_column: str | None = None):
+                 tokenizer: TextTokenizer, text_column: str | None = None,
+                 splits: dict[int, list[int]] | None = None):
         self.rows, self.shapes, self.params, self.reasons = rows, shapes, params, reasons
         self.tokenizer = tokenizer
         self.captions = CaptionReader(rows.containers, text_column) if params.counts_captions else None
+        self.splits = splits or {}
         self.next_batch = 0
+        self.next_unsplit_batch = 0
         self.next_plan_row = 0
+        self.long_documents = 0  # dropped as document_too_long
+        self.largest_document = 0  # image-block tokens (+ BOS/EOS) of the largest document seen, dropped or not
 
     def plan(self, lo: int, hi: int, window_starts: np.ndarray, first_window: int) -> GroupPlan:
         """Plan manifest rows [lo, hi), whose windows start at `window_starts` (global rows)."""
@@ -153,6 +128,7 @@ class GroupPlanner:
         one_image_documents = len(doc_start) == hi - lo
         if not one_image_documents:
             self._drop_whole_documents(reason, doc_start)
+        self._drop_long_documents(lo, reason, doc_start)
         text_tokens = self._count_captions(lo, reason, doc_start) if self.captions else None
         keep = reason == 0
         dropped = np.flatnonzero(~keep)
@@ -161,8 +137,8 @@ class GroupPlanner:
         if len(kept_rows) == 0:
             return plan
         kept = self._structure(lo, kept_rows, window_starts - lo, one_image_documents)
-        order = stable_order(kept.shape, kept.lane, kept.window)
-        order, batch_shape = self._cut(plan, kept, order, first_window)
+        order = stable_order(kept.shape, kept.window)
+        batch_shape = self._cut(plan, kept, order, first_window)
         batch = np.repeat(plan.batches["batch"], plan.batches["num_images"])
         self._fill_images(plan, lo, kept, order, batch, batch_shape)
         self._fill_documents(plan, lo, kept, order, batch, text_tokens)
@@ -178,6 +154,22 @@ class GroupPlanner:
             doc_code = np.zeros(len(doc_start), np.uint16)
             doc_code[np.searchsorted(doc_start, bad_rows, side="right") - 1] = self.reasons.code("document_member_dropped")
             self._drop_documents(reason, doc_start, doc_code)
+
+    def _drop_long_documents(self, lo: int, reason: np.ndarray, doc_start: np.ndarray) -> None:
+        """Documents whose image blocks + BOS/EOS exceed max_document_tokens get `document_too_long`."""
+        alive = reason == 0
+        if not alive.any():
+            return
+        row_tokens = np.zeros(len(reason), np.int64)
+        row_tokens[alive] = self.shapes.tokens[self.shapes.index(self.rows.shape[lo:lo + len(reason)][alive])]
+        tokens = np.add.reduceat(row_tokens, doc_start) + 2
+        tokens[reason[doc_start] != 0] = 0
+        self.largest_document = max(self.largest_document, int(tokens.max()))
+        limit = self.params.max_document_tokens
+        if limit and (long := tokens > limit).any():
+            self.long_documents += int(long.sum())
+            code = self.reasons.code("document_too_long")
+            self._drop_documents(reason, doc_start, np.where(long, code, 0).astype(np.uint16))
 
     @staticmethod
     def _drop_documents(reason: np.ndarray, doc_start: np.ndarray, doc_code: np.ndarray) -> None:
@@ -199,7 +191,7 @@ class GroupPlanner:
 
     # -- batches -------------------------------------------------------------------------------------
     def _structure(self, lo: int, kept_rows: np.ndarray, window_starts: np.ndarray, one_image_documents: bool) -> _Kept:
-        """Shape index, window and lane of every kept row."""
+        """Shape index and window of every kept row, and where its documents start."""
         shape = self.shapes.index(self.rows.shape[lo:][kept_rows])
         doc_start = None
         if not one_image_documents:
@@ -210,38 +202,19 @@ class GroupPlanner:
         if len(window_starts) > 1:
             window = np.repeat(np.arange(len(window_starts), dtype=np.uint16),
                                _run_lengths(window_start, len(kept_rows)))
-        lane = None if doc_start is None else self._lanes(doc_start, window_start, len(kept_rows))
-        return _Kept(rows=kept_rows, shape=shape, doc_start=doc_start, window=window, window_start=window_start,
-                     lane=lane)
+        return _Kept(rows=kept_rows, shape=shape, doc_start=doc_start, window=window, window_start=window_start)
 
-    def _lanes(self, doc_start: np.ndarray, window_start: np.ndarray, n: int) -> np.ndarray | None:
-        """Lane of every kept row: 0 for one-image documents; a multi-image document goes to lane
-        k = p // multi_window_images + 1, p = the position of its first image among the window's
-        multi-image-document images. A lane thus holds fewer than multi_window_images + (largest
-        document) images; lane numbers may skip where one document is longer than a lane."""
-        doc_len = _run_lengths(doc_start, n)
-        multi = doc_len > 1
-        if not multi.any():
-            return None
-        multi_row = np.repeat(multi, doc_len)
-        before = np.cumsum(multi_row) - multi_row  # multi-image rows before each row in the group
-        in_window = before - np.repeat(before[np.minimum(window_start, n - 1)] if n else before[:0],
-                                       _run_lengths(window_start, n))
-        doc_lane = np.where(multi, in_window[doc_start] // self.params.multi_window_images + 1, 0)
-        return _small(np.repeat(doc_lane, doc_len))
-
-    def _cut(self, plan: GroupPlan, kept: _Kept, order: np.ndarray, first_window: int) -> tuple[np.ndarray, np.ndarray]:
-        """Cut the sorted rows into batches and order the batches (see interleave_lanes). Fills
-        plan.batches (numbered globally); returns (row order, each batch's shape index)."""
+    def _cut(self, plan: GroupPlan, kept: _Kept, order: np.ndarray, first_window: int) -> np.ndarray:
+        """Cut the sorted rows into batches (runs of one shape and window, split at capacity and at
+        `self.splits`). Fills plan.batches (numbered globally); returns each batch's shape index."""
         shapes, n = self.shapes, len(order)
         sorted_shape = kept.shape[order]
         change = np.empty(n, bool)
         change[:1] = True
         np.not_equal(sorted_shape[1:], sorted_shape[:-1], out=change[1:])
-        for key in (kept.lane, kept.window):
-            if key is not None:
-                sorted_key = key[order]
-                change[1:] |= sorted_key[1:] != sorted_key[:-1]
+        if kept.window is not None:
+            sorted_window = kept.window[order]
+            change[1:] |= sorted_window[1:] != sorted_window[:-1]
         run_start = np.flatnonzero(change)
         run_len = _run_lengths(run_start, n)
         run_shape = sorted_shape[run_start]
@@ -249,37 +222,46 @@ class GroupPlanner:
         run_batches = -(-run_len // capacity)
         batch_run = np.repeat(np.arange(len(run_start)), run_batches)
         nth = np.arange(len(batch_run)) - np.repeat(np.cumsum(run_batches) - run_batches, run_batches)
-        start = run_start[batch_run] + nth * capacity[batch_run]
+        start, batch_run = self._split(run_start[batch_run] + nth * capacity[batch_run], batch_run)
         count = np.diff(np.append(start, n))
         shape = run_shape[batch_run]
         window = (kept.window[order[start]] if kept.window is not None else np.zeros(len(start), np.uint16)).astype(np.int64)
-        lane = (kept.lane[order[start]] if kept.lane is not None else np.zeros(len(start), np.uint16)).astype(np.int32)
-        cost = self.params.cost_model.batch_cost(shapes.height[shape], shapes.width[shape], count)
-        full = count >= capacity[batch_run]
-        if kept.lane is not None:
-            permutation = interleave_lanes(window, lane, cost)
-            order = order[np.repeat(start[permutation] - np.cumsum(count[permutation]) + count[permutation],
-                                    count[permutation]) + np.arange(n)]
-            count, shape, window, lane, cost, full = (a[permutation] for a in (count, shape, window, lane, cost, full))
         plan.batches = {
             "batch": np.arange(self.next_batch, self.next_batch + len(count)),
-            "plan_row": self.next_plan_row + np.cumsum(count) - count,
+            "plan_row": self.next_plan_row + start,
             "num_images": count.astype(np.int32),
             "target_height": shapes.height[shape],
             "target_width": shapes.width[shape],
             "tokens": count * shapes.tokens[shape],
-            "cost": cost,
+            "cost": self.params.cost_model.batch_cost(shapes.height[shape], shapes.width[shape], count),
             "window": first_window + window,
-            "lane": lane,
-            "full": full,
+            "full": count >= capacity[batch_run],
         }
-        return order, shape
+        return shape
+
+    def _split(self, start: np.ndarray, batch_run: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Batch starts (and their runs) with this group's balance splits inserted."""
+        first = self.next_unsplit_batch
+        self.next_unsplit_batch += len(start)
+        extra = [(int(start[b - first]) + at, int(batch_run[b - first]))
+                 for b in range(first, first + len(start)) for at in self.splits.get(b, ())]
+        if not extra:
+            return start, batch_run
+        added = np.array(extra, np.int64)
+        starts = np.concatenate([start, added[:, 0]])
+        order = np.argsort(starts, kind="stable")
+        return starts[order], np.concatenate([batch_run, added[:, 1]])[order]
 
     def _fill_images(self, plan: GroupPlan, lo: int, kept: _Kept, order: np.ndarray, batch: np.ndarray,
                      batch_shape: np.ndarray) -> None:
         b = plan.batches
         count = b["num_images"]
         source = kept.rows[order]
+        if kept.doc_start is None:
+            document_images = np.ones(len(order), np.int32)
+        else:
+            doc_len = _run_lengths(kept.doc_start, len(order))
+            document_images = np.repeat(doc_len, doc_len).astype(np.int32)[order]
         plan.images = {
             "manifest_row": lo + source,
             "batch": batch,
@@ -288,31 +270,28 @@ class GroupPlanner:
             "tokens": np.repeat(self.shapes.tokens[batch_shape], count),
             "document": self.rows.document[lo:][source],
             "image_index": self.rows.image_index[lo:][source],
+            "document_images": document_images,
         }
 
     def _fill_documents(self, plan: GroupPlan, lo: int, kept: _Kept, order: np.ndarray, batch: np.ndarray,
                         text_tokens: np.ndarray | None) -> None:
-        """Document totals; the documents.parquet rows (documents with several images, or with a
-        counted caption); where ranks may cut (plan.cut_ok)."""
-        n_batches = len(plan.batches["batch"])
+        """Document totals and the documents.parquet rows (documents with several images, or with a
+        counted caption)."""
         listed_all = text_tokens is not None  # caption modes list every document
-        if kept.doc_start is None and not listed_all:  # one image per document: nothing to list or block
+        if kept.doc_start is None and not listed_all:  # one image per document: nothing to list
             plan.documents_kept = len(order)
             plan.document_tokens = int(plan.batches["tokens"].sum()) + 2 * len(order)
-            plan.cut_ok = np.ones(n_batches, bool)
             return
         row_batch = np.empty(len(order), np.int64)
         row_batch[order] = batch  # back to manifest order, where documents are runs
         row_tokens = self.shapes.tokens[kept.shape].astype(np.int64)
         if kept.doc_start is None:
             start, first, last, image_tokens = np.arange(len(order)), row_batch, row_batch, row_tokens
-            plan.cut_ok = np.ones(n_batches, bool)
         else:
             start = kept.doc_start
             first = np.minimum.reduceat(row_batch, start)
             last = np.maximum.reduceat(row_batch, start)
             image_tokens = np.add.reduceat(row_tokens, start)
-            plan.cut_ok = allowed_cuts(first, last, n_batches, self.next_batch)[:-1]
         num_images = _run_lengths(start, len(order)).astype(np.int32)
         if text_tokens is None:
             text_tokens = np.full(len(start), 0 if self.params.document_totals_exact else -1, np.int32)

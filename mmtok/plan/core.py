@@ -3,10 +3,13 @@
 1. `mmtok.plan.rows`: read the manifest columns the plan needs, filter rows (each drop gets a
    reason), compute target shapes with `mmtok.resize.target_shapes`.
 2. and 3. `mmtok.plan.batching`: windows snapped to document boundaries; inside each window,
-   lanes sorted by exact shape and cut into batches under the token budget and max_batch_images.
-   Batches are numbered in that order, so the global batch list depends only on the manifest and
-   the parameters -- never on the world size.
+   images sorted by exact shape and cut into batches under the token budget and max_batch_images.
+   Batches are numbered in that order; the order of images depends only on the manifest and the
+   parameters -- never on the world size.
 4. here: rank ranges balance the cost model over the batch list (`mmtok.ranks`); plan.json last.
+   When the batches are too few for the world size to balance within BALANCE_TARGET, the plan is
+   made a second time with the batches that hold each rank's target cut split in two
+   (`mmtok.ranks.balance_splits`); what still limits the balance is named in plan.json's `balance`.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from mmtok.plan.batching import GroupPlan, GroupPlanner, window_bounds, window_g
 from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.plan.params import PlanParameters
 from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable, filter_manifest, text_tokenizer
-from mmtok.ranks import imbalance, partition_ranks, rank_costs
+from mmtok.ranks import balance_splits, imbalance, partition_ranks, rank_costs
 from mmtok.text import TextTokenizer
+
+BALANCE_TARGET = 0.005  # modeled imbalance (max / mean rank cost - 1) the plan guarantees where the work allows
+SPLIT_ABOVE = 0.001  # imbalance above which a second pass splits batches at the rank targets
 
 
 # ----------------------------------------------------------------------------- 4. the whole plan
@@ -37,13 +43,12 @@ class _BatchLog:
     KEYS = ("cost", "tokens", "num_images", "full", "target_height", "target_width")
 
     def __init__(self) -> None:
-        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in ("cut_ok", *self.KEYS)}
+        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in self.KEYS}
 
     def add(self, plan: GroupPlan) -> None:
         if plan.batches is not None:
             for key in self.KEYS:
                 self.parts[key].append(plan.batches[key])
-            self.parts["cut_ok"].append(plan.cut_ok)
 
     def array(self, key: str, dtype) -> np.ndarray:
         return np.concatenate(self.parts[key]).astype(dtype) if self.parts[key] else np.zeros(0, dtype)
@@ -53,15 +58,14 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
                world_size: int = 1, progress: bool = True) -> dict:
     """Plan `manifest_dir` into `out_dir`; returns plan.json's content.
 
-    Guarantees: deterministic (same manifest and parameters -> byte-identical files); the global
-    batch list does not depend on `world_size`; every manifest row is in exactly one of plan.parquet
-    and dropped.parquet; every batch is one target shape and within the token budget unless it is a
-    single image; a document never spans two windows or two ranks. A plan that keeps no image is an
-    MmtokError naming the drops and the flag to change, raised after the plan is written (so
-    dropped.parquet and `--explain` can show the rows).
+    Guarantees: deterministic (same manifest, parameters and world size -> byte-identical files);
+    every manifest row is in exactly one of plan.parquet and dropped.parquet; every batch is one
+    target shape and within the token budget unless it is a single image; image order (and so every
+    document) does not depend on `world_size` -- only where batches are split for balance does; the
+    modeled imbalance is at most BALANCE_TARGET unless plan.json's `balance.limited_by` says why not.
+    A plan that keeps no image is an MmtokError naming the drops and the flag to change, raised after
+    the plan is written (so dropped.parquet and `--explain` can show the rows).
     """
-    from mmtok.progress import progress as progress_bar
-
     if world_size < 1:
         raise MmtokError(f"--world-size must be >= 1, got {world_size}")
     manifest = Manifest.open(Path(manifest_dir).resolve())
@@ -69,13 +73,32 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     reasons = Reasons()
     rows = filter_manifest(manifest, params, reasons, progress)
     shapes = ShapeTable.build(rows.shapes_seen, params, tokenizer)
+    filtered = rows.reason.copy()  # a second pass starts from the same filter reasons
+    meta = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, {}, progress)
+    if world_size > 1 and meta["imbalance"] > SPLIT_ABOVE:
+        splits = _splits(Path(out_dir), params, world_size)
+        if splits:
+            rows.reason[:] = filtered
+            meta = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, splits,
+                              progress)
+    _refuse_empty(meta, Path(out_dir))
+    return meta
+
+
+def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, rows: ManifestRows,
+               shapes: ShapeTable, reasons: Reasons, out_dir, world_size: int, splits: dict[int, list[int]],
+               progress: bool) -> dict:
+    """Plan every group and write the plan files; returns plan.json's content."""
+    from mmtok.progress import progress as progress_bar
+
     bounds = window_bounds(rows.document, params.window_rows)
     groups = window_groups(bounds)
-    planner = GroupPlanner(rows, shapes, params, reasons, tokenizer, manifest.text_column)
+    planner = GroupPlanner(rows, shapes, params, reasons, tokenizer, manifest.text_column, splits)
     log = _BatchLog()
     documents = {"kept": 0, "total": 0, "image_tokens": 0, "text_tokens": 0, "tokens": 0}
+    desc = "plan: batches" + (" (split for balance)" if splits else "")
     with PlanWriter(out_dir) as writer, \
-            progress_bar(total=len(rows), desc="plan: batches", unit="row", unit_scale=True, enabled=progress) as bar:
+            progress_bar(total=len(rows), desc=desc, unit="row", unit_scale=True, enabled=progress) as bar:
         for g in range(len(groups) - 1):
             w0, w1 = int(groups[g]), int(groups[g + 1])
             lo, hi = int(bounds[w0]), int(bounds[w1])
@@ -87,9 +110,22 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
         planner.close()
         meta = _metadata(manifest, params, tokenizer, rows, reasons, log, documents,
                          n_windows=len(bounds) - 1, world_size=world_size)
-        meta = writer.finish(meta)
-    _refuse_empty(meta, Path(out_dir))
-    return meta
+        meta["long_documents"] = {"limit": params.max_document_tokens, "dropped": planner.long_documents,
+                                  "largest_tokens": planner.largest_document}
+        meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
+        return writer.finish(meta)
+
+
+def _splits(out_dir: Path, params: PlanParameters, world_size: int) -> dict[int, list[int]]:
+    """Balance splits for the plan just written to `out_dir`: batch -> image positions."""
+    from mmtok.formats.plan import BATCHES_FILE, Plan
+
+    batches = Plan.open(out_dir).table(BATCHES_FILE, ["cost", "num_images"])
+    found: dict[int, list[int]] = {}
+    for batch, at in balance_splits(batches.column(0).to_numpy(), batches.column(1).to_numpy(),
+                                    params.cost_model.batch, world_size):
+        found.setdefault(batch, []).append(at)
+    return found
 
 
 # The change that lets rows dropped for a reason through; the parameter whose value it quotes.
@@ -98,6 +134,7 @@ _DROP_FIXES = {
     "too_many_pixels": ("raise --max-source-pixels", "max_source_pixels"),
     "aspect_ratio": ("raise --max-aspect-ratio", "max_aspect_ratio"),
     "target_too_large": ("lower --max-pixels", "max_pixels"),
+    "document_too_long": ("raise --max-document-tokens (0: no limit)", "max_document_tokens"),
 }
 
 
@@ -160,9 +197,9 @@ def _over_budget(log: _BatchLog, over: np.ndarray, limit: int = 20) -> dict:
                         "images": int(count[i])} for i in largest]}
 
 
-def rank_summary(costs: np.ndarray, cut_ok: np.ndarray, world_size: int) -> dict:
+def rank_summary(costs: np.ndarray, world_size: int) -> dict:
     """Rank ranges and the cost-model balance for one world size."""
-    ranges = partition_ranks(costs, cut_ok, world_size)
+    ranges = partition_ranks(costs, world_size)
     per_rank = rank_costs(costs, ranges)
     return {"rank_batches": ranges.tolist(),
             "rank_cost": {"min": float(per_rank.min()), "mean": float(per_rank.mean()), "max": float(per_rank.max()),
@@ -170,12 +207,28 @@ def rank_summary(costs: np.ndarray, cut_ok: np.ndarray, world_size: int) -> dict
             "imbalance": imbalance(per_rank)}
 
 
+def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int) -> str | None:
+    """Why the modeled imbalance is above BALANCE_TARGET (None when it is not): the cause and the figure."""
+    if summary["imbalance"] <= BALANCE_TARGET:
+        return None
+    images = int(counts.sum())
+    if images < world_size:
+        return (f"{images:,} images for {world_size:,} ranks: {summary['rank_cost']['idle_ranks']:,} ranks have no "
+                "work -- plan for fewer ranks")
+    mean = summary["rank_cost"]["mean"]
+    largest = float(np.max((costs - overhead) / np.maximum(counts, 1) + overhead)) if len(costs) else 0.0
+    return (f"the smallest piece of a batch (the per-batch overhead of the cost model, {overhead:g}, plus one image) "
+            f"costs up to {100 * largest / mean:.1f}% of a rank's mean cost ({images / world_size:,.1f} images per "
+            "rank), so cuts cannot get closer to their targets -- plan for fewer ranks, or fit the cost model to "
+            "your GPU (`mmtok calibrate`: its per-batch overhead may be smaller than the analytic default's)")
+
+
 def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer,
               rows: ManifestRows, reasons: Reasons, log: _BatchLog, documents: dict, n_windows: int,
               world_size: int) -> dict:
     costs = log.array("cost", np.float64)
-    cut_ok = np.concatenate([log.array("cut_ok", bool), [True]])
     tokens, count = log.array("tokens", np.int64), log.array("num_images", np.int64)
+    ranks = rank_summary(costs, world_size)
     by_reason = np.bincount(rows.reason, minlength=len(reasons.names))
     over = tokens > params.token_budget
     kept_images = int(count.sum())
@@ -186,7 +239,9 @@ def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeniz
         "parameters": {**params.to_dict(), "text_tokenizer_sha256": tokenizer.fingerprint,
                        "text_vocab_size": tokenizer.vocab_size},
         "world_size": world_size,
-        **rank_summary(costs, cut_ok, world_size),
+        **ranks,
+        "balance": {"target": BALANCE_TARGET,
+                    "limited_by": balance_limit(ranks, costs, count, params.cost_model.batch, world_size)},
         "num_batches": len(costs),
         "num_windows": n_windows,
         "totals": {

@@ -92,6 +92,14 @@ def _ranks(meta: dict, cost: np.ndarray, rank_lines: int) -> list[str]:
     summary = meta["rank_cost"]
     lines = [f"rank cost (cost model): min {summary['min']:.4g}, mean {summary['mean']:.4g}, max {summary['max']:.4g}; "
              f"imbalance max/mean-1 = {100 * meta['imbalance']:.3f}%; idle ranks {summary['idle_ranks']}"]
+    balance = meta["balance"]
+    lines.append(f"  balance target {100 * balance['target']:.1f}%: "
+                 + (f"NOT met -- {balance['limited_by']}" if balance["limited_by"] else "met")
+                 + (f"; {balance['split_batches']:,} batches split at rank targets for {len(ranges)} ranks"
+                    if balance["split_batches"] else ""))
+    long = meta["long_documents"]
+    lines.append(f"  documents over max_document_tokens ({long['limit']:,}; 0 = no limit): {long['dropped']:,} "
+                 f"dropped; largest document {long['largest_tokens']:,} tokens")
     if len(ranges) <= rank_lines:
         shown = np.arange(len(ranges))
     else:

@@ -36,7 +36,8 @@ class CostModel:
     `batch` a fixed cost per batch (launches, synchronisation). Only ratios matter: balancing is
     scale-invariant. Defaults are an analytic FLOP estimate for the 16x IBQ encoder (a = 1 per
     latent position; attention with 512 channels costs ~2e-5 of that per position pair); replace
-    them with `CostModel.fit` on timings measured on the target GPU.
+    them with `mmtok calibrate` (timings of the real codec on the target GPU, fit by `CostModel.fit`).
+    `source` says where the numbers came from (one line; plan.json records it, no cost depends on it).
     """
 
     a: float = 1.0
@@ -44,6 +45,7 @@ class CostModel:
     c: float = 64.0
     batch: float = 4096.0
     stride: int = 16
+    source: str = "analytic default (FLOP estimate of the 16x encoder)"
 
     def __post_init__(self) -> None:
         values = {"a": self.a, "b": self.b, "c": self.c, "batch": self.batch}
@@ -52,6 +54,8 @@ class CostModel:
             raise MmtokError(f"cost_model parameters must be finite, >= 0 and not all zero, got {values}")
         if not isinstance(self.stride, int) or self.stride <= 0:
             raise MmtokError(f"cost_model.stride must be positive, got {self.stride}")
+        if not isinstance(self.source, str) or "\n" in self.source:
+            raise MmtokError(f"cost_model.source must be a one-line string, got {self.source!r}")
 
     def latents(self, height: np.ndarray, width: np.ndarray) -> np.ndarray:
         """Latent positions at the attention resolution (float64, exact for any realistic shape)."""
@@ -68,22 +72,66 @@ class CostModel:
 
     @classmethod
     def fit(cls, height: np.ndarray, width: np.ndarray, count: np.ndarray, seconds: np.ndarray,
-            stride: int = 16) -> "CostModel":
+            stride: int = 16, source: str = "CostModel.fit to measured batch times",
+            relative: bool = False) -> "CostModel":
         """Non-negative least-squares fit of (a, b, c, batch) to measured batch times.
 
         Feed it one row per timed batch (shape, image count, wall seconds on the encoder), e.g. from
-        a calibration sweep on the target GPU; the result goes into a preset's `cost_model`.
+        a calibration sweep on the target GPU (`mmtok calibrate`). `relative` minimises the squared
+        relative error of each batch instead of the absolute one, so batches of 1 image weigh as much
+        as full ones (timings that span orders of magnitude); it needs every time to be positive.
         """
         from scipy.optimize import nnls
 
-        n = (np.asarray(height, np.int64) // stride * (np.asarray(width, np.int64) // stride)).astype(np.float64)
+        seconds = np.asarray(seconds, np.float64)
+        n = cls(stride=stride).latents(height, width)
         k = np.asarray(count, np.float64)
         design = np.stack([k * n, k * n * n, k, np.ones_like(k)], axis=1)
+        target = seconds
+        if relative:
+            if not np.all(seconds > 0):
+                raise MmtokError("CostModel.fit(relative=True) needs every measured time to be > 0")
+            design, target = design / seconds[:, None], np.ones_like(seconds)
         scale = design.max(axis=0)
         scale[scale == 0] = 1.0  # keep nnls well conditioned across the very different column ranges
-        coef, _ = nnls(design / scale, np.asarray(seconds, np.float64))
+        coef, _ = nnls(design / scale, target)
         a, b, c, batch = (coef / scale).tolist()
-        return cls(a=a, b=b, c=c, batch=batch, stride=stride)
+        return cls(a=a, b=b, c=c, batch=batch, stride=stride, source=source)
+
+    @classmethod
+    def from_mapping(cls, data: Any, where: str) -> "CostModel":
+        """A cost model from a `cost_model:` mapping; bad keys or values are refused naming `where`."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, Mapping) or set(data) - set(known):
+            raise MmtokError(f"{where}: cost_model must be a mapping with keys among {known}, got {data!r}")
+        try:
+            return cls(**data)
+        except MmtokError as err:
+            raise MmtokError(f"{where}: {err}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "CostModel":
+        """The top-level `cost_model:` mapping of a YAML file (written by `mmtok calibrate`, or a preset).
+
+        Without its own `source`, the model's source names the file."""
+        import yaml
+
+        path = Path(path)
+        fix = "pass the YAML file written by `mmtok calibrate --out` (or a preset with a cost_model block)"
+        if path.is_dir():
+            raise MmtokError(f"cost model file {path} is a directory, not a YAML file; {fix}")
+        if not path.is_file():
+            raise MmtokError(f"cost model file {path} not found; {fix}")
+        try:
+            data = yaml.safe_load(path.read_text("utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise MmtokError(f"{path}: not valid YAML ({' '.join(str(err).split())}); {fix}") from None
+        if not isinstance(data, Mapping) or "cost_model" not in data:
+            raise MmtokError(f"{path}: no top-level `cost_model:` mapping; {fix}")
+        cost = data["cost_model"]
+        if isinstance(cost, Mapping) and "source" not in cost:
+            cost = {**cost, "source": f"cost_model of {path}"}
+        return cls.from_mapping(cost, str(path))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -104,17 +152,19 @@ class PlanParameters:
     token_budget: int = 65_536  # image-block tokens per batch (a single larger image gets its own batch)
     max_batch_images: int = 128
     window_rows: int = 262_144  # manifest rows per window before snapping to a document boundary
-    multi_window_images: int = 2048  # images of multi-image documents per lane of a window (see batching.py)
+    max_document_tokens: int = 1 << 20  # drop documents whose image blocks + BOS/EOS exceed this; 0: no limit
     cost_model: CostModel = field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise MmtokError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
         positive = ("factor", "min_pixels", "max_pixels", "token_budget", "max_batch_images", "window_rows",
-                    "multi_window_images", "max_source_pixels")
+                    "max_source_pixels")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise MmtokError(f"plan parameter {name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.max_document_tokens, int) or self.max_document_tokens < 0:
+            raise MmtokError(f"plan parameter max_document_tokens must be an integer >= 0, got {self.max_document_tokens!r}")
         if self.min_source_pixels < 0 or self.min_source_pixels > self.max_source_pixels:
             raise MmtokError(f"min_source_pixels ({self.min_source_pixels}) must be in [0, max_source_pixels]")
         if self.min_pixels > self.max_pixels:
@@ -140,11 +190,7 @@ class PlanParameters:
             raise MmtokError(f"{source}: unknown plan parameter(s) {unknown}; known: {sorted(known)}")
         values = dict(data)
         if "cost_model" in values:
-            cost = values["cost_model"] or {}
-            cost_known = {f.name for f in dataclasses.fields(CostModel)}
-            if not isinstance(cost, Mapping) or set(cost) - cost_known:
-                raise MmtokError(f"{source}: cost_model must be a mapping with keys among {sorted(cost_known)}")
-            values["cost_model"] = CostModel(**cost)
+            values["cost_model"] = CostModel.from_mapping(values["cost_model"] or {}, source)
         try:
             return cls(**values)
         except TypeError as err:
@@ -188,4 +234,7 @@ def load_preset(name_or_path: str) -> PlanParameters:
         raise MmtokError(f"plan preset {path} is not valid YAML: {err}") from None
     if not isinstance(data, Mapping):
         raise MmtokError(f"plan preset {path} must hold a mapping of parameters, got {type(data).__name__}")
+    cost = data.get("cost_model")
+    if isinstance(cost, Mapping) and "source" not in cost:  # the preset's own numbers: say whose
+        data = {**data, "cost_model": {**cost, "source": f"preset {name_or_path}"}}
     return PlanParameters.from_mapping(data, source=str(path))

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from mmtok.encode.chat import ConversationError, conversation_media
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 from mmtok.scan.tarindex import (BAD_MEMBER_SIZE, BAD_SIZE, BLOCK, CORRUPT_HEADER, REGULAR, TRUNCATED, TarWalker,
                                   compression)
 
-SCAN_VERSION = 3  # bump when rows for the same input change; invalidates caches
+SCAN_VERSION = 4  # bump when rows for the same input change; invalidates caches
 CACHE_DIR = ".scan-cache"
 # One read at a sample's first header usually holds its small sidecars, the next image's header and
 # that image's first HEAD_BYTES: ~1.1 reads and ~7 KB per image on WebDataset shards with captions
@@ -261,22 +262,30 @@ def _add_sample(walker: TarWalker, out: ShardRows, raw_key: bytes, images: list[
 def document_order(members: list[str], key: str, json_bytes: bytes | None, ignored: Counter | None = None) -> list[int]:
     """Image index of each member (given in container order) within its document.
 
-    Order: the position in the json sidecar's `images` list (OBELICS style, nulls skipped; an
-    entry names a member by full name, base name or the part after `key.`), then the numeric N
-    of `key.N.ext`, then the member name; container order breaks ties.
+    Order: the position in the json sidecar's `images` list (OBELICS style, nulls skipped), else
+    the slot of the image an SFT conversation's `messages` reference by name (content parts, see
+    `conversation_media`); an entry names a member by full name, base name or the part after
+    `key.`. Members no entry names follow in the numeric N of `key.N.ext`, then by member name;
+    container order breaks ties.
     """
     named: dict[str, int] = {}
     if json_bytes is not None:
         try:
-            listed = json.loads(json_bytes).get("images")
+            sidecar = json.loads(json_bytes)
+            listed = sidecar.get("images")
         except (ValueError, AttributeError):
-            listed = None
+            sidecar = listed = None
             if ignored is not None:
                 ignored["(unreadable json sidecar)"] += 1
         if isinstance(listed, list):
-            for rank, entry in enumerate(listed):
-                if isinstance(entry, str):
-                    named.setdefault(entry, rank)
+            entries = list(enumerate(listed))
+        elif listed is None and isinstance(sidecar, dict) and "messages" in sidecar:
+            entries = _conversation_images(sidecar)
+        else:
+            entries = []
+        for rank, entry in entries:
+            if isinstance(entry, str):
+                named.setdefault(entry, rank)
 
     def sort_key(item: tuple[int, str]) -> tuple:
         position, member = item
@@ -295,6 +304,16 @@ def document_order(members: list[str], key: str, json_bytes: bytes | None, ignor
     for rank, (position, _member) in enumerate(ordered):
         index[position] = rank
     return index
+
+
+def _conversation_images(sidecar: dict) -> list[tuple[int, object]]:
+    """(slot, reference) of each image an SFT conversation's messages reference, in order; [] for a
+    conversation that cannot be read (the document keeps the order without it)."""
+    try:
+        media = conversation_media(sidecar)
+    except ConversationError:
+        return []
+    return [(ref.slot.index, ref.source) for ref in media if ref.slot.kind == "image"]
 
 
 # --------------------------------------------------------------------------------- parquet/arrow

@@ -1,0 +1,95 @@
+"""`mmtok calibrate`: time the image codec on the target device and fit the plan's cost model."""
+
+from __future__ import annotations
+
+from mmtok.errors import MmtokError
+
+DEFAULT_PRESET = "apertus-stage1"
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "calibrate", help="fit the plan's encoder cost model to timings of the codec on this device",
+        description="Time the image codec on random images of a grid of target shapes and batch sizes (from a "
+        "preset's pixel range or from a plan's batches), fit the plan's cost model count*(a*n + b*n^2 + c) + batch "
+        "to the timings, report its per-batch error on the timed and on held-out shapes next to the model it "
+        "replaces, and write a YAML file for `mmtok plan --cost-model FILE`. Run it on the GPU type that will "
+        "encode (`mmtok calibrate --checkpoint DIR --out cost.yaml`).")
+    parser.add_argument("--codec", default="emu3.5", help="image codec name: emu3.5 (default) or emu3")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="directory with the official checkpoint files")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--plan", metavar="PLAN", help="take the shapes from this plan: the most common ones by image "
+                        "count plus the extremes of area and aspect ratio")
+    source.add_argument("--preset", metavar="NAME", help=f"take the shapes from this preset's pixel range (default "
+                        f"{DEFAULT_PRESET} when no --plan)")
+    parser.add_argument("--max-shapes", type=int, default=12, help="target shapes to time at most (default 12)")
+    parser.add_argument("--batch-sizes", default="1,4,16", help="comma-separated images per batch (default 1,4,16); "
+                        "each shape's capacity in the plan/preset is timed too")
+    parser.add_argument("--max-images", type=int, default=None, help="cap on images per timed batch (keeps CPU runs "
+                        "short; default: the plan/preset capacity)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch, after one warm-up run; the "
+                        "median is fitted (default 3)")
+    parser.add_argument("--out", required=True, metavar="FILE.yaml", help="YAML file to write")
+    parser.add_argument("--json", action="store_true", help="print the whole result as JSON on stdout")
+    parser.add_argument("--no-progress", action="store_true", help="no progress line per timed batch")
+    parser.set_defaults(func=run)
+
+
+def batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes:
+        raise MmtokError(f"--batch-sizes {text!r}: give comma-separated positive integers, e.g. 1,4,16")
+    return sizes
+
+
+def run(args) -> int:
+    import json
+
+    from mmtok.calibrate import calibrate, plan_grid, preset_grid, write_calibration
+    from mmtok.codecs.base import load_codec
+    from mmtok.launch import resolve_device
+
+    if args.max_shapes < 1:
+        raise MmtokError(f"--max-shapes must be >= 1, got {args.max_shapes}")
+    sizes = batch_sizes(args.batch_sizes)
+    grid = plan_grid(args.plan, args.max_shapes) if args.plan else preset_grid(args.preset or DEFAULT_PRESET,
+                                                                              args.max_shapes)
+    device = resolve_device(args.device)
+    codec = load_codec(args.codec, args.checkpoint, device)
+    result = calibrate(codec, device, grid, batch_sizes=sizes, max_images=args.max_images, repeats=args.repeats,
+                       progress=not args.no_progress)
+    write_calibration(args.out, result)
+    if args.json:
+        print(json.dumps({"out": args.out, **result}, indent=2))
+    else:
+        print(summary(result, args))
+    return 0
+
+
+def _errors(report: dict | None) -> str:
+    return f"{100 * report['median']:5.1f}% / {100 * report['p95']:5.1f}%" if report else "    (none held out)"
+
+
+def summary(result: dict, args) -> str:
+    """The model, its error next to the replaced model's, and the plan command that uses the file."""
+    model, info = result["cost_model"], result["calibration"]
+    replaced = info["replaced"]
+    shapes = len({(t["height"], t["width"]) for t in info["timings"]})
+    # `mmtok plan` has no --plan flag: the plan's own command line is the one to extend
+    after = f"re-run the `mmtok plan` that made {args.plan} with --cost-model {args.out} added" if args.plan else \
+        f"mmtok plan MANIFEST --out PLAN --preset {args.preset or DEFAULT_PRESET} --cost-model {args.out}"
+    return "\n".join([
+        f"mmtok calibrate: {info['codec']} on {info['device']}: {len(info['timings'])} batches of {shapes} shapes "
+        f"({info['grid']}) timed in {info['timing_seconds']:.1f} s",
+        f"  cost = count*(a*n + b*n^2 + c) + batch, n = (h/{model['stride']})*(w/{model['stride']}), seconds: "
+        f"a={model['a']:.4g} b={model['b']:.4g} c={model['c']:.4g} batch={model['batch']:.4g}",
+        "  per-batch error (median / p95)      timed shapes      held-out shapes",
+        f"  calibrated model                 {_errors(info['errors']['fitted'])}   {_errors(info['errors']['held_out'])}",
+        f"  replaced model (best scale)      {_errors(replaced['errors']['fitted'])}   "
+        f"{_errors(replaced['errors']['held_out'])}   [{replaced['cost_model']['source']}]",
+        f"wrote {args.out}; next: {after}",
+    ])

@@ -1,0 +1,142 @@
+"""`mmtok status OUT`: a read-only view of an encode output -- per-part state, progress, ETA, balance."""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+
+DESCRIPTION = """\
+Show where an encode job stands, from OUT/parts alone. Reads only: takes no lock and writes nothing,
+so it is safe to run (and rerun) while the ranks are encoding, from any host that sees OUT.
+
+States of a part:
+  done      finished (DONE written); merge can take it
+  running   a process holds the part's writer lock (the holder's host and pid are shown)
+  stopped   started but not finished and nobody writes it (killed or failed): rerun the same encode
+            command to resume it where it stopped
+  missing   expected (0 .. num_parts-1) but not started
+  damaged   its identity or commit log cannot be read; the line says which file and what to do
+
+Figures per part (from its commit log): batches committed of planned (audio: units, known once the
+part is done), images written (audio: clips encoded), skipped inputs, tokens, wall seconds (summed over
+the sessions that wrote it, model loading excluded), device-busy share of that wall time, images (clips)
+and tokens per second, and the ETA of an unfinished part: its remaining batches at its own pace so far
+(with --plan: its remaining share of the plan's cost model). The job's ETA is the largest ETA of the
+running parts. Once every part is done, the measured imbalance is max/mean - 1 of the parts' wall
+seconds (idle parts included), beside the plan's modeled imbalance (with --plan; re-derived for the
+job's world size when it differs from the plan's). See docs/status.md.
+"""
+TABLE_LIMIT = 20  # parts shown one per line; above it only unfinished and slowest ones
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("status", help="show the state, progress, ETA and balance of an encode output (read-only)",
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUT", help="the encode output directory (the --out of `mmtok encode`)")
+    parser.add_argument("--plan", metavar="PLAN", default=None,
+                        help="images: the plan the job encodes; adds the modeled imbalance and per-rank cost shares, "
+                        "and weights ETAs by the plan's batch costs")
+    parser.add_argument("--json", action="store_true", help="print every figure as one JSON object instead")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import json
+
+    from mmtok.status import job_status
+
+    status = job_status(args.out, plan=args.plan)
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0
+
+
+def render(status: dict) -> str:
+    """The human view of a `job_status` result: header, part table, totals, balance, ETA."""
+    states = ", ".join(f"{n} {state}" for state, n in status["states"].items() if n)
+    lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, {status['num_parts']} parts"
+             + (f": {states}" if states else "")]
+    lines += [f"  warning: {w}" for w in status["warnings"]]
+    lines += _table(status)
+    lines += _summary(status)
+    return "\n".join(lines)
+
+
+def _table(status: dict) -> list[str]:
+    parts = status["parts"]
+    shown = parts
+    if len(parts) > TABLE_LIMIT:
+        wanted = {p["part"] for p in parts if p["state"] != "done"} | set(status["slowest"])
+        shown = [p for p in parts if p["part"] in wanted][:TABLE_LIMIT]
+    with_plan = status["imbalance"]["modeled"] is not None
+    unit, item, rate = ("units", "clips", "clip/s") if status["item"] == "clip" else ("batches", "images", "img/s")
+    header = (f"  {'part':>5} {'state':<8} {unit:>13} {item:>9} {'skipped':>7} {'tokens':>12} {'wall':>8} "
+              f"{'busy':>5} {rate:>8} {'tok/s':>9} {'eta':>8}" + ("  cost% wall%" if with_plan else ""))
+    lines = [header]
+    for p in shown:
+        planned = "?" if p["units_planned"] is None else f"{p['units_planned']:,}"
+        line = (f"  {p['part']:>5} {p['state']:<8} {p['units_done']:>6,}/{planned:<6} {p['written']:>9,} "
+                f"{p['skipped']:>7,} {p['tokens']:>12,} {_duration(p['wall_s']):>8} "
+                f"{100 * p['device_busy_fraction']:>4.0f}% {p['per_s']:>8.1f} {p['tokens_per_s']:>9,.0f} "
+                f"{_duration(p['eta_s']) if p['state'] != 'done' else '-':>8}")
+        if with_plan:
+            line += f"  {_percent(p['modeled_share']):>5} {_percent(p['wall_share']):>5}"
+        lines.append(line + (f"  {p['detail']}" if p["detail"] else ""))
+    hidden = Counter(p["state"] for p in parts if p not in shown)
+    if hidden:
+        lines.append("  not shown: " + ", ".join(f"{n} {s}" for s, n in hidden.items()) + " (--json lists every part)")
+    return lines
+
+
+def _summary(status: dict) -> list[str]:
+    t, balance = status["totals"], status["imbalance"]
+    planned = "?" if t["units_planned"] is None else f"{t['units_planned']:,}"
+    item = "clips" if status["item"] == "clip" else "images"
+    total = (f"total: {t['units_done']:,}/{planned} {'units' if item == 'clips' else 'batches'}, {t['written']:,} "
+             f"{item}, {t['skipped']:,} skipped, {t['tokens']:,} tokens, {_duration(t['wall_s'])} part-time, "
+             f"device busy {100 * t['device_busy_fraction']:.0f}%")
+    lines = [total]
+    if status["item"] == "image":
+        measured = _percent(balance["measured"]) if balance["measured"] is not None else "once every part is done"
+        modeled = ("" if balance["modeled"] is None else f"; modeled {_percent(balance['modeled'])} (plan cost model, "
+                   f"{balance['world_size']} ranks" + ("" if balance["world_size"] == balance["plan_world_size"]
+                                                       else f", re-derived from the plan's {balance['plan_world_size']}")
+                   + ")")
+        lines.append(f"imbalance (max/mean - 1 of wall time): measured {measured}{modeled}")
+    if status["slowest"]:
+        lines.append("slowest: " + ", ".join(_slow(status, n) for n in status["slowest"]))
+    lines.append(f"eta: {_eta(status)}")
+    return lines
+
+
+def _slow(status: dict, number: int) -> str:
+    part = next(p for p in status["parts"] if p["part"] == number)
+    if part["state"] == "done":
+        return f"part {number} {_duration(part['wall_s'])}"
+    return f"part {number} {_duration(part['projected_s'])} projected"
+
+
+def _eta(status: dict) -> str:
+    states = status["states"]
+    if status["eta_s"] == 0.0:
+        return "none: every part is done (`mmtok merge OUT` next)"
+    stuck = ", ".join(f"{states[s]} {s}" for s in ("stopped", "missing", "damaged") if states[s])
+    stuck = f"; not counted, as they do not finish by themselves: {stuck}" if stuck else ""
+    if status["eta_s"] is None:
+        why = "no part is running" if not states["running"] else "a running part has committed nothing yet"
+        return f"unknown ({why}){stuck}"
+    return f"{_duration(status['eta_s'])} (the slowest running part){stuck}"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    seconds = round(seconds)
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"

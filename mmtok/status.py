@@ -1,0 +1,291 @@
+"""A read-only view of an encode output while it runs or after it finished: `job_status(out, plan)`.
+
+Every part under `OUT/parts/` is read through `mmtok.formats.commitlog` (identity, commit records,
+DONE) and nothing is written, locked or created: status is safe beside running ranks. A part is
+
+  done      DONE is present (the part is finished)
+  running   another process holds the part's writer lock (seen with F_GETLK, which takes no lock)
+  stopped   it has an identity or commits, no DONE, and no writer: killed or failed; rerunning the
+            same encode command resumes it
+  missing   an expected part (0 .. num_parts-1 of the identities) without a directory, or with a
+            directory whose encode never got as far as writing the identity
+  damaged   its identity or commit log cannot be read (the reason is the one-line error), or its
+            identity is from another encode run than the first readable part's (the same keys
+            `mmtok merge` compares, `mmtok.merge.shared_identity`; the reason names the first that differs)
+
+Tokens are the committed sequences' plus the part's `item_tokens` counter (the image blocks and
+template ids of documents of several images, which merge assembles). Times are the parts' own
+counters (`wall_ms`, `device_busy_ms`, summed over every session that wrote the part; model loading
+and the gaps between sessions are not in them). The measured imbalance
+(images, once every part is done) is max/mean - 1 of the parts' wall seconds, idle parts included,
+the same formula as the plan's modeled imbalance (`mmtok.ranks.imbalance` over rank costs).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from mmtok.encode.loop import timing_stats
+from mmtok.errors import MmtokError
+from mmtok.formats import commitlog
+from mmtok.fsutil import WriterLock
+from mmtok.merge import shared_identity
+from mmtok.ranks import imbalance, rank_costs
+
+STATES = ("done", "running", "stopped", "missing", "damaged")
+RESUME_HINT = "rerun the same encode command to resume"
+SLOWEST = 5
+_FLOCK = struct.Struct("hhqqi")  # struct flock on 64-bit Linux: type, whence, start, len, pid
+
+
+def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) -> dict:
+    """The state and figures of every part of encode output `out`, the job totals, the slowest parts,
+    the ETA and the balance (measured, and modeled from `plan` when given). Reads only.
+
+    Raises MmtokError when `out` has no parts directory, or when `plan` is not the plan the parts
+    were encoded from. A damaged part is reported (state "damaged"), never raised.
+    """
+    out = Path(out)
+    if not (out / "parts").is_dir():
+        raise MmtokError(f"{out}: no parts directory ({out / 'parts'}); run `mmtok encode --out {out}` first")
+    found = {number: _read_part(number, directory) for number, directory in _part_directories(out)}
+    identities, warnings = _one_run(found)
+    modality = identities[0].get("modality") if identities else None
+    if plan is not None and modality == "audio":
+        raise MmtokError(f"{out}: an audio output has no plan (its parts are Shar shards); drop --plan")
+    opened = _open_plan(plan) if plan is not None else None
+    num_parts = _num_parts(identities, found, opened)
+    model = _plan_model(opened, identities, num_parts) if opened is not None and num_parts else None
+    parts = [found.get(n) or _missing(n, commitlog.part_dir(out, n)) for n in range(num_parts)]
+    parts += [p for n, p in sorted(found.items()) if n >= num_parts]
+    for part in parts:
+        _add_figures(part, model)
+    _add_shares(parts, model)
+    return {"out": str(out), "modality": modality, "item": "clip" if modality == "audio" else "image",
+            "num_parts": num_parts, "states": {s: sum(p["state"] == s for p in parts) for s in STATES},
+            "totals": _totals(parts, model), "eta_s": _job_eta(parts),
+            "slowest": [p["part"] for p in sorted(parts, key=lambda p: -p["projected_s"])[:SLOWEST] if p["wall_s"]],
+            "imbalance": _imbalance(parts, modality, model, num_parts), "warnings": warnings, "parts": parts}
+
+
+# -- reading one part --------------------------------------------------------------------------------
+def _part_directories(out: Path) -> list[tuple[int, Path]]:
+    """(part number, directory) of every `part-NNNNN` directory, in part order."""
+    found = []
+    for directory in (out / "parts").glob("part-*"):
+        number = directory.name[len("part-"):]
+        if directory.is_dir() and number.isdigit():
+            found.append((int(number), directory))
+    return sorted(found)
+
+
+def _missing(number: int, directory: Path, detail: str = "not started: no part directory") -> dict:
+    return {"part": number, "state": "missing", "detail": detail, "directory": str(directory), "counts": {},
+            "units_done": 0, "tokens": 0, "part_batches": None}
+
+
+def _damaged(number: int, directory: Path, detail: str) -> dict:
+    return {**_missing(number, directory), "state": "damaged", "detail": detail}
+
+
+def _read_part(number: int, directory: Path) -> dict:
+    """State, identity, counters and progress of one part directory, from its files alone."""
+    part = _missing(number, directory)
+    holder = _lock_holder(directory)
+    if not (directory / commitlog.IDENTITY).is_file():
+        if holder:
+            return {**part, "state": "running", "detail": f"starting (no identity yet); holder: {holder}"}
+        if any(p.name != WriterLock.NAME for p in directory.iterdir()):
+            return _damaged(number, directory, f"{directory}: files but no {commitlog.IDENTITY} (damaged, or not an "
+                            "mmtok part); delete the directory and rerun its encode command")
+        return {**part, "detail": "not started: the encode stopped before it wrote the part's identity"}
+    try:
+        identity = commitlog.read_identity(directory)
+    except (ValueError, OSError) as err:
+        return _damaged(number, directory, f"{directory / commitlog.IDENTITY}: unreadable ({err}); delete the "
+                        "directory and rerun its encode command")
+    try:
+        records, _ = commitlog.read_commits(directory)
+    except MmtokError as err:
+        return _damaged(number, directory, str(err))
+    if commitlog.is_done(directory):
+        state, detail = "done", None
+    elif holder:
+        state, detail = "running", f"holder: {holder}"
+    else:
+        state, detail = "stopped", RESUME_HINT
+    counts = dict(records[-1]["counts"]) if records else {}
+    return {**part, "state": state, "detail": detail, "identity": identity, "part_batches": identity.get("part_batches"),
+            "counts": counts, "units_done": len(records),
+            "tokens": sum(n for record in records for n in record["lengths"]) + counts.get("item_tokens", 0)}
+
+
+def _one_run(found: dict[int, dict]) -> tuple[list[dict], list[str]]:
+    """The identities of the parts of one encode run (the first readable part's), and a warning naming
+    the parts of another run, which become "damaged" in `found` with the first identity key that differs."""
+    identities, foreign, reference = [], [], None
+    for number, part in list(found.items()):
+        if "identity" not in part:
+            continue
+        identity = part.pop("identity")
+        if reference is None:
+            reference = number, shared_identity(identity)
+        difference = commitlog.identity_difference(reference[1], shared_identity(identity))
+        if difference is None:
+            identities.append(identity)
+            continue
+        foreign.append(number)
+        found[number] = _damaged(number, Path(part["directory"]),
+                                 f"{part['directory']}: from another encode run than part {reference[0]}, "
+                                 f"{difference}; delete it or give each run its own --out")
+    warnings = [f"not from the encode run of part {reference[0]}: part(s) {', '.join(map(str, foreign))}; use one "
+                "--out per run"] if foreign else []
+    return identities, warnings
+
+
+def _lock_holder(directory: Path) -> str | None:
+    """Who holds the part's writer lock (the holder's own "host, pid, since" line), or None when no
+    process does. Takes no lock and writes nothing, so the holder is never disturbed."""
+    path = directory / WriterLock.NAME
+    if os.path.realpath(path) in WriterLock._held:
+        # This process writes the part: closing any descriptor of the file would drop its POSIX lock.
+        return f"this process (pid {os.getpid()})"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        kind, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_GETLK, query))
+        if kind == fcntl.F_UNLCK:
+            return None
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    return text or f"pid {pid}"
+
+
+def _num_parts(identities: list[dict], found: dict[int, dict], plan) -> int:
+    """How many parts the job has: its identities' `num_parts` (one run's, so they agree); without one,
+    the plan's world size or the highest part directory."""
+    if identities and "num_parts" in identities[0]:
+        return int(identities[0]["num_parts"])
+    return max(plan.world_size if plan is not None else 0, max(found, default=-1) + 1)
+
+
+# -- the plan's cost model ---------------------------------------------------------------------------
+def _open_plan(directory: str | os.PathLike):
+    """`Plan.open(directory)`; pyarrow is imported only when a plan is asked for."""
+    from mmtok.formats.plan import Plan
+
+    return Plan.open(directory)
+
+
+def _plan_model(plan, identities: list[dict], num_parts: int) -> dict:
+    """Batch costs, rank ranges and modeled imbalance of `plan` for `num_parts` ranks (the plan's
+    own figure when that is its world size, else re-derived as encode re-derives the ranges)."""
+    from mmtok.formats.plan import BATCHES_FILE
+
+    recorded = {i.get("plan_fingerprint") for i in identities} - {None}
+    if recorded and recorded != {plan.meta["fingerprint"]}:
+        raise MmtokError(f"{plan.directory}: not the plan these parts were encoded from (fingerprint "
+                         f"{plan.meta['fingerprint'][:12]}..., parts {sorted(f[:12] for f in recorded)}); pass the "
+                         "--plan given to `mmtok encode`")
+    costs = plan.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+    ranges = plan.ranges(num_parts)
+    per_rank = rank_costs(costs, ranges)
+    same = num_parts == plan.world_size
+    return {"prefix": np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)]), "ranges": ranges,
+            "per_rank": per_rank, "num_batches": int(plan.meta["num_batches"]),
+            "imbalance": float(plan.meta["imbalance"]) if same else imbalance(per_rank),
+            "plan_world_size": plan.world_size}
+
+
+# -- figures -----------------------------------------------------------------------------------------
+def _add_figures(part: dict, model: dict | None) -> None:
+    """Progress, throughput and ETA of one part (see the module docstring for what each means)."""
+    counts = part.pop("counts")
+    written = _written(counts)
+    timing = timing_stats({**counts, "tokens": part["tokens"]})
+    span = _planned_range(part["part"], part.pop("part_batches"), model)
+    planned = part["units_done"] if span is None and part["state"] == "done" else None  # audio: known once done
+    part.update(units_planned=planned if span is None else span[1] - span[0], written=written,
+                skipped=sum(v for k, v in counts.items() if k.startswith("skipped:")), **timing,
+                per_s=written / timing["wall_s"] if timing["wall_s"] else 0.0)
+    part["eta_s"] = 0.0 if part["state"] == "done" else _eta(part, span, model)
+    part["projected_s"] = part["wall_s"] + (part["eta_s"] or 0.0)
+
+
+def _written(counts: dict) -> int:
+    """Inputs a part turned into tokens: images written as documents or handed to merge as items of
+    documents of several images (`images_deferred`); audio: clips encoded (known once assembled)."""
+    if "encoded" in counts:
+        return counts["encoded"]
+    return counts.get("images_written", 0) + counts.get("images_deferred", 0)
+
+
+def _planned_range(number: int, identity_range, model: dict | None) -> tuple[int, int] | None:
+    """[start, end) global batches of an image part: its identity's, else (a missing part) the plan's."""
+    if identity_range:
+        return tuple(identity_range)
+    if model is not None and number < len(model["ranges"]):
+        return tuple(int(x) for x in model["ranges"][number])
+    return None
+
+
+def _eta(part: dict, span: tuple[int, int] | None, model: dict | None) -> float | None:
+    """Seconds the part still needs at its pace so far: the remaining share of its plan cost (with a
+    plan), else its remaining batches x its mean seconds per batch; None when unknown."""
+    if span is None or not part["units_done"] or not part["wall_s"]:
+        return None
+    start, end = span
+    reached = start + part["units_done"]
+    if model is not None:
+        prefix = model["prefix"]
+        done_cost = prefix[reached] - prefix[start]
+        if done_cost > 0:
+            return float(part["wall_s"] * (prefix[end] - prefix[reached]) / done_cost)
+    return part["wall_s"] * (end - reached) / part["units_done"]
+
+
+def _add_shares(parts: list[dict], model: dict | None) -> None:
+    """Each part's share of the summed wall seconds, and (with a plan) of the modeled rank cost."""
+    wall = sum(p["wall_s"] for p in parts)
+    cost = float(model["per_rank"].sum()) if model is not None else 0.0
+    for part in parts:
+        part["wall_share"] = part["wall_s"] / wall if wall else None
+        known = model is not None and cost > 0 and part["part"] < len(model["per_rank"])
+        part["modeled_share"] = float(model["per_rank"][part["part"]]) / cost if known else None
+
+
+def _totals(parts: list[dict], model: dict | None) -> dict:
+    planned = [p["units_planned"] for p in parts]
+    wall, busy = sum(p["wall_s"] for p in parts), sum(p["device_busy_s"] for p in parts)
+    return {"units_done": sum(p["units_done"] for p in parts),
+            "units_planned": model["num_batches"] if model else (None if None in planned else sum(planned)),
+            "written": sum(p["written"] for p in parts), "skipped": sum(p["skipped"] for p in parts),
+            "tokens": sum(p["tokens"] for p in parts), "wall_s": wall, "device_busy_s": busy,
+            "device_busy_fraction": busy / wall if wall else 0.0}
+
+
+def _job_eta(parts: list[dict]) -> float | None:
+    """0 when every part is done; else the largest ETA of the running parts (None when one of them
+    has none yet, or none runs: stopped and missing parts do not finish by themselves)."""
+    if parts and all(p["state"] == "done" for p in parts):
+        return 0.0
+    running = [p["eta_s"] for p in parts if p["state"] == "running"]
+    return None if not running or None in running else max(running)
+
+
+def _imbalance(parts: list[dict], modality: str | None, model: dict | None, num_parts: int) -> dict:
+    """Measured (images, every part done: max/mean - 1 of the wall seconds, idle parts included) and
+    modeled (the plan's cost model for `num_parts` ranks) imbalance; None where not known."""
+    finished = bool(parts) and all(p["state"] == "done" for p in parts)
+    measured = imbalance(np.array([p["wall_s"] for p in parts])) if finished and modality != "audio" else None
+    return {"measured": measured, "modeled": model["imbalance"] if model else None, "world_size": num_parts,
+            "plan_world_size": model["plan_world_size"] if model else None}

@@ -1,0 +1,339 @@
+"""Omni SFT rendering: every content form (typed placeholders, OpenAI parts, Apertus parts/blocks) marks
+image and audio slots, and lists the media that go there.
+
+The tokenizer and chat template here are this file's own: a small byte-level BPE with the Apertus 1.5
+chat special tokens plus `<|image|>`/`<|audio|>` (at ids unlike the real build), and a template in the
+Apertus 1.5 layout written from its published facts (chat_templates/Apertus_1p5/chat_template.jinja
+in swiss-ai/apertus-omni-tokenizer): BOS; system block (string or `{"text"}`, a default text when there
+is no system message); developer block; user turns as strings or `{"parts"}`; assistant turns as strings
+or `{"blocks"}` (thoughts -> <|inner_prefix|> .., response closes with <|inner_suffix|>, tool calls as
+`[{"name": arguments}, ...]` in <|tools_prefix|>..<|tools_suffix|>, tool outputs joined with ", " in
+<|tool_output_start|>..<|tool_output_end|>); no <|assistant_end|> while tool outputs are awaited.
+Tools are listed as json lines (the real template writes TypeScript signatures; the token layout is
+what these tests pin).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmtok.encode.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
+from mmtok.encode.documents import DocumentBuilder, DocumentError, Sidecars
+from mmtok.text import load_text_tokenizer
+from mmtok.vocab import VocabLayout
+
+CHAT_TOKENS = [
+    "<|user_start|>", "<|user_end|>", "<|audio|>", "<|assistant_start|>", "<|assistant_end|>",
+    "<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>", "<|image|>",
+    "<|inner_prefix|>", "<|inner_suffix|>", "<|tools_prefix|>", "<|tools_suffix|>",
+    "<|tool_output_start|>", "<|tool_output_end|>",
+]
+DEFAULT_SYSTEM = "You are a test assistant that sees images and hears audio."
+
+TEMPLATE = r"""
+{{- bos_token -}}
+{%- if messages[0].role == 'system' -%}
+  {%- set system = messages[0].content -%}
+  {%- if system is mapping and 'text' in system -%}{%- set system = system.text -%}{%- endif -%}
+  {%- if system is not string -%}{{- raise_exception('system content: a string or {"text": ...}') -}}{%- endif -%}
+  {%- set turns = messages[1:] -%}
+{%- else -%}
+  {%- set system = '""" + DEFAULT_SYSTEM + r"""' -%}
+  {%- set turns = messages -%}
+{%- endif -%}
+{{- '<|system_start|>' ~ system ~ '<|system_end|>' -}}
+{{- '<|developer_start|>Deliberation: ' ~ ('enabled' if enable_thinking else 'disabled') ~ '\n' -}}
+{%- if tools -%}
+  {{- 'Tool Capabilities:\n' -}}
+  {%- for tool in tools -%}{{- tool | tojson -}}{%- if not loop.last -%}{{- '\n' -}}{%- endif -%}{%- endfor -%}
+{%- else -%}
+  {{- 'Tool Capabilities: disabled' -}}
+{%- endif -%}
+{{- '<|developer_end|>' -}}
+{%- macro calls(list) -%}
+  {{- '<|tools_prefix|>[' -}}
+  {%- for call in list -%}
+    {%- set call = call.function if call.function else call -%}
+    {{- '{"' ~ call.name ~ '": ' ~ call.arguments ~ '}' -}}{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}
+  {%- endfor -%}
+  {{- ']<|tools_suffix|>' -}}
+{%- endmacro -%}
+{%- set turn = namespace(assistant=false, tool=false, thinking=false, awaiting=false) -%}
+{%- for message in turns -%}
+  {%- if message.role == 'user' -%}
+    {%- if turn.tool -%}{{- '<|tool_output_end|>' -}}{%- set turn.tool = false -%}{%- endif -%}
+    {%- if turn.assistant -%}{{- '<|assistant_end|>' -}}{%- set turn.assistant = false -%}{%- endif -%}
+    {%- set turn.thinking = false -%}
+    {{- '<|user_start|>' -}}
+    {%- if message.content is string -%}
+      {{- message.content -}}
+    {%- elif message.content is mapping and 'parts' in message.content -%}
+      {%- for part in message.content.parts -%}
+        {%- if part.type == 'text' -%}{{- part.text -}}
+        {%- elif part.type in ('image', 'image_url', 'input_image') -%}{{- '<|image|>' -}}
+        {%- elif part.type in ('audio', 'audio_url', 'input_audio') -%}{{- '<|audio|>' -}}
+        {%- else -%}{{- raise_exception('user part ' ~ part.type) -}}{%- endif -%}
+      {%- endfor -%}
+    {%- else -%}
+      {{- raise_exception('user content: a string or {"parts": [...]}') -}}
+    {%- endif -%}
+    {{- '<|user_end|>' -}}
+  {%- elif message.role == 'assistant' -%}
+    {%- if not turn.assistant -%}{{- '<|assistant_start|>' -}}{%- set turn.assistant = true -%}{%- endif -%}
+    {%- if turn.tool -%}{{- '<|tool_output_end|>' -}}{%- set turn.tool = false -%}{%- endif -%}
+    {%- if message.content is string -%}
+      {{- message.content -}}
+    {%- elif message.content is mapping and 'blocks' in message.content -%}
+      {%- for block in message.content.blocks -%}
+        {%- if block.type == 'thoughts' -%}
+          {%- if not turn.thinking -%}{{- '<|inner_prefix|>' -}}{%- set turn.thinking = true -%}{%- endif -%}
+          {{- block.text -}}
+        {%- elif block.type == 'response' -%}
+          {%- if turn.thinking -%}{{- '<|inner_suffix|>' -}}{%- set turn.thinking = false -%}{%- endif -%}
+          {{- block.text -}}
+        {%- elif block.type == 'tool_calls' -%}
+          {{- calls(block.calls) -}}{%- set turn.awaiting = true -%}
+        {%- elif block.type == 'tool_outputs' -%}
+          {{- '<|tool_output_start|>' -}}
+          {%- for output in block.outputs -%}
+            {{- output.output -}}{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}
+          {%- endfor -%}
+          {{- '<|tool_output_end|>' -}}{%- set turn.awaiting = false -%}
+        {%- else -%}
+          {{- raise_exception('assistant block ' ~ block.type) -}}
+        {%- endif -%}
+      {%- endfor -%}
+    {%- else -%}
+      {{- raise_exception('assistant content: a string or {"blocks": [...]}') -}}
+    {%- endif -%}
+    {%- if message.tool_calls -%}{{- calls(message.tool_calls) -}}{%- set turn.awaiting = true -%}{%- endif -%}
+  {%- elif message.role == 'tool' -%}
+    {%- if not turn.assistant -%}{{- raise_exception('tool output outside an assistant turn') -}}{%- endif -%}
+    {{- ', ' if turn.tool else '<|tool_output_start|>' -}}
+    {{- message.content -}}
+    {%- set turn.tool = true -%}{%- set turn.awaiting = false -%}
+  {%- else -%}
+    {{- raise_exception('role ' ~ message.role) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if turn.tool -%}{{- '<|tool_output_end|>' -}}{%- endif -%}
+{%- if turn.assistant and not turn.awaiting -%}{{- '<|assistant_end|>' -}}{%- endif -%}
+"""
+
+TRAINING_TEXT = [
+    "Where is this photo taken? Listen to the clip and tell me which bird sings.",
+    "The song is short and high; a robin, like the one in the photo.",
+    "Zurich is cloudy today, 14 degrees, with rain later in the evening.",
+    "You are a test assistant that sees images and hears audio. Be brief.",
+    "Deliberation: enabled disabled. Tool Capabilities: weather lookup city song name.",
+]
+
+IMAGE = [MediaSlot("image", i) for i in range(3)]
+AUDIO = [MediaSlot("audio", i) for i in range(3)]
+PREAMBLE = ["<s>", "<|system_start|>", DEFAULT_SYSTEM, "<|system_end|>", "<|developer_start|>",
+            "Deliberation: disabled\nTool Capabilities: disabled", "<|developer_end|>"]
+
+TYPED = {"messages": [
+    {"role": "user", "content": "<image> shows a cat; <|audio|> is it purring? <audio>"},
+    {"role": "assistant", "content": "Yes, it purrs."}]}
+
+WEATHER_TOOL = {"name": "weather", "parameters": {"city": "string"}}
+OPENAI = {"tools": [WEATHER_TOOL], "messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [
+        {"type": "text", "text": "Where is this? "},
+        {"type": "image_url", "image_url": {"url": "https://example.org/zurich.jpg"}},
+        {"type": "text", "text": " Listen: "},
+        {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}}]},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Zurich"}'}}]},
+    {"role": "tool", "content": "cloudy, 14 degrees"},
+    {"role": "assistant", "content": "Zurich, cloudy."}]}
+
+APERTUS = {"enable_thinking": True, "messages": [
+    {"role": "system", "content": {"text": "Be brief."}},
+    {"role": "user", "content": {"parts": [
+        {"type": "audio", "audio": {"cut_id": "clip-7"}},
+        {"type": "text", "text": " Which bird sings, and is it this one? "},
+        {"type": "image", "image": "c001.0.jpg"}]}},
+    {"role": "assistant", "content": {"blocks": [
+        {"type": "thoughts", "text": "The song is short and high."},
+        {"type": "tool_calls", "calls": [{"name": "lookup", "arguments": '{"song": "short, high"}'}]},
+        {"type": "tool_outputs", "outputs": [{"output": "robin"}]},
+        {"type": "thoughts", "text": " A robin, like the photo."},
+        {"type": "response", "text": "A robin, the one in the photo."}]}}]}
+
+REFERENCES = {
+    "typed": (TYPED, [
+        *PREAMBLE, "<|user_start|>", IMAGE[0], " shows a cat; ", AUDIO[0], " is it purring? ", AUDIO[1],
+        "<|user_end|>", "<|assistant_start|>", "Yes, it purrs.", "<|assistant_end|>"]),
+    "openai": (OPENAI, [
+        "<s>", "<|system_start|>", "Be brief.", "<|system_end|>", "<|developer_start|>",
+        "Deliberation: disabled\nTool Capabilities:\n" + json.dumps(WEATHER_TOOL), "<|developer_end|>",
+        "<|user_start|>", "Where is this? ", IMAGE[0], " Listen: ", AUDIO[0], "<|user_end|>",
+        "<|assistant_start|>", "<|tools_prefix|>", '[{"weather": {"city": "Zurich"}}]', "<|tools_suffix|>",
+        "<|tool_output_start|>", "cloudy, 14 degrees", "<|tool_output_end|>", "Zurich, cloudy.",
+        "<|assistant_end|>"]),
+    "apertus": (APERTUS, [
+        "<s>", "<|system_start|>", "Be brief.", "<|system_end|>", "<|developer_start|>",
+        "Deliberation: enabled\nTool Capabilities: disabled", "<|developer_end|>",
+        "<|user_start|>", AUDIO[0], " Which bird sings, and is it this one? ", IMAGE[0], "<|user_end|>",
+        "<|assistant_start|>", "<|inner_prefix|>", "The song is short and high.",
+        "<|tools_prefix|>", '[{"lookup": {"song": "short, high"}}]', "<|tools_suffix|>",
+        "<|tool_output_start|>", "robin", "<|tool_output_end|>", " A robin, like the photo.", "<|inner_suffix|>",
+        "A robin, the one in the photo.", "<|assistant_end|>"]),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = tmp_path_factory.mktemp("omni-tok")
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(TRAINING_TEXT * 4, trainer)
+    bpe.add_special_tokens(CHAT_TOKENS)
+    bpe.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_text_tokenizer(str(directory))
+
+
+@pytest.fixture(scope="module")
+def renderer(tokenizer):
+    return ChatRenderer.from_tokenizer(tokenizer)
+
+
+def _reference(tokenizer, parts: list) -> list:
+    """Hand-built: `<|name|>`/`<s>` strings looked up by name, other strings tokenized, slots kept."""
+    ids: list = []
+    for part in parts:
+        if isinstance(part, MediaSlot):
+            ids.append(part)
+        elif part.startswith("<") and part.endswith(">") and " " not in part:
+            ids.append(tokenizer.token_id(part))
+        else:
+            ids.extend(tokenizer.encode(part))
+    return ids
+
+
+def _tokens(tokenizer, pieces: list) -> list:
+    """What an assembly stage starts from: each text piece tokenized, each slot kept."""
+    return [x for piece in pieces for x in ([piece] if isinstance(piece, MediaSlot) else tokenizer.encode(piece))]
+
+
+@pytest.mark.parametrize("form", sorted(REFERENCES))
+def test_every_content_form_renders_to_the_reference_tokens(tokenizer, renderer, form):
+    conversation, reference = REFERENCES[form]
+    pieces = split_media(renderer.render(conversation))
+    assert _tokens(tokenizer, pieces) == _reference(tokenizer, reference)
+
+
+@pytest.mark.parametrize("form", sorted(REFERENCES))
+def test_listed_media_are_exactly_the_rendered_slots(renderer, form):
+    conversation, _ = REFERENCES[form]
+    slots = [piece for piece in split_media(renderer.render(conversation)) if isinstance(piece, MediaSlot)]
+    assert [ref.slot for ref in conversation_media(conversation)] == slots
+
+
+def test_media_parts_carry_their_payloads_as_references():
+    assert conversation_media(OPENAI) == [
+        MediaRef(IMAGE[0], "https://example.org/zurich.jpg"),
+        MediaRef(AUDIO[0], {"data": "UklGRiQAAABXQVZF", "format": "wav"})]
+    assert conversation_media(APERTUS) == [MediaRef(AUDIO[0], {"cut_id": "clip-7"}), MediaRef(IMAGE[0], "c001.0.jpg")]
+    parts = [{"type": "input_image", "image_url": "data:image/png;base64,iVBO"}, {"type": "image", "path": "a/b.png"},
+             {"type": "audio_url", "audio_url": {"url": "https://example.org/a.mp3"}}, {"type": "image"}]
+    assert conversation_media({"messages": [{"role": "user", "content": parts}]}) == [
+        MediaRef(IMAGE[0], "data:image/png;base64,iVBO"), MediaRef(IMAGE[1], "a/b.png"),
+        MediaRef(AUDIO[0], "https://example.org/a.mp3"), MediaRef(IMAGE[2], None)]
+
+
+def test_unreferenced_slots_take_the_record_list_entry_at_their_ordinal():
+    assert conversation_media(TYPED) == [MediaRef(IMAGE[0], None), MediaRef(AUDIO[0], None),
+                                         MediaRef(AUDIO[1], None)]
+    listed = {**TYPED, "images": ["0.jpg"], "audios": ["0.wav", "1.flac"]}
+    assert conversation_media(listed) == [MediaRef(IMAGE[0], "0.jpg"), MediaRef(AUDIO[0], "0.wav"),
+                                          MediaRef(AUDIO[1], "1.flac")]
+    own = {"images": ["listed.jpg", "second.jpg"], "messages": [{"role": "user", "content": [
+        {"type": "image", "image": "own.jpg"}, {"type": "text", "text": " and <image>"}]}]}
+    assert conversation_media(own) == [MediaRef(IMAGE[0], "own.jpg"), MediaRef(IMAGE[1], "second.jpg")]
+
+
+def test_media_parts_become_placeholders_whatever_the_template_does_with_them():
+    # This template would drop media parts: normalising them to text parts keeps every slot.
+    drops_media = ("{% for m in messages %}{% for p in m.content.parts %}{% if p.type == 'text' %}{{ p.text }}"
+                   "{% endif %}{% endfor %}{% endfor %}")
+    conversation = {"messages": [{"role": "user", "content": {"parts": [
+        {"type": "text", "text": "look "}, {"type": "input_image", "image_url": "x.jpg"},
+        {"type": "text", "text": " hear "}, {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}}]}
+    assert ChatRenderer(drops_media, "<s>", "</s>").render(conversation) == "look <|image|> hear <|audio|>"
+
+
+@pytest.mark.parametrize("content, reason", [
+    ([{"type": "video", "video": "v.mp4"}], "unknown_content_part"),
+    ({"parts": [{"type": "text", "text": "hi"}, {"type": "file"}]}, "unknown_content_part"),
+    ([{"text": "no type"}], "invalid_content_part"),
+    ([{"type": "text", "text": 5}], "invalid_content_part"),
+    ({"parts": "not a list"}, "invalid_content_part"),
+])
+def test_unusable_parts_are_named_before_the_template_sees_them(renderer, content, reason):
+    conversation = {"messages": [{"role": "user", "content": content}]}
+    for step in (renderer.render, conversation_media):
+        with pytest.raises(ConversationError) as caught:
+            step(conversation)
+        assert caught.value.reason == reason, step
+
+
+def test_blocks_the_template_does_not_know_are_template_errors(renderer):
+    conversation = {"messages": [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": {"blocks": [{"type": "image", "image": "x.jpg"}]}}]}
+    with pytest.raises(ConversationError) as caught:
+        renderer.render(conversation)
+    assert (caught.value.reason, caught.value.detail) == ("template_error", "assistant block image")
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({**TYPED, "images": []}, "placeholder_mismatch"),  # one image placeholder, no listed image
+    ({**TYPED, "audios": ["0.wav", "1.wav", "2.wav"]}, "placeholder_mismatch"),
+    ({**TYPED, "audios": "0.wav"}, "invalid_media_list"),
+])
+def test_record_lists_must_name_every_medium_of_their_kind(record, reason):
+    with pytest.raises(ConversationError) as caught:
+        conversation_media(record)
+    assert caught.value.reason == reason
+
+
+@pytest.fixture(scope="module")
+def documents(tokenizer):
+    return DocumentBuilder("sft", tokenizer, VocabLayout(text_size=tokenizer.vocab_size))
+
+
+def test_image_sft_of_the_parts_form_fills_each_image_slot(tokenizer, documents):
+    conversation = {"messages": [
+        {"role": "user", "content": {"parts": [{"type": "image"}, {"type": "text", "text": " and "},
+                                               {"type": "image_url", "image_url": {"url": "b.png"}}]}},
+        {"role": "assistant", "content": {"blocks": [{"type": "response", "text": "Two photos."}]}}]}
+    template = documents.template(2, Sidecars(json=json.dumps(conversation).encode()))
+    assert [p for p in template if isinstance(p, int)] == [0, 1]
+    blocks = {0: [900], 1: [901]}
+    ids = [x for p in template for x in (blocks[p] if isinstance(p, int) else p.tolist())]
+    expected = _reference(tokenizer, [*PREAMBLE, "<|user_start|>", IMAGE[0], " and ", IMAGE[1], "<|user_end|>",
+                                      "<|assistant_start|>", "Two photos.", "<|assistant_end|>", "</s>"])
+    assert ids == [x if not isinstance(x, MediaSlot) else blocks[x.index][0] for x in expected]
+
+
+@pytest.mark.parametrize("conversation, planned, reason, detail", [
+    ({"messages": [{"role": "user", "content": "<image><image>"}]}, 1, "placeholder_mismatch",
+     "conversation has 2 image placeholders, the plan has 1 images"),
+    (APERTUS, 1, "missing_media", "1 audio placeholders but this run has no audio source"),
+])
+def test_image_sft_skips_conversations_its_media_cannot_fill(documents, conversation, planned, reason, detail):
+    with pytest.raises(DocumentError) as caught:
+        documents.template(planned, Sidecars(json=json.dumps(conversation).encode()))
+    assert (caught.value.reason, caught.value.detail) == (reason, detail)

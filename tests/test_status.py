@@ -1,0 +1,270 @@
+"""`mmtok status OUT`: states, figures and balance read from real parts, without changing a byte of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from encodekit import caption_env, one_torch_thread, plan
+
+from mmtok.cli import main
+from mmtok.errors import MmtokError
+from mmtok.formats.commitlog import COMMITS, PartWriter, check_part_free, part_dir
+from mmtok.formats.plan import BATCHES_FILE, Plan
+from mmtok.fsutil import WriterLock
+from mmtok.ranks import imbalance, rank_costs
+from mmtok.status import job_status
+
+# A writer in another process: commits two batches, says so, then holds the part's lock until told to stop.
+HOLDER = r"""
+import json, sys, numpy as np
+from mmtok.formats.commitlog import PartWriter
+part = PartWriter(sys.argv[1], json.loads(sys.argv[2]))
+for unit in range(2):
+    part.commit(unit, [np.arange(5, dtype=np.int32)], [{"unit": unit}],
+                {"images_written": 1, "tokens": 5, "wall_ms": 1000, "device_busy_ms": 500})
+print("holding", flush=True)
+sys.stdin.readline()
+part.close()
+"""
+PROBE = "import sys; from mmtok.formats.commitlog import check_part_free; check_part_free(sys.argv[1])"
+
+
+def image_identity(part: int, num_parts: int, batches: tuple[int, int], **extra) -> dict:
+    return {"modality": "image", "part": part, "num_parts": num_parts, "part_batches": list(batches), **extra}
+
+
+def write_part(out: Path, identity: dict, units: range, *, wall_ms: int = 1000, finish: bool = False,
+               counts: dict | None = None) -> Path:
+    """A part with one committed unit per element of `units` (one 4-token document, one image each)."""
+    directory = part_dir(out, identity["part"])
+    with PartWriter(directory, identity) as part:
+        for unit in units:
+            part.commit(unit, [np.full(4, unit, np.int32)], [{"unit": unit}],
+                        counts or {"images_written": 1, "documents_written": 1, "tokens": 4, "wall_ms": wall_ms,
+                                   "device_busy_ms": wall_ms // 2})
+        if finish:
+            part.finish({})
+    return directory
+
+
+def snapshot(root: Path) -> dict:
+    """Every path under `root` with its bytes (files) and mtime: what status must leave as it was."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns)
+            for p in [root, *sorted(root.rglob("*"))]}
+
+
+def by_part(status: dict) -> dict[int, dict]:
+    return {p["part"]: p for p in status["parts"]}
+
+
+def test_states_figures_and_eta_of_done_stopped_and_missing_parts(tmp_path):
+    write_part(tmp_path, image_identity(0, 3, (0, 4)), range(4), wall_ms=2000, finish=True)
+    write_part(tmp_path, image_identity(1, 3, (4, 10)), range(4, 6), wall_ms=1500)
+    status = job_status(tmp_path)
+    parts = by_part(status)
+    assert status["states"] == {"done": 1, "running": 0, "stopped": 1, "missing": 1, "damaged": 0}
+    assert parts[0]["state"] == "done" and parts[0]["detail"] is None
+    assert (parts[0]["units_done"], parts[0]["units_planned"], parts[0]["written"], parts[0]["tokens"]) == (4, 4, 4, 16)
+    assert parts[0]["wall_s"] == 8.0 and parts[0]["device_busy_fraction"] == 0.5 and parts[0]["per_s"] == 0.5
+    assert parts[1]["state"] == "stopped" and "rerun the same encode command" in parts[1]["detail"]
+    assert (parts[1]["units_done"], parts[1]["units_planned"]) == (2, 6)
+    assert parts[1]["eta_s"] == pytest.approx(4 * 1.5) and parts[1]["projected_s"] == pytest.approx(9.0)
+    assert parts[2]["state"] == "missing" and parts[2]["units_planned"] is None
+    assert status["slowest"] == [1, 0] and status["eta_s"] is None  # nothing runs: the job will not finish alone
+    assert status["totals"]["units_done"] == 6 and status["totals"]["units_planned"] is None
+    assert status["imbalance"]["measured"] is None and status["imbalance"]["modeled"] is None
+
+
+def test_measured_imbalance_is_max_over_mean_wall_once_every_part_is_done(tmp_path):
+    walls = {0: 3000, 1: 1000}
+    for part, wall in walls.items():
+        write_part(tmp_path, image_identity(part, 3, (2 * part, 2 * part + 2)), range(2 * part, 2 * part + 2),
+                   wall_ms=wall, finish=True)
+    write_part(tmp_path, image_identity(2, 3, (4, 4)), range(0), finish=True)  # an idle rank counts too
+    status = job_status(tmp_path)
+    assert status["states"]["done"] == 3 and status["eta_s"] == 0.0
+    assert status["imbalance"]["measured"] == pytest.approx(6.0 / (8.0 / 3) - 1)
+    assert [p["wall_share"] for p in status["parts"]] == pytest.approx([0.75, 0.25, 0.0])
+
+
+def test_a_torn_last_commit_line_is_read_as_the_records_before_it(tmp_path):
+    directory = write_part(tmp_path, image_identity(0, 1, (0, 5)), range(3))
+    with open(directory / COMMITS, "ab") as log:
+        log.write(b'{"unit":3,"len')  # a writer killed while appending its record
+    part = by_part(job_status(tmp_path))[0]
+    assert part["state"] == "stopped" and part["units_done"] == 3 and part["eta_s"] == pytest.approx(2.0)
+
+
+def test_a_commit_log_damaged_mid_file_is_reported_as_damaged_in_one_line(tmp_path, capsys):
+    directory = write_part(tmp_path, image_identity(0, 2, (0, 5)), range(3))
+    write_part(tmp_path, image_identity(1, 2, (5, 6)), range(5, 6), finish=True)
+    log = (directory / COMMITS).read_bytes().splitlines(keepends=True)
+    (directory / COMMITS).write_bytes(log[0] + log[1].replace(b'"unit":1', b'"unit":7') + log[2])
+    part = by_part(job_status(tmp_path))[0]
+    assert part["state"] == "damaged" and "commit record 2 of 3 is corrupt" in part["detail"]
+    assert "\n" not in part["detail"]
+    assert main(["status", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "1 done, 1 damaged" in shown and "delete the part directory" in shown
+
+
+def test_a_part_of_another_encode_run_is_named_with_the_first_differing_key(tmp_path, capsys):
+    write_part(tmp_path, image_identity(0, 3, (0, 2), plan_fingerprint="a" * 64), range(2), finish=True)
+    write_part(tmp_path, image_identity(1, 3, (2, 4), plan_fingerprint="a" * 64), range(2, 4), finish=True)
+    write_part(tmp_path, image_identity(2, 3, (4, 6), plan_fingerprint="b" * 64), range(4, 6), finish=True)
+    status = job_status(tmp_path)
+    part = by_part(status)[2]
+    assert status["states"] == {"done": 2, "running": 0, "stopped": 0, "missing": 0, "damaged": 1}
+    assert part["state"] == "damaged" and "another encode run than part 0" in part["detail"]
+    assert "plan_fingerprint" in part["detail"] and "\n" not in part["detail"]
+    assert part["tokens"] == 0 and status["totals"]["tokens"] == 16  # its work is not this job's
+    assert status["warnings"] == ["not from the encode run of part 0: part(s) 2; use one --out per run"]
+    assert main(["status", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    assert "2 done, 1 damaged" in shown and "give each run its own --out" in shown
+
+
+def test_tokens_count_the_items_merge_assembles(tmp_path):
+    counts = {"images_deferred": 2, "item_tokens": 30, "wall_ms": 1000, "device_busy_ms": 500}
+    write_part(tmp_path, image_identity(0, 1, (0, 2)), range(2), counts=counts, finish=True)
+    part = by_part(job_status(tmp_path))[0]
+    assert part["written"] == 4 and part["tokens"] == 2 * 4 + 60  # the sequences' tokens + item_tokens
+    assert part["tokens_per_s"] == pytest.approx(68 / 2.0)
+
+
+def test_running_part_is_seen_without_disturbing_its_writer_or_its_files(tmp_path):
+    directory = part_dir(tmp_path, 0)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory), json.dumps(image_identity(0, 1, (0, 4)))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"  # the lock is held from here until we answer
+        before = snapshot(tmp_path)
+        part = by_part(job_status(tmp_path))[0]
+        assert part["state"] == "running" and f"pid {holder.pid}" in part["detail"]
+        assert part["eta_s"] == pytest.approx(2.0) and job_status(tmp_path)["eta_s"] == pytest.approx(2.0)
+        assert snapshot(tmp_path) == before
+        with pytest.raises(MmtokError, match="being written by another process"):
+            check_part_free(directory)  # the holder still holds its lock after status looked
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        assert holder.wait(30) == 0
+    assert by_part(job_status(tmp_path))[0]["state"] == "stopped"
+
+
+def test_status_inside_the_writing_process_leaves_its_lock_held(tmp_path):
+    directory = write_part(tmp_path, image_identity(0, 2, (0, 2)), range(1))
+    with PartWriter(directory, image_identity(0, 2, (0, 2))), WriterLock(part_dir(tmp_path, 1), "part 1"):
+        parts = by_part(job_status(tmp_path))
+        assert parts[0]["state"] == "running" and parts[1]["state"] == "running"  # part 1: lock taken, no identity yet
+        assert "starting" in parts[1]["detail"]
+        probe = subprocess.run([sys.executable, "-c", PROBE, str(directory)], capture_output=True, text=True,
+                               check=False)
+        assert probe.returncode != 0 and "being written by another process" in probe.stderr
+
+
+def test_audio_parts_count_clips_and_know_their_units_once_done(tmp_path):
+    identity = {"modality": "audio", "num_parts": 2, "part_shard": "f"}
+    batch = {"wall_ms": 2000, "device_busy_ms": 1800}
+    with PartWriter(part_dir(tmp_path, 0), {**identity, "part": 0}) as part:
+        for unit in range(2):
+            part.commit(unit, [], [], batch)
+        part.commit(2, [np.arange(6, dtype=np.int32)] * 3, [{}] * 3,
+                    {"clips": 4, "encoded": 3, "skipped:too_long": 1, "wall_ms": 1000, "device_busy_ms": 0})
+        part.finish({})
+    write_part(tmp_path, {**identity, "part": 1}, range(1), counts=batch)
+    status = job_status(tmp_path)
+    parts = by_part(status)
+    assert status["item"] == "clip" and status["states"]["done"] == 1 and status["states"]["stopped"] == 1
+    assert (parts[0]["units_done"], parts[0]["units_planned"], parts[0]["written"]) == (3, 3, 3)
+    assert parts[0]["skipped"] == 1 and parts[0]["tokens"] == 18 and parts[0]["per_s"] == pytest.approx(0.6)
+    assert parts[1]["units_planned"] is None and parts[1]["eta_s"] is None
+    assert status["imbalance"]["measured"] is None  # audio parts are shards, several per rank
+    with pytest.raises(MmtokError, match="drop --plan"):
+        job_status(tmp_path, plan=tmp_path)
+
+
+def test_cli_json_help_and_exit_codes(tmp_path, capsys):
+    assert main(["status", str(tmp_path)]) == 2
+    assert f"run `mmtok encode --out {tmp_path}`" in capsys.readouterr().err
+    write_part(tmp_path, image_identity(0, 2, (0, 1)), range(1), finish=True)
+    assert main(["status", str(tmp_path), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["states"]["missing"] == 1 and shown["parts"][0]["state"] == "done"
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(state in help_text for state in ("done", "running", "stopped", "missing", "damaged", "imbalance"))
+
+
+def test_many_parts_show_only_unfinished_and_slowest_ones(tmp_path, capsys):
+    for part in range(22):
+        write_part(tmp_path, image_identity(part, 23, (part, part + 1)), range(part, part + 1),
+                   wall_ms=1000 + 10 * part, finish=part != 3)
+    assert main(["status", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    rows = [line.split()[0] for line in shown.splitlines() if line[:7].strip().isdigit()]
+    assert rows == ["3", "17", "18", "19", "20", "21", "22"]  # stopped, the 5 slowest, missing
+    assert "not shown: 16 done (--json lists every part)" in shown
+
+
+# -- end to end: a real plan and real encodes -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    env = caption_env(tmp_path_factory.mktemp("status"))
+    return env, plan(env, "plan", "--mode", "image", "--world-size", "3")
+
+
+def encode(env, plan_dir: Path, out: Path, rank: int) -> int:
+    with one_torch_thread():
+        return main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out),
+                     "--rank", str(rank), "--world-size", "3", "--loader-threads", "1", "--device", "cpu",
+                     "--no-progress"])
+
+
+def test_status_follows_a_real_job_to_its_measured_imbalance(job, tmp_path, capsys):
+    env, plan_dir = job
+    meta = json.loads((plan_dir / "plan.json").read_text())
+    out = tmp_path / "out"
+    assert encode(env, plan_dir, out, 0) == 0 and encode(env, plan_dir, out, 1) == 0
+    assert f"job view (every rank): mmtok status {out}" in capsys.readouterr().out
+    status = job_status(out, plan=plan_dir)
+    assert status["states"] == {"done": 2, "running": 0, "stopped": 0, "missing": 1, "damaged": 0}
+    assert by_part(status)[2]["units_planned"] == meta["rank_batches"][2][1] - meta["rank_batches"][2][0]
+    assert status["imbalance"]["measured"] is None and status["imbalance"]["modeled"] == meta["imbalance"]
+    assert encode(env, plan_dir, out, 2) == 0
+    capsys.readouterr()
+    assert main(["status", str(out), "--plan", str(plan_dir)]) == 0
+    print(capsys.readouterr().out, file=sys.stderr)  # the human view, for `pytest -s`
+    status = job_status(out, plan=plan_dir)
+    assert status["states"]["done"] == 3 and status["eta_s"] == 0.0
+    assert np.isfinite(status["imbalance"]["measured"]) and status["imbalance"]["modeled"] == meta["imbalance"]
+    assert status["totals"]["units_done"] == status["totals"]["units_planned"] == meta["num_batches"]
+    assert status["totals"]["written"] == meta["totals"]["kept_images"]
+    assert sum(p["modeled_share"] for p in status["parts"]) == pytest.approx(1.0)
+    assert job_status(out)["imbalance"]["modeled"] is None
+    assert main(["merge", str(out)]) == 0  # the job has documents of two images: merge assembles their items
+    merged = json.loads((out / "merged.json").read_text())
+    assert merged["assembled"]["tokens"] > 0 and status["totals"]["tokens"] == merged["tokens"]
+
+
+def test_the_modeled_imbalance_is_rederived_for_another_world_size(job, tmp_path):
+    _, plan_dir = job
+    opened = Plan.open(plan_dir)
+    ranges = opened.ranges(2)
+    for part in range(2):
+        start, end = (int(x) for x in ranges[part])
+        write_part(tmp_path, image_identity(part, 2, (start, end), plan_fingerprint=opened.meta["fingerprint"]),
+                   range(start, end), finish=True)
+    costs = opened.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+    balance = job_status(tmp_path, plan=plan_dir)["imbalance"]
+    assert balance["modeled"] == pytest.approx(imbalance(rank_costs(costs, ranges)))
+    assert (balance["world_size"], balance["plan_world_size"]) == (2, 3)
+    write_part(tmp_path / "other", image_identity(0, 1, (0, 1), plan_fingerprint="f" * 64), range(1))
+    with pytest.raises(MmtokError, match="not the plan these parts were encoded from"):
+        job_status(tmp_path / "other", plan=plan_dir)
