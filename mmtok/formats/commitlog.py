@@ -42,6 +42,7 @@ This is the only module that knows the layout of a part directory.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import zlib
@@ -487,19 +488,50 @@ def read_provenance(directory: str | os.PathLike) -> Iterator[dict]:
 
 def read_items(directory: str | os.PathLike) -> tuple[list[dict], np.ndarray]:
     """(item records, each with its `offset` into the ids, in commit order; the ids, memory-mapped)."""
-    directory = Path(directory)
-    records = []
-    offset = 0
-    path = directory / ITEMS
-    if path.is_file():
-        with open(path, "rb") as handle:
-            for line in handle:
-                record = json.loads(line)
-                record["offset"] = offset
-                offset += record["length"]
-                records.append(record)
-    ids = np.memmap(directory / ITEM_IDS, dtype=TOKEN_DTYPE, mode="r") if offset else np.zeros(0, TOKEN_DTYPE)
-    return records, ids
+    records = [record for _, record in iter_items(directory)]
+    return records, read_item_ids(directory, records[-1]["offset"] + records[-1]["length"] if records else 0)
+
+
+def iter_items(directory: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(position, record) of each item of a part in commit order, one at a time: the record with its
+    `offset` into the ids, and the position of its line for `ItemRecords.at` (re-reading it later)."""
+    path = Path(directory) / ITEMS
+    if not path.is_file():
+        return
+    offset = position = 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            record = json.loads(line)
+            record["offset"] = offset
+            offset += record["length"]
+            yield position, record
+            position += len(line)
+
+
+def read_item_ids(directory: str | os.PathLike, count: int) -> np.ndarray:
+    """The ids of a part's items, memory-mapped; `count` is where the last item's ids end (0: none)."""
+    return np.memmap(Path(directory) / ITEM_IDS, dtype=TOKEN_DTYPE, mode="r") if count else np.zeros(0, TOKEN_DTYPE)
+
+
+class ItemRecords:
+    """A part's item records by the positions `iter_items` gave (memory-mapped; opened on the first `at`)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / ITEMS
+        self._map = None
+
+    def at(self, position: int) -> dict:
+        """The record whose line starts at `position` (without the `offset` `iter_items` adds)."""
+        if self._map is None:
+            with open(self.path, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map.seek(position)
+        return json.loads(self._map.readline())
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
 
 
 def read_skipped(directory: str | os.PathLike) -> Iterator[dict]:
