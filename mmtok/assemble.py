@@ -8,8 +8,11 @@ replaced by that image's block. When an image or the template failed, every imag
 gets a skip record instead -- a failed image its own reason, the others `document_image_failed`
 (or the template's reason). The result depends only on the plan and the codes, never on which rank
 encoded what, so the merged bytes are the same for every world size.
-"""
 
+The items are indexed as NumPy columns (54 bytes an item, `_Index`), not kept as records: a record is
+re-read from its part when a document needs it (its template once; its images' records only when it
+is skipped), so 10^8 images take ~6-7 GB of memory.
+"""
 
 from __future__ import annotations
 
@@ -28,12 +31,12 @@ from mmtok.formats import commitlog
 from mmtok.formats.megatron import DatasetWriter
 
 TEMPLATE, IMAGE = 0, 1  # `_Index.kind`: a document's template sorts before its images
-# The index's columns and their array typecodes: 46 bytes an item, whatever its record holds.
+# The index's columns and their array typecodes: 46 bytes an item (+ 8 for `_Index.read`), whatever its record holds.
 COLUMNS = {"kind": "b", "document": "q", "image_index": "i", "part": "i", "offset": "q", "length": "i",
            "has_skip": "B", "manifest_row": "q", "line": "q"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Index:
     """The items of every part as NumPy columns, one row an item. Sorted (see `_collect`) by document,
     kind, image_index: each document's template, then its images by index, are one contiguous slice.
@@ -65,7 +68,7 @@ def assemble_documents(part_dirs: list[Path], prefix: Path, provenance: IO, skip
     from mmtok.progress import progress as progress_bar
 
     index, ids = _collect(part_dirs)
-    bounds, misplaced, failed = _documents(index)
+    bounds, failed = _documents(index)
     records = [commitlog.ItemRecords(directory) for directory in part_dirs]
     counts: Counter = Counter()
     writer = DatasetWriter(prefix)
@@ -74,7 +77,7 @@ def assemble_documents(part_dirs: list[Path], prefix: Path, provenance: IO, skip
                                    enabled=progress and bounds.size > 1):
             start, end = int(bounds[number]), int(bounds[number + 1])
             document = int(index.document[start])
-            template = _template(document, index, start, end, bool(misplaced[number]), records, part_dirs)
+            template = _template(document, index, start, end, records, part_dirs)
             if failed[number]:
                 skips = _skips(index, start, end, template, records)
                 counts.update(f"skipped:{s['reason']}" for s in skips)
@@ -115,8 +118,9 @@ def _read(part_dirs: list[Path]) -> tuple[dict[str, np.ndarray], list[np.ndarray
     of unknown kind, the columns of the items before it and (that part, the kind's repr) instead of None.
     Each record is parsed, its columns appended and the record dropped.
 
-    Parsing the JSON lines here is ~35% of the assembly's time: a fixed-width binary index of these
-    columns, written by `PartWriter.commit` beside items.jsonl, would make this loop one read per part."""
+    This loop is about a third of the assembly's time, json.loads most of it (300k items: 1.25 s of
+    3.9 s without fsync, 1.0 s parsing): a fixed-width binary index of these columns, written by
+    `PartWriter.commit` beside items.jsonl, would make it one read per part."""
     columns = {name: array(code) for name, code in COLUMNS.items()}
     kinds, documents, image_indices, parts, offsets, lengths, has_skip, manifest_rows, lines = (
         column.append for column in columns.values())
@@ -145,7 +149,7 @@ def _read(part_dirs: list[Path]) -> tuple[dict[str, np.ndarray], list[np.ndarray
             lengths(record["length"])
             has_skip("skip" in record)
             lines(line)
-        ids.append(commitlog.read_item_ids(directory, end))
+        ids.append(np.asarray(commitlog.read_item_ids(directory, end)))  # plain views slice faster than a memmap
         if unknown:
             break
     arrays = {name: np.frombuffer(column, column.typecode) if column else np.zeros(0, column.typecode)
@@ -173,20 +177,17 @@ def _refuse_second_items(index: _Index, part_dirs: list[Path]) -> None:
                      f"(the first is in {earlier}); the parts come from different runs -- re-encode into a fresh --out")
 
 
-def _documents(index: _Index) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(where each document's slice of the sorted index starts, then its end; per document whether its
-    images are other than 0, 1, ... in order; per document whether its template or an image failed)."""
+def _documents(index: _Index) -> tuple[np.ndarray, np.ndarray]:
+    """(where each document's rows in the sorted index start, then where the last ends; per document
+    whether its template or one of its images failed)."""
     if not index.document.size:
-        return np.zeros(1, np.intp), np.zeros(0, bool), np.zeros(0, bool)
+        return np.zeros(1, np.intp), np.zeros(0, bool)
     starts = np.flatnonzero(np.concatenate(([True], index.document[1:] != index.document[:-1])))
-    bounds = np.append(starts, index.document.size)
-    rank = np.arange(index.document.size) - np.repeat(starts + (index.kind[starts] == TEMPLATE), np.diff(bounds))
-    misplaced = np.logical_or.reduceat((index.kind == IMAGE) & (index.image_index != rank), starts)
-    return bounds, misplaced, np.logical_or.reduceat(index.has_skip, starts)
+    return np.append(starts, index.document.size), np.logical_or.reduceat(index.has_skip, starts)
 
 
-def _template(document: int, index: _Index, start: int, end: int, misplaced: bool,
-              records: list[commitlog.ItemRecords], part_dirs: list[Path]) -> dict:
+def _template(document: int, index: _Index, start: int, end: int, records: list[commitlog.ItemRecords],
+              part_dirs: list[Path]) -> dict:
     """The template record of the document in rows start:end, which must hold it and exactly the images it counts."""
     if index.kind[start] != TEMPLATE:
         first = start + int(np.argmin(index.read[start:end]))
@@ -194,15 +195,16 @@ def _template(document: int, index: _Index, start: int, end: int, misplaced: boo
                          "template; the parts are incomplete or from different runs -- re-encode into a fresh --out")
     template = records[index.part[start]].at(int(index.line[start]))
     expected = template["num_images"]
-    if misplaced or end - start - 1 != expected:
-        raise MmtokError(f"document {document}: the parts hold images {index.image_index[start + 1:end].tolist()} of "
-                         f"its {expected}; the parts are incomplete or from different runs -- re-encode into a fresh --out")
+    images = index.image_index[start + 1:end]  # sorted and distinct: they are 0..expected-1 when both ends are
+    if images.size != expected or (expected and (images[0] != 0 or images[-1] != expected - 1)):
+        raise MmtokError(f"document {document}: the parts hold images {images.tolist()} of its {expected}; "
+                         "the parts are incomplete or from different runs -- re-encode into a fresh --out")
     return template
 
 
 def _assemble(index: _Index, start: int, end: int, template: dict, ids: list[np.ndarray]) -> np.ndarray:
     """The tokens of the document in rows start:end: its template with each slot replaced by that image's block."""
-    pieces = [np.asarray(ids[part][offset:offset + length]) for part, offset, length in
+    pieces = [ids[part][offset:offset + length] for part, offset, length in
               zip(index.part[start:end].tolist(), index.offset[start:end].tolist(), index.length[start:end].tolist())]
     return DocumentBuilder.assemble(unpack_template(pieces[0], template["layout"]), dict(enumerate(pieces[1:])))
 

@@ -211,7 +211,7 @@ def _add_figures(part: dict, model: dict | None) -> None:
     """Progress, throughput and ETA of one part (see the module docstring for what each means)."""
     counts = part.pop("counts")
     written = _written(counts)
-    timing = timing_stats({**counts, "tokens": part["tokens"]})
+    timing = timing_stats({**counts, "tokens": part["tokens"], "item_tokens": 0})  # part tokens include the items
     span = _planned_range(part["part"], part.pop("part_batches"), model)
     planned = part["units_done"] if span is None and part["state"] == "done" else None  # audio: known once done
     part.update(units_planned=planned if span is None else span[1] - span[0], written=written,

@@ -275,7 +275,8 @@ def _encode(codec, prepared: PreparedBatch, device: torch.device) -> np.ndarray 
 def _commit(part: PartWriter, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
             meter: Meter, options: EncodeOptions) -> None:
     commit = assembler.add(prepared, codes, options.max_consecutive_failures)
-    timing = meter.committed(len(prepared.failures), int(commit.counts.get("tokens", 0)))
+    tokens = commit.counts.get("tokens", 0) + commit.counts.get("item_tokens", 0)  # items are encoded tokens too
+    timing = meter.committed(len(prepared.failures), int(tokens))
     part.commit(prepared.batch, commit.sequences, commit.provenance, {**commit.counts, **timing},
                 skipped=commit.skipped, items=commit.items)
 
