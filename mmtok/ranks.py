@@ -66,21 +66,21 @@ def balance_splits(costs: np.ndarray, counts: np.ndarray, overhead: float, world
     counts = np.asarray(counts, np.int64)
     if world_size < 2 or not len(costs):
         return []
-    best, best_imbalance = [], imbalance(rank_costs(costs, partition_ranks(costs, world_size)))
+    def score(splits: list[tuple[int, int]]) -> float:
+        pieces = split_costs(costs, counts, overhead, splits)
+        return imbalance(rank_costs(pieces, partition_ranks(pieces, world_size)))
+
+    best, best_imbalance = [], score([])
     assumed, tried = world_size - 1, set()
     while assumed not in tried:
         tried.add(assumed)
         splits = _target_splits(costs, counts, overhead, world_size, assumed)
-        for candidate in (splits,):
-            pieces = split_costs(costs, counts, overhead, candidate)
-            value = imbalance(rank_costs(pieces, partition_ranks(pieces, world_size)))
-            if value < best_imbalance:
-                best, best_imbalance = candidate, value
+        if (value := score(splits)) < best_imbalance:
+            best, best_imbalance = splits, value
         assumed = len(splits)
     if best_imbalance > SEARCH_ABOVE and int(counts.sum()) <= MAX_SEARCH_IMAGES:
         searched = _searched_splits(costs, counts, overhead, world_size)
-        pieces = split_costs(costs, counts, overhead, searched)
-        if searched and imbalance(rank_costs(pieces, partition_ranks(pieces, world_size))) < best_imbalance:
+        if searched and score(searched) < best_imbalance:
             best = searched
     return best
 
@@ -127,6 +127,7 @@ class _CutPoints:
         ends = position + added
         order = np.argsort(ends, kind="stable")
         self.order, self.ends, self.position = order, ends[order], position[order]
+        self.mean_added = float(np.mean(added)) if len(added) else 0.0  # a cut's average overhead (drift guard)
 
     def reachable(self, world_size: int, mean: float, slack: float, total: float) -> list[np.ndarray] | None:
         """Per cut 1..N-1 the sorted candidate indices reachable with every rank in
@@ -137,7 +138,7 @@ class _CutPoints:
         steps = []
         for k in range(1, world_size):
             found = self._within(low + mean - _BELOW * slack, high + mean + slack)
-            share = k * (mean - float(np.mean(self.ends - self.position)))  # drift guard only
+            share = k * (mean - self.mean_added)  # where cut k lies when every cut adds the average overhead
             found = found[np.abs(self.position[found] - share) <= _ANCHOR * mean * max(1, k) ** 0.5]
             if not len(found):
                 return None
@@ -218,7 +219,7 @@ def split_costs(costs: np.ndarray, counts: np.ndarray, overhead: float, splits: 
 
 
 def _nearest_cuts(at: np.ndarray, world_size: int) -> np.ndarray:
-    """Index (into the legal cuts) of the legal cut nearest to each target k/N (ties: the earlier)."""
+    """Index (into the batch boundaries) of the boundary nearest to each target k/N (ties: the earlier)."""
     targets = at[-1] * np.arange(1, world_size, dtype=np.float64) / world_size
     after = np.clip(np.searchsorted(at, targets), 1, len(at) - 1)
     cuts = np.where(targets - at[after - 1] <= at[after] - targets, after - 1, after)
@@ -226,7 +227,7 @@ def _nearest_cuts(at: np.ndarray, world_size: int) -> np.ndarray:
 
 
 def _reach(at: list[float], start: int, limit: float) -> int:
-    """The furthest legal cut a rank starting at legal cut `start` can end at within cost `limit`."""
+    """The furthest boundary a rank starting at boundary `start` can end at within cost `limit`."""
     return bisect_right(at, at[start] + limit) - 1
 
 
@@ -260,7 +261,7 @@ def _balanced_cuts(at: list[float], world_size: int, limit: float, nearest: np.n
     """Cuts with every range <= limit, each as close to its nearest-target cut as feasibility allows.
 
     Cut k may lie in [earliest_k, latest]: latest = the greedy reach from cut k-1; earliest_k = the
-    first legal cut from which the remaining N-k ranges can still cover the rest (computed from the
+    first boundary from which the remaining N-k ranges can still cover the rest (computed from the
     right). Starting inside that interval keeps the rest feasible, so a forward pass suffices.
     """
     last = len(at) - 1

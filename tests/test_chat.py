@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from encodekit import chat_tokenizer
 
-from mmtok.encode.chat import MediaSlot, split_media
+from mmtok.chat import MediaSlot, split_media
 from mmtok.encode.documents import DocumentError, DocumentBuilder, Sidecars
 from mmtok.errors import MmtokError
 from mmtok.text import load_text_tokenizer

@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from mmtok.encode.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
+from mmtok.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
 from mmtok.encode.documents import DocumentBuilder, DocumentError, Sidecars
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout

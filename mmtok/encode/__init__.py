@@ -4,8 +4,8 @@
 
   work.py       the rank's batches of the plan (formats.plan.Plan), joined with the manifest rows they need
   loader.py     loader threads: decode, resize into pinned buffers, tokenize text, ahead of the device
-  documents.py  token documents per plan mode (templates of text ids and image slots)
-  chat.py       SFT conversations rendered with the tokenizer's chat template
+  documents.py  token documents per plan mode (templates of text ids and image slots; SFT renders
+                with mmtok.chat, which the scan also reads for a conversation's image order)
   runner.py     images through the loop: document assembly, commits, progress and stats
 (audio plugs into the same loop from mmtok.audio.encode)
 

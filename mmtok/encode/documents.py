@@ -26,7 +26,7 @@ from typing import Union
 
 import numpy as np
 
-from mmtok.encode.chat import ChatRenderer, ConversationError, split_media
+from mmtok.chat import ChatRenderer, ConversationError, split_media
 from mmtok.errors import Skip
 from mmtok.plan import caption_text
 from mmtok.text import TextTokenizer

@@ -74,21 +74,21 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     rows = filter_manifest(manifest, params, reasons, progress)
     shapes = ShapeTable.build(rows.shapes_seen, params, tokenizer)
     filtered = rows.reason.copy()  # a second pass starts from the same filter reasons
-    meta = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, {}, progress)
+    meta, log = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, {}, progress)
     if world_size > 1 and meta["imbalance"] > SPLIT_ABOVE:
-        splits = _splits(Path(out_dir), params, world_size)
+        splits = _splits(log, params, world_size)
         if splits:
             rows.reason[:] = filtered
-            meta = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, splits,
-                              progress)
+            meta, _ = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, splits,
+                                 progress)
     _refuse_empty(meta, Path(out_dir))
     return meta
 
 
 def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, rows: ManifestRows,
                shapes: ShapeTable, reasons: Reasons, out_dir, world_size: int, splits: dict[int, list[int]],
-               progress: bool) -> dict:
-    """Plan every group and write the plan files; returns plan.json's content."""
+               progress: bool) -> tuple[dict, _BatchLog]:
+    """Plan every group and write the plan files; returns plan.json's content and the batch log."""
     from mmtok.progress import progress as progress_bar
 
     bounds = window_bounds(rows.document, params.window_rows)
@@ -113,16 +113,13 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
         meta["long_documents"] = {"limit": params.max_document_tokens, "dropped": planner.long_documents,
                                   "largest_tokens": planner.largest_document}
         meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
-        return writer.finish(meta)
+        return writer.finish(meta), log
 
 
-def _splits(out_dir: Path, params: PlanParameters, world_size: int) -> dict[int, list[int]]:
-    """Balance splits for the plan just written to `out_dir`: batch -> image positions."""
-    from mmtok.formats.plan import BATCHES_FILE, Plan
-
-    batches = Plan.open(out_dir).table(BATCHES_FILE, ["cost", "num_images"])
+def _splits(log: _BatchLog, params: PlanParameters, world_size: int) -> dict[int, list[int]]:
+    """Balance splits for the batches of a first pass: batch -> image positions."""
     found: dict[int, list[int]] = {}
-    for batch, at in balance_splits(batches.column(0).to_numpy(), batches.column(1).to_numpy(),
+    for batch, at in balance_splits(log.array("cost", np.float64), log.array("num_images", np.int64),
                                     params.cost_model.batch, world_size):
         found.setdefault(batch, []).append(at)
     return found
