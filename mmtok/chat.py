@@ -49,6 +49,13 @@ MEDIA_PARTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "audio_url": ("audio", ("audio_url",)),
     "input_audio": ("audio", ("input_audio",)),
 }
+# The chat template's special tokens recorded (id by name) in a part identity when the tokenizer has
+# them: merge --strip-reasoning and inspection tools read them from there.
+RECORDED_SPECIAL_TOKENS = (
+    "<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>", "<|user_start|>",
+    "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|inner_prefix|>", "<|inner_suffix|>",
+    "<|tools_prefix|>", "<|tools_suffix|>", "<|tool_output_start|>", "<|tool_output_end|>",
+)
 _PLACEHOLDER = re.compile("|".join(re.escape(p) for p in PLACEHOLDER_KIND))
 
 
@@ -72,6 +79,17 @@ class MediaRef:
 
     slot: MediaSlot
     source: Any
+
+
+def recorded_special_ids(tokenizer) -> dict[str, int]:
+    """{name: id} of the RECORDED_SPECIAL_TOKENS the text tokenizer has."""
+    special = {}
+    for name in RECORDED_SPECIAL_TOKENS:
+        try:
+            special[name] = tokenizer.token_id(name)
+        except MmtokError:
+            pass
+    return special
 
 
 def _raise_exception(message: str) -> None:
@@ -169,6 +187,41 @@ def conversation_media(conversation: dict) -> list[MediaRef]:
             raise ConversationError("placeholder_mismatch", f"the messages reference {counts[kind]} {kind}(s), "
                                     f"the record's `{RECORD_LISTS[kind]}` list names {len(names)}")
     return media
+
+
+def with_media_names(conversation: dict, names: dict[MediaSlot, str]) -> dict:
+    """A copy of the record whose every medium is referenced by the name `names` gives its slot: each media
+    part becomes `{"type": KIND, KIND: name}` and the record's `images` / `audios` lists name every slot of
+    their kind in order (what typed placeholders take). The slots are those `conversation_media` lists."""
+    media = conversation_media(conversation)  # validates, and fixes the slot order
+    record = {**conversation, "messages": [dict(m) for m in _messages(conversation)]}
+    counts = dict.fromkeys(MEDIA_KINDS, 0)
+    for position, message in enumerate(record["messages"]):
+        parts = _parts(message.get("content"), position)
+        if parts is None:
+            for text in _strings(message.get("content")):
+                for kind, _ in _typed(text):
+                    counts[kind] += 1
+            continue
+        renamed = []
+        for part in parts:
+            kind = _part_kind(part, position)
+            if kind == "text":
+                for typed, _ in _typed(part["text"]):
+                    counts[typed] += 1
+                renamed.append(part)
+            else:
+                renamed.append({"type": kind, kind: names[MediaSlot(kind, counts[kind])]})
+                counts[kind] += 1
+        content = message["content"]
+        message["content"] = renamed if isinstance(content, list) else {**content, "parts": renamed}
+    for kind in MEDIA_KINDS:
+        slots = [ref.slot for ref in media if ref.slot.kind == kind]
+        if slots:
+            record[RECORD_LISTS[kind]] = [names[slot] for slot in slots]
+        else:
+            record.pop(RECORD_LISTS[kind], None)
+    return record
 
 
 # -- content forms ----------------------------------------------------------------------------------

@@ -3,6 +3,11 @@
 Images: WebDataset tar shards are built from the bundled photos and captions (plus one truncated JPEG,
 to show how a bad file is counted), then scan -> plan (2 ranks) -> encode rank 0 and rank 1 -> merge.
 Audio: the bundled speech clips -> convert (Lhotse Shar) -> encode -> merge -> interleave.
+SFT: a tar of chat conversations about the bundled photos and speech (an image with a spoken clip, a
+speech-only exchange, a tool call with reasoning, and one whose placeholders outnumber its clips, to show a
+named skip) -> scan -> plan --mode sft -> encode (images) -> audio convert --kind conversations -> encode
+(audio) -> sft -> merge --strip-reasoning, with the bundled chat tokenizer (mmtok/data/demo/chat-tokenizer,
+made by benchmarks/make_demo_chat_tokenizer.py). It needs the audio flow's codec, so --no-audio leaves it out.
 Every step is a real `mmtok` command, printed before it runs. Without --image-checkpoint /
 --audio-checkpoint the codecs are tiny RANDOM-weight checkpoints in the official formats: the
 files are real, the tokens carry no meaning.
@@ -20,6 +25,7 @@ from pathlib import Path
 from mmtok.errors import MmtokError
 
 DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo"
+CHAT_TOKENIZER = DEMO_DATA / "chat-tokenizer"  # a small BPE with an Apertus 1.5-format chat template
 SOURCES = Path(__file__).resolve().parent.parent / "manifests"  # the checkout's source declarations
 MARKER = "MMTOK_DEMO"
 
@@ -27,13 +33,22 @@ MARKER = "MMTOK_DEMO"
 def run_demo(out: Path, *, world_size: int = 2, image_checkpoint: str | None = None,
              audio_checkpoint: str | None = None, audio: bool = True) -> dict:
     """Run the demo into `out` (recreated if it holds an earlier demo) and return its summary."""
+    from mmtok.codecs import emu35, wavtokenizer
+
     started = time.monotonic()
     _prepare(out)
+    random_weights = not (image_checkpoint and (audio_checkpoint or not audio))
+    if image_checkpoint is None:
+        image_checkpoint = str(emu35.write_random_checkpoint(out / "checkpoints" / "emu3.5-tiny-random"))
     summary = {"images": _image_flow(out, world_size, image_checkpoint)}
     if audio:
+        if audio_checkpoint is None:
+            audio_checkpoint = str(wavtokenizer.write_random_checkpoint(out / "checkpoints" /
+                                                                         "wavtokenizer-tiny-random"))
         summary["audio"] = _audio_flow(out, world_size, audio_checkpoint)
+        summary["sft"] = _sft_flow(out, world_size, image_checkpoint, audio_checkpoint)
     summary["seconds"] = round(time.monotonic() - started, 1)
-    _print_summary(out, summary, random_weights=not (image_checkpoint and (audio_checkpoint or not audio)))
+    _print_summary(out, summary, random_weights)
     return summary
 
 
@@ -86,12 +101,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _image_flow(out: Path, world_size: int, checkpoint: str | None) -> dict:
-    from mmtok.codecs import emu35
-
+def _image_flow(out: Path, world_size: int, checkpoint: str) -> dict:
     build_image_shards(out / "shards")
-    if checkpoint is None:
-        checkpoint = str(emu35.write_random_checkpoint(out / "checkpoints" / "emu3.5-tiny-random"))
     _mmtok("scan", "--source", str(SOURCES / "demo-images.yaml"), "--root", str(out), "--out", str(out / "manifest"))
     _mmtok("plan", str(out / "manifest"), "--preset", "demo", "--world-size", str(world_size),
            "--out", str(out / "plan"))
@@ -104,12 +115,8 @@ def _image_flow(out: Path, world_size: int, checkpoint: str | None) -> dict:
     return json.loads((out / "encoded" / "merged.json").read_text())
 
 
-def _audio_flow(out: Path, world_size: int, checkpoint: str | None) -> dict:
-    from mmtok.codecs import wavtokenizer
-
+def _audio_flow(out: Path, world_size: int, checkpoint: str) -> dict:
     audio = out / "audio"
-    if checkpoint is None:
-        checkpoint = str(wavtokenizer.write_random_checkpoint(out / "checkpoints" / "wavtokenizer-tiny-random"))
     _mmtok("audio", "convert", "--source", str(SOURCES / "demo-speech.yaml"), "--out", str(audio / "shar"),
            "--no-progress")
     for rank in range(world_size):
@@ -120,6 +127,92 @@ def _audio_flow(out: Path, world_size: int, checkpoint: str | None) -> dict:
     _mmtok("audio", "interleave", str(audio / "encoded"), "--out", str(audio / "interleaved"), "--no-progress")
     _mmtok("inspect", str(audio / "encoded" / "merged"), "--limit", "1")
     return json.loads((audio / "encoded" / "merged.json").read_text())
+
+
+# -- SFT conversations --------------------------------------------------------------------------------
+def bundled_table(name: str, key: str, value: str) -> dict[str, str]:
+    """{row[key]: row[value]} of a bundled jsonl table (captions.jsonl, audio/transcripts.jsonl), in file order."""
+    return {row[key]: row[value] for row in map(json.loads, (DEMO_DATA / name).read_text("utf-8").splitlines())}
+
+
+def demo_conversations() -> list[tuple[str, dict, list[tuple[str, Path]]]]:
+    """The demo's SFT conversations: (sample key, KEY.json record, media members as (name after `KEY.`,
+    bundled file)), in tar order. The answers quote the bundled captions and transcripts, so what the
+    assistant says is true of the media. The last one types two audio placeholders for one clip: `mmtok sft`
+    skips it as placeholder_mismatch."""
+    captions = bundled_table("captions.jsonl", "file", "caption")
+    speech = bundled_table("audio/transcripts.jsonl", "path", "text")
+    images, audio = DEMO_DATA / "images", DEMO_DATA / "audio"
+    catalogue = {"name": "find_photo", "description": "Find a bundled demo photo by what it shows.",
+                 "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
+    return [
+        ("photo_and_speech", {"messages": [  # OpenAI-style parts: an image and a spoken clip, both tar members
+            {"role": "user", "content": [
+                {"type": "image", "image": "0.jpg"},
+                {"type": "text", "text": " What does the speaker say, and what is in this photo? "},
+                {"type": "audio", "audio": "1.flac"}]},
+            {"role": "assistant", "content": f"The speaker says: \"{speech['talk_en_00.flac']}\" "
+                                             f"The photo: {captions['astronaut.jpg']}"}]},
+         [("0.jpg", images / "astronaut.jpg"), ("1.flac", audio / "talk_en_00.flac")]),
+        ("speech_only", {"messages": [  # typed placeholders: the sample's clips in stored order
+            {"role": "system", "content": "Transcribe what is said, in its language."},
+            {"role": "user", "content": "<|audio|>"},
+            {"role": "assistant", "content": speech["talk_de_00.flac"]},
+            {"role": "user", "content": "And this one? <|audio|>"},
+            {"role": "assistant", "content": speech["talk_fr_00.flac"]}]},
+         [("0.flac", audio / "talk_de_00.flac"), ("1.flac", audio / "talk_fr_00.flac")]),
+        ("tool_and_thoughts", {"enable_thinking": True, "tools": [catalogue], "messages": [  # Apertus parts/blocks
+            {"role": "user", "content": {"parts": [
+                {"type": "image", "image": "0.jpg"},
+                {"type": "text", "text": " Which of the demo photos is this? Check the catalogue."}]}},
+            {"role": "assistant", "content": {"blocks": [
+                {"type": "thoughts", "text": "A tabby cat looking to the side; the catalogue can name the file."},
+                {"type": "tool_calls", "calls": [{"name": "find_photo", "arguments": {"query": "tabby cat"}}]},
+                {"type": "tool_outputs", "outputs": [
+                    {"output": json.dumps({"file": "chelsea.jpg", "caption": captions["chelsea.jpg"]})}]},
+                {"type": "thoughts", "text": " One match, and its caption fits the photo."},
+                {"type": "response", "text": f"It is chelsea.jpg: {captions['chelsea.jpg']}"}]}}]},
+         [("0.jpg", images / "chelsea.jpg")]),
+        ("two_placeholders_one_clip", {"messages": [
+            {"role": "user", "content": "Is this the same voice twice? <|audio|> <|audio|>"},
+            {"role": "assistant", "content": "Yes."}]},
+         [("0.flac", audio / "talk_it_00.flac")]),
+    ]
+
+
+def build_conversation_shard(directory: Path) -> Path:
+    """One WebDataset tar of the demo's conversations: KEY.json + KEY.<name> media members per sample."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "demo-chat-000000.tar"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for key, record, media in demo_conversations():
+            _add(tar, f"{key}.json", json.dumps(record, ensure_ascii=False).encode())
+            for name, file in media:
+                _add(tar, f"{key}.{name}", file.read_bytes())
+    return path
+
+
+def _sft_flow(out: Path, world_size: int, image_checkpoint: str, audio_checkpoint: str) -> dict:
+    sft, tokenizer = out / "sft", str(CHAT_TOKENIZER)
+    conversations = str(build_conversation_shard(sft / "convs"))
+    _mmtok("scan", conversations, "--out", str(sft / "manifest"), "--workers", "1", "--no-progress")
+    _mmtok("plan", str(sft / "manifest"), "--preset", "demo", "--mode", "sft", "--text-tokenizer", tokenizer,
+           "--world-size", str(world_size), "--out", str(sft / "plan"), "--quiet")
+    for rank in range(world_size):
+        _mmtok("encode", "--plan", str(sft / "plan"), "--codec", "emu3.5", "--checkpoint", image_checkpoint,
+               "--out", str(sft / "images"), "--rank", str(rank), "--world-size", str(world_size),
+               "--loader-threads", "2", "--no-progress")
+    _mmtok("audio", "convert", "--kind", "conversations", conversations, "--text-tokenizer", tokenizer,
+           "--out", str(sft / "converted"), "--workers", "1", "--no-progress")
+    _mmtok("encode", "--modality", "audio", "--shar", str(sft / "converted"), "--codec", "wavtokenizer",
+           "--checkpoint", audio_checkpoint, "--text-tokenizer", tokenizer, "--out", str(sft / "audio"),
+           "--num-workers", "0", "--no-progress")
+    _mmtok("sft", conversations, "--text-tokenizer", tokenizer, "--images", str(sft / "images"),
+           "--audio", str(sft / "audio"), "--converted", str(sft / "converted"), "--out", str(sft / "dataset"),
+           "--no-progress")
+    _mmtok("merge", str(sft / "dataset"), "--strip-reasoning")
+    _mmtok("inspect", str(sft / "dataset" / "merged"), "--text-tokenizer", tokenizer, "--limit", "3")
+    return json.loads((sft / "dataset" / "merged.json").read_text())
 
 
 def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:
@@ -133,6 +226,10 @@ def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:
     print(f"image dataset: {out / 'encoded' / 'merged'}.bin/.idx  (Megatron --data-path {out / 'encoded' / 'merged'})")
     if "audio" in summary:
         print(f"audio dataset: {out / 'audio' / 'encoded' / 'merged'}.bin/.idx; interleaved: {out / 'audio' / 'interleaved'}")
+    if "sft" in summary:
+        sft = out / "sft" / "dataset"
+        print(f"sft dataset: {sft / 'merged'}.bin/.idx; without reasoning: {sft / 'merged_no_reasoning'}.bin/.idx; "
+              f"skips named in {sft / 'merged.skipped.jsonl'}")
     if random_weights:
         print("note: the codecs were tiny random-weight checkpoints (real formats, meaningless tokens); pass "
               "--image-checkpoint / --audio-checkpoint with the official Emu3.5 and WavTokenizer files for real tokens.")

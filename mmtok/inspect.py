@@ -20,7 +20,7 @@ from mmtok.vocab import VocabLayout
 AUDIO_CODES_PER_SECOND = 40
 
 
-def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str = "tekken", text_vocab_size: int | None = None,
+def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str | None = None, text_vocab_size: int | None = None,
                  render_dir: str | None = None, codec=None) -> str:
     """A human-readable report of whatever `path` is."""
     target = Path(path)
@@ -41,6 +41,18 @@ def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str = "tekken", t
         if reason:
             raise MmtokError(f"{path}: no dataset here: {reason}")
     raise MmtokError(f"{path}: not a manifest dir, plan dir, encode output dir or Megatron dataset (.bin/.idx)")
+
+
+def recorded_tokenizer(prefix: Path) -> str | None:
+    """The text tokenizer a merge output's merged.json records, when it still loads with the same checksum."""
+    from mmtok.text import load_text_tokenizer
+
+    try:
+        recorded = json.loads((prefix.parent / "merged.json").read_text("utf-8"))["identity"]["text_tokenizer"]
+        name = recorded["name"]
+        return name if load_text_tokenizer(name).fingerprint == recorded["sha256"] else None
+    except (OSError, ValueError, KeyError, TypeError, MmtokError):
+        return None
 
 
 def _dataset_prefix(target: Path) -> Path | None:
@@ -125,7 +137,7 @@ def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_voca
                      render_dir: str | None, codec) -> str:
     from mmtok.text import load_text_tokenizer
 
-    tokenizer = load_text_tokenizer(text_tokenizer)
+    tokenizer = load_text_tokenizer(text_tokenizer or recorded_tokenizer(prefix) or "tekken")
     layout = VocabLayout(text_vocab_size or tokenizer.vocab_size)
     dtype, lengths, _, _ = megatron.read_index(prefix)
     lines = [f"dataset {prefix}: {len(lengths)} sequences, {int(lengths.sum())} tokens, dtype {dtype.name}, "
@@ -136,7 +148,12 @@ def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_voca
         if number >= limit:
             break
         lines.append(f"--- sequence {number} ({len(tokens)} tokens)")
-        lines.append(render_sequence(tokens, layout, tokenizer))
+        try:
+            lines.append(render_sequence(tokens, layout, tokenizer))
+        except ValueError as err:  # the ids do not parse in this layout: most likely another text tokenizer
+            raise MmtokError(f"{prefix}: sequence {number} does not parse with text tokenizer {tokenizer.name} "
+                             f"(text vocabulary {layout.text_size}): {err}; pass the --text-tokenizer the data was "
+                             "made with") from None
         if render_dir and codec is not None:
             lines.extend(render_blocks(tokens, layout, codec, Path(render_dir), number))
     return "\n".join(lines)

@@ -79,8 +79,9 @@ def find_parts(out: Path, progress: bool = False) -> list[Part]:
     if missing:
         listed = ", ".join(str(commitlog.part_dir(out, n)) for n in missing[:20])
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        stage = "mmtok sft" if next(iter(found.values())).identity.get("modality") == "sft" else "mmtok encode"
         raise MmtokError(f"{out}: {len(missing)} of {num_parts} parts are not finished (no DONE marker): "
-                         f"{listed}{more}. Run (or resume) `mmtok encode` for them, then merge again.")
+                         f"{listed}{more}. Run (or resume) `{stage}` for them, then merge again.")
     from mmtok.progress import progress as progress_bar
 
     parts = []  # each checked against its checksums: damage is named before it can pass for another run's part
@@ -116,6 +117,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
     """Merge the parts of `out`; returns the summary written to `OUT/merged.json`."""
     out = Path(out)
     with WriterLock(out, f"merge output {out}"):
+        _refuse_sft_images(out)  # said before find_parts reads every byte of the parts
         parts = find_parts(out, progress)
         (out / f"{MERGED}.json").unlink(missing_ok=True)  # until rewritten, the output is not a finished merge
         summary = _merge_stats(parts)
@@ -143,6 +145,16 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
             summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity), bool(prefixes))
         atomic_write_json(out / f"{MERGED}.json", summary)
     return summary
+
+
+def _refuse_sft_images(out: Path) -> None:
+    """The images of a `--mode sft` plan are items for `mmtok sft`, not documents: say what to run."""
+    first = next((d for d in sorted((out / "parts").glob("part-*")) if (d / commitlog.IDENTITY).is_file()), None)
+    identity = _read_json(first / commitlog.IDENTITY, commitlog.read_identity, first) if first else {}
+    if identity.get("modality") == "image" and identity.get("mode") == "sft":
+        raise MmtokError(f"{out} holds the encoded images of SFT conversations (plan mode sft); the conversations "
+                         f"are made by `mmtok sft CONVERSATIONS --text-tokenizer DIR --images {out} [--audio ENC] "
+                         "--out SFT`, then `mmtok merge SFT`")
 
 
 def _copy_files(sources: list[Path], handle) -> None:

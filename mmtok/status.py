@@ -66,7 +66,8 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     for part in parts:
         _add_figures(part, model)
     _add_shares(parts, model)
-    return {"out": str(out), "modality": modality, "item": "clip" if modality == "audio" else "image",
+    item = {"audio": "clip", "sft": "conversation"}.get(modality, "image")
+    return {"out": str(out), "modality": modality, "item": item,
             "num_parts": num_parts, "states": {s: sum(p["state"] == s for p in parts) for s in STATES},
             "totals": _totals(parts, model), "eta_s": _job_eta(parts),
             "slowest": [p["part"] for p in sorted(parts, key=lambda p: -p["projected_s"])[:SLOWEST] if p["wall_s"]],
@@ -215,17 +216,19 @@ def _add_figures(part: dict, model: dict | None) -> None:
     span = _planned_range(part["part"], part.pop("part_batches"), model)
     planned = part["units_done"] if span is None and part["state"] == "done" else None  # audio: known once done
     part.update(units_planned=planned if span is None else span[1] - span[0], written=written,
-                skipped=sum(v for k, v in counts.items() if k.startswith("skipped:")), **timing,
+                skipped=sum(v for k, v in counts.items() if k.startswith(("skipped:", "items_failed:"))), **timing,
                 per_s=written / timing["wall_s"] if timing["wall_s"] else 0.0)
     part["eta_s"] = 0.0 if part["state"] == "done" else _eta(part, span, model)
     part["projected_s"] = part["wall_s"] + (part["eta_s"] or 0.0)
 
 
 def _written(counts: dict) -> int:
-    """Inputs a part turned into tokens: images written as documents or handed to merge as items of
-    documents of several images (`images_deferred`); audio: clips encoded (known once assembled)."""
+    """Inputs a part turned into tokens: images written as documents or handed on as items
+    (`images_deferred`); audio: clips encoded (known once assembled); sft: conversations written."""
     if "encoded" in counts:
         return counts["encoded"]
+    if "conversations" in counts:  # mmtok sft: conversations written
+        return counts.get("documents_written", 0)
     return counts.get("images_written", 0) + counts.get("images_deferred", 0)
 
 

@@ -1,17 +1,25 @@
-"""SFT rendering: the tokenizer's jinja chat template (Apertus format), placeholders -> image blocks."""
+"""SFT conversations -> tokens (`mmtok.sft.ConversationBuilder`): the tokenizer's jinja chat template
+(Apertus format), each placeholder filled with its medium's block from the image / audio stores.
+
+The stores here are fakes with the methods the builder calls on `mmtok.sft.ImageItems` and
+`mmtok.sft.AudioClips`; `test_chat_omni.py` uses them too.
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
-from encodekit import chat_tokenizer
+from encodekit import chat_tokenizer, write_tar
 
-from mmtok.chat import MediaSlot, split_media
-from mmtok.encode.documents import DocumentError, DocumentBuilder, Sidecars
-from mmtok.errors import MmtokError
-from mmtok.text import load_text_tokenizer
+from mmtok.chat import ChatRenderer, MediaSlot, split_media
+from mmtok.conversations import Conversation, audio_clip_id, read_conversations
+from mmtok.errors import MmtokError, Skip
+from mmtok.sft import DEFAULT_MAX_TOKENS, ConversationBuilder
+from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
 CONVERSATION = {
@@ -28,16 +36,86 @@ CONVERSATION = {
         {"role": "assistant", "reasoning_content": "A rocket on the pad.", "content": "A rocket."},
     ],
 }
+NO_TOOLS = ["<|developer_start|>", "Deliberation: disabled\nTool Capabilities: disabled", "<|developer_end|>"]
+
+
+# -- fake media stores (shared with test_chat_omni.py) ----------------------------------------------
+class ImageStore:
+    """A fake image encode output: a block, or the Skip to raise, per (tar, sample key, image index). A
+    sample's image count is its number of entries unless `counts` says otherwise."""
+
+    def __init__(self, blocks: dict[tuple[str, str, int], np.ndarray | Skip],
+                 counts: dict[tuple[str, str], int] | None = None):
+        self.blocks = blocks
+        self.counts = counts or {}
+
+    def images_of(self, tar: str, key: str) -> int:
+        return self.counts.get((tar, key), sum(entry[:2] == (tar, key) for entry in self.blocks if len(entry) == 3))
+
+    def block(self, tar: str, member: str) -> np.ndarray:
+        """By (tar, member) when the store names the member, else member KEY.N.ext as (tar, KEY, N)."""
+        if (tar, member) in self.blocks:
+            return _stored(self.blocks, (tar, member))
+        key, number, _ = member.split(".", 2)
+        return _stored(self.blocks, (tar, key, int(number)))
+
+
+class AudioStore:
+    """A fake audio token cache: a block, or the Skip to raise, per cut id."""
+
+    def __init__(self, blocks: dict[str, np.ndarray | Skip] | None = None):
+        self.blocks = blocks or {}
+
+    def block(self, cut_id: str) -> np.ndarray:
+        return _stored(self.blocks, cut_id)
+
+
+def _stored(blocks: dict, where) -> np.ndarray:
+    found = blocks.get(where)
+    if found is None:
+        raise Skip("missing_media", f"{where} is not in the store")
+    if isinstance(found, Skip):
+        raise found
+    return found
+
+
+def image_block(tokenizer: TextTokenizer, seed: int, shape: tuple[int, int] = (2, 3)) -> np.ndarray:
+    """A real image block (random codes) in the tokenizer's vocabulary layout."""
+    codes = np.random.default_rng(seed).integers(0, 1000, shape)
+    return VocabLayout(text_size=tokenizer.vocab_size).image_block(codes, tokenizer.encode(f"{shape[0]}*{shape[1]}"))
+
+
+def audio_block(tokenizer: TextTokenizer, seed: int, length: int = 5) -> np.ndarray:
+    """A real audio block (random codes) in the tokenizer's vocabulary layout."""
+    codes = np.random.default_rng(seed).integers(0, 4096, length)
+    return VocabLayout(text_size=tokenizer.vocab_size).audio_block(codes)
+
+
+def tar_conversation(record: dict, members: list[str], key: str = "k", tar: str = "t.tar") -> Conversation:
+    """The conversation of sample `key` of `tar` whose members are `key.` + each of `members`, in order."""
+    return Conversation(id=f"{tar.removesuffix('.tar')}/{key}", origin=f"{tar}:{key}", input=0, record=record,
+                        tar=tar, key=key, members={f"{key}.{m}": (10 * i, 10) for i, m in enumerate(members)})
+
+
+def build(tokenizer, conversation, images=None, audio=None, max_tokens=DEFAULT_MAX_TOKENS):
+    return ConversationBuilder(tokenizer, images, audio or AudioStore(), max_tokens).build(conversation)
+
+
+def built_skip(tokenizer, conversation, images=None, audio=None, max_tokens=DEFAULT_MAX_TOKENS) -> Skip:
+    with pytest.raises(Skip) as caught:
+        build(tokenizer, conversation, images, audio, max_tokens)
+    return caught.value
+
+
+# -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer_directory(tmp_path_factory) -> Path:
+    return chat_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return load_text_tokenizer(str(chat_tokenizer(tmp_path_factory.mktemp("tok"))))
-
-
-@pytest.fixture(scope="module")
-def documents(tokenizer):
-    return DocumentBuilder("sft", tokenizer, VocabLayout(text_size=tokenizer.vocab_size))
+def tokenizer(tokenizer_directory):
+    return load_text_tokenizer(str(tokenizer_directory))
 
 
 def _reference(tokenizer, parts) -> list[int]:
@@ -53,14 +131,10 @@ def _reference(tokenizer, parts) -> list[int]:
     return ids
 
 
-def _blocks(documents, shapes):
-    rng = np.random.default_rng(0)
-    return {i: documents.image_block(rng.integers(0, 1000, shape)) for i, shape in enumerate(shapes)}
-
-
-def test_sft_rendering_equals_a_reference_rendering(tokenizer, documents):
-    template = documents.template(2, Sidecars(json=json.dumps(CONVERSATION).encode()))
-    blocks = _blocks(documents, [(2, 3), (3, 2)])
+def test_sft_rendering_equals_a_reference_rendering(tokenizer):
+    blocks = [image_block(tokenizer, 0, (2, 3)), image_block(tokenizer, 1, (3, 2))]
+    images = ImageStore({("t.tar", "k", 0): blocks[0], ("t.tar", "k", 1): blocks[1]})
+    tokens, used = build(tokenizer, tar_conversation(CONVERSATION, ["0.png", "1.png", "json"]), images)
     tools = json.dumps(CONVERSATION["tools"][0])
     calls = json.dumps(CONVERSATION["messages"][2]["tool_calls"])
     expected = _reference(tokenizer, [
@@ -75,17 +149,19 @@ def test_sft_rendering_equals_a_reference_rendering(tokenizer, documents):
         "<|assistant_start|>", "<|inner_prefix|>", "A rocket on the pad.", "<|inner_suffix|>", "A rocket.",
         "<|assistant_end|>", "</s>",
     ])
-    assert documents.assemble(template, blocks).tolist() == expected
+    assert tokens.dtype == np.int32 and tokens.tolist() == expected
+    assert used == {"image": ["t.tar:k.0.png", "t.tar:k.1.png"], "audio": []}
 
 
-def test_conversation_without_system_message_gets_an_empty_system_block(tokenizer, documents):
-    conversation = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
-    ids = documents.assemble(documents.template(0, Sidecars(json=json.dumps(conversation).encode())), {})
+def test_conversation_without_system_message_gets_an_empty_system_block(tokenizer, tmp_path):
+    record = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    conversation = Conversation(id="c/00000001", origin="c.jsonl:line 1", input=0, record=record, base=str(tmp_path))
+    tokens, used = build(tokenizer, conversation)
     expected = _reference(tokenizer, [
-        "<s>", "<|system_start|>", "<|system_end|>", "<|developer_start|>",
-        "Deliberation: disabled\nTool Capabilities: disabled", "<|developer_end|>",
+        "<s>", "<|system_start|>", "<|system_end|>", *NO_TOOLS,
         "<|user_start|>", "Hi", "<|user_end|>", "<|assistant_start|>", "Hello", "<|assistant_end|>", "</s>"])
-    assert ids.tolist() == expected
+    assert tokens.tolist() == expected
+    assert used == {"image": [], "audio": []}
 
 
 def test_special_tokens_come_from_the_tokenizer_not_constants(tokenizer):
@@ -104,24 +180,117 @@ def test_special_tokens_come_from_the_tokenizer_not_constants(tokenizer):
      "placeholder_mismatch"),
     (json.dumps({"messages": [{"role": "user", "content": [{"type": "video"}]}]}).encode(), "unknown_content_part"),
 ])
-def test_unusable_conversations_are_skipped_with_a_reason(documents, sidecar, reason):
-    with pytest.raises(DocumentError) as caught:
-        documents.template(1, Sidecars(json=sidecar))
-    assert caught.value.reason == reason
+def test_unusable_conversations_are_skipped_with_a_reason(tokenizer, tmp_path, sidecar, reason):
+    members = [("k.0.png", b"png")] + ([("k.json", sidecar)] if sidecar is not None else [])
+    tar = write_tar(tmp_path / "t.tar", members)
+    [conversation] = read_conversations([tar])
+    images = ImageStore({(str(tar), "k", 0): image_block(tokenizer, 0)})
+    assert built_skip(tokenizer, conversation, images).reason == reason
 
 
 def test_sft_needs_a_tokenizer_with_a_chat_template():
     tekken = load_text_tokenizer("tekken")
     with pytest.raises(MmtokError, match="needs a chat template"):
-        DocumentBuilder("sft", tekken, VocabLayout(text_size=tekken.vocab_size))
+        ChatRenderer.from_tokenizer(tekken)
+    with pytest.raises(MmtokError, match="needs a chat template"):
+        ConversationBuilder(tekken, None, AudioStore(), DEFAULT_MAX_TOKENS)
 
 
-def test_audio_placeholders_are_missing_media_in_an_image_run(documents):
-    conversation = {"messages": [{"role": "user", "content": "<image> <|audio|> and <audio>"}]}
-    with pytest.raises(DocumentError) as caught:
-        documents.template(1, Sidecars(json=json.dumps(conversation).encode()))
-    assert (caught.value.reason, caught.value.detail) == (
-        "missing_media", "2 audio placeholders but this run has no audio source")
+def test_audio_placeholders_are_filled_from_the_audio_store(tokenizer):
+    record = {"messages": [{"role": "user", "content": "<image> <|audio|> and <audio>"}]}
+    conversation = tar_conversation(record, ["0.png", "0.wav", "1.wav", "json"])
+    picture = image_block(tokenizer, 0)
+    clips = [audio_block(tokenizer, 1, 4), audio_block(tokenizer, 2, 7)]
+    audio = AudioStore({audio_clip_id("t/k", 0): clips[0], audio_clip_id("t/k", 1): clips[1]})
+    tokens, used = build(tokenizer, conversation, ImageStore({("t.tar", "k", 0): picture}), audio)
+    expected = _reference(tokenizer, [
+        "<s>", "<|system_start|>", "<|system_end|>", *NO_TOOLS,
+        "<|user_start|>", picture, " ", clips[0], " and ", clips[1], "<|user_end|>", "</s>"])
+    assert tokens.tolist() == expected
+    assert used == {"image": ["t.tar:k.0.png"], "audio": ["t/k/audio-0", "t/k/audio-1"]}
+
+
+@pytest.mark.parametrize("kind, stored", [
+    ("audio", None),  # the store lacks the clip: its own missing_media
+    ("audio", Skip("media_skipped:silent", "clip t/k/audio-1: every sample is below the silence threshold")),
+    ("image", None),
+    ("image", Skip("media_skipped:decode_error", "image 0: truncated PNG")),
+])
+def test_a_medium_the_store_cannot_give_is_the_skip_the_store_raised(tokenizer, kind, stored):
+    record = {"messages": [{"role": "user", "content": "<image> <|audio|> and <audio>"}]}
+    conversation = tar_conversation(record, ["0.png", "0.wav", "1.wav"])
+    images = {("t.tar", "k", 0): image_block(tokenizer, 0)}
+    audio = {audio_clip_id("t/k", 0): audio_block(tokenizer, 1), audio_clip_id("t/k", 1): audio_block(tokenizer, 2)}
+    store, where = (audio, audio_clip_id("t/k", 1)) if kind == "audio" else (images, ("t.tar", "k", 0))
+    del store[where]
+    if stored is not None:
+        store[where] = stored
+    expected = stored or Skip("missing_media", f"{where} is not in the store")
+    skip = built_skip(tokenizer, conversation, ImageStore(images, counts={("t.tar", "k"): 1}), AudioStore(audio))
+    assert (skip.reason, skip.detail) == (expected.reason, expected.detail)
+
+
+def test_a_different_number_of_encoded_images_is_a_placeholder_mismatch(tokenizer):
+    blocks = {("t.tar", "k", i): image_block(tokenizer, i) for i in range(2)}
+    images = ImageStore(blocks, counts={("t.tar", "k"): 3})
+    skip = built_skip(tokenizer, tar_conversation(CONVERSATION, ["0.png", "1.png"]), images)
+    assert (skip.reason, skip.detail) == ("placeholder_mismatch", ("the conversation has 2 image placeholder(s), "
+                                                                   "the sample's encoded images are 3"))
+
+
+def test_a_conversation_over_max_tokens_is_document_too_long(tokenizer):
+    record = {"messages": [{"role": "user", "content": "<image> and <audio>"}, {"role": "assistant", "content": "Hi"}]}
+    conversation = tar_conversation(record, ["0.png", "0.wav"])
+    images = ImageStore({("t.tar", "k", 0): image_block(tokenizer, 0)})
+    audio = AudioStore({audio_clip_id("t/k", 0): audio_block(tokenizer, 1)})
+    tokens, _ = build(tokenizer, conversation, images, audio)
+    assert build(tokenizer, conversation, images, audio, max_tokens=tokens.size)[0].tolist() == tokens.tolist()
+    skip = built_skip(tokenizer, conversation, images, audio, max_tokens=tokens.size - 1)
+    assert (skip.reason, skip.detail) == ("document_too_long",
+                                          f"{tokens.size:,} tokens > --max-tokens {tokens.size - 1:,}")
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}",
+    "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}",
+], ids=["neither", "bos", "eos", "both"])
+def test_bos_and_eos_are_added_once_whether_or_not_the_template_renders_them(tokenizer_directory, tmp_path,
+                                                                              template):
+    # The rendering starts with an image and ends with a clip, so an added BOS/EOS borders a block.
+    shutil.copy(tokenizer_directory / "tokenizer.json", tmp_path)
+    config = json.loads((tokenizer_directory / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    tokenizer = load_text_tokenizer(str(tmp_path))
+    record = {"messages": [{"role": "user", "content": "<image> Hi <audio>"}]}
+    picture, clip = image_block(tokenizer, 0), audio_block(tokenizer, 1)
+    tokens, _ = build(tokenizer, tar_conversation(record, ["0.png", "0.wav"]),
+                      ImageStore({("t.tar", "k", 0): picture}), AudioStore({audio_clip_id("t/k", 0): clip}))
+    assert tokens.tolist() == _reference(tokenizer, ["<s>", picture, " Hi ", clip, "</s>"])
+
+
+@pytest.mark.parametrize("members, record, allowed", [
+    # typed placeholders, the sample's images stored out of their numeric order: which image is slot 0 is
+    # the rule's choice (tar order or numeric), but the block there must be the one provenance names
+    (["1.png", "0.png"], {"messages": [{"role": "user", "content": "<image> and <image>"}]},
+     [["t.tar:k.0.png", "t.tar:k.1.png"], ["t.tar:k.1.png", "t.tar:k.0.png"]]),
+    # a bare image part (the one image no reference names) before a named one
+    (["a.png", "b.png"], {"messages": [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": " and "}, {"type": "image", "image": "b.png"}]}]},
+     [["t.tar:k.a.png", "t.tar:k.b.png"]]),
+])
+def test_each_image_slot_gets_the_block_of_the_member_it_names(tokenizer, members, record, allowed):
+    """The block in slot k is the image item of the member that provenance names for slot k."""
+    names = [f"k.{m}" for m in members]
+    blocks = {name: image_block(tokenizer, seed) for seed, name in enumerate(names)}
+    images = ImageStore({("t.tar", name): blocks[name] for name in names}, counts={("t.tar", "k"): len(names)})
+    tokens, used = build(tokenizer, tar_conversation(record, members), images)
+    assert used["image"] in allowed
+    named = [blocks[where.removeprefix("t.tar:")] for where in used["image"]]
+    assert tokens.tolist() == _reference(tokenizer, [
+        "<s>", "<|system_start|>", "<|system_end|>", *NO_TOOLS,
+        "<|user_start|>", named[0], " and ", named[1], "<|user_end|>", "</s>"])
 
 
 def test_split_media_accepts_both_spellings_and_numbers_each_kind():

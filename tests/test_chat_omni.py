@@ -11,18 +11,22 @@ or `{"blocks"}` (thoughts -> <|inner_prefix|> .., response closes with <|inner_s
 <|tool_output_start|>..<|tool_output_end|>); no <|assistant_end|> while tool outputs are awaited.
 Tools are listed as json lines (the real template writes TypeScript signatures; the token layout is
 what these tests pin).
+
+`mmtok.sft.ConversationBuilder` then fills each slot with its medium's block (fake stores, see test_chat.py).
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from test_chat import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
 
 from mmtok.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
-from mmtok.encode.documents import DocumentBuilder, DocumentError, Sidecars
+from mmtok.conversations import Conversation, audio_clip_id, locate
+from mmtok.errors import Skip
 from mmtok.text import load_text_tokenizer
-from mmtok.vocab import VocabLayout
 
 CHAT_TOKENS = [
     "<|user_start|>", "<|user_end|>", "<|audio|>", "<|assistant_start|>", "<|assistant_end|>",
@@ -309,31 +313,140 @@ def test_record_lists_must_name_every_medium_of_their_kind(record, reason):
     assert caught.value.reason == reason
 
 
-@pytest.fixture(scope="module")
-def documents(tokenizer):
-    return DocumentBuilder("sft", tokenizer, VocabLayout(text_size=tokenizer.vocab_size))
+# -- conversations built: each slot filled with its medium's block -----------------------------------
+def _filled(tokenizer, parts: list, blocks: dict[MediaSlot, np.ndarray]) -> list[int]:
+    """The hand-built reference with each slot's block in its place."""
+    return [x for item in _reference(tokenizer, parts)
+            for x in (blocks[item].tolist() if isinstance(item, MediaSlot) else [item])]
 
 
-def test_image_sft_of_the_parts_form_fills_each_image_slot(tokenizer, documents):
-    conversation = {"messages": [
+def _stores(conversation: Conversation, blocks: dict[MediaSlot, np.ndarray], clip_ids: list[str]):
+    """An image store holding image slot k's block as the member slot k names, and an audio
+    store holding audio slot k's block as clip `clip_ids[k]`."""
+    media = conversation.media()  # slot k's block under the member slot k names (the tests assert `used` too)
+    images = ImageStore({(conversation.tar, locate(conversation, media, slot).member): block
+                         for slot, block in blocks.items() if slot.kind == "image"})
+    return images, AudioStore({cut_id: blocks[AUDIO[k]] for k, cut_id in enumerate(clip_ids)})
+
+
+def _blocks(tokenizer, images: int, audio: int) -> dict[MediaSlot, np.ndarray]:
+    """Distinct blocks (shapes and lengths differ too) for the first `images` image and `audio` audio slots."""
+    blocks = {IMAGE[k]: image_block(tokenizer, k, (2 + k, 3)) for k in range(images)}
+    blocks.update({AUDIO[k]: audio_block(tokenizer, 10 + k, 3 + 2 * k) for k in range(audio)})
+    return blocks
+
+
+# The REFERENCES forms as tar samples whose media resolve: the OpenAI image names a member, the Apertus
+# audio a clip of the pretraining cache. Form -> (conversation, what the sequence is made of).
+OPENAI_IN_TAR = json.loads(json.dumps(OPENAI).replace("https://example.org/zurich.jpg", "0.jpg"))
+BUILT = {
+    "typed": (tar_conversation(TYPED, ["0.png", "0.wav", "1.wav", "json"], key="t1", tar="omni.tar"),
+              {"image": ["omni.tar:t1.0.png"], "audio": ["omni/t1/audio-0", "omni/t1/audio-1"]}),
+    "openai": (tar_conversation(OPENAI_IN_TAR, ["0.jpg", "json"], key="o1", tar="omni.tar"),
+               {"image": ["omni.tar:o1.0.jpg"], "audio": ["omni/o1/audio-0"]}),
+    "apertus": (tar_conversation(APERTUS, ["0.jpg", "json"], key="c001", tar="c.tar"),
+                {"image": ["c.tar:c001.0.jpg"], "audio": ["clip-7"]}),
+}
+
+
+@pytest.mark.parametrize("form", sorted(BUILT))
+def test_every_content_form_builds_to_the_reference_with_each_block_in_its_slot(tokenizer, form):
+    conversation, expected_used = BUILT[form]
+    blocks = _blocks(tokenizer, len(expected_used["image"]), len(expected_used["audio"]))
+    tokens, used = build(tokenizer, conversation, *_stores(conversation, blocks, expected_used["audio"]))
+    assert tokens.tolist() == _filled(tokenizer, [*REFERENCES[form][1], "</s>"], blocks)
+    assert used == expected_used
+
+
+@pytest.mark.parametrize("where", ["tar", "jsonl"])
+def test_typed_audio_placeholders_alone_are_filled_with_their_clips(tokenizer, tmp_path, where):
+    record = {"messages": [{"role": "user", "content": "Hear <|audio|> then <audio>."},
+                           {"role": "assistant", "content": "Two birds."}]}
+    if where == "tar":
+        conversation = tar_conversation(record, ["0.wav", "1.flac", "json"])
+    else:  # the record's `audios` list names the files, relative to the input's directory
+        (tmp_path / "clips").mkdir()
+        (tmp_path / "clips" / "a.wav").write_bytes(b"RIFF")
+        (tmp_path / "b.flac").write_bytes(b"fLaC")
+        conversation = Conversation(id="birds", origin=f"{tmp_path}/c.jsonl:line 1", input=0, base=str(tmp_path),
+                                    record={**record, "audios": ["clips/a.wav", "b.flac"]})
+    clip_ids = [audio_clip_id(conversation.id, k) for k in range(2)]
+    blocks = _blocks(tokenizer, 0, 2)
+    tokens, used = build(tokenizer, conversation, *_stores(conversation, blocks, clip_ids))
+    assert tokens.tolist() == _filled(tokenizer, [
+        *PREAMBLE, "<|user_start|>", "Hear ", AUDIO[0], " then ", AUDIO[1], ".", "<|user_end|>",
+        "<|assistant_start|>", "Two birds.", "<|assistant_end|>", "</s>"], blocks)
+    assert used == {"image": [], "audio": clip_ids}
+
+
+INTERLEAVED = {"messages": [
+    {"role": "user", "content": [
+        {"type": "image", "image": "k.2.png"}, {"type": "text", "text": " then "},
+        {"type": "audio", "audio": "1.wav"}, {"type": "text", "text": " and "},
+        {"type": "image_url", "image_url": {"url": "0.png"}}]},
+    {"role": "assistant", "content": "Seen and heard."},
+    {"role": "user", "content": {"parts": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}},
+        {"type": "audio", "audio": {"cut_id": "pretrain-9"}}, {"type": "text", "text": " last: "},
+        {"type": "image", "image": "k.1.png"}]}},
+    {"role": "assistant", "content": {"blocks": [{"type": "response", "text": "Done."}]}}]}
+
+
+def test_interleaved_images_and_audio_each_land_in_their_slot_in_order(tokenizer):
+    conversation = tar_conversation(INTERLEAVED, ["0.png", "1.png", "2.png", "0.wav", "1.wav", "json"])
+    clip_ids = ["t/k/audio-0", "t/k/audio-1", "pretrain-9"]  # a member, inline bytes, a cache clip
+    blocks = _blocks(tokenizer, 3, 3)
+    tokens, used = build(tokenizer, conversation, *_stores(conversation, blocks, clip_ids))
+    assert tokens.tolist() == _filled(tokenizer, [
+        *PREAMBLE, "<|user_start|>", IMAGE[0], " then ", AUDIO[0], " and ", IMAGE[1], "<|user_end|>",
+        "<|assistant_start|>", "Seen and heard.", "<|assistant_end|>",
+        "<|user_start|>", AUDIO[1], AUDIO[2], " last: ", IMAGE[2], "<|user_end|>",
+        "<|assistant_start|>", "Done.", "<|assistant_end|>", "</s>"], blocks)
+    assert used == {"image": ["t.tar:k.2.png", "t.tar:k.0.png", "t.tar:k.1.png"], "audio": clip_ids}
+
+
+def test_image_sft_of_the_parts_form_fills_each_image_slot(tokenizer):
+    # A bare image part takes the one image member no reference names.
+    record = {"messages": [
         {"role": "user", "content": {"parts": [{"type": "image"}, {"type": "text", "text": " and "},
                                                {"type": "image_url", "image_url": {"url": "b.png"}}]}},
         {"role": "assistant", "content": {"blocks": [{"type": "response", "text": "Two photos."}]}}]}
-    template = documents.template(2, Sidecars(json=json.dumps(conversation).encode()))
-    assert [p for p in template if isinstance(p, int)] == [0, 1]
-    blocks = {0: [900], 1: [901]}
-    ids = [x for p in template for x in (blocks[p] if isinstance(p, int) else p.tolist())]
-    expected = _reference(tokenizer, [*PREAMBLE, "<|user_start|>", IMAGE[0], " and ", IMAGE[1], "<|user_end|>",
-                                      "<|assistant_start|>", "Two photos.", "<|assistant_end|>", "</s>"])
-    assert ids == [x if not isinstance(x, MediaSlot) else blocks[x.index][0] for x in expected]
+    conversation = tar_conversation(record, ["a.png", "b.png", "json"])
+    blocks = _blocks(tokenizer, 2, 0)
+    tokens, used = build(tokenizer, conversation, *_stores(conversation, blocks, []))
+    assert tokens.tolist() == _filled(tokenizer, [
+        *PREAMBLE, "<|user_start|>", IMAGE[0], " and ", IMAGE[1], "<|user_end|>",
+        "<|assistant_start|>", "Two photos.", "<|assistant_end|>", "</s>"], blocks)
+    assert used == {"image": ["t.tar:k.a.png", "t.tar:k.b.png"], "audio": []}
 
 
-@pytest.mark.parametrize("conversation, planned, reason, detail", [
-    ({"messages": [{"role": "user", "content": "<image><image>"}]}, 1, "placeholder_mismatch",
-     "conversation has 2 image placeholders, the plan has 1 images"),
-    (APERTUS, 1, "missing_media", "1 audio placeholders but this run has no audio source"),
+@pytest.mark.parametrize("record, encoded_images, clip, reason, detail", [
+    ({"messages": [{"role": "user", "content": "<image><image>"}]}, 1, None, "placeholder_mismatch",
+     "the conversation has 2 image placeholder(s), the sample's encoded images are 1"),
+    (APERTUS, 1, None, "missing_media", "clip-7 is not in the store"),
+    (APERTUS, 1, Skip("media_skipped:silent", "clip clip-7: silent"), "media_skipped:silent", "clip clip-7: silent"),
 ])
-def test_image_sft_skips_conversations_its_media_cannot_fill(documents, conversation, planned, reason, detail):
-    with pytest.raises(DocumentError) as caught:
-        documents.template(planned, Sidecars(json=json.dumps(conversation).encode()))
-    assert (caught.value.reason, caught.value.detail) == (reason, detail)
+def test_conversations_their_media_cannot_fill_are_skipped(tokenizer, record, encoded_images, clip, reason, detail):
+    conversation = tar_conversation(record, ["0.jpg", "1.jpg", "json"], key="c001", tar="c.tar")
+    images = ImageStore({("c.tar", "c001", k): image_block(tokenizer, k) for k in range(encoded_images)})
+    skip = built_skip(tokenizer, conversation, images, AudioStore({"clip-7": clip} if clip else {}))
+    assert (skip.reason, skip.detail) == (reason, detail)
+
+
+@pytest.mark.parametrize("where, content, listed, images, detail", [
+    ("jsonl", "<image>", {}, {}, "image 0: a placeholder without a reference"),
+    ("jsonl", "<image>", {"images": ["photo.png"]}, {}, "only images inside a conversation's tar sample are encoded"),
+    ("jsonl", "<audio>", {"audios": ["gone.wav"]}, {}, "audio 0: 'gone.wav' is not a file ("),
+    ("jsonl", [{"type": "audio_url", "audio_url": {"url": "https://example.org/a.mp3"}}], {}, {}, "is remote"),
+    ("tar", "<image>", {}, None, "no --images was given"),
+])
+def test_media_that_resolve_to_nothing_encoded_are_missing_media(tokenizer, tmp_path, where, content, listed, images,
+                                                                  detail):
+    (tmp_path / "photo.png").write_bytes(b"png")  # a file, but not an image of a sample the image encode holds
+    record = {**listed, "messages": [{"role": "user", "content": content}]}
+    if where == "tar":
+        conversation = tar_conversation(record, ["0.png", "json"])
+    else:
+        conversation = Conversation(id="c/1", origin="c.jsonl:line 1", input=0, record=record, base=str(tmp_path))
+    skip = built_skip(tokenizer, conversation, None if images is None else ImageStore(images), AudioStore())
+    assert skip.reason == "missing_media" and detail in skip.detail, skip

@@ -68,14 +68,16 @@ def _without_reasoning(parts: list) -> list:
 
 
 def _sft_pipeline(data: Path, work: Path, text: Path, checkpoint: Path, *merge: str) -> Path:
-    """scan, plan (mode sft), encode and merge the tars in `data` under `work`; returns the encode output."""
+    """scan, plan (mode sft), encode, sft and merge the tars in `data` under `work`; returns the sft output."""
     assert main(["scan", str(data / "*.tar"), "--out", str(work / "manifest"), "--workers", "1",
                  "--no-progress"]) == 0
     assert main(["plan", str(work / "manifest"), "--out", str(work / "plan"), "--quiet", "--mode", "sft",
                  "--text-tokenizer", str(text), "--min-pixels", "1024", "--max-pixels", "2304",
                  "--token-budget", "40", "--max-batch-images", "2"]) == 0
-    assert main(["encode", "--plan", str(work / "plan"), "--checkpoint", str(checkpoint), "--out", str(work / "out"),
+    assert main(["encode", "--plan", str(work / "plan"), "--checkpoint", str(checkpoint), "--out", str(work / "images"),
                  "--device", "cpu", "--no-progress"]) == 0
+    assert main(["sft", *map(str, sorted(data.glob("*.tar"))), "--text-tokenizer", str(text), "--images",
+                 str(work / "images"), "--out", str(work / "out"), "--no-progress"]) == 0
     assert main(["merge", str(work / "out"), *merge]) == 0
     return work / "out"
 
@@ -98,8 +100,8 @@ def sft_run(sft_inputs):
 def test_sft_tokens_equal_the_reference_rendering(sft_run):
     out, tokenizer = sft_run
     layout = VocabLayout(text_size=tokenizer.vocab_size)
-    keys = [json.loads(x)["key"] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
-    assert sorted(keys) == [key for key, _, _ in SFT_SAMPLES]  # written in the order documents complete
+    keys = [json.loads(x)["conversation"].split("/")[-1] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    assert keys == [key for key, _, _ in SFT_SAMPLES]  # in input order
     for key, tokens in zip(keys, read_sequences(out / "merged")):
         starts = np.flatnonzero(tokens == layout.special_id("<|img_start|>"))
         blocks = []
@@ -113,7 +115,7 @@ def test_stripped_copy_has_no_reasoning_and_everything_else_intact(sft_run):
     out, tokenizer = sft_run
     layout = VocabLayout(text_size=tokenizer.vocab_size)
     markers = [tokenizer.token_id("<|inner_prefix|>"), tokenizer.token_id("<|inner_suffix|>")]
-    keys = [json.loads(x)["key"] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    keys = [json.loads(x)["conversation"].split("/")[-1] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
     merged = list(read_sequences(out / "merged"))
     stripped = list(read_sequences(out / "merged_no_reasoning"))
     assert len(stripped) == len(merged) == len(SFT_SAMPLES)
@@ -125,7 +127,7 @@ def test_stripped_copy_has_no_reasoning_and_everything_else_intact(sft_run):
     summary = json.loads((out / "merged.json").read_text())["strip_reasoning"]
     assert summary["spans_removed"] == 3 and summary["dropped_empty_sequences"] == 0
     stripped_keys = (out / "merged_no_reasoning.provenance.jsonl").read_text().splitlines()
-    assert [json.loads(x)["key"] for x in stripped_keys] == keys
+    assert [json.loads(x)["conversation"].split("/")[-1] for x in stripped_keys] == keys
 
 
 def test_merged_rows_follow_the_order_the_messages_reference_the_images(sft_inputs):
@@ -139,4 +141,4 @@ def test_merged_rows_follow_the_order_the_messages_reference_the_images(sft_inpu
         ("r000.json", json.dumps(conversation).encode())])
     out = _sft_pipeline(root / "refs" / "data", root / "refs", text, checkpoint)
     (document,) = [json.loads(x) for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
-    assert document["rows"] == [1, 0]  # manifest rows of r000.1.png (referenced first), then r000.0.png
+    assert [m.rsplit(":", 1)[1] for m in document["image"]] == ["r000.1.png", "r000.0.png"]  # referenced order

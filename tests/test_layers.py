@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mmtok"
-STAGES = ("scan", "plan", "encode", "audio", "merge", "bench", "inspect", "demo", "commands", "cli")
+STAGES = ("scan", "plan", "encode", "audio", "pack", "sft", "merge", "bench", "inspect", "demo", "commands", "cli")
 
 
 def _module_name(path: Path) -> str:

@@ -1,13 +1,21 @@
-"""The four kinds of audio source `mmtok audio convert` reads, as lists of picklable work units.
+"""The five kinds of audio source `mmtok audio convert` reads, as lists of picklable work units.
 
 A *work unit* is one decode task handed to a worker process; `Unit.payloads()` yields, in a fixed
 order, each audio payload of the unit with the clips cut from it (or a `Dropped` record for what
 could not be read). Kinds and their units:
 
-  dir      a directory of audio files (+ optional transcript table)     one unit per audio file
-  tar      WebDataset tars: audio members + txt/json sidecars            one unit per tar
-  lhotse   Lhotse recording (+ supervision) manifests                    one unit per recording
-  parquet  Parquet files with an audio-bytes column                      one unit per row group
+  dir            a directory of audio files (+ optional transcript table)   one unit per audio file
+  tar            WebDataset tars: audio members + txt/json sidecars          one unit per tar
+  lhotse         Lhotse recording (+ supervision) manifests                  one unit per recording
+  parquet        Parquet files with an audio-bytes column                    one unit per row group
+  conversations  SFT conversations (`mmtok.conversations`: KEY.json samples  up to CONVERSATION_UNIT_CLIPS
+                 of tars, .jsonl lines, .parquet rows), never auto-detected  clips of one input
+
+A conversation's audio slot k is one whole clip `<conversation id>/audio-<k>` without text (its text
+is the conversation, which `mmtok sft` assembles later). A slot that names a clip already in an audio
+token cache (`{"cut_id": ...}`) is no clip of the input: it is neither converted nor counted in `in`;
+nor is a conversation without audio. A slot that cannot be located is Dropped with its clip id, a
+conversation whose media cannot be listed with its conversation id.
 
 Clip metadata uses one vocabulary everywhere: `text`, `recording_id` (the *source id*: clips of one
 recording form runs for interleaving), `clip` (the clip number in its recording), `start`/`end`
@@ -37,10 +45,13 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 
 from mmtok.audio.preprocess import AudioReason, to_mono
-from mmtok.errors import MmtokError
+from mmtok.chat import ConversationError
+from mmtok.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
+                                 sample_key)
+from mmtok.errors import MmtokError, Skip
 
-AUDIO_EXTENSIONS = ("wav", "flac", "ogg", "oga", "opus", "mp3")  # audio without a probe (tars: the only audio)
-KINDS = ("dir", "tar", "lhotse", "parquet")
+KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
+CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
 META_KEYS = ("text", "recording_id", "clip", "start", "end", "language", "target_language", "id")
 NO_EXTENSION = "(no extension)"
 
@@ -257,7 +268,7 @@ def is_audio_file(path: Path) -> bool:
     Only the header is read. A headerless RAW guess (libsndfile's reading of `.vox`, `.gsm`, ...
     by extension alone) does not count: any bytes would pass.
     """
-    if extension_of(path.name) in AUDIO_EXTENSIONS:
+    if extension_of(path.name) in AUDIO_SUFFIXES:
         return True
     import soundfile
 
@@ -355,7 +366,7 @@ class TarUnit(Unit):
         yield from errors
         records, audio, problems = [], [], []
         for key, members in samples.items():
-            audio_members = [m for m in members if m[0] in AUDIO_EXTENSIONS]
+            audio_members = [m for m in members if m[0] in AUDIO_SUFFIXES]
             if not audio_members:
                 yield Dropped(f"{tar_id}/{key}", f"{self.path}:{key}", "no_audio_member",
                               ", ".join(m[0] for m in members))
@@ -406,12 +417,10 @@ def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[Dropped]]:
             for member in archive:
                 if not member.isfile():
                     continue
-                directory, _, base = member.name.rpartition("/")
-                stem, dot, ext = base.partition(".")
-                if not dot:
+                named = sample_key(member.name)
+                if named is None:
                     continue
-                key = f"{directory}/{stem}" if directory else stem
-                ext = ext.lower()
+                key, ext = named[0], named[1].lower()
                 body = None
                 if ext in ("txt", "json"):
                     body = archive.extractfile(member).read()
@@ -591,6 +600,72 @@ def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list
     return units, []
 
 
+# --- (e) SFT conversations --------------------------------------------------------------------------
+
+@dataclass
+class ConversationUnit(Unit):
+    clips: list[tuple[_LocatedLoader, ClipSpec]] = field(default_factory=list)
+
+    def payloads(self):
+        for loader, spec in self.clips:
+            yield loader, [spec]
+
+
+@dataclass
+class _LocatedLoader:
+    located: Located  # plain data, so the loader pickles to a worker
+
+    def __call__(self) -> tuple[np.ndarray, int]:
+        try:
+            data = self.located.read()
+        except OSError as err:  # located at collection, gone or cut short since
+            raise AudioReason("missing_media", f"cannot read the audio ({err})") from None
+        return decode_audio(data, self.located.where)
+
+
+def conversation_units(inputs: list[Path]) -> tuple[list[Unit], list[Dropped]]:
+    """The audio clips of every conversation of `inputs` (read together: ids are unique across them), in
+    input, conversation and slot order, as units of at most CONVERSATION_UNIT_CLIPS clips of one input;
+    and what could not be located or listed, Dropped."""
+    units: list[ConversationUnit] = []
+    dropped: list[Dropped] = []
+    unit_input = None
+    for conversation in read_conversations(inputs):
+        for item in _conversation_clips(conversation):
+            if isinstance(item, Dropped):
+                dropped.append(item)
+                continue
+            if conversation.input != unit_input or len(units[-1].clips) == CONVERSATION_UNIT_CLIPS:
+                units.append(ConversationUnit(origin=conversation.origin))
+                unit_input = conversation.input
+            units[-1].clips.append(item)
+    return units, dropped
+
+
+def _conversation_clips(conversation: Conversation) -> Iterator[tuple[_LocatedLoader, ClipSpec] | Dropped]:
+    """(loader, whole-payload clip) of each audio slot in media order; a slot that names a cache clip
+    (`cut`) yields nothing, one that cannot be located a Dropped clip id; a conversation whose media
+    cannot be listed is one Dropped conversation id."""
+    try:
+        media = conversation.media()
+    except ConversationError as err:
+        yield Dropped(conversation.id, conversation.origin, err.reason, err.detail)
+        return
+    for ref in media:
+        if ref.slot.kind != "audio":
+            continue
+        clip_id = audio_clip_id(conversation.id, ref.slot.index)
+        try:
+            located = locate(conversation, media, ref.slot)
+        except Skip as skip:
+            yield Dropped(clip_id, conversation.origin, skip.reason, skip.detail)
+            continue
+        if located.kind == "cut":
+            continue  # encoded already, by the pretraining conversion
+        yield _LocatedLoader(located), ClipSpec(id=clip_id, source_id=conversation.id, clip=ref.slot.index,
+                                                origin=located.where)
+
+
 # --- all inputs ----------------------------------------------------------------------------------
 
 def detect_kind(path: Path) -> str:
@@ -608,6 +683,11 @@ def detect_kind(path: Path) -> str:
                      "pass --kind")
 
 
+# Kinds whose inputs are read together, at the first one's position: a supervision's recording may be in
+# any manifest; conversation ids are unique across the inputs.
+READ_TOGETHER = {"lhotse": lhotse_units, "conversations": conversation_units}
+
+
 class Collected(NamedTuple):
     """What the inputs hold before decoding: work units, records dropped already, ignored files by extension."""
 
@@ -618,8 +698,9 @@ class Collected(NamedTuple):
 
 def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path | None = None,
                   audio_column: str = "audio", text_column: str = "text", exclude: Path | None = None) -> Collected:
-    """Every work unit of every input, in input order (Lhotse manifests are read together); nothing
-    under `exclude` (the output directory) is an input."""
+    """Every work unit of every input, in input order (Lhotse manifests are read together, as are
+    conversation inputs, at the first one's position); nothing under `exclude` (the output directory)
+    is an input."""
     for path in inputs:
         if not path.exists():
             raise MmtokError(f"input not found: {path}")
@@ -629,8 +710,7 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
     kinds = [detect_kind(p) if kind == "auto" else kind for p in inputs]
     if transcripts is not None and "dir" not in kinds:
         raise MmtokError("--transcripts applies to a directory input; none was given")
-    lhotse_inputs = [p for p, k in zip(inputs, kinds) if k == "lhotse"]
-    for path, this_kind in zip(inputs, kinds):
+    for position, (path, this_kind) in enumerate(zip(inputs, kinds)):
         if this_kind == "dir":
             *found, files_ignored = directory_units(path, transcripts, exclude)
             ignored.update(files_ignored)
@@ -638,10 +718,10 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
             found = ([TarUnit(origin=str(path), path=str(path))], [])
         elif this_kind == "parquet":
             found = parquet_units(path, audio_column, text_column)
-        elif this_kind == "lhotse":
-            if path != lhotse_inputs[0]:
-                continue  # all manifests are read together at the first one's position
-            found = lhotse_units(lhotse_inputs)
+        elif this_kind in READ_TOGETHER:
+            if position != kinds.index(this_kind):
+                continue  # read with the first input of its kind
+            found = READ_TOGETHER[this_kind]([p for p, k in zip(inputs, kinds) if k == this_kind])
         else:
             raise MmtokError(f"unknown source kind {this_kind!r}; known: {', '.join(KINDS)}")
         units.extend(found[0])

@@ -13,10 +13,14 @@ languages. INPUT kinds (auto-detected, or --kind): a directory of audio files (a
 opens: wav flac ogg oga opus mp3 aiff ..., with or without extension; other files are counted by
 extension; --transcripts TSV/JSONL with columns path, text, recording_id, start, end, language,
 target_language, id, clip), WebDataset .tar files (audio member + txt/json sidecar per key), Lhotse
-manifests (.jsonl[.gz] recordings + supervisions) and .parquet files (an audio-bytes column). Invalid
-clips and unreadable table rows are dropped with a counted reason (OUT/conversion.json, OUT/dropped/);
-in = written + dropped + ignored. Rerunning resumes after the last complete shard; one run at a time
-writes OUT (a second is refused, naming the holder).
+manifests (.jsonl[.gz] recordings + supervisions) and .parquet files (an audio-bytes column).
+--kind conversations (never detected) reads SFT conversations -- KEY.json samples of WebDataset tars,
+.jsonl files (one per line), .parquet files (a `messages` column) -- and converts the audio their
+messages reference (a tar member, a file, inline bytes) into clips <conversation id>/audio-<k> without
+text; a reference to a clip already in an audio token cache ({"cut_id": ...}) is left out; `mmtok sft`
+assembles the conversations later. Invalid clips and unreadable table rows are dropped with a counted
+reason (OUT/conversion.json, OUT/dropped/); in = written + dropped + ignored. Rerunning resumes after
+the last complete shard; one run at a time writes OUT (a second is refused, naming the holder).
 """
 
 INTERLEAVE_HELP = """\
@@ -35,15 +39,19 @@ def add_parser(sub) -> None:
     audio_sub = parser.add_subparsers(dest="audio_command", required=True, metavar="SUBCOMMAND")
     convert = audio_sub.add_parser("convert", help="audio sources -> Lhotse Shar (24 kHz + text token ids)",
                                    description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    convert.add_argument("inputs", nargs="*", type=Path, metavar="INPUT", help="directory, .tar, .parquet or Lhotse .jsonl[.gz]")
+    convert.add_argument("inputs", nargs="*", type=Path, metavar="INPUT",
+                         help="directory, .tar, .parquet or Lhotse .jsonl[.gz]; with --kind conversations: "
+                         "conversation .tar, .jsonl or .parquet")
     convert.add_argument("--source", type=Path, metavar="FILE",
                          help="source declaration (manifests/*.yaml): its inputs follow INPUT arguments and its "
                          "options apply where no flag is given")
     convert.add_argument("--root", type=Path, metavar="DIR",
                          help="directory that relative paths of --source are relative to (default: its folder)")
     convert.add_argument("--out", required=True, type=Path, help="output directory (Shar shards in OUT/shar)")
-    convert.add_argument("--kind", default="auto", choices=("auto", "dir", "tar", "lhotse", "parquet"),
-                         help="source kind of every input (default: detect per input)")
+    convert.add_argument("--kind", default="auto",
+                         choices=("auto", "dir", "tar", "lhotse", "parquet", "conversations"),
+                         help="source kind of every input (default: detect per input; conversations is never "
+                         "detected)")
     convert.add_argument("--transcripts", type=Path, help="TSV (with header) or JSONL transcript table for a directory input")
     convert.add_argument("--audio-column", default="audio", help="Parquet: column with audio bytes (default audio)")
     convert.add_argument("--text-column", default="text", help="Parquet: column with the text (default text)")

@@ -10,7 +10,9 @@ def add_parser(sub) -> None:
         "demo", help="run the whole flow on bundled real media",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run scan -> plan -> encode (2 ranks) -> merge on bundled photos with captions, and "
-        "audio convert -> encode -> merge -> interleave on bundled speech, printing each command as it runs.\n"
+        "audio convert -> encode -> merge -> interleave on bundled speech, then omni SFT on a conversation tar "
+        "built from both (scan -> plan --mode sft -> encode -> audio convert --kind conversations -> encode "
+        "--modality audio -> sft -> merge --strip-reasoning -> inspect), printing each command as it runs.\n"
         "Without checkpoints the codecs are tiny random-weight checkpoints in the official formats "
         "(real files, meaningless tokens).")
     parser.add_argument("--out", default="mmtok-demo", help="output directory (default ./mmtok-demo; an earlier "
@@ -18,7 +20,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="encode ranks to simulate (default 2)")
     parser.add_argument("--image-checkpoint", default=None, help="official Emu3.5 tokenizer directory (optional)")
     parser.add_argument("--audio-checkpoint", default=None, help="official WavTokenizer directory (optional)")
-    parser.add_argument("--no-audio", action="store_true", help="run the image flow only")
+    parser.add_argument("--no-audio", action="store_true", help="run the image flow only (the SFT flow needs the audio codec)")
     parser.set_defaults(func=run)
 
 

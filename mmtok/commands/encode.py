@@ -90,6 +90,15 @@ def print_summary(rank: int, world_size: int, stats: dict, out: str) -> None:
     if stats.get("already_done"):
         print(f"mmtok encode: rank {rank}/{world_size}: {where} is already finished "
               f"({stats['sequences']:,} sequences); nothing to do")
+    elif stats.get("mode") == "sft":  # no documents here: every image is an item for `mmtok sft`
+        failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
+        print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
+              f"{stats['images_planned']:,} images of SFT conversations stored as items, "
+              f"{counts.get('item_tokens', 0):,} tokens" + (f"; failed to decode: {failed} (named in "
+              f"{where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""))
+        print(f"  next: mmtok sft CONVERSATIONS --images {out} [--audio AUD] --out SFT, then mmtok merge SFT")
+        print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
+              f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
     else:
         skipped = ", ".join(f"{reason} {n:,}" for reason, n in stats["skipped"].items()) or "none"
         print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
@@ -98,7 +107,11 @@ def print_summary(rank: int, world_size: int, stats: dict, out: str) -> None:
         if stats["images_deferred"]:
             print(f"  + {stats['images_deferred']:,} images of documents with several images, stored as items: "
                   "`mmtok merge` assembles those documents (and lists any it skips)")
-        if not stats["dataset"]:
+        if stats.get("items_failed"):
+            failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
+            print(f"  of those, failed to decode: {failed} (stored as failed items, named in {where}/items.jsonl; "
+                  "their documents are skipped, and listed, when they are assembled)")
+        if not stats["dataset"] and not stats["images_deferred"]:
             print("  no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
         print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
               f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")

@@ -14,8 +14,9 @@ def add_parser(sub) -> None:
                         help="manifest dir, plan dir, encode output dir, or dataset prefix/.bin/.idx (several "
                         "datasets only with --megatron)")
     parser.add_argument("--limit", type=int, default=3, help="documents (or rows) to show (default 3)")
-    parser.add_argument("--text-tokenizer", default="tekken",
-                        help="text tokenizer used for the dataset (default: tekken, the built-in Mistral-NeMo one)")
+    parser.add_argument("--text-tokenizer", default=None,
+                        help="text tokenizer used for the dataset (default: the one its merged.json records when "
+                        "that file is still there, else tekken, the built-in Mistral-NeMo one)")
     parser.add_argument("--text-vocab-size", type=int, default=None,
                         help="text vocabulary size of the layout (default: the tokenizer's size)")
     parser.add_argument("--render", metavar="DIR", default=None, help="decode shown blocks into DIR (needs --codec)")

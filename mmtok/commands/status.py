@@ -68,7 +68,7 @@ def _table(status: dict) -> list[str]:
         wanted = {p["part"] for p in parts if p["state"] != "done"} | set(status["slowest"])
         shown = [p for p in parts if p["part"] in wanted][:TABLE_LIMIT]
     with_plan = status["imbalance"]["modeled"] is not None
-    unit, item, rate = ("units", "clips", "clip/s") if status["item"] == "clip" else ("batches", "images", "img/s")
+    unit, item, rate = LABELS[status["item"]]
     header = (f"  {'part':>5} {'state':<8} {unit:>13} {item:>9} {'skipped':>7} {'tokens':>12} {'wall':>8} "
               f"{'busy':>5} {rate:>8} {'tok/s':>9} {'eta':>8}" + ("  cost% wall%" if with_plan else ""))
     lines = [header]
@@ -87,11 +87,16 @@ def _table(status: dict) -> list[str]:
     return lines
 
 
+# What a part's units and written inputs are called, per status item (images, audio clips, SFT conversations).
+LABELS = {"image": ("batches", "images", "img/s"), "clip": ("units", "clips", "clip/s"),
+          "conversation": ("units", "convs", "conv/s")}
+
+
 def _summary(status: dict) -> list[str]:
     t, balance = status["totals"], status["imbalance"]
     planned = "?" if t["units_planned"] is None else f"{t['units_planned']:,}"
-    item = "clips" if status["item"] == "clip" else "images"
-    total = (f"total: {t['units_done']:,}/{planned} {'units' if item == 'clips' else 'batches'}, {t['written']:,} "
+    unit, item, _rate = LABELS[status["item"]]
+    total = (f"total: {t['units_done']:,}/{planned} {unit}, {t['written']:,} "
              f"{item}, {t['skipped']:,} skipped, {t['tokens']:,} tokens, {_duration(t['wall_s'])} part-time, "
              f"device busy {100 * t['device_busy_fraction']:.0f}%")
     lines = [total]

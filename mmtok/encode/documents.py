@@ -9,9 +9,8 @@ image blocks once every image of the document is encoded. Layouts (DESIGN.md §4
   text-image   BOS caption block_0 .. block_n EOS                 (text -> image)
   interleaved  BOS segments in the json sidecar's order EOS       (OBELICS / MINT-1T `texts`/`images`
                parallel lists; a run of consecutive texts is joined with "\\n\\n" and tokenized once)
-  sft          the chat template's rendering of the json sidecar (`messages`, `tools`, ...), cut at
-               image placeholders; BOS prepended / EOS appended unless the rendering starts / ends
-               with them
+  sft          no document here: every image is committed as an item and `mmtok sft` makes the
+               conversations (with their audio), see `mmtok.sft`
 
 text-image puts no `<|img_generation_start|>` between caption and image: DESIGN.md §4's caption
 documents are `BOS caption block EOS`, which is also what the plan counts exactly. The caption is
@@ -26,7 +25,6 @@ from typing import Union
 
 import numpy as np
 
-from mmtok.chat import ChatRenderer, ConversationError, split_media
 from mmtok.errors import Skip
 from mmtok.plan import caption_text
 from mmtok.text import TextTokenizer
@@ -56,14 +54,18 @@ class DocumentBuilder:
         self.mode = mode
         self.tokenizer = tokenizer
         self.layout = layout
-        self.chat = ChatRenderer.from_tokenizer(tokenizer) if mode == "sft" else None
         self._bos = np.array([tokenizer.bos_id], np.int32)
         self._eos = np.array([tokenizer.eos_id], np.int32)
         self._dims: dict[tuple[int, int], list[int]] = {}
         self._builders = {"image": self._image, "image-text": self._image_text, "text-image": self._text_image,
-                          "interleaved": self._interleaved, "sft": self._sft}
-        if mode not in self._builders:
+                          "interleaved": self._interleaved}
+        if mode not in self._builders and mode != "sft":
             raise ValueError(f"unknown document mode {mode!r}; known: {sorted(self._builders)}")
+
+    @property
+    def makes_documents(self) -> bool:
+        """False for sft: its images are items only, the conversations are made by `mmtok sft`."""
+        return self.mode != "sft"
 
     @property
     def needs_text(self) -> bool:
@@ -71,7 +73,7 @@ class DocumentBuilder:
 
     @property
     def needs_json(self) -> bool:
-        return self.mode in ("interleaved", "sft")
+        return self.mode == "interleaved"
 
     def template(self, num_images: int, sidecars: Sidecars) -> Template:
         """The template of a document with `num_images` planned images; DocumentError if unusable."""
@@ -144,34 +146,6 @@ class DocumentBuilder:
     def _flush(self, template: Template, run: list[str]) -> Template:
         text = TEXT_SEPARATOR.join(run)
         return [*template, self._text(text)] if text else template
-
-    def _sft(self, num_images: int, sidecars: Sidecars) -> Template:
-        try:
-            rendered = self.chat.render(_json(sidecars))
-        except ConversationError as err:
-            raise DocumentError(err.reason, err.detail) from None
-        template: Template = []
-        audio = 0
-        for piece in split_media(rendered):
-            if isinstance(piece, str):
-                if (ids := self._text(piece)).size:
-                    template.append(ids)
-            elif piece.kind == "image":
-                template.append(piece.index)
-            else:
-                audio += 1
-        if audio:
-            raise DocumentError("missing_media", f"{audio} audio placeholders but this run has no audio source")
-        images = sum(isinstance(part, int) for part in template)
-        if images != num_images:
-            raise DocumentError("placeholder_mismatch", f"conversation has {images} image placeholders, the plan "
-                                f"has {num_images} images")
-        if not _text_edge(template, 0, self._bos[0]):
-            template.insert(0, self._bos)
-        if not _text_edge(template, -1, self._eos[0]):
-            template.append(self._eos)
-        return template
-
 
 def pack_template(template: Template) -> tuple[np.ndarray, list[int]]:
     """(text ids, layout) of a template, for storing it: the layout lists each part in order -- a text

@@ -153,6 +153,8 @@ class BatchLoader:
 
     def _templates(self, batch: int) -> dict[int, Template | DocumentError]:
         out: dict[int, Template | DocumentError] = {}
+        if not self.builder.makes_documents:
+            return out
         rows = self.work.rows
         for row in self.work.template_rows(batch):
             document = int(rows["document"][row])

@@ -12,6 +12,8 @@ and resumes, and merge to the same bytes for any world size.
 Documents of several images: their images can sit in any batches, on any ranks. Each image is
 committed as an item of the part (its block), the document's text template as another (with the
 batch of its first image), and `mmtok merge` assembles the document from them (`mmtok.assemble`).
+SFT (`--mode sft`): every image is an item and no template is made here; `mmtok sft` renders the
+conversations and fills in these images and the conversations' audio (`mmtok.sft`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import PIL
 import torch
 
 from mmtok import __version__
+from mmtok.chat import recorded_special_ids
 from mmtok.codecs.base import refuse_low_precision
 from mmtok.encode.documents import DocumentError, DocumentBuilder, Template, pack_template
 from mmtok.encode.loader import BatchLoader, PreparedBatch
@@ -35,13 +38,6 @@ from mmtok.formats.commitlog import PartWriter, has_dataset, part_dir
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
-# Text special tokens recorded (id by name) in the part identity when the tokenizer has them:
-# merge --strip-reasoning and inspection tools read them from there.
-RECORDED_SPECIAL_TOKENS = (
-    "<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>", "<|user_start|>",
-    "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>", "<|inner_prefix|>", "<|inner_suffix|>",
-    "<|tools_prefix|>", "<|tools_suffix|>", "<|tool_output_start|>", "<|tool_output_end|>",
-)
 
 
 @dataclass
@@ -85,12 +81,7 @@ def check_codec(work: RankWork, codec, builder: DocumentBuilder) -> None:
 
 def part_identity(work: RankWork, codec, tokenizer: TextTokenizer, layout: VocabLayout) -> dict:
     """What a part is made from; a resume must match it exactly (see PartWriter)."""
-    special = {}
-    for name in RECORDED_SPECIAL_TOKENS:
-        try:
-            special[name] = tokenizer.token_id(name)
-        except MmtokError:
-            pass
+    special = recorded_special_ids(tokenizer)
     return {
         "part": work.rank, "num_parts": work.world_size, "modality": "image", "mode": work.mode,
         "part_batches": list(work.batch_range),
@@ -137,7 +128,7 @@ class Assembler:
             failure = prepared.failures[slot]
             self._count_failure(failure, row, max_failures)
             block = None if failure else self._block(codes[slot], row)
-            if rows["document_images"][row] == 1:
+            if rows["document_images"][row] == 1 and self.builder.makes_documents:
                 template = prepared.templates.get(int(rows["document"][row]))
                 if template is None:  # a kept document always keeps its image 0 (documents are dropped whole)
                     raise MmtokError(f"plan row of manifest row {rows['manifest_row'][row]}: a one-image document "
@@ -147,7 +138,9 @@ class Assembler:
             else:
                 commit.items.append(self._image_item(row, failure, block))
                 commit.counts["images_deferred"] += 1
-        for row in self.work.template_rows(prepared.batch):
+                if failure:  # the item says why; counted here too so the summary and status show it now
+                    commit.counts[f"items_failed:{failure.reason}"] += 1
+        for row in self.work.template_rows(prepared.batch) if self.builder.makes_documents else ():
             if rows["document_images"][row] > 1:
                 commit.items.append(self._template_item(row, prepared.templates[int(rows["document"][row])]))
         if commit.items:  # image blocks and template ids, the tokens merge assembles into documents
@@ -286,11 +279,12 @@ def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions
     timing = timing_stats(counts)
     return {
         "tool_version": __version__,
-        "rank": work.rank, "world_size": work.world_size, "batches": list(work.batch_range),
+        "rank": work.rank, "world_size": work.world_size, "mode": work.mode, "batches": list(work.batch_range),
         "ranges_rederived": work.rederived,
         "images_planned": work.num_images,
         "images_written": counts.get("images_written", 0),
-        "images_deferred": counts.get("images_deferred", 0),  # of documents with several images: merge assembles them
+        "images_deferred": counts.get("images_deferred", 0),  # items: merge (or mmtok sft) assembles their documents
+        "items_failed": {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("items_failed:")},
         "skipped": {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")},
         **timing, "images_per_s": (counts.get("images_written", 0) + counts.get("images_deferred", 0)) / timing["wall_s"]
         if timing["wall_s"] else 0.0,

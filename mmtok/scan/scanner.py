@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mmtok.chat import ConversationError, conversation_media
+from mmtok.conversations import IMAGE_SUFFIXES
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 from mmtok.scan.tarindex import (BAD_MEMBER_SIZE, BAD_SIZE, BLOCK, CORRUPT_HEADER, REGULAR, TRUNCATED, TarWalker,
                                   compression)
@@ -33,7 +34,6 @@ CACHE_DIR = ".scan-cache"
 TAR_WINDOW = 13 * BLOCK
 MAX_JSON_BYTES = 1 << 24  # a json sidecar larger than this is not parsed for image order
 
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 _IMAGE_SUFFIXES = frozenset(s.encode() for s in IMAGE_SUFFIXES)
 _KNOWN_SUFFIXES = _IMAGE_SUFFIXES | {b"txt", b"json"}
 _NO_SIDECAR = (-1, -1)

@@ -1,0 +1,38 @@
+"""`mmtok pack`: conversations and their media (files, table cells, base64) -> WebDataset tars."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DESCRIPTION = """\
+Write the conversations of the inputs (.jsonl lines, .parquet rows with a `messages` column, or tar
+samples) as WebDataset tars, OUT/conversations-NNNNNN.tar: one sample per conversation, KEY.json (the
+record, its id kept, each medium named by its member) + one member per image and audio medium, bytes
+unchanged. The image path (scan -> plan --mode sft -> encode) reads images only from tar members; pack
+is how images given as file paths, Parquet cells or base64 get there. Run the SFT flow on the packed
+tars afterwards (docs/sft.md). A conversation whose media cannot all be read is not packed: it is named
+with its reason in OUT/skipped.jsonl. The output depends only on the inputs.
+"""
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("pack", help="conversations and their media (paths, cells, base64) -> WebDataset tars",
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="+", type=Path, help="conversation files (.jsonl, .parquet, .tar)")
+    parser.add_argument("--out", type=Path, required=True, help="output directory (an earlier pack there is replaced)")
+    parser.add_argument("--samples-per-tar", type=int, default=1000, help="conversations per tar (default 1000)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mmtok.errors import MmtokError
+    from mmtok.pack import pack, print_summary, refuse_foreign
+
+    if args.samples_per_tar < 1:
+        raise MmtokError(f"--samples-per-tar {args.samples_per_tar}: it must be at least 1")
+    refuse_foreign(args.out)
+    report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, progress=not args.no_progress)
+    print_summary(report, args.out)
+    return 0

@@ -1,0 +1,61 @@
+"""`mmtok sft`: assemble SFT conversations (text, images, audio) from their encoded media into parts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DESCRIPTION = """\
+Render SFT conversations with the text tokenizer's chat template and replace every media placeholder
+(<|image|>/<image>, <|audio|>/<audio>, or an image/audio content part) by its medium's block: images
+from an image encode output (`mmtok plan --mode sft` over the conversation tars, then `mmtok encode`),
+audio from audio encode outputs (`mmtok audio convert --kind conversations`, then `mmtok encode
+--modality audio`; clips of the pretraining path are referenced as {"cut_id": ...}). Writes one part
+per rank into OUT/parts/; then `mmtok merge OUT [--strip-reasoning]`.
+
+Inputs: WebDataset tars (KEY.json + media members), .jsonl (one conversation per line), .parquet (a
+`messages` column). A conversation is written only when every medium it references encoded; otherwise
+it is named in the part's skipped.jsonl with its reason (missing_media, placeholder_mismatch,
+media_skipped:<reason>, ...). CPU only. Rank and world size: --rank/--world-size, else RANK/WORLD_SIZE,
+else SLURM_PROCID/SLURM_NTASKS; the merged output is the same for every world size. Rerunning the same
+command after a kill resumes from the last committed unit.
+"""
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser("sft", help="assemble SFT conversations with their encoded images and audio",
+                            description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="+", type=Path, help="conversation files (.tar, .jsonl, .parquet)")
+    parser.add_argument("--text-tokenizer", required=True,
+                        help="HF tokenizer directory with a chat_template (the image plan's tokenizer)")
+    parser.add_argument("--images", type=Path, default=None,
+                        help="image encode output of a `--mode sft` plan over the conversation tars")
+    parser.add_argument("--audio", type=Path, action="append", default=[],
+                        help="audio encode output (repeatable): its token cache holds the conversations' clips")
+    parser.add_argument("--converted", type=Path, action="append", default=[],
+                        help="`mmtok audio convert` output (repeatable): names why a clip it dropped is missing")
+    parser.add_argument("--out", type=Path, required=True, help="output directory (parts go to OUT/parts/)")
+    parser.add_argument("--max-tokens", type=int, default=1 << 20,
+                        help="skip conversations longer than this as document_too_long (default 1,048,576)")
+    parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
+    parser.add_argument("--world-size", type=int, default=None, help="number of ranks (default: from the environment)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mmtok.formats.commitlog import check_part_free, part_dir
+    from mmtok.launch import resolve_rank
+    from mmtok.errors import MmtokError
+    from mmtok.sft import SftOptions, assemble_rank, print_summary
+
+    if args.max_tokens < 1:
+        raise MmtokError(f"--max-tokens {args.max_tokens}: it must be at least 1")
+    rank, world_size = resolve_rank(args.rank, args.world_size)
+    check_part_free(part_dir(args.out, rank))
+    options = SftOptions(max_tokens=args.max_tokens, progress=not args.no_progress)
+    stats = assemble_rank(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
+                          audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
+                          options=options)
+    print_summary(rank, world_size, stats, args.out)
+    return 0

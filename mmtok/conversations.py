@@ -1,0 +1,391 @@
+"""SFT conversation records and where their media are: the one reader that `mmtok audio convert
+--kind conversations` (their audio becomes clips) and `mmtok sft` (conversations become sequences) share.
+
+Inputs and the id each conversation gets (ids are unique across the inputs; a repeat is skipped as
+`duplicate_conversation`):
+
+  KEY.json in a WebDataset tar    its `id` (a string), else `<tar stem>/<KEY>`; its media are the
+                                  sample's members
+  a line of a .jsonl file         its `id` (a string), else `<file stem>/<content id>`
+  a row of a .parquet file        its `id` column, else `<file stem>/<content id>`; the row's columns
+                                  are the record (`messages` may be a JSON string)
+
+A content id is the first 16 hex digits of the SHA-256 of the record (`content_id`), not its line or row
+number: the audio a conversion made for a record stays that record's when lines are added or removed
+before `mmtok sft` reads the file (identical records share an id: the second is a duplicate). Two inputs
+with the same file stem are refused (their ids would collide).
+
+A medium's reference (`mmtok.chat.MediaRef.source`) is resolved by `locate`:
+
+  {"cut_id": ID}                  a clip already in an audio token cache (Lhotse cut id)
+  {"data": BASE64, ...}           inline bytes (`input_audio`); also `data:...;base64,` URLs
+  {"bytes": ..., "path": ...}     a Hugging Face `Audio`/`Image` cell: its bytes, else its path
+  bytes                           inline bytes (a Parquet cell)
+  a string                        in a tar: a member of the sample (full name, `KEY.` + name, or base
+                                  name); otherwise (or if no member matches) a file path, relative to
+                                  the input's directory; `file://` is stripped; http(s) is refused
+  none (a typed placeholder)      in a tar: the sample's members of that kind no other reference names,
+                                  by the N of KEY.N.ext, then by name (the scan's order)
+
+What cannot be resolved is `missing_media` naming the slot and what was looked for.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmtok.chat import ConversationError, MediaRef, MediaSlot, conversation_media
+from mmtok.errors import MmtokError, Skip
+
+# Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
+AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
+KIND_SUFFIXES = {"audio": AUDIO_SUFFIXES, "image": IMAGE_SUFFIXES}
+INPUT_KINDS = ("tar", "jsonl", "parquet")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One conversation record: `record` parsed, or `error` saying why it cannot be used."""
+
+    id: str
+    origin: str  # where it is, for people: "a.tar:KEY", "b.jsonl:line 12", "c.parquet:row 3"
+    input: int   # which input (position in the inputs)
+    record: dict | None = None
+    error: Skip | None = None
+    tar: str | None = None  # the tar of a tar sample
+    key: str | None = None  # its WebDataset sample key
+    members: dict[str, tuple[int, int]] = field(default_factory=dict)  # member name -> (data offset, size)
+    base: str = "."  # directory that relative paths are relative to
+
+    def media(self) -> list[MediaRef]:
+        """The media its messages reference, in order (ConversationError when they cannot be listed)."""
+        if self.error is not None:
+            raise ConversationError(self.error.reason, self.error.detail)
+        return conversation_media(self.record)
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where one medium's bytes are: a tar member, a file, inline bytes, or a clip of an audio cache."""
+
+    kind: str  # "member" | "file" | "bytes" | "cut"
+    where: str  # for people
+    path: str | None = None
+    offset: int = 0
+    size: int = -1
+    data: bytes | None = None
+    cut_id: str | None = None
+    member: str | None = None  # the tar member's name (kind "member")
+
+    def read(self) -> bytes:
+        """The medium's bytes (not for "cut"); OSError when the file cannot be read."""
+        if self.data is not None:
+            return self.data
+        with open(self.path, "rb") as handle:
+            if self.kind == "member":
+                handle.seek(self.offset)
+                data = handle.read(self.size)
+                if len(data) != self.size:
+                    raise OSError(f"{self.where}: the tar ends inside the member")
+                return data
+            return handle.read()
+
+
+def audio_clip_id(conversation_id: str, index: int) -> str:
+    """The cut id `mmtok audio convert --kind conversations` gives a conversation's audio slot `index`."""
+    return f"{conversation_id}/audio-{index}"
+
+
+def content_id(record: dict) -> str:
+    """16 hex digits of the SHA-256 of a record's canonical JSON (bytes values by their own SHA-256)."""
+    def default(value):
+        if isinstance(value, (bytes, bytearray)):
+            return {"sha256": hashlib.sha256(value).hexdigest()}
+        raise TypeError(f"{type(value).__name__} in a conversation record")
+
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=default)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _record_id(record: dict | None, stem: str, fallback: str) -> str:
+    """A record's own string `id`, else `<stem>/<content id>` (else, for an unreadable record, the fallback)."""
+    ident = record.get("id") if record is not None else None
+    if isinstance(ident, str) and ident:
+        return ident
+    try:
+        return f"{stem}/{content_id(record)}" if record is not None else f"{stem}/{fallback}"
+    except (TypeError, ValueError):
+        return f"{stem}/{fallback}"
+
+
+def input_kind(path: Path) -> str:
+    name = path.name.lower()
+    for kind, suffixes in (("tar", (".tar",)), ("jsonl", (".jsonl",)), ("parquet", (".parquet",))):
+        if name.endswith(suffixes):
+            return kind
+    raise MmtokError(f"{path}: not a conversation input (a WebDataset .tar with KEY.json samples, a .jsonl file "
+                     "with one conversation per line, or a .parquet file with a `messages` column)")
+
+
+def read_conversations(inputs: list[Path]) -> Iterator[Conversation]:
+    """Every conversation of `inputs`, in input order (a tar's samples in tar order, lines and rows in order)."""
+    stems: dict[str, Path] = {}
+    for path in inputs:
+        if not path.is_file():
+            raise MmtokError(f"conversation input not found (or not a file): {path}")
+        stem = input_stem(path)
+        if stem in stems:
+            raise MmtokError(f"inputs {stems[stem]} and {path} share the name {stem!r}: their conversation ids would "
+                             "collide; rename one (ids are <file stem>/<key or content id>)")
+        stems[stem] = path
+    seen: set[str] = set()
+    for number, path in enumerate(inputs):
+        for conversation in _READERS[input_kind(path)](path, number):
+            if conversation.id in seen:
+                conversation = Conversation(conversation.id, conversation.origin, number,
+                                            error=Skip("duplicate_conversation", f"id {conversation.id!r} was "
+                                                       "used by an earlier conversation"))
+            seen.add(conversation.id)
+            yield conversation
+
+
+def sample_key(member: str) -> tuple[str, str] | None:
+    """(WebDataset sample key, extension) of a tar member name: the key is everything before the first dot
+    of the base name, directories included; None for a name without a dot (no sample's member)."""
+    directory, _, base = member.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not dot:
+        return None
+    return (f"{directory}/{stem}" if directory else stem), ext
+
+
+def input_stem(path: Path) -> str:
+    """The file name without its kind's suffix: the first part of its conversations' ids."""
+    name = path.name
+    return name[: -len(name.lower().rsplit(".", 1)[-1]) - 1] if input_kind(path) else name
+
+
+def _parsed(data: bytes | str, what: str) -> tuple[dict | None, Skip | None]:
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as err:
+        return None, Skip("invalid_json", f"{what}: {err}")
+    if not isinstance(record, dict):
+        return None, Skip("invalid_json", f"{what}: top level is {type(record).__name__}, not an object")
+    return record, None
+
+
+def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
+    """Samples of a WebDataset tar that have a KEY.json member (one sample's members are consecutive)."""
+    stem = input_stem(path)
+    key, members, body = None, {}, None
+
+    def flush():
+        if key is None:
+            return None
+        origin = f"{path}:{key}"
+        if body is None:
+            return Conversation(f"{stem}/{key}", origin, number, error=Skip("missing_json", f"sample {key} has no "
+                                "json member"), tar=str(path), key=key, members=dict(members))
+        record, error = _parsed(body, f"{key}.json")
+        ident = record.get("id") if record is not None else None  # `mmtok pack` keeps ids this way
+        ident = ident if isinstance(ident, str) and ident else f"{stem}/{key}"
+        return Conversation(ident, origin, number, record, error, tar=str(path), key=key, members=dict(members),
+                            base=str(path.parent))
+
+    try:
+        with tarfile.open(path, "r:") as archive:
+            for member in archive:
+                if not member.isfile():
+                    continue
+                sample = sample_key(member.name)
+                if sample is None:
+                    continue
+                sample = sample[0]
+                if sample != key:
+                    if (done := flush()) is not None:
+                        yield done
+                    key, members, body = sample, {}, None
+                members[member.name] = (member.offset_data, member.size)
+                if member.name == f"{sample}.json":
+                    body = archive.extractfile(member).read()
+    except (tarfile.TarError, EOFError) as err:  # keep what was read before the damage; the rest is one record
+        if key is not None:  # the sample being read may have lost members: not a conversation to make
+            yield Conversation(f"{stem}/{key}", f"{path}:{key}", number, error=Skip("truncated_tar", str(err)),
+                               tar=str(path), key=key)
+        yield Conversation(f"{stem}/(damaged tar)", str(path), number, error=Skip("truncated_tar", str(err)))
+        return
+    except OSError as err:
+        raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
+    if (done := flush()) is not None:
+        yield done
+
+
+def _jsonl_conversations(path: Path, number: int) -> Iterator[Conversation]:
+    stem = input_stem(path)
+    try:
+        handle = open(path, "rb")
+    except OSError as err:
+        raise MmtokError(f"{path}: cannot read ({err.strerror})") from None
+    with handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue  # a blank line holds no record
+            record, error = _parsed(line, f"line {line_number}")
+            ident = _record_id(record, stem, f"line-{line_number}")
+            yield Conversation(ident, f"{path}:line {line_number}", number, record, error, base=str(path.parent))
+
+
+def _parquet_conversations(path: Path, number: int) -> Iterator[Conversation]:
+    import pyarrow.parquet as pq
+
+    stem = input_stem(path)
+    try:
+        handle = pq.ParquetFile(path)
+    except Exception as err:  # pyarrow raises several types for damaged files
+        raise MmtokError(f"{path}: unreadable Parquet ({err})") from None
+    if "messages" not in handle.schema_arrow.names:
+        raise MmtokError(f"{path}: no `messages` column (columns: {handle.schema_arrow.names})")
+    row = 0
+    for group in range(handle.num_row_groups):
+        try:
+            records = handle.read_row_group(group).to_pylist()
+        except Exception as err:  # pyarrow raises several types for damaged pages
+            raise MmtokError(f"{path}: row group {group} is unreadable ({err}); check the file") from None
+        for record in records:
+            messages = record.get("messages")
+            error = None
+            if isinstance(messages, (str, bytes)):  # a JSON column: the list of messages as text
+                try:
+                    record["messages"] = json.loads(messages)
+                except (UnicodeDecodeError, ValueError) as err:
+                    error = Skip("invalid_json", f"row {row} `messages`: {err}")
+            ident = _record_id(None if error else record, stem, f"row-{row}")
+            yield Conversation(ident, f"{path}:row {row}", number, None if error else record, error,
+                               base=str(path.parent))
+            row += 1
+
+
+_READERS = {"tar": _tar_conversations, "jsonl": _jsonl_conversations, "parquet": _parquet_conversations}
+
+
+# -- references ----------------------------------------------------------------------------------
+def locate(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) -> Located:
+    """Where the medium of `slot` is (`media` = conversation.media()); Skip `missing_media` if nowhere."""
+    ref = next(m for m in media if m.slot == slot)
+    what = f"{slot.kind} {slot.index}"
+    source = ref.source
+    if source is None:
+        return _stored(conversation, media, slot)
+    inline = f"{conversation.origin} {what} (inline)"
+    if isinstance(source, dict):
+        if isinstance(source.get("cut_id"), str):
+            return Located("cut", f"cut {source['cut_id']}", cut_id=source["cut_id"])
+        if isinstance(source.get("data"), str):
+            return Located("bytes", inline, data=_base64(source["data"], what))
+        if source.get("bytes") is not None:
+            return _located_bytes(source["bytes"], what, inline)
+        if isinstance(source.get("path"), str):
+            source = source["path"]
+        else:
+            raise Skip("missing_media", f"{what}: a reference without cut_id, data, bytes or path: {_short(source)}")
+    if isinstance(source, (bytes, bytearray)):
+        return _located_bytes(source, what, inline)
+    if not isinstance(source, str):
+        raise Skip("missing_media", f"{what}: reference of type {type(source).__name__}")
+    if source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if not header.endswith(";base64"):
+            raise Skip("missing_media", f"{what}: a data URL that is not base64")
+        return Located("bytes", inline, data=_base64(payload, what))
+    if source.startswith(("http://", "https://")):
+        raise Skip("missing_media", f"{what}: {source} is remote; mmtok reads no network -- fetch it first")
+    if conversation.tar is not None and (member := _member(conversation, source)) is not None:
+        offset, size = conversation.members[member]
+        return Located("member", f"{conversation.tar}:{member}", conversation.tar, offset, size, member=member)
+    path = Path(source.removeprefix("file://"))
+    path = path if path.is_absolute() else Path(conversation.base) / path
+    if not path.is_file():
+        what_not = f"neither a member of sample {conversation.origin} nor a file" if conversation.tar else "not a file"
+        raise Skip("missing_media", f"{what}: {source!r} is {what_not} ({path} not found)")
+    return Located("file", str(path), str(path))
+
+
+def _stored(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) -> Located:
+    """A slot without a reference: in a tar, the sample's members of its kind in stored order."""
+    if conversation.tar is None:
+        raise Skip("missing_media", f"{slot.kind} {slot.index}: a placeholder without a reference (name the "
+                   f"medium in a content part or the record's `{slot.kind}s` list)")
+    named = {member for m in media if m.slot.kind == slot.kind and isinstance(m.source, str)
+             and (member := _member(conversation, m.source)) is not None}
+    stored = [name for name in kind_members(conversation, slot.kind) if name not in named]
+    slots = sum(1 for m in media if m.slot.kind == slot.kind and m.source is None)
+    if len(stored) != slots:
+        raise Skip("placeholder_mismatch", f"{slots} {slot.kind} placeholder(s) without a reference, the sample "
+                   f"has {len(stored)} {slot.kind} member(s)")
+    unnamed = [m.slot for m in media if m.slot.kind == slot.kind and m.source is None]
+    member = stored[unnamed.index(slot)]
+    offset, size = conversation.members[member]
+    return Located("member", f"{conversation.tar}:{member}", conversation.tar, offset, size, member=member)
+
+
+def kind_members(conversation: Conversation, kind: str) -> list[str]:
+    """The sample's members of `kind` ("image"/"audio") by suffix, in the scan's order for members no
+    reference names: the N of `KEY.N.ext`, then the name, then tar order (mmtok.scan.scanner.document_order)."""
+    suffixes = KIND_SUFFIXES[kind]
+    names = [name for name in conversation.members if name.rsplit(".", 1)[-1].lower() in suffixes]
+
+    def order(item: tuple[int, str]) -> tuple:
+        position, name = item
+        suffix = name[len(conversation.key) + 1:] if name.startswith(f"{conversation.key}.") else name
+        number = suffix.split(".", 1)[0]
+        return (0, int(number), "", position) if number.isdigit() and "." in suffix else (1, 0, name, position)
+
+    return [name for _, name in sorted(enumerate(names), key=order)]
+
+
+def _member(conversation: Conversation, name: str) -> str | None:
+    for candidate in (name, f"{conversation.key}.{name}"):
+        if candidate in conversation.members:
+            return candidate
+    matches = [m for m in conversation.members if m.rsplit("/", 1)[-1] == name]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _located_bytes(value, what: str, where: str) -> Located:
+    if not isinstance(value, (bytes, bytearray)) or not value:
+        raise Skip("missing_media", f"{what}: empty or non-bytes inline data")
+    return Located("bytes", where, data=bytes(value))
+
+
+def _base64(text: str, what: str) -> bytes:
+    try:
+        data = base64.b64decode("".join(text.split()), validate=True)  # line-wrapped base64 is still base64
+    except (binascii.Error, ValueError) as err:
+        raise Skip("missing_media", f"{what}: inline data is not base64 ({err})") from None
+    if not data:
+        raise Skip("missing_media", f"{what}: empty inline data")
+    return data
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def input_fingerprint(inputs: list[Path]) -> list[dict]:
+    """What identifies the inputs for a resume: path, size and mtime of each."""
+    out = []
+    for path in inputs:
+        stat = os.stat(path)
+        out.append({"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    return out

@@ -1,0 +1,157 @@
+"""`mmtok pack`: conversations and their media -> WebDataset tars, the layout every SFT stage reads.
+
+Why a copy: the image path (scan -> plan -> encode) reads images as tar members by byte range, so the
+images of a JSONL line or a Parquet row -- files by path, table cells, base64 -- have nowhere to be read
+from. `pack` writes each conversation of the inputs (`mmtok.conversations`, in input order) as one sample:
+
+  OUT/conversations-NNNNNN.tar   (SAMPLES_PER_TAR samples each) KEY = the conversation's 9-digit ordinal
+      KEY.json                   the record, `id` = its conversation id (kept through the later stages),
+                                 every medium named by its member (`mmtok.chat.with_media_names`); a clip
+                                 referenced as {"cut_id": ...} stays that reference (it is encoded already)
+      KEY.<k>.<ext>              the k-th image / audio medium, its bytes as they were (ext from the file
+                                 name, else from the bytes' signature)
+  OUT/skipped.jsonl              every conversation not packed: id, origin, reason (`missing_media`: a
+                                 reference that resolves to nothing or to bytes of no known format; the
+                                 record's own reasons), detail
+  OUT/pack.json                  the inputs and counts (written last: its presence means the pack completed)
+
+Bytes are copied unchanged, so a packed medium decodes to the same pixels and samples as the original and
+its tokens equal the pretraining path's. Every tar is written atomically with fixed member metadata: the
+output depends only on the inputs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+from mmtok.chat import ConversationError, with_media_names
+from mmtok.conversations import KIND_SUFFIXES, Conversation, input_fingerprint, locate, read_conversations
+from mmtok.errors import MmtokError, Skip
+from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer
+
+SAMPLES_PER_TAR = 1000
+REPORT = "pack.json"
+SKIPPED = "skipped.jsonl"
+# Leading bytes of the formats the codecs read (checked in order): an extension for media without a name.
+SIGNATURES = {"image": ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"GIF8", "gif"), (b"BM", "bmp"),
+                        (b"II*\x00", "tif"), (b"MM\x00*", "tif")),
+              "audio": ((b"fLaC", "flac"), (b"OggS", "ogg"), (b"ID3", "mp3"), (b"\xff\xfb", "mp3"),
+                        (b"\xff\xf3", "mp3"), (b"\xff\xf2", "mp3"))}
+RIFF = {"image": (b"WEBP", "webp"), "audio": (b"WAVE", "wav")}  # RIFF containers: the form type at byte 8
+
+
+def extension(kind: str, data: bytes, name: str | None) -> str:
+    """The member extension of a medium: its name's when that is a known one of its kind, else its signature's."""
+    if name and (suffix := name.rsplit(".", 1)[-1].lower()) in KIND_SUFFIXES[kind] and "." in name:
+        return suffix
+    if data[:4] == b"RIFF" and data[8:12] == RIFF[kind][0]:
+        return RIFF[kind][1]
+    for signature, ext in SIGNATURES[kind]:
+        if data.startswith(signature):
+            return ext
+    raise Skip("missing_media", f"{kind} bytes of no format mmtok reads (first bytes {data[:8].hex()})")
+
+
+def pack_conversation(conversation: Conversation, key: str) -> tuple[list[tuple[str, bytes]], Counter]:
+    """(the members of one conversation's sample, json last; media packed by kind); Skip naming why it
+    cannot be packed."""
+    try:
+        media = conversation.media()
+    except ConversationError as err:
+        raise Skip(err.reason, err.detail) from None
+    members, names, counts = [], {}, Counter()
+    for ref in media:
+        located = locate(conversation, media, ref.slot)
+        if located.kind == "cut":
+            names[ref.slot] = {"cut_id": located.cut_id}
+            continue
+        try:
+            data = located.read()
+        except OSError as err:
+            raise Skip("missing_media", f"{ref.slot.kind} {ref.slot.index}: {located.where}: {err}") from None
+        name = located.member or (located.path if located.kind == "file" else None)
+        member = f"{key}.{counts[ref.slot.kind]}.{extension(ref.slot.kind, data, name)}"
+        counts[ref.slot.kind] += 1
+        names[ref.slot] = member
+        members.append((member, data))
+    record = with_media_names(conversation.record, names)
+    record["id"] = conversation.id
+    members.append((f"{key}.json", json.dumps(record, ensure_ascii=False, sort_keys=True).encode("utf-8")))
+    return members, counts
+
+
+def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR, progress: bool = True) -> dict:
+    """Pack every conversation of `inputs` into OUT; returns the report written to OUT/pack.json."""
+    from mmtok.progress import progress as progress_bar
+
+    out.mkdir(parents=True, exist_ok=True)
+    with WriterLock(out, f"pack output {out}"):
+        (out / REPORT).unlink(missing_ok=True)  # until rewritten, the output is not a finished pack
+        counts: Counter = Counter()
+        skipped, samples, tars = [], [], []
+        bar = progress_bar(desc="pack", unit="conv", enabled=progress)
+        for ordinal, conversation in enumerate(read_conversations(inputs)):
+            counts["conversations"] += 1
+            key = f"{ordinal:09d}"
+            try:
+                members, kinds = pack_conversation(conversation, key)
+            except Skip as skip:
+                counts[f"skipped:{skip.reason}"] += 1
+                skipped.append({"key": conversation.id, "source": conversation.origin, "reason": skip.reason,
+                                "detail": skip.detail})
+            else:
+                samples.append(members)
+                counts["packed"] += 1
+                counts.update({f"{kind}_packed": n for kind, n in kinds.items()})
+            if len(samples) == samples_per_tar:
+                tars.append(_write_tar(out, len(tars), samples))
+                samples = []
+            bar.update(1)
+        bar.close()
+        if samples or not tars:
+            tars.append(_write_tar(out, len(tars), samples))
+        with atomic_writer(out / SKIPPED) as handle:
+            handle.write(b"".join(json.dumps(s, sort_keys=True, ensure_ascii=False).encode() + b"\n" for s in skipped))
+        for stale in sorted(out.glob("conversations-*.tar")):
+            if stale.name not in tars:
+                stale.unlink()  # an earlier pack into OUT had more tars
+        report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars,
+                  "counts": dict(sorted(counts.items()))}
+        atomic_write_json(out / REPORT, report)
+    return report
+
+
+def _write_tar(out: Path, number: int, samples: list[list[tuple[str, bytes]]]) -> str:
+    """One tar of samples, member metadata fixed (no clock, no owner): the same inputs give the same bytes."""
+    name = f"conversations-{number:06d}.tar"
+    with atomic_writer(out / name) as handle:
+        with tarfile.open(fileobj=handle, mode="w", format=tarfile.GNU_FORMAT) as archive:
+            for members in samples:
+                for member, data in members:
+                    info = tarfile.TarInfo(member)
+                    info.size, info.mtime, info.mode = len(data), 0, 0o644
+                    archive.addfile(info, io.BytesIO(data))
+    return name
+
+
+def print_summary(report: dict, out: Path, file=sys.stderr) -> None:
+    counts = report["counts"]
+    skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("skipped:")}
+    media = ", ".join(f"{counts.get(f'{kind}_packed', 0):,} {kind}" for kind in ("image", "audio"))
+    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
+    print(f"mmtok pack: {counts.get('conversations', 0):,} conversations -> {len(report['tars'])} tar(s) in {out}: "
+          f"{counts.get('packed', 0):,} packed (media: {media}), {sum(skipped.values()):,} skipped"
+          + (f" ({reasons}; each named in {out / SKIPPED})" if skipped else ""), file=file)
+    print(f"  next: mmtok scan {out}/conversations-*.tar ..., and the same tars to `mmtok audio convert --kind "
+          "conversations` and `mmtok sft`", file=file)
+
+
+def refuse_foreign(out: Path) -> None:
+    """OUT must be empty or an earlier pack output: pack replaces its tars."""
+    if out.exists() and any(out.iterdir()) and not (out / REPORT).is_file() and not any(out.glob("conversations-*.tar")):
+        raise MmtokError(f"{out} exists and is not an earlier `mmtok pack` output; pass another --out")

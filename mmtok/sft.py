@@ -1,0 +1,373 @@
+"""`mmtok sft`: SFT conversations with any mix of images and audio -> Megatron parts (then `mmtok merge`).
+
+Media are encoded where they are best encoded -- images by `mmtok encode` over a `--mode sft` plan of
+the conversation tars (each image a checksummed *item* of its part, see `mmtok.encode.runner`), audio by
+`mmtok audio convert --kind conversations` + `mmtok encode --modality audio` (each clip a row of the
+per-clip token cache) -- and this stage is the one place conversations are made, in one ordered CPU
+pass: every conversation of the inputs (`mmtok.conversations`), in input order, is rendered with the
+text tokenizer's chat template (`mmtok.chat.ChatRenderer`), cut at its media placeholders, and each
+placeholder replaced by its medium's block, in order:
+
+  image slot k of tar sample (T, KEY)   the image item of the member the slot's reference names (or, for
+                                        a bare placeholder, the sample's k-th unnamed image member)
+  audio slot k of conversation C        the cache clip `{"cut_id": ID}` names, else the clip
+                                        `mmtok.conversations.audio_clip_id(C, k)` that the conversion made:
+                                        <|audio_start|> its ids <|audio_end|>, the pretraining clip's block
+
+A conversation is written once, only when every medium it references encoded; otherwise it is a skip
+record naming it: `missing_media` (a reference that resolves to nothing, or a medium no encode output
+holds), `placeholder_mismatch` (placeholders and the sample's media differ in number),
+`media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason), or
+a rendering reason (`template_error`, `invalid_json`, ...). BOS is prepended / EOS appended unless the
+rendering starts / ends with them; a conversation over --max-tokens is `document_too_long`.
+
+Ranks: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT; rank r of N
+takes a contiguous range of units into OUT/parts/part-r and commits after every unit (resumable, see
+`mmtok.formats.commitlog.PartWriter`). A sequence depends only on its conversation and the encoded media,
+so `mmtok merge OUT` gives the same bytes for any world size of this stage or of the encodes before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmtok import __version__
+from mmtok.chat import ChatRenderer, ConversationError, MediaSlot, recorded_special_ids, split_media
+from mmtok.conversations import (Conversation, Located, audio_clip_id, input_fingerprint, locate,
+                                 read_conversations)
+from mmtok.errors import MmtokError, Skip
+from mmtok.formats import audio_cache, commitlog
+from mmtok.formats.commitlog import PartWriter, part_dir
+from mmtok.text import TextTokenizer, load_text_tokenizer
+from mmtok.vocab import VocabLayout
+
+CONVERSATIONS_PER_UNIT = 256  # one commit per unit: a kill loses at most this many conversations' work
+DEFAULT_MAX_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class SftOptions:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    progress: bool = True
+
+
+# -- encoded images ---------------------------------------------------------------------------------
+class ImageItems:
+    """The image items of a finished image encode output (a `--mode sft` plan), by (tar, member): the block's
+    ids, or why the image failed. Every part is checked against its checksums first."""
+
+    def __init__(self, out: Path, layout: VocabLayout, tokenizer: TextTokenizer):
+        from mmtok.merge import find_parts  # the finished, checksum-verified parts of one run
+
+        self.out = out
+        parts = find_parts(out)
+        self.identity = parts[0].identity
+        _check_image_run(out, self.identity, layout, tokenizer)
+        self._ids: list[np.ndarray] = []
+        self._items: dict[tuple[str, str], tuple[int, int, int, Skip | None]] = {}
+        self._count: Counter = Counter()
+        for number, directory in enumerate(part.directory for part in parts):
+            end = 0
+            for _, record in commitlog.iter_items(directory):
+                end = record["offset"] + record["length"]
+                if record.get("kind") != "image":
+                    continue
+                tar = os.path.realpath(record["source"])
+                skip = Skip(record["skip"], record.get("detail", "")) if "skip" in record else None
+                self._items[(tar, record["member"])] = (number, record["offset"], record["length"], skip)
+                self._count[(tar, record["key"])] += 1
+            self._ids.append(np.asarray(commitlog.read_item_ids(directory, end)))
+
+    def images_of(self, tar: str, key: str) -> int:
+        return self._count[(os.path.realpath(tar), key)]
+
+    def block(self, tar: str, member: str) -> np.ndarray:
+        """The image block of tar member `member`; Skip if it did not encode."""
+        found = self._items.get((os.path.realpath(tar), member))
+        if found is None:
+            raise Skip("missing_media", f"image {member} of {tar} is not in {self.out} (not scanned, or dropped by "
+                       "the plan: see `mmtok plan --explain` and the plan's dropped.parquet)")
+        part, offset, length, skip = found
+        if skip is not None:
+            raise Skip(f"media_skipped:{skip.reason}", f"image {member}: {skip.detail}")
+        return self._ids[part][offset:offset + length]
+
+
+def _check_image_run(out: Path, identity: dict, layout: VocabLayout, tokenizer: TextTokenizer) -> None:
+    if identity.get("modality") != "image" or identity.get("mode") != "sft":
+        raise MmtokError(f"{out}: not the image encode of a `--mode sft` plan (modality {identity.get('modality')}, "
+                         f"mode {identity.get('mode')}); plan the conversation tars with `mmtok plan --mode sft`")
+    if identity["text_tokenizer"].get("sha256") != tokenizer.fingerprint:
+        raise MmtokError(f"{out}: its image blocks were made with text tokenizer {identity['text_tokenizer'].get('name')}"
+                         f", not {tokenizer.name}; pass the plan's --text-tokenizer")
+    if identity["vocab"]["total_size"] != layout.total_size or identity["vocab"]["text_size"] != layout.text_size:
+        raise MmtokError(f"{out}: its vocabulary layout {identity['vocab']} differs from this tokenizer's")
+
+
+# -- encoded audio ----------------------------------------------------------------------------------
+class AudioClips:
+    """The clips of audio token caches (`mmtok encode --modality audio` outputs) by cut id, and why clips
+    their encodes skipped or their conversions (`converted`) dropped are missing."""
+
+    def __init__(self, outs: list[Path], converted: list[Path], layout: VocabLayout):
+        self.layout = layout
+        self._paths: list[Path] = []
+        self._rows: dict[str, tuple[int, int]] = {}
+        self._why: dict[str, Skip] = {}
+        self._loaded: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self.describe = []
+        for out in outs:
+            paths = audio_cache.find_parts(out)
+            metadata = audio_cache.read_metadata(paths[0])
+            if metadata["vocab"] != layout.to_dict():
+                raise MmtokError(f"{out}: its audio ids were made for vocabulary {metadata['vocab']}, not this "
+                                 f"tokenizer's {layout.to_dict()}; re-encode the audio with `--text-tokenizer` = the "
+                                 "sft tokenizer")
+            self.describe.append({"out": os.path.realpath(out), "codec": metadata["codec"], "trim": metadata["trim"],
+                                  "num_parts": metadata["num_parts"]})
+            for path in paths:
+                for row, cut_id in enumerate(audio_cache.read_index(path).column("cut_id").to_pylist()):
+                    self._rows.setdefault(cut_id, (len(self._paths), row))
+                self._paths.append(path)
+            for directory in sorted((Path(out) / "parts").glob("part-*")):
+                for record in commitlog.read_skipped(directory):
+                    self._why.setdefault(record["key"], Skip(record["reason"], record.get("detail", "")))
+        self.converted = [os.path.realpath(c) for c in converted]  # named in the identity: a resume needs the same
+        for conversion in converted:
+            self._read_dropped(Path(conversion))
+
+    def _read_dropped(self, conversion: Path) -> None:
+        folder = conversion / "dropped"
+        if not folder.is_dir():
+            raise MmtokError(f"{conversion}: not an `mmtok audio convert` output (no dropped/ folder)")
+        for path in sorted(folder.glob("dropped.*.jsonl")):
+            with open(path, encoding="utf-8") as handle:
+                for line in handle:
+                    record = json.loads(line)
+                    self._why.setdefault(record["id"], Skip(record["reason"], record.get("detail", "")))
+
+    def block(self, cut_id: str) -> np.ndarray:
+        """<|audio_start|> the clip's ids <|audio_end|>; Skip when no cache holds the clip."""
+        found = self._rows.get(cut_id)
+        if found is None:
+            why = self._why.get(cut_id)
+            if why is not None:
+                raise Skip(f"media_skipped:{why.reason}", f"clip {cut_id}: {why.detail}")
+            raise Skip("missing_media", f"clip {cut_id} is in no audio token cache given (--audio)"
+                       + ("" if self._paths else ": none was given"))
+        part, row = found
+        ids = self._part(part)[row]
+        return self.layout.audio_block(ids - self.layout.audio_offset)  # ids back to codes: the block checks them
+
+    def _part(self, part: int) -> list[np.ndarray]:
+        """One cache part's audio ids (the last few parts kept: conversations visit them in order)."""
+        if part not in self._loaded:
+            self._loaded[part] = audio_cache.read_tokens(self._paths[part])[0]
+            if len(self._loaded) > 4:
+                self._loaded.popitem(last=False)
+        self._loaded.move_to_end(part)
+        return self._loaded[part]
+
+
+# -- one conversation ---------------------------------------------------------------------------------
+class ConversationBuilder:
+    """Conversation -> its token sequence (or a Skip), from the rendering and the encoded media."""
+
+    def __init__(self, tokenizer: TextTokenizer, images: ImageItems | None, audio: AudioClips, max_tokens: int):
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer.from_tokenizer(tokenizer)
+        self.images = images
+        self.audio = audio
+        self.max_tokens = max_tokens
+        self._bos = np.array([tokenizer.bos_id], np.int32)
+        self._eos = np.array([tokenizer.eos_id], np.int32)
+
+    def build(self, conversation: Conversation) -> tuple[np.ndarray, dict]:
+        """(tokens, what went into them); Skip naming the first problem."""
+        try:
+            media = conversation.media()
+            pieces = split_media(self.renderer.render(conversation.record))
+        except ConversationError as err:
+            raise Skip(err.reason, err.detail) from None
+        slots = [p for p in pieces if isinstance(p, MediaSlot)]
+        if sorted(slots, key=_slot_order) != sorted((m.slot for m in media), key=_slot_order):
+            raise Skip("placeholder_mismatch", f"the rendering has {_kinds(slots)} placeholders, the messages "
+                       f"reference {_kinds([m.slot for m in media])}")
+        self._check_image_count(conversation, slots)
+        parts, used = [], {"image": [], "audio": []}
+        for piece in pieces:
+            if isinstance(piece, str):
+                parts.append(np.asarray(self.tokenizer.encode(piece), np.int32))
+                continue
+            block, reference = self._block(conversation, piece, locate(conversation, media, piece))
+            parts.append(block)
+            used[piece.kind].append(reference)
+        if not (parts and parts[0].size and parts[0][0] == self._bos[0]):
+            parts.insert(0, self._bos)
+        if not (parts[-1].size and parts[-1][-1] == self._eos[0]):
+            parts.append(self._eos)
+        tokens = np.concatenate(parts).astype(np.int32)
+        if tokens.size > self.max_tokens:
+            raise Skip("document_too_long", f"{tokens.size:,} tokens > --max-tokens {self.max_tokens:,}")
+        return tokens, used
+
+    def _check_image_count(self, conversation: Conversation, slots: list[MediaSlot]) -> None:
+        images = sum(slot.kind == "image" for slot in slots)
+        if conversation.tar is None or self.images is None:
+            return
+        have = self.images.images_of(conversation.tar, conversation.key)
+        if have and have != images:
+            raise Skip("placeholder_mismatch", f"the conversation has {images} image placeholder(s), the sample's "
+                       f"encoded images are {have}")
+
+    def _block(self, conversation: Conversation, slot: MediaSlot, located: Located) -> tuple[np.ndarray, str]:
+        """(the medium's block, what provenance names it by: the cut id of a clip, the member of an image)."""
+        if slot.kind == "audio":
+            cut_id = located.cut_id or audio_clip_id(conversation.id, slot.index)
+            return self.audio.block(cut_id), cut_id
+        if located.kind != "member" or self.images is None:
+            where = "no --images was given" if self.images is None else \
+                "images are encoded from tar members only: `mmtok pack` the conversations into tars first"
+            raise Skip("missing_media", f"image {slot.index} ({located.where}): {where}")
+        return self.images.block(conversation.tar, located.member), located.where
+
+
+def _slot_order(slot: MediaSlot) -> tuple[str, int]:
+    return slot.kind, slot.index
+
+
+def _kinds(slots: list[MediaSlot]) -> str:
+    counts = Counter(slot.kind for slot in slots)
+    return " + ".join(f"{counts[k]} {k}" for k in ("image", "audio")) if slots else "no"
+
+
+# -- the rank ---------------------------------------------------------------------------------------
+def unit_ranges(total_units: int, world_size: int) -> list[tuple[int, int]]:
+    """Contiguous unit ranges, one per rank, as even as whole units allow."""
+    return [(r * total_units // world_size, (r + 1) * total_units // world_size) for r in range(world_size)]
+
+
+def count_conversations(inputs: list[Path]) -> int:
+    return sum(1 for _ in read_conversations(inputs))
+
+
+def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
+                  audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
+                  options: SftOptions = SftOptions()) -> dict:
+    """Assemble rank `rank` of `world_size` into OUT/parts/part-<rank>; returns its stats."""
+    from mmtok.progress import progress as progress_bar
+
+    tokenizer = load_text_tokenizer(text_tokenizer)
+    layout = VocabLayout(text_size=tokenizer.vocab_size)
+    image_items = ImageItems(Path(images), layout, tokenizer) if images is not None else None
+    clips = AudioClips([Path(a) for a in audio], [Path(c) for c in converted], layout)
+    builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
+    total = count_conversations(inputs)
+    units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
+    identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
+    _refuse_other_parts(part_dir(out, rank))
+    with PartWriter(part_dir(out, rank), identity) as part:
+        if part.done:
+            return {"already_done": True, "counts": dict(part.counts), "part_dir": str(part.directory)}
+        first = max(units[0], part.next_unit) * CONVERSATIONS_PER_UNIT
+        last = min(units[1] * CONVERSATIONS_PER_UNIT, total)
+        bar = progress_bar(total=last - first, desc=f"sft rank {rank}", unit="conv", enabled=options.progress)
+        pending, ordinal = _Unit(first // CONVERSATIONS_PER_UNIT), -1
+        try:
+            for ordinal, conversation in enumerate(read_conversations(inputs)):
+                if ordinal < first:
+                    continue
+                if ordinal >= last:
+                    break
+                if ordinal // CONVERSATIONS_PER_UNIT != pending.unit:
+                    pending.commit(part)
+                    pending = _Unit(ordinal // CONVERSATIONS_PER_UNIT)
+                pending.add(conversation, builder)
+                bar.update(1)
+            if pending.conversations:
+                pending.commit(part)
+            if first < last and ordinal < last - 1:  # a second read that ends early: the inputs changed meanwhile
+                raise MmtokError(f"the inputs hold fewer conversations now ({ordinal + 1}) than when this rank counted "
+                                 f"them ({total}); were they changed while mmtok sft ran? rerun it")
+        finally:
+            bar.close()
+        part.finish({"tool_version": __version__, "rank": rank, "world_size": world_size, "units": list(units),
+                     "conversations": total})
+        return {"counts": dict(part.counts), "part_dir": str(part.directory), "units": list(units),
+                "sequences": len(part.lengths)}
+
+
+@dataclass
+class _Unit:
+    """One unit's sequences, provenance, skip records and counts, committed together."""
+
+    unit: int
+    conversations: int = 0
+
+    def __post_init__(self):
+        self.sequences, self.provenance, self.skipped, self.counts = [], [], [], Counter()
+        self.started = time.perf_counter()
+
+    def add(self, conversation: Conversation, builder: ConversationBuilder) -> None:
+        self.conversations += 1
+        self.counts["conversations"] += 1
+        try:
+            tokens, used = builder.build(conversation)
+        except Skip as skip:
+            self.counts[f"skipped:{skip.reason}"] += 1
+            self.counts["documents_skipped"] += 1
+            self.skipped.append({"key": conversation.id, "source": conversation.origin, "container": "conversation",
+                                 "member": conversation.id, "reason": skip.reason, "detail": skip.detail})
+            return
+        self.sequences.append(tokens)
+        self.provenance.append({"conversation": conversation.id, "origin": conversation.origin, **used})
+        self.counts.update(documents_written=1, tokens=int(tokens.size), images_written=len(used["image"]),
+                           audio_written=len(used["audio"]))
+
+    def commit(self, part: PartWriter) -> None:
+        wall_ms = round((time.perf_counter() - self.started) * 1000)  # `mmtok status` reads it (rates, ETA)
+        part.commit(self.unit, self.sequences, self.provenance, {**self.counts, "wall_ms": wall_ms},
+                    skipped=self.skipped)
+
+
+def _identity(inputs, tokenizer, layout, images, clips, options, rank, world_size, units) -> dict:
+    special = recorded_special_ids(tokenizer)
+    image_run = None if images is None else {
+        "out": os.path.realpath(images.out), "plan_fingerprint": images.identity["plan_fingerprint"],
+        "codec": images.identity["codec"]}
+    return {"part": rank, "num_parts": world_size, "modality": "sft", "mode": "sft", "part_units": list(units),
+            "inputs": input_fingerprint(inputs), "conversations_per_unit": CONVERSATIONS_PER_UNIT,
+            "max_tokens": options.max_tokens, "text_tokenizer": tokenizer.describe(), "text_special_ids": special,
+            "vocab": {"text_size": layout.text_size, "total_size": layout.total_size,
+                      "image_offset": layout.image_offset, "audio_offset": layout.audio_offset},
+            "images": image_run, "audio": clips.describe, "converted": clips.converted}
+
+
+def _refuse_other_parts(directory: Path) -> None:
+    """An --out that holds an encode's parts is not this stage's to resume (or to delete)."""
+    if (directory / commitlog.IDENTITY).is_file():
+        modality = commitlog.read_identity(directory).get("modality")
+        if modality != "sft":
+            raise MmtokError(f"{directory} is a part of an {modality} encode, not of `mmtok sft`; pass another --out")
+
+
+def print_summary(rank: int, world_size: int, stats: dict, out: Path, file=sys.stderr) -> None:
+    counts = stats["counts"]
+    skipped = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")}
+    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
+    print(f"mmtok sft rank {rank}/{world_size}: {counts.get('conversations', 0):,} conversations: "
+          f"{counts.get('documents_written', 0):,} written ({counts.get('tokens', 0):,} tokens, "
+          f"{counts.get('images_written', 0):,} image and {counts.get('audio_written', 0):,} audio blocks), "
+          f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons}; each named in "
+          f"{stats['part_dir']}/skipped.jsonl)" if skipped else ""), file=file)
+    if stats.get("already_done"):
+        print(f"  (part already finished: {stats['part_dir']})", file=file)
+    print(f"  next, when every rank finished: mmtok merge {out} [--strip-reasoning]", file=file)
