@@ -27,6 +27,7 @@ import json
 import sys
 import tarfile
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 from mmtok.chat import ConversationError, with_media_names
@@ -75,14 +76,32 @@ def pack_conversation(conversation: Conversation, key: str) -> tuple[list[tuple[
         except OSError as err:
             raise Skip("missing_media", f"{ref.slot.kind} {ref.slot.index}: {located.where}: {err}") from None
         name = located.member or (located.path if located.kind == "file" else None)
-        member = f"{key}.{counts[ref.slot.kind]}.{extension(ref.slot.kind, data, name)}"
+        try:
+            ext = extension(ref.slot.kind, data, name)
+        except Skip as skip:
+            raise Skip(skip.reason, f"{ref.slot.kind} {ref.slot.index}: {located.where}: {skip.detail}") from None
+        member = f"{key}.{counts[ref.slot.kind]}.{ext}"
         counts[ref.slot.kind] += 1
         names[ref.slot] = member
         members.append((member, data))
     record = with_media_names(conversation.record, names)
     record["id"] = conversation.id
-    members.append((f"{key}.json", json.dumps(record, ensure_ascii=False, sort_keys=True).encode("utf-8")))
+    members.append((f"{key}.json", _json_bytes(record)))
     return members, counts
+
+
+def _json_bytes(record: dict) -> bytes:
+    """KEY.json's bytes; Skip `invalid_json` naming the first field (a Parquet column) with no JSON form."""
+    try:
+        return json.dumps(record, ensure_ascii=False, sort_keys=True).encode("utf-8")
+    except (TypeError, ValueError):
+        for name, value in sorted(record.items()):
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError) as err:
+                raise Skip("invalid_json", f"field {name!r} has no JSON form ({err}); drop or convert that "
+                           "column before packing") from None
+        raise
 
 
 def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR, progress: bool = True) -> dict:
@@ -93,53 +112,72 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
     with WriterLock(out, f"pack output {out}"):
         (out / REPORT).unlink(missing_ok=True)  # until rewritten, the output is not a finished pack
         counts: Counter = Counter()
-        skipped, samples, tars = [], [], []
+        skipped = []
         bar = progress_bar(desc="pack", unit="conv", enabled=progress)
-        for ordinal, conversation in enumerate(read_conversations(inputs)):
-            counts["conversations"] += 1
-            key = f"{ordinal:09d}"
-            try:
-                members, kinds = pack_conversation(conversation, key)
-            except Skip as skip:
-                counts[f"skipped:{skip.reason}"] += 1
-                skipped.append({"key": conversation.id, "source": conversation.origin, "reason": skip.reason,
-                                "detail": skip.detail})
-            else:
-                samples.append(members)
-                counts["packed"] += 1
-                counts.update({f"{kind}_packed": n for kind, n in kinds.items()})
-            if len(samples) == samples_per_tar:
-                tars.append(_write_tar(out, len(tars), samples))
-                samples = []
-            bar.update(1)
+        with _Tars(out, samples_per_tar) as tars:
+            for ordinal, conversation in enumerate(read_conversations(inputs)):
+                counts["conversations"] += 1
+                try:
+                    members, kinds = pack_conversation(conversation, f"{ordinal:09d}")
+                except Skip as skip:
+                    counts[f"skipped:{skip.reason}"] += 1
+                    skipped.append({"key": conversation.id, "source": conversation.origin, "reason": skip.reason,
+                                    "detail": skip.detail})
+                else:
+                    tars.add(members)
+                    counts["packed"] += 1
+                    counts.update({f"{kind}_packed": n for kind, n in kinds.items()})
+                bar.update(1)
         bar.close()
-        if samples or not tars:
-            tars.append(_write_tar(out, len(tars), samples))
         with atomic_writer(out / SKIPPED) as handle:
             handle.write(b"".join(json.dumps(s, sort_keys=True, ensure_ascii=False).encode() + b"\n" for s in skipped))
         for stale in sorted(out.glob("conversations-*.tar")):
-            if stale.name not in tars:
+            if stale.name not in tars.names:
                 stale.unlink()  # an earlier pack into OUT had more tars
-        report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars,
+        report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars.names,
                   "counts": dict(sorted(counts.items()))}
         atomic_write_json(out / REPORT, report)
     return report
 
 
-def _write_tar(out: Path, number: int, samples: list[list[tuple[str, bytes]]]) -> str:
-    """One tar of samples, member metadata fixed (no clock, no owner): the same inputs give the same bytes."""
-    name = f"conversations-{number:06d}.tar"
-    with atomic_writer(out / name) as handle:
-        with tarfile.open(fileobj=handle, mode="w", format=tarfile.GNU_FORMAT) as archive:
-            for members in samples:
-                for member, data in members:
-                    info = tarfile.TarInfo(member)
-                    info.size, info.mtime, info.mode = len(data), 0, 0o644
-                    archive.addfile(info, io.BytesIO(data))
-    return name
+class _Tars:
+    """The output tars, each written atomically as its samples come (a sample's media are held, not a tar's),
+    member metadata fixed (no clock, no owner): the same inputs give the same bytes."""
+
+    def __init__(self, out: Path, samples_per_tar: int):
+        self.out, self.samples_per_tar = out, samples_per_tar
+        self.names: list[str] = []
+        self._stack = ExitStack()
+        self._archive, self._samples = None, 0
+
+    def add(self, members: list[tuple[str, bytes]]) -> None:
+        if self._archive is None or self._samples == self.samples_per_tar:
+            self._next()
+        for member, data in members:
+            info = tarfile.TarInfo(member)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            self._archive.addfile(info, io.BytesIO(data))
+        self._samples += 1
+
+    def _next(self) -> None:
+        self._stack.close()  # the previous tar: closed, fsynced, renamed into place
+        self._stack = ExitStack()
+        self.names.append(f"conversations-{len(self.names):06d}.tar")
+        handle = self._stack.enter_context(atomic_writer(self.out / self.names[-1]))
+        self._archive = self._stack.enter_context(tarfile.open(fileobj=handle, mode="w", format=tarfile.GNU_FORMAT))
+        self._samples = 0
+
+    def __enter__(self) -> "_Tars":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and not self.names:
+            self._next()  # nothing packed: one empty tar, so the later stages have their input
+        self._stack.__exit__(*exc)
 
 
-def print_summary(report: dict, out: Path, file=sys.stderr) -> None:
+def print_summary(report: dict, out: Path, file=None) -> None:
+    file = file or sys.stderr  # looked up now: a caller (or a test) may have replaced it
     counts = report["counts"]
     skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("skipped:")}
     media = ", ".join(f"{counts.get(f'{kind}_packed', 0):,} {kind}" for kind in ("image", "audio"))
@@ -153,5 +191,8 @@ def print_summary(report: dict, out: Path, file=sys.stderr) -> None:
 
 def refuse_foreign(out: Path) -> None:
     """OUT must be empty or an earlier pack output: pack replaces its tars."""
-    if out.exists() and any(out.iterdir()) and not (out / REPORT).is_file() and not any(out.glob("conversations-*.tar")):
+    if not out.exists() or (out / REPORT).is_file() or any(out.glob("conversations-*.tar")):
+        return
+    own = (WriterLock.NAME, ".conversations-", f".{SKIPPED}.tmp-", f".{REPORT}.tmp-")  # a stopped pack leaves these
+    if any(not p.name.startswith(own) for p in out.iterdir()):
         raise MmtokError(f"{out} exists and is not an earlier `mmtok pack` output; pass another --out")

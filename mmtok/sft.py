@@ -73,7 +73,7 @@ class ImageItems:
         _check_image_run(out, self.identity, layout, tokenizer)
         self._ids: list[np.ndarray] = []
         self._items: dict[tuple[str, str], tuple[int, int, int, Skip | None]] = {}
-        self._count: Counter = Counter()
+        self._count: Counter = Counter()  # images per (tar, sample key)
         for number, directory in enumerate(part.directory for part in parts):
             end = 0
             for _, record in commitlog.iter_items(directory):
@@ -85,6 +85,7 @@ class ImageItems:
                 self._items[(tar, record["member"])] = (number, record["offset"], record["length"], skip)
                 self._count[(tar, record["key"])] += 1
             self._ids.append(np.asarray(commitlog.read_item_ids(directory, end)))
+        self._tars = {tar for tar, _ in self._count}
 
     def images_of(self, tar: str, key: str) -> int:
         return self._count[(os.path.realpath(tar), key)]
@@ -92,6 +93,10 @@ class ImageItems:
     def block(self, tar: str, member: str) -> np.ndarray:
         """The image block of tar member `member`; Skip if it did not encode."""
         found = self._items.get((os.path.realpath(tar), member))
+        if found is None and os.path.realpath(tar) not in self._tars:
+            raise Skip("missing_media", f"image {member}: {self.out} holds no image of {tar} (its images come from "
+                       f"{', '.join(sorted(self._tars)[:3])}{' ...' if len(self._tars) > 3 else ''}); was this tar "
+                       "scanned, or moved since the scan?")
         if found is None:
             raise Skip("missing_media", f"image {member} of {tar} is not in {self.out} (not scanned, or dropped by "
                        "the plan: see `mmtok plan --explain` and the plan's dropped.parquet)")
@@ -359,7 +364,8 @@ def _refuse_other_parts(directory: Path) -> None:
             raise MmtokError(f"{directory} is a part of an {modality} encode, not of `mmtok sft`; pass another --out")
 
 
-def print_summary(rank: int, world_size: int, stats: dict, out: Path, file=sys.stderr) -> None:
+def print_summary(rank: int, world_size: int, stats: dict, out: Path, file=None) -> None:
+    file = file or sys.stderr  # looked up now: a caller (or a test) may have replaced it
     counts = stats["counts"]
     skipped = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")}
     reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())

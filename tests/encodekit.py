@@ -354,3 +354,20 @@ def gpt_dataset(blend: tuple[list[str], list[float] | None], tokenizer, sequence
     other = None if blend[1] is None else 0  # with weights, Megatron needs a size for every split
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, other, other], lambda: True, config).build()
     return train
+
+
+def image_items(images: Path) -> dict:
+    """(tar name, sample key, image index) -> the image block (int32 array), from the committed image items of
+    an image encode output (failed images left out)."""
+    import numpy as np
+
+    from mmtok.formats import commitlog
+
+    items = {}
+    for directory in sorted((images / "parts").glob("part-*")):
+        records, ids = commitlog.read_items(directory)
+        for record in records:
+            if record.get("kind") == "image" and "skip" not in record:
+                key = (Path(record["source"]).name, record["key"], int(record["image_index"]))
+                items[key] = np.array(ids[record["offset"]:record["offset"] + record["length"]])
+    return items

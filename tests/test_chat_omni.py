@@ -435,7 +435,7 @@ def test_conversations_their_media_cannot_fill_are_skipped(tokenizer, record, en
 
 @pytest.mark.parametrize("where, content, listed, images, detail", [
     ("jsonl", "<image>", {}, {}, "image 0: a placeholder without a reference"),
-    ("jsonl", "<image>", {"images": ["photo.png"]}, {}, "only images inside a conversation's tar sample are encoded"),
+    ("jsonl", "<image>", {"images": ["photo.png"]}, {}, "images are encoded from tar members only"),
     ("jsonl", "<audio>", {"audios": ["gone.wav"]}, {}, "audio 0: 'gone.wav' is not a file ("),
     ("jsonl", [{"type": "audio_url", "audio_url": {"url": "https://example.org/a.mp3"}}], {}, {}, "is remote"),
     ("tar", "<image>", {}, None, "no --images was given"),

@@ -26,7 +26,7 @@ import pytest
 import soundfile
 import torch
 from audio_corpus import digit
-from encodekit import damaged_jpeg, real_images, write_tar
+from encodekit import damaged_jpeg, image_items, real_images, write_tar
 from realmedia import alsa_sounds, espeak
 from test_chat_omni import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
 from test_encode_faults import forkserver  # noqa: F401 -- the fixture: children forked with mmtok imported
@@ -315,18 +315,6 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _image_items(images: Path) -> dict[tuple[str, str, int], np.ndarray]:
-    """(tar name, sample key, image index) -> the image block, from the image encode's committed items."""
-    items = {}
-    for directory in sorted((images / "parts").glob("part-*")):
-        records, ids = commitlog.read_items(directory)
-        for record in records:
-            if record.get("kind") == "image" and "skip" not in record:
-                key = (Path(record["source"]).name, record["key"], int(record["image_index"]))
-                items[key] = np.asarray(ids[record["offset"]:record["offset"] + record["length"]])
-    return items
-
-
 def _cache_ids(*outs: Path) -> dict[str, np.ndarray]:
     """cut id -> audio ids, from the audio token caches of audio encode outputs."""
     found = {}
@@ -386,7 +374,7 @@ def test_every_sequence_opens_in_megatron_core_and_is_its_hand_written_conversat
     del dataset
     provenance = _lines(env.sft / "merged.provenance.jsonl")
     assert [p["conversation"] for p in provenance] == _written(env)  # in input order, nothing else
-    items, clips = _image_items(env.media.images), _cache_ids(env.media.audio, env.pretrain)
+    items, clips = image_items(env.media.images), _cache_ids(env.media.audio, env.pretrain)
     for record, tokens in zip(provenance, sequences, strict=True):
         ident = record["conversation"]
         assert tokens.tolist() == _expected_ids(env, ident, items, clips), ident

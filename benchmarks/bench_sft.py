@@ -1,0 +1,403 @@
+"""What making SFT conversations in their own ordered CPU pass (`mmtok sft`) costs, against merge's copy rate
+and against rendering + tokenizing alone.
+
+    python benchmarks/bench_sft.py [--conversations 5000] [--tars 4] [--repeats 5] [--dir DIR]   # ~2 min here
+
+Builds, under DIR (default: a temporary directory), an SFT corpus and the encoded media `mmtok sft` reads,
+written with mmtok's own writers instead of running codecs:
+  TOK    tests/encodekit.py's `chat_tokenizer` (its Apertus chat template and special tokens), trained on the
+         even-numbered half of Python's pydoc topics instead of its few sentences (about 7,400 ids)
+  convs  --tars WebDataset tars of KEY.json conversations and their media members KEY.0.jpg, KEY.1.jpg,
+         KEY.0.wav (a few bytes each: the pass reads tar headers and the json, never media bytes). Text is
+         drawn from the other half of the topics. Each conversation: a system prompt (30%), a first user turn
+         with 1-2 images and, for half, one audio clip (placeholders typed into the text, or OpenAI parts
+         naming the members), answers with reasoning spans (`enable_thinking`, half), a tool call and its
+         output (20%), then 0-2 text-only exchanges
+  IMG    the image encode of a `--mode sft` plan: 2 finished parts of image items (`PartWriter.commit(...,
+         items=...)`, records as the encoder writes them, shuffled within a part as shape-sorted batches
+         scatter them), blocks of 16x16 to 32x32 codes (256-1024) made by `DocumentBuilder.image_block`
+  AUD    an audio encode's token cache (`audio_cache.write_cache`, 4 parts in conversation order), clips of
+         40-400 codes under the cut ids `audio_clip_id(C, 0)`; CONV a conversion output with no drops
+and times, alternating, --repeats times each:
+  sft     `mmtok sft convs/*.tar --text-tokenizer TOK --images IMG --audio AUD --converted CONV --out SFT`
+          (one rank, a fresh SFT each time: tokenizer and media indexes loaded, both passes over the tars,
+          a durable commit every 256 conversations)
+  merge   `mmtok merge SFT` of that output (check, copy, provenance, verify; megatron-core imported before),
+          and `mmtok merge SFT --strip-reasoning`
+  floor   the same conversations, already parsed in memory: `ChatRenderer.render` + `split_media` + the text
+          pieces tokenized and concatenated, no media at all -- the cost any SFT path pays, and what the
+          encoder paid when it rendered conversations itself
+Best wall and CPU seconds of the repeats (warm page cache). Then one more `mmtok sft` with timers around
+ChatRenderer.render, the tokenizer's encode, the image and audio block lookups, reading the conversations
+(both passes), loading the media indexes, listing/splitting/locating media references and the part's
+commits: each one's share of that run's wall time. Markdown on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+import encodekit  # noqa: E402 (tests/encodekit.py: the Apertus-format chat tokenizer, the tar writer)
+
+import mmtok.sft  # noqa: E402
+from mmtok.chat import ChatRenderer, split_media  # noqa: E402
+from mmtok.cli import main as cli_main  # noqa: E402
+from mmtok.conversations import Conversation, audio_clip_id, read_conversations  # noqa: E402
+from mmtok.encode.documents import DocumentBuilder  # noqa: E402
+from mmtok.formats import audio_cache  # noqa: E402
+from mmtok.formats.commitlog import PartWriter, part_dir  # noqa: E402
+from mmtok.text import HFTokenizer, load_text_tokenizer  # noqa: E402
+from mmtok.vocab import VocabLayout  # noqa: E402
+
+IMAGE_SHAPES = [(16, 16), (16, 24), (24, 16), (20, 20), (16, 32), (32, 16), (24, 24), (24, 32), (32, 24), (32, 32)]
+AUDIO_CODES = (40, 400)  # 1-10 s at 40 codes/s
+IMAGE_PARTS = 2  # ranks of the image encode
+AUDIO_PARTS = 4  # shards of the audio conversion
+UNIT_ITEMS = 1024  # image items per committed unit
+TOOLS = [{"type": "function", "function": {
+    "name": "search_docs", "description": "Search the Python documentation and return the best passage.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
+
+
+# -- the corpus -------------------------------------------------------------------------------------
+def topic_words() -> tuple[list[str], np.ndarray]:
+    """(training texts, held-out words): pydoc's topics split in two halves, whitespace collapsed."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    train = [" ".join(topics[name].split()) for name in names[::2]]
+    held_out = np.array(" ".join(topics[name] for name in names[1::2]).split(), dtype=object)
+    return train, held_out
+
+
+def make_tokenizer(directory: Path, texts: list[str]) -> Path:
+    """encodekit's chat tokenizer (template, special tokens, BPE recipe) trained on `texts`."""
+    with mock.patch.object(encodekit, "TRAINING_TEXT", texts):
+        return encodekit.chat_tokenizer(directory, vocab_size=32_768)
+
+
+class Writer:
+    """Text of n words: a run of consecutive held-out words from a random place."""
+
+    def __init__(self, words: np.ndarray, rng: np.random.Generator):
+        self.words, self.rng = words, rng
+
+    def __call__(self, low: int, high: int) -> str:
+        count = int(self.rng.integers(low, high + 1))
+        start = int(self.rng.integers(0, len(self.words) - count))
+        return " ".join(self.words[start:start + count])
+
+
+def conversation(text: Writer, rng: np.random.Generator, key: str, images: int, audio: bool) -> dict:
+    """One conversation record (see the module docstring for the mix)."""
+    thinking = bool(rng.random() < 0.5)
+    messages = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": "You are a helpful assistant. " + text(10, 40)})
+    question = text(5, 60)
+    if rng.random() < 0.5:  # typed placeholders: the sample's members of each kind, in stored order
+        content = "<|image|>\n" * images + ("<|audio|>\n" if audio else "") + question
+    else:  # OpenAI-style parts naming the members
+        content = [{"type": "image", "image": f"{i}.jpg"} for i in range(images)]
+        content += [{"type": "audio", "audio": f"{key}.0.wav"}] if audio else []
+        content.append({"type": "text", "text": question})
+    messages.append({"role": "user", "content": content})
+
+    def answer(low: int, high: int) -> dict:
+        message = {"role": "assistant", "content": text(low, high)}
+        if thinking:
+            message["reasoning_content"] = text(30, 200)
+        return message
+
+    record = {"enable_thinking": thinking}
+    if rng.random() < 0.2:
+        record["tools"] = TOOLS
+        call = {"type": "function", "function": {"name": "search_docs", "arguments": json.dumps({"query": text(3, 8)})}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call],
+                      **({"reasoning_content": text(20, 80)} if thinking else {})},
+                     {"role": "tool", "content": text(20, 120)}]
+    messages.append(answer(40, 300))
+    for _ in range(int(rng.integers(0, 3))):
+        messages += [{"role": "user", "content": text(5, 60)}, answer(20, 250)]
+    return {**record, "messages": messages}
+
+
+def write_corpus(work: Path, conversations: int, tars: int, seed: int = 0) -> dict:
+    """The tars, the tokenizer, the image items and the audio cache under `work`; returns what was built."""
+    rng = np.random.default_rng(seed)
+    train, held_out = topic_words()
+    tok = make_tokenizer(work / "tok", train)
+    tokenizer = load_text_tokenizer(str(tok))
+    layout = VocabLayout(text_size=tokenizer.vocab_size)
+    builder = DocumentBuilder("sft", tokenizer, layout)
+    text = Writer(held_out, rng)
+    items: list[list[tuple[dict, np.ndarray]]] = [[] for _ in range(IMAGE_PARTS)]
+    clips: list[dict] = []
+    paths, built = [], Counter()
+    for number in range(tars):
+        path = (work / "convs" / f"convs-{number:04d}.tar").resolve()
+        members = []
+        for index in range(number * conversations // tars, (number + 1) * conversations // tars):
+            key = f"{index:08d}"
+            images, audio = int(rng.integers(1, 3)), bool(rng.random() < 0.5)
+            members.append((f"{key}.json", json.dumps(conversation(text, rng, key, images, audio)).encode()))
+            members += [(f"{key}.{i}.jpg", rng.bytes(16)) for i in range(images)]
+            members += [(f"{key}.0.wav", rng.bytes(16))] if audio else []
+            for i in range(images):
+                height, width = IMAGE_SHAPES[int(rng.integers(len(IMAGE_SHAPES)))]
+                block = builder.image_block(rng.integers(0, layout.image_codebook, (height, width)))
+                items[int(rng.integers(IMAGE_PARTS))].append((
+                    {"kind": "image", "key": key, "source": str(path), "container": "tar", "member": f"{key}.{i}.jpg",
+                     "manifest_row": int(built["images"]), "document": index, "image_index": i}, block))
+                built.update(images=1, image_tokens=block.size)
+            if audio:
+                codes = rng.integers(0, layout.audio_codebook, int(rng.integers(AUDIO_CODES[0], AUDIO_CODES[1] + 1)))
+                cut = audio_clip_id(f"{path.name.removesuffix('.tar')}/{key}", 0)
+                clips.append({"cut_id": cut, "source_id": cut, "clip": 0, "position": len(clips),
+                              "duration": codes.size / 40, "language": None, "target_language": None,
+                              "audio_ids": layout.audio_ids(codes), "text_ids": None})
+                built.update(clips=1, audio_tokens=codes.size + 2)
+        paths.append(encodekit.write_tar(path, members))
+    write_image_items(work / "img", items, tokenizer, layout, rng)
+    write_audio_cache(work / "aud", clips, tokenizer, layout)
+    (work / "conv" / "dropped").mkdir(parents=True)  # what `mmtok audio convert` leaves when it dropped nothing
+    return {"tars": paths, "tok": tok, "tokenizer": tokenizer, "layout": layout, **built}
+
+
+def write_image_items(out: Path, items: list[list[tuple[dict, np.ndarray]]], tokenizer, layout: VocabLayout,
+                      rng: np.random.Generator) -> None:
+    """The finished parts of a `--mode sft` image encode holding `items` (the identity keys ImageItems checks)."""
+    for number, part_items in enumerate(items):
+        identity = {"part": number, "num_parts": IMAGE_PARTS, "modality": "image", "mode": "sft",
+                    "plan_fingerprint": "bench-sft", "codec": {"name": "emu3.5", "run": False},
+                    "text_tokenizer": tokenizer.describe(),
+                    "vocab": {"text_size": layout.text_size, "total_size": layout.total_size,
+                              "image_offset": layout.image_offset, "audio_offset": layout.audio_offset}}
+        shuffled = [part_items[k] for k in rng.permutation(len(part_items))]
+        with PartWriter(part_dir(out, number), identity) as part:
+            for unit, start in enumerate(range(0, len(shuffled), UNIT_ITEMS)):
+                chunk = shuffled[start:start + UNIT_ITEMS]
+                part.commit(unit, [], [], {"deferred": len(chunk)}, items=chunk)
+            part.finish({})
+
+
+def write_audio_cache(out: Path, clips: list[dict], tokenizer, layout: VocabLayout) -> None:
+    """AUDIO_PARTS cache parts of `clips`, in order (the metadata AudioClips checks)."""
+    metadata = {"num_parts": AUDIO_PARTS, "vocab": layout.to_dict(), "text_tokenizer": tokenizer.describe(),
+                "codec": {"name": "wavtokenizer", "run": False}, "trim": 5, "format": "mmtok-audio-cache/1"}
+    for number in range(AUDIO_PARTS):
+        rows = clips[number * len(clips) // AUDIO_PARTS:(number + 1) * len(clips) // AUDIO_PARTS]
+        rows = [{**row, "part": number, "position": position} for position, row in enumerate(rows)]
+        audio_cache.write_cache(audio_cache.cache_path(out, number), rows, {**metadata, "part": number})
+
+
+# -- the paths ------------------------------------------------------------------------------------
+def run_sft(work: Path, corpus: dict) -> dict:
+    """`mmtok sft` into a fresh work/sft; returns the part's counts."""
+    shutil.rmtree(work / "sft", ignore_errors=True)
+    argv = ["sft", *map(str, corpus["tars"]), "--text-tokenizer", str(corpus["tok"]), "--images", str(work / "img"),
+            "--audio", str(work / "aud"), "--converted", str(work / "conv"), "--out", str(work / "sft"),
+            "--no-progress"]
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        code = cli_main(argv)
+    if code:
+        raise SystemExit(f"mmtok sft failed ({code}): {said.getvalue()}")
+    return json.loads((part_dir(work / "sft", 0) / "stats.json").read_text())["counts"]
+
+
+def run_merge(work: Path, *flags: str) -> None:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as said:
+        code = cli_main(["merge", str(work / "sft"), "--no-progress", *flags])
+    if code:
+        raise SystemExit(f"mmtok merge failed ({code}): {said.getvalue()}")
+
+
+def render_and_tokenize(records: list[dict], renderer: ChatRenderer, tokenizer) -> int:
+    """The floor: every record rendered, cut at its placeholders, its text tokenized; returns the tokens."""
+    tokens = 0
+    for record in records:
+        pieces = [np.asarray(tokenizer.encode(p), np.int32) for p in split_media(renderer.render(record))
+                  if isinstance(p, str)]
+        tokens += np.concatenate(pieces).size
+    return tokens
+
+
+def best_of(actions: dict, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Best wall and best CPU seconds (this process) of each action, run alternating `repeats` times."""
+    wall = {name: [] for name in actions}
+    cpu = {name: [] for name in actions}
+    for _ in range(repeats):
+        for name, action in actions.items():
+            started, started_cpu = time.perf_counter(), time.process_time()
+            action()
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - started_cpu)
+    return {n: min(t) for n, t in wall.items()}, {n: min(t) for n, t in cpu.items()}
+
+
+# -- where the sft pass spends its time --------------------------------------------------------------
+class Timers:
+    """Wall and CPU seconds spent inside wrapped functions, by name (the wrapped functions do not nest)."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+        self.cpu: Counter = Counter()
+
+    def wrap(self, name: str, function):
+        def timed(*args, **kwargs):
+            started, started_cpu = time.perf_counter(), time.process_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.cpu[name] += time.process_time() - started_cpu
+        return timed
+
+    def wrap_iterator(self, name: str, function):
+        """`function`'s iterator, the time of each step counted (not the consumer's time between steps)."""
+        def iterate(*args, **kwargs):
+            iterator = iter(function(*args, **kwargs))
+            while True:
+                started, started_cpu = time.perf_counter(), time.process_time()
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                finally:
+                    self.seconds[name] += time.perf_counter() - started
+                    self.cpu[name] += time.process_time() - started_cpu
+                yield item
+        return iterate
+
+
+SHARES = {
+    "render": "ChatRenderer.render (jinja2)",
+    "tokenize": "tokenizer.encode of the text pieces",
+    "image lookup": "ImageItems.block (image item ids)",
+    "audio lookup": "AudioClips.block (cache row -> audio block; cache parts read)",
+    "references": "media references: list, split_media, locate",
+    "read": "reading the conversations (tar headers + json), both passes",
+    "load": "loading the media indexes (image parts verified, cache index read)",
+    "commit": "PartWriter commits + finish (durable writes)",
+}
+
+
+def profile_sft(work: Path, corpus: dict) -> tuple[tuple[float, float], Timers]:
+    """One instrumented `mmtok sft`: ((its wall, its CPU seconds), the seconds inside each SHARES entry)."""
+    timers = Timers()
+    wrap = timers.wrap
+    patches = [(ChatRenderer, "render", wrap("render", ChatRenderer.render)),
+               (HFTokenizer, "encode", wrap("tokenize", HFTokenizer.encode)),
+               (mmtok.sft.ImageItems, "block", wrap("image lookup", mmtok.sft.ImageItems.block)),
+               (mmtok.sft.AudioClips, "block", wrap("audio lookup", mmtok.sft.AudioClips.block)),
+               (mmtok.sft.ImageItems, "__init__", wrap("load", mmtok.sft.ImageItems.__init__)),
+               (mmtok.sft.AudioClips, "__init__", wrap("load", mmtok.sft.AudioClips.__init__)),
+               (Conversation, "media", wrap("references", Conversation.media)),
+               (mmtok.sft, "split_media", wrap("references", mmtok.sft.split_media)),
+               (mmtok.sft, "locate", wrap("references", mmtok.sft.locate)),
+               (mmtok.sft, "read_conversations", timers.wrap_iterator("read", mmtok.sft.read_conversations)),
+               (PartWriter, "commit", wrap("commit", PartWriter.commit)),
+               (PartWriter, "finish", wrap("commit", PartWriter.finish))]
+    with contextlib.ExitStack() as stack:
+        for owner, name, replacement in patches:
+            stack.enter_context(mock.patch.object(owner, name, replacement))
+        started, started_cpu = time.perf_counter(), time.process_time()
+        run_sft(work, corpus)
+        return (time.perf_counter() - started, time.process_time() - started_cpu), timers
+
+
+# -- the report -----------------------------------------------------------------------------------
+def bench(work: Path, conversations: int, tars: int, repeats: int) -> None:
+    started = time.perf_counter()
+    corpus = write_corpus(work, conversations, tars)
+    built = time.perf_counter() - started
+    tokenizer = corpus["tokenizer"]
+    records = [c.record for c in read_conversations(corpus["tars"])]
+    renderer = ChatRenderer.from_tokenizer(tokenizer)
+    floor_tokens = render_and_tokenize(records[:200], renderer, tokenizer)  # warm: jinja2 and the BPE cache
+    __import__("megatron.core.datasets.indexed_dataset")  # its one-off import is not merge work
+    counts = {}
+
+    def sft() -> None:
+        counts.update(run_sft(work, corpus))
+
+    def floor() -> None:
+        nonlocal floor_tokens
+        floor_tokens = render_and_tokenize(records, renderer, tokenizer)
+
+    actions = {"sft": sft, "merge": lambda: run_merge(work),
+               "merge, strip": lambda: run_merge(work, "--strip-reasoning"), "floor": floor}
+    wall, cpu = best_of(actions, repeats)
+    assert counts["documents_written"] == conversations, counts
+    assert counts["images_written"] == corpus["images"] and counts["audio_written"] == corpus["clips"], counts
+    merged = json.loads((work / "sft" / "merged.json").read_text())
+    tokens = counts["tokens"]
+    assert merged["tokens"] == tokens, (merged["tokens"], tokens)
+    (profiled, profiled_cpu), inside = profile_sft(work, corpus)
+    media = corpus["image_tokens"] + corpus["audio_tokens"]
+    print(f"SFT assembly pass: {conversations:,} conversations in {tars} tars, {corpus['images']:,} images "
+          f"({corpus['image_tokens']:,} tokens), {corpus['clips']:,} audio clips ({corpus['audio_tokens']:,} tokens); "
+          f"{tokens:,} tokens written ({tokens / conversations:,.0f} a conversation, media {media / tokens:.0%}); "
+          f"rendering + tokenizing alone gives {floor_tokens:,} text tokens. Text tokenizer: "
+          f"{tokenizer.vocab_size:,} ids. Built in {built:.0f} s; best of {repeats}, alternating, warm page cache.\n")
+    labels = {"sft": "`mmtok sft` (one rank: load, 2 passes over the tars, render, tokenize, media lookup, commit)",
+              "merge": "`mmtok merge` of its output (check, copy, provenance, verify)",
+              "merge, strip": "`mmtok merge --strip-reasoning` (the same + the no-reasoning copy)",
+              "floor": "floor: render + split + tokenize the same conversations in memory, no media"}
+    print("| path | wall s | conversations/s | M tokens/s | ns/token | vs merge (per token) | CPU s | "
+          "CPU ns/token |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, label in labels.items():
+        count = floor_tokens if name == "floor" else tokens
+        print(f"| {label} | {wall[name]:.2f} | {conversations / wall[name]:,.0f} | {count / wall[name] / 1e6:.2f} | "
+              f"{1e9 * wall[name] / count:.0f} | {(wall[name] / count) / (wall['merge'] / tokens):.1f}x | "
+              f"{cpu[name]:.2f} | {1e9 * cpu[name] / count:.0f} |")
+    per_conversation = {name: (1e6 * wall[name] / conversations, 1e6 * cpu[name] / conversations)
+                        for name in ("sft", "floor")}
+    print(f"\nRatios: sft / merge per token {wall['sft'] / wall['merge']:.0f}x wall, "
+          f"{cpu['sft'] / cpu['merge']:.0f}x CPU; sft / floor per conversation {wall['sft'] / wall['floor']:.2f}x "
+          f"wall, {cpu['sft'] / cpu['floor']:.2f}x CPU (sft {per_conversation['sft'][0]:,.0f} us a conversation, "
+          f"floor {per_conversation['floor'][0]:,.0f} us; CPU {per_conversation['sft'][1]:,.0f} vs "
+          f"{per_conversation['floor'][1]:,.0f} us).\n")
+    print(f"Where one more `mmtok sft` spends its time (timers around the functions; this run {profiled:.2f} s wall, "
+          f"{profiled_cpu:.2f} s CPU; the best untimed run {wall['sft']:.2f} / {cpu['sft']:.2f} s):\n")
+    print("| part of the pass | wall s | share | CPU s | share (CPU) | us per conversation (CPU) |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    rows = [(label, inside.seconds[name], inside.cpu[name]) for name, label in SHARES.items()]
+    rows.append(("the rest (tokenizer load, checks, concatenation, provenance and counts, CLI)",
+                 profiled - sum(inside.seconds.values()), profiled_cpu - sum(inside.cpu.values())))
+    for label, seconds, cpu_seconds in rows:
+        print(f"| {label} | {seconds:.2f} | {seconds / profiled:.0%} | {cpu_seconds:.2f} | "
+              f"{cpu_seconds / profiled_cpu:.0%} | {1e6 * cpu_seconds / conversations:,.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=5_000)
+    parser.add_argument("--tars", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-sft-", dir=args.dir))
+    try:
+        bench(work, args.conversations, args.tars, args.repeats)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
