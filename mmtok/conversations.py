@@ -37,6 +37,7 @@ import binascii
 import hashlib
 import json
 import os
+import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,10 +117,18 @@ def content_id(record: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def _own_id(record: dict | None) -> str | None:
+    """A record's own `id`: a non-empty string, or an integer written in decimal."""
+    ident = record.get("id") if record is not None else None
+    if isinstance(ident, int) and not isinstance(ident, bool):
+        return str(ident)
+    return ident if isinstance(ident, str) and ident else None
+
+
 def _record_id(record: dict | None, stem: str, fallback: str) -> str:
     """A record's own string `id`, else `<stem>/<content id>` (else, for an unreadable record, the fallback)."""
-    ident = record.get("id") if record is not None else None
-    if isinstance(ident, str) and ident:
+    ident = _own_id(record)
+    if ident is not None:
         return ident
     try:
         return f"{stem}/{content_id(record)}" if record is not None else f"{stem}/{fallback}"
@@ -137,7 +146,14 @@ def input_kind(path: Path) -> str:
 
 
 def read_conversations(inputs: list[Path]) -> Iterator[Conversation]:
-    """Every conversation of `inputs`, in input order (a tar's samples in tar order, lines and rows in order)."""
+    """Every conversation of `inputs`, in input order (a tar's samples in tar order, lines and rows in order).
+    The inputs are checked now (MmtokError), before the first conversation is asked for."""
+    check_inputs(inputs)
+    return _conversations(inputs)
+
+
+def check_inputs(inputs: list[Path]) -> None:
+    """Each input exists, is of a known kind, and no two share a file stem (their ids would collide)."""
     stems: dict[str, Path] = {}
     for path in inputs:
         if not path.is_file():
@@ -147,6 +163,9 @@ def read_conversations(inputs: list[Path]) -> Iterator[Conversation]:
             raise MmtokError(f"inputs {stems[stem]} and {path} share the name {stem!r}: their conversation ids would "
                              "collide; rename one (ids are <file stem>/<key or content id>)")
         stems[stem] = path
+
+
+def _conversations(inputs: list[Path]) -> Iterator[Conversation]:
     seen: set[str] = set()
     for number, path in enumerate(inputs):
         for conversation in _READERS[input_kind(path)](path, number):
@@ -174,13 +193,22 @@ def input_stem(path: Path) -> str:
     return name[: -len(name.lower().rsplit(".", 1)[-1]) - 1] if input_kind(path) else name
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _parsed(data: bytes | str, what: str) -> tuple[dict | None, Skip | None]:
     try:
         record = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as err:
-        return None, Skip("invalid_json", f"{what}: {err}")
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
+        return None, Skip("invalid_json", f"{what}: {type(err).__name__ if isinstance(err, RecursionError) else err}")
     if not isinstance(record, dict):
         return None, Skip("invalid_json", f"{what}: top level is {type(record).__name__}, not an object")
+    raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+    if _SURROGATE_ESCAPE.search(raw):  # JSON may escape a lone surrogate, which is no text a tokenizer takes
+        try:
+            json.dumps(record, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return None, Skip("invalid_json", f"{what}: a \\u escape of a lone surrogate (not Unicode text)")
     return record, None
 
 
@@ -197,8 +225,7 @@ def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
             return Conversation(f"{stem}/{key}", origin, number, error=Skip("missing_json", f"sample {key} has no "
                                 "json member"), tar=str(path), key=key, members=dict(members))
         record, error = _parsed(body, f"{key}.json")
-        ident = record.get("id") if record is not None else None  # `mmtok pack` keeps ids this way
-        ident = ident if isinstance(ident, str) and ident else f"{stem}/{key}"
+        ident = _own_id(record) or f"{stem}/{key}"  # `mmtok pack` keeps ids this way
         return Conversation(ident, origin, number, record, error, tar=str(path), key=key, members=dict(members),
                             base=str(path.parent))
 
@@ -314,7 +341,11 @@ def locate(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) -
         return Located("member", f"{conversation.tar}:{member}", conversation.tar, offset, size, member=member)
     path = Path(source.removeprefix("file://"))
     path = path if path.is_absolute() else Path(conversation.base) / path
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except (OSError, ValueError) as err:  # a name too long, a NUL byte, an I/O error: this medium, not the run
+        raise Skip("missing_media", f"{what}: {source[:200]!r} cannot be checked ({err})") from None
+    if not found:
         what_not = f"neither a member of sample {conversation.origin} nor a file" if conversation.tar else "not a file"
         raise Skip("missing_media", f"{what}: {source!r} is {what_not} ({path} not found)")
     return Located("file", str(path), str(path))

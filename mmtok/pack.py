@@ -10,7 +10,7 @@ from. `pack` writes each conversation of the inputs (`mmtok.conversations`, in i
                                  referenced as {"cut_id": ...} stays that reference (it is encoded already)
       KEY.<k>.<ext>              the k-th image / audio medium, its bytes as they were (ext from the file
                                  name, else from the bytes' signature)
-  OUT/skipped.jsonl              every conversation not packed: id, origin, reason (`missing_media`: a
+  OUT/skipped.jsonl              every conversation not packed: key (its id), source, reason (`missing_media`: a
                                  reference that resolves to nothing or to bytes of no known format; the
                                  record's own reasons), detail
   OUT/pack.json                  the inputs and counts (written last: its presence means the pack completed)
@@ -31,7 +31,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from mmtok.chat import ConversationError, with_media_names
-from mmtok.conversations import KIND_SUFFIXES, Conversation, input_fingerprint, locate, read_conversations
+from mmtok.conversations import (KIND_SUFFIXES, Conversation, check_inputs, input_fingerprint, locate,
+                                 read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer
 
@@ -93,7 +94,7 @@ def pack_conversation(conversation: Conversation, key: str) -> tuple[list[tuple[
 def _json_bytes(record: dict) -> bytes:
     """KEY.json's bytes; Skip `invalid_json` naming the first field (a Parquet column) with no JSON form."""
     try:
-        return json.dumps(record, ensure_ascii=False, sort_keys=True).encode("utf-8")
+        return json.dumps(record, sort_keys=True).encode("ascii")  # ASCII escapes: a lone surrogate is still JSON
     except (TypeError, ValueError):
         for name, value in sorted(record.items()):
             try:
@@ -108,9 +109,15 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
     """Pack every conversation of `inputs` into OUT; returns the report written to OUT/pack.json."""
     from mmtok.progress import progress as progress_bar
 
+    check_inputs(inputs)  # before OUT is touched: a mistyped input must not unfinish an earlier pack
+    inside = [p for p in inputs if Path(p).resolve().is_relative_to(out.resolve())]
+    if inside:
+        raise MmtokError(f"{inside[0]} is inside --out {out}, which pack rewrites; pack into another directory")
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, f"pack output {out}"):
         (out / REPORT).unlink(missing_ok=True)  # until rewritten, the output is not a finished pack
+        for stale in out.glob(".conversations-*.tar.tmp-*"):
+            stale.unlink()  # what a killed pack was writing (the lock is ours: no live writer owns it)
         counts: Counter = Counter()
         skipped = []
         bar = progress_bar(desc="pack", unit="conv", enabled=progress)
@@ -130,7 +137,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
                 bar.update(1)
         bar.close()
         with atomic_writer(out / SKIPPED) as handle:
-            handle.write(b"".join(json.dumps(s, sort_keys=True, ensure_ascii=False).encode() + b"\n" for s in skipped))
+            handle.write(b"".join(json.dumps(s, sort_keys=True).encode("ascii") + b"\n" for s in skipped))
         for stale in sorted(out.glob("conversations-*.tar")):
             if stale.name not in tars.names:
                 stale.unlink()  # an earlier pack into OUT had more tars

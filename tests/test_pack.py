@@ -352,6 +352,33 @@ SMALL_IMAGES = ["--min-pixels", "1024", "--max-pixels", "2304", "--min-source-pi
                 "--max-batch-images", "1"]  # 32-48 px, one image per batch: an image's tokens have no batch mates
 
 
+def test_packing_a_pack_into_itself_is_refused_and_a_failed_rerun_keeps_the_finished_pack(packed, tmp_path, capsys):
+    out = tmp_path / "self"
+    assert main(["pack", str(packed.inputs[0]), "--out", str(out), "--no-progress"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["pack", str(out / "conversations-000000.tar"), "--out", str(out), "--no-progress"]) == 2
+    assert main(["pack", str(tmp_path / "typo.jsonl"), "--out", str(out), "--no-progress"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 2 and "inside --out" in errors[0] and "not found" in errors[1]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing deleted or unfinished
+
+
+def test_records_no_tokenizer_can_take_are_invalid_json_and_integer_ids_are_kept(tmp_path):
+    lines = ['{"messages": [{"role": "user", "content": "lone \\ud800"}, {"role": "assistant", "content": "x"}]}',
+             "[" * 100_000,  # nesting deeper than the parser's recursion limit
+             json.dumps({"id": 7, "messages": [{"role": "user", "content": "hi \U0001F600"}, {"role": "assistant",
+                                                                                            "content": "x"}]})]
+    source = tmp_path / "odd.jsonl"
+    source.write_text("\n".join(lines) + "\n")
+    got = [(c.id, c.error.reason if c.error else None) for c in read_conversations([source])]
+    assert got == [("odd/line-1", "invalid_json"), ("odd/line-2", "invalid_json"), ("7", None)]
+    assert main(["pack", str(source), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    with tarfile.open(tmp_path / "out" / "conversations-000000.tar") as archive:
+        (record,) = [json.loads(archive.extractfile(m).read()) for m in archive if m.name.endswith(".json")]
+    assert record["id"] == "7" and record["messages"][0]["content"] == "hi \U0001F600"
+
+
 def _run(*argv) -> None:
     assert main([*map(str, argv)]) == 0, argv
 
