@@ -29,6 +29,7 @@ so `mmtok merge OUT` gives the same bytes for any world size of this stage or of
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -80,7 +81,7 @@ class ImageItems:
                 end = record["offset"] + record["length"]
                 if record.get("kind") != "image":
                     continue
-                tar = os.path.realpath(record["source"])
+                tar = _real(record["source"])
                 skip = Skip(record["skip"], record.get("detail", "")) if "skip" in record else None
                 self._items[(tar, record["member"])] = (number, record["offset"], record["length"], skip)
                 self._count[(tar, record["key"])] += 1
@@ -88,12 +89,12 @@ class ImageItems:
         self._tars = {tar for tar, _ in self._count}
 
     def images_of(self, tar: str, key: str) -> int:
-        return self._count[(os.path.realpath(tar), key)]
+        return self._count[(_real(tar), key)]
 
     def block(self, tar: str, member: str) -> np.ndarray:
         """The image block of tar member `member`; Skip if it did not encode."""
-        found = self._items.get((os.path.realpath(tar), member))
-        if found is None and os.path.realpath(tar) not in self._tars:
+        found = self._items.get((_real(tar), member))
+        if found is None and _real(tar) not in self._tars:
             raise Skip("missing_media", f"image {member}: {self.out} holds no image of {tar} (its images come from "
                        f"{', '.join(sorted(self._tars)[:3])}{' ...' if len(self._tars) > 3 else ''}); was this tar "
                        "scanned, or moved since the scan?")
@@ -104,6 +105,12 @@ class ImageItems:
         if skip is not None:
             raise Skip(f"media_skipped:{skip.reason}", f"image {member}: {skip.detail}")
         return self._ids[part][offset:offset + length]
+
+
+@functools.lru_cache(maxsize=4096)
+def _real(path: str) -> str:
+    """The resolved path of a tar, once per path (it is asked for every image of every conversation)."""
+    return os.path.realpath(path)
 
 
 def _check_image_run(out: Path, identity: dict, layout: VocabLayout, tokenizer: TextTokenizer) -> None:
@@ -351,9 +358,7 @@ def _identity(inputs, tokenizer, layout, images, clips, options, rank, world_siz
     return {"part": rank, "num_parts": world_size, "modality": "sft", "mode": "sft", "part_units": list(units),
             "inputs": input_fingerprint(inputs), "conversations_per_unit": CONVERSATIONS_PER_UNIT,
             "max_tokens": options.max_tokens, "text_tokenizer": tokenizer.describe(), "text_special_ids": special,
-            "vocab": {"text_size": layout.text_size, "total_size": layout.total_size,
-                      "image_offset": layout.image_offset, "audio_offset": layout.audio_offset},
-            "images": image_run, "audio": clips.describe, "converted": clips.converted}
+            "vocab": layout.offsets(), "images": image_run, "audio": clips.describe, "converted": clips.converted}
 
 
 def _refuse_other_parts(directory: Path) -> None:

@@ -198,6 +198,11 @@ class VocabLayout:
         return {"base_vocab_size": self.text_size,
                 "omnimodal_config": {"omni_special_token_offset": self.special_offset, "modalities": modalities}}
 
+    def offsets(self) -> dict:
+        """The sizes and offsets a part identity records (what a resume and a merge must agree on)."""
+        return {"text_size": self.text_size, "total_size": self.total_size, "image_offset": self.image_offset,
+                "audio_offset": self.audio_offset}
+
     def to_dict(self) -> dict:
         """Everything a consumer needs to interpret the ids; recorded in output metadata."""
         return {

@@ -82,19 +82,27 @@ TRAINING_TEXT = [
 
 def chat_tokenizer(directory: Path, vocab_size: int = 400) -> Path:
     """Train and save the test tokenizer; returns its directory."""
+    return train_chat_tokenizer(directory, vocab_size=vocab_size, special=SPECIAL_TOKENS[:4], added=SPECIAL_TOKENS[4:],
+                                texts=TRAINING_TEXT, template=APERTUS_TEMPLATE, indent=2)
+
+
+def train_chat_tokenizer(directory: Path, *, vocab_size: int, special: list[str], added: list[str], texts: list[str],
+                         template: str, indent: int | None = None) -> Path:
+    """A byte-level BPE trained on `texts` (x4) with `special` tokens, then `added` tokens, and an HF
+    tokenizer_config.json holding `template` as its chat_template; returns `directory`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS[:4],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(TRAINING_TEXT * 4, trainer)
-    tokenizer.add_special_tokens(SPECIAL_TOKENS[4:])
+    tokenizer.train_from_iterator(texts * 4, trainer)
+    tokenizer.add_special_tokens(added)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": APERTUS_TEMPLATE}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": template}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=indent))
     return directory
 
 

@@ -21,6 +21,7 @@ import json
 
 import numpy as np
 import pytest
+from encodekit import train_chat_tokenizer
 from test_chat import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
 
 from mmtok.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
@@ -193,19 +194,8 @@ REFERENCES = {
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    directory = tmp_path_factory.mktemp("omni-tok")
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(TRAINING_TEXT * 4, trainer)
-    bpe.add_special_tokens(CHAT_TOKENS)
-    bpe.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    directory = train_chat_tokenizer(tmp_path_factory.mktemp("omni-tok"), vocab_size=360, special=["<unk>", "<s>", "</s>"],
+                                     added=CHAT_TOKENS, texts=TRAINING_TEXT, template=TEMPLATE)
     return load_text_tokenizer(str(directory))
 
 

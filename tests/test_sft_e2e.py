@@ -26,7 +26,7 @@ import pytest
 import soundfile
 import torch
 from audio_corpus import digit
-from encodekit import damaged_jpeg, image_items, real_images, write_tar
+from encodekit import damaged_jpeg, image_items, real_images, train_chat_tokenizer, write_tar
 from realmedia import alsa_sounds, espeak
 from test_chat_omni import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
 from test_encode_faults import forkserver  # noqa: F401 -- the fixture: children forked with mmtok imported
@@ -61,20 +61,8 @@ TRAINING_TEXT = [
 
 def omni_tokenizer(directory: Path) -> Path:
     """A small byte-level BPE with the omni chat tokens and REASONING_TEMPLATE; returns its directory."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=380, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(TRAINING_TEXT * 4, trainer)
-    bpe.add_special_tokens(CHAT_TOKENS)
-    directory.mkdir(parents=True)
-    bpe.save(str(directory / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": REASONING_TEMPLATE}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+    return train_chat_tokenizer(directory, vocab_size=380, special=["<unk>", "<s>", "</s>"], added=CHAT_TOKENS,
+                                texts=TRAINING_TEXT, template=REASONING_TEMPLATE)
 
 
 # -- the corpus --------------------------------------------------------------------------------------------

@@ -85,37 +85,44 @@ def run_images(args) -> int:
 
 
 def print_summary(rank: int, world_size: int, stats: dict, out: str) -> None:
-    counts = stats["counts"]
     where = stats["part_dir"]
     if stats.get("already_done"):
         print(f"mmtok encode: rank {rank}/{world_size}: {where} is already finished "
               f"({stats['sequences']:,} sequences); nothing to do")
-    elif stats.get("mode") == "sft":  # no documents here: every image is an item for `mmtok sft`
-        failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
-        print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
-              f"{stats['images_planned']:,} images of SFT conversations stored as items, "
-              f"{counts.get('item_tokens', 0):,} tokens" + (f"; failed to decode: {failed} (named in "
-              f"{where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""))
-        print(f"  next: mmtok sft CONVERSATIONS --images {out} [--audio AUD] --out SFT, then mmtok merge SFT")
-        print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
-              f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
     else:
-        skipped = ", ".join(f"{reason} {n:,}" for reason, n in stats["skipped"].items()) or "none"
-        print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
-              f"{stats['images_planned']:,} images in {stats['sequences']:,} documents, {counts.get('tokens', 0):,} "
-              f"tokens; skipped: {skipped}" + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else ""))
-        if stats["images_deferred"]:
-            print(f"  + {stats['images_deferred']:,} images of documents with several images, stored as items: "
-                  "`mmtok merge` assembles those documents (and lists any it skips)")
-        if stats.get("items_failed"):
-            failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
-            print(f"  of those, failed to decode: {failed} (stored as failed items, named in {where}/items.jsonl; "
-                  "their documents are skipped, and listed, when they are assembled)")
-        if not stats["dataset"] and not stats["images_deferred"]:
-            print("  no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
+        (_sft_lines if stats.get("mode") == "sft" else _document_lines)(rank, world_size, stats, out)
         print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
               f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
     print(f"  job view (every rank): mmtok status {out}")
+
+
+def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> None:
+    """No documents here: every image is an item for `mmtok sft`."""
+    where = stats["part_dir"]
+    failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
+    print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
+          f"{stats['images_planned']:,} images of SFT conversations stored as items, "
+          f"{stats['counts'].get('item_tokens', 0):,} tokens" + (f"; failed to decode: {failed} (named in "
+          f"{where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""))
+    print(f"  next: mmtok sft CONVERSATIONS --images {out} [--audio AUD] --out SFT, then mmtok merge SFT")
+
+
+def _document_lines(rank: int, world_size: int, stats: dict, out: str) -> None:
+    where = stats["part_dir"]
+    skipped = ", ".join(f"{reason} {n:,}" for reason, n in stats["skipped"].items()) or "none"
+    print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
+          f"{stats['images_planned']:,} images in {stats['sequences']:,} documents, "
+          f"{stats['counts'].get('tokens', 0):,} tokens; skipped: {skipped}"
+          + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else ""))
+    if stats["images_deferred"]:
+        print(f"  + {stats['images_deferred']:,} images of documents with several images, stored as items: "
+              "`mmtok merge` assembles those documents (and lists any it skips)")
+    if stats.get("items_failed"):
+        failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
+        print(f"  of those, failed to decode: {failed} (stored as failed items, named in {where}/items.jsonl; "
+              "their documents are skipped, and listed, when they are assembled)")
+    if not stats["dataset"] and not stats["images_deferred"]:
+        print("  no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
 
 
 def add_audio_arguments(parser) -> None:

@@ -93,8 +93,7 @@ def part_identity(work: RankWork, codec, tokenizer: TextTokenizer, layout: Vocab
         "image_decoder": {"pillow": PIL.__version__},
         "text_tokenizer": tokenizer.describe(),
         "text_special_ids": special,
-        "vocab": {"text_size": layout.text_size, "total_size": layout.total_size,
-                  "image_offset": layout.image_offset, "audio_offset": layout.audio_offset},
+        "vocab": layout.offsets(),
     }
 
 
