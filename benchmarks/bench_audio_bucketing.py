@@ -4,7 +4,7 @@
 
 Waste = padded samples / total samples of the padded batches (B x longest clip, summed over batches),
 at 24 kHz. Both batchings see the same clips in the same run:
-* bucketed: `mmtok.audio.shards.make_batches` (what `mmtok encode --modality audio` runs per shard),
+* bucketed: `mmtok.encode.audio_batches.make_batches` (what `mmtok encode --modality audio` runs per shard),
   batches capped by padded duration --max-duration, for several --num-buckets values;
 * fixed: batches of N consecutive clips in clip order, N = --max-duration / longest clip (the largest
   size that never exceeds the padded cap) and N = --max-duration / mean clip duration.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.audio.shards import Batching, make_batches
+from mmtok.encode.audio_batches import Batching, make_batches
 
 RATE = 24_000
 ASTERISK = Path("/usr/share/asterisk/sounds/en")

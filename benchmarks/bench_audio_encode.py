@@ -7,7 +7,7 @@ The stand-in "device" (`StandInAudioCodec`, below -- NOT a real codec) takes pad
 RTF is its speed as a multiple of real time. Its codes are a deterministic function of the audio.
 Input: --copies copies of every Debian asterisk-core-sounds-en prompt, converted by `mmtok audio
 convert` into Shar shards of 200 cuts. Same run, same shards, for each RTF:
-* pipeline: `mmtok.audio.encode.encode_rank` -- DataLoader workers (--workers) decode, normalize and
+* pipeline: `mmtok.encode.audio.encode_rank` -- DataLoader workers (--workers) decode, normalize and
   pad the next batches while the device encodes; commits and part assembly on a background thread;
 * serial: the same steps one after another in one thread (load batch, encode, commit).
 Busy = time inside `encode` / wall time of the encode loop; "steady" excludes the wait for the first
@@ -81,8 +81,8 @@ def make_shar(workdir: Path, copies: int) -> Path:
 
 
 def pipeline(shar: Path, out: Path, codec, workers: int) -> dict:
-    from mmtok.audio.encode import encode_rank
-    from mmtok.audio.shards import Batching
+    from mmtok.encode.audio import encode_rank
+    from mmtok.encode.audio_batches import Batching
 
     shutil.rmtree(out, ignore_errors=True)
     return encode_rank(shar, out, codec, rank=0, world_size=1, batching=Batching(), num_workers=workers,
@@ -91,8 +91,8 @@ def pipeline(shar: Path, out: Path, codec, workers: int) -> dict:
 
 def serial(shar: Path, out: Path, codec) -> dict:
     """The naive loop: every step on the critical path."""
-    from mmtok.audio import encode as enc
-    from mmtok.audio.shards import Batching
+    from mmtok.encode import audio as enc
+    from mmtok.encode.audio_batches import Batching
     from mmtok.formats.shar import discover_shards
     from mmtok.text import load_text_tokenizer
 
@@ -120,8 +120,8 @@ def loader_capacity(shar: Path) -> float:
     """Seconds of audio one CPU-second of the loader (read member, FLAC decode, normalize, pad) delivers."""
     from lhotse import CutSet
 
-    from mmtok.audio.encode import BatchRequest, load_batch
-    from mmtok.audio.shards import Batching, make_batches
+    from mmtok.encode.audio import BatchRequest, load_batch
+    from mmtok.encode.audio_batches import Batching, make_batches
     from mmtok.formats.shar import discover_shards, index_members
 
     shard = discover_shards(shar)[0][0]

@@ -13,7 +13,7 @@ Configurations, each encoded --repeats times into a fresh output:
   tiny Emu3.5    the real codec code with random weights (`emu35.TINY_CONFIG`, written by
                  `write_random_checkpoint`, loaded by `load_codec`), on the CPU with 1 torch thread
   calibrated     the tiny Emu3.5 on a plan made with `--cost-model` from a calibration of that codec
-                 on this CPU (`mmtok.calibrate` on the plan's shapes, batch sizes 1 and 4, as `mmtok calibrate
+                 on this CPU (`mmtok.plan.calibrate` on the plan's shapes, batch sizes 1 and 4, as `mmtok calibrate
                  --plan PLAN --device cpu` does, but timed in CPU seconds like bench_calibrate.py: the
                  machine is shared)
 The three ranks of a job run one after another in this process (`encode_rank`, 1 loader thread), so
@@ -48,15 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import build_corpus, web_jpegs  # noqa: E402 (also puts tests/ on sys.path)
 from standin import StandInCodec  # noqa: E402
 
-from mmtok import calibrate as cal  # noqa: E402
+from mmtok.plan import calibrate as cal  # noqa: E402
 from mmtok.cli import main as cli  # noqa: E402
 from mmtok.codecs import emu35  # noqa: E402
 from mmtok.codecs.base import load_codec  # noqa: E402
 from mmtok.encode.runner import EncodeOptions, encode_rank  # noqa: E402
 from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
-from mmtok.plan import CostModel  # noqa: E402
+from mmtok.formats.presets import CostModel  # noqa: E402
 from mmtok.ranks import imbalance, rank_costs  # noqa: E402
-from mmtok.status import job_status  # noqa: E402
+from mmtok.tools.status import job_status  # noqa: E402
 
 WORLD_SIZE = 3
 PLAN_FLAGS = ("--mode", "image-text", "--world-size", str(WORLD_SIZE), "--min-pixels", str(256 * 256),
@@ -135,7 +135,7 @@ def measured(status: dict) -> dict:
 
 
 def calibrate_tiny(codec, plan: Path, out: Path, max_shapes: int, repeats: int) -> dict:
-    """Fit of the codec's cost model to its timings on the plan's shapes (`mmtok.calibrate.plan_grid`,
+    """Fit of the codec's cost model to its timings on the plan's shapes (`mmtok.plan.calibrate.plan_grid`,
     batch sizes 1 and 4), timed in CPU seconds of this process as `benchmarks/bench_calibrate.py` does
     on a shared CPU; written to `out` for `mmtok plan --cost-model`. Returns the calibration result."""
     import torch
@@ -185,7 +185,7 @@ def report(jobs: list[dict], calibration: dict | None, corpus: str, seconds: flo
         info, model = calibration["calibration"], calibration["cost_model"]
         held = info["errors"]["held_out"]
         held_text = f", {pct(held['median'])} held out" if held else ""
-        lines += [(f"Calibration of the tiny codec (`mmtok.calibrate` on the default plan's shapes, CPU seconds, "
+        lines += [(f"Calibration of the tiny codec (`mmtok.plan.calibrate` on the default plan's shapes, CPU seconds, "
                    f"{len(info['timings'])} batches, {info['timing_seconds']:.0f} s): a = {model['a']:.3g}, "
                    f"b = {model['b']:.3g}, c = {model['c']:.3g}, batch = {model['batch']:.3g} s; per-batch error median "
                    f"{pct(info['errors']['fitted']['median'])} timed{held_text}."), ""]

@@ -8,8 +8,8 @@ not fitted on, and how much better than the analytic default does it do?
 
 The codec is Emu3.5 with random weights (MID_CONFIG of bench_emu35.py: the published layout at half
 width and half depth, full 131,072 x 256 codebook; `--config full` for the published size). The grid is
-`mmtok.calibrate.preset_grid` of apertus-stage1 (256²..512², square ends, aspect ratios up to 4 in
-between), timed by `mmtok.calibrate.time_cells` exactly as `mmtok calibrate` does. Every 3rd shape
+`mmtok.plan.calibrate.preset_grid` of apertus-stage1 (256²..512², square ends, aspect ratios up to 4 in
+between), timed by `mmtok.plan.calibrate.time_cells` exactly as `mmtok calibrate` does. Every 3rd shape
 (never the smallest or largest) is held out: the model is fitted on the others and its per-batch
 relative error is measured on the held-out batches, next to the analytic default after its best
 scale, and next to the same fit by absolute (instead of relative) least squares. Writes a Markdown
@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmtok import calibrate as cal
+from mmtok.plan import calibrate as cal
 from mmtok.codecs import emu35
-from mmtok.plan import CostModel
+from mmtok.formats.presets import CostModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_emu35 import MID_CONFIG  # noqa: E402

@@ -36,7 +36,7 @@ import torch
 
 from mmtok.codecs import emu35
 from mmtok.codecs.base import PrecisionContract
-from mmtok.images import load_rgb_file, resize_rgb
+from mmtok.media.images import load_rgb_file, resize_rgb
 
 CODEBOOK = (131072, 256)
 MIB = 1 << 20

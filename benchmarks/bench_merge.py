@@ -10,7 +10,7 @@ times, alternating and --repeats times each:
   concat    the merge's data path: `mmtok.formats.megatron.concatenate` (bytes copied with
             copy_file_range, pointers rebuilt, fsynced and renamed into place); also timed with
             fsync disabled, to show the copy path alone against `cat`
-  merge     `mmtok.merge.merge(OUT)`: concatenate + provenance + stats + megatron-core verification
+  merge     `mmtok.merge.merge.merge(OUT)`: concatenate + provenance + stats + megatron-core verification
             (the verification's one-off import of megatron-core is timed separately and excluded)
 Throughput is GB of tokens.bin per second, best of the repeats (page cache warm for all: the files
 were just written).
@@ -25,7 +25,7 @@ twice over --document-parts parts:
             its first image; no part has a token of its own -- merge assembles every document
   plain     the same documents already assembled, one sequence each, in document order (what merge
             copies when encode wrote whole documents)
-and timed, alternating, --repeats times each: `mmtok.assemble.assemble_documents` (items -> one
+and timed, alternating, --repeats times each: `mmtok.merge.assemble.assemble_documents` (items -> one
 dataset, durable) vs `concatenate` of the plain parts (the copy path, durable), both also with fsync
 disabled, and `merge` of each output. Tokens per second of the same tokens, and their ratio, by wall
 time and by this process's CPU time (user + system: copy_file_range runs in the kernel on the
@@ -44,11 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.assemble import assemble_documents
-from mmtok.encode.documents import DocumentBuilder, pack_template
+from mmtok.merge.assemble import assemble_documents
+from mmtok.documents import DocumentBuilder, pack_template
 from mmtok.formats.commitlog import PartWriter, part_dir, part_prefix
 from mmtok.formats.megatron import bin_path, concatenate
-from mmtok.merge import merge
+from mmtok.merge.merge import merge
 
 IMAGE_CODES = (32, 32)  # a 512² image under Emu3.5's 16x IBQ
 UNIT_ITEMS = 1024  # items per committed unit of an item part (a few batches: fewer fsyncs while writing;

@@ -169,7 +169,8 @@ import pyarrow as pa
 pa.set_cpu_count(1); pa.set_io_thread_count(1)
 import mmtok
 from mmtok.formats.plan import BATCHES_FILE, PlanWriter, Plan
-from mmtok.plan import batching, core, load_preset
+from mmtok.formats.presets import load_preset
+from mmtok.plan import batching, core
 from mmtok.plan.rows import text_tokenizer
 from mmtok.ranks import imbalance, rank_costs
 phases = {"read + filter + target shapes": 0.0, "windows + batches": 0.0, "write files": 0.0}
@@ -540,7 +541,7 @@ def _baseline_table(corpora: list[dict]) -> list[str]:
 
 def bench_corpus(corpus: Corpus, args, old: Path) -> dict:
     """Every planner on one corpus: the runs per world size, the top-up counterfactual, the baseline."""
-    from mmtok.plan import load_preset
+    from mmtok.formats.presets import load_preset
 
     params = load_preset(PRESET)
     manifest = _manifest(args.workdir / corpus.label.replace(" ", "-"), corpus)

@@ -54,11 +54,11 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import encodekit  # noqa: E402 (tests/encodekit.py: the Apertus-format chat tokenizer, the tar writer)
 
-import mmtok.sft  # noqa: E402
-from mmtok.chat import ChatRenderer, split_media  # noqa: E402
+import mmtok.sft.build  # noqa: E402
+from mmtok.formats.chat import ChatRenderer, split_media  # noqa: E402
 from mmtok.cli import main as cli_main  # noqa: E402
-from mmtok.conversations import Conversation, audio_clip_id, read_conversations  # noqa: E402
-from mmtok.encode.documents import DocumentBuilder  # noqa: E402
+from mmtok.formats.conversations import Conversation, audio_clip_id, read_conversations  # noqa: E402
+from mmtok.documents import DocumentBuilder  # noqa: E402
 from mmtok.formats import audio_cache  # noqa: E402
 from mmtok.formats.commitlog import PartWriter, part_dir  # noqa: E402
 from mmtok.text import HFTokenizer, load_text_tokenizer  # noqa: E402
@@ -303,14 +303,14 @@ def profile_sft(work: Path, corpus: dict) -> tuple[tuple[float, float], Timers]:
     wrap = timers.wrap
     patches = [(ChatRenderer, "render", wrap("render", ChatRenderer.render)),
                (HFTokenizer, "encode", wrap("tokenize", HFTokenizer.encode)),
-               (mmtok.sft.ImageItems, "block", wrap("image lookup", mmtok.sft.ImageItems.block)),
-               (mmtok.sft.AudioClips, "block", wrap("audio lookup", mmtok.sft.AudioClips.block)),
-               (mmtok.sft.ImageItems, "__init__", wrap("load", mmtok.sft.ImageItems.__init__)),
-               (mmtok.sft.AudioClips, "__init__", wrap("load", mmtok.sft.AudioClips.__init__)),
+               (mmtok.sft.build.ImageItems, "block", wrap("image lookup", mmtok.sft.build.ImageItems.block)),
+               (mmtok.sft.build.AudioClips, "block", wrap("audio lookup", mmtok.sft.build.AudioClips.block)),
+               (mmtok.sft.build.ImageItems, "__init__", wrap("load", mmtok.sft.build.ImageItems.__init__)),
+               (mmtok.sft.build.AudioClips, "__init__", wrap("load", mmtok.sft.build.AudioClips.__init__)),
                (Conversation, "media", wrap("references", Conversation.media)),
-               (mmtok.sft, "split_media", wrap("references", mmtok.sft.split_media)),
-               (mmtok.sft, "locate", wrap("references", mmtok.sft.locate)),
-               (mmtok.sft, "read_conversations", timers.wrap_iterator("read", mmtok.sft.read_conversations)),
+               (mmtok.sft.build, "split_media", wrap("references", mmtok.sft.build.split_media)),
+               (mmtok.sft.build, "locate", wrap("references", mmtok.sft.build.locate)),
+               (mmtok.sft.build, "read_conversations", timers.wrap_iterator("read", mmtok.sft.build.read_conversations)),
                (PartWriter, "commit", wrap("commit", PartWriter.commit)),
                (PartWriter, "finish", wrap("commit", PartWriter.finish))]
     with contextlib.ExitStack() as stack:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from realmedia import alsa_sounds, asterisk_prompts  # noqa: E402
 
-from mmtok.audio.preprocess import load_audio, peak_normalize, resample  # noqa: E402
+from mmtok.media.audio import load_audio, peak_normalize, resample  # noqa: E402
 from mmtok.codecs import wavtokenizer as wt  # noqa: E402
 
 SPEECH_ALSA = ("Front_Center", "Front_Left", "Front_Right", "Rear_Center", "Rear_Left", "Rear_Right",

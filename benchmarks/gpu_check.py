@@ -225,7 +225,7 @@ def random_checkpoint(work: Path, name: str) -> Path:
 def source_images(limit: int) -> tuple[list, str]:
     """Up to `limit` RGB PIL images and where they came from: scikit-image's sample photos, then Debian's
     mate-backgrounds, where installed; else synthetic smooth images (the device machine may have neither)."""
-    from mmtok.images import load_rgb_file
+    from mmtok.media.images import load_rgb_file
 
     paths: list[Path] = []
     try:
@@ -259,7 +259,7 @@ def photo_batch(images: list, side: int, count: int):
     """uint8 [count, side, side, 3]: the images resized (bicubic, as the pipeline), repeated as needed."""
     import numpy as np
 
-    from mmtok.images import resize_rgb
+    from mmtok.media.images import resize_rgb
 
     return np.stack([resize_rgb(images[i % len(images)], side, side) for i in range(count)])
 

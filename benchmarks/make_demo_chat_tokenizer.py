@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/make_demo_chat_tokenizer.py [--out DIR]
 
 A byte-level BPE (the `tokenizers` library) trained on the demo's own texts -- the bundled captions and
-transcripts, and the demo's conversations (`mmtok.demo.demo_conversations`) as the template below renders
+transcripts, and the demo's conversations (`mmtok.commands.demo_flow.demo_conversations`) as the template below renders
 them -- with the Apertus chat special tokens added after the learned vocabulary (so their ids differ from
 the real Apertus build's, and nothing may hard-code them). tokenizer_config.json holds a chat template in
 the Apertus 1.5 layout, written for this demo:
@@ -30,8 +30,8 @@ import json
 import re
 from pathlib import Path
 
-from mmtok.chat import ChatRenderer, split_media
-from mmtok.demo import CHAT_TOKENIZER, bundled_table, demo_conversations
+from mmtok.formats.chat import ChatRenderer, split_media
+from mmtok.commands.demo_flow import CHAT_TOKENIZER, bundled_table, demo_conversations
 
 VOCAB_SIZE = 1000  # the BPE's target size (base tokens included); it stops earlier when no pair is left to merge
 BASE_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]

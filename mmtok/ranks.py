@@ -1,4 +1,12 @@
-"""Contiguous, cost-balanced batch ranges for N ranks that never communicate: the one rank-range rule.
+"""Who does what: the one owner of how work is split over N ranks that never communicate.
+
+Three policies, one per kind of work, each a pure function of (the work's sizes, N), so every rank
+computes the same split on its own:
+* image batches of a plan: contiguous, cost-balanced batch ranges (`partition_ranks`, below);
+* Shar shards of an audio encode: whole shards, longest first to the least-loaded rank (`assign_shards`);
+* conversation units of `mmtok sft`: contiguous, even unit ranges (`unit_ranges`).
+
+Image batch ranges:
 
 Every batch boundary is a legal cut (a document of several images is assembled by merge, so its
 images may sit on any ranks). The ranges minimise the largest rank cost (the job's wall time) over
@@ -14,9 +22,12 @@ holds each target at the image nearest to it bounds every rank's error by about 
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, bisect_right
 
 import numpy as np
+
+from mmtok.errors import MmtokError
 
 _BISECTIONS = 64  # enough to pin the bottleneck to ~1e-9 of the mean rank cost
 SEARCH_ABOVE = 0.005  # imbalance of the nearest-target splits above which `_searched_splits` runs
@@ -288,3 +299,22 @@ def imbalance(per_rank: np.ndarray) -> float:
     """max / mean - 1 over all ranks (idle ones included); 0 for no work."""
     mean = float(np.mean(per_rank)) if len(per_rank) else 0.0
     return float(np.max(per_rank) / mean - 1.0) if mean > 0 else 0.0
+
+
+def assign_shards(durations: list[float], world_size: int) -> list[list[int]]:
+    """Shard indices per rank (each list ascending): longest-processing-time-first greedy."""
+    if world_size < 1:
+        raise MmtokError(f"world size must be at least 1, got {world_size}")
+    loads = [(0.0, rank) for rank in range(world_size)]
+    heapq.heapify(loads)
+    assigned: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(durations)), key=lambda i: (-durations[i], i)):
+        load, rank = heapq.heappop(loads)
+        assigned[rank].append(index)
+        heapq.heappush(loads, (load + durations[index], rank))
+    return [sorted(indices) for indices in assigned]
+
+
+def unit_ranges(total_units: int, world_size: int) -> list[tuple[int, int]]:
+    """Contiguous unit ranges, one per rank, as even as whole units allow."""
+    return [(r * total_units // world_size, (r + 1) * total_units // world_size) for r in range(world_size)]

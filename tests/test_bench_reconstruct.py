@@ -279,7 +279,7 @@ def test_parquet_containers_are_read_by_row(tmp_path):
 
 def test_resize_rules_come_from_checkpoint_plan_preset_or_options(tmp_path, checkpoints):
     from mmtok.codecs.base import load_codec
-    from mmtok.plan.params import PlanParameters
+    from mmtok.formats.presets import PlanParameters
 
     codecs = {name: load_codec(name, path) for name, path in checkpoints.items()}
     rule = lambda text, name: reconstruct.resize_rule(reconstruct.parse_tokenizer(text), codecs[name])  # noqa: E731

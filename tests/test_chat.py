@@ -1,8 +1,8 @@
-"""SFT conversations -> tokens (`mmtok.sft.ConversationBuilder`): the tokenizer's jinja chat template
+"""SFT conversations -> tokens (`mmtok.sft.build.ConversationBuilder`): the tokenizer's jinja chat template
 (Apertus format), each placeholder filled with its medium's block from the image / audio stores.
 
-The stores here are fakes with the methods the builder calls on `mmtok.sft.ImageItems` and
-`mmtok.sft.AudioClips`; `test_chat_omni.py` uses them too.
+The stores here are fakes with the methods the builder calls on `mmtok.sft.build.ImageItems` and
+`mmtok.sft.build.AudioClips`; `test_chat_omni.py` uses them too.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from encodekit import chat_tokenizer, write_tar
 
-from mmtok.chat import ChatRenderer, MediaSlot, split_media
-from mmtok.conversations import Conversation, audio_clip_id, read_conversations
+from mmtok.formats.chat import ChatRenderer, MediaSlot, split_media
+from mmtok.formats.conversations import Conversation, audio_clip_id, read_conversations
 from mmtok.errors import MmtokError, Skip
-from mmtok.sft import DEFAULT_MAX_TOKENS, ConversationBuilder
+from mmtok.sft.build import DEFAULT_MAX_TOKENS, ConversationBuilder
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 

@@ -12,7 +12,7 @@ or `{"blocks"}` (thoughts -> <|inner_prefix|> .., response closes with <|inner_s
 Tools are listed as json lines (the real template writes TypeScript signatures; the token layout is
 what these tests pin).
 
-`mmtok.sft.ConversationBuilder` then fills each slot with its medium's block (fake stores, see test_chat.py).
+`mmtok.sft.build.ConversationBuilder` then fills each slot with its medium's block (fake stores, see test_chat.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import pytest
 from encodekit import train_chat_tokenizer
 from test_chat import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
 
-from mmtok.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
-from mmtok.conversations import Conversation, audio_clip_id, locate
+from mmtok.formats.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
+from mmtok.formats.conversations import Conversation, audio_clip_id, locate
 from mmtok.errors import Skip
 from mmtok.text import load_text_tokenizer
 

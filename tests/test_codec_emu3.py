@@ -12,8 +12,8 @@ from PIL import Image
 from mmtok.codecs import emu3
 from mmtok.codecs.base import load_codec
 from mmtok.errors import MmtokError
-from mmtok.images import resize_rgb
-from mmtok.resize import target_shape
+from mmtok.media.images import resize_rgb
+from mmtok.media.resize import target_shape
 from realmedia import golden, skimage_images
 
 NAMES = ("astronaut", "coffee", "rocket", "chelsea", "immunohistochemistry")

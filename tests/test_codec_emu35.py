@@ -15,7 +15,7 @@ from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.codecs.base import PrecisionContract, checkpoint_fingerprint, load_codec
 from mmtok.errors import MmtokError
-from mmtok.images import load_rgb_file, resize_rgb
+from mmtok.media.images import load_rgb_file, resize_rgb
 from realmedia import golden, skimage_images
 
 REAL_NAMES = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg")

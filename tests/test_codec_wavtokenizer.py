@@ -13,7 +13,7 @@ import torch
 import yaml
 from realmedia import ALSA_DIR, ASTERISK_DIR, alsa_sounds, asterisk_prompts, golden
 
-from mmtok.audio.preprocess import load_audio, peak_normalize
+from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.cli import main
 from mmtok.codecs import wavtokenizer as wt
 from mmtok.codecs.base import PrecisionContract, load_codec

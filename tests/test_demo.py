@@ -7,7 +7,7 @@ from pathlib import Path
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from mmtok.cli import main
-from mmtok.demo import CHAT_TOKENIZER, demo_conversations
+from mmtok.commands.demo_flow import CHAT_TOKENIZER, demo_conversations
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
 

@@ -18,9 +18,8 @@ from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import part_dir, read_stats
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
-from mmtok.images import ImageDecodeError, decode_rgb, resize_rgb
-from mmtok.plan import caption_text
-from mmtok.text import load_text_tokenizer
+from mmtok.media.images import ImageDecodeError, decode_rgb, resize_rgb
+from mmtok.text import caption_text, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
 MERGED_FILES = ("merged.bin", "merged.idx", "merged.provenance.jsonl")

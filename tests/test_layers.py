@@ -1,5 +1,6 @@
-"""The package's layers point one way (STYLE.md): read from the source, every import counted,
-including those inside functions."""
+"""The package's layers point one way, read from the source (every import counted, including those inside
+functions): commands on top, then the stages and the tools (each its own room, meeting the others only
+through the files in formats/), then the shared layers every room may use."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mmtok"
-STAGES = ("scan", "plan", "encode", "audio", "pack", "sft", "merge", "bench", "inspect", "demo", "commands", "cli")
+TOP = ("cli", "commands")  # argument parsing and printing: may import anything
+STAGES = ("scan", "plan", "encode", "audio", "sft", "merge")  # each makes one kind of output
+TOOLS = ("tools", "bench")  # read outputs, write no dataset
+SHARED = ("formats", "codecs", "media")  # files, codecs and media rules: what the rooms share
+ROOT_MODULES = ("documents", "errors", "extras", "fsutil", "launch", "progress", "ranks", "text", "vocab")
+ROOMS = STAGES + TOOLS
+MAX_ROOT_MODULES = 10
 
 
 def _module_name(path: Path) -> str:
@@ -32,20 +39,39 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> str:
+    """The room or layer of a module: its first package under mmtok, or the module itself at the root."""
     return module.split(".")[1] if module.count(".") else "mmtok"
 
 
+def _offenders(graph, importers, forbidden) -> dict[str, list[str]]:
+    found = {m: sorted(t for t in ts if forbidden(_layer(m), _layer(t)))
+             for m, ts in graph.items() if _layer(m) in importers}
+    return {m: t for m, t in found.items() if t}
+
+
+def test_every_package_and_root_module_has_a_layer():
+    known = set(TOP + STAGES + TOOLS + SHARED + ROOT_MODULES + ("__init__", "__main__", "data"))
+    entries = {p.stem for p in PACKAGE.iterdir() if p.suffix == ".py" or (p.is_dir() and p.name != "__pycache__")}
+    assert entries <= known, f"classify these in tests/test_layers.py: {sorted(entries - known)}"
+
+
+def test_the_package_root_keeps_only_a_few_shared_rules():
+    modules = [p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__", "cli")]
+    assert len(modules) <= MAX_ROOT_MODULES, sorted(modules)
+
+
 def test_only_the_cli_imports_commands():
-    offenders = {m: sorted(t for t in ts if _layer(t) == "commands")
-                 for m, ts in import_graph().items() if _layer(m) not in ("commands", "cli")}
-    assert not {m: t for m, t in offenders.items() if t}
+    assert not _offenders(import_graph(), set(STAGES + TOOLS + SHARED + ROOT_MODULES + ("mmtok",)),
+                          lambda _, target: target == "commands")
 
 
-def test_formats_and_codecs_import_no_stage():
-    graph = import_graph()
-    offenders = {m: sorted(t for t in ts if _layer(t) in STAGES)
-                 for m, ts in graph.items() if _layer(m) in ("formats", "codecs")}
-    assert not {m: t for m, t in offenders.items() if t}
+def test_no_stage_or_tool_imports_another():
+    assert not _offenders(import_graph(), set(ROOMS), lambda room, target: target in ROOMS and target != room)
+
+
+def test_shared_layers_import_no_stage_or_tool():
+    shared = set(SHARED + ROOT_MODULES + ("mmtok",))
+    assert not _offenders(import_graph(), shared, lambda _, target: target in ROOMS + TOP)
 
 
 def test_the_package_import_graph_has_no_cycle():

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from mmtok.cli import main
 from mmtok.formats.megatron import read_index
-from mmtok.inspect import advise_seq_length, advise_split
+from mmtok.tools.inspect import advise_seq_length, advise_split
 
 BLOCK = re.compile(r"<\|img_start\|>(\d+)\*(\d+)<\|img_token_start\|>(.*?)<\|img_end_of_frame\|><\|img_end\|>")
 ROW = re.compile(r"((?:<\|visual token \d+\|>)+)<\|img_end_of_row\|>")

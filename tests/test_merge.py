@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from mmtok.cli import main
-from mmtok.encode.documents import pack_template
+from mmtok.documents import pack_template
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
-from mmtok.merge import ReasoningIds, find_parts, merge, strip_sequence
+from mmtok.formats.parts import find_parts
+from mmtok.merge.merge import ReasoningIds, merge, strip_sequence
 
 BOS, EOS, PRE, SUF, END = 1, 2, 32, 33, 70
 BOI, EOI = 900, 901  # around an image block in these tests
@@ -105,7 +106,7 @@ def test_strip_reasoning_drops_emptied_sequences_and_keeps_provenance_aligned(tm
 
 
 def test_strip_reasoning_works_across_block_boundaries(tmp_path, monkeypatch):
-    import mmtok.merge
+    import mmtok.merge.merge
 
     rng = np.random.default_rng(0)
     sequences = []
@@ -115,7 +116,7 @@ def test_strip_reasoning_works_across_block_boundaries(tmp_path, monkeypatch):
     _write_parts(tmp_path, [sequences[:170], sequences[170:]])
     merge(tmp_path, strip_reasoning=True)
     reference = sha256_file(tmp_path / "merged_no_reasoning.bin")
-    monkeypatch.setattr(mmtok.merge, "BLOCK_TOKENS", 37)
+    monkeypatch.setattr(mmtok.merge.merge, "BLOCK_TOKENS", 37)
     merge(tmp_path, strip_reasoning=True)
     assert sha256_file(tmp_path / "merged_no_reasoning.bin") == reference
     stripped = list(read_sequences(tmp_path / "merged_no_reasoning"))

@@ -25,13 +25,13 @@ import torch
 from audio_corpus import digit
 from encodekit import chat_tokenizer, image_items, real_images, write_tar
 
-import mmtok.pack
+import mmtok.sft.pack
 from mmtok.cli import main
 from mmtok.codecs import emu35, wavtokenizer
-from mmtok.conversations import audio_clip_id, content_id, locate, read_conversations
+from mmtok.formats.conversations import audio_clip_id, content_id, locate, read_conversations
 from mmtok.formats import audio_cache
 from mmtok.formats.megatron import read_sequences
-from mmtok.pack import pack_conversation
+from mmtok.sft.pack import pack_conversation
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -284,7 +284,7 @@ def test_a_rerun_after_a_first_pack_was_interrupted_packs(packed, tmp_path, monk
         return pack_conversation(conversation, key)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(mmtok.pack, "pack_conversation", interrupted)
+    monkeypatch.setattr(mmtok.sft.pack, "pack_conversation", interrupted)
     assert main(["pack", *map(str, packed.inputs), "--out", str(out), "--no-progress"]) == 130
     monkeypatch.undo()
     assert not list(out.glob("conversations-*.tar")) and not (out / "pack.json").exists()

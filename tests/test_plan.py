@@ -20,12 +20,14 @@ from mmtok.errors import MmtokError
 from mmtok.formats import manifest as manifest_format
 from mmtok.formats import plan as plan_format
 from mmtok.formats.plan import Plan
-from mmtok.plan import (CostModel, PlanParameters, available_presets, batching, build_plan, caption_text, core,
-                        explain_plan, load_preset)
+from mmtok.formats.presets import CostModel, PlanParameters, available_presets, load_preset
+from mmtok.plan import batching, build_plan, core
+from mmtok.text import caption_text
+from mmtok.tools.explain import explain_plan
 from mmtok.plan import rows as plan_rows
 from mmtok.plan.rows import text_tokenizer
 from mmtok.ranks import balance_splits, imbalance, partition_ranks, rank_costs
-from mmtok.resize import target_shape
+from mmtok.media.resize import target_shape
 from mmtok.vocab import VocabLayout
 from realmedia import mate_photos, skimage_images
 

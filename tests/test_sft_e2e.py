@@ -31,7 +31,7 @@ from realmedia import alsa_sounds, espeak
 from test_chat_omni import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
 from test_encode_faults import forkserver  # noqa: F401 -- the fixture: children forked with mmtok imported
 
-import mmtok.sft
+import mmtok.sft.build
 from mmtok.cli import main
 from mmtok.codecs import emu35, wavtokenizer
 from mmtok.formats import audio_cache, commitlog
@@ -290,7 +290,7 @@ def env(tmp_path_factory):
     env.media = _encode_media(env, root / "one-rank", 1)
     env.sft = root / "one-rank" / "sft"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mmtok.sft, "CONVERSATIONS_PER_UNIT", UNIT)
+        patch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
         _run(*_sft_argv(env, env.media, env.sft))
     _run("merge", env.sft, "--strip-reasoning")
     env.tokenizer = load_text_tokenizer(str(env.text))
@@ -354,7 +354,7 @@ def _fingerprint(out: Path) -> dict[str, str]:
 def test_every_sequence_opens_in_megatron_core_and_is_its_hand_written_conversation(env):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from mmtok.merge import release_reader
+    from mmtok.merge.merge import release_reader
 
     dataset = IndexedDataset(str(env.sft / "merged"))
     sequences = [np.array(dataset[i]) for i in range(len(dataset))]  # copies: the reader is released next
@@ -402,7 +402,7 @@ def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(
     image_parts = sorted((media.images / "parts").glob("part-*"))
     assert len(image_parts) == 3 and all(commitlog.read_items(d)[0] for d in image_parts)  # every rank has images
     assert len(audio_cache.find_parts(media.audio)) == 3
-    monkeypatch.setattr(mmtok.sft, "CONVERSATIONS_PER_UNIT", UNIT)
+    monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
     _ranks(3, *_sft_argv(env, media, tmp_path / "sft"))
     per_rank = [commitlog.read_stats(part_dir(tmp_path / "sft", r))["units"] for r in range(3)]
     assert per_rank == [[0, 2], [2, 4], [4, 6]]  # the 3 ranks really split the conversations
@@ -415,15 +415,15 @@ def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(
 def _gated_sft(argv: list[str], committed, gate) -> None:
     """A child `mmtok sft` (UNIT conversations per unit) that waits for one permit from `gate` before each
     unit's commit and announces each finished commit on `committed`: it commits exactly what is allowed."""
-    mmtok.sft.CONVERSATIONS_PER_UNIT = UNIT  # this forked child only
-    commit = mmtok.sft._Unit.commit
+    mmtok.sft.build.CONVERSATIONS_PER_UNIT = UNIT  # this forked child only
+    commit = mmtok.sft.build._Unit.commit
 
     def gated(self, part):
         gate.acquire()
         commit(self, part)
         committed.release()
 
-    mmtok.sft._Unit.commit = gated
+    mmtok.sft.build._Unit.commit = gated
     sys.exit(main(argv))
 
 
@@ -447,9 +447,9 @@ def test_sigkill_between_committed_units_then_resume_gives_the_clean_merged_byte
         assert process.exitcode == -signal.SIGKILL
         assert [r["unit"] for r in read_commits(part_dir(out, 0))[0]] == list(range(total))
     built = []
-    build = mmtok.sft.ConversationBuilder.build
-    monkeypatch.setattr(mmtok.sft, "CONVERSATIONS_PER_UNIT", UNIT)
-    monkeypatch.setattr(mmtok.sft.ConversationBuilder, "build", lambda self, c: built.append(c.id) or build(self, c))
+    build = mmtok.sft.build.ConversationBuilder.build
+    monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
+    monkeypatch.setattr(mmtok.sft.build.ConversationBuilder, "build", lambda self, c: built.append(c.id) or build(self, c))
     _run(*argv)  # resumes after the third unit
     assert built == list(env.corpus.conversations)[3 * UNIT:]  # every conversation after the third unit, once
     _run("merge", out, "--strip-reasoning")

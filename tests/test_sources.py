@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 
 from mmtok.cli import main
 from mmtok.errors import MmtokError
-from mmtok.sources import load_source
+from mmtok.commands.sources import load_source
 from realmedia import REPO, skimage_images
 
 

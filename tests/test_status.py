@@ -17,7 +17,7 @@ from mmtok.formats.commitlog import COMMITS, PartWriter, check_part_free, part_d
 from mmtok.formats.plan import BATCHES_FILE, Plan
 from mmtok.fsutil import WriterLock
 from mmtok.ranks import imbalance, rank_costs
-from mmtok.status import job_status
+from mmtok.tools.status import job_status
 
 # A writer in another process: commits two batches, says so, then holds the part's lock until told to stop.
 HOLDER = r"""

@@ -14,9 +14,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from mmtok.cli import main
 from mmtok.errors import MmtokError
 from mmtok.formats.megatron import DatasetWriter, bin_path, read_sequences
-from mmtok.plan import caption_text
-from mmtok.text import load_text_tokenizer
-from mmtok.tokenizer import (AUDIO_CODE_TOKEN, IMAGE_CODE_TOKEN, RESERVED_TOKEN, build_tokenizer, byte_level_chars,
+from mmtok.text import caption_text, load_text_tokenizer
+from mmtok.tools.tokenizer import (AUDIO_CODE_TOKEN, IMAGE_CODE_TOKEN, RESERVED_TOKEN, build_tokenizer, byte_level_chars,
                              omni_token_names)
 from mmtok.vocab import OMNI_SPECIAL_TOKENS, VocabLayout
 
@@ -115,7 +114,7 @@ def test_tekken_text_ids_and_encoding_are_mmtoks(tekken_omni):
 
 
 def test_control_token_names_in_text_become_control_tokens_unlike_tekken(tekken_omni):
-    """The one documented difference from mistral-common's encoder (see mmtok/tokenizer.py)."""
+    """The one documented difference from mistral-common's encoder (see mmtok/tools/tokenizer.py)."""
     tokenizer, _ = tekken_omni
     text = load_text_tokenizer("tekken")
     assert tokenizer.encode("</s>", add_special_tokens=False).ids == [2]
@@ -266,7 +265,8 @@ def test_check_names_a_different_eos_text_tokenizer_and_codec(captions, tekken_d
 
 
 def test_check_reads_audio_interleave_outputs_and_their_codec(tekken_dir, tmp_path, capsys):
-    from mmtok.audio.interleave import METADATA, STAGE
+    from mmtok.audio.interleave import STAGE
+    from mmtok.formats.interleave import METADATA
 
     layout, text = VocabLayout(131_072), load_text_tokenizer("tekken")
     with DatasetWriter(tmp_path / STAGE) as writer:  # an interleaved sequence: speech, then its transcript

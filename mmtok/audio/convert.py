@@ -40,7 +40,7 @@ from typing import Iterator
 import numpy as np
 
 from mmtok import __version__
-from mmtok.audio.preprocess import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
+from mmtok.media.audio import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
 from mmtok.audio.sources import ClipSpec, Collected, Dropped, Unit, collect_units, pick_channel
 from mmtok.errors import MmtokError
 from mmtok.formats import shar as shar_format

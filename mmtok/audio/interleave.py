@@ -15,7 +15,7 @@ Definition (every rule here is tested):
   Each copy ends with text, so the copy in which c_{m-1} would be audio stops at c_{m-2}; that
   leftover clip c_{m-1} gets a transcription sequence (its audio appears there, its text appears
   both there and in the other copy). Output order per run: copy 1, copy 2, leftover.
-* Token layout and BOS/EOS placement: see mmtok.audio.sequences (one BOS first, one EOS last).
+* Token layout and BOS/EOS placement: see mmtok.documents (one BOS first, one EOS last).
 * Routing: a sequence of at most --stage-max-tokens goes to OUT/stage; a longer one to
   OUT/long-context. A sequence over --max-tokens is first split greedily at clip boundaries into
   pieces of at most --max-tokens that each end with text (each piece is a sequence with its own
@@ -39,14 +39,14 @@ from typing import Iterator
 import numpy as np
 
 from mmtok import __version__
-from mmtok.audio.sequences import AUDIO, TEXT, SequenceBuilder, is_translation
+from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
+from mmtok.formats.interleave import METADATA
 from mmtok.fsutil import atomic_write_json, sha256_file
 from mmtok.vocab import VocabLayout
 
 STAGE, LONG = "stage", "long-context"
-METADATA = "interleave.json"
 FIXES = {"no_text": "convert the clips with their text (--transcripts, a text column or sidecar)",
          "over_max_tokens": "raise --max-tokens"}
 
@@ -256,18 +256,6 @@ def _dataset_entry(name: str, counts: Counter, stage_max_tokens: int, written: b
         limit = f"{stage_max_tokens:,} tokens"
         entry["reason"] = f"no sequence over {limit}" if name == LONG else f"no sequence of at most {limit}"
     return entry
-
-
-def not_written_reason(prefix: Path) -> str | None:
-    """Why OUT/<set> has no dataset, when OUT/interleave.json records that set as not written."""
-    metadata = prefix.parent / METADATA
-    try:
-        entry = json.loads(metadata.read_text("utf-8")).get("datasets", {}).get(prefix.name)
-    except (OSError, ValueError):  # absent or not ours: the caller reports the path as it is
-        return None
-    if not entry or entry.get("written", True):
-        return None
-    return f"{entry['reason']}, so `mmtok audio interleave` did not write it (see {metadata})"
 
 
 def _nothing_message(encoded: Path, out: Path, counts: Counter) -> str:

@@ -8,7 +8,7 @@ could not be read). Kinds and their units:
   tar            WebDataset tars: audio members + txt/json sidecars          one unit per tar
   lhotse         Lhotse recording (+ supervision) manifests                  one unit per recording
   parquet        Parquet files with an audio-bytes column                    one unit per row group
-  conversations  SFT conversations (`mmtok.conversations`: KEY.json samples  up to CONVERSATION_UNIT_CLIPS
+  conversations  SFT conversations (`mmtok.formats.conversations`: KEY.json samples  up to CONVERSATION_UNIT_CLIPS
                  of tars, .jsonl lines, .parquet rows), never auto-detected  clips of one input
 
 A conversation's audio slot k is one whole clip `<conversation id>/audio-<k>` without text (its text
@@ -44,9 +44,9 @@ from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from mmtok.audio.preprocess import AudioReason, to_mono
-from mmtok.chat import ConversationError
-from mmtok.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
+from mmtok.media.audio import AudioReason, to_mono
+from mmtok.formats.chat import ConversationError
+from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
                                  sample_key)
 from mmtok.errors import MmtokError, Skip
 

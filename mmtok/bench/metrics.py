@@ -140,7 +140,7 @@ class AudioScorer:
 
     def pesq(self, reference: np.ndarray, test: np.ndarray) -> tuple[float, str]:
         """(wideband PESQ MOS-LQO, note); NaN with a note such as `pesq:no_utterances` when unscorable."""
-        from mmtok.audio.preprocess import resample
+        from mmtok.media.audio import resample
 
         pesq = require("pesq", "bench", COMMAND)
 

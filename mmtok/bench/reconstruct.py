@@ -70,7 +70,7 @@ def parse_tokenizer(text: str) -> TokenizerSpec:
 
 @dataclass(frozen=True)
 class ResizeRule:
-    """The training resize of one tokenizer: mmtok.resize.target_shape with its factor and bounds, and the
+    """The training resize of one tokenizer: mmtok.media.resize.target_shape with its factor and bounds, and the
     aspect-ratio filter (long side / short side of the source; None: no limit)."""
 
     factor: int
@@ -80,7 +80,7 @@ class ResizeRule:
 
     def target(self, height: int, width: int) -> tuple[tuple[int, int] | None, str]:
         """(target shape, "") or (None, reason) for a source image of height x width."""
-        from mmtok.resize import target_shape
+        from mmtok.media.resize import target_shape
 
         if min(height, width) < 1:
             return None, "zero_size"
@@ -106,7 +106,7 @@ def resize_rule(spec: TokenizerSpec, codec) -> ResizeRule:
 
 
 def _plan_rule(preset: str | None) -> dict:
-    from mmtok.plan.params import PlanParameters, load_preset
+    from mmtok.formats.presets import PlanParameters, load_preset
 
     params = load_preset(preset) if preset else PlanParameters()
     return {"min_pixels": params.min_pixels, "max_pixels": params.max_pixels, "max_aspect": params.max_aspect_ratio}

@@ -42,7 +42,7 @@ def _save_png(path: Path, pixels: np.ndarray) -> None:
 
 
 class ImageTask:
-    """Images: decode + orient + RGB (mmtok.images), resize per tokenizer rule, PSNR/SSIM/LPIPS."""
+    """Images: decode + orient + RGB (mmtok.media.images), resize per tokenizer rule, PSNR/SSIM/LPIPS."""
 
     columns = ("item", "category", "source", "tokenizer", "status", "src_height", "src_width", "height", "width",
                "codes", "tokens", "psnr", "ssim", "lpips", "encode_s", "decode_s", "metrics_s", "note")
@@ -62,7 +62,7 @@ class ImageTask:
                 "text_tokenizer": self.text.describe()}
 
     def load(self, reader, location: tuple):
-        from mmtok.images import ImageDecodeError, decode_rgb
+        from mmtok.media.images import ImageDecodeError, decode_rgb
 
         try:
             return decode_rgb(reader.read(location)), ""
@@ -77,7 +77,7 @@ class ImageTask:
         return VocabLayout.image_block_length(height, width, len(self.text.encode(f"{height}*{width}")))
 
     def run(self, entry, image, keep_dir: Path | None, slug: str) -> dict:
-        from mmtok.images import resize_rgb
+        from mmtok.media.images import resize_rgb
 
         row = {"src_height": image.height, "src_width": image.width}
         shape, reason = entry.rule.target(image.height, image.width)
@@ -120,7 +120,7 @@ class AudioTask:
         self.scorer = metrics.AudioScorer(sample_rate)
 
     def settings(self) -> dict:
-        from mmtok.audio.preprocess import PEAK_DBFS, RESAMPLER
+        from mmtok.media.audio import PEAK_DBFS, RESAMPLER
 
         return {"sample_rate": self.sample_rate, "mel_l1": metrics.MEL_SETTINGS, "stoi": {"extended": False},
                 "pesq": {"mode": "wb", "rate": metrics.PESQ_RATE, "resampler": RESAMPLER},
@@ -132,7 +132,7 @@ class AudioTask:
 
         import soundfile
 
-        from mmtok.audio.preprocess import AudioReason, check_finite, peak_normalize, resample, to_mono
+        from mmtok.media.audio import AudioReason, check_finite, peak_normalize, resample, to_mono
 
         try:
             samples, rate = soundfile.read(io.BytesIO(reader.read(location)), dtype="float32", always_2d=False)

@@ -359,7 +359,7 @@ class Emu35Codec(Codec):
         factor = self.pixels_per_code
         if height % factor or width % factor or not height or not width:
             raise MmtokError(f"{NAME}: image size {height}x{width} is not a multiple of {factor}; resize it "
-                             f"first (mmtok.resize.target_shape gives the size the pipeline uses)")
+                             f"first (mmtok.media.resize.target_shape gives the size the pipeline uses)")
         if self._pixel_table is None or self._pixel_table.device != self.device:
             self._pixel_table = pixel_table(self.device)  # cached: no host-device copy per batch
         # Contiguous NCHW like the reference's input, so the convolutions pick the same kernels. A host

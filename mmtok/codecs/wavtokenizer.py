@@ -301,7 +301,7 @@ def trimmed_count(n_samples: int) -> int:
 def check_sample_rate(sample_rate: int) -> None:
     if int(sample_rate) != SAMPLE_RATE:
         raise MmtokError(f"{NAME}: audio at {sample_rate} Hz; the codec needs {SAMPLE_RATE} Hz mono. Resample "
-                         "first with mmtok.audio.preprocess.resample (soxr VHQ, the pipeline's resampler) or "
+                         "first with mmtok.media.audio.resample (soxr VHQ, the pipeline's resampler) or "
                          "pass an audio file to `mmtok codec encode`, which does it")
 
 

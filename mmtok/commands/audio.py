@@ -83,7 +83,7 @@ def run(args) -> int:
         from mmtok.errors import MmtokError
 
         if args.source is not None:
-            from mmtok.sources import apply_source, load_source
+            from mmtok.commands.sources import apply_source, load_source
 
             declared = apply_source(args, args.parser, load_source(args.source, args.root), "audio")
             args.inputs = list(args.inputs) + [Path(p) for p in declared]

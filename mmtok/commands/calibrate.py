@@ -49,7 +49,7 @@ def batch_sizes(text: str) -> list[int]:
 def run(args) -> int:
     import json
 
-    from mmtok.calibrate import calibrate, plan_grid, preset_grid, write_calibration
+    from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid, write_calibration
     from mmtok.codecs.base import load_codec
     from mmtok.launch import resolve_device
 

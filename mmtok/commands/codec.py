@@ -73,8 +73,8 @@ def _encode(codec, args) -> np.ndarray:
 
 
 def _image_input(path: str, factor: int, min_pixels: int, max_pixels: int) -> np.ndarray:
-    from mmtok.images import ImageDecodeError, load_rgb_file, resize_rgb
-    from mmtok.resize import target_shape
+    from mmtok.media.images import ImageDecodeError, load_rgb_file, resize_rgb
+    from mmtok.media.resize import target_shape
 
     if path.endswith(".npy"):
         pixels = np.load(path)
@@ -94,7 +94,7 @@ def _image_input(path: str, factor: int, min_pixels: int, max_pixels: int) -> np
 
 
 def _audio_input(path: str, sample_rate: int) -> np.ndarray:
-    from mmtok.audio.preprocess import AudioReason, load_audio, peak_normalize
+    from mmtok.media.audio import AudioReason, load_audio, peak_normalize
 
     if path.endswith(".npy"):
         wave = np.load(path)

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from mmtok.demo import run_demo
+    from mmtok.commands.demo_flow import run_demo
 
     run_demo(Path(args.out), world_size=args.world_size, image_checkpoint=args.image_checkpoint,
              audio_checkpoint=args.audio_checkpoint, audio=not args.no_audio)

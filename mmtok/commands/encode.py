@@ -127,7 +127,7 @@ def _document_lines(rank: int, world_size: int, stats: dict, out: str) -> None:
 
 def add_audio_arguments(parser) -> None:
     """Register the audio-only options of `mmtok encode`."""
-    from mmtok.audio.encode import SEQUENCE_MODES
+    from mmtok.encode.audio import SEQUENCE_MODES
 
     group = parser.add_argument_group("audio options (--modality audio)")
     options = [
@@ -157,8 +157,9 @@ def add_audio_arguments(parser) -> None:
 def run_audio(args) -> int:
     import sys
 
-    from mmtok.audio.encode import encode_rank
-    from mmtok.audio.shards import Batching, assign_shards
+    from mmtok.encode.audio import encode_rank
+    from mmtok.encode.audio_batches import Batching
+    from mmtok.ranks import assign_shards
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.formats.shar import discover_shards
     from mmtok.codecs.base import load_codec

@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from mmtok.errors import MmtokError
-    from mmtok.inspect import inspect_path, megatron_recipe
+    from mmtok.tools.inspect import inspect_path, megatron_recipe
 
     if args.megatron:
         print(megatron_recipe(args.paths, weights=args.weights, tokenizer=args.tokenizer))

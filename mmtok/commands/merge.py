@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import time
 
-    from mmtok.merge import merge
+    from mmtok.merge.merge import merge
 
     started = time.perf_counter()
     summary = merge(args.out, strip_reasoning=args.strip_reasoning, progress=not args.no_progress)

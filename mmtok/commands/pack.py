@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from mmtok.errors import MmtokError
-    from mmtok.pack import pack, print_summary, refuse_foreign
+    from mmtok.sft.pack import pack, print_summary, refuse_foreign
 
     if args.samples_per_tar < 1:
         raise MmtokError(f"--samples-per-tar {args.samples_per_tar}: it must be at least 1")

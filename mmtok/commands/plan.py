@@ -6,7 +6,7 @@ import sys
 
 from mmtok.errors import MmtokError
 
-MODES = ("image", "image-text", "text-image", "sft", "interleaved")  # mmtok.plan.params.MODES, kept import-free
+MODES = ("image", "image-text", "text-image", "sft", "interleaved")  # mmtok.formats.presets.MODES, kept import-free
 # (flag, type, help) for every parameter a flag can override; dest = the PlanParameters field name
 PARAMETER_FLAGS = (
     ("--text-tokenizer", str, "text tokenizer: `tekken`, a tokenizer.json or its directory"),
@@ -54,7 +54,7 @@ def parameters_from_args(args):
     A --cost-* flag is recorded in the cost model's source."""
     import dataclasses
 
-    from mmtok.plan import CostModel, PlanParameters, load_preset
+    from mmtok.formats.presets import CostModel, PlanParameters, load_preset
 
     base = load_preset(args.preset) if args.preset else PlanParameters()
     if args.cost_model:
@@ -67,7 +67,8 @@ def parameters_from_args(args):
 
 
 def run(args) -> int:
-    from mmtok.plan import build_plan, explain_plan
+    from mmtok.plan import build_plan
+    from mmtok.tools.explain import explain_plan
 
     if args.out is None:
         if not args.explain:

@@ -74,7 +74,7 @@ def run(args) -> int:
     from mmtok.scan.scanner import ScanOptions, describe, run_scan
 
     if args.source is not None:
-        from mmtok.sources import apply_source, load_source
+        from mmtok.commands.sources import apply_source, load_source
 
         args.shards = list(args.shards) + apply_source(args, args.parser, load_source(args.source, args.root), "image")
     if args.workers < 1:

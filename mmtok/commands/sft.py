@@ -47,7 +47,7 @@ def run(args) -> int:
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.launch import resolve_rank
     from mmtok.errors import MmtokError
-    from mmtok.sft import SftOptions, assemble_rank, print_summary
+    from mmtok.sft.build import SftOptions, assemble_rank, print_summary
 
     if args.max_tokens < 1:
         raise MmtokError(f"--max-tokens {args.max_tokens}: it must be at least 1")

@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import json
 
-    from mmtok.status import job_status
+    from mmtok.tools.status import job_status
 
     status = job_status(args.out, plan=args.plan)
     print(json.dumps(status, indent=2) if args.json else render(status))

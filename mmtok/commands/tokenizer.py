@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
 
 
 def run_build(args) -> int:
-    from mmtok.tokenizer import build_tokenizer
+    from mmtok.tools.tokenizer import build_tokenizer
 
     summary = build_tokenizer(args.text_tokenizer, args.out, image_codec=args.image_codec, audio_codec=args.audio_codec)
     omni = summary["total_size"] - summary["text_size"]
@@ -60,7 +60,7 @@ def run_build(args) -> int:
 
 
 def run_check(args) -> int:
-    from mmtok.tokenizer import check_tokenizer
+    from mmtok.tools.tokenizer import check_tokenizer
 
     problems, summaries = check_tokenizer(args.directory, args.data)
     for problem in problems:

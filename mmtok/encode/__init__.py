@@ -1,14 +1,14 @@
-"""`mmtok encode`: the rank loop every modality runs, and the image pieces plugged into it.
+"""`mmtok encode`: media -> codes, one rank at a time, for images and audio alike.
 
-  loop.py       the modality-neutral rank loop: loader ahead -> device -> committer behind, one Meter
+  loop.py           the modality-neutral rank loop: loader ahead -> device -> committer behind, one Meter
+  work.py           images: the rank's batches of the plan (formats.plan.Plan), joined with the manifest rows
+  loader.py         images: loader threads that decode, resize into pinned buffers and tokenize text
+  runner.py         images through the loop: document templates (mmtok.documents), commits, progress, stats
+  audio.py          audio through the same loop: Shar shards -> the audio token cache and sequences
+  audio_batches.py  audio: bucketed batches of one Shar shard
 
-  work.py       the rank's batches of the plan (formats.plan.Plan), joined with the manifest rows they need
-  loader.py     loader threads: decode, resize into pinned buffers, tokenize text, ahead of the device
-  documents.py  token documents per plan mode (templates of text ids and image slots; SFT renders
-                with mmtok.chat, which the scan also reads for a conversation's image order)
-  runner.py     images through the loop: document assembly, commits, progress and stats
-(audio plugs into the same loop from mmtok.audio.encode)
-
-Public entry point: `mmtok.encode.runner.encode_rank(plan_dir, out, codec, rank=, world_size=, device=, options=)`.
-The part format (commits, resume, items, carry) lives in `mmtok.formats.commitlog`.
+A new image or audio codec lives in mmtok/codecs/; this package only runs it.
+Public entry points: `mmtok.encode.runner.encode_rank(...)` and `mmtok.encode.audio.encode_audio_rank(...)`.
+The part format (commits, resume, items, carry) is `mmtok.formats.commitlog`; which rank does what is
+`mmtok.ranks`.
 """

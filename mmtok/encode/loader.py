@@ -3,7 +3,7 @@
 A scheduler thread walks the rank's batches in order. For each it takes the batch's bytes from a
 host ring of `prefetch` x the largest batch (the bound on what is loaded ahead), and submits one
 task per image plus one text task to a pool of `threads` loader threads. An image task reads the
-member's byte range, decodes it (PIL, EXIF orientation, one RGB conversion: mmtok.images) and writes
+member's byte range, decodes it (PIL, EXIF orientation, one RGB conversion: mmtok.media.images) and writes
 the bicubic resize straight into its slot of the batch buffer; the text task builds the templates
 (tokenized text) of the documents the batch completes. PIL decoding/resizing and `pread` release
 the GIL, so the threads run in parallel with each other and with the device.
@@ -26,11 +26,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from mmtok.encode.documents import DocumentError, DocumentBuilder, Sidecars, Template
+from mmtok.documents import DocumentError, DocumentBuilder, Sidecars, Template
 from mmtok.formats.manifest import MemberReader, ShortRead
 from mmtok.encode.work import RankWork
 from mmtok.errors import Skip
-from mmtok.images import ImageDecodeError, decode_rgb, resize_rgb
+from mmtok.media.images import ImageDecodeError, decode_rgb, resize_rgb
 
 
 @dataclass

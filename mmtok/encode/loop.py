@@ -98,12 +98,3 @@ def run_device(batches: Iterable[Batch], encode: Callable[[Batch], Result], comm
 
 
 _END = object()
-
-
-def timing_stats(counts: dict[str, int]) -> dict[str, float]:
-    """A part's wall and device-busy seconds (summed over every session that wrote it), their ratio, and
-    its tokens per second (sequences and items: the ids the rank encoded)."""
-    wall = counts.get("wall_ms", 0) / 1000
-    busy = counts.get("device_busy_ms", 0) / 1000
-    return {"wall_s": wall, "device_busy_s": busy, "device_busy_fraction": busy / wall if wall else 0.0,
-            "tokens_per_s": (counts.get("tokens", 0) + counts.get("item_tokens", 0)) / wall if wall else 0.0}

@@ -11,9 +11,9 @@ and resumes, and merge to the same bytes for any world size.
 
 Documents of several images: their images can sit in any batches, on any ranks. Each image is
 committed as an item of the part (its block), the document's text template as another (with the
-batch of its first image), and `mmtok merge` assembles the document from them (`mmtok.assemble`).
+batch of its first image), and `mmtok merge` assembles the document from them (`mmtok.merge.assemble`).
 SFT (`--mode sft`): every image is an item and no template is made here; `mmtok sft` renders the
-conversations and fills in these images and the conversations' audio (`mmtok.sft`).
+conversations and fills in these images and the conversations' audio (`mmtok.sft.build`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ import PIL
 import torch
 
 from mmtok import __version__
-from mmtok.chat import recorded_special_ids
+from mmtok.formats.chat import recorded_special_ids
 from mmtok.codecs.base import refuse_low_precision
-from mmtok.encode.documents import DocumentError, DocumentBuilder, Template, pack_template
+from mmtok.documents import DocumentError, DocumentBuilder, Template, pack_template
 from mmtok.encode.loader import BatchLoader, PreparedBatch
 from mmtok.encode.work import RankWork, load_rank_work
 from mmtok.errors import MmtokError, Skip
-from mmtok.encode.loop import Meter, run_device, timing_stats
+from mmtok.encode.loop import Meter, run_device
+from mmtok.formats.parts import timing_stats
 from mmtok.formats.commitlog import PartWriter, has_dataset, part_dir
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
@@ -113,7 +114,7 @@ class Assembler:
     A one-image document becomes its sequence (or its skip record) at once. A document of several
     images may have them on several ranks: each image becomes an *image item* (its block, or why it
     failed) and the document's template a *template item* (with the batch of its first image); merge
-    assembles those (`mmtok.assemble`), so no rank waits for another and any batch boundary is a cut.
+    assembles those (`mmtok.merge.assemble`), so no rank waits for another and any batch boundary is a cut.
     """
 
     def __init__(self, work: RankWork, builder: DocumentBuilder):

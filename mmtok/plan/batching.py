@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmtok.plan.captions import CaptionReader, count_captions
-from mmtok.plan.params import PlanParameters
+from mmtok.formats.presets import PlanParameters
 from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable
 from mmtok.text import TextTokenizer
 

@@ -1,6 +1,6 @@
 """Caption sidecars in the caption modes: read by byte range, normalised once, counted exactly.
 
-`caption_text` is THE normalisation: the encoder must build caption documents from the same string,
+`mmtok.text.caption_text` is THE normalisation: the encoder must build caption documents from the same string,
 or the planned document totals would not match the written ones.
 """
 
@@ -10,19 +10,11 @@ import numpy as np
 
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import MemberReader
-from mmtok.text import TextTokenizer
+from mmtok.text import TextTokenizer, caption_text
 
 CAPTION_REASONS = ("missing_caption", "empty_caption", "caption_not_utf8", "caption_unreadable")
 _OPEN_FILES = 16
 _ENCODE_CHUNK = 4096
-
-
-def caption_text(raw: bytes) -> str:
-    """The caption string of a txt sidecar: UTF-8 (strict), surrounding whitespace removed.
-
-    Raises UnicodeDecodeError for bytes that are not UTF-8.
-    """
-    return raw.decode("utf-8").strip()
 
 
 class CaptionReader:

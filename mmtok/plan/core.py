@@ -1,7 +1,7 @@
 """Manifest -> plan (DESIGN.md §3): NumPy only, never per-row Python.
 
 1. `mmtok.plan.rows`: read the manifest columns the plan needs, filter rows (each drop gets a
-   reason), compute target shapes with `mmtok.resize.target_shapes`.
+   reason), compute target shapes with `mmtok.media.resize.target_shapes`.
 2. and 3. `mmtok.plan.batching`: windows snapped to document boundaries; inside each window,
    images sorted by exact shape and cut into batches under the token budget and max_batch_images.
    Batches are numbered in that order; the order of images depends only on the manifest and the
@@ -25,7 +25,7 @@ from mmtok.formats.manifest import Manifest
 from mmtok.formats.plan import PlanWriter
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_bounds, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
-from mmtok.plan.params import PlanParameters
+from mmtok.formats.presets import PlanParameters
 from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable, filter_manifest, text_tokenizer
 from mmtok.ranks import balance_splits, imbalance, partition_ranks, rank_costs
 from mmtok.text import TextTokenizer

@@ -1,7 +1,7 @@
 """Stage 1 of the plan: read the manifest columns it needs, filter rows, compute target shapes.
 
 Per manifest row the plan keeps a drop-reason code (0 = kept) and the packed target shape
-`(h/f) << SHAPE_BITS | (w/f)` from `mmtok.resize.target_shapes`, the one resize rule. The packed
+`(h/f) << SHAPE_BITS | (w/f)` from `mmtok.media.resize.target_shapes`, the one resize rule. The packed
 value sorts like (height, width) and indexes a lookup table, so later stages never search per row.
 """
 
@@ -17,8 +17,8 @@ import pyarrow as pa
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.plan.captions import CAPTION_REASONS
-from mmtok.plan.params import PlanParameters
-from mmtok.resize import target_shapes
+from mmtok.formats.presets import PlanParameters
+from mmtok.media.resize import target_shapes
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 

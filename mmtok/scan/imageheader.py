@@ -28,7 +28,7 @@ MAX_FETCHES = 64  # bounds the work on a hostile file whose segments lead far in
 MAX_METADATA_BYTES = 1 << 24  # a text/EXIF chunk larger than this is skipped, not read
 
 # Limits for "absurd" sizes: no real encoder writes a side above 65,535 (JPEG's own limit), and
-# 2**28 pixels (16,384^2) is where mmtok.images refuses to decode (MAX_DECODE_PIXELS).
+# 2**28 pixels (16,384^2) is where mmtok.media.images refuses to decode (MAX_DECODE_PIXELS).
 MAX_SIDE = 65535
 MAX_PIXELS = 1 << 28
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from mmtok.chat import ConversationError, conversation_media
-from mmtok.conversations import IMAGE_SUFFIXES
+from mmtok.formats.chat import ConversationError, conversation_media
+from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
-from mmtok.scan.tarindex import (BAD_MEMBER_SIZE, BAD_SIZE, BLOCK, CORRUPT_HEADER, REGULAR, TRUNCATED, TarWalker,
+from mmtok.formats.tar import (BAD_MEMBER_SIZE, BAD_SIZE, BLOCK, CORRUPT_HEADER, REGULAR, TRUNCATED, TarWalker,
                                   compression)
 
 SCAN_VERSION = 4  # bump when rows for the same input change; invalidates caches

@@ -11,7 +11,7 @@ DONE) and nothing is written, locked or created: status is safe beside running r
             directory whose encode never got as far as writing the identity
   damaged   its identity or commit log cannot be read (the reason is the one-line error), or its
             identity is from another encode run than the first readable part's (the same keys
-            `mmtok merge` compares, `mmtok.merge.shared_identity`; the reason names the first that differs)
+            `mmtok merge` compares, `mmtok.formats.parts.shared_identity`; the reason names the first that differs)
 
 Tokens are the committed sequences' plus the part's `item_tokens` counter (the image blocks and
 template ids of documents of several images, which merge assembles). Times are the parts' own
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.encode.loop import timing_stats
+from mmtok.formats.parts import timing_stats
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
 from mmtok.fsutil import WriterLock
-from mmtok.merge import shared_identity
+from mmtok.formats.parts import shared_identity
 from mmtok.ranks import imbalance, rank_costs
 
 STATES = ("done", "running", "stopped", "missing", "damaged")

@@ -4,14 +4,14 @@ Media are encoded where they are best encoded -- images by `mmtok encode` over a
 the conversation tars (each image a checksummed *item* of its part, see `mmtok.encode.runner`), audio by
 `mmtok audio convert --kind conversations` + `mmtok encode --modality audio` (each clip a row of the
 per-clip token cache) -- and this stage is the one place conversations are made, in one ordered CPU
-pass: every conversation of the inputs (`mmtok.conversations`), in input order, is rendered with the
-text tokenizer's chat template (`mmtok.chat.ChatRenderer`), cut at its media placeholders, and each
+pass: every conversation of the inputs (`mmtok.formats.conversations`), in input order, is rendered with the
+text tokenizer's chat template (`mmtok.formats.chat.ChatRenderer`), cut at its media placeholders, and each
 placeholder replaced by its medium's block, in order:
 
   image slot k of tar sample (T, KEY)   the image item of the member the slot's reference names (or, for
                                         a bare placeholder, the sample's k-th unnamed image member)
   audio slot k of conversation C        the cache clip `{"cut_id": ID}` names, else the clip
-                                        `mmtok.conversations.audio_clip_id(C, k)` that the conversion made:
+                                        `mmtok.formats.conversations.audio_clip_id(C, k)` that the conversion made:
                                         <|audio_start|> its ids <|audio_end|>, the pretraining clip's block
 
 A conversation is written once, only when every medium it references encoded; otherwise it is a skip
@@ -41,12 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from mmtok import __version__
-from mmtok.chat import ChatRenderer, ConversationError, MediaSlot, recorded_special_ids, split_media
-from mmtok.conversations import (Conversation, Located, audio_clip_id, input_fingerprint, locate,
+from mmtok.formats.chat import ChatRenderer, ConversationError, MediaSlot, recorded_special_ids, split_media
+from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, input_fingerprint, locate,
                                  read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog
 from mmtok.formats.commitlog import PartWriter, part_dir
+from mmtok.ranks import unit_ranges
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -66,7 +67,7 @@ class ImageItems:
     ids, or why the image failed. Every part is checked against its checksums first."""
 
     def __init__(self, out: Path, layout: VocabLayout, tokenizer: TextTokenizer):
-        from mmtok.merge import find_parts  # the finished, checksum-verified parts of one run
+        from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
 
         self.out = out
         parts = find_parts(out)
@@ -262,11 +263,6 @@ def _kinds(slots: list[MediaSlot]) -> str:
 
 
 # -- the rank ---------------------------------------------------------------------------------------
-def unit_ranges(total_units: int, world_size: int) -> list[tuple[int, int]]:
-    """Contiguous unit ranges, one per rank, as even as whole units allow."""
-    return [(r * total_units // world_size, (r + 1) * total_units // world_size) for r in range(world_size)]
-
-
 def count_conversations(inputs: list[Path]) -> int:
     return sum(1 for _ in read_conversations(inputs))
 

@@ -3,7 +3,7 @@
 `merge(out)` requires parts 0..num_parts-1 under `OUT/parts/` to be finished (DONE), joins them in
 part order (bytes copied, pointers rebuilt) into `OUT/merged.bin/.idx`, concatenates their
 provenance into `OUT/merged.provenance.jsonl`, then appends the documents of several images, assembled
-from the parts' items in document order (`mmtok.assemble`), sums the stats into `OUT/merged.json` (written
+from the parts' items in document order (`mmtok.merge.assemble`), sums the stats into `OUT/merged.json` (written
 last: its presence means the merge completed) and verifies the result with megatron-core's
 `IndexedDataset`. Before anything is copied every part is checked against the checksums of its
 commit log (`commitlog.verify_part`): a damaged part is refused naming the part and the unit. The
@@ -34,83 +34,18 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.assemble import assemble_documents
+from mmtok.merge.assemble import assemble_documents
 from mmtok.errors import MmtokError
-from mmtok.encode.loop import timing_stats
 from mmtok.formats import commitlog
+from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX
+from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, write_index
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, copy_file_into
 
-MERGED = "merged"
 ASSEMBLED = ".assembled"  # the assembled documents' dataset, joined after the parts' sequences, then removed
-NO_REASONING = "merged_no_reasoning"
-PROVENANCE_SUFFIX = ".provenance.jsonl"
-SKIPPED_SUFFIX = ".skipped.jsonl"
 REASONING_MARKERS = ("<|inner_prefix|>", "<|inner_suffix|>")
 TURN_END = "<|assistant_end|>"
 BLOCK_TOKENS = 1 << 24  # strip-reasoning works through the merged tokens in blocks of about this size
-
-
-@dataclass(frozen=True)
-class Part:
-    number: int
-    directory: Path
-    identity: dict
-    records: tuple = ()  # its commit records, checked against the part's bytes (commitlog.verify_part)
-
-
-def find_parts(out: Path, progress: bool = False) -> list[Part]:
-    """The finished parts of `out`, in part order; refuses missing/unfinished or inconsistent parts."""
-    found = {}
-    for directory in sorted((out / "parts").glob("part-*")):
-        if not (directory / commitlog.IDENTITY).is_file():
-            raise MmtokError(f"{directory}: no {commitlog.IDENTITY} (damaged, or not an mmtok part); delete the "
-                             "directory and re-encode that part (rerun its `mmtok encode`)")
-        identity = _read_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
-        found[identity["part"]] = Part(identity["part"], directory, identity)
-    if not found:
-        raise MmtokError(f"{out}: no encoded parts under {out / 'parts'}; run `mmtok encode --out {out}` first")
-    counts = {part.identity["num_parts"] for part in found.values()}
-    if len(counts) != 1:
-        raise MmtokError(f"{out}: parts disagree on the number of parts ({sorted(counts)}); they come from "
-                         "different encode runs -- use one --out per run")
-    num_parts = counts.pop()
-    missing = [n for n in range(num_parts) if n not in found or not commitlog.is_done(found[n].directory)]
-    if missing:
-        listed = ", ".join(str(commitlog.part_dir(out, n)) for n in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        stage = "mmtok sft" if next(iter(found.values())).identity.get("modality") == "sft" else "mmtok encode"
-        raise MmtokError(f"{out}: {len(missing)} of {num_parts} parts are not finished (no DONE marker): "
-                         f"{listed}{more}. Run (or resume) `{stage}` for them, then merge again.")
-    from mmtok.progress import progress as progress_bar
-
-    parts = []  # each checked against its checksums: damage is named before it can pass for another run's part
-    for n in progress_bar(range(num_parts), desc="merge: check parts", unit="part", enabled=progress):
-        parts.append(Part(n, found[n].directory, found[n].identity, tuple(commitlog.verify_part(found[n].directory))))
-    _check_same_run(parts)
-    return parts
-
-
-def shared_identity(identity: dict) -> dict:
-    """The identity keys every part of one run shares (per-part keys are `part` and `part_*`)."""
-    return {k: v for k, v in identity.items() if k != "part" and not k.startswith("part_")}
-
-
-def _check_same_run(parts: list[Part]) -> None:
-    reference = shared_identity(parts[0].identity)
-    for part in parts[1:]:
-        difference = commitlog.identity_difference(reference, shared_identity(part.identity))
-        if difference:
-            raise MmtokError(f"{part.directory}: does not belong to the same encode run as part 0: {difference}")
-
-
-def _read_json(path: Path, reader, directory: Path):
-    """`reader(directory)`, with a damaged or unreadable file reported as one line naming it."""
-    try:
-        return reader(directory)
-    except (ValueError, OSError) as err:
-        raise MmtokError(f"{path}: unreadable ({err}); the part is damaged -- delete {directory} and re-encode "
-                         "this part") from None
 
 
 def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bool = False) -> dict:
@@ -150,7 +85,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
 def _refuse_sft_images(out: Path) -> None:
     """The images of a `--mode sft` plan are items for `mmtok sft`, not documents: say what to run."""
     first = next((d for d in sorted((out / "parts").glob("part-*")) if (d / commitlog.IDENTITY).is_file()), None)
-    identity = _read_json(first / commitlog.IDENTITY, commitlog.read_identity, first) if first else {}
+    identity = read_part_json(first / commitlog.IDENTITY, commitlog.read_identity, first) if first else {}
     if identity.get("modality") == "image" and identity.get("mode") == "sft":
         raise MmtokError(f"{out} holds the encoded images of SFT conversations (plan mode sft); the conversations "
                          f"are made by `mmtok sft CONVERSATIONS --text-tokenizer DIR --images {out} [--audio ENC] "

@@ -1,18 +1,13 @@
-"""Shar shards as encode input: rank assignment and bucketed batches (`mmtok.formats.shar` finds the
-shards, fingerprints them and indexes their recording tars).
+"""Bucketed batches of one Shar shard (`mmtok.formats.shar` finds the shards, fingerprints them and
+indexes their recording tars; `mmtok.ranks.assign_shards` says which rank takes which shard).
 
-Guarantees:
-* `assign_shards` depends only on the shard durations and the world size: largest shard first to
-  the least-loaded rank (ties: lower shard index first, then lower rank), so every rank computes
-  the same assignment without talking to the others.
-* `make_batches` is a deterministic function of one shard's cuts and the batching parameters
+Guarantee: `make_batches` is a deterministic function of one shard's cuts and the batching parameters
   (lhotse DynamicBucketingSampler, fixed seed, world size 1), so batch k of a part is the same
   on every run; this is what lets a killed part resume from its last committed batch.
 """
 
 from __future__ import annotations
 
-import heapq
 import warnings
 from dataclasses import dataclass
 
@@ -37,20 +32,6 @@ class Batching:
         return {"sampler": "lhotse.dataset.DynamicBucketingSampler", "lhotse": lhotse.__version__,
                 "max_duration": self.max_duration, "num_buckets": self.num_buckets, "seed": self.seed,
                 "max_clip_duration": self.max_clip_duration}
-
-
-def assign_shards(durations: list[float], world_size: int) -> list[list[int]]:
-    """Shard indices per rank (each list ascending): longest-processing-time-first greedy."""
-    if world_size < 1:
-        raise MmtokError(f"world size must be at least 1, got {world_size}")
-    loads = [(0.0, rank) for rank in range(world_size)]
-    heapq.heapify(loads)
-    assigned: list[list[int]] = [[] for _ in range(world_size)]
-    for index in sorted(range(len(durations)), key=lambda i: (-durations[i], i)):
-        load, rank = heapq.heappop(loads)
-        assigned[rank].append(index)
-        heapq.heappush(loads, (load + durations[index], rank))
-    return [sorted(indices) for indices in assigned]
 
 
 def make_batches(cuts, batching: Batching) -> list[list[int]]:

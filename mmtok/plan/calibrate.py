@@ -1,4 +1,4 @@
-"""Fit the plan's encoder cost model (`mmtok.plan.CostModel`) to timings of the real image codec.
+"""Fit the plan's encoder cost model (`mmtok.formats.presets.CostModel`) to timings of the real image codec.
 
 A calibration is four steps, each a function here:
   grid      `preset_grid` / `plan_grid`: target shapes (as the plan's resize rule makes them) and the
@@ -27,7 +27,7 @@ import numpy as np
 
 from mmtok.errors import MmtokError
 from mmtok.fsutil import atomic_write_bytes
-from mmtok.plan.params import CostModel, PlanParameters, load_preset
+from mmtok.formats.presets import CostModel, PlanParameters, load_preset
 
 DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_MAX_SHAPES = 12
@@ -74,7 +74,7 @@ def _area_order(shapes: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...
 def spread_shapes(params: PlanParameters, count: int) -> tuple[tuple[int, int], ...]:
     """Up to `count` distinct target shapes of the preset's resize rule: areas log-spaced over
     [min_pixels, max_pixels], square at both ends, the aspect ratios of ASPECTS in between."""
-    from mmtok.resize import target_shapes
+    from mmtok.media.resize import target_shapes
 
     limit = params.max_aspect_ratio or max(ASPECTS)
     aspect = np.array([1.0 if i in (0, count - 1) else ASPECTS[(i - 1) % len(ASPECTS)] for i in range(count)])

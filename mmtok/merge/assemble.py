@@ -25,7 +25,7 @@ from typing import IO
 
 import numpy as np
 
-from mmtok.encode.documents import DocumentBuilder, unpack_template
+from mmtok.documents import DocumentBuilder, unpack_template
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import commitlog
 from mmtok.formats.megatron import DatasetWriter

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.formats import megatron
+from mmtok.formats import interleave, megatron, merged
 from mmtok.vocab import VocabLayout
 
 AUDIO_CODES_PER_SECOND = 40
@@ -34,10 +34,8 @@ def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str | None = None
     if prefix is not None:
         return describe_dataset(prefix, limit=limit, text_tokenizer=text_tokenizer, text_vocab_size=text_vocab_size,
                                 render_dir=render_dir, codec=codec)
-    from mmtok.audio.interleave import not_written_reason
-
     for candidate in (target, target.with_suffix("")):
-        reason = not_written_reason(candidate) or merged_not_written(candidate)
+        reason = interleave.not_written_reason(candidate) or merged.not_written_reason(candidate)
         if reason:
             raise MmtokError(f"{path}: no dataset here: {reason}")
     raise MmtokError(f"{path}: not a manifest dir, plan dir, encode output dir or Megatron dataset (.bin/.idx)")
@@ -86,7 +84,7 @@ def describe_manifest(directory: Path, limit: int) -> str:
 
 def describe_plan(directory: Path) -> str:
     try:
-        from mmtok.plan import explain_plan
+        from mmtok.tools.explain import explain_plan
     except ImportError:
         from mmtok.formats.plan import Plan
 
@@ -113,24 +111,9 @@ def describe_encode_output(directory: Path) -> str:
         if megatron.idx_path(directory / name).is_file():
             _, lengths, _, _ = megatron.read_index(directory / name)
             lines.append(f"{name}: {len(lengths)} sequences, {int(lengths.sum())} tokens")
-        elif reason := merged_not_written(directory / name):
+        elif reason := merged.not_written_reason(directory / name):
             lines.append(f"{name}: not written: {reason}")
     return "\n".join(lines)
-
-
-def merged_not_written(prefix: Path) -> str | None:
-    """Why a merge output has no dataset at `prefix`, when OUT/merged.json records it as not written."""
-    from mmtok.merge import MERGED, NO_REASONING
-
-    try:
-        summary = json.loads((prefix.parent / f"{MERGED}.json").read_text("utf-8"))
-    except (OSError, ValueError):
-        return None
-    entry = {MERGED: summary, NO_REASONING: summary.get("strip_reasoning") or {}}.get(prefix.name, {})
-    if entry.get("dataset", True):
-        return None
-    return (f"no sequence has a token (every input was skipped: see {prefix.parent / summary['skipped_file']}), "
-            "so `mmtok merge` wrote no dataset")
 
 
 def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_vocab_size: int | None,
@@ -226,7 +209,7 @@ def megatron_recipe(paths: list[str], *, weights: list[float] | None = None, tok
     MmtokError: a path that is no dataset, datasets of different layouts, weights that do not match the
     paths, and a `tokenizer` directory that `mmtok tokenizer check` does not pass for these datasets.
     """
-    from mmtok.tokenizer import check_tokenizer, dataset_metadata
+    from mmtok.tools.tokenizer import check_tokenizer, dataset_metadata
 
     prefixes = [_require_prefix(path) for path in paths]
     if weights is not None and (len(weights) != len(prefixes) or min(weights) <= 0):

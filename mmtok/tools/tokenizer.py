@@ -290,8 +290,8 @@ def read_tokenizer(directory: str | Path) -> tuple[object, dict]:
 def dataset_metadata(prefix: str | Path) -> dict:
     """What mmtok recorded about the dataset at `prefix`: `vocab`, `text_tokenizer`, `codec` and, for image
     data, `text_special_ids` -- from OUT/merged.json (`mmtok merge`) or OUT/interleave.json (`mmtok audio interleave`)."""
-    from mmtok.audio.interleave import METADATA
-    from mmtok.merge import MERGED
+    from mmtok.formats.interleave import METADATA
+    from mmtok.formats.merged import MERGED
 
     prefix = Path(prefix)
     if not (megatron.idx_path(prefix).is_file() and megatron.bin_path(prefix).is_file()):

@@ -2,11 +2,11 @@
 
 Why a copy: the image path (scan -> plan -> encode) reads images as tar members by byte range, so the
 images of a JSONL line or a Parquet row -- files by path, table cells, base64 -- have nowhere to be read
-from. `pack` writes each conversation of the inputs (`mmtok.conversations`, in input order) as one sample:
+from. `pack` writes each conversation of the inputs (`mmtok.formats.conversations`, in input order) as one sample:
 
   OUT/conversations-NNNNNN.tar   (SAMPLES_PER_TAR samples each) KEY = the conversation's 9-digit ordinal
       KEY.json                   the record, `id` = its conversation id (kept through the later stages),
-                                 every medium named by its member (`mmtok.chat.with_media_names`); a clip
+                                 every medium named by its member (`mmtok.formats.chat.with_media_names`); a clip
                                  referenced as {"cut_id": ...} stays that reference (it is encoded already)
       KEY.<k>.<ext>              the k-th image / audio medium, its bytes as they were (ext from the file
                                  name, else from the bytes' signature)
@@ -30,8 +30,8 @@ from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
 
-from mmtok.chat import ConversationError, with_media_names
-from mmtok.conversations import (KIND_SUFFIXES, Conversation, check_inputs, input_fingerprint, locate,
+from mmtok.formats.chat import ConversationError, with_media_names
+from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, check_inputs, input_fingerprint, locate,
                                  read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer

@@ -1,6 +1,6 @@
 """`mmtok encode --modality audio`: per-rank bucketed encoding of Lhotse Shar shards.
 
-Work split: each rank takes whole Shar shards (`shards.assign_shards`, by total duration); ranks never
+Work split: each rank takes whole Shar shards (`mmtok.ranks.assign_shards`, by total duration); ranks never
 communicate. Each shard is one *part* (`OUT/parts/part-NNNNN`, part = shard index, num_parts = shard
 count), so the merged output does not depend on how shards were spread over ranks.
 
@@ -34,10 +34,12 @@ from typing import Iterator
 import numpy as np
 
 from mmtok import __version__
-from mmtok.audio.preprocess import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
-from mmtok.audio.sequences import SequenceBuilder, is_translation
-from mmtok.audio.shards import Batching, assign_shards, make_batches
-from mmtok.encode.loop import Meter, run_device, timing_stats
+from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
+from mmtok.documents import SequenceBuilder, is_translation
+from mmtok.encode.audio_batches import Batching, make_batches
+from mmtok.ranks import assign_shards
+from mmtok.encode.loop import Meter, run_device
+from mmtok.formats.parts import timing_stats
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.commitlog import pack_carry, unpack_carry
 from mmtok.formats.shar import SharShard, discover_shards, index_members, shard_fingerprint

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from mmtok.errors import MmtokError
 
-DEMO_DATA = Path(__file__).resolve().parent / "data" / "demo"
+DEMO_DATA = Path(__file__).resolve().parents[1] / "data" / "demo"
 CHAT_TOKENIZER = DEMO_DATA / "chat-tokenizer"  # a small BPE with an Apertus 1.5-format chat template
-SOURCES = Path(__file__).resolve().parent.parent / "manifests"  # the checkout's source declarations
+SOURCES = Path(__file__).resolve().parents[2] / "manifests"  # the checkout's source declarations
 MARKER = "MMTOK_DEMO"
 
 

@@ -15,7 +15,7 @@ number: the audio a conversion made for a record stays that record's when lines 
 before `mmtok sft` reads the file (identical records share an id: the second is a duplicate). Two inputs
 with the same file stem are refused (their ids would collide).
 
-A medium's reference (`mmtok.chat.MediaRef.source`) is resolved by `locate`:
+A medium's reference (`mmtok.formats.chat.MediaRef.source`) is resolved by `locate`:
 
   {"cut_id": ID}                  a clip already in an audio token cache (Lhotse cut id)
   {"data": BASE64, ...}           inline bytes (`input_audio`); also `data:...;base64,` URLs
@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmtok.chat import ConversationError, MediaRef, MediaSlot, conversation_media
+from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
 from mmtok.errors import MmtokError, Skip
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
