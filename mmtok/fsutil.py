@@ -1,5 +1,5 @@
-"""Durable, atomic file writes (a crash never leaves a half-written file under its final name) and the
-one-writer lock of an output directory."""
+"""Durable, atomic file writes (a crash never leaves a half-written file under its final name), the reading
+back of the JSON they write, and the one-writer lock of an output directory."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import fcntl
 import json
 import os
 import socket
+import struct
 import time
 from pathlib import Path
 from typing import IO, Iterator
 
 from mmtok.errors import MmtokError
+
+_FLOCK = struct.Struct("hhqqi")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -50,6 +53,21 @@ def atomic_writer(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise
 
 
+def sync(handle: IO, data_only: bool = False) -> None:
+    """Flush the open file `handle` and make its bytes durable (an append or a truncation that a resume
+    relies on). `data_only` skips the metadata a read does not need (fdatasync: not the mtime)."""
+    handle.flush()
+    (os.fdatasync if data_only else os.fsync)(handle.fileno())
+
+
+def publish_file(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Make the complete, closed file `tmp` durable, then rename it over `path`. The caller fsyncs the
+    directory (`fsync_dir`), once for all the files it publishes together."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
 def _discard(handle: IO, tmp: Path) -> None:
     try:
         handle.close()  # may fail again (a full disk cannot take the buffered rest)
@@ -74,6 +92,18 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
     """Write `obj` as sorted, indented JSON (byte-stable for equal objects)."""
     text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def read_json(path: str | os.PathLike) -> dict | list | None:
+    """The JSON document at `path` (what `atomic_write_json` wrote), or None when there is no such file;
+    MmtokError naming the file when it does not parse."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except ValueError as err:
+        raise MmtokError(f"{path}: not valid JSON ({err}); restore the file") from None
 
 
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
@@ -165,6 +195,28 @@ class WriterLock:
         except OSError:
             text = ""
         return text or "holder unknown"
+
+    @classmethod
+    def holder(cls, directory: str | os.PathLike) -> str | None:
+        """Who holds the writer lock of `directory` (the holder's own "host, pid, since" line), or None
+        when no process does. Takes no lock and writes nothing, so the holder is never disturbed."""
+        path = Path(directory) / cls.NAME
+        if os.path.realpath(path) in cls._held:
+            # This process writes there: closing any descriptor of the file would drop its POSIX lock.
+            return f"this process (pid {os.getpid()})"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+            kind, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_GETLK, query))
+            if kind == fcntl.F_UNLCK:
+                return None
+            text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+        finally:
+            os.close(fd)
+        return text or f"pid {pid}"
 
     def release(self) -> None:
         """Drop the lock (closing the descriptor releases it); safe to call twice."""

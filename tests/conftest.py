@@ -29,9 +29,9 @@ def every_written_dataset_opens_in_megatron_core(request, tmp_path_factory):
     _CHECKED.update(fresh)  # each file is judged once, after the test that wrote it
     if not fresh or request.node.get_closest_marker("damages_datasets"):
         return
-    from mmtok.merge.merge import _import_indexed_dataset, release_reader
+    from mmtok.formats.megatron import import_indexed_dataset, release_reader
 
-    IndexedDataset = _import_indexed_dataset()
+    IndexedDataset = import_indexed_dataset()
     for idx in fresh:
         prefix = str(idx)[: -len(".idx")]
         try:

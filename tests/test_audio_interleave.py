@@ -207,9 +207,9 @@ def dataset_files(out: Path, name: str) -> list[str]:
 
 
 def opens_in_megatron_core(prefix: Path) -> int:
-    from mmtok.merge.merge import _import_indexed_dataset
+    from mmtok.formats.megatron import import_indexed_dataset
 
-    return len(_import_indexed_dataset()(str(prefix)))
+    return len(import_indexed_dataset()(str(prefix)))
 
 
 def test_a_set_without_sequences_is_not_written_and_the_metadata_says_so(tmp_path, capsys):

@@ -91,3 +91,64 @@ def test_the_package_import_graph_has_no_cycle():
     for start in sorted(graph):
         if start not in state and (cycle := visit(start, [])):
             raise AssertionError("import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):]))
+
+
+# -- stages meet through formats/, and write files through fsutil -----------------------------------
+FILE_OWNERS = {"merged.json": "formats/merged.py", "interleave.json": "formats/interleave.py",
+               "manifest.json": "formats/manifest.py", "plan.json": "formats/plan.py",
+               "dropped": "formats/shar.py", "parts": "formats/commitlog.py"}
+PATH_WORDS = ("dropped", "parts")  # also ordinary words (counter prefixes, chat keys): flagged in paths only
+DURABILITY_CALLS = ("replace", "rename", "fsync", "fdatasync")
+
+
+def _sources():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE).as_posix(), ast.parse(path.read_text("utf-8"))
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    bodies = (n.body for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                                                  ast.AsyncFunctionDef)))
+    return {id(body[0].value) for body in bodies if body and isinstance(body[0], ast.Expr)}
+
+
+def _path_operands(tree: ast.AST) -> set[int]:
+    """The nodes a path is built from: the operands of `/` and the arguments of Path(...) and joinpath(...)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            found.update((id(node.left), id(node.right)))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
+                "Path", "joinpath", "join"):
+            found.update(id(arg) for arg in node.args)
+    return found
+
+
+def test_each_file_between_stages_is_named_only_by_its_formats_owner():
+    found = []
+    for module, tree in _sources():
+        docstrings, paths = _docstrings(tree), _path_operands(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and node.value in FILE_OWNERS) or id(node) in docstrings:
+                continue
+            if module != FILE_OWNERS[node.value] and (node.value not in PATH_WORDS or id(node) in paths):
+                found.append(f"{module}:{node.lineno}: {node.value!r} (use {FILE_OWNERS[node.value]})")
+    assert not found, "\n".join(found)
+
+
+def _durability_call(node: ast.AST) -> str | None:
+    """`os.replace/rename/fsync/fdatasync(...)`, or a one-argument `.replace(target)` / `.rename(target)` (Path's;
+    str.replace takes two arguments, dataclasses.replace keywords)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)) or node.func.attr not in DURABILITY_CALLS:
+        return None
+    if isinstance(node.func.value, ast.Name) and node.func.value.id == "os":
+        return f"os.{node.func.attr}"
+    if node.func.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords:
+        return f".{node.func.attr}"
+    return None
+
+
+def test_only_fsutil_renames_or_syncs_files():
+    found = [f"{module}:{node.lineno}: {call}" for module, tree in _sources() if module != "fsutil.py"
+             for node in ast.walk(tree) if (call := _durability_call(node))]
+    assert not found, "use mmtok.fsutil (atomic_writer, publish_file, sync):\n" + "\n".join(found)

@@ -354,7 +354,7 @@ def _fingerprint(out: Path) -> dict[str, str]:
 def test_every_sequence_opens_in_megatron_core_and_is_its_hand_written_conversation(env):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from mmtok.merge.merge import release_reader
+    from mmtok.formats.megatron import release_reader
 
     dataset = IndexedDataset(str(env.sft / "merged"))
     sequences = [np.array(dataset[i]) for i in range(len(dataset))]  # copies: the reader is released next

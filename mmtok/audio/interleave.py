@@ -29,7 +29,6 @@ Definition (every rule here is tested):
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -42,8 +41,8 @@ from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
-from mmtok.formats.interleave import METADATA
-from mmtok.fsutil import atomic_write_json, sha256_file
+from mmtok.formats.interleave import remove_metadata, write_metadata
+from mmtok.fsutil import sha256_file
 from mmtok.vocab import VocabLayout
 
 STAGE, LONG = "stage", "long-context"
@@ -232,7 +231,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
     if not writers:
         raise MmtokError(_nothing_message(encoded, out, counts))
     datasets = {name: _dataset_entry(name, counts, stage_max_tokens, name in writers) for name in (STAGE, LONG)}
-    (out / METADATA).unlink(missing_ok=True)  # until it is rewritten, OUT does not claim to be complete
+    remove_metadata(out)
     for writer in writers.values():
         writer.close()
     for name in (STAGE, LONG):
@@ -243,7 +242,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
                "parameters": {"stage_max_tokens": stage_max_tokens, "max_tokens": max_tokens},
                "vocab": meta["vocab"], "text_tokenizer": meta["text_tokenizer"], "codec": meta["codec"],
                "sequences": builder.describe(), "datasets": datasets, "counts": dict(sorted(counts.items()))}
-    atomic_write_json(out / METADATA, summary)
+    write_metadata(out, summary)
     print(_summary_line(counts, datasets), file=sys.stderr)
     return summary
 

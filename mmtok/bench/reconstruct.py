@@ -18,7 +18,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from mmtok.bench import inputs
 from mmtok.errors import MmtokError
+from mmtok.fsutil import sync
 
 RESULTS = "results.csv"
 RUN = "run.json"
@@ -149,8 +149,7 @@ class ResultsLog:
     def _write(self, rows: list[dict]) -> None:
         writer = csv.writer(self._handle, lineterminator="\n")
         writer.writerows([[_cell(row.get(k)) for k in self.columns] for row in rows])
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
+        sync(self._handle)
 
     def close(self) -> None:
         self._handle.close()

@@ -26,11 +26,15 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import time
 
+    from mmtok.formats.megatron import MMTOK_READER
     from mmtok.merge.merge import merge
 
     started = time.perf_counter()
     summary = merge(args.out, strip_reasoning=args.strip_reasoning, progress=not args.no_progress)
     seconds = time.perf_counter() - started
+    if summary["verified_with"] == MMTOK_READER:
+        print("mmtok merge: megatron-core is not installed (pip install 'mmtok[megatron]'); verified with "
+              "mmtok's own reader")
     skipped = {k.split(":", 1)[1]: v for k, v in summary["counts"].items() if k.startswith("skipped:")}
     if summary["dataset"]:
         print(f"mmtok merge: {summary['num_parts']} parts -> {args.out}/merged.bin/.idx: {summary['sequences']:,} "

@@ -36,6 +36,7 @@ from mmtok.errors import MmtokError, Skip
 from mmtok.encode.loop import Meter, run_device
 from mmtok.formats.parts import timing_stats
 from mmtok.formats.commitlog import PartWriter, has_dataset, part_dir
+from mmtok.formats.items import TEMPLATE_KIND, image_item
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -136,7 +137,7 @@ class Assembler:
                                      "not match this mmtok -- re-run `mmtok plan`")
                 self._one_image_document(row, failure, block, template, commit)
             else:
-                commit.items.append(self._image_item(row, failure, block))
+                commit.items.append(image_item(self.sample(row), failure, block))
                 commit.counts["images_deferred"] += 1
                 if failure:  # the item says why; counted here too so the summary and status show it now
                     commit.counts[f"items_failed:{failure.reason}"] += 1
@@ -186,15 +187,9 @@ class Assembler:
                 "member": r["member"][row], "manifest_row": int(r["manifest_row"][row]),
                 "document": int(r["document"][row]), "image_index": int(r["image_index"][row])}
 
-    def _image_item(self, row: int, failure: Skip | None, block: np.ndarray | None) -> tuple[dict, np.ndarray]:
-        record = {"kind": "image", **self.sample(row)}
-        if failure:
-            record.update(skip=failure.reason, detail=failure.detail)
-        return record, block if block is not None else np.zeros(0, np.int32)
-
     def _template_item(self, row: int, template: Template | DocumentError) -> tuple[dict, np.ndarray]:
         r = self.work.rows
-        record = {"kind": "template", "document": int(r["document"][row]), "key": r["key"][row],
+        record = {"kind": TEMPLATE_KIND, "document": int(r["document"][row]), "key": r["key"][row],
                   "tar": r["tar"][row], "num_images": int(r["document_images"][row])}
         if isinstance(template, DocumentError):
             record.update(skip=template.reason, detail=template.detail)

@@ -55,7 +55,7 @@ import numpy as np
 from mmtok.errors import MmtokError
 from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, write_index
 from mmtok.formats.megatron import encode_index, idx_path
-from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, with_filename
+from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, sync, with_filename
 
 PART_FORMAT = "mmtok-part/3"  # /2: per-unit checksums, skipped.jsonl, no empty dataset; /3: items
 TOKENS = "tokens"  # dataset prefix inside a part directory: tokens.bin / tokens.idx
@@ -71,9 +71,28 @@ STATS = "stats.json"
 DONE = "DONE"
 
 
+PARTS_DIR = "parts"
+PART_NAME = "part-"
+
+
+def parts_root(out: str | os.PathLike) -> Path:
+    """`OUT/parts`, where every part of an output lives."""
+    return Path(out) / PARTS_DIR
+
+
 def part_dir(out: str | os.PathLike, part: int) -> Path:
     """`OUT/parts/part-00003` for part 3."""
-    return Path(out) / "parts" / f"part-{part:05d}"
+    return parts_root(out) / f"{PART_NAME}{part:05d}"
+
+
+def part_directories(out: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(part number, directory) of every `part-NNNNN` directory of `out`, finished or not, in part order."""
+    found = []
+    for directory in parts_root(out).glob(f"{PART_NAME}*"):
+        number = directory.name[len(PART_NAME):]
+        if directory.is_dir() and number.isdigit():
+            found.append((int(number), directory))
+    return sorted(found)
 
 
 def part_prefix(directory: str | os.PathLike) -> Path:
@@ -310,7 +329,7 @@ class PartWriter:
                                  "was modified after writing. Delete it to re-encode this part.")
             with open(path, "ab") as handle:  # creates missing files
                 handle.truncate(size)
-                os.fsync(handle.fileno())
+                sync(handle)
             self._handles[name] = open(path, "ab", buffering=0)
         fsync_dir(self.directory)
 
@@ -386,7 +405,7 @@ class PartWriter:
         try:
             while view:
                 view = view[handle.write(view):]
-            os.fdatasync(handle.fileno())
+            sync(handle, data_only=True)
         except OSError as err:  # e.g. a full disk: name the file; what was appended is cut on resume
             raise with_filename(err, self.directory / name) from None
 

@@ -12,14 +12,17 @@ This is the only module that knows these byte layouts.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
+import warnings
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-from mmtok.fsutil import atomic_writer, copy_file_into, fsync_dir, with_filename
+from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_writer, copy_file_into, fsync_dir, publish_file, with_filename
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -147,13 +150,11 @@ class DatasetWriter:
             self.abort()
             return False
         try:
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
             self._handle.close()
+            publish_file(self._tmp_bin, bin_path(self.prefix))
         except OSError as err:
             self.abort()
             raise with_filename(err, self._tmp_bin) from None
-        os.replace(self._tmp_bin, bin_path(self.prefix))
         write_index(self.prefix, np.asarray(self.lengths, np.int64), self.dtype)
         fsync_dir(self.prefix.parent)
         return True
@@ -195,3 +196,79 @@ def concatenate(prefixes: list[str | os.PathLike], out_prefix: str | os.PathLike
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
     write_index(out_prefix, all_lengths, dtype)
     return len(all_lengths)
+
+
+# -- reading back with megatron-core ----------------------------------------------------------------
+MEGATRON_READER = "megatron-core IndexedDataset"
+MMTOK_READER = "mmtok reader"
+
+
+def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
+    """Read the dataset joined from `part_prefixes` back with megatron-core and compare it with them.
+
+    Checks the sequence count, every length, the document index, and the first and last sequence
+    of every part token for token. Returns the name of the reader used: MEGATRON_READER, or MMTOK_READER
+    when megatron-core is not installed.
+    """
+    lengths = [read_index(p)[1] for p in part_prefixes]
+    expected = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
+    try:
+        IndexedDataset = import_indexed_dataset()
+    except ImportError:  # the caller says so: the name returned is MMTOK_READER
+        return _verify_with_mmtok(prefix, expected)
+    dataset = IndexedDataset(str(prefix))  # keep alive while its arrays are in use: they view its mmap
+    problems = []
+    if len(dataset) != expected.size or not np.array_equal(dataset.sequence_lengths, expected):
+        problems.append("sequence lengths differ from the parts'")
+    if not np.array_equal(dataset.document_indices, np.arange(expected.size + 1)):
+        problems.append("document index is not one document per sequence")
+    start = 0
+    for part_prefix, part_lengths in zip(part_prefixes, lengths):
+        for local in {0, part_lengths.size - 1} if part_lengths.size else ():
+            source = _read_sequence(part_prefix, local)
+            if not np.array_equal(dataset[start + local], source):
+                problems.append(f"sequence {start + local} differs from {part_prefix} sequence {local}")
+        start += part_lengths.size
+    release_reader(dataset)
+    del dataset
+    if problems:
+        raise MmtokError(f"{prefix}: merged dataset failed verification: {'; '.join(problems)}")
+    return MEGATRON_READER
+
+
+def import_indexed_dataset():
+    """megatron-core's reader, imported without its warnings about absent training extras (Apex,
+    Transformer Engine, CUDA), which say nothing about reading a dataset."""
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+    finally:
+        torch_log.setLevel(level)
+    return IndexedDataset
+
+
+def release_reader(dataset) -> None:
+    """Let go of a megatron-core IndexedDataset's files. Its index reader's `__getitem__` is an
+    `lru_cache` on the class, which keeps the last readers -- and their open mmaps -- alive after
+    the dataset is dropped; clearing it closes them (a merge must not hold its outputs open)."""
+    getitem = getattr(type(getattr(dataset, "index", None)), "__getitem__", None)
+    if hasattr(getitem, "cache_clear"):
+        getitem.cache_clear()
+
+
+def _verify_with_mmtok(prefix: Path, expected: np.ndarray) -> str:
+    _, lengths, _, documents = read_index(prefix)
+    if not np.array_equal(lengths, expected) or not np.array_equal(documents, np.arange(expected.size + 1)):
+        raise MmtokError(f"{prefix}: merged index does not match the parts")
+    return MMTOK_READER
+
+
+def _read_sequence(prefix: Path, index: int) -> np.ndarray:
+    dtype, lengths, pointers, _ = read_index(prefix)
+    with open(bin_path(prefix), "rb") as handle:
+        handle.seek(int(pointers[index]))
+        return np.frombuffer(handle.read(int(lengths[index]) * dtype.itemsize), dtype)

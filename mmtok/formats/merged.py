@@ -1,4 +1,5 @@
-"""The names of a merge output (`mmtok merge` writes them, inspect/tokenizer/status read them).
+"""A merge output: its names, and OUT/merged.json's writer and readers (`mmtok merge` writes, inspect and
+`tokenizer check` read).
 
 OUT/merged.bin/.idx            the joined Megatron dataset (absent when no part has a token)
 OUT/merged.provenance.jsonl    one line per sequence: where it came from
@@ -9,8 +10,11 @@ OUT/merged_no_reasoning.*      the copy without reasoning spans (`--strip-reason
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
+
+from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_write_json, read_json
 
 MERGED = "merged"
 NO_REASONING = "merged_no_reasoning"
@@ -19,11 +23,32 @@ SKIPPED_SUFFIX = ".skipped.jsonl"
 SUMMARY = f"{MERGED}.json"
 
 
+def summary_path(out: str | os.PathLike) -> Path:
+    return Path(out) / SUMMARY
+
+
+def remove_summary(out: str | os.PathLike) -> None:
+    """Until it is rewritten, OUT is not a finished merge."""
+    summary_path(out).unlink(missing_ok=True)
+
+
+def write_summary(out: str | os.PathLike, summary: dict) -> None:
+    """Write OUT/merged.json, last: from then on OUT is a finished merge."""
+    atomic_write_json(summary_path(out), summary)
+
+
+def read_summary(out: str | os.PathLike) -> dict | None:
+    """OUT/merged.json, or None when OUT holds no finished merge; MmtokError naming the file when damaged."""
+    return read_json(summary_path(out))
+
+
 def not_written_reason(prefix: Path) -> str | None:
     """Why a merge output has no dataset at `prefix`, when OUT/merged.json records it as not written."""
     try:
-        summary = json.loads((prefix.parent / SUMMARY).read_text("utf-8"))
-    except (OSError, ValueError):
+        summary = read_summary(prefix.parent)
+    except (OSError, MmtokError):
+        return None
+    if summary is None:
         return None
     entry = {MERGED: summary, NO_REASONING: summary.get("strip_reasoning") or {}}.get(prefix.name, {})
     if entry.get("dataset", True):

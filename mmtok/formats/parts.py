@@ -28,14 +28,14 @@ class Part:
 def find_parts(out: Path, progress: bool = False) -> list[Part]:
     """The finished parts of `out`, in part order; refuses missing/unfinished or inconsistent parts."""
     found = {}
-    for directory in sorted((out / "parts").glob("part-*")):
+    for _, directory in commitlog.part_directories(out):
         if not (directory / commitlog.IDENTITY).is_file():
             raise MmtokError(f"{directory}: no {commitlog.IDENTITY} (damaged, or not an mmtok part); delete the "
                              "directory and re-encode that part (rerun its `mmtok encode`)")
         identity = read_part_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
         found[identity["part"]] = Part(identity["part"], directory, identity)
     if not found:
-        raise MmtokError(f"{out}: no encoded parts under {out / 'parts'}; run `mmtok encode --out {out}` first")
+        raise MmtokError(f"{out}: no encoded parts under {commitlog.parts_root(out)}; run `mmtok encode --out {out}` first")
     counts = {part.identity["num_parts"] for part in found.values()}
     if len(counts) != 1:
         raise MmtokError(f"{out}: parts disagree on the number of parts ({sorted(counts)}); they come from "

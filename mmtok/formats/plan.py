@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
-from mmtok.fsutil import atomic_write_json, fsync_dir, sha256_file
+from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, sha256_file
 from mmtok.ranks import partition_ranks
 
 FORMAT = "mmtok-plan"
@@ -122,9 +122,7 @@ class _TableFile:
     def commit(self) -> None:
         self._groups.finish()
         self._writer.close()
-        with open(self.tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(self.tmp, self.path)
+        publish_file(self.tmp, self.path)
 
     def abort(self) -> None:
         try:

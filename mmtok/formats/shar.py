@@ -8,6 +8,8 @@
                                    cuts_sha256), `complete`, counts and the resume cursor; rewritten
                                    atomically after every shard
   OUT/.work/shard-NNNNNN/          a shard being written; moved into OUT/shar only when complete
+  OUT/dropped/dropped.<unit>.jsonl one JSON line per input clip a work unit dropped (its id, reason, detail);
+                                   `mmtok sft --converted` reads them to say why a conversation's clip is missing
 
 Nothing else lives in OUT/shar, because lhotse treats every file there as a Shar field. lhotse writes
 and reads the files themselves (`SharWriter`, `CutSet.from_shar`, `CutSet.from_file`); this module
@@ -20,16 +22,16 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_json, fsync_dir
+from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file
 
 SHAR_DIR = "shar"
+DROPPED_DIR = "dropped"
 WORK_DIR = ".work"
 REPORT = "conversion.json"
 REPORT_FORMAT = "mmtok-audio-convert/1"
@@ -50,6 +52,19 @@ def shard_work_dir(out: Path, index: int) -> Path:
     return out / WORK_DIR / f"shard-{index:06d}"
 
 
+def dropped_path(out: Path, unit: str) -> Path:
+    """Where the clips that work unit `unit` dropped are listed."""
+    return out / DROPPED_DIR / f"dropped.{unit}.jsonl"
+
+
+def dropped_files(out: Path) -> list[Path]:
+    """Every dropped-clip list of conversion `out`, in name order; MmtokError when `out` is no conversion."""
+    folder = out / DROPPED_DIR
+    if not folder.is_dir():
+        raise MmtokError(f"{out}: not an `mmtok audio convert` output (no {DROPPED_DIR}/ folder)")
+    return sorted(folder.glob(dropped_path(out, "*").name))
+
+
 # --- writer side ------------------------------------------------------------------------------------
 
 def publish_shard(out: Path, index: int) -> Path:
@@ -57,9 +72,7 @@ def publish_shard(out: Path, index: int) -> Path:
     renamed; the directory fsynced); returns its cuts manifest's path."""
     work, shar = shard_work_dir(out, index), out / SHAR_DIR
     for name in shard_files(index):
-        with open(work / name, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(work / name, shar / name)
+        publish_file(work / name, shar / name)
     fsync_dir(shar)
     shutil.rmtree(work)
     return shar / shard_files(index)[0]

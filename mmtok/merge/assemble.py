@@ -28,6 +28,7 @@ import numpy as np
 from mmtok.documents import DocumentBuilder, unpack_template
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import commitlog
+from mmtok.formats.items import IMAGE_KIND, TEMPLATE_KIND
 from mmtok.formats.megatron import DatasetWriter
 
 TEMPLATE, IMAGE = 0, 1  # `_Index.kind`: a document's template sorts before its images
@@ -132,11 +133,11 @@ def _read(part_dirs: list[Path]) -> tuple[dict[str, np.ndarray], list[np.ndarray
             if unknown:
                 continue  # the rest of the part is still parsed (a damaged line is refused first, as before)
             kind = record["kind"]
-            if kind == "template":
+            if kind == TEMPLATE_KIND:
                 kinds(TEMPLATE)
                 image_indices(0)
                 manifest_rows(-1)
-            elif kind == "image":
+            elif kind == IMAGE_KIND:
                 kinds(IMAGE)
                 image_indices(int(record["image_index"]))
                 manifest_rows(int(record["manifest_row"]))

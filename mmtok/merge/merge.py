@@ -26,9 +26,7 @@ under these rules (ids looked up by name in the text tokenizer recorded in the p
 
 from __future__ import annotations
 
-import logging
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,10 +35,10 @@ import numpy as np
 from mmtok.merge.assemble import assemble_documents
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
-from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX
+from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX, remove_summary, write_summary
 from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
-from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, write_index
-from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, copy_file_into
+from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, verify_merged, write_index
+from mmtok.fsutil import WriterLock, atomic_writer, copy_file_into
 
 ASSEMBLED = ".assembled"  # the assembled documents' dataset, joined after the parts' sequences, then removed
 REASONING_MARKERS = ("<|inner_prefix|>", "<|inner_suffix|>")
@@ -54,7 +52,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
     with WriterLock(out, f"merge output {out}"):
         _refuse_sft_images(out)  # said before find_parts reads every byte of the parts
         parts = find_parts(out, progress)
-        (out / f"{MERGED}.json").unlink(missing_ok=True)  # until rewritten, the output is not a finished merge
+        remove_summary(out)
         summary = _merge_stats(parts)
         prefixes = [commitlog.part_prefix(part.directory) for part in parts if commitlog.has_dataset(part.directory)]
         with atomic_writer(out / (MERGED + PROVENANCE_SUFFIX)) as provenance, \
@@ -78,13 +76,13 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
             remove_dataset(out / ASSEMBLED)
         if strip_reasoning:
             summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity), bool(prefixes))
-        atomic_write_json(out / f"{MERGED}.json", summary)
+        write_summary(out, summary)
     return summary
 
 
 def _refuse_sft_images(out: Path) -> None:
     """The images of a `--mode sft` plan are items for `mmtok sft`, not documents: say what to run."""
-    first = next((d for d in sorted((out / "parts").glob("part-*")) if (d / commitlog.IDENTITY).is_file()), None)
+    first = next((d for _, d in commitlog.part_directories(out) if (d / commitlog.IDENTITY).is_file()), None)
     identity = read_part_json(first / commitlog.IDENTITY, commitlog.read_identity, first) if first else {}
     if identity.get("modality") == "image" and identity.get("mode") == "sft":
         raise MmtokError(f"{out} holds the encoded images of SFT conversations (plan mode sft); the conversations "
@@ -129,78 +127,6 @@ def _merge_stats(parts: list[Part]) -> dict:
         "counts": dict(sorted(counts.items())),
         "parts": per_part,
     }
-
-
-def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
-    """Read the merged dataset back with megatron-core and compare it with the parts.
-
-    Checks the sequence count, every length, the document index, and the first and last sequence
-    of every part token for token. Returns the name of the reader used.
-    """
-    lengths = [read_index(p)[1] for p in part_prefixes]
-    expected = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
-    try:
-        IndexedDataset = _import_indexed_dataset()
-    except ImportError:
-        print("mmtok merge: megatron-core is not installed (pip install 'mmtok[megatron]'); verifying with "
-              "mmtok's own reader")
-        return _verify_with_mmtok(prefix, expected)
-    dataset = IndexedDataset(str(prefix))  # keep alive while its arrays are in use: they view its mmap
-    problems = []
-    if len(dataset) != expected.size or not np.array_equal(dataset.sequence_lengths, expected):
-        problems.append("sequence lengths differ from the parts'")
-    if not np.array_equal(dataset.document_indices, np.arange(expected.size + 1)):
-        problems.append("document index is not one document per sequence")
-    start = 0
-    for part_prefix, part_lengths in zip(part_prefixes, lengths):
-        for local in {0, part_lengths.size - 1} if part_lengths.size else ():
-            source = _read_sequence(part_prefix, local)
-            if not np.array_equal(dataset[start + local], source):
-                problems.append(f"sequence {start + local} differs from {part_prefix} sequence {local}")
-        start += part_lengths.size
-    release_reader(dataset)
-    del dataset
-    if problems:
-        raise MmtokError(f"{prefix}: merged dataset failed verification: {'; '.join(problems)}")
-    return "megatron-core IndexedDataset"
-
-
-def _import_indexed_dataset():
-    """megatron-core's reader, imported without its warnings about absent training extras (Apex,
-    Transformer Engine, CUDA), which say nothing about reading a dataset."""
-    torch_log = logging.getLogger("torch.utils.cpp_extension")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets.indexed_dataset import IndexedDataset
-    finally:
-        torch_log.setLevel(level)
-    return IndexedDataset
-
-
-def release_reader(dataset) -> None:
-    """Let go of a megatron-core IndexedDataset's files. Its index reader's `__getitem__` is an
-    `lru_cache` on the class, which keeps the last readers -- and their open mmaps -- alive after
-    the dataset is dropped; clearing it closes them (a merge must not hold its outputs open)."""
-    getitem = getattr(type(getattr(dataset, "index", None)), "__getitem__", None)
-    if hasattr(getitem, "cache_clear"):
-        getitem.cache_clear()
-
-
-def _verify_with_mmtok(prefix: Path, expected: np.ndarray) -> str:
-    _, lengths, _, documents = read_index(prefix)
-    if not np.array_equal(lengths, expected) or not np.array_equal(documents, np.arange(expected.size + 1)):
-        raise MmtokError(f"{prefix}: merged index does not match the parts")
-    return "mmtok reader"
-
-
-def _read_sequence(prefix: Path, index: int) -> np.ndarray:
-    dtype, lengths, pointers, _ = read_index(prefix)
-    with open(bin_path(prefix), "rb") as handle:
-        handle.seek(int(pointers[index]))
-        return np.frombuffer(handle.read(int(lengths[index]) * dtype.itemsize), dtype)
 
 
 # -- strip reasoning ------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ so `mmtok merge OUT` gives the same bytes for any world size of this stage or of
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -45,8 +44,10 @@ from mmtok.formats.chat import ChatRenderer, ConversationError, MediaSlot, recor
 from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, input_fingerprint, locate,
                                  read_conversations)
 from mmtok.errors import MmtokError, Skip
-from mmtok.formats import audio_cache, commitlog
+from mmtok.formats import audio_cache, commitlog, shar
 from mmtok.formats.commitlog import PartWriter, part_dir
+from mmtok.formats.items import ImageIndex
+from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
 from mmtok.ranks import unit_ranges
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
@@ -67,51 +68,29 @@ class ImageItems:
     ids, or why the image failed. Every part is checked against its checksums first."""
 
     def __init__(self, out: Path, layout: VocabLayout, tokenizer: TextTokenizer):
-        from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
-
         self.out = out
         parts = find_parts(out)
         self.identity = parts[0].identity
         _check_image_run(out, self.identity, layout, tokenizer)
-        self._ids: list[np.ndarray] = []
-        self._items: dict[tuple[str, str], tuple[int, int, int, Skip | None]] = {}
-        self._count: Counter = Counter()  # images per (tar, sample key)
-        for number, directory in enumerate(part.directory for part in parts):
-            end = 0
-            for _, record in commitlog.iter_items(directory):
-                end = record["offset"] + record["length"]
-                if record.get("kind") != "image":
-                    continue
-                tar = _real(record["source"])
-                skip = Skip(record["skip"], record.get("detail", "")) if "skip" in record else None
-                self._items[(tar, record["member"])] = (number, record["offset"], record["length"], skip)
-                self._count[(tar, record["key"])] += 1
-            self._ids.append(np.asarray(commitlog.read_item_ids(directory, end)))
-        self._tars = {tar for tar, _ in self._count}
+        self._index = ImageIndex([part.directory for part in parts])
 
     def images_of(self, tar: str, key: str) -> int:
-        return self._count[(_real(tar), key)]
+        return self._index.images_of(tar, key)
 
     def block(self, tar: str, member: str) -> np.ndarray:
         """The image block of tar member `member`; Skip if it did not encode."""
-        found = self._items.get((_real(tar), member))
-        if found is None and _real(tar) not in self._tars:
+        found = self._index.find(tar, member)
+        if found is None and not self._index.holds_tar(tar):
+            tars = self._index.tars
             raise Skip("missing_media", f"image {member}: {self.out} holds no image of {tar} (its images come from "
-                       f"{', '.join(sorted(self._tars)[:3])}{' ...' if len(self._tars) > 3 else ''}); was this tar "
+                       f"{', '.join(tars[:3])}{' ...' if len(tars) > 3 else ''}); was this tar "
                        "scanned, or moved since the scan?")
         if found is None:
             raise Skip("missing_media", f"image {member} of {tar} is not in {self.out} (not scanned, or dropped by "
                        "the plan: see `mmtok plan --explain` and the plan's dropped.parquet)")
-        part, offset, length, skip = found
-        if skip is not None:
-            raise Skip(f"media_skipped:{skip.reason}", f"image {member}: {skip.detail}")
-        return self._ids[part][offset:offset + length]
-
-
-@functools.lru_cache(maxsize=4096)
-def _real(path: str) -> str:
-    """The resolved path of a tar, once per path (it is asked for every image of every conversation)."""
-    return os.path.realpath(path)
+        if found.skip is not None:
+            raise Skip(f"media_skipped:{found.skip.reason}", f"image {member}: {found.skip.detail}")
+        return self._index.ids(found)
 
 
 def _check_image_run(out: Path, identity: dict, layout: VocabLayout, tokenizer: TextTokenizer) -> None:
@@ -150,7 +129,7 @@ class AudioClips:
                 for row, cut_id in enumerate(audio_cache.read_index(path).column("cut_id").to_pylist()):
                     self._rows.setdefault(cut_id, (len(self._paths), row))
                 self._paths.append(path)
-            for directory in sorted((Path(out) / "parts").glob("part-*")):
+            for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
                     self._why.setdefault(record["key"], Skip(record["reason"], record.get("detail", "")))
         self.converted = [os.path.realpath(c) for c in converted]  # named in the identity: a resume needs the same
@@ -158,10 +137,7 @@ class AudioClips:
             self._read_dropped(Path(conversion))
 
     def _read_dropped(self, conversion: Path) -> None:
-        folder = conversion / "dropped"
-        if not folder.is_dir():
-            raise MmtokError(f"{conversion}: not an `mmtok audio convert` output (no dropped/ folder)")
-        for path in sorted(folder.glob("dropped.*.jsonl")):
+        for path in shar.dropped_files(conversion):
             with open(path, encoding="utf-8") as handle:
                 for line in handle:
                     record = json.loads(line)

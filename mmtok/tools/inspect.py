@@ -7,14 +7,13 @@ to PNG/WAV through a codec's decoder.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.formats import interleave, megatron, merged
+from mmtok.formats import commitlog, interleave, megatron, merged
 from mmtok.vocab import VocabLayout
 
 AUDIO_CODES_PER_SECOND = 40
@@ -23,12 +22,15 @@ AUDIO_CODES_PER_SECOND = 40
 def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str | None = None, text_vocab_size: int | None = None,
                  render_dir: str | None = None, codec=None) -> str:
     """A human-readable report of whatever `path` is."""
+    from mmtok.formats.manifest import METADATA_FILE as MANIFEST  # Arrow-backed: imported when asked for
+    from mmtok.formats.plan import META_FILE as PLAN
+
     target = Path(path)
-    if (target / "manifest.json").is_file():
+    if (target / MANIFEST).is_file():
         return describe_manifest(target, limit)
-    if (target / "plan.json").is_file():
+    if (target / PLAN).is_file():
         return describe_plan(target)
-    if (target / "parts").is_dir():
+    if commitlog.parts_root(target).is_dir():
         return describe_encode_output(target)
     prefix = _dataset_prefix(target)
     if prefix is not None:
@@ -46,7 +48,7 @@ def recorded_tokenizer(prefix: Path) -> str | None:
     from mmtok.text import load_text_tokenizer
 
     try:
-        recorded = json.loads((prefix.parent / "merged.json").read_text("utf-8"))["identity"]["text_tokenizer"]
+        recorded = merged.read_summary(prefix.parent)["identity"]["text_tokenizer"]
         name = recorded["name"]
         return name if load_text_tokenizer(name).fingerprint == recorded["sha256"] else None
     except (OSError, ValueError, KeyError, TypeError, MmtokError):
@@ -95,9 +97,7 @@ def describe_plan(directory: Path) -> str:
 
 
 def describe_encode_output(directory: Path) -> str:
-    from mmtok.formats import commitlog
-
-    parts = sorted((directory / "parts").glob("part-*"))
+    parts = [part for _, part in commitlog.part_directories(directory)]
     lines = [f"encode output {directory}: {len(parts)} part directories"]
     for part in parts:
         state = "DONE" if commitlog.is_done(part) else "in progress"
@@ -107,7 +107,7 @@ def describe_encode_output(directory: Path) -> str:
             state += "" if stats.get("dataset", True) else " (no tokens: no dataset)"
             detail = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("counts", {}).items()))
         lines.append(f"  {part.name}: {state} {detail}")
-    for name in ("merged", "merged_no_reasoning"):
+    for name in (merged.MERGED, merged.NO_REASONING):
         if megatron.idx_path(directory / name).is_file():
             _, lengths, _, _ = megatron.read_index(directory / name)
             lines.append(f"{name}: {len(lengths)} sequences, {int(lengths.sum())} tokens")

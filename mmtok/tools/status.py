@@ -23,9 +23,7 @@ the same formula as the plan's modeled imbalance (`mmtok.ranks.imbalance` over r
 
 from __future__ import annotations
 
-import fcntl
 import os
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +38,6 @@ from mmtok.ranks import imbalance, rank_costs
 STATES = ("done", "running", "stopped", "missing", "damaged")
 RESUME_HINT = "rerun the same encode command to resume"
 SLOWEST = 5
-_FLOCK = struct.Struct("hhqqi")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
 
 def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) -> dict:
@@ -51,9 +48,9 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     were encoded from. A damaged part is reported (state "damaged"), never raised.
     """
     out = Path(out)
-    if not (out / "parts").is_dir():
-        raise MmtokError(f"{out}: no parts directory ({out / 'parts'}); run `mmtok encode --out {out}` first")
-    found = {number: _read_part(number, directory) for number, directory in _part_directories(out)}
+    if not commitlog.parts_root(out).is_dir():
+        raise MmtokError(f"{out}: no parts directory ({commitlog.parts_root(out)}); run `mmtok encode --out {out}` first")
+    found = {number: _read_part(number, directory) for number, directory in commitlog.part_directories(out)}
     identities, warnings = _one_run(found)
     modality = identities[0].get("modality") if identities else None
     if plan is not None and modality == "audio":
@@ -75,16 +72,6 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
 
 
 # -- reading one part --------------------------------------------------------------------------------
-def _part_directories(out: Path) -> list[tuple[int, Path]]:
-    """(part number, directory) of every `part-NNNNN` directory, in part order."""
-    found = []
-    for directory in (out / "parts").glob("part-*"):
-        number = directory.name[len("part-"):]
-        if directory.is_dir() and number.isdigit():
-            found.append((int(number), directory))
-    return sorted(found)
-
-
 def _missing(number: int, directory: Path, detail: str = "not started: no part directory") -> dict:
     return {"part": number, "state": "missing", "detail": detail, "directory": str(directory), "counts": {},
             "units_done": 0, "tokens": 0, "part_batches": None}
@@ -97,7 +84,7 @@ def _damaged(number: int, directory: Path, detail: str) -> dict:
 def _read_part(number: int, directory: Path) -> dict:
     """State, identity, counters and progress of one part directory, from its files alone."""
     part = _missing(number, directory)
-    holder = _lock_holder(directory)
+    holder = WriterLock.holder(directory)
     if not (directory / commitlog.IDENTITY).is_file():
         if holder:
             return {**part, "state": "running", "detail": f"starting (no identity yet); holder: {holder}"}
@@ -147,28 +134,6 @@ def _one_run(found: dict[int, dict]) -> tuple[list[dict], list[str]]:
     warnings = [f"not from the encode run of part {reference[0]}: part(s) {', '.join(map(str, foreign))}; use one "
                 "--out per run"] if foreign else []
     return identities, warnings
-
-
-def _lock_holder(directory: Path) -> str | None:
-    """Who holds the part's writer lock (the holder's own "host, pid, since" line), or None when no
-    process does. Takes no lock and writes nothing, so the holder is never disturbed."""
-    path = directory / WriterLock.NAME
-    if os.path.realpath(path) in WriterLock._held:
-        # This process writes the part: closing any descriptor of the file would drop its POSIX lock.
-        return f"this process (pid {os.getpid()})"
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
-        kind, _, _, _, pid = _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_GETLK, query))
-        if kind == fcntl.F_UNLCK:
-            return None
-        text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-    finally:
-        os.close(fd)
-    return text or f"pid {pid}"
 
 
 def _num_parts(identities: list[dict], found: dict[int, dict], plan) -> int:

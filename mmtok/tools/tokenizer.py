@@ -32,8 +32,8 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
-from mmtok.formats import megatron
-from mmtok.fsutil import atomic_write_bytes, atomic_write_json
+from mmtok.formats import interleave, megatron, merged
+from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json
 from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
@@ -260,12 +260,7 @@ def _copy_chat_template(source: Path | None, out: Path) -> None:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text("utf-8"))
-    except ValueError as err:
-        raise MmtokError(f"{path}: not valid JSON ({err}); restore the file") from None
+    return read_json(path) or {}
 
 
 # -- check -----------------------------------------------------------------------------------------
@@ -290,22 +285,29 @@ def read_tokenizer(directory: str | Path) -> tuple[object, dict]:
 def dataset_metadata(prefix: str | Path) -> dict:
     """What mmtok recorded about the dataset at `prefix`: `vocab`, `text_tokenizer`, `codec` and, for image
     data, `text_special_ids` -- from OUT/merged.json (`mmtok merge`) or OUT/interleave.json (`mmtok audio interleave`)."""
-    from mmtok.formats.interleave import METADATA
-    from mmtok.formats.merged import MERGED
-
     prefix = Path(prefix)
     if not (megatron.idx_path(prefix).is_file() and megatron.bin_path(prefix).is_file()):
         raise MmtokError(f"{prefix}: no {prefix.name}.bin/.idx -- pass a dataset prefix such as OUT/merged")
-    for path, section in ((prefix.parent / f"{MERGED}.json", "identity"), (prefix.parent / METADATA, None)):
-        if path.is_file():
-            meta = _read_json(path)
-            meta = meta.get(section, {}) if section else meta
-            if not isinstance(meta.get("vocab", {}).get("text_size"), int):
-                raise MmtokError(f"{path}: records no vocabulary layout (vocab.text_size); re-run the stage that wrote it")
-            return {"file": str(path), "vocab": meta.get("vocab", {}), "text_tokenizer": meta.get("text_tokenizer", {}),
-                    "codec": meta.get("codec", {}), "text_special_ids": meta.get("text_special_ids", {})}
-    raise MmtokError(f"{prefix}: no {MERGED}.json or {METADATA} next to it, so its layout is unknown -- pass a "
-                     "dataset written by `mmtok merge` (OUT/merged) or `mmtok audio interleave` (OUT/stage)")
+    recorded = _recorded_layout(prefix.parent)
+    if recorded is None:
+        raise MmtokError(f"{prefix}: no {merged.SUMMARY} or {interleave.METADATA} next to it, so its layout is "
+                         "unknown -- pass a dataset written by `mmtok merge` (OUT/merged) or `mmtok audio interleave` "
+                         "(OUT/stage)")
+    path, meta = recorded
+    if not isinstance(meta.get("vocab", {}).get("text_size"), int):
+        raise MmtokError(f"{path}: records no vocabulary layout (vocab.text_size); re-run the stage that wrote it")
+    return {"file": str(path), "vocab": meta.get("vocab", {}), "text_tokenizer": meta.get("text_tokenizer", {}),
+            "codec": meta.get("codec", {}), "text_special_ids": meta.get("text_special_ids", {})}
+
+
+def _recorded_layout(directory: Path) -> tuple[Path, dict] | None:
+    """(file, what it records about the datasets) of the merge summary in `directory` or, without one, of its
+    interleave summary."""
+    summary = merged.read_summary(directory)
+    if summary is not None:
+        return merged.summary_path(directory), summary.get("identity", {})
+    metadata = interleave.read_metadata(directory)
+    return None if metadata is None else (interleave.metadata_path(directory), metadata)
 
 
 def check_tokenizer(directory: str | Path, datasets: list[str]) -> tuple[list[str], list[str]]:
