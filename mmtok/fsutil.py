@@ -106,6 +106,28 @@ def read_json(path: str | os.PathLike) -> dict | list | None:
         raise MmtokError(f"{path}: not valid JSON ({err}); restore the file") from None
 
 
+class SummaryFile:
+    """The JSON summary a run writes last, so that its presence means the run completed: removed when a run
+    starts (`remove`), written atomically when it ends (`write`), read back by whoever needs the run's result."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def path(self, out: str | os.PathLike) -> Path:
+        return Path(out) / self.name
+
+    def remove(self, out: str | os.PathLike) -> None:
+        """Until it is rewritten, OUT does not claim to hold a completed run."""
+        self.path(out).unlink(missing_ok=True)
+
+    def write(self, out: str | os.PathLike, summary: dict) -> None:
+        atomic_write_json(self.path(out), summary)
+
+    def read(self, out: str | os.PathLike) -> dict | None:
+        """The summary, or None when OUT holds no completed run; MmtokError naming the file when damaged."""
+        return read_json(self.path(out))
+
+
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
     """Append the bytes of file `source` to the open binary file `handle`.
 

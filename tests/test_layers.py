@@ -139,7 +139,9 @@ def test_each_file_between_stages_is_named_only_by_its_formats_owner():
 def _durability_call(node: ast.AST) -> str | None:
     """`os.replace/rename/fsync/fdatasync(...)`, or a one-argument `.replace(target)` / `.rename(target)` (Path's;
     str.replace takes two arguments, dataclasses.replace keywords)."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)) or node.func.attr not in DURABILITY_CALLS:
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr not in DURABILITY_CALLS:
         return None
     if isinstance(node.func.value, ast.Name) and node.func.value.id == "os":
         return f"os.{node.func.attr}"

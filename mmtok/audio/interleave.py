@@ -41,7 +41,7 @@ from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
-from mmtok.formats.interleave import remove_metadata, write_metadata
+from mmtok.formats.interleave import METADATA_FILE
 from mmtok.fsutil import sha256_file
 from mmtok.vocab import VocabLayout
 
@@ -231,7 +231,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
     if not writers:
         raise MmtokError(_nothing_message(encoded, out, counts))
     datasets = {name: _dataset_entry(name, counts, stage_max_tokens, name in writers) for name in (STAGE, LONG)}
-    remove_metadata(out)
+    METADATA_FILE.remove(out)
     for writer in writers.values():
         writer.close()
     for name in (STAGE, LONG):
@@ -242,7 +242,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
                "parameters": {"stage_max_tokens": stage_max_tokens, "max_tokens": max_tokens},
                "vocab": meta["vocab"], "text_tokenizer": meta["text_tokenizer"], "codec": meta["codec"],
                "sequences": builder.describe(), "datasets": datasets, "counts": dict(sorted(counts.items()))}
-    write_metadata(out, summary)
+    METADATA_FILE.write(out, summary)
     print(_summary_line(counts, datasets), file=sys.stderr)
     return summary
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from mmtok.errors import MmtokError
-from mmtok.formats.merged import read_summary
+from mmtok.formats.merged import SUMMARY_FILE as MERGE_SUMMARY
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "data" / "demo"
 CHAT_TOKENIZER = DEMO_DATA / "chat-tokenizer"  # a small BPE with an Apertus 1.5-format chat template
@@ -113,7 +113,7 @@ def _image_flow(out: Path, world_size: int, checkpoint: str) -> dict:
                "--loader-threads", "2")
     _mmtok("merge", str(out / "encoded"))
     _mmtok("inspect", str(out / "encoded" / "merged"), "--limit", "2")
-    return read_summary(out / "encoded")
+    return MERGE_SUMMARY.read(out / "encoded")
 
 
 def _audio_flow(out: Path, world_size: int, checkpoint: str) -> dict:
@@ -127,7 +127,7 @@ def _audio_flow(out: Path, world_size: int, checkpoint: str) -> dict:
     _mmtok("merge", str(audio / "encoded"))
     _mmtok("audio", "interleave", str(audio / "encoded"), "--out", str(audio / "interleaved"), "--no-progress")
     _mmtok("inspect", str(audio / "encoded" / "merged"), "--limit", "1")
-    return read_summary(audio / "encoded")
+    return MERGE_SUMMARY.read(audio / "encoded")
 
 
 # -- SFT conversations --------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def _sft_flow(out: Path, world_size: int, image_checkpoint: str, audio_checkpoin
            "--no-progress")
     _mmtok("merge", str(sft / "dataset"), "--strip-reasoning")
     _mmtok("inspect", str(sft / "dataset" / "merged"), "--text-tokenizer", tokenizer, "--limit", "3")
-    return read_summary(sft / "dataset")
+    return MERGE_SUMMARY.read(sft / "dataset")
 
 
 def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:

@@ -69,9 +69,7 @@ CARRY = "carry.bin"
 COMMITS = "commits.log"
 STATS = "stats.json"
 DONE = "DONE"
-
-
-PARTS_DIR = "parts"
+PARTS_DIR = "parts"  # OUT/parts/part-00003: see part_dir
 PART_NAME = "part-"
 
 

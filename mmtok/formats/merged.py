@@ -10,42 +10,23 @@ OUT/merged_no_reasoning.*      the copy without reasoning spans (`--strip-reason
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_json, read_json
+from mmtok.fsutil import SummaryFile
 
 MERGED = "merged"
 NO_REASONING = "merged_no_reasoning"
 PROVENANCE_SUFFIX = ".provenance.jsonl"
 SKIPPED_SUFFIX = ".skipped.jsonl"
 SUMMARY = f"{MERGED}.json"
-
-
-def summary_path(out: str | os.PathLike) -> Path:
-    return Path(out) / SUMMARY
-
-
-def remove_summary(out: str | os.PathLike) -> None:
-    """Until it is rewritten, OUT is not a finished merge."""
-    summary_path(out).unlink(missing_ok=True)
-
-
-def write_summary(out: str | os.PathLike, summary: dict) -> None:
-    """Write OUT/merged.json, last: from then on OUT is a finished merge."""
-    atomic_write_json(summary_path(out), summary)
-
-
-def read_summary(out: str | os.PathLike) -> dict | None:
-    """OUT/merged.json, or None when OUT holds no finished merge; MmtokError naming the file when damaged."""
-    return read_json(summary_path(out))
+SUMMARY_FILE = SummaryFile(SUMMARY)
 
 
 def not_written_reason(prefix: Path) -> str | None:
     """Why a merge output has no dataset at `prefix`, when OUT/merged.json records it as not written."""
     try:
-        summary = read_summary(prefix.parent)
+        summary = SUMMARY_FILE.read(prefix.parent)
     except (OSError, MmtokError):
         return None
     if summary is None:

@@ -35,7 +35,8 @@ def find_parts(out: Path, progress: bool = False) -> list[Part]:
         identity = read_part_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
         found[identity["part"]] = Part(identity["part"], directory, identity)
     if not found:
-        raise MmtokError(f"{out}: no encoded parts under {commitlog.parts_root(out)}; run `mmtok encode --out {out}` first")
+        raise MmtokError(f"{out}: no encoded parts under {commitlog.parts_root(out)}; run `mmtok encode --out {out}` "
+                         "first")
     counts = {part.identity["num_parts"] for part in found.values()}
     if len(counts) != 1:
         raise MmtokError(f"{out}: parts disagree on the number of parts ({sorted(counts)}); they come from "

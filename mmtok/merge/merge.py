@@ -35,7 +35,7 @@ import numpy as np
 from mmtok.merge.assemble import assemble_documents
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
-from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX, remove_summary, write_summary
+from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX, SUMMARY_FILE
 from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, verify_merged, write_index
 from mmtok.fsutil import WriterLock, atomic_writer, copy_file_into
@@ -52,7 +52,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
     with WriterLock(out, f"merge output {out}"):
         _refuse_sft_images(out)  # said before find_parts reads every byte of the parts
         parts = find_parts(out, progress)
-        remove_summary(out)
+        SUMMARY_FILE.remove(out)
         summary = _merge_stats(parts)
         prefixes = [commitlog.part_prefix(part.directory) for part in parts if commitlog.has_dataset(part.directory)]
         with atomic_writer(out / (MERGED + PROVENANCE_SUFFIX)) as provenance, \
@@ -76,7 +76,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
             remove_dataset(out / ASSEMBLED)
         if strip_reasoning:
             summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity), bool(prefixes))
-        write_summary(out, summary)
+        SUMMARY_FILE.write(out, summary)
     return summary
 
 

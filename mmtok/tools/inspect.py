@@ -48,7 +48,7 @@ def recorded_tokenizer(prefix: Path) -> str | None:
     from mmtok.text import load_text_tokenizer
 
     try:
-        recorded = merged.read_summary(prefix.parent)["identity"]["text_tokenizer"]
+        recorded = merged.SUMMARY_FILE.read(prefix.parent)["identity"]["text_tokenizer"]
         name = recorded["name"]
         return name if load_text_tokenizer(name).fingerprint == recorded["sha256"] else None
     except (OSError, ValueError, KeyError, TypeError, MmtokError):

@@ -49,7 +49,8 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     """
     out = Path(out)
     if not commitlog.parts_root(out).is_dir():
-        raise MmtokError(f"{out}: no parts directory ({commitlog.parts_root(out)}); run `mmtok encode --out {out}` first")
+        raise MmtokError(f"{out}: no parts directory ({commitlog.parts_root(out)}); run `mmtok encode --out {out}` "
+                         "first")
     found = {number: _read_part(number, directory) for number, directory in commitlog.part_directories(out)}
     identities, warnings = _one_run(found)
     modality = identities[0].get("modality") if identities else None

@@ -303,11 +303,11 @@ def dataset_metadata(prefix: str | Path) -> dict:
 def _recorded_layout(directory: Path) -> tuple[Path, dict] | None:
     """(file, what it records about the datasets) of the merge summary in `directory` or, without one, of its
     interleave summary."""
-    summary = merged.read_summary(directory)
+    summary = merged.SUMMARY_FILE.read(directory)
     if summary is not None:
-        return merged.summary_path(directory), summary.get("identity", {})
-    metadata = interleave.read_metadata(directory)
-    return None if metadata is None else (interleave.metadata_path(directory), metadata)
+        return merged.SUMMARY_FILE.path(directory), summary.get("identity", {})
+    metadata = interleave.METADATA_FILE.read(directory)
+    return None if metadata is None else (interleave.METADATA_FILE.path(directory), metadata)
 
 
 def check_tokenizer(directory: str | Path, datasets: list[str]) -> tuple[list[str], list[str]]:
