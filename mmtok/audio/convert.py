@@ -271,7 +271,7 @@ def write_shard(out: Path, index: int, clips: list[Clip]) -> dict:
 
 def write_dropped(out: Path, name: str, dropped: list[Dropped]) -> None:
     lines = "".join(json.dumps(asdict(d), sort_keys=True, ensure_ascii=False) + "\n" for d in dropped)
-    atomic_write_bytes(shar_format.dropped_path(out, name), lines.encode("utf-8"))
+    atomic_write_bytes(shar_format.skip_list(out, name), lines.encode("utf-8"))
 
 
 # --- the run ------------------------------------------------------------------------------------

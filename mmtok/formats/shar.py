@@ -7,9 +7,10 @@
   OUT/conversion.json              the conversion report (REPORT_FORMAT): `shards` (index, cuts, duration,
                                    cuts_sha256), `complete`, counts and the resume cursor; rewritten
                                    atomically after every shard
+  OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl
+                                   the skip records (`mmtok.formats.skips`) of what the inputs, shard
+                                   NNNNNN's units and the run's tail dropped
   OUT/.work/shard-NNNNNN/          a shard being written; moved into OUT/shar only when complete
-  OUT/dropped/dropped.<unit>.jsonl one JSON line per input clip a work unit dropped (its id, reason, detail);
-                                   `mmtok sft --converted` reads them to say why a conversation's clip is missing
 
 Nothing else lives in OUT/shar, because lhotse treats every file there as a Shar field. lhotse writes
 and reads the files themselves (`SharWriter`, `CutSet.from_shar`, `CutSet.from_file`); this module
@@ -31,8 +32,8 @@ from mmtok.errors import MmtokError
 from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file
 
 SHAR_DIR = "shar"
-DROPPED_DIR = "dropped"
 WORK_DIR = ".work"
+SKIPPED_DIR = "dropped"  # the skip lists (the name predates `skipped:` counters: kept for existing outputs)
 REPORT = "conversion.json"
 REPORT_FORMAT = "mmtok-audio-convert/1"
 FIELDS = {"recording": "flac"}  # SharWriter fields: each cut's audio is the tar member `<cut id>.flac`
@@ -47,22 +48,21 @@ def shard_files(index: int) -> tuple[str, str]:
     return f"cuts.{index:06d}.jsonl.gz", f"recording.{index:06d}.tar"
 
 
+def skip_list(out: Path, name: str) -> Path:
+    """OUT's skip list `name` ("inputs", a shard's "NNNNNN", "tail")."""
+    return out / SKIPPED_DIR / f"dropped.{name}.jsonl"
+
+
+def skip_lists(out: Path) -> list[Path]:
+    """Every skip list of a conversion output, by name; MmtokError when OUT is not one."""
+    if not (out / SKIPPED_DIR).is_dir():
+        raise MmtokError(f"{out}: not an `mmtok audio convert` output (no {SKIPPED_DIR}/ folder)")
+    return sorted((out / SKIPPED_DIR).glob("dropped.*.jsonl"))
+
+
 def shard_work_dir(out: Path, index: int) -> Path:
     """Where shard `index` of OUT is written before `publish_shard` moves it into OUT/shar."""
     return out / WORK_DIR / f"shard-{index:06d}"
-
-
-def dropped_path(out: Path, unit: str) -> Path:
-    """Where the clips that work unit `unit` dropped are listed."""
-    return out / DROPPED_DIR / f"dropped.{unit}.jsonl"
-
-
-def dropped_files(out: Path) -> list[Path]:
-    """Every dropped-clip list of conversion `out`, in name order; MmtokError when `out` is no conversion."""
-    folder = out / DROPPED_DIR
-    if not folder.is_dir():
-        raise MmtokError(f"{out}: not an `mmtok audio convert` output (no {DROPPED_DIR}/ folder)")
-    return sorted(folder.glob(dropped_path(out, "*").name))
 
 
 # --- writer side ------------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ class AudioClips:
             self._read_dropped(Path(conversion))
 
     def _read_dropped(self, conversion: Path) -> None:
-        for path in shar.dropped_files(conversion):
+        for path in shar.skip_lists(conversion):
             with open(path, encoding="utf-8") as handle:
                 for line in handle:
                     record = json.loads(line)
