@@ -26,12 +26,13 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import time
 
+    from mmtok.formats import skips
     from mmtok.merge.merge import merge
 
     started = time.perf_counter()
     summary = merge(args.out, strip_reasoning=args.strip_reasoning, progress=not args.no_progress)
     seconds = time.perf_counter() - started
-    skipped = {k.split(":", 1)[1]: v for k, v in summary["counts"].items() if k.startswith("skipped:")}
+    skipped = skips.by_reason(summary["counts"])
     if summary["dataset"]:
         print(f"mmtok merge: {summary['num_parts']} parts -> {args.out}/merged.bin/.idx: {summary['sequences']:,} "
               f"sequences, {summary['tokens']:,} tokens in {seconds:.1f} s (verified with {summary['verified_with']})")

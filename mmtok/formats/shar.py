@@ -7,6 +7,9 @@
   OUT/conversion.json              the conversion report (REPORT_FORMAT): `shards` (index, cuts, duration,
                                    cuts_sha256), `complete`, counts and the resume cursor; rewritten
                                    atomically after every shard
+  OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl
+                                   the skip records (`mmtok.formats.skips`) of what the inputs, shard
+                                   NNNNNN's units and the run's tail dropped
   OUT/.work/shard-NNNNNN/          a shard being written; moved into OUT/shar only when complete
 
 Nothing else lives in OUT/shar, because lhotse treats every file there as a Shar field. lhotse writes
@@ -31,6 +34,7 @@ from mmtok.fsutil import atomic_write_json, fsync_dir
 
 SHAR_DIR = "shar"
 WORK_DIR = ".work"
+SKIPPED_DIR = "dropped"  # the skip lists (the name predates `skipped:` counters: kept for existing outputs)
 REPORT = "conversion.json"
 REPORT_FORMAT = "mmtok-audio-convert/1"
 FIELDS = {"recording": "flac"}  # SharWriter fields: each cut's audio is the tar member `<cut id>.flac`
@@ -43,6 +47,18 @@ CUTS_GLOB = "cuts.*.jsonl.gz"
 def shard_files(index: int) -> tuple[str, str]:
     """(cuts manifest, recording tar) file names of shard `index`."""
     return f"cuts.{index:06d}.jsonl.gz", f"recording.{index:06d}.tar"
+
+
+def skip_list(out: Path, name: str) -> Path:
+    """OUT's skip list `name` ("inputs", a shard's "NNNNNN", "tail")."""
+    return out / SKIPPED_DIR / f"dropped.{name}.jsonl"
+
+
+def skip_lists(out: Path) -> list[Path]:
+    """Every skip list of a conversion output, by name; MmtokError when OUT is not one."""
+    if not (out / SKIPPED_DIR).is_dir():
+        raise MmtokError(f"{out}: not an `mmtok audio convert` output (no {SKIPPED_DIR}/ folder)")
+    return sorted((out / SKIPPED_DIR).glob("dropped.*.jsonl"))
 
 
 def shard_work_dir(out: Path, index: int) -> Path:
