@@ -35,8 +35,8 @@ class SkipRecord:
                ("a.tar:KEY", "b.jsonl:line 12"), or convert's origin of the clip ("a.tar:KEY", "t.tsv:3")
     container  the kind of `source`: "tar", "parquet", "shar", "conversation"; None where the stage has none
     member     the member of `source` that holds it (tar member, cut id, conversation id); None if none
-    position   its row in the stage's input order: the manifest row (images), its position in the
-               Shar shard (audio), its ordinal among the packed conversations (pack); None if none
+    position   its row in the stage's input: the manifest row (images), its position in the Shar shard
+               (audio); None where the stage has none
     reason     the counted snake_case reason (`skipped:<reason>` in the stage's counts)
     detail     what people need to find and fix it ("" when the reason says it all)
     stage      the stage that decided the skip: "encode", "merge", "sft", "pack", "convert"
