@@ -9,7 +9,7 @@
                                    atomically after every shard
   OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl
                                    the skip records (`mmtok.formats.skips`) of what the inputs, shard
-                                   NNNNNN's units and the run's tail skipped
+                                   NNNNNN's units and the run's tail dropped
   OUT/.work/shard-NNNNNN/          a shard being written; moved into OUT/shar only when complete
 
 Nothing else lives in OUT/shar, because lhotse treats every file there as a Shar field. lhotse writes
@@ -34,7 +34,7 @@ from mmtok.fsutil import atomic_write_json, fsync_dir
 
 SHAR_DIR = "shar"
 WORK_DIR = ".work"
-SKIPPED_DIR = "dropped"  # the skip lists' folder: its name is older than the `skipped:` counters, kept for scripts
+SKIPPED_DIR = "dropped"  # the skip lists (the name predates `skipped:` counters: kept for existing outputs)
 REPORT = "conversion.json"
 REPORT_FORMAT = "mmtok-audio-convert/1"
 FIELDS = {"recording": "flac"}  # SharWriter fields: each cut's audio is the tar member `<cut id>.flac`
