@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import tarfile
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.media.audio import resample, to_mono
 from mmtok.audio.sources import number_clips
 from mmtok.cli import main as cli_main
+from mmtok.formats import skips
 from mmtok.text import load_text_tokenizer
 
 LSB24 = 2.0**-23  # one step of 24-bit PCM
@@ -90,11 +92,11 @@ def test_directory_source_reads_back_with_lhotse_at_24khz_with_text_tokens(corpu
 
 def test_invalid_clips_are_dropped_with_their_reasons(converted):
     counts = report(converted)["counts"]
-    assert {k: v for k, v in counts.items() if k.startswith("dropped:")} == {
-        f"dropped:{reason}": 1 for reason in PLANTED.values()}
-    dropped = [json.loads(line) for path in sorted((converted / "dropped").glob("*.jsonl"))
-               for line in path.read_text().splitlines()]
-    assert sorted((d["id"], d["reason"]) for d in dropped) == sorted(
+    assert {k: v for k, v in counts.items() if k.startswith("skipped:")} == {
+        f"skipped:{reason}": 1 for reason in PLANTED.values()}
+    dropped = dropped_records(converted)
+    assert {d["stage"] for d in dropped} == {"convert"}
+    assert sorted((d["key"], d["reason"]) for d in dropped) == sorted(
         (f"bad/{name.removesuffix('.wav')}", reason) for name, reason in PLANTED.items())
 
 
@@ -206,7 +208,7 @@ def test_webdataset_tar_source_with_txt_and_json_sidecars(tmp_path, tokenizer):
     assert (two["text_tokens"], two["source_id"], two["clip"], two["language"]) == (
         tokenizer.encode("seven"), "call-1", 4, "en")
     assert_same_audio(cuts["calls/s2"].load_audio()[0], expected_wave(digit("7")))
-    assert report(tmp_path / "out")["counts"] == {"dropped:decode_error": 1, "dropped:no_audio_member": 1, "written": 2,
+    assert report(tmp_path / "out")["counts"] == {"skipped:decode_error": 1, "skipped:no_audio_member": 1, "written": 2,
                                                   "in": 4}
 
 
@@ -217,8 +219,8 @@ def test_truncated_tar_keeps_the_samples_before_the_damage(tmp_path):
     (tmp_path / "damaged.tar").write_bytes(data[:cut_at])
     convert([tmp_path / "damaged.tar"], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
     assert [cut.id for cut in load_cuts(tmp_path / "out")] == ["damaged/a"]
-    dropped = {k: v for k, v in report(tmp_path / "out")["counts"].items() if k.startswith("dropped:")}
-    assert dropped.get("dropped:truncated_member", 0) + dropped.get("dropped:truncated_tar", 0) >= 1
+    dropped = {k: v for k, v in report(tmp_path / "out")["counts"].items() if k.startswith("skipped:")}
+    assert dropped.get("skipped:truncated_member", 0) + dropped.get("skipped:truncated_tar", 0) >= 1
 
 
 def test_lhotse_manifests_cut_supervised_segments_in_start_order(tmp_path, tokenizer):
@@ -251,7 +253,7 @@ def test_lhotse_manifests_cut_supervised_segments_in_start_order(tmp_path, token
     for cut, (start, end, text) in zip(cuts[:4], [segments[i] for i in (0, 1, 3, 4)]):
         assert cut.custom["text_tokens"] == tokenizer.encode(text)
         assert_same_audio(cut.load_audio()[0], expected_wave(tmp_path / "story.wav", start, end))
-    assert report(tmp_path / "out")["counts"] == {"dropped:silent": 1, "written": 5, "in": 6}
+    assert report(tmp_path / "out")["counts"] == {"skipped:silent": 1, "written": 5, "in": 6}
 
 
 def test_parquet_source_with_audio_bytes_column(tmp_path, tokenizer):
@@ -270,7 +272,7 @@ def test_parquet_source_with_audio_bytes_column(tmp_path, tokenizer):
     assert [c.custom["clip"] for c in cuts] == [0, 1, 2]  # numbered by start within the recording
     assert [c.custom["text_tokens"] for c in cuts] == [tokenizer.encode(w) for w in ("two", "one", "three")]
     assert_same_audio(cuts[1].load_audio()[0], expected_wave(digit("1")))
-    assert report(tmp_path / "out")["counts"] == {"dropped:decode_error": 1, "dropped:no_audio_bytes": 1,
+    assert report(tmp_path / "out")["counts"] == {"skipped:decode_error": 1, "skipped:no_audio_bytes": 1,
                                                   "written": 3, "in": 5}
 
 
@@ -286,19 +288,19 @@ def test_table_rows_for_missing_files_and_without_paths_are_counted(tmp_path):
     table = tmp_path / "t.jsonl"
     write_jsonl(table, [{"path": "one.wav", "text": "one"}, {"path": "gone.wav", "text": "gone"}, {"text": "x"}])
     convert([tmp_path / "in"], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
-    assert report(tmp_path / "out")["counts"] == {"dropped:bad_table_row": 1, "dropped:missing_file": 1,
+    assert report(tmp_path / "out")["counts"] == {"skipped:bad_table_row": 1, "skipped:missing_file": 1,
                                                   "written": 1, "in": 3}
 
 
 # --- trust under real operating conditions (issue 12) ---------------------------------------------
 
 def dropped_records(out: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted((out / "dropped").glob("*.jsonl"))
-            for line in path.read_text("utf-8").splitlines()]
+    """The skip records of a conversion's dropped/ lists, read by the one reader of skip files."""
+    return [asdict(record) for path in sorted((out / "dropped").glob("*.jsonl")) for record in skips.read(path)]
 
 
 def assert_counts_add_up(counts: dict) -> None:
-    skipped = sum(v for k, v in counts.items() if k.startswith(("dropped:", "ignored:")))
+    skipped = sum(v for k, v in counts.items() if k.startswith(("skipped:", "ignored:")))
     assert counts["in"] == counts.get("written", 0) + skipped, counts
 
 
@@ -352,9 +354,9 @@ def test_bad_transcript_rows_are_counted_by_file_and_line_and_the_rest_convert(t
     words = ("one", "three", "two")  # sorted by file name
     assert [(c.id, c.custom["text_tokens"]) for c in cuts] == [(w, tokenizer.encode(w)) for w in words]
     bad = [number for number, (_, good) in enumerate(lines, 1) if good is False]
-    assert sorted((d["origin"], d["reason"]) for d in dropped_records(tmp_path / "out")) == sorted(
+    assert sorted((d["source"], d["reason"]) for d in dropped_records(tmp_path / "out")) == sorted(
         (f"{table}:{n}", "bad_table_row") for n in bad)
-    assert report(tmp_path / "out")["counts"] == {"in": 3 + len(bad), "written": 3, "dropped:bad_table_row": len(bad)}
+    assert report(tmp_path / "out")["counts"] == {"in": 3 + len(bad), "written": 3, "skipped:bad_table_row": len(bad)}
 
 
 def test_tsv_table_without_a_path_column_is_refused_naming_the_file(tmp_path, capsys):
@@ -376,10 +378,10 @@ def test_tar_sidecars_that_are_not_utf8_or_not_valid_are_counted_not_replaced(tm
     ])
     convert([tar], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
     assert [c.id for c in load_cuts(tmp_path / "out")] == ["t/s2"]
-    assert sorted((d["id"], d["reason"]) for d in dropped_records(tmp_path / "out")) == [
+    assert sorted((d["key"], d["reason"]) for d in dropped_records(tmp_path / "out")) == [
         ("t/s1", "bad_text_encoding"), ("t/s3", "bad_metadata"), ("t/s4", "bad_metadata")]
-    assert report(tmp_path / "out")["counts"] == {"in": 4, "written": 1, "dropped:bad_text_encoding": 1,
-                                                  "dropped:bad_metadata": 2}
+    assert report(tmp_path / "out")["counts"] == {"in": 4, "written": 1, "skipped:bad_text_encoding": 1,
+                                                  "skipped:bad_metadata": 2}
 
 
 def test_parquet_rows_with_bad_metadata_are_counted(tmp_path):
@@ -390,7 +392,7 @@ def test_parquet_rows_with_bad_metadata_are_counted(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
     convert([tmp_path / "p.parquet"], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
     assert [c.id for c in load_cuts(tmp_path / "out")] == ["p/00000000"]
-    assert [(d["origin"], d["reason"]) for d in dropped_records(tmp_path / "out")] == [
+    assert [(d["source"], d["reason"]) for d in dropped_records(tmp_path / "out")] == [
         (f"{tmp_path / 'p.parquet'}:row 1", "bad_metadata")]
 
 
@@ -412,12 +414,12 @@ def test_counts_add_up_to_every_clip_record_and_file_of_the_inputs(converted, tm
     ])
     convert([tmp_path / "in", tar], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
     counts = report(tmp_path / "out")["counts"]
-    assert counts == {"in": 11, "written": 4, "ignored:txt": 1, "dropped:decode_error": 1,
-                      "dropped:missing_file": 1, "dropped:bad_table_row": 1, "dropped:no_audio_member": 1,
-                      "dropped:extra_audio_member": 1, "dropped:bad_text_encoding": 1}
+    assert counts == {"in": 11, "written": 4, "ignored:txt": 1, "skipped:decode_error": 1,
+                      "skipped:missing_file": 1, "skipped:bad_table_row": 1, "skipped:no_audio_member": 1,
+                      "skipped:extra_audio_member": 1, "skipped:bad_text_encoding": 1}
     assert_counts_add_up(counts)
     summary = capsys.readouterr().err.strip().splitlines()[-1]
-    assert summary.startswith("in 11: 4 clips") and "dropped 6 (" in summary
+    assert summary.startswith("in 11: 4 clips") and "skipped 6 (" in summary
     assert "ignored non-audio files 1 (txt: 1)" in summary
 
 

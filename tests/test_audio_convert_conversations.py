@@ -163,15 +163,15 @@ def test_a_conversation_clip_is_sample_exact_the_same_file_converted_as_a_direct
 
 def test_unlocatable_and_unreadable_audio_is_dropped_by_id_and_cache_clips_are_not_counted(converted, inputs):
     dropped = dropped_records(converted)
-    assert {d["id"]: d["reason"] for d in dropped} == DROPPED
-    origins = {d["id"]: d["origin"] for d in dropped}
+    assert {d["key"]: d["reason"] for d in dropped} == DROPPED
+    origins = {d["key"]: d["source"] for d in dropped}
     missing = next(key for key, reason in DROPPED.items() if reason == "missing_media")  # talk.jsonl line 2's clip
     assert origins["chats/c5"] == f"{inputs[0]}:c5" and origins[missing] == f"{inputs[1]}:line 2"
-    assert "gone.wav" in next(d["detail"] for d in dropped if d["id"] == missing)
+    assert "gone.wav" in next(d["detail"] for d in dropped if d["key"] == missing)
     counts = report(converted)["counts"]
     # c3's cache clip and c4 (no audio) are no clips of these inputs
     assert counts == {"in": len(WRITTEN) + len(DROPPED), "written": len(WRITTEN),
-                      **{f"dropped:{reason}": 1 for reason in DROPPED.values()}}
+                      **{f"skipped:{reason}": 1 for reason in DROPPED.values()}}
     assert_counts_add_up(counts)
 
 
@@ -184,7 +184,7 @@ def test_audio_that_vanished_after_it_was_located_is_missing_media(inputs, tmp_p
     (tmp_path / "clips" / "one.wav").unlink()
     convert_module.init_worker(ConvertOptions(), tokenizer=object())  # no text: the tokenizer is never asked
     (result,) = convert_module.process_unit(unit)
-    assert (result.id, result.reason) == ("late/audio-0", "missing_media") and "one.wav" in result.detail
+    assert (result.key, result.reason) == ("late/audio-0", "missing_media") and "one.wav" in result.detail
 
 
 def test_units_are_bounded_never_span_inputs_and_give_the_same_bytes_with_workers(inputs, converted, tmp_path,

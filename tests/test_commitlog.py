@@ -16,6 +16,8 @@ import pytest
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import (COMMITS, PartWriter, has_dataset, is_done, part_dir, part_prefix, read_commits,
                                      read_items, read_provenance, read_skipped, verify_part)
+from mmtok.formats import skips
+from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import sha256_file
 
 IDENTITY = {"part": 0, "num_parts": 1, "modality": "image", "plan_fingerprint": "abc",
@@ -175,30 +177,34 @@ def test_carry_reset_interrupted_before_next_commit_resumes_empty(tmp_path):
     assert resumed.carry() == b"x"
 
 
+def _skip(key: str, reason: str) -> SkipRecord:
+    return SkipRecord(key=key, source="a.tar", reason=reason, stage="encode")
+
+
 def test_part_without_tokens_finishes_without_a_dataset(tmp_path):
     # megatron-core cannot mmap an empty .bin: such a part has no tokens.bin/.idx, and says so
     shard = PartWriter(part_dir(tmp_path, 3), {**IDENTITY, "part": 3})
-    shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[{"key": "a", "reason": "decode_error"}])
+    shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[_skip("a", "decode_error")])
     shard.finish({})
     directory = part_dir(tmp_path, 3)
     assert directory.name == "part-00003" and is_done(directory) and not has_dataset(directory)
     assert not (directory / "tokens.bin").exists() and not (directory / "tokens.idx").exists()
     assert json.loads((directory / "stats.json").read_text())["dataset"] is False
-    assert [r["key"] for r in read_skipped(directory)] == ["a"]
+    assert [r.key for r in read_skipped(directory)] == ["a"]
     verify_part(directory)
 
 
 def test_skip_records_are_durable_with_their_unit_and_cut_back_with_it(tmp_path):
     shard = PartWriter(tmp_path / "p", IDENTITY)
-    shard.commit(0, [np.arange(3)], [{"u": 0}], {}, skipped=[{"key": "k0", "reason": "decode_error"}])
+    shard.commit(0, [np.arange(3)], [{"u": 0}], {}, skipped=[_skip("k0", "decode_error")])
     shard.close()
     with open(tmp_path / "p" / "skipped.jsonl", "ab") as handle:  # a kill after the data, before the record
-        handle.write(b'{"key": "k1", "reason": "decode_error"}\n')
+        handle.write(skips.to_line(_skip("k1", "decode_error")))
     resumed = PartWriter(tmp_path / "p", IDENTITY)
-    assert [r["key"] for r in read_skipped(tmp_path / "p")] == ["k0"]
-    resumed.commit(1, [np.arange(2)], [{"u": 1}], {}, skipped=[{"key": "k2", "reason": "short_read"}])
+    assert [r.key for r in read_skipped(tmp_path / "p")] == ["k0"]
+    resumed.commit(1, [np.arange(2)], [{"u": 1}], {}, skipped=[_skip("k2", "short_read")])
     resumed.finish({})
-    assert [r["key"] for r in read_skipped(tmp_path / "p")] == ["k0", "k2"]
+    assert [r.key for r in read_skipped(tmp_path / "p")] == ["k0", "k2"]
 
 
 def _item(document: int, image_index: int, length: int) -> tuple[dict, np.ndarray]:
@@ -281,7 +287,7 @@ def test_a_truncated_items_file_of_a_finished_part_is_refused(tmp_path):
 def test_a_flipped_byte_in_a_committed_unit_is_refused_naming_the_unit(tmp_path, name):
     shard = PartWriter(tmp_path / "p", IDENTITY)
     for unit in range(4):
-        shard.commit(unit, [np.full(5, unit + 7)], [{"unit": unit}], {}, skipped=[{"key": f"k{unit}", "reason": "x"}],
+        shard.commit(unit, [np.full(5, unit + 7)], [{"unit": unit}], {}, skipped=[_skip(f"k{unit}", "x")],
                      items=[({"kind": "image", "document": unit}, np.full(3, unit + 100, np.int32))])
     shard.close()
     path = tmp_path / "p" / name

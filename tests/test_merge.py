@@ -14,6 +14,7 @@ from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.formats.parts import find_parts
+from mmtok.formats.skips import SkipRecord
 from mmtok.merge.merge import ReasoningIds, merge, strip_sequence
 
 BOS, EOS, PRE, SUF, END = 1, 2, 32, 33, 70
@@ -186,7 +187,7 @@ def test_merge_of_parts_without_tokens_writes_no_dataset_and_says_so(tmp_path):
     for number in range(2):
         shard = PartWriter(part_dir(tmp_path, number), _identity(number, 2))
         shard.commit(0, [], [], {"skipped:decode_error": 1},
-                     skipped=[{"key": f"k{number}", "source": "a.tar", "reason": "decode_error", "detail": "x"}])
+                     skipped=[SkipRecord(key=f"k{number}", source="a.tar", reason="decode_error", detail="x", stage="encode")])
         shard.finish({})
     (tmp_path / "merged.bin").write_bytes(b"stale")  # an earlier merge's output must not survive looking valid
     summary = merge(tmp_path, strip_reasoning=True)
@@ -219,7 +220,7 @@ def test_a_second_merge_of_one_output_is_refused(tmp_path):
 
 def test_inspect_says_why_a_merge_wrote_no_dataset(tmp_path, capsys):
     shard = PartWriter(part_dir(tmp_path, 0), _identity(0, 1))
-    shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[{"key": "k", "reason": "decode_error"}])
+    shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[SkipRecord(key="k", source="a.tar", reason="decode_error", stage="encode")])
     shard.finish({})
     merge(tmp_path)
     assert main(["inspect", str(tmp_path / "merged")]) == 2
@@ -267,7 +268,7 @@ def _write_batches(out, parts: list[list[tuple]]) -> None:
             counts = {"images_written": len(sequences), "documents_written": len(sequences),
                       "tokens": sum(map(len, sequences)),
                       "images_deferred": sum(record["kind"] == "image" for record, _ in items),
-                      **{f"skipped:{r['reason']}": 1 for r in skipped}}
+                      **{f"skipped:{r.reason}": 1 for r in skipped}}
             shard.commit(unit, [np.array(s, np.int32) for s in sequences],
                          [{"key": "-".join(map(str, s))} for s in sequences], counts, skipped=skipped, items=items)
             unit += 1
@@ -306,7 +307,8 @@ def test_a_document_over_three_parts_is_its_template_with_the_blocks_after_all_p
 def _global_batches() -> list[tuple]:
     """Batches of one plan in global order: plain sequences, a skip, and three documents of several images
     whose items span batches (document 6 with a failed image; document 8's template before document 3's)."""
-    plain_skip = {"key": "k9", "source": "s.tar", "member": "k9.jpg", "reason": "decode_error", "detail": "x"}
+    plain_skip = SkipRecord(key="k9", source="s.tar", container="tar", member="k9.jpg", position=9,
+                            reason="decode_error", detail="x", stage="encode")
     return [
         ([[BOS, 5, EOS]], [_template(8, [[BOS, 80], 0, [81], 1, 2, [EOS]]), _image(8, 0)]),
         ([[BOS, 6, 6, EOS]], [_image(8, 1), _template(6, [[BOS], 0, 1, [EOS]]), _image(6, 0, "decode_error", "bad")]),
@@ -342,17 +344,17 @@ def test_a_failed_image_skips_its_whole_document_naming_every_image(tmp_path):
     assert sequences == [[BOS, 5, EOS], [BOS, *_block(9, 0), *_block(9, 1), EOS]]
     assert [p.get("document") for p in _lines(tmp_path / "merged.provenance.jsonl")] == [None, 9]
     skipped = _lines(tmp_path / "merged.skipped.jsonl")
-    assert [(s["document"], s["image_index"], s["reason"]) for s in skipped] == [
-        (7, 0, "document_image_failed"), (7, 1, "decode_error"), (7, 2, "document_image_failed")]
+    assert [(s["member"], s["position"], s["reason"]) for s in skipped] == [
+        ("doc7.0.jpg", 700, "document_image_failed"), ("doc7.1.jpg", 701, "decode_error"),
+        ("doc7.2.jpg", 702, "document_image_failed")]
     assert skipped[1] == {"key": "doc7", "source": "s.tar", "container": "s.tar", "member": "doc7.1.jpg",
-                          "manifest_row": 701, "document": 7, "image_index": 1, "reason": "decode_error",
-                          "detail": "bad huffman"}
+                          "position": 701, "reason": "decode_error", "detail": "bad huffman", "stage": "merge"}
     assert skipped[0]["detail"] == skipped[2]["detail"] == "image 1 of the document: decode_error: bad huffman"
     counts = summary["counts"]
     assert counts["skipped:decode_error"] == 1 and counts["skipped:document_image_failed"] == 2
     assert counts["documents_skipped"] == 1 and counts["documents_written"] == 2
-    skips = sum(v for k, v in counts.items() if k.startswith("skipped:"))
-    assert counts["images_written"] + skips == 1 + 3 + 2  # every planned image, once
+    lost = sum(v for k, v in counts.items() if k.startswith("skipped:"))
+    assert counts["images_written"] + lost == 1 + 3 + 2  # every planned image, once
     assert summary["assembled"] == {"documents": 1, "documents_skipped": 1, "tokens": len(sequences[1])}
     assert json.loads((tmp_path / "merged.json").read_text())["assembled"] == summary["assembled"]
 
@@ -365,8 +367,8 @@ def test_a_failed_template_skips_every_image_with_its_reason(tmp_path):
     summary = merge(tmp_path)
     assert [list(s) for s in read_sequences(tmp_path / "merged")] == [[BOS, 5, EOS]]
     skipped = _lines(tmp_path / "merged.skipped.jsonl")
-    assert [(s["image_index"], s["reason"], s["detail"]) for s in skipped] == [
-        (index, "invalid_json", "Expecting value") for index in range(3)]
+    assert [(s["member"], s["reason"], s["detail"]) for s in skipped] == [
+        (f"doc7.{index}.jpg", "invalid_json", "Expecting value") for index in range(3)]
     assert summary["counts"]["skipped:invalid_json"] == 3 and summary["counts"]["documents_skipped"] == 1
     assert summary["assembled"] == {"documents": 0, "documents_skipped": 1, "tokens": 0}
 

@@ -5,10 +5,11 @@ Output directory OUT (the Shar layout and the report are `mmtok.formats.shar`'s)
       read back with `CutSet.from_shar(in_dir=OUT/shar)`
   OUT/conversion.json   parameters, inputs, shards (cuts, duration, fingerprint), counts by reason,
       the resume cursor and `complete`; rewritten atomically after every shard
-  OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl   every dropped clip with its reason
+  OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl   a skip record (`mmtok.formats.skips`) for every clip,
+      record or file that did not become a clip, with its reason
   OUT/.lock             the writer lock: one conversion writes OUT at a time, a second is refused
 
-Counts add up: `in` (every clip, record and file the inputs hold) = `written` + every `dropped:<reason>`
+Counts add up: `in` (every clip, record and file the inputs hold) = `written` + every `skipped:<reason>`
 + every `ignored:<extension>` (non-audio files of a directory input).
 
 Guarantees: the output depends only on the inputs and the parameters (not on --workers or on
@@ -25,7 +26,6 @@ gain is recorded in `cut.custom["gain"]`; the encode stage peak-normalizes, whic
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -41,9 +41,11 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.media.audio import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
-from mmtok.audio.sources import ClipSpec, Collected, Dropped, Unit, collect_units, pick_channel
+from mmtok.audio.sources import ClipSpec, Collected, Unit, collect_units, pick_channel, skip_record
 from mmtok.errors import MmtokError
 from mmtok.formats import shar as shar_format
+from mmtok.formats import skips
+from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import WriterLock, atomic_write_bytes, with_filename
 
 STORAGE = {"format": "flac", "subtype": "PCM_24", "sample_rate": TARGET_SAMPLE_RATE, "channels": 1}
@@ -155,30 +157,30 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)  # what the death signal would have done; raising would only mark a dead pool broken
 
 
-def process_unit(unit: Unit) -> list[Clip | Dropped]:
-    """Every clip of one work unit, in order, as a Clip or a Dropped record (never raises for bad audio)."""
+def process_unit(unit: Unit) -> list[Clip | SkipRecord]:
+    """Every clip of one work unit, in order, as a Clip or a skip record (never raises for bad audio)."""
     options, tokenizer = _WORKER["options"], _WORKER["tokenizer"]
-    results: list[Clip | Dropped] = []
+    results: list[Clip | SkipRecord] = []
     for item in unit.payloads():
-        if isinstance(item, Dropped):
+        if isinstance(item, SkipRecord):
             results.append(item)
             continue
         loader, clips = item
         try:
             samples, rate = loader()
         except AudioReason as err:
-            results.extend(Dropped(c.id, c.origin, err.reason, str(err)) for c in clips)
+            results.extend(skip_record(c.id, c.origin, err.reason, str(err)) for c in clips)
             continue
         for spec in clips:
             try:
                 results.append(prepare_clip(samples, rate, spec, options, tokenizer))
             except AudioReason as err:
-                results.append(Dropped(spec.id, spec.origin, err.reason, str(err)))
+                results.append(skip_record(spec.id, spec.origin, err.reason, str(err)))
     return results
 
 
 def ordered_results(units: list[Unit], options: ConvertOptions, workers: int,
-                    tokenizer) -> Iterator[list[Clip | Dropped]]:
+                    tokenizer) -> Iterator[list[Clip | SkipRecord]]:
     """process_unit over `units`, results in input order, at most 2 * workers units in flight."""
     if workers <= 0:
         init_worker(options, tokenizer)
@@ -269,9 +271,8 @@ def write_shard(out: Path, index: int, clips: list[Clip]) -> dict:
     return {"index": index, "cuts": len(clips), "duration": duration, "cuts_sha256": shar_format.manifest_sha256(cuts)}
 
 
-def write_dropped(out: Path, name: str, dropped: list[Dropped]) -> None:
-    lines = "".join(json.dumps(asdict(d), sort_keys=True, ensure_ascii=False) + "\n" for d in dropped)
-    atomic_write_bytes(shar_format.skip_list(out, name), lines.encode("utf-8"))
+def write_skipped(out: Path, name: str, skipped: list[SkipRecord]) -> None:
+    atomic_write_bytes(shar_format.skip_list(out, name), skips.to_lines(skipped))
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -303,7 +304,7 @@ class Conversion:
             cuts_name = shar_format.shard_files(shard["index"])[0]
             self.seen.update(cut["id"] for cut in shar_format.read_cut_dicts(self.shar / cuts_name))
         self.buffer: list[Clip] = []
-        self.dropped: list[Dropped] = []
+        self.skipped: list[SkipRecord] = []
 
     def _load_or_start(self, identity: dict) -> dict:
         from mmtok.formats.commitlog import identity_difference
@@ -323,24 +324,24 @@ class Conversion:
     def next_shard(self) -> int:
         return len(self.report["shards"])
 
-    def add(self, result: Clip | Dropped) -> None:
-        """Count one clip or record of a unit (in, then written or dropped) and buffer it."""
+    def add(self, result: Clip | SkipRecord) -> None:
+        """Count one clip or record of a unit (in, then written or skipped) and buffer it."""
         self.counts["in"] += 1
         if isinstance(result, Clip) and result.spec.id in self.seen:
-            result = Dropped(result.spec.id, result.spec.origin, "duplicate_id", "an earlier clip has this cut id")
-        if isinstance(result, Dropped):
-            self.dropped.append(result)
-            self.counts[f"dropped:{result.reason}"] += 1
+            result = skip_record(result.spec.id, result.spec.origin, "duplicate_id", "an earlier clip has this cut id")
+        if isinstance(result, SkipRecord):
+            self.skipped.append(result)
+            self.counts[skips.count_key(result.reason)] += 1
             return
         self.seen.add(result.spec.id)
         self.buffer.append(result)
         self.counts["written"] += 1
 
     def add_inputs(self, collected: Collected) -> None:
-        """Count what the inputs dropped or ignored before any unit ran (once, in the final flush)."""
-        for drop in collected.dropped:
+        """Count what the inputs skipped or ignored before any unit ran (once, in the final flush)."""
+        for record in collected.skipped:
             self.counts["in"] += 1
-            self.counts[f"dropped:{drop.reason}"] += 1
+            self.counts[skips.count_key(record.reason)] += 1
         for extension, count in collected.ignored.items():
             self.counts["in"] += count
             self.counts[f"ignored:{extension}"] += count
@@ -350,10 +351,10 @@ class Conversion:
         if self.buffer:
             index = self.next_shard
             self.report["shards"].append(write_shard(self.out, index, self.buffer))
-            write_dropped(self.out, f"{index:06d}", self.dropped)
+            write_skipped(self.out, f"{index:06d}", self.skipped)
         elif final:
-            write_dropped(self.out, "tail", self.dropped)
-        self.buffer, self.dropped = [], []
+            write_skipped(self.out, "tail", self.skipped)
+        self.buffer, self.skipped = [], []
         self.report.update(cursor=cursor, counts=dict(sorted(self.counts.items())), complete=final,
                            duration_written=sum(s["duration"] for s in self.report["shards"]))
         shar_format.write_report(self.out, self.report)
@@ -381,7 +382,7 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
             return state.report
         collected = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
                                   text_column=text_column, exclude=out)
-        write_dropped(out, "inputs", collected.dropped)
+        write_skipped(out, "inputs", collected.skipped)
         convert_units(state, collected.units, workers, tokenizer, progress)
         state.add_inputs(collected)
         state.flush({"unit": len(collected.units), "skip": 0}, final=True)
@@ -410,13 +411,13 @@ def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer,
 
 
 def print_summary(report: dict, file=sys.stderr, prefix: str = "") -> None:
-    """One line: in = written + dropped + ignored, each with its reasons / extensions."""
+    """One line: in = written + skipped + ignored, each with its reasons / extensions."""
     counts = report["counts"]
     hours = sum(s["duration"] for s in report["shards"]) / 3600
     parts = [f"{prefix}in {counts.get('in', 0)}: {counts.get('written', 0)} clips ({hours:.3f} h) written in "
              f"{len(report['shards'])} shards"]
-    for kind, noun in (("dropped", "dropped"), ("ignored", "ignored non-audio files")):
-        these = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith(f"{kind}:")}
+    ignored = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("ignored:")}
+    for noun, these in (("skipped", skips.by_reason(counts)), ("ignored non-audio files", ignored)):
         if these:
             parts.append(f"{noun} {sum(these.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(these.items()))})")
     print("; ".join(parts), file=file)

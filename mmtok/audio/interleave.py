@@ -39,6 +39,7 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
+from mmtok.formats import skips
 from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.formats.interleave import METADATA_FILE
@@ -88,11 +89,11 @@ def runs_of(source_clips: list[ClipRef], counts: Counter) -> Iterator[list[ClipR
     seen: set[int] = set()
     for clip in sorted(source_clips, key=lambda c: c.clip):
         if clip.clip in seen:
-            counts["skipped:duplicate_clip"] += 1
+            counts[skips.count_key("duplicate_clip")] += 1
             continue
         seen.add(clip.clip)
         if clip.text_length <= 0:
-            counts["skipped:no_text"] += 1
+            counts[skips.count_key("no_text")] += 1
             continue
         if clip.translation:
             yield clip
@@ -150,7 +151,7 @@ def split_greedy(segments: list[tuple[str, ClipRef]], max_tokens: int, counts: C
             if segments[end][0] == TEXT:
                 best = end
         if best is None:
-            counts["skipped:over_max_tokens"] += 1
+            counts[skips.count_key("over_max_tokens")] += 1
             start += 1
             continue
         pieces.append(segments[start:best + 1])
@@ -258,7 +259,7 @@ def _dataset_entry(name: str, counts: Counter, stage_max_tokens: int, written: b
 
 
 def _nothing_message(encoded: Path, out: Path, counts: Counter) -> str:
-    skipped = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")}
+    skipped = skips.by_reason(counts)
     if not counts["clips"]:
         why = "its token cache holds no clips"
     else:
@@ -276,6 +277,5 @@ def _summary_line(counts: Counter, datasets: dict) -> str:
             sets.append(f"{name}: {entry['sequences']} sequences, {entry['tokens']} tokens")
         else:
             sets.append(f"{name}: {entry['reason']} -- not written")
-    skipped = {k.split(':', 1)[1]: v for k, v in counts.items() if k.startswith("skipped:")}
-    return (f"{counts['clips']} clips -> " + "; ".join(sets)
-            + (f"; skipped {dict(sorted(skipped.items()))}" if skipped else ""))
+    skipped = skips.by_reason(counts)
+    return f"{counts['clips']} clips -> " + "; ".join(sets) + (f"; skipped {skipped}" if skipped else "")

@@ -1,7 +1,7 @@
 """The five kinds of audio source `mmtok audio convert` reads, as lists of picklable work units.
 
 A *work unit* is one decode task handed to a worker process; `Unit.payloads()` yields, in a fixed
-order, each audio payload of the unit with the clips cut from it (or a `Dropped` record for what
+order, each audio payload of the unit with the clips cut from it (or a skip record for what
 could not be read). Kinds and their units:
 
   dir            a directory of audio files (+ optional transcript table)   one unit per audio file
@@ -14,7 +14,7 @@ could not be read). Kinds and their units:
 A conversation's audio slot k is one whole clip `<conversation id>/audio-<k>` without text (its text
 is the conversation, which `mmtok sft` assembles later). A slot that names a clip already in an audio
 token cache (`{"cut_id": ...}`) is no clip of the input: it is neither converted nor counted in `in`;
-nor is a conversation without audio. A slot that cannot be located is Dropped with its clip id, a
+nor is a conversation without audio. A slot that cannot be located is skipped with its clip id, a
 conversation whose media cannot be listed with its conversation id.
 
 Clip metadata uses one vocabulary everywhere: `text`, `recording_id` (the *source id*: clips of one
@@ -49,6 +49,7 @@ from mmtok.formats.chat import ConversationError
 from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
                                  sample_key)
 from mmtok.errors import MmtokError, Skip
+from mmtok.formats.skips import SkipRecord
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -72,14 +73,9 @@ class ClipSpec:
     channel: int | None = None  # pick one channel of a multi-channel payload (else downmix)
 
 
-@dataclass
-class Dropped:
-    """Something that did not become a clip, with a counted reason."""
-
-    id: str
-    origin: str
-    reason: str
-    detail: str = ""
+def skip_record(key: str, origin: str, reason: str, detail: str = "") -> SkipRecord:
+    """The skip record of something (a clip id, a file, a table row) that did not become a clip."""
+    return SkipRecord(key=key, source=origin, reason=reason, detail=detail, stage="convert")
 
 
 # A payload loader returns (samples [T] or [T, C] float32, sampling rate) or raises AudioReason.
@@ -88,11 +84,11 @@ Loader = Callable[[], tuple[np.ndarray, int]]
 
 @dataclass
 class Unit:
-    """One work unit (picklable). Subclasses yield (loader, clips) pairs or Dropped records."""
+    """One work unit (picklable). Subclasses yield (loader, clips) pairs or skip records."""
 
     origin: str
 
-    def payloads(self) -> Iterator[tuple[Loader, list[ClipSpec]] | Dropped]:
+    def payloads(self) -> Iterator[tuple[Loader, list[ClipSpec]] | SkipRecord]:
         raise NotImplementedError
 
 
@@ -195,11 +191,11 @@ class FileUnit(Unit):
         yield (lambda: decode_audio(self.path, self.origin)), self.clips
 
 
-def read_transcript_table(path: Path) -> tuple[list[dict], list[Dropped]]:
+def read_transcript_table(path: Path) -> tuple[list[dict], list[SkipRecord]]:
     """Rows of a TSV (header line) or JSONL transcript table, values checked by `clean_metadata`.
 
     Every line that cannot be read as a row (not UTF-8, not a JSON object, a wrong number of TSV
-    fields, no `path`, a bad field value) is Dropped as `bad_table_row` naming the file and line; the
+    fields, no `path`, a bad field value) is skipped as `bad_table_row` naming the file and line; the
     other rows are returned with their line number in `_line`. A TSV header without a `path`
     column is a user error.
     """
@@ -216,7 +212,7 @@ def read_transcript_table(path: Path) -> tuple[list[dict], list[Dropped]]:
             if not isinstance(row.get("path"), str) or not row["path"]:
                 raise ValueError("no `path` value")
         except ValueError as err:
-            dropped.append(Dropped(f"{path.name}:{line}", f"{path}:{line}", "bad_table_row",
+            dropped.append(skip_record(f"{path.name}:{line}", f"{path}:{line}", "bad_table_row",
                                    f"{err}; fix or remove line {line}"))
             continue
         rows.append({**row, "_line": line})
@@ -308,7 +304,7 @@ def scan_directory(root: Path, named: set[str], skip: Path | None,
 
 
 def directory_units(root: Path, table: Path | None,
-                    exclude: Path | None = None) -> tuple[list[Unit], list[Dropped], Counter]:
+                    exclude: Path | None = None) -> tuple[list[Unit], list[SkipRecord], Counter]:
     """One unit per audio file under `root` (sorted by relative path); table rows define its clips.
 
     A file without table rows is one clip without text. A table row may name a segment
@@ -337,7 +333,7 @@ def directory_units(root: Path, table: Path | None,
     for rel in sorted(set(owners)):
         mine = [(r, n) for r, n, o in zip(records, numbers, owners) if o == rel]
         if rel not in present:
-            dropped.extend(Dropped(str(r["id"]), f"{table}:{r['_line']}", "missing_file", rel) for r, _ in mine)
+            dropped.extend(skip_record(str(r["id"]), f"{table}:{r['_line']}", "missing_file", rel) for r, _ in mine)
             continue
         clips = [_spec(r, n, f"{rel}" + (f" ({table.name}:{r['_line']})" if "_line" in r else ""), cut_segment=True)
                  for r, n in mine]
@@ -368,11 +364,11 @@ class TarUnit(Unit):
         for key, members in samples.items():
             audio_members = [m for m in members if m[0] in AUDIO_SUFFIXES]
             if not audio_members:
-                yield Dropped(f"{tar_id}/{key}", f"{self.path}:{key}", "no_audio_member",
+                yield skip_record(f"{tar_id}/{key}", f"{self.path}:{key}", "no_audio_member",
                               ", ".join(m[0] for m in members))
                 continue
             for extra in audio_members[1:]:
-                yield Dropped(f"{tar_id}/{key}", f"{self.path}:{key}.{extra[0]}", "extra_audio_member")
+                yield skip_record(f"{tar_id}/{key}", f"{self.path}:{key}.{extra[0]}", "extra_audio_member")
             meta, problem = _sidecar_metadata(members)
             records.append({**meta, "id": meta.get("id") or f"{tar_id}/{key}",
                             "recording_id": meta.get("recording_id") or f"{tar_id}/{key}"})
@@ -382,7 +378,7 @@ class TarUnit(Unit):
         for record, number, (ext, offset, size, _), problem in zip(records, numbers, audio, problems):
             origin = f"{self.path}:{record['id']}.{ext}"
             if problem is not None:
-                yield Dropped(str(record["id"]), origin, *problem)
+                yield skip_record(str(record["id"]), origin, *problem)
                 continue
             loader = _ByteRangeLoader(self.path, offset, size, origin)
             yield loader, [_spec(record, number, origin, cut_segment=False)]
@@ -404,14 +400,14 @@ class _ByteRangeLoader:
         return decode_audio(data, self.origin)
 
 
-def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[Dropped]]:
+def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecord]]:
     """Group tar members by WebDataset key -> [(ext, data offset, size, sidecar bytes or None)], in tar order.
 
     Audio data is not read here (only its byte range); txt/json sidecars are. A damaged tar keeps
     what was read before the damage and reports `truncated_tar`.
     """
     samples: dict[str, list[tuple]] = {}
-    errors: list[Dropped] = []
+    errors: list[SkipRecord] = []
     try:
         with tarfile.open(path, "r:") as archive:
             for member in archive:
@@ -426,7 +422,7 @@ def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[Dropped]]:
                     body = archive.extractfile(member).read()
                 samples.setdefault(key, []).append((ext, member.offset_data, member.size, body))
     except (tarfile.TarError, OSError, EOFError) as err:
-        errors.append(Dropped(Path(path).name, path, "truncated_tar", str(err)))
+        errors.append(skip_record(Path(path).name, path, "truncated_tar", str(err)))
     return samples, errors
 
 
@@ -487,11 +483,11 @@ class _RecordingLoader:
         return np.ascontiguousarray(samples.T), int(recording.sampling_rate)
 
 
-def lhotse_units(manifests: list[Path]) -> tuple[list[Unit], list[Dropped]]:
+def lhotse_units(manifests: list[Path]) -> tuple[list[Unit], list[SkipRecord]]:
     """One unit per recording (manifest order); its supervisions (sorted by start) are its clips.
 
     A recording without supervisions is one clip without text; a supervision whose recording is
-    in none of the manifests is Dropped (`missing_recording`).
+    in none of the manifests is skipped (`missing_recording`).
     """
     from lhotse.serialization import load_jsonl
 
@@ -507,7 +503,7 @@ def lhotse_units(manifests: list[Path]) -> tuple[list[Unit], list[Dropped]]:
     for sup in supervisions:
         by_recording.setdefault(sup["recording_id"], []).append(sup)
     known = {r["id"] for r in recordings}
-    dropped = [Dropped(s["id"], f"supervision {s['id']}", "missing_recording", s["recording_id"])
+    dropped = [skip_record(s["id"], f"supervision {s['id']}", "missing_recording", s["recording_id"])
                for s in supervisions if s["recording_id"] not in known]
     units: list[Unit] = []
     for rec in recordings:
@@ -539,7 +535,7 @@ class ParquetUnit(Unit):
     row_group: int = 0
     first_row: int = 0
     audio_column: str = "audio"
-    clips: list[ClipSpec | Dropped] = field(default_factory=list)  # one per row; Dropped: bad metadata
+    clips: list[ClipSpec | SkipRecord] = field(default_factory=list)  # one per row; a skip record: bad metadata
 
     def payloads(self):
         import pyarrow.parquet as pq
@@ -548,28 +544,28 @@ class ParquetUnit(Unit):
             table = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=[self.audio_column])
         except Exception as err:  # pyarrow raises several types for damaged files
             for clip in self.clips:
-                unreadable = Dropped(clip.id, clip.origin, "unreadable_row_group", str(err))
-                yield clip if isinstance(clip, Dropped) else unreadable
+                unreadable = skip_record(clip.id, clip.origin, "unreadable_row_group", str(err))
+                yield clip if isinstance(clip, SkipRecord) else unreadable
             return
         for clip, value in zip(self.clips, table.column(0).to_pylist()):
-            if isinstance(clip, Dropped):
+            if isinstance(clip, SkipRecord):
                 yield clip
                 continue
             data = value.get("bytes") if isinstance(value, dict) else value  # HF `Audio` struct or raw bytes
             if not data:
-                yield Dropped(clip.id, clip.origin, "no_audio_bytes")
+                yield skip_record(clip.id, clip.origin, "no_audio_bytes")
                 continue
             yield (lambda d=data, o=clip.origin: decode_audio(d, o)), [clip]
 
 
-def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list[Unit], list[Dropped]]:
+def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list[Unit], list[SkipRecord]]:
     """One unit per row group; metadata columns (by their standard names) are read here to number clips."""
     import pyarrow.parquet as pq
 
     try:
         handle = pq.ParquetFile(path)
     except Exception as err:
-        return [], [Dropped(path.name, str(path), "unreadable_parquet", str(err))]
+        return [], [skip_record(path.name, str(path), "unreadable_parquet", str(err))]
     names = set(handle.schema_arrow.names)
     if audio_column not in names:
         raise MmtokError(f"{path}: no audio column {audio_column!r} (columns: {sorted(names)}); pass --audio-column")
@@ -592,7 +588,7 @@ def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list
     for group in range(handle.num_row_groups):
         count = handle.metadata.row_group(group).num_rows
         clips = [_spec(records[i], numbers[i], f"{path}:row {i}", cut_segment=False) if problems[i] is None
-                 else Dropped(str(records[i]["id"]), f"{path}:row {i}", "bad_metadata", problems[i])
+                 else skip_record(str(records[i]["id"]), f"{path}:row {i}", "bad_metadata", problems[i])
                  for i in range(first, first + count)]
         units.append(ParquetUnit(origin=f"{path}:row group {group}", path=str(path), row_group=group,
                                  first_row=first, audio_column=audio_column, clips=clips))
@@ -623,16 +619,16 @@ class _LocatedLoader:
         return decode_audio(data, self.located.where)
 
 
-def conversation_units(inputs: list[Path]) -> tuple[list[Unit], list[Dropped]]:
+def conversation_units(inputs: list[Path]) -> tuple[list[Unit], list[SkipRecord]]:
     """The audio clips of every conversation of `inputs` (read together: ids are unique across them), in
     input, conversation and slot order, as units of at most CONVERSATION_UNIT_CLIPS clips of one input;
-    and what could not be located or listed, Dropped."""
+    and what could not be located or listed, as skip records."""
     units: list[ConversationUnit] = []
-    dropped: list[Dropped] = []
+    dropped: list[SkipRecord] = []
     unit_input = None
     for conversation in read_conversations(inputs):
         for item in _conversation_clips(conversation):
-            if isinstance(item, Dropped):
+            if isinstance(item, SkipRecord):
                 dropped.append(item)
                 continue
             if conversation.input != unit_input or len(units[-1].clips) == CONVERSATION_UNIT_CLIPS:
@@ -642,14 +638,14 @@ def conversation_units(inputs: list[Path]) -> tuple[list[Unit], list[Dropped]]:
     return units, dropped
 
 
-def _conversation_clips(conversation: Conversation) -> Iterator[tuple[_LocatedLoader, ClipSpec] | Dropped]:
+def _conversation_clips(conversation: Conversation) -> Iterator[tuple[_LocatedLoader, ClipSpec] | SkipRecord]:
     """(loader, whole-payload clip) of each audio slot in media order; a slot that names a cache clip
-    (`cut`) yields nothing, one that cannot be located a Dropped clip id; a conversation whose media
-    cannot be listed is one Dropped conversation id."""
+    (`cut`) yields nothing, one that cannot be located the skip record of its clip id; a conversation whose
+    media cannot be listed is one skip record of its conversation id."""
     try:
         media = conversation.media()
     except ConversationError as err:
-        yield Dropped(conversation.id, conversation.origin, err.reason, err.detail)
+        yield skip_record(conversation.id, conversation.origin, err.reason, err.detail)
         return
     for ref in media:
         if ref.slot.kind != "audio":
@@ -658,7 +654,7 @@ def _conversation_clips(conversation: Conversation) -> Iterator[tuple[_LocatedLo
         try:
             located = locate(conversation, media, ref.slot)
         except Skip as skip:
-            yield Dropped(clip_id, conversation.origin, skip.reason, skip.detail)
+            yield skip_record(clip_id, conversation.origin, skip.reason, skip.detail)
             continue
         if located.kind == "cut":
             continue  # encoded already, by the pretraining conversion
@@ -689,10 +685,10 @@ READ_TOGETHER = {"lhotse": lhotse_units, "conversations": conversation_units}
 
 
 class Collected(NamedTuple):
-    """What the inputs hold before decoding: work units, records dropped already, ignored files by extension."""
+    """What the inputs hold before decoding: work units, records skipped already, ignored files by extension."""
 
     units: list[Unit]
-    dropped: list[Dropped]
+    skipped: list[SkipRecord]
     ignored: Counter
 
 
@@ -705,7 +701,7 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
         if not path.exists():
             raise MmtokError(f"input not found: {path}")
     units: list[Unit] = []
-    dropped: list[Dropped] = []
+    dropped: list[SkipRecord] = []
     ignored: Counter = Counter()
     kinds = [detect_kind(p) if kind == "auto" else kind for p in inputs]
     if transcripts is not None and "dir" not in kinds:

@@ -18,8 +18,8 @@ manifests (.jsonl[.gz] recordings + supervisions) and .parquet files (an audio-b
 .jsonl files (one per line), .parquet files (a `messages` column) -- and converts the audio their
 messages reference (a tar member, a file, inline bytes) into clips <conversation id>/audio-<k> without
 text; a reference to a clip already in an audio token cache ({"cut_id": ...}) is left out; `mmtok sft`
-assembles the conversations later. Invalid clips and unreadable table rows are dropped with a counted
-reason (OUT/conversion.json, OUT/dropped/); in = written + dropped + ignored. Rerunning resumes after
+assembles the conversations later. Invalid clips and unreadable table rows are skipped with a counted
+reason (OUT/conversion.json, OUT/dropped/); in = written + skipped + ignored. Rerunning resumes after
 the last complete shard; one run at a time writes OUT (a second is refused, naming the holder).
 """
 

@@ -27,6 +27,7 @@ def run(args) -> int:
     import time
 
     from mmtok.formats.megatron import MMTOK_READER
+    from mmtok.formats import skips
     from mmtok.merge.merge import merge
 
     started = time.perf_counter()
@@ -35,7 +36,7 @@ def run(args) -> int:
     if summary["verified_with"] == MMTOK_READER:
         print("mmtok merge: megatron-core is not installed (pip install 'mmtok[megatron]'); verified with "
               "mmtok's own reader")
-    skipped = {k.split(":", 1)[1]: v for k, v in summary["counts"].items() if k.startswith("skipped:")}
+    skipped = skips.by_reason(summary["counts"])
     if summary["dataset"]:
         print(f"mmtok merge: {summary['num_parts']} parts -> {args.out}/merged.bin/.idx: {summary['sequences']:,} "
               f"sequences, {summary['tokens']:,} tokens in {seconds:.1f} s (verified with {summary['verified_with']})")

@@ -41,7 +41,9 @@ from mmtok.ranks import assign_shards
 from mmtok.encode.loop import Meter, run_device
 from mmtok.formats.parts import timing_stats
 from mmtok.errors import MmtokError, Skip
+from mmtok.formats import skips
 from mmtok.formats.commitlog import pack_carry, unpack_carry
+from mmtok.formats.skips import SkipRecord
 from mmtok.formats.shar import SharShard, discover_shards, index_members, shard_fingerprint
 
 SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
@@ -180,20 +182,24 @@ def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) ->
                          "damaged -- delete it to re-encode this shard")
     sequences, provenance, rows, skipped = [], [], [], []
     counts = {"clips": len(cuts), "encoded": 0}
+
+    def skip_clip(position: int, cut, skip: Skip) -> None:
+        key = skips.count_key(skip.reason)
+        counts[key] = counts.get(key, 0) + 1
+        skipped.append(SkipRecord.of(skip, stage="encode", key=cut.id, source=str(shard.recording_path),
+                                     container="shar", member=cut.id, position=position))
+
     for position, cut in enumerate(cuts):
         reason, audio_ids = carried[position]
         if reason:
-            skip = Skip.parse(reason)
-            counts[f"skipped:{skip.reason}"] = counts.get(f"skipped:{skip.reason}", 0) + 1
-            skipped.append(_skip_record(cut, shard, position, skip))
+            skip_clip(position, cut, Skip.parse(reason))
             continue
         counts["encoded"] += 1
         text_ids, language, target = clip_text(cut, context.tokenizer)
         custom = cut.custom or {}
         made = sequences_for(context.sequences, context.builder, audio_ids, text_ids, is_translation(language, target))
         if not made:
-            counts["skipped:no_text"] = counts.get("skipped:no_text", 0) + 1
-            skipped.append(_skip_record(cut, shard, position, Skip("no_text", f"--sequences {context.sequences}")))
+            skip_clip(position, cut, Skip("no_text", f"--sequences {context.sequences}"))
         for kind, tokens in made:
             sequences.append(tokens)
             provenance.append({"cut_id": cut.id, "shard": shard.index, "position": position, "kind": kind,
@@ -208,12 +214,6 @@ def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) ->
     timing = meter.committed(0, sum(int(t.size) for t in sequences))
     part.commit(unit, sequences, provenance, {**counts, **timing}, carry_done=True, skipped=skipped)
     w.finish({**stats, **timing_stats(part.counts)})
-
-
-def _skip_record(cut, shard: SharShard, position: int, skip: Skip) -> dict:
-    """The skipped.jsonl line of a clip: which cut, where its audio lives, and why."""
-    return {"key": cut.id, "source": str(shard.recording_path), "container": "shar", "member": cut.id,
-            "shard": shard.index, "position": position, "reason": skip.reason, "detail": skip.detail}
 
 
 # --- the rank loop ------------------------------------------------------------------------------------

@@ -35,8 +35,10 @@ from mmtok.encode.work import RankWork, load_rank_work
 from mmtok.errors import MmtokError, Skip
 from mmtok.encode.loop import Meter, run_device
 from mmtok.formats.parts import timing_stats
-from mmtok.formats.commitlog import PartWriter, has_dataset, part_dir
+from mmtok.formats import skips
+from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, part_dir
 from mmtok.formats.items import TEMPLATE_KIND, image_item
+from mmtok.formats.skips import SkipRecord
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -105,7 +107,7 @@ class Commit:
     sequences: list[np.ndarray] = field(default_factory=list)
     provenance: list[dict] = field(default_factory=list)
     counts: Counter = field(default_factory=Counter)
-    skipped: list[dict] = field(default_factory=list)
+    skipped: list[SkipRecord] = field(default_factory=list)
     items: list[tuple[dict, np.ndarray]] = field(default_factory=list)
 
 
@@ -140,7 +142,7 @@ class Assembler:
                 commit.items.append(image_item(self.sample(row), failure, block))
                 commit.counts["images_deferred"] += 1
                 if failure:  # the item says why; counted here too so the summary and status show it now
-                    commit.counts[f"items_failed:{failure.reason}"] += 1
+                    commit.counts[skips.item_failed_key(failure.reason)] += 1
         for row in self.work.template_rows(prepared.batch) if self.builder.makes_documents else ():
             if rows["document_images"][row] > 1:
                 commit.items.append(self._template_item(row, prepared.templates[int(rows["document"][row])]))
@@ -169,9 +171,9 @@ class Assembler:
                             template: Template | DocumentError, commit: Commit) -> None:
         skip = failure or (template if isinstance(template, DocumentError) else None)
         if skip is not None:
-            commit.counts[f"skipped:{skip.reason}"] += 1
+            commit.counts[skips.count_key(skip.reason)] += 1
             commit.counts["documents_skipped"] += 1
-            commit.skipped.append({**self.sample(row), "reason": skip.reason, "detail": skip.detail})
+            commit.skipped.append(image_skip(self.sample(row), skip, "encode"))
             return
         tokens = self.builder.assemble(template, {0: block})
         r = self.work.rows
@@ -181,7 +183,7 @@ class Assembler:
         commit.counts.update(images_written=1, documents_written=1, tokens=int(tokens.size))
 
     def sample(self, row: int) -> dict:
-        """Which sample plan row `row` is and where it lives (the fields of a skip record)."""
+        """Which sample plan row `row` is and where it lives (the fields of its image item)."""
         r = self.work.rows
         return {"key": r["key"][row], "source": r["tar"][row], "container": r["container"][row],
                 "member": r["member"][row], "manifest_row": int(r["manifest_row"][row]),
@@ -279,8 +281,8 @@ def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions
         "images_planned": work.num_images,
         "images_written": counts.get("images_written", 0),
         "images_deferred": counts.get("images_deferred", 0),  # items: merge (or mmtok sft) assembles their documents
-        "items_failed": {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("items_failed:")},
-        "skipped": {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")},
+        "items_failed": skips.items_failed_by_reason(counts),
+        "skipped": skips.by_reason(counts),
         **timing, "images_per_s": (counts.get("images_written", 0) + counts.get("images_deferred", 0)) / timing["wall_s"]
         if timing["wall_s"] else 0.0,
         "device": str(device), "loader_threads": options.loader_threads,

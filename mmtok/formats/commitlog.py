@@ -7,8 +7,8 @@ part = input Shar shard). A part directory contains
                     tokenizer, part number, ...); written once, compared on every resume
   tokens.bin        int32 tokens, one sequence per document, appended per unit
   provenance.jsonl  one JSON line per sequence (line i describes sequence i), appended per unit
-  skipped.jsonl     one JSON line per input that did not become tokens (key, source, member,
-                    reason, detail), appended per unit
+  skipped.jsonl     one skip record per input that did not become tokens (`mmtok.formats.skips`),
+                    appended per unit
   items.ids         int32 ids of *items*: pieces a later stage assembles into sequences (the image
                     blocks and text templates of documents with several images, which merge
                     assembles); appended per unit
@@ -52,9 +52,11 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, Skip
 from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, write_index
 from mmtok.formats.megatron import encode_index, idx_path
+from mmtok.formats import skips
+from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, sync, with_filename
 
 PART_FORMAT = "mmtok-part/3"  # /2: per-unit checksums, skipped.jsonl, no empty dataset; /3: items
@@ -346,7 +348,7 @@ class PartWriter:
 
     # -- writing --------------------------------------------------------------------------------
     def commit(self, unit: int, sequences: list[np.ndarray], provenance: list[dict], counts: dict[str, int],
-               *, carry: bytes = b"", carry_done: bool = False, skipped: list[dict] = (),
+               *, carry: bytes = b"", carry_done: bool = False, skipped: list[SkipRecord] = (),
                items: list[tuple[dict, np.ndarray]] = ()) -> None:
         """Durably append one unit's sequences (one per document), provenance lines and skip records.
 
@@ -369,7 +371,7 @@ class PartWriter:
         arrays = [check_tokens_fit(np.asarray(s), TOKEN_DTYPE) for s in sequences]
         item_arrays = [check_tokens_fit(np.asarray(ids), TOKEN_DTYPE) for _, ids in items]
         data = {TOKENS_BIN: np.concatenate(arrays).tobytes() if arrays else b"",
-                PROVENANCE: _json_lines(provenance), SKIPPED: _json_lines(list(skipped)),
+                PROVENANCE: _json_lines(provenance), SKIPPED: skips.to_lines(skipped),
                 ITEM_IDS: np.concatenate(item_arrays).tobytes() if item_arrays else b"",
                 ITEMS: _json_lines([{**record, "length": int(ids.size)} for (record, _), ids in zip(items, item_arrays)])}
         for name, size_key in APPENDED.items():
@@ -551,13 +553,17 @@ class ItemRecords:
             self._map = None
 
 
-def read_skipped(directory: str | os.PathLike) -> Iterator[dict]:
+def image_skip(item: dict, skip: Skip, stage: str) -> SkipRecord:
+    """The skip record of the image an image item (of items.jsonl) describes."""
+    return SkipRecord.of(skip, stage=stage, key=item["key"], source=item["source"], container=item["container"],
+                         member=item["member"], position=int(item["manifest_row"]))
+
+
+def read_skipped(directory: str | os.PathLike) -> Iterator[SkipRecord]:
     """The skip records of a part (inputs that did not become tokens), in commit order."""
     path = Path(directory) / SKIPPED
     if path.is_file():
-        with open(path, "rb") as handle:
-            for line in handle:
-                yield json.loads(line)
+        yield from skips.read(path)
 
 
 class CommitThread:

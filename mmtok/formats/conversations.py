@@ -45,6 +45,7 @@ from pathlib import Path
 
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
 from mmtok.errors import MmtokError, Skip
+from mmtok.formats.skips import SkipRecord
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -72,6 +73,11 @@ class Conversation:
         if self.error is not None:
             raise ConversationError(self.error.reason, self.error.detail)
         return conversation_media(self.record)
+
+    def skip_record(self, skip: Skip, stage: str) -> SkipRecord:
+        """The skip record of this conversation, skipped by `stage` for `skip`."""
+        return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="conversation",
+                             member=self.id)
 
 
 @dataclass(frozen=True)

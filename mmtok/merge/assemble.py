@@ -27,9 +27,10 @@ import numpy as np
 
 from mmtok.documents import DocumentBuilder, unpack_template
 from mmtok.errors import MmtokError, Skip
-from mmtok.formats import commitlog
+from mmtok.formats import commitlog, skips
 from mmtok.formats.items import IMAGE_KIND, TEMPLATE_KIND
 from mmtok.formats.megatron import DatasetWriter
+from mmtok.formats.skips import SkipRecord
 
 TEMPLATE, IMAGE = 0, 1  # `_Index.kind`: a document's template sorts before its images
 # The index's columns and their array typecodes: 46 bytes an item (+ 8 for `_Index.read`), whatever its record holds.
@@ -80,10 +81,10 @@ def assemble_documents(part_dirs: list[Path], prefix: Path, provenance: IO, skip
             document = int(index.document[start])
             template = _template(document, index, start, end, records, part_dirs)
             if failed[number]:
-                skips = _skips(index, start, end, template, records)
-                counts.update(f"skipped:{s['reason']}" for s in skips)
+                document_skips = _skips(index, start, end, template, records)
+                counts.update(skips.count_key(s.reason) for s in document_skips)
                 counts["documents_skipped"] += 1
-                skipped.write(b"".join(_line(s) for s in skips))
+                skips.append(skipped, document_skips)
                 continue
             tokens = _assemble(index, start, end, template, ids)
             writer.add(tokens)
@@ -210,12 +211,13 @@ def _assemble(index: _Index, start: int, end: int, template: dict, ids: list[np.
     return DocumentBuilder.assemble(unpack_template(pieces[0], template["layout"]), dict(enumerate(pieces[1:])))
 
 
-def _skips(index: _Index, start: int, end: int, template: dict, records: list[commitlog.ItemRecords]) -> list[dict]:
+def _skips(index: _Index, start: int, end: int, template: dict,
+           records: list[commitlog.ItemRecords]) -> list[SkipRecord]:
     """A skip record for each image of the failed document in rows start:end, by image index."""
     items = [records[part].at(line) for part, line in
              zip(index.part[start + 1:end].tolist(), index.line[start + 1:end].tolist())]
     failed = {image: item for image, item in enumerate(items) if "skip" in item}
-    return [_skip_record(item, _why(image, failed, template)) for image, item in enumerate(items)]
+    return [commitlog.image_skip(item, _why(image, failed, template), "merge") for image, item in enumerate(items)]
 
 
 def _why(index: int, failed: dict[int, dict], template: dict) -> Skip:
@@ -226,11 +228,6 @@ def _why(index: int, failed: dict[int, dict], template: dict) -> Skip:
         cause = Skip(failed[first]["skip"], failed[first].get("detail", ""))
         return Skip("document_image_failed", f"image {first} of the document: {cause}")
     return Skip(template["skip"], template.get("detail", ""))
-
-
-def _skip_record(item: dict, skip: Skip) -> dict:
-    fields = ("key", "source", "container", "member", "manifest_row", "document", "image_index")
-    return {**{k: item[k] for k in fields}, "reason": skip.reason, "detail": skip.detail}
 
 
 def _line(record: dict) -> bytes:

@@ -7,8 +7,8 @@ from the parts' items in document order (`mmtok.merge.assemble`), sums the stats
 last: its presence means the merge completed) and verifies the result with megatron-core's
 `IndexedDataset`. Before anything is copied every part is checked against the checksums of its
 commit log (`commitlog.verify_part`): a damaged part is refused naming the part and the unit. The
-parts' skip lists are joined into `OUT/merged.skipped.jsonl` (one line per input that did not become
-tokens: key, source, member, reason, detail), counted by reason in merged.json. Parts without tokens
+parts' skip lists are joined into `OUT/merged.skipped.jsonl` (one `mmtok.formats.skips` record per input
+that did not become tokens), counted by reason in merged.json. Parts without tokens
 have no dataset and are left out; when no part has a token, no merged dataset is written (an empty
 one would not open in megatron-core) and merged.json says `"dataset": false`. One merge writes an
 output at a time (`OUT/.lock`). Parts hold contiguous ranges of a fixed global work order, so the merged bytes do

@@ -29,7 +29,6 @@ so `mmtok merge OUT` gives the same bytes for any world size of this stage or of
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ from mmtok.formats.chat import ChatRenderer, ConversationError, MediaSlot, recor
 from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, input_fingerprint, locate,
                                  read_conversations)
 from mmtok.errors import MmtokError, Skip
-from mmtok.formats import audio_cache, commitlog, shar
+from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.items import ImageIndex
 from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
@@ -131,17 +130,15 @@ class AudioClips:
                 self._paths.append(path)
             for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
-                    self._why.setdefault(record["key"], Skip(record["reason"], record.get("detail", "")))
+                    self._why.setdefault(record.key, record.skip())
         self.converted = [os.path.realpath(c) for c in converted]  # named in the identity: a resume needs the same
         for conversion in converted:
             self._read_dropped(Path(conversion))
 
     def _read_dropped(self, conversion: Path) -> None:
         for path in shar.skip_lists(conversion):
-            with open(path, encoding="utf-8") as handle:
-                for line in handle:
-                    record = json.loads(line)
-                    self._why.setdefault(record["id"], Skip(record["reason"], record.get("detail", "")))
+            for record in skips.read(path):
+                self._why.setdefault(record.key, record.skip())
 
     def block(self, cut_id: str) -> np.ndarray:
         """<|audio_start|> the clip's ids <|audio_end|>; Skip when no cache holds the clip."""
@@ -306,10 +303,9 @@ class _Unit:
         try:
             tokens, used = builder.build(conversation)
         except Skip as skip:
-            self.counts[f"skipped:{skip.reason}"] += 1
+            self.counts[skips.count_key(skip.reason)] += 1
             self.counts["documents_skipped"] += 1
-            self.skipped.append({"key": conversation.id, "source": conversation.origin, "container": "conversation",
-                                 "member": conversation.id, "reason": skip.reason, "detail": skip.detail})
+            self.skipped.append(conversation.skip_record(skip, "sft"))
             return
         self.sequences.append(tokens)
         self.provenance.append({"conversation": conversation.id, "origin": conversation.origin, **used})
@@ -344,7 +340,7 @@ def _refuse_other_parts(directory: Path) -> None:
 def print_summary(rank: int, world_size: int, stats: dict, out: Path, file=None) -> None:
     file = file or sys.stderr  # looked up now: a caller (or a test) may have replaced it
     counts = stats["counts"]
-    skipped = {k.split(":", 1)[1]: v for k, v in sorted(counts.items()) if k.startswith("skipped:")}
+    skipped = skips.by_reason(counts)
     reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
     print(f"mmtok sft rank {rank}/{world_size}: {counts.get('conversations', 0):,} conversations: "
           f"{counts.get('documents_written', 0):,} written ({counts.get('tokens', 0):,} tokens, "

@@ -10,9 +10,9 @@ from. `pack` writes each conversation of the inputs (`mmtok.formats.conversation
                                  referenced as {"cut_id": ...} stays that reference (it is encoded already)
       KEY.<k>.<ext>              the k-th image / audio medium, its bytes as they were (ext from the file
                                  name, else from the bytes' signature)
-  OUT/skipped.jsonl              every conversation not packed: key (its id), source, reason (`missing_media`: a
-                                 reference that resolves to nothing or to bytes of no known format; the
-                                 record's own reasons), detail
+  OUT/skipped.jsonl              every conversation not packed, a skip record each (`mmtok.formats.skips`):
+                                 key = its id, reason `missing_media` (a reference that resolves to nothing
+                                 or to bytes of no known format) or the record's own reasons
   OUT/pack.json                  the inputs and counts (written last: its presence means the pack completed)
 
 Bytes are copied unchanged, so a packed medium decodes to the same pixels and samples as the original and
@@ -34,6 +34,7 @@ from mmtok.formats.chat import ConversationError, with_media_names
 from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, check_inputs, input_fingerprint, locate,
                                  read_conversations)
 from mmtok.errors import MmtokError, Skip
+from mmtok.formats import skips
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer
 
 SAMPLES_PER_TAR = 1000
@@ -127,9 +128,8 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
                 try:
                     members, kinds = pack_conversation(conversation, f"{ordinal:09d}")
                 except Skip as skip:
-                    counts[f"skipped:{skip.reason}"] += 1
-                    skipped.append({"key": conversation.id, "source": conversation.origin, "reason": skip.reason,
-                                    "detail": skip.detail})
+                    counts[skips.count_key(skip.reason)] += 1
+                    skipped.append(conversation.skip_record(skip, "pack"))
                 else:
                     tars.add(members)
                     counts["packed"] += 1
@@ -137,7 +137,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
                 bar.update(1)
         bar.close()
         with atomic_writer(out / SKIPPED) as handle:
-            handle.write(b"".join(json.dumps(s, sort_keys=True).encode("ascii") + b"\n" for s in skipped))
+            skips.append(handle, skipped)
         for stale in sorted(out.glob("conversations-*.tar")):
             if stale.name not in tars.names:
                 stale.unlink()  # an earlier pack into OUT had more tars
@@ -186,7 +186,7 @@ class _Tars:
 def print_summary(report: dict, out: Path, file=None) -> None:
     file = file or sys.stderr  # looked up now: a caller (or a test) may have replaced it
     counts = report["counts"]
-    skipped = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("skipped:")}
+    skipped = skips.by_reason(counts)
     media = ", ".join(f"{counts.get(f'{kind}_packed', 0):,} {kind}" for kind in ("image", "audio"))
     reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
     print(f"mmtok pack: {counts.get('conversations', 0):,} conversations -> {len(report['tars'])} tar(s) in {out}: "

@@ -30,7 +30,7 @@ import numpy as np
 
 from mmtok.formats.parts import timing_stats
 from mmtok.errors import MmtokError
-from mmtok.formats import commitlog
+from mmtok.formats import commitlog, skips
 from mmtok.fsutil import WriterLock
 from mmtok.formats.parts import shared_identity
 from mmtok.ranks import imbalance, rank_costs
@@ -182,7 +182,7 @@ def _add_figures(part: dict, model: dict | None) -> None:
     span = _planned_range(part["part"], part.pop("part_batches"), model)
     planned = part["units_done"] if span is None and part["state"] == "done" else None  # audio: known once done
     part.update(units_planned=planned if span is None else span[1] - span[0], written=written,
-                skipped=sum(v for k, v in counts.items() if k.startswith(("skipped:", "items_failed:"))), **timing,
+                skipped=skips.total(counts, failed_items=True), **timing,
                 per_s=written / timing["wall_s"] if timing["wall_s"] else 0.0)
     part["eta_s"] = 0.0 if part["state"] == "done" else _eta(part, span, model)
     part["projected_s"] = part["wall_s"] + (part["eta_s"] or 0.0)
