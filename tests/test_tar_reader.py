@@ -71,8 +71,10 @@ def png() -> bytes:
 WAV = b"RIFF" + bytes(2000)  # never decoded here: only located
 
 
-def conversation(audio: str) -> bytes:
-    return json.dumps({"messages": [{"role": "user", "content": [{"type": "audio", "audio": audio}]},
+def conversation(audio: str | None) -> bytes:
+    """A record whose audio is named `audio`, or (None) a placeholder for the sample's audio member."""
+    content = [{"type": "audio", "audio": audio}] if audio else "<|audio|> What is said?"
+    return json.dumps({"messages": [{"role": "user", "content": content},
                                     {"role": "assistant", "content": "Noted."}]}).encode()
 
 
@@ -84,10 +86,11 @@ def test_the_scan_names_the_fault_and_keeps_the_sound_member(tmp_path, fault):
     assert rows == [("a.png", ""), (named, FAULTS[fault])]
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "placeholder"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_conversation_reading_names_the_fault_and_keeps_the_sound_sample(tmp_path, fault):
-    tar = faulty_tar(tmp_path / "chats.tar", [("one.json", conversation("one.wav")), ("one.wav", WAV),
-                                             ("two.json", conversation("two.wav")), ("two.wav", WAV)], fault)
+def test_conversation_reading_names_the_fault_and_keeps_the_sound_sample(tmp_path, fault, named):
+    members = [(f"{key}.json", conversation(f"{key}.wav" if named else None)) for key in ("one", "two")]
+    tar = faulty_tar(tmp_path / "chats.tar", [members[0], ("one.wav", WAV), members[1], ("two.wav", WAV)], fault)
     reasons = {}
     for item in read_conversations([tar]):
         if item.error is not None:
@@ -139,15 +142,22 @@ def test_members_past_a_corrupt_header_are_read_after_the_resync(tmp_path):
     assert (entries[0].name, entries[2].name, entries[1].reason) == ("a.txt", "c.txt", "corrupt_header")
 
 
-def test_members_are_tarfiles_own_and_none_past_a_bad_header_beyond_a_checksum_batch(tmp_path):
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["gnu", "pax"])
+def test_members_are_tarfiles_own_and_none_past_a_bad_header_beyond_a_checksum_batch(tmp_path, fmt):
     count = CHECK_BATCH + 900  # the bad header lies in the second batch of checked headers
-    tar = faulty_tar(tmp_path / "s.tar", [(f"{k:05d}.txt", b"x" * (k % 700)) for k in range(count)], "none")
+    names = [(f"d{k % 3}/{'n' * (k % 140)}{k:05d}.txt", b"x" * (k % 700)) for k in range(count)]  # long names too
+    tar = tmp_path / "s.tar"
+    with tarfile.open(tar, "w", format=fmt) as archive:
+        for name, data in names:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
     with tarfile.open(tar) as archive:
         expected = [Member(m.name, m.offset_data, m.size) for m in archive]
     assert list(read_members(tar)) == expected
     bad = CHECK_BATCH + 500
     data = bytearray(tar.read_bytes())
-    data[expected[bad].offset - 512 + 2] ^= 0x20
+    data[expected[bad].offset - 512 + 2] ^= 0x20  # the member's own header, after its long-name header
     tar.write_bytes(bytes(data))
     entries = list(read_members(tar))
     assert entries[:bad] == expected[:bad] and entries[bad + 1:] == expected[bad + 1:]

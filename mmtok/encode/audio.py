@@ -58,7 +58,8 @@ class BatchRequest:
     unit: int
     recording_path: str
     positions: tuple[int, ...]
-    # (offset, size) per clip; "reason: detail" = a member the tar reader refuses; None = no audio member
+    # (offset, size) per clip; "reason: detail" = the tar reader refused the member, or it lies past damage;
+    # None = no audio member
     members: tuple[tuple[int, int] | str | None, ...]
     durations: tuple[float, ...]  # seconds per clip, from the cuts
     min_samples: int  # clips with at most this many samples keep no code after the trim

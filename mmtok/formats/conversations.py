@@ -373,8 +373,8 @@ def _stored(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) 
 def _located_member(conversation: Conversation, member: str, what: str) -> Located:
     """A sample member's byte range; Skip with the tar reader's reason for a member it refuses."""
     if member in conversation.refused:
-        raise Skip(conversation.refused[member], f"{what}: member {member} of {conversation.tar} cannot be read "
-                   "as a regular file")
+        raise Skip(conversation.refused[member], f"{what}: the tar reader refuses member {member} of "
+                   f"{conversation.tar}")
     offset, size = conversation.members[member]
     return Located("member", f"{conversation.tar}:{member}", conversation.tar, offset, size, member=member)
 
