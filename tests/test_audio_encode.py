@@ -134,7 +134,7 @@ def test_clip_tokens_equal_the_codec_output_for_the_clip_alone(shar, codec, one_
     pairs = sequences_with_provenance(one_rank)
     for tokens, prov in pairs[:3]:
         shard = shards[prov["shard"]]
-        member = index_members(shard.recording_path)[prov["cut_id"]]
+        member = index_members(shard.recording_path)[0][prov["cut_id"]]
         with open(shard.recording_path, "rb") as handle:
             wave = load_clip(handle, member, 1.0, SimpleNamespace(min_samples=3000, max_clip_duration=600.0))
         codes, counts = codec.encode(torch.from_numpy(wave[None]), torch.tensor([wave.size]))

@@ -15,6 +15,7 @@ from mmtok.cli import main as cli
 from mmtok.formats.manifest import Manifest
 from mmtok.scan.scanner import ScanOptions, describe, run_scan
 from realmedia import skimage_images
+from tarkit import SIZE_FIELD, with_header_field
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,6 @@ def tar_bytes(members: list[tuple[str, bytes, dict]], fmt: int = tarfile.PAX_FOR
             info.size, info.mtime, info.pax_headers = len(data), 1_700_000_000, pax
             tar.addfile(info, io.BytesIO(data))
     return out.getvalue()
-
-
-def with_size_field(data: bytes, header: int, field: bytes) -> bytes:
-    """`data` with the 12-byte size field of the header at `header` replaced and its checksum redone."""
-    block = bytearray(data[header:header + 512])
-    block[124:136] = field
-    block[148:156] = b" " * 8
-    block[148:156] = b"%06o\x00 " % sum(block)
-    return data[:header] + bytes(block) + data[header + 512:]
 
 
 def header_offsets(data: bytes) -> list[int]:
@@ -77,7 +69,7 @@ def test_unusable_ustar_size_keeps_the_members_before_and_resyncs_to_the_next_he
     data = tar_bytes([("a.jpg", jpg, {}), ("b.jpg", jpg, {}), ("c.jpg", jpg, {})], tarfile.GNU_FORMAT)
     b_header = header_offsets(data)[1]
     shard = tmp_path / "s.tar"
-    shard.write_bytes(with_size_field(data, b_header, field))
+    shard.write_bytes(with_header_field(data, b_header, SIZE_FIELD, field))
     rows, meta = scan_rows(tmp_path, [shard])
     n = len(jpg)
     assert rows == [("a.jpg", n, "ok", ""), ("b.jpg", 0, "error", "bad_member_size"), ("c.jpg", n, "ok", "")]
@@ -90,7 +82,7 @@ def test_unusable_pax_and_ustar_sizes_stop_at_the_member_and_resync(tmp_path, jp
     data = tar_bytes([("a.jpg", jpg, {}), ("b.jpg", jpg, {"size": "1e23"}), ("c.jpg", jpg, {})])
     b_header = header_offsets(data)[1]
     shard = tmp_path / "s.tar"
-    shard.write_bytes(with_size_field(data, b_header, b"\xff" * 12))
+    shard.write_bytes(with_header_field(data, b_header, SIZE_FIELD, b"\xff" * 12))
     rows, meta = scan_rows(tmp_path, [shard])
     assert [r[0::3] for r in rows] == [("a.jpg", ""), ("b.jpg", "bad_member_size"), ("c.jpg", "")]
     assert "pax size=b'1e23'" in meta["shard_errors"][0]["detail"]

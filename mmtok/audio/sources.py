@@ -36,7 +36,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import tarfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -48,6 +47,7 @@ from mmtok.media.audio import AudioReason, to_mono
 from mmtok.formats.chat import ConversationError
 from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
                                  sample_key)
+from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
 
@@ -370,12 +370,13 @@ class TarUnit(Unit):
             for extra in audio_members[1:]:
                 yield skip_record(f"{tar_id}/{key}", f"{self.path}:{key}.{extra[0]}", "extra_audio_member")
             meta, problem = _sidecar_metadata(members)
+            problem = _refusal(audio_members[0], members) or problem
             records.append({**meta, "id": meta.get("id") or f"{tar_id}/{key}",
                             "recording_id": meta.get("recording_id") or f"{tar_id}/{key}"})
             audio.append(audio_members[0])
             problems.append(problem)
         numbers = number_clips(records)  # before dropping bad sidecars: a dropped clip leaves a gap
-        for record, number, (ext, offset, size, _), problem in zip(records, numbers, audio, problems):
+        for record, number, (ext, offset, size, *_), problem in zip(records, numbers, audio, problems):
             origin = f"{self.path}:{record['id']}.{ext}"
             if problem is not None:
                 yield skip_record(str(record["id"]), origin, *problem)
@@ -392,38 +393,45 @@ class _ByteRangeLoader:
     origin: str
 
     def __call__(self) -> tuple[np.ndarray, int]:
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            data = handle.read(self.size)
-        if len(data) != self.size:
-            raise AudioReason("truncated_member", self.origin)
+        try:
+            data = read_member(self.path, self.offset, self.size)
+        except MemberTruncated:  # cut short since the tar was listed
+            raise AudioReason("truncated_member", self.origin) from None
         return decode_audio(data, self.origin)
 
 
 def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecord]]:
-    """Group tar members by WebDataset key -> [(ext, data offset, size, sidecar bytes or None)], in tar order.
+    """Group tar members by WebDataset key -> [(ext, data offset, size, sidecar bytes or None, refusal)], in
+    tar order; `refusal` is (reason, detail) for a member the tar reader refuses (`mmtok.formats.tar.Member`).
 
-    Audio data is not read here (only its byte range); txt/json sidecars are. A damaged tar keeps
-    what was read before the damage and reports `truncated_tar`.
+    Audio data is not read here (only its byte range); txt/json sidecars are. A damaged tar keeps the
+    members the reader finds and reports each damage with its reason (`truncated_tar`, `corrupt_header`, ...).
     """
     samples: dict[str, list[tuple]] = {}
     errors: list[SkipRecord] = []
     try:
-        with tarfile.open(path, "r:") as archive:
-            for member in archive:
-                if not member.isfile():
-                    continue
-                named = sample_key(member.name)
-                if named is None:
-                    continue
-                key, ext = named[0], named[1].lower()
-                body = None
-                if ext in ("txt", "json"):
-                    body = archive.extractfile(member).read()
-                samples.setdefault(key, []).append((ext, member.offset_data, member.size, body))
-    except (tarfile.TarError, OSError, EOFError) as err:
+        for entry in read_members(path):
+            if isinstance(entry, Damage):
+                errors.append(skip_record(Path(path).name, path, entry.reason, entry.describe()))
+                continue
+            named = sample_key(entry.name)
+            if named is None:
+                continue
+            key, ext = named[0], named[1].lower()
+            refusal = (entry.reason, f"member {entry.name}") if entry.reason else None
+            body = None
+            if ext in ("txt", "json") and refusal is None:
+                body = read_member(path, entry.offset, entry.size)
+            samples.setdefault(key, []).append((ext, entry.offset, entry.size, body, refusal))
+    except OSError as err:
         errors.append(skip_record(Path(path).name, path, "truncated_tar", str(err)))
     return samples, errors
+
+
+def _refusal(audio_member: tuple, members: list[tuple]) -> tuple[str, str] | None:
+    """Why a sample's clip cannot be made from what the tar reader refused: its audio member, else a sidecar."""
+    sidecars = (m for m in members if m[0] in ("txt", "json"))
+    return next((m[4] for m in (audio_member, *sidecars) if m[4] is not None), None)
 
 
 def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | None]:
@@ -434,7 +442,7 @@ def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | Non
     then holds what could be read, so the clip still takes its number.
     """
     meta: dict = {}
-    for ext, _, _, body in members:
+    for ext, _, _, body, _ in members:
         if ext == "json" and body is not None:
             try:
                 loaded = _json_row(body.decode("utf-8"))
@@ -447,7 +455,7 @@ def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | Non
                 meta.update(clean_metadata(picked))
             except ValueError as err:
                 return {}, ("bad_metadata", f"json sidecar: {err}")
-    for ext, _, _, body in members:
+    for ext, _, _, body, _ in members:
         if ext == "txt" and body is not None and not meta.get("text"):
             try:
                 meta["text"] = body.decode("utf-8").strip()

@@ -60,7 +60,9 @@ class BatchRequest:
     unit: int
     recording_path: str
     positions: tuple[int, ...]
-    members: tuple[tuple[int, int] | None, ...]  # (offset, size) per clip; None = no audio member
+    # (offset, size) per clip; "reason: detail" = the tar reader refused the member, or it lies past damage;
+    # None = no audio member
+    members: tuple[tuple[int, int] | str | None, ...]
     durations: tuple[float, ...]  # seconds per clip, from the cuts
     min_samples: int  # clips with at most this many samples keep no code after the trim
     max_clip_duration: float  # longer clips are not loaded (see Batching.max_clip_duration)
@@ -73,7 +75,7 @@ class BatchDataset:
         return load_batch(request)
 
 
-def load_clip(handle, member: tuple[int, int] | None, duration: float, request: BatchRequest) -> np.ndarray:
+def load_clip(handle, member: tuple[int, int] | str | None, duration: float, request: BatchRequest) -> np.ndarray:
     """Read, decode, check and peak-normalize one clip; raises AudioReason."""
     import io
 
@@ -81,6 +83,8 @@ def load_clip(handle, member: tuple[int, int] | None, duration: float, request: 
 
     if member is None:
         raise AudioReason("missing_audio", "no audio member in the recording tar")
+    if isinstance(member, str):
+        raise AudioReason.parse(member)
     if duration > request.max_clip_duration:  # checked before reading: a 2-hour clip would need ~22 GB to encode
         raise AudioReason("too_long", f"{duration:.1f} s > --max-clip-duration {request.max_clip_duration:g} s")
     handle.seek(member[0])
@@ -295,9 +299,9 @@ def _part_work(shard: SharShard, directory: Path, lock, context: Context, batchi
         w.num_batches = len(batches)
         next_unit = w.open().next_unit  # checks the identity and the checksums, recovers from a kill
         w.close()
-        members = index_members(shard.recording_path)
+        members, damage = index_members(shard.recording_path)
         w.requests = [BatchRequest(shard.index, unit, str(shard.recording_path), tuple(positions),
-                                   tuple(members.get(cuts[p].id) for p in positions),
+                                   tuple(members.get(cuts[p].id, damage) for p in positions),
                                    tuple(float(cuts[p].duration) for p in positions), min_samples,
                                    batching.max_clip_duration)
                       for unit, positions in enumerate(batches) if unit >= next_unit]

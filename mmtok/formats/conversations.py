@@ -38,12 +38,12 @@ import hashlib
 import json
 import os
 import re
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
+from mmtok.formats.tar import Damage, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
 
@@ -66,6 +66,7 @@ class Conversation:
     tar: str | None = None  # the tar of a tar sample
     key: str | None = None  # its WebDataset sample key
     members: dict[str, tuple[int, int]] = field(default_factory=dict)  # member name -> (data offset, size)
+    refused: dict[str, str] = field(default_factory=dict)  # member name -> the tar reader's reason (also in members)
     base: str = "."  # directory that relative paths are relative to
 
     def media(self) -> list[MediaRef]:
@@ -97,13 +98,9 @@ class Located:
         """The medium's bytes (not for "cut"); OSError when the file cannot be read."""
         if self.data is not None:
             return self.data
+        if self.kind == "member":
+            return read_member(self.path, self.offset, self.size)
         with open(self.path, "rb") as handle:
-            if self.kind == "member":
-                handle.seek(self.offset)
-                data = handle.read(self.size)
-                if len(data) != self.size:
-                    raise OSError(f"{self.where}: the tar ends inside the member")
-                return data
             return handle.read()
 
 
@@ -219,44 +216,51 @@ def _parsed(data: bytes | str, what: str) -> tuple[dict | None, Skip | None]:
 
 
 def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
-    """Samples of a WebDataset tar that have a KEY.json member (one sample's members are consecutive)."""
+    """Samples of a WebDataset tar that have a KEY.json member (one sample's members are consecutive).
+
+    Where the tar is damaged, the sample being read may have lost members: it is a record of the damage's
+    reason, and so is the damage itself (`<stem>/(damaged tar at byte N)`); the reader goes on after it.
+    """
     stem = input_stem(path)
-    key, members, body = None, {}, None
+    key, members, refused, body = None, {}, {}, None
 
     def flush():
         if key is None:
             return None
-        origin = f"{path}:{key}"
+        origin, json_name = f"{path}:{key}", f"{key}.json"
+        sample = {"tar": str(path), "key": key, "members": dict(members), "refused": dict(refused)}
+        if json_name in refused:
+            return Conversation(f"{stem}/{key}", origin, number, error=Skip(refused[json_name], f"member {json_name}"),
+                                **sample)
         if body is None:
             return Conversation(f"{stem}/{key}", origin, number, error=Skip("missing_json", f"sample {key} has no "
-                                "json member"), tar=str(path), key=key, members=dict(members))
-        record, error = _parsed(body, f"{key}.json")
+                                "json member"), **sample)
+        record, error = _parsed(body, json_name)
         ident = _own_id(record) or f"{stem}/{key}"  # `mmtok pack` keeps ids this way
-        return Conversation(ident, origin, number, record, error, tar=str(path), key=key, members=dict(members),
-                            base=str(path.parent))
+        return Conversation(ident, origin, number, record, error, base=str(path.parent), **sample)
 
     try:
-        with tarfile.open(path, "r:") as archive:
-            for member in archive:
-                if not member.isfile():
-                    continue
-                sample = sample_key(member.name)
-                if sample is None:
-                    continue
-                sample = sample[0]
-                if sample != key:
-                    if (done := flush()) is not None:
-                        yield done
-                    key, members, body = sample, {}, None
-                members[member.name] = (member.offset_data, member.size)
-                if member.name == f"{sample}.json":
-                    body = archive.extractfile(member).read()
-    except (tarfile.TarError, EOFError) as err:  # keep what was read before the damage; the rest is one record
-        if key is not None:  # the sample being read may have lost members: not a conversation to make
-            yield Conversation(f"{stem}/{key}", f"{path}:{key}", number, error=Skip("truncated_tar", str(err)),
-                               tar=str(path), key=key)
-        yield Conversation(f"{stem}/(damaged tar)", str(path), number, error=Skip("truncated_tar", str(err)))
-        return
+        for entry in read_members(path):
+            if isinstance(entry, Damage):
+                skip = Skip(entry.reason, entry.describe())
+                if key is not None:
+                    yield Conversation(f"{stem}/{key}", f"{path}:{key}", number, error=skip, tar=str(path), key=key)
+                yield Conversation(f"{stem}/(damaged tar at byte {entry.offset})", str(path), number, error=skip)
+                key = None
+                continue
+            sample = sample_key(entry.name)
+            if sample is None:
+                continue
+            sample = sample[0]
+            if sample != key:
+                if (done := flush()) is not None:
+                    yield done
+                key, members, refused, body = sample, {}, {}, None
+            members[entry.name] = (entry.offset, entry.size)
+            if entry.reason:
+                refused[entry.name] = entry.reason
+            elif entry.name == f"{sample}.json":
+                body = read_member(path, entry.offset, entry.size)
     except OSError as err:
         raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
     if (done := flush()) is not None:
@@ -343,8 +347,7 @@ def locate(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) -
     if source.startswith(("http://", "https://")):
         raise Skip("missing_media", f"{what}: {source} is remote; mmtok reads no network -- fetch it first")
     if conversation.tar is not None and (member := _member(conversation, source)) is not None:
-        offset, size = conversation.members[member]
-        return Located("member", f"{conversation.tar}:{member}", conversation.tar, offset, size, member=member)
+        return _located_member(conversation, member, what)
     path = Path(source.removeprefix("file://"))
     path = path if path.is_absolute() else Path(conversation.base) / path
     try:
@@ -370,7 +373,14 @@ def _stored(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) 
         raise Skip("placeholder_mismatch", f"{slots} {slot.kind} placeholder(s) without a reference, the sample "
                    f"has {len(stored)} {slot.kind} member(s)")
     unnamed = [m.slot for m in media if m.slot.kind == slot.kind and m.source is None]
-    member = stored[unnamed.index(slot)]
+    return _located_member(conversation, stored[unnamed.index(slot)], f"{slot.kind} {slot.index}")
+
+
+def _located_member(conversation: Conversation, member: str, what: str) -> Located:
+    """A sample member's byte range; Skip with the tar reader's reason for a member it refuses."""
+    if member in conversation.refused:
+        raise Skip(conversation.refused[member], f"{what}: the tar reader refuses member {member} of "
+                   f"{conversation.tar}")
     offset, size = conversation.members[member]
     return Located("member", f"{conversation.tar}:{member}", conversation.tar, offset, size, member=member)
 

@@ -24,11 +24,11 @@ import gzip
 import hashlib
 import json
 import shutil
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmtok.errors import MmtokError
+from mmtok.formats.tar import Damage, read_members
 from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file
 
 SHAR_DIR = "shar"
@@ -156,12 +156,18 @@ def shard_fingerprint(shard: SharShard) -> dict:
             "recording_bytes": shard.recording_path.stat().st_size, "cuts": shard.num_cuts}
 
 
-def index_members(recording_path: Path) -> dict[str, tuple[int, int]]:
-    """cut id -> (data offset, size) of its audio member in a Shar recording tar (headers only)."""
-    members = {}
-    with tarfile.open(recording_path, "r:") as archive:
-        for member in archive:
-            name, _, ext = member.name.rpartition(".")
-            if member.isfile() and ext in AUDIO_EXTENSIONS:
-                members[name] = (member.offset_data, member.size)
-    return members
+def index_members(recording_path: Path) -> tuple[dict[str, tuple[int, int] | str], str | None]:
+    """cut id -> (data offset, size) of its audio member in a Shar recording tar (headers only), or the
+    "reason: detail" the member is refused for (`mmtok.formats.tar.Member`); and the tar's first damage
+    as "reason: detail" (None for a sound tar): the reason of a cut whose member is not found."""
+    members: dict[str, tuple[int, int] | str] = {}
+    damage = None
+    for entry in read_members(recording_path):
+        if isinstance(entry, Damage):
+            damage = damage or f"{entry.reason}: {recording_path} {entry.describe()}"
+            continue
+        name, _, ext = entry.name.rpartition(".")
+        if ext in AUDIO_EXTENSIONS:
+            members[name] = (f"{entry.reason}: member {entry.name} of {recording_path}" if entry.reason
+                             else (entry.offset, entry.size))
+    return members, damage

@@ -1,5 +1,9 @@
 """Walk a tar file's headers from byte offsets: ustar, GNU (long names `L`/`K`), pax (`x`/`g`).
 
+The one tar member reader of mmtok: the scan drives `TarWalker` itself (it parses image heads from
+the walk's read window); every other stage reads a tar with `read_members` and `read_member`, so a
+member kind, a damaged header or a truncation gets the same named reason in every stage.
+
 Why not `tarfile`: it reads each header through a file object, builds a TarInfo per member and
 cannot report where damage starts without raising; the scan needs ~1 us per header and every
 member before the damage. `TarWalker` does one `os.pread` per header (a window that also holds
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import os
 import struct
+from collections import deque
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -29,6 +35,11 @@ REGULAR, TRUNCATED, SPECIAL, BAD_SIZE = 0, 1, 2, 3
 TRUNCATED_TAR = "truncated_tar"
 CORRUPT_HEADER = "corrupt_header"
 BAD_MEMBER_SIZE = "bad_member_size"  # a header with a valid checksum but no usable size
+
+# The reason each member kind other than REGULAR is refused (not read by byte range), in every stage.
+KIND_REASONS = {TRUNCATED: "truncated_member", SPECIAL: "not_a_regular_file", BAD_SIZE: BAD_MEMBER_SIZE}
+NON_UTF8_NAME = "non_utf8_name"
+READ_WINDOW = 4 * BLOCK  # read_members needs headers only: a small window per member
 
 # Stream magics of compressed tars (`tar czf` and friends), with the command that undoes each.
 _COMPRESSIONS = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"), (b"\xfd7zXZ\x00", "xz", "unxz"),
@@ -57,6 +68,7 @@ class TarWalker:
         self.bad_offset: int | None = None  # first header that failed its checksum or parse
         self.bad_name = b""  # the member at bad_offset when end_reason is BAD_MEMBER_SIZE
         self.bad_detail = ""  # its size fields, as found
+        self.verified = 0  # members whose data starts at or before this offset have checked headers
         self._buf, self._base = b"", 0
 
     def read(self, offset: int, n: int) -> bytes:
@@ -96,6 +108,7 @@ class TarWalker:
         afterwards, walk again with `stop=bad_offset`.
         """
         self.end_reason, self.end_offset, self.bad_offset, self.bad_name, self.bad_detail = "", start, None, b"", ""
+        self.verified = start
         headers: list[bytes] = []
         offsets: list[int] = []
         unchecked = CHECK_BATCH
@@ -140,6 +153,7 @@ class TarWalker:
                     if self._fail(headers, offsets, _first_bad_checksum(headers)):
                         return
                     headers, offsets, unchecked = [], [], CHECK_BATCH
+                    self.verified = pos + BLOCK  # the header at `pos` was in the batch
                 data = pos + BLOCK
                 if flag in _REGULAR_TYPES:
                     kind = REGULAR
@@ -227,6 +241,99 @@ class TarWalker:
         return None
 
 
+@dataclass(frozen=True)
+class Member:
+    """One member of a tar, in tar order: a regular file to read by byte range when `reason` is "",
+    else refused with its reason (KIND_REASONS: a link, a device, a GNU sparse file, a member the file
+    ends inside, a size that cannot be trusted; NON_UTF8_NAME)."""
+
+    name: str  # with backslash escapes when the reason is NON_UTF8_NAME
+    offset: int  # of its data
+    size: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Where a walk met damage: TRUNCATED_TAR, CORRUPT_HEADER or BAD_MEMBER_SIZE at a header offset, or
+    for the whole file "empty_file", "compressed_tar", "not_a_tar"; `member` when the header names one."""
+
+    reason: str
+    offset: int
+    member: str = ""
+    detail: str = ""
+
+    def describe(self) -> str:
+        """The damage for people: its offset, member and detail."""
+        named = f" ({self.member})" if self.member else ""
+        return f"at byte {self.offset}{named}" + (f": {self.detail}" if self.detail else "")
+
+
+class MemberTruncated(OSError):
+    """The file ends inside a member's data."""
+
+
+def read_members(path: str | os.PathLike) -> Iterator[Member | Damage]:
+    """Every member of the tar at `path` in tar order, and a Damage where the walk met damage.
+
+    Directories and metadata headers are no members. Only members whose headers passed their checksums
+    are yielded; after a corrupt header (or an unusable size) the walk resumes at the next valid header,
+    as the scan's does. OSError when the file cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        file_size = os.fstat(fd).st_size
+        if file_size == 0:
+            yield Damage("empty_file", 0)
+            return
+        walker = TarWalker(fd, file_size, READ_WINDOW)
+        start: int | None = 0
+        while start is not None:
+            yield from _checked_members(walker, start)
+            opened = start == 0 and walker.end_reason and walker.end_offset == 0
+            if opened and (detail := compressed_detail(walker.read(0, 8))) is not None:
+                yield Damage("compressed_tar", 0, detail=detail)
+                return
+            bad, reason = walker.bad_offset, walker.end_reason
+            start = None if bad is None else walker.resync(bad)
+            if reason == CORRUPT_HEADER and bad == 0 and start is None:
+                yield Damage("not_a_tar", 0, detail="no valid tar header anywhere in the file")
+            elif reason:
+                name = walker.bad_name.decode("utf-8", "backslashreplace")
+                yield Damage(reason, walker.end_offset, name, walker.bad_detail)
+    finally:
+        os.close(fd)
+
+
+def _checked_members(walker: TarWalker, start: int) -> Iterator[Member]:
+    """The members of one walk from `start` that lie before its first bad header.
+
+    A member is held back until its header's checksum batch is verified (`TarWalker.verified`): the
+    walker yields members past a bad checksum, which the caller must never see.
+    """
+    pending: deque[Member] = deque()
+    for raw, kind, offset, size, _, _ in walker.members(start):
+        try:
+            pending.append(Member(raw.decode("utf-8"), offset, size, KIND_REASONS.get(kind, "")))
+        except UnicodeDecodeError:
+            pending.append(Member(raw.decode("utf-8", "backslashreplace"), offset, size, NON_UTF8_NAME))
+        while pending and pending[0].offset <= walker.verified:
+            yield pending.popleft()
+    bad = walker.bad_offset
+    yield from (member for member in pending if bad is None or member.offset < bad)
+
+
+def read_member(path: str | os.PathLike, offset: int, size: int) -> bytes:
+    """The `size` data bytes at `offset` of a member of the tar at `path`, never more;
+    MemberTruncated when the file ends inside them."""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        data = handle.read(size)
+    if len(data) != size:
+        raise MemberTruncated(f"{path}: the tar ends inside the member at byte {offset} ({len(data)} of {size} bytes)")
+    return data
+
+
 def _parse_size(field: bytes) -> int | None:
     """The size field when the plain octal parse fails: octal cut at a NUL, or GNU base-256."""
     if field[0] == 0x80:  # GNU base-256, for sizes of 8 GiB and more (0xFF would be negative)
@@ -277,12 +384,13 @@ def _apply_pax(name: bytes, size: int | None, pax_global: dict[bytes, bytes],
     return name, size, record
 
 
-def compression(head: bytes) -> tuple[str, str] | None:
-    """(format, command that decompresses it) when `head`, a file's first bytes, opens a compressed
-    stream (gzip, bzip2, xz, zstd, lz4) rather than a tar header; else None."""
+def compressed_detail(head: bytes) -> str | None:
+    """What the file is and how to undo it when `head`, its first bytes, opens a compressed stream
+    (gzip, bzip2, xz, zstd, lz4) rather than a tar header; else None."""
     for magic, kind, command in _COMPRESSIONS:
         if head.startswith(magic):
-            return kind, command
+            return (f"{kind}-compressed: members are read by byte range, which needs an uncompressed tar; "
+                    f"decompress it (`{command}`)")
     return None
 
 

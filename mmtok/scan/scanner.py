@@ -23,8 +23,8 @@ from typing import Iterator
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
-from mmtok.formats.tar import (BAD_MEMBER_SIZE, BAD_SIZE, BLOCK, CORRUPT_HEADER, REGULAR, TRUNCATED, TarWalker,
-                                  compression)
+from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NON_UTF8_NAME, REGULAR, TRUNCATED,
+                               TarWalker, compressed_detail)
 
 SCAN_VERSION = 4  # bump when rows for the same input change; invalidates caches
 CACHE_DIR = ".scan-cache"
@@ -43,7 +43,6 @@ _NO_SIDECAR = (-1, -1)
 SHARD_COLUMNS = ("key", "document", "image_index", "member", "offset", "size", "width", "height", "format",
                  "orientation", "status", "reason", "text_offset", "text_size", "json_offset", "json_size")
 _NO_SIDECARS = (-1, -1, -1, -1)
-_KIND_REASONS = {TRUNCATED: "truncated_member", BAD_SIZE: BAD_MEMBER_SIZE}  # rows of members that are not REGULAR
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -148,13 +147,11 @@ def _not_a_tar(walker: TarWalker) -> str:
 
 def _compressed(walker: TarWalker, out: ShardRows, snap: tuple) -> bool:
     """When the first header is unusable because the file is a compressed stream: its row; True."""
-    found = compression(walker.read(0, 8))
-    if found is None:
+    detail = compressed_detail(walker.read(0, 8))
+    if detail is None:
         return False
-    kind, command = found
     out.restore(snap)
-    out.shard_error("compressed_tar", detail=f"{kind}-compressed: members are read by byte range, which needs an "
-                    f"uncompressed tar; decompress it (`{command}`) and scan the .tar")
+    out.shard_error("compressed_tar", detail=f"{detail} and scan the .tar")
     return True
 
 
@@ -195,7 +192,7 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         if suffix in _IMAGE_SUFFIXES:
             images.append(_image_entry(walker, raw, kind, offset, size))
         elif kind == TRUNCATED or kind == BAD_SIZE:
-            out.shard_error(_KIND_REASONS[kind], offset, raw.decode("utf-8", "backslashreplace"))
+            out.shard_error(KIND_REASONS[kind], offset, raw.decode("utf-8", "backslashreplace"))
         elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
             text = (offset, size)
         elif suffix == b"json" and kind == REGULAR and json_sidecar[0] < 0:
@@ -213,7 +210,7 @@ def _image_row(raw: bytes, offset: int, size: int, data: bytes, start: int, end:
     try:
         name = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", "non_utf8_name"
+        return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", NON_UTF8_NAME
     return _probed(name, offset, size, data, start, end, fetch)
 
 
@@ -232,9 +229,9 @@ def _image_entry(walker: TarWalker, raw: bytes, kind: int, offset: int, size: in
     try:
         name = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", "non_utf8_name"
+        return raw.decode("utf-8", "backslashreplace"), offset, size, 0, 0, "", 1, "error", NON_UTF8_NAME
     if kind != REGULAR:
-        return name, offset, size, 0, 0, "", 1, "error", _KIND_REASONS.get(kind, "not_a_regular_file")
+        return name, offset, size, 0, 0, "", 1, "error", KIND_REASONS[kind]
     if size == 0:
         return name, offset, size, 0, 0, "", 1, "error", "zero_size"
     head = walker.head(offset, size if size < HEAD_BYTES else HEAD_BYTES)
