@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmtok.audio.sources import Dropped, TarUnit
+from mmtok.audio.sources import TarUnit
+from mmtok.formats.skips import SkipRecord
 from mmtok.encode.audio import load_clip
 from mmtok.errors import Skip
 from mmtok.formats.conversations import locate, read_conversations
@@ -113,8 +114,8 @@ def test_audio_source_reading_names_the_fault_and_keeps_the_sound_clip(tmp_path,
     tar = faulty_tar(tmp_path / "calls.tar", [("one.txt", b"one"), ("one.flac", WAV), ("two.txt", b"two"),
                                               ("two.flac", WAV)], fault)
     payloads = list(TarUnit(origin="calls.tar", path=str(tar)).payloads())
-    dropped = sorted(p.reason for p in payloads if isinstance(p, Dropped))
-    clips = [p[1][0].id for p in payloads if not isinstance(p, Dropped)]
+    dropped = sorted(p.reason for p in payloads if isinstance(p, SkipRecord))
+    clips = [p[1][0].id for p in payloads if not isinstance(p, SkipRecord)]
     assert clips == ["calls/one"]
     # a sample cut inside its header has lost its audio member, and says so too
     assert dropped == sorted([FAULTS[fault]] + (["no_audio_member"] if fault == "cut_in_header" else []))
