@@ -21,7 +21,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def every_written_dataset_opens_in_megatron_core(request, tmp_path_factory):
     """After each test, every `.idx` written under pytest's temporary root since the test started must
-    open with megatron-core's IndexedDataset (DESIGN.md §11: no dataset Megatron cannot load)."""
+    open with megatron-core's IndexedDataset (mmtok writes no dataset Megatron cannot load)."""
     started = time.time() - 1
     yield
     root = tmp_path_factory.getbasetemp()
