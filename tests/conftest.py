@@ -6,6 +6,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import multiprocessing
 import time
 
 import pytest
@@ -16,6 +17,24 @@ _CHECKED: set[Path] = set()
 def pytest_configure(config):
     config.addinivalue_line("markers", "damages_datasets: the test corrupts .idx/.bin files on purpose; the "
                             "megatron-core open check after it is skipped")
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    """Encode processes forked from a server that has torch and mmtok imported: a restart costs
+    milliseconds instead of seconds of imports, so many kills fit in a fast test."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the server: the CPU "device" shares 2 cores with loaders
+    context = multiprocessing.get_context("forkserver")
+    # torch._dynamo (imported by a codec load on the meta device) and pyarrow.dataset (filtered plan
+    # reads) take seconds to import: do it once, in the server
+    context.set_forkserver_preload(["torch", "torch._dynamo", "pyarrow.dataset", "mmtok.cli", "mmtok.encode.runner",
+                                    "mmtok.codecs.emu35"])
+    yield context
+    if previous is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = previous
 
 
 @pytest.fixture(autouse=True)
