@@ -1,6 +1,6 @@
 """WavTokenizer benchmark: encoder throughput, resampling cost, and the padding reach, in one run.
 
-    python benchmarks/bench_wavtokenizer.py [--seconds 120] [--batch 8] [--golden ../shared/golden/wavtokenizer]
+    python benchmarks/bench_wavtokenizer.py [--seconds 120] [--batch 8] [--golden $MMTOK_GOLDEN/wavtokenizer]
 
 1. Encoder throughput on CPU (seconds of audio per second), batch 1 vs batched, same clips, same run,
    with the official-size SEANet encoder and 4,096 x 512 codebook (random weights; the encoder size is

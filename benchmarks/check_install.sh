@@ -11,15 +11,15 @@
 # Also checks that the declared torch range admits NGC's versions (2.9.0a0+<commit>, ...).
 #
 #   bash benchmarks/check_install.sh [TORCH_VERSION ...]         default: 2.14.1 2.13.0
-#   FLOOR=1 TESTS="tests/test_codec_emu35.py tests/test_scan.py" bash benchmarks/check_install.sh 2.13.0
+#   FLOOR=1 TESTS="tests/test_codecs_emu35.py tests/test_scan.py" bash benchmarks/check_install.sh 2.13.0
 #
-# Minutes per version (downloads aside): not part of the test suite. Needs ../shared/golden (or
-# $MMTOK_GOLDEN) for the codec tests. Venvs go to $WORK (default /tmp/mmtok-check-install), kept for a
+# Minutes per version (downloads aside): not part of the test suite. Needs the golden vectors
+# ($MMTOK_GOLDEN, docs/development.md#tests) for the codec tests. Venvs go to $WORK (default /tmp/mmtok-check-install), kept for a
 # look afterwards; a summary line per version is printed and appended to $WORK/results.txt.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 WORK="${WORK:-/tmp/mmtok-check-install}"
-TESTS="${TESTS:-tests/test_codec_emu35.py tests/test_codec_wavtokenizer.py}"
+TESTS="${TESTS:-tests/test_codecs_emu35.py tests/test_codecs_wavtokenizer.py}"
 FLOOR="${FLOOR:-0}"
 PYTHON="${PYTHON:-python3}"
 VERSIONS=("$@")

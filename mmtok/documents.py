@@ -4,7 +4,7 @@ Image documents per plan mode: a *template* of text ids and image slots, filled 
 
 A document is one sample (one key); it becomes one sequence. Templates are built in the loader
 threads (text is tokenized there, off the device's critical path); `assemble` fills them with the
-image blocks once every image of the document is encoded. Layouts (DESIGN.md §4):
+image blocks once every image of the document is encoded. Layouts:
 
   image        BOS block_0 .. block_n EOS
   image-text   BOS block_0 .. block_n caption EOS                 (image -> text)
@@ -14,11 +14,11 @@ image blocks once every image of the document is encoded. Layouts (DESIGN.md §4
   sft          no document here: every image is committed as an item and `mmtok sft` makes the
                conversations (with their audio), see `mmtok.sft.build`
 
-text-image puts no `<|img_generation_start|>` between caption and image: DESIGN.md §4's caption
+text-image puts no `<|img_generation_start|>` between caption and image: the Apertus caption
 documents are `BOS caption block EOS`, which is also what the plan counts exactly. The caption is
 `mmtok.text.caption_text(txt sidecar)`, the normalisation the plan counted.
 
-Audio sequences (DESIGN.md §4), shared by encode and interleave.
+Audio sequences, shared by encode and interleave.
 
 With A(c) = <|audio_start|> audio ids of clip c <|audio_end|> and T(c) = the text ids of clip c:
 

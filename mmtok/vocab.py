@@ -1,4 +1,4 @@
-"""The omnimodal vocabulary layout (DESIGN.md §4) and the token-block builders.
+"""The omnimodal vocabulary layout (the Apertus 1.5 ids, see docs/formats.md) and the token-block builders.
 
 The layout is data derived from the text vocabulary size: text ids first, then a block of 200
 omni-special ids (16 named, the rest reserved), then the image codebook, then the audio codebook.

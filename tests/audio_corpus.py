@@ -1,4 +1,4 @@
-"""Small real-speech corpora for the audio tests (DESIGN.md §9), built fresh in a temporary folder.
+"""Small real-speech corpora for the audio tests, built fresh in a temporary folder.
 
 Speech: asterisk's spoken digits (8 kHz, known words), alsa-utils' "Front Center" (48 kHz) and
 espeak-ng sentences with known text in several languages (22,050 Hz). Planted bad inputs: digital

@@ -6,6 +6,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import multiprocessing
 import time
 
 import pytest
@@ -18,10 +19,28 @@ def pytest_configure(config):
                             "megatron-core open check after it is skipped")
 
 
+@pytest.fixture(scope="module")
+def forkserver():
+    """Encode processes forked from a server that has torch and mmtok imported: a restart costs
+    milliseconds instead of seconds of imports, so many kills fit in a fast test."""
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the server: the CPU "device" shares 2 cores with loaders
+    context = multiprocessing.get_context("forkserver")
+    # torch._dynamo (imported by a codec load on the meta device) and pyarrow.dataset (filtered plan
+    # reads) take seconds to import: do it once, in the server
+    context.set_forkserver_preload(["torch", "torch._dynamo", "pyarrow.dataset", "mmtok.cli", "mmtok.encode.runner",
+                                    "mmtok.codecs.emu35"])
+    yield context
+    if previous is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = previous
+
+
 @pytest.fixture(autouse=True)
 def every_written_dataset_opens_in_megatron_core(request, tmp_path_factory):
     """After each test, every `.idx` written under pytest's temporary root since the test started must
-    open with megatron-core's IndexedDataset (DESIGN.md §11: no dataset Megatron cannot load)."""
+    open with megatron-core's IndexedDataset (mmtok writes no dataset Megatron cannot load)."""
     started = time.time() - 1
     yield
     root = tmp_path_factory.getbasetemp()

@@ -3,7 +3,7 @@
 `chat_tokenizer(dir)` trains a byte-level BPE (the `tokenizers` library) on a few sentences, adds the
 Apertus chat special tokens as added tokens (at ids that differ from the real Apertus build, so a
 hard-coded id would be caught) and saves tokenizer.json + tokenizer_config.json with a jinja chat
-template in the Apertus format (DESIGN.md §7).
+template in the Apertus format (docs/encode.md).
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ def sft_corpus(directory: Path) -> list[Path]:
 
 # -- reading documents back -------------------------------------------------------------------------
 def parse_block(tokens, start: int, layout, tokenizer):
-    """Parse the image block at tokens[start:]; returns (codes [h, w], end). Asserts DESIGN.md §4's layout:
+    """Parse the image block at tokens[start:]; returns (codes [h, w], end). Asserts the image block layout
+    (docs/formats.md):
     <|img_start|> "H*W" <|img_token_start|> (W codes <|img_end_of_row|>) x H <|img_end_of_frame|> <|img_end|>."""
     import numpy as np
 

@@ -1,9 +1,10 @@
-"""Where the real test media lives (DESIGN.md §9), with a clear failure when it is missing.
+"""Where the real test media lives, with a clear failure when it is missing (tests use real media,
+not synthetic noise: docs/development.md#tests).
 
 Images: scikit-image's bundled `skimage.data` files and Debian's `mate-backgrounds` photos.
 Speech: Debian's `alsa-utils` sounds (48 kHz), `asterisk-core-sounds-en-wav` prompts (8 kHz) and
 `espeak-ng` for known texts. `.ci/run` installs the Debian packages; the golden codec vectors are
-read from ../shared/golden (or $MMTOK_GOLDEN).
+read from $MMTOK_GOLDEN (default: the folder `golden` in a `shared` folder next to the checkout).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def espeak(text: str, out: Path, voice: str = "en") -> Path:
 
 
 def golden(name: str) -> Path:
-    """A golden-vector folder; skips (with the reason) only where ../shared/golden is absent."""
+    """A golden-vector folder; skips (with the reason) only where the golden root GOLDEN is absent."""
     folder = GOLDEN / name
     if not GOLDEN.is_dir():
         pytest.skip(f"golden vectors not available: {GOLDEN} is absent (set MMTOK_GOLDEN to its path)")

@@ -3,11 +3,9 @@ text tokens and drop reasons; deterministic and restartable."""
 
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import tarfile
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +14,13 @@ import soundfile
 
 from audio_corpus import (DIGITS, PLANTED, STORY, build_directory_corpus, digit, read, write_audio_by_content,
                           write_jsonl, write_story)
+from convertkit import (assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report,
+                        stored_bytes)
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.media.audio import resample, to_mono
 from mmtok.audio.sources import number_clips
 from mmtok.cli import main as cli_main
-from mmtok.formats import skips
 from mmtok.text import load_text_tokenizer
 
 LSB24 = 2.0**-23  # one step of 24-bit PCM
@@ -45,16 +44,6 @@ def converted(corpus, tmp_path_factory):
                      "--max-duration", "6", "--shard-size", "4", "--workers", "2"])
     assert code == 0
     return out
-
-
-def load_cuts(out: Path) -> list:
-    from lhotse import CutSet
-
-    return list(CutSet.from_shar(in_dir=out / "shar"))
-
-
-def report(out: Path) -> dict:
-    return json.loads((out / "conversion.json").read_text())
 
 
 def expected_wave(path: Path, start: float | None = None, end: float | None = None) -> np.ndarray:
@@ -106,15 +95,6 @@ def test_shards_hold_the_configured_number_of_cuts_in_input_order(converted):
     assert sizes[:-1] == [4] * (len(sizes) - 1) and 0 < sizes[-1] <= 4
     ids = [cut.id for cut in load_cuts(converted)]
     assert ids == sorted(ids)  # directory units follow sorted relative paths
-
-
-def stored_bytes(out: Path) -> dict[str, bytes]:
-    files = {}
-    for path in sorted((out / "shar").iterdir()):
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as handle:
-            files[path.name] = handle.read()
-    return files
 
 
 def test_output_is_identical_with_and_without_worker_processes(corpus, converted, tmp_path):
@@ -173,22 +153,6 @@ def test_clipping_source_is_stored_below_full_scale_with_its_gain(tmp_path):
     expected = resample(loud.astype(np.float32), rate) * np.float32(gain)
     assert gain < 1 / 1.5 and np.max(np.abs(expected)) < 1.0
     assert_same_audio(cut.load_audio()[0], expected)
-
-
-def make_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    with tarfile.open(path, "w") as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return path
-
-
-def encoded(path: Path, fmt: str = "FLAC") -> bytes:
-    samples, rate = read(path)
-    buffer = io.BytesIO()
-    soundfile.write(buffer, samples, rate, format=fmt)
-    return buffer.getvalue()
 
 
 def test_webdataset_tar_source_with_txt_and_json_sidecars(tmp_path, tokenizer):
@@ -293,16 +257,6 @@ def test_table_rows_for_missing_files_and_without_paths_are_counted(tmp_path):
 
 
 # --- trust under real operating conditions (issue 12) ---------------------------------------------
-
-def dropped_records(out: Path) -> list[dict]:
-    """The skip records of a conversion's dropped/ lists, read by the one reader of skip files."""
-    return [asdict(record) for path in sorted((out / "dropped").glob("*.jsonl")) for record in skips.read(path)]
-
-
-def assert_counts_add_up(counts: dict) -> None:
-    skipped = sum(v for k, v in counts.items() if k.startswith(("skipped:", "ignored:")))
-    assert counts["in"] == counts.get("written", 0) + skipped, counts
-
 
 def test_audio_files_are_recognised_by_content_not_by_extension(tmp_path, tokenizer):
     words, ignored = write_audio_by_content(tmp_path / "in")

@@ -16,13 +16,13 @@ import pytest
 import soundfile
 
 from audio_corpus import digit, write_jsonl
+from convertkit import (assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report,
+                        stored_bytes)
 from mmtok.audio import convert as convert_module
 from mmtok.audio import sources
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.cli import main as cli_main
 from realmedia import alsa_sounds
-from test_audio_convert import (assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report,
-                                stored_bytes)
 
 OPTIONS = ConvertOptions(shard_size=2)
 WRITTEN = {  # clip id -> the reference file (under media/) whose audio it must be

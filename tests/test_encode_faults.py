@@ -2,38 +2,18 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
 import sys
 import time
 
-import pytest
 from encodekit import planned_job
 
 from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.formats.commitlog import COMMITS, is_done, part_dir, read_commits
 from mmtok.fsutil import sha256_file
-
-
-@pytest.fixture(scope="module")
-def forkserver():
-    """Encode processes forked from a server that has torch and mmtok imported: a restart costs
-    milliseconds instead of seconds of imports, so many kills fit in a fast test."""
-    previous = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the server: the CPU "device" shares 2 cores with loaders
-    context = multiprocessing.get_context("forkserver")
-    # torch._dynamo (imported by a codec load on the meta device) and pyarrow.dataset (filtered plan
-    # reads) take seconds to import: do it once, in the server
-    context.set_forkserver_preload(["torch", "torch._dynamo", "pyarrow.dataset", "mmtok.cli", "mmtok.encode.runner",
-                                    "mmtok.codecs.emu35"])
-    yield context
-    if previous is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = previous
 
 
 def _records(out) -> int:

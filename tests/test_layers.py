@@ -154,3 +154,32 @@ def test_only_fsutil_renames_or_syncs_files():
     found = [f"{module}:{node.lineno}: {call}" for module, tree in _sources() if module != "fsutil.py"
              for node in ast.walk(tree) if (call := _durability_call(node))]
     assert not found, "use mmtok.fsutil (atomic_writer, publish_file, sync):\n" + "\n".join(found)
+
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+SELF_CONTAINED = ("mmtok", "tests", "benchmarks", "docs", "plans", "manifests", ".ci", "README.md", "pyproject.toml")
+OUTSIDE_DOCUMENTS = ("DESIGN" + ".md", "STYLE" + ".md")  # spelled in two pieces so this file does not cite them
+
+
+def test_no_test_file_imports_another_test_file():
+    """Tests share helpers through conftest.py fixtures and helper modules (encodekit, chatkit, ...), so any
+    test file runs, moves or is renamed on its own."""
+    found = {}
+    for path in sorted(TESTS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found.update({f"{path.name}:{node.lineno}": n for n in names if n.split(".")[0].startswith("test_")})
+    assert not found, f"move what these share into a helper module or a conftest.py fixture: {found}"
+
+
+def test_the_repository_cites_no_document_outside_it():
+    """The code and docs explain themselves: a rule is stated where it applies or on a page under docs/."""
+    files = [p for entry in SELF_CONTAINED for p in ([REPO / entry] if (REPO / entry).is_file()
+                                                        else sorted((REPO / entry).rglob("*")))
+             if p.is_file() and b"\0" not in p.read_bytes()[:8192]]  # text files only
+    cited = [f"{p.relative_to(REPO)}:{n}" for p in files
+             for n, line in enumerate(p.read_text("utf-8", errors="replace").splitlines(), 1)
+             if any(name in line for name in OUTSIDE_DOCUMENTS)]
+    assert not cited, f"state the rule in the repository instead of citing it: {cited}"

@@ -26,10 +26,9 @@ import pytest
 import soundfile
 import torch
 from audio_corpus import digit
+from chatkit import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
 from encodekit import damaged_jpeg, image_items, real_images, train_chat_tokenizer, write_tar
 from realmedia import alsa_sounds, espeak
-from test_chat_omni import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
-from test_encode_faults import forkserver  # noqa: F401 -- the fixture: children forked with mmtok imported
 
 import mmtok.sft.build
 from mmtok.cli import main
@@ -428,7 +427,7 @@ def _gated_sft(argv: list[str], committed, gate) -> None:
 
 
 def test_sigkill_between_committed_units_then_resume_gives_the_clean_merged_bytes(env, tmp_path, monkeypatch,
-                                                                                 forkserver):  # noqa: F811
+                                                                                 forkserver):
     out = tmp_path / "sft"
     argv = [*map(str, _sft_argv(env, env.media, out))]
     for allowed, total in ((2, 2), (1, 3)):  # after 2 committed units, then after 1 more

@@ -34,7 +34,7 @@ NAME = "emu3.5"
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_FILE = "model.ckpt"
 
-# TF32 on for matmul and conv: the Apertus corpora were tokenized that way (DESIGN.md §5).
+# TF32 on for matmul and conv: the Apertus corpora were tokenized that way (docs/codecs.md).
 PRECISION = PrecisionContract(tf32_matmul=True, tf32_conv=True)
 
 # Largest logits block the chunked argmax materializes (elements; 2**24 float32 = 64 MiB).

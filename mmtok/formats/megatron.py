@@ -78,7 +78,8 @@ def write_index(prefix: str | os.PathLike, lengths: np.ndarray, dtype: np.dtype 
     """Atomically write `prefix.idx` for sequences of `lengths` tokens.
 
     Refuses a dataset without tokens: megatron-core cannot open it (it cannot mmap an empty .bin),
-    so writers leave such a dataset out and say so in their metadata (DESIGN.md §11).
+    so writers leave such a dataset out and say so in their metadata (every dataset written opens
+    in megatron-core).
     """
     if not int(np.asarray(lengths, np.int64).sum()):
         raise ValueError(f"{idx_path(prefix)}: refusing to write a dataset without tokens (megatron-core cannot "

@@ -147,7 +147,7 @@ class PlanParameters:
     min_source_pixels: int = 64 * 64  # drop smaller source images (icons, spacers)
     max_source_pixels: int = 89_478_485  # drop larger ones (Pillow's decompression-bomb limit)
     max_aspect_ratio: float | None = 4.0  # long side / short side of the source; None: no limit
-    min_pixels: int = 256 * 256  # resize bounds of the target shape (DESIGN.md §3)
+    min_pixels: int = 256 * 256  # resize bounds of the target shape (mmtok.media.resize)
     max_pixels: int = 512 * 512
     token_budget: int = 65_536  # image-block tokens per batch (a single larger image gets its own batch)
     max_batch_images: int = 128

@@ -1,4 +1,4 @@
-"""The target-shape rule (DESIGN.md §3): the size an image is resized to before encoding.
+"""The target-shape rule: the size an image is resized to before encoding.
 
 `h = round(H/f)*f, w = round(W/f)*f`; if `h*w > MAX`: `s = sqrt(H*W/MAX)`, `h = floor(H/s/f)*f`,
 `w = floor(W/s/f)*f`; if `h*w < MIN`: `s = sqrt(MIN/(H*W))`, `h = ceil(H*s/f)*f`, `w = ceil(W*s/f)*f`;

@@ -1,4 +1,4 @@
-"""Manifest -> plan (DESIGN.md §3): NumPy only, never per-row Python.
+"""Manifest -> plan: NumPy only, never per-row Python (seconds per hundred million rows).
 
 1. `mmtok.plan.rows`: read the manifest columns the plan needs, filter rows (each drop gets a
    reason), compute target shapes with `mmtok.media.resize.target_shapes`.

@@ -1,4 +1,4 @@
-"""The omnimodal Hugging Face tokenizer: mmtok's vocabulary layout as a `tokenizers` directory (DESIGN.md §12).
+"""The omnimodal Hugging Face tokenizer: mmtok's vocabulary layout as a `tokenizers` directory.
 
 `build_tokenizer` extends a text tokenizer into one whose ids are exactly `VocabLayout`'s:
 

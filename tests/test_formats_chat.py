@@ -1,7 +1,7 @@
 """Omni SFT rendering: every content form (typed placeholders, OpenAI parts, Apertus parts/blocks) marks
 image and audio slots, and lists the media that go there.
 
-The tokenizer and chat template here are this file's own: a small byte-level BPE with the Apertus 1.5
+The tokenizer and chat template (tests/chatkit.py) are the omni tests' own: a small byte-level BPE with the Apertus 1.5
 chat special tokens plus `<|image|>`/`<|audio|>` (at ids unlike the real build), and a template in the
 Apertus 1.5 layout written from its published facts (chat_templates/Apertus_1p5/chat_template.jinja
 in swiss-ai/apertus-omni-tokenizer): BOS; system block (string or `{"text"}`, a default text when there
@@ -12,7 +12,7 @@ or `{"blocks"}` (thoughts -> <|inner_prefix|> .., response closes with <|inner_s
 Tools are listed as json lines (the real template writes TypeScript signatures; the token layout is
 what these tests pin).
 
-`mmtok.sft.build.ConversationBuilder` then fills each slot with its medium's block (fake stores, see test_chat.py).
+`mmtok.sft.build.ConversationBuilder` then fills each slot with its medium's block (fake stores, see tests/chatkit.py).
 """
 
 from __future__ import annotations
@@ -21,111 +21,14 @@ import json
 
 import numpy as np
 import pytest
+from chatkit import (CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL, AudioStore, ImageStore, audio_block, build,
+                     built_skip, image_block, tar_conversation)
 from encodekit import train_chat_tokenizer
-from test_chat import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
 
 from mmtok.formats.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
 from mmtok.formats.conversations import Conversation, audio_clip_id, locate
 from mmtok.errors import Skip
 from mmtok.text import load_text_tokenizer
-
-CHAT_TOKENS = [
-    "<|user_start|>", "<|user_end|>", "<|audio|>", "<|assistant_start|>", "<|assistant_end|>",
-    "<|system_start|>", "<|system_end|>", "<|developer_start|>", "<|developer_end|>", "<|image|>",
-    "<|inner_prefix|>", "<|inner_suffix|>", "<|tools_prefix|>", "<|tools_suffix|>",
-    "<|tool_output_start|>", "<|tool_output_end|>",
-]
-DEFAULT_SYSTEM = "You are a test assistant that sees images and hears audio."
-
-TEMPLATE = r"""
-{{- bos_token -}}
-{%- if messages[0].role == 'system' -%}
-  {%- set system = messages[0].content -%}
-  {%- if system is mapping and 'text' in system -%}{%- set system = system.text -%}{%- endif -%}
-  {%- if system is not string -%}{{- raise_exception('system content: a string or {"text": ...}') -}}{%- endif -%}
-  {%- set turns = messages[1:] -%}
-{%- else -%}
-  {%- set system = '""" + DEFAULT_SYSTEM + r"""' -%}
-  {%- set turns = messages -%}
-{%- endif -%}
-{{- '<|system_start|>' ~ system ~ '<|system_end|>' -}}
-{{- '<|developer_start|>Deliberation: ' ~ ('enabled' if enable_thinking else 'disabled') ~ '\n' -}}
-{%- if tools -%}
-  {{- 'Tool Capabilities:\n' -}}
-  {%- for tool in tools -%}{{- tool | tojson -}}{%- if not loop.last -%}{{- '\n' -}}{%- endif -%}{%- endfor -%}
-{%- else -%}
-  {{- 'Tool Capabilities: disabled' -}}
-{%- endif -%}
-{{- '<|developer_end|>' -}}
-{%- macro calls(list) -%}
-  {{- '<|tools_prefix|>[' -}}
-  {%- for call in list -%}
-    {%- set call = call.function if call.function else call -%}
-    {{- '{"' ~ call.name ~ '": ' ~ call.arguments ~ '}' -}}{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}
-  {%- endfor -%}
-  {{- ']<|tools_suffix|>' -}}
-{%- endmacro -%}
-{%- set turn = namespace(assistant=false, tool=false, thinking=false, awaiting=false) -%}
-{%- for message in turns -%}
-  {%- if message.role == 'user' -%}
-    {%- if turn.tool -%}{{- '<|tool_output_end|>' -}}{%- set turn.tool = false -%}{%- endif -%}
-    {%- if turn.assistant -%}{{- '<|assistant_end|>' -}}{%- set turn.assistant = false -%}{%- endif -%}
-    {%- set turn.thinking = false -%}
-    {{- '<|user_start|>' -}}
-    {%- if message.content is string -%}
-      {{- message.content -}}
-    {%- elif message.content is mapping and 'parts' in message.content -%}
-      {%- for part in message.content.parts -%}
-        {%- if part.type == 'text' -%}{{- part.text -}}
-        {%- elif part.type in ('image', 'image_url', 'input_image') -%}{{- '<|image|>' -}}
-        {%- elif part.type in ('audio', 'audio_url', 'input_audio') -%}{{- '<|audio|>' -}}
-        {%- else -%}{{- raise_exception('user part ' ~ part.type) -}}{%- endif -%}
-      {%- endfor -%}
-    {%- else -%}
-      {{- raise_exception('user content: a string or {"parts": [...]}') -}}
-    {%- endif -%}
-    {{- '<|user_end|>' -}}
-  {%- elif message.role == 'assistant' -%}
-    {%- if not turn.assistant -%}{{- '<|assistant_start|>' -}}{%- set turn.assistant = true -%}{%- endif -%}
-    {%- if turn.tool -%}{{- '<|tool_output_end|>' -}}{%- set turn.tool = false -%}{%- endif -%}
-    {%- if message.content is string -%}
-      {{- message.content -}}
-    {%- elif message.content is mapping and 'blocks' in message.content -%}
-      {%- for block in message.content.blocks -%}
-        {%- if block.type == 'thoughts' -%}
-          {%- if not turn.thinking -%}{{- '<|inner_prefix|>' -}}{%- set turn.thinking = true -%}{%- endif -%}
-          {{- block.text -}}
-        {%- elif block.type == 'response' -%}
-          {%- if turn.thinking -%}{{- '<|inner_suffix|>' -}}{%- set turn.thinking = false -%}{%- endif -%}
-          {{- block.text -}}
-        {%- elif block.type == 'tool_calls' -%}
-          {{- calls(block.calls) -}}{%- set turn.awaiting = true -%}
-        {%- elif block.type == 'tool_outputs' -%}
-          {{- '<|tool_output_start|>' -}}
-          {%- for output in block.outputs -%}
-            {{- output.output -}}{%- if not loop.last -%}{{- ', ' -}}{%- endif -%}
-          {%- endfor -%}
-          {{- '<|tool_output_end|>' -}}{%- set turn.awaiting = false -%}
-        {%- else -%}
-          {{- raise_exception('assistant block ' ~ block.type) -}}
-        {%- endif -%}
-      {%- endfor -%}
-    {%- else -%}
-      {{- raise_exception('assistant content: a string or {"blocks": [...]}') -}}
-    {%- endif -%}
-    {%- if message.tool_calls -%}{{- calls(message.tool_calls) -}}{%- set turn.awaiting = true -%}{%- endif -%}
-  {%- elif message.role == 'tool' -%}
-    {%- if not turn.assistant -%}{{- raise_exception('tool output outside an assistant turn') -}}{%- endif -%}
-    {{- ', ' if turn.tool else '<|tool_output_start|>' -}}
-    {{- message.content -}}
-    {%- set turn.tool = true -%}{%- set turn.awaiting = false -%}
-  {%- else -%}
-    {{- raise_exception('role ' ~ message.role) -}}
-  {%- endif -%}
-{%- endfor -%}
-{%- if turn.tool -%}{{- '<|tool_output_end|>' -}}{%- endif -%}
-{%- if turn.assistant and not turn.awaiting -%}{{- '<|assistant_end|>' -}}{%- endif -%}
-"""
 
 TRAINING_TEXT = [
     "Where is this photo taken? Listen to the clip and tell me which bird sings.",
@@ -144,7 +47,6 @@ TYPED = {"messages": [
     {"role": "user", "content": "<image> shows a cat; <|audio|> is it purring? <audio>"},
     {"role": "assistant", "content": "Yes, it purrs."}]}
 
-WEATHER_TOOL = {"name": "weather", "parameters": {"city": "string"}}
 OPENAI = {"tools": [WEATHER_TOOL], "messages": [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": [

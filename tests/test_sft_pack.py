@@ -1,7 +1,7 @@
 """`mmtok pack`: the conversations of .jsonl / .parquet / .tar inputs and their media (file paths, Parquet cells,
 base64, tar members) become WebDataset samples -- KEY.json keeping the conversation's id with every medium named
 by its member, the media bytes unchanged -- and the SFT flow run on the packed tars gives each medium the tokens
-of the same file encoded the old way. Real photos (skimage) and real speech (asterisk digits), DESIGN.md §9.
+of the same file encoded the old way. Real photos (skimage) and real speech (asterisk digits), never synthetic noise.
 
 The corpus (`_write_inputs`) has one conversation of each reference form; `EXPECTED` says, in input order, what
 each one must become: its members (suffix after "KEY.", the bytes of which source) and its packed record written

@@ -1,8 +1,8 @@
 """SFT conversations -> tokens (`mmtok.sft.build.ConversationBuilder`): the tokenizer's jinja chat template
 (Apertus format), each placeholder filled with its medium's block from the image / audio stores.
 
-The stores here are fakes with the methods the builder calls on `mmtok.sft.build.ImageItems` and
-`mmtok.sft.build.AudioClips`; `test_chat_omni.py` uses them too.
+The stores are fakes (tests/chatkit.py) with the methods the builder calls on `mmtok.sft.build.ImageItems`
+and `mmtok.sft.build.AudioClips`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from chatkit import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
 from encodekit import chat_tokenizer, write_tar
 
 from mmtok.formats.chat import ChatRenderer, MediaSlot, split_media
 from mmtok.formats.conversations import Conversation, audio_clip_id, read_conversations
 from mmtok.errors import MmtokError, Skip
 from mmtok.sft.build import DEFAULT_MAX_TOKENS, ConversationBuilder
-from mmtok.text import TextTokenizer, load_text_tokenizer
-from mmtok.vocab import VocabLayout
+from mmtok.text import load_text_tokenizer
 
 CONVERSATION = {
     "enable_thinking": True,
@@ -37,74 +37,6 @@ CONVERSATION = {
     ],
 }
 NO_TOOLS = ["<|developer_start|>", "Deliberation: disabled\nTool Capabilities: disabled", "<|developer_end|>"]
-
-
-# -- fake media stores (shared with test_chat_omni.py) ----------------------------------------------
-class ImageStore:
-    """A fake image encode output: a block, or the Skip to raise, per (tar, sample key, image index). A
-    sample's image count is its number of entries unless `counts` says otherwise."""
-
-    def __init__(self, blocks: dict[tuple[str, str, int], np.ndarray | Skip],
-                 counts: dict[tuple[str, str], int] | None = None):
-        self.blocks = blocks
-        self.counts = counts or {}
-
-    def images_of(self, tar: str, key: str) -> int:
-        return self.counts.get((tar, key), sum(entry[:2] == (tar, key) for entry in self.blocks if len(entry) == 3))
-
-    def block(self, tar: str, member: str) -> np.ndarray:
-        """By (tar, member) when the store names the member, else member KEY.N.ext as (tar, KEY, N)."""
-        if (tar, member) in self.blocks:
-            return _stored(self.blocks, (tar, member))
-        key, number, _ = member.split(".", 2)
-        return _stored(self.blocks, (tar, key, int(number)))
-
-
-class AudioStore:
-    """A fake audio token cache: a block, or the Skip to raise, per cut id."""
-
-    def __init__(self, blocks: dict[str, np.ndarray | Skip] | None = None):
-        self.blocks = blocks or {}
-
-    def block(self, cut_id: str) -> np.ndarray:
-        return _stored(self.blocks, cut_id)
-
-
-def _stored(blocks: dict, where) -> np.ndarray:
-    found = blocks.get(where)
-    if found is None:
-        raise Skip("missing_media", f"{where} is not in the store")
-    if isinstance(found, Skip):
-        raise found
-    return found
-
-
-def image_block(tokenizer: TextTokenizer, seed: int, shape: tuple[int, int] = (2, 3)) -> np.ndarray:
-    """A real image block (random codes) in the tokenizer's vocabulary layout."""
-    codes = np.random.default_rng(seed).integers(0, 1000, shape)
-    return VocabLayout(text_size=tokenizer.vocab_size).image_block(codes, tokenizer.encode(f"{shape[0]}*{shape[1]}"))
-
-
-def audio_block(tokenizer: TextTokenizer, seed: int, length: int = 5) -> np.ndarray:
-    """A real audio block (random codes) in the tokenizer's vocabulary layout."""
-    codes = np.random.default_rng(seed).integers(0, 4096, length)
-    return VocabLayout(text_size=tokenizer.vocab_size).audio_block(codes)
-
-
-def tar_conversation(record: dict, members: list[str], key: str = "k", tar: str = "t.tar") -> Conversation:
-    """The conversation of sample `key` of `tar` whose members are `key.` + each of `members`, in order."""
-    return Conversation(id=f"{tar.removesuffix('.tar')}/{key}", origin=f"{tar}:{key}", input=0, record=record,
-                        tar=tar, key=key, members={f"{key}.{m}": (10 * i, 10) for i, m in enumerate(members)})
-
-
-def build(tokenizer, conversation, images=None, audio=None, max_tokens=DEFAULT_MAX_TOKENS):
-    return ConversationBuilder(tokenizer, images, audio or AudioStore(), max_tokens).build(conversation)
-
-
-def built_skip(tokenizer, conversation, images=None, audio=None, max_tokens=DEFAULT_MAX_TOKENS) -> Skip:
-    with pytest.raises(Skip) as caught:
-        build(tokenizer, conversation, images, audio, max_tokens)
-    return caught.value
 
 
 # -----------------------------------------------------------------------------------------------------
