@@ -410,15 +410,20 @@ def test_counts_add_up_to_every_clip_record_and_file_of_the_inputs(converted, tm
         ("s3.flac", encoded(digit("4"))), ("s3.wav", encoded(digit("4"), "WAV")),  # written + extra_audio_member
         ("s4.flac", encoded(digit("5"))), ("s4.txt", b"\xff"),  # bad_text_encoding
     ])
-    convert([tmp_path / "in", tar], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
+    assert cli_main(["audio", "convert", str(tmp_path / "in"), str(tar), "--out", str(tmp_path / "out"),
+                     "--transcripts", str(table), "--workers", "0", "--no-progress"]) == 0
     counts = report(tmp_path / "out")["counts"]
     assert counts == {"in": 11, "written": 4, "ignored:txt": 1, "dropped:decode_error": 1,
                       "dropped:missing_file": 1, "dropped:bad_table_row": 1, "dropped:no_audio_member": 1,
                       "dropped:extra_audio_member": 1, "dropped:bad_text_encoding": 1}
     assert_counts_add_up(counts)
-    summary = capsys.readouterr().err.strip().splitlines()[-1]
-    assert summary.startswith("in 11: 4 clips") and "dropped 6 (" in summary
-    assert "ignored non-audio files 1 (txt: 1)" in summary
+    captured = capsys.readouterr()
+    summary = captured.err.strip().splitlines()[-1]
+    assert summary.startswith("mmtok audio convert: in 11: 4 clips") and "dropped 6 (" in summary
+    assert "ignored non-audio files 1 (txt: 1)" in summary and captured.out == ""
+    assert cli_main(["audio", "convert", str(tmp_path / "in"), str(tar), "--out", str(tmp_path / "out"),
+                     "--transcripts", str(table), "--workers", "0", "--no-progress"]) == 0
+    assert capsys.readouterr().err.startswith("mmtok audio convert: already complete: in 11: 4 clips")
 
 
 # --- processes: workers die with the run, one writer per output ------------------------------------

@@ -234,7 +234,7 @@ def test_rerun_of_a_finished_rank_is_a_no_op_and_other_inputs_are_refused(env, t
     before = digests(tmp_path / "out")
     assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(tmp_path / "out"),
                  "--device", "cpu", "--loader-threads", "3", "--no-progress"]) == 0  # loader threads may differ
-    assert "already finished" in capsys.readouterr().out and digests(tmp_path / "out") == before
+    assert "already finished" in capsys.readouterr().err and digests(tmp_path / "out") == before
     other = emu35.write_random_checkpoint(tmp_path / "other", seed=7)
     with pytest.raises(MmtokError, match=r"codec\.checkpoint_sha256 \(recorded"):
         from mmtok.encode.runner import encode_rank

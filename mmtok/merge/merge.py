@@ -45,6 +45,7 @@ from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, copy_file
 ASSEMBLED = ".assembled"  # the assembled documents' dataset, joined after the parts' sequences, then removed
 REASONING_MARKERS = ("<|inner_prefix|>", "<|inner_suffix|>")
 TURN_END = "<|assistant_end|>"
+OWN_READER = "mmtok reader"  # merged.json's verified_with when megatron-core is not installed
 BLOCK_TOKENS = 1 << 24  # strip-reasoning works through the merged tokens in blocks of about this size
 
 
@@ -142,9 +143,7 @@ def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
     try:
         IndexedDataset = _import_indexed_dataset()
     except ImportError:
-        print("mmtok merge: megatron-core is not installed (pip install 'mmtok[megatron]'); verifying with "
-              "mmtok's own reader")
-        return _verify_with_mmtok(prefix, expected)
+        return _verify_with_mmtok(prefix, expected)  # the command says megatron-core is missing
     dataset = IndexedDataset(str(prefix))  # keep alive while its arrays are in use: they view its mmap
     problems = []
     if len(dataset) != expected.size or not np.array_equal(dataset.sequence_lengths, expected):
@@ -193,7 +192,7 @@ def _verify_with_mmtok(prefix: Path, expected: np.ndarray) -> str:
     _, lengths, _, documents = read_index(prefix)
     if not np.array_equal(lengths, expected) or not np.array_equal(documents, np.arange(expected.size + 1)):
         raise MmtokError(f"{prefix}: merged index does not match the parts")
-    return "mmtok reader"
+    return OWN_READER
 
 
 def _read_sequence(prefix: Path, index: int) -> np.ndarray:
