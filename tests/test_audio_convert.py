@@ -15,6 +15,8 @@ import soundfile
 
 from audio_corpus import (DIGITS, PLANTED, STORY, build_directory_corpus, digit, read, write_audio_by_content,
                           write_jsonl, write_story)
+from summaries import summary_lines
+
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.media.audio import resample, to_mono
@@ -417,10 +419,9 @@ def test_counts_add_up_to_every_clip_record_and_file_of_the_inputs(converted, tm
                       "dropped:missing_file": 1, "dropped:bad_table_row": 1, "dropped:no_audio_member": 1,
                       "dropped:extra_audio_member": 1, "dropped:bad_text_encoding": 1}
     assert_counts_add_up(counts)
-    captured = capsys.readouterr()
-    summary = captured.err.strip().splitlines()[-1]
+    [summary] = summary_lines(capsys.readouterr(), "audio convert")
     assert summary.startswith("mmtok audio convert: in 11: 4 clips") and "dropped 6 (" in summary
-    assert "ignored non-audio files 1 (txt: 1)" in summary and captured.out == ""
+    assert "ignored non-audio files 1 (txt: 1)" in summary
     assert cli_main(["audio", "convert", str(tmp_path / "in"), str(tar), "--out", str(tmp_path / "out"),
                      "--transcripts", str(table), "--workers", "0", "--no-progress"]) == 0
     assert capsys.readouterr().err.startswith("mmtok audio convert: already complete: in 11: 4 clips")
