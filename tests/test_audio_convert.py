@@ -16,7 +16,6 @@ import soundfile
 from audio_corpus import (DIGITS, PLANTED, STORY, build_directory_corpus, digit, read, write_audio_by_content,
                           write_jsonl, write_story)
 from summaries import summary_lines
-
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.media.audio import resample, to_mono
