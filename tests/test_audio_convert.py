@@ -16,6 +16,7 @@ from audio_corpus import (DIGITS, PLANTED, STORY, build_directory_corpus, digit,
                           write_jsonl, write_story)
 from convertkit import (assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report,
                         stored_bytes)
+from summaries import summary_lines
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.media.audio import resample, to_mono
@@ -366,15 +367,19 @@ def test_counts_add_up_to_every_clip_record_and_file_of_the_inputs(converted, tm
         ("s3.flac", encoded(digit("4"))), ("s3.wav", encoded(digit("4"), "WAV")),  # written + extra_audio_member
         ("s4.flac", encoded(digit("5"))), ("s4.txt", b"\xff"),  # bad_text_encoding
     ])
-    convert([tmp_path / "in", tar], tmp_path / "out", ConvertOptions(), transcripts=table, workers=0, progress=False)
+    assert cli_main(["audio", "convert", str(tmp_path / "in"), str(tar), "--out", str(tmp_path / "out"),
+                     "--transcripts", str(table), "--workers", "0", "--no-progress"]) == 0
     counts = report(tmp_path / "out")["counts"]
     assert counts == {"in": 11, "written": 4, "ignored:txt": 1, "skipped:decode_error": 1,
                       "skipped:missing_file": 1, "skipped:bad_table_row": 1, "skipped:no_audio_member": 1,
                       "skipped:extra_audio_member": 1, "skipped:bad_text_encoding": 1}
     assert_counts_add_up(counts)
-    summary = capsys.readouterr().err.strip().splitlines()[-1]
-    assert summary.startswith("in 11: 4 clips") and "skipped 6 (" in summary
+    [summary] = summary_lines(capsys.readouterr(), "audio convert")
+    assert summary.startswith("mmtok audio convert: in 11: 4 clips") and "skipped 6 (" in summary
     assert "ignored non-audio files 1 (txt: 1)" in summary
+    assert cli_main(["audio", "convert", str(tmp_path / "in"), str(tar), "--out", str(tmp_path / "out"),
+                     "--transcripts", str(table), "--workers", "0", "--no-progress"]) == 0
+    assert capsys.readouterr().err.startswith("mmtok audio convert: already complete: in 11: 4 clips")
 
 
 # --- processes: workers die with the run, one writer per output ------------------------------------

@@ -30,6 +30,7 @@ from mmtok.fsutil import sha256_file
 from mmtok.merge.merge import merge
 from mmtok.vocab import VocabLayout
 from realmedia import REPO, alsa_sounds, espeak
+from summaries import json_result, summary_lines
 
 LAYOUT = VocabLayout(131_072)
 SPECIAL = LAYOUT.special_ids()
@@ -266,3 +267,20 @@ def test_a_rerun_with_other_settings_is_refused_even_when_every_part_is_finished
     with pytest.raises(MmtokError, match=r"refusing to resume: sequences \(recorded 'auto', now 'both'\)"):
         encode_rank(shar, one_rank, codec, rank=0, world_size=1, batching=BATCHING, sequences="both",
                     num_workers=0, progress=False)
+
+
+def test_the_cli_summary_goes_to_stderr_and_json_prints_the_rank_result(shar, checkpoint, one_rank, tmp_path, capsys):
+    from mmtok.cli import main
+
+    command = ["encode", "--modality", "audio", "--shar", str(shar), "--checkpoint", str(checkpoint), "--out",
+               str(tmp_path), "--device", "cpu", "--world-size", "3", "--num-workers", "0", "--no-progress"]
+    capsys.readouterr()
+    assert main([*command, "--rank", "0"]) == 0
+    headline, job_view = summary_lines(capsys.readouterr(), "encode (audio)")
+    assert headline.startswith("mmtok encode (audio): rank 0/3: 1 shard (1 to do), ") and "mmtok status" in job_view
+    for rank in (1, 2):
+        assert main([*command, "--rank", str(rank), "--json"]) == 0
+        result = json_result(capsys.readouterr())
+        assert (result["rank"], result["world_size"], len(result["shards"])) == (rank, 3, 1) and result["clips"] > 0
+    merge(tmp_path)
+    assert fingerprint(tmp_path) == fingerprint(one_rank)  # the command writes what the library call does

@@ -11,6 +11,7 @@ import pytest
 import torch
 from encodekit import (PLAN_FLAGS, caption_corpus, caption_env, encode_all, gpt_dataset, interleaved_corpus,
                        one_torch_thread, parse_block, plan, real_images)
+from summaries import json_result, summary_lines
 
 from mmtok.cli import main
 from mmtok.codecs import emu35
@@ -234,7 +235,7 @@ def test_rerun_of_a_finished_rank_is_a_no_op_and_other_inputs_are_refused(env, t
     before = digests(tmp_path / "out")
     assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(tmp_path / "out"),
                  "--device", "cpu", "--loader-threads", "3", "--no-progress"]) == 0  # loader threads may differ
-    assert "already finished" in capsys.readouterr().out and digests(tmp_path / "out") == before
+    assert "already finished" in capsys.readouterr().err and digests(tmp_path / "out") == before
     other = emu35.write_random_checkpoint(tmp_path / "other", seed=7)
     with pytest.raises(MmtokError, match=r"codec\.checkpoint_sha256 \(recorded"):
         from mmtok.encode.runner import encode_rank
@@ -353,3 +354,30 @@ def test_encode_refuses_a_plan_that_keeps_no_image(env, tmp_path, capsys):
                  "--device", "cpu", "--no-progress"]) == 2
     assert "the plan keeps no image" in capsys.readouterr().err
     assert not (tmp_path / "o" / "parts").exists()
+
+
+def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["scan", str(env.root / "captions" / "*.tar"), "--out", str(tmp_path / "manifest"), "--workers", "1",
+                 "--no-progress"]) == 0
+    summary_lines(capsys.readouterr(), "scan")
+    assert main(["plan", str(tmp_path / "manifest"), "--out", str(tmp_path / "plan"), "--quiet", *PLAN_FLAGS,
+                 "--text-tokenizer", str(env.text), "--world-size", "2"]) == 0
+    assert "; 2 ranks, imbalance" in summary_lines(capsys.readouterr(), "plan")[0]
+    encode = ["encode", "--plan", str(tmp_path / "plan"), "--checkpoint", str(env.checkpoint), "--out",
+              str(tmp_path / "out"), "--world-size", "2", "--device", "cpu", "--loader-threads", "2", "--no-progress"]
+    assert main([*encode, "--rank", "0"]) == 0
+    assert summary_lines(capsys.readouterr(), "encode")[0].startswith("rank 0/2 -> ", len("mmtok encode: "))
+    assert main([*encode, "--rank", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json_result(captured)
+    assert captured.err.startswith("mmtok encode: rank 1/2 -> ")
+    assert (result["rank"], result["world_size"]) == (1, 2) and result["part_dir"] == str(part_dir(tmp_path / "out", 1))
+    assert result["images_written"] == read_stats(part_dir(tmp_path / "out", 1))["images_written"] > 0
+    assert main(["merge", str(tmp_path / "out"), "--no-progress"]) == 0
+    summary_lines(capsys.readouterr(), "merge")
+    assert main(["merge", str(tmp_path / "out"), "--no-progress", "--json"]) == 0
+    merged = json_result(capsys.readouterr())
+    assert {k: merged[k] for k in ("sequences", "tokens", "counts")} == \
+        {k: v for k, v in json.loads((tmp_path / "out" / "merged.json").read_text()).items()
+         if k in ("sequences", "tokens", "counts")}

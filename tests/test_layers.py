@@ -183,3 +183,29 @@ def test_the_repository_cites_no_document_outside_it():
              for n, line in enumerate(p.read_text("utf-8", errors="replace").splitlines(), 1)
              if any(name in line for name in OUTSIDE_DOCUMENTS)]
     assert not cited, f"state the rule in the repository instead of citing it: {cited}"
+
+
+PROGRESS_MODULE = "mmtok.progress"  # the progress bars draw on stderr; every other line is a command's
+
+
+def _terminal_writes(path: Path) -> list[str]:
+    """'line N: print(...)' / 'line N: sys.stderr' for each print call and each use of sys.stdout/sys.stderr."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+            found.append(f"line {node.lineno}: print(...)")
+        elif (isinstance(node, ast.Attribute) and node.attr in ("stdout", "stderr")
+              and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+            found.append(f"line {node.lineno}: sys.{node.attr}")
+    return found
+
+
+def test_only_commands_print_library_code_returns_what_it_did():
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        if _layer(module) in TOP or module in ("mmtok.cli", PROGRESS_MODULE):
+            continue
+        if found := _terminal_writes(path):
+            offenders[module] = found
+    assert not offenders, f"return these to the command, which prints them (mmtok/commands/report.py): {offenders}"

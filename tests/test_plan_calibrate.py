@@ -248,7 +248,7 @@ def test_cli_prints_the_errors_and_the_next_command(tiny_checkpoint, tmp_path, c
     out = tmp_path / "cost.yaml"
     assert cli_main(["calibrate", "--checkpoint", str(tiny_checkpoint), "--device", "cpu", "--out", str(out),
                      "--no-progress", *TINY_GRID]) == 0
-    text = capsys.readouterr().out
+    text = capsys.readouterr().err
     assert "calibrated model" in text and "replaced model (best scale)" in text and "[preset demo]" in text
     assert f"next: mmtok plan MANIFEST --out PLAN --preset demo --cost-model {out}" in text
 
@@ -274,6 +274,6 @@ def test_cli_takes_the_shapes_of_a_plan(tiny_checkpoint, manifest, tmp_path, cap
     info = yaml.safe_load(out.read_text())["calibration"]
     assert info["grid"] == f"plan {plan}" and len(info["timings"]) == 2
     assert {(t["height"], t["width"]) for t in info["timings"]} == set(cal.plan_grid(plan, 2).shapes)
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().err
     assert f"next: re-run the `mmtok plan` that made {plan} with --cost-model {out} added" in shown
     assert "--plan" not in shown.split("next:")[1]  # `mmtok plan` has no --plan flag

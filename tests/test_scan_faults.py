@@ -140,7 +140,7 @@ def test_scan_exits_2_saying_what_and_why_only_when_no_input_yields_an_image(tmp
     good = tmp_path / "good.tar"
     good.write_bytes(tar_bytes([("a.jpg", jpg, {})]))
     assert cli(["scan", str(path), str(good), "--out", str(tmp_path / "mixed"), *flags]) == 0
-    assert "1 images ok" in capsys.readouterr().err
+    assert "1 image ok" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------ unwritable output

@@ -29,6 +29,7 @@ from audio_corpus import digit
 from chatkit import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
 from encodekit import damaged_jpeg, image_items, real_images, train_chat_tokenizer, write_tar
 from realmedia import alsa_sounds, espeak
+from summaries import json_result, summary_lines
 
 import mmtok.sft.build
 from mmtok.cli import main
@@ -505,3 +506,16 @@ def test_merging_the_sft_image_encode_is_refused_in_one_line_naming_mmtok_sft(en
     (line,) = captured.err.splitlines()  # the refusal alone: it comes before the parts' bytes are checked
     assert line.startswith("mmtok merge: error: ") and "`mmtok sft " in line and captured.out == ""
     assert not list(env.media.images.glob("merged*"))
+
+
+def test_the_sft_summary_goes_to_stderr_and_json_prints_the_rank_result(env, capsys, monkeypatch):
+    monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)  # the identity env.sft was written with
+    capsys.readouterr()
+    _run(*_sft_argv(env, env.media, env.sft))  # a finished part: nothing to do, the same summary
+    lines = summary_lines(capsys.readouterr(), "sft")
+    assert lines[0].startswith("mmtok sft: rank 0/1: ") and f"(part already finished: {part_dir(env.sft, 0)})" in lines[1]
+    _run(*_sft_argv(env, env.media, env.sft), "--json")
+    result = json_result(capsys.readouterr())
+    assert (result["rank"], result["world_size"], result["already_done"]) == (0, 1, True)
+    assert result["counts"]["documents_written"] == json.loads((env.sft / "merged.json").read_text())["counts"][
+        "documents_written"]

@@ -24,6 +24,7 @@ import pytest
 import torch
 from audio_corpus import digit
 from encodekit import chat_tokenizer, image_items, real_images, write_tar
+from summaries import summary_lines
 
 import mmtok.sft.pack
 from mmtok.cli import main
@@ -239,8 +240,12 @@ def test_the_packed_tar_reads_back_as_the_same_conversations_with_the_same_media
 
 
 # -- determinism, tar splitting, replacing an earlier pack -------------------------------------------------------
-def test_packing_twice_gives_byte_identical_tars(packed, tmp_path):
-    _pack(packed.inputs, tmp_path / "again")
+def test_packing_twice_gives_byte_identical_tars(packed, tmp_path, capsys):
+    capsys.readouterr()
+    report = _pack(packed.inputs, tmp_path / "again")
+    headline, following = summary_lines(capsys.readouterr(), "pack")
+    assert f"conversations -> 1 tar in {tmp_path / 'again'}: {report['counts']['packed']:,} packed" in headline
+    assert following.startswith("  next: mmtok scan ")
     for name in ("conversations-000000.tar", "skipped.jsonl"):
         assert (tmp_path / "again" / name).read_bytes() == (packed.out / name).read_bytes(), name
 

@@ -232,7 +232,7 @@ def test_status_follows_a_real_job_to_its_measured_imbalance(job, tmp_path, caps
     meta = json.loads((plan_dir / "plan.json").read_text())
     out = tmp_path / "out"
     assert encode(env, plan_dir, out, 0) == 0 and encode(env, plan_dir, out, 1) == 0
-    assert f"job view (every rank): mmtok status {out}" in capsys.readouterr().out
+    assert f"job view (every rank): mmtok status {out}" in capsys.readouterr().err
     status = job_status(out, plan=plan_dir)
     assert status["states"] == {"done": 2, "running": 0, "stopped": 0, "missing": 1, "damaged": 0}
     assert by_part(status)[2]["units_planned"] == meta["rank_batches"][2][1] - meta["rank_batches"][2][0]

@@ -225,13 +225,13 @@ def test_decoding_a_merged_caption_sequence_gives_the_caption_and_the_image_mark
 def test_check_passes_on_the_matching_dataset(captions, tekken_dir, capsys):
     _, out = captions
     assert check(tekken_dir, out / "merged") == 0
-    assert "ok:" in capsys.readouterr().out
+    assert "ok:" in capsys.readouterr().err
 
 
 def test_check_names_a_layout_mismatch(captions, small_base_dir, capsys):
     _, out = captions
     assert check(small_base_dir, out / "merged") == 1
-    layout, text, verdict = capsys.readouterr().out.splitlines()
+    layout, text, verdict = capsys.readouterr().err.splitlines()
     assert "layout:" in layout and "text_size 131,072, image_offset 131,272" in layout
     assert "the tokenizer 128,000, 128,200" in layout and "(tekken_240718.json)" in layout
     assert "text tokenizer:" in text and verdict.endswith("does not fit this data")
@@ -245,7 +245,7 @@ def test_check_names_ids_outside_the_vocabulary(captions, tekken_dir, tmp_path, 
     tokens.flush()
     del tokens
     assert check(tekken_dir, copy / "merged") == 1
-    problems = capsys.readouterr().out.splitlines()
+    problems = capsys.readouterr().err.splitlines()
     assert len(problems) == 2 and "holds id 266,440 (sequence 0)" in problems[0]
 
 
@@ -257,7 +257,7 @@ def test_check_names_a_different_eos_text_tokenizer_and_codec(captions, tekken_d
     summary["identity"]["codec"]["name"] = "emu3"
     (copy / "merged.json").write_text(json.dumps(summary))
     assert check(tekken_dir, copy / "merged") == 1
-    problems = capsys.readouterr().out.splitlines()[:-1]
+    problems = capsys.readouterr().err.splitlines()[:-1]
     assert len(problems) == 3
     assert "token </s>:" in problems[0] and "uses id 3, the tokenizer has id 2" in problems[0]
     assert "text tokenizer:" in problems[1] and "--text-tokenizer" in problems[1]
@@ -276,11 +276,11 @@ def test_check_reads_audio_interleave_outputs_and_their_codec(tekken_dir, tmp_pa
                                                                                     "modality": "audio"}}
     (tmp_path / METADATA).write_text(json.dumps(meta))
     assert check(tekken_dir, tmp_path / STAGE) == 0
-    assert "ids 1 … 266,439" in capsys.readouterr().out
+    assert "ids 1 … 266,439" in capsys.readouterr().err
     meta["codec"]["name"] = "another-codec"
     (tmp_path / METADATA).write_text(json.dumps(meta))
     assert check(tekken_dir, tmp_path / STAGE) == 1
-    assert "rebuild it with --audio-codec another-codec" in capsys.readouterr().out
+    assert "rebuild it with --audio-codec another-codec" in capsys.readouterr().err
 
 
 def _copy_dataset(out: Path, target: Path) -> Path:

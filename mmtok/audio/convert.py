@@ -363,7 +363,8 @@ class Conversion:
 def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str = "auto",
             transcripts: Path | None = None, audio_column: str = "audio", text_column: str = "text",
             workers: int = 1, progress: bool = True) -> dict:
-    """Convert `inputs` into Lhotse Shar shards under `out`; returns the conversion report.
+    """Convert `inputs` into Lhotse Shar shards under `out`; returns the conversion report (what
+    OUT/conversion.json holds) and `already_done`: whether an earlier run had finished the conversion.
 
     Restartable: shards recorded in OUT/conversion.json are kept; work resumes after the last one.
     One writer per output: OUT is locked for the whole run, and a second run into it is refused at once.
@@ -378,8 +379,7 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
                     "text_tokenizer": tokenizer.describe(), "storage": STORAGE, "resampler": RESAMPLER}
         state = Conversion(out, identity, options)
         if state.report["complete"]:
-            print_summary(state.report, file=sys.stderr, prefix="already complete: ")
-            return state.report
+            return {**state.report, "already_done": True}
         collected = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
                                   text_column=text_column, exclude=out)
         write_skipped(out, "inputs", collected.skipped)
@@ -387,8 +387,7 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
         state.add_inputs(collected)
         state.flush({"unit": len(collected.units), "skip": 0}, final=True)
         shutil.rmtree(out / shar_format.WORK_DIR, ignore_errors=True)
-    print_summary(state.report, file=sys.stderr)
-    return state.report
+    return {**state.report, "already_done": False}
 
 
 def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer, progress: bool) -> None:
@@ -408,16 +407,3 @@ def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer,
         bar.update(1)
         bar.set_postfix(clips=state.counts["written"], shards=state.next_shard)
     bar.close()
-
-
-def print_summary(report: dict, file=sys.stderr, prefix: str = "") -> None:
-    """One line: in = written + skipped + ignored, each with its reasons / extensions."""
-    counts = report["counts"]
-    hours = sum(s["duration"] for s in report["shards"]) / 3600
-    parts = [f"{prefix}in {counts.get('in', 0)}: {counts.get('written', 0)} clips ({hours:.3f} h) written in "
-             f"{len(report['shards'])} shards"]
-    ignored = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("ignored:")}
-    for noun, these in (("skipped", skips.by_reason(counts)), ("ignored non-audio files", ignored)):
-        if these:
-            parts.append(f"{noun} {sum(these.values())} ({', '.join(f'{k}: {v}' for k, v in sorted(these.items()))})")
-    print("; ".join(parts), file=file)

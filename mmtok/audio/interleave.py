@@ -29,7 +29,6 @@ Definition (every rule here is tested):
 
 from __future__ import annotations
 
-import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,7 +243,6 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
                "vocab": meta["vocab"], "text_tokenizer": meta["text_tokenizer"], "codec": meta["codec"],
                "sequences": builder.describe(), "datasets": datasets, "counts": dict(sorted(counts.items()))}
     METADATA_FILE.write(out, summary)
-    print(_summary_line(counts, datasets), file=sys.stderr)
     return summary
 
 
@@ -268,14 +266,3 @@ def _nothing_message(encoded: Path, out: Path, counts: Counter) -> str:
     fixes = [FIXES[k] for k in skipped if k in FIXES]
     return (f"{encoded}: no sequence to interleave: {why}; nothing written to {out}"
             + (f"; to fix: {'; '.join(fixes)}" if fixes else ""))
-
-
-def _summary_line(counts: Counter, datasets: dict) -> str:
-    sets = []
-    for name, entry in datasets.items():
-        if entry["written"]:
-            sets.append(f"{name}: {entry['sequences']} sequences, {entry['tokens']} tokens")
-        else:
-            sets.append(f"{name}: {entry['reason']} -- not written")
-    skipped = skips.by_reason(counts)
-    return f"{counts['clips']} clips -> " + "; ".join(sets) + (f"; skipped {skipped}" if skipped else "")

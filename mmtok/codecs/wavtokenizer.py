@@ -17,9 +17,9 @@ codes of a clip do not depend on the zero padding of its batch.
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
-import sys
 import types
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -216,8 +216,8 @@ def _load_ckpt(path: Path) -> dict:
         reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0].split(" Please use")[0]
     except (RuntimeError, OSError, EOFError) as err:
         raise MmtokError(f"{path}: not a readable PyTorch checkpoint: {err}") from None
-    print(f"wavtokenizer: {path.name}: weights_only loading refused ({reason}); reading it again with "
-          "non-tensor training objects as inert placeholders", file=sys.stderr)
+    logging.getLogger(__name__).warning(f"wavtokenizer: {path.name}: weights_only loading refused ({reason}); "
+                                        "reading it again with non-tensor training objects as inert placeholders")
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_INERT_PICKLE)
 
 

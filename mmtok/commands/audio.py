@@ -6,6 +6,9 @@ import argparse
 import os
 from pathlib import Path
 
+from mmtok.commands.report import plural, print_summary
+from mmtok.formats import skips
+
 CONVERT_HELP = """\
 Convert audio sources into Lhotse Shar shards: 24 kHz mono audio (24-bit FLAC) with the text already
 tokenized into cut.custom["text_tokens"], plus source id, clip number, original sampling rate and
@@ -94,12 +97,42 @@ def run(args) -> int:
         options = ConvertOptions(min_duration=args.min_duration, max_duration=args.max_duration,
                                  min_rms_dbfs=args.min_rms_dbfs, shard_size=args.shard_size,
                                  text_tokenizer=args.text_tokenizer)
-        convert(args.inputs, args.out, options, kind=args.kind, transcripts=args.transcripts,
-                audio_column=args.audio_column, text_column=args.text_column, workers=args.workers,
-                progress=not args.no_progress)
+        report = convert(args.inputs, args.out, options, kind=args.kind, transcripts=args.transcripts,
+                         audio_column=args.audio_column, text_column=args.text_column, workers=args.workers,
+                         progress=not args.no_progress)
+        print_summary("audio convert", convert_line(report))
         return 0
     from mmtok.audio.interleave import interleave
 
-    interleave(args.encoded, args.out, stage_max_tokens=args.stage_max_tokens, max_tokens=args.max_tokens,
-               progress=not args.no_progress)
+    summary = interleave(args.encoded, args.out, stage_max_tokens=args.stage_max_tokens, max_tokens=args.max_tokens,
+                         progress=not args.no_progress)
+    print_summary("audio interleave", interleave_line(summary))
     return 0
+
+
+def convert_line(report: dict) -> str:
+    """One line: in = written + skipped + ignored, each with its reasons / extensions."""
+    counts = report["counts"]
+    hours = sum(s["duration"] for s in report["shards"]) / 3600
+    parts = [f"{'already complete: ' if report['already_done'] else ''}in {counts.get('in', 0):,}: "
+             f"{plural(counts.get('written', 0), 'clip')} ({hours:.3f} h) written in "
+             f"{plural(len(report['shards']), 'shard')}"]
+    ignored = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("ignored:")}
+    for noun, these in (("skipped", skips.by_reason(counts)), ("ignored non-audio files", ignored)):
+        if these:
+            parts.append(f"{noun} {sum(these.values()):,} ({', '.join(f'{k}: {v:,}' for k, v in sorted(these.items()))})")
+    return "; ".join(parts)
+
+
+def interleave_line(summary: dict) -> str:
+    """One line: the clips, each set's sequences and tokens (or why it was not written), the skips."""
+    sets = []
+    for name, entry in summary["datasets"].items():
+        if entry["written"]:
+            sets.append(f"{name}: {plural(entry['sequences'], 'sequence')}, {plural(entry['tokens'], 'token')}")
+        else:
+            sets.append(f"{name}: {entry['reason']} -- not written")
+    counts = summary["counts"]
+    skipped = skips.by_reason(counts)
+    return (f"{plural(counts['clips'], 'clip')} -> " + "; ".join(sets)
+            + (f"; skipped {dict(sorted(skipped.items()))}" if skipped else ""))

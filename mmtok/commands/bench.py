@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mmtok.commands.report import plural, print_summary
+
 
 def add_parser(sub) -> None:
     parser = sub.add_parser("bench", help="tokenizer benchmarks")
@@ -57,17 +59,18 @@ def run(args) -> int:
         categories=Path(args.categories) if args.categories else None, text_tokenizer=args.text_tokenizer,
         keep_per_category=args.keep_per_category, progress=not args.no_progress)
     summary = run_bench(options)
-    _print_summary(summary, Path(args.out))
+    print_summary("bench reconstruct", _summary_lines(summary, Path(args.out)))
     return 0
 
 
-def _print_summary(summary: dict, out: Path) -> None:
+def _summary_lines(summary: dict, out: Path) -> list[str]:
     from mmtok.bench.report import METRICS, OVERALL
 
     metrics = METRICS[summary["identity"]["modality"]]
-    print(f"bench reconstruct: {summary['items']} items -> {out}/report.md")
+    lines = [f"{plural(summary['items'], 'item')} -> {out}/report.md"]
     for label, groups in summary["means"].items():
         overall = groups.get(OVERALL, {})
         values = ", ".join(f"{m.key} {overall.get(m.key)!s:.8}" for m in metrics)
         counts = summary["status_counts"].get(label, {})
-        print(f"  {label}: {overall.get('n', 0)} scored ({counts}); {values}")
+        lines.append(f"{label}: {overall.get('n', 0)} scored ({counts}); {values}")
+    return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mmtok.commands.report import plural, print_json, print_summary
 from mmtok.errors import MmtokError
 
 DEFAULT_PRESET = "apertus-stage1"
@@ -47,8 +48,6 @@ def batch_sizes(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    import json
-
     from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid, write_calibration
     from mmtok.codecs.base import load_codec
     from mmtok.launch import resolve_device
@@ -64,9 +63,9 @@ def run(args) -> int:
                        progress=not args.no_progress)
     write_calibration(args.out, result)
     if args.json:
-        print(json.dumps({"out": args.out, **result}, indent=2))
+        print_json({"out": args.out, **result})
     else:
-        print(summary(result, args))
+        print_summary("calibrate", summary(result, args))
     return 0
 
 
@@ -74,7 +73,7 @@ def _errors(report: dict | None) -> str:
     return f"{100 * report['median']:5.1f}% / {100 * report['p95']:5.1f}%" if report else "    (none held out)"
 
 
-def summary(result: dict, args) -> str:
+def summary(result: dict, args) -> list[str]:
     """The model, its error next to the replaced model's, and the plan command that uses the file."""
     model, info = result["cost_model"], result["calibration"]
     replaced = info["replaced"]
@@ -82,14 +81,14 @@ def summary(result: dict, args) -> str:
     # `mmtok plan` has no --plan flag: the plan's own command line is the one to extend
     after = f"re-run the `mmtok plan` that made {args.plan} with --cost-model {args.out} added" if args.plan else \
         f"mmtok plan MANIFEST --out PLAN --preset {args.preset or DEFAULT_PRESET} --cost-model {args.out}"
-    return "\n".join([
-        f"mmtok calibrate: {info['codec']} on {info['device']}: {len(info['timings'])} batches of {shapes} shapes "
-        f"({info['grid']}) timed in {info['timing_seconds']:.1f} s",
-        f"  cost = count*(a*n + b*n^2 + c) + batch, n = (h/{model['stride']})*(w/{model['stride']}), seconds: "
+    return [
+        f"{info['codec']} on {info['device']}: {plural(len(info['timings']), 'batch', 'batches')} of "
+        f"{plural(shapes, 'shape')} ({info['grid']}) timed in {info['timing_seconds']:.1f} s",
+        f"cost = count*(a*n + b*n^2 + c) + batch, n = (h/{model['stride']})*(w/{model['stride']}), seconds: "
         f"a={model['a']:.4g} b={model['b']:.4g} c={model['c']:.4g} batch={model['batch']:.4g}",
-        "  per-batch error (median / p95)      timed shapes      held-out shapes",
-        f"  calibrated model                 {_errors(info['errors']['fitted'])}   {_errors(info['errors']['held_out'])}",
-        f"  replaced model (best scale)      {_errors(replaced['errors']['fitted'])}   "
+        "per-batch error (median / p95)      timed shapes      held-out shapes",
+        f"calibrated model                 {_errors(info['errors']['fitted'])}   {_errors(info['errors']['held_out'])}",
+        f"replaced model (best scale)      {_errors(replaced['errors']['fitted'])}   "
         f"{_errors(replaced['errors']['held_out'])}   [{replaced['cost_model']['source']}]",
         f"wrote {args.out}; next: {after}",
-    ])
+    ]

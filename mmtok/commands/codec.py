@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
 
 
@@ -51,10 +52,10 @@ def run(args) -> int:
         if args.codec_command == "encode":
             codes = _encode(codec, args)
             np.save(out, codes)
-            print(f"{args.input}: {codes.size} codes, shape {list(codes.shape)} -> {out}")
+            print_summary("codec encode", f"{args.input}: {plural(codes.size, 'code')}, shape {list(codes.shape)} -> {out}")
         else:
             _decode(codec, np.load(args.input), out)
-            print(f"{args.input} -> {out}")
+            print_summary("codec decode", f"{args.input} -> {out}")
     return 0
 
 

@@ -22,6 +22,7 @@ import tarfile
 import time
 from pathlib import Path
 
+from mmtok.commands.report import print_summary
 from mmtok.errors import MmtokError
 from mmtok.formats.merged import SUMMARY_FILE as MERGE_SUMMARY
 
@@ -69,7 +70,7 @@ def _mmtok(*argv: str) -> None:
     """Run one mmtok command in this process, echoing it like a shell would."""
     from mmtok.cli import main
 
-    print(f"\n$ mmtok {' '.join(argv)}", flush=True)
+    print(f"\n$ mmtok {' '.join(argv)}", flush=True)  # the transcript is stdout, with the inspect views
     status = main(list(argv))
     if status != 0:
         raise MmtokError(f"demo step `mmtok {' '.join(argv)}` failed with exit status {status}")
@@ -217,20 +218,24 @@ def _sft_flow(out: Path, world_size: int, image_checkpoint: str, audio_checkpoin
 
 
 def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:
-    print("\n=== mmtok demo: done in", summary["seconds"], "s ===")
+    lines = [f"done in {summary['seconds']} s"]
     for name, merged in summary.items():
         if not isinstance(merged, dict):
             continue
         counts = merged.get("counts", merged)
         shown = {k: v for k, v in sorted(counts.items()) if isinstance(v, (int, float))}
-        print(f"{name}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
-    print(f"image dataset: {out / 'encoded' / 'merged'}.bin/.idx  (Megatron --data-path {out / 'encoded' / 'merged'})")
+        lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    lines.append(f"image dataset: {out / 'encoded' / 'merged'}.bin/.idx  (Megatron --data-path "
+                 f"{out / 'encoded' / 'merged'})")
     if "audio" in summary:
-        print(f"audio dataset: {out / 'audio' / 'encoded' / 'merged'}.bin/.idx; interleaved: {out / 'audio' / 'interleaved'}")
+        lines.append(f"audio dataset: {out / 'audio' / 'encoded' / 'merged'}.bin/.idx; interleaved: "
+                     f"{out / 'audio' / 'interleaved'}")
     if "sft" in summary:
         sft = out / "sft" / "dataset"
-        print(f"sft dataset: {sft / 'merged'}.bin/.idx; without reasoning: {sft / 'merged_no_reasoning'}.bin/.idx; "
-              f"skips named in {sft / 'merged.skipped.jsonl'}")
+        lines.append(f"sft dataset: {sft / 'merged'}.bin/.idx; without reasoning: {sft / 'merged_no_reasoning'}"
+                     f".bin/.idx; skips named in {sft / 'merged.skipped.jsonl'}")
     if random_weights:
-        print("note: the codecs were tiny random-weight checkpoints (real formats, meaningless tokens); pass "
-              "--image-checkpoint / --audio-checkpoint with the official Emu3.5 and WavTokenizer files for real tokens.")
+        lines.append("note: the codecs were tiny random-weight checkpoints (real formats, meaningless tokens); pass "
+                     "--image-checkpoint / --audio-checkpoint with the official Emu3.5 and WavTokenizer files for "
+                     "real tokens.")
+    print_summary("demo", lines)

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from mmtok.commands.report import plural, print_json, print_summary
 from mmtok.errors import MmtokError
 
 DESCRIPTION = """\
@@ -50,6 +51,8 @@ def add_parser(sub) -> None:
     group.add_argument("--max-consecutive-failures", type=int, default=64,
                        help="stop the rank after this many undecodable images in a row (default 64)")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true",
+                        help="also print the rank's summary as one JSON object on stdout (the human one stays on stderr)")
     add_audio_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -72,57 +75,64 @@ def run_images(args) -> int:
     meta = Plan.open(args.plan).meta
     rank, world_size = resolve_rank(args.rank, args.world_size, meta["world_size"])
     if world_size != meta["world_size"]:
-        print(f"mmtok encode: the plan was balanced for {meta['world_size']} ranks; re-deriving its contiguous "
-              f"cost-balanced ranges for {world_size} ranks (the merged output does not depend on the world size)")
+        print_summary("encode", f"the plan was balanced for {plural(meta['world_size'], 'rank')}; re-deriving its "
+                      f"contiguous cost-balanced ranges for {plural(world_size, 'rank')} (the merged output does "
+                      "not depend on the world size)")
     check_part_free(part_dir(args.out, rank))  # a duplicate job stops here, before it loads the model
     device = resolve_device(args.device)
     codec = load_codec(args.codec or "emu3.5", args.checkpoint, device)
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
                             max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress)
     stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
-    print_summary(rank, world_size, stats, args.out)
+    print_summary("encode", summary_lines(rank, world_size, stats, args.out))
+    if args.json:
+        print_json({"rank": rank, "world_size": world_size, **stats})
     return 0
 
 
-def print_summary(rank: int, world_size: int, stats: dict, out: str) -> None:
+def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
+    """The human summary of an image rank: what it wrote (or that it was finished), its pace, the job view."""
     where = stats["part_dir"]
     if stats.get("already_done"):
-        print(f"mmtok encode: rank {rank}/{world_size}: {where} is already finished "
-              f"({stats['sequences']:,} sequences); nothing to do")
+        lines = [f"rank {rank}/{world_size}: {where} is already finished "
+                 f"({plural(stats['sequences'], 'sequence')}); nothing to do"]
     else:
-        (_sft_lines if stats.get("mode") == "sft" else _document_lines)(rank, world_size, stats, out)
-        print(f"  {stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
-              f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
-    print(f"  job view (every rank): mmtok status {out}")
+        lines = (_sft_lines if stats.get("mode") == "sft" else _document_lines)(rank, world_size, stats, out)
+        lines.append(f"{stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
+                     f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
+    return lines + [f"job view (every rank): mmtok status {out}"]
 
 
-def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> None:
+def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
     """No documents here: every image is an item for `mmtok sft`."""
     where = stats["part_dir"]
-    failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
-    print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
-          f"{stats['images_planned']:,} images of SFT conversations stored as items, "
-          f"{stats['counts'].get('item_tokens', 0):,} tokens" + (f"; failed to decode: {failed} (named in "
-          f"{where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""))
-    print(f"  next: mmtok sft CONVERSATIONS --images {out} [--audio AUD] --out SFT, then mmtok merge SFT")
+    failed = _reasons(stats["items_failed"])
+    return [f"rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
+            f"{plural(stats['images_planned'], 'image')} of SFT conversations stored as items, "
+            f"{plural(stats['counts'].get('item_tokens', 0), 'token')}" + (f"; failed to decode: {failed} (named in "
+            f"{where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""),
+            f"next: mmtok sft CONVERSATIONS --images {out} [--audio AUD] --out SFT, then mmtok merge SFT"]
 
 
-def _document_lines(rank: int, world_size: int, stats: dict, out: str) -> None:
+def _document_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
     where = stats["part_dir"]
-    skipped = ", ".join(f"{reason} {n:,}" for reason, n in stats["skipped"].items()) or "none"
-    print(f"mmtok encode: rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
-          f"{stats['images_planned']:,} images in {stats['sequences']:,} documents, "
-          f"{stats['counts'].get('tokens', 0):,} tokens; skipped: {skipped}"
-          + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else ""))
+    lines = [f"rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
+             f"{plural(stats['images_planned'], 'image')} in {plural(stats['sequences'], 'document')}, "
+             f"{plural(stats['counts'].get('tokens', 0), 'token')}; skipped: {_reasons(stats['skipped']) or 'none'}"
+             + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else "")]
     if stats["images_deferred"]:
-        print(f"  + {stats['images_deferred']:,} images of documents with several images, stored as items: "
-              "`mmtok merge` assembles those documents (and lists any it skips)")
+        lines.append(f"+ {plural(stats['images_deferred'], 'image')} of documents with several images, stored as "
+                     "items: `mmtok merge` assembles those documents (and lists any it skips)")
     if stats.get("items_failed"):
-        failed = ", ".join(f"{reason} {n:,}" for reason, n in stats["items_failed"].items())
-        print(f"  of those, failed to decode: {failed} (stored as failed items, named in {where}/items.jsonl; "
-              "their documents are skipped, and listed, when they are assembled)")
+        lines.append(f"of those, failed to decode: {_reasons(stats['items_failed'])} (stored as failed items, named "
+                     f"in {where}/items.jsonl; their documents are skipped, and listed, when they are assembled)")
     if not stats["dataset"] and not stats["images_deferred"]:
-        print("  no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
+        lines.append("no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
+    return lines
+
+
+def _reasons(counts: dict) -> str:
+    return ", ".join(f"{reason} {n:,}" for reason, n in counts.items())
 
 
 def add_audio_arguments(parser) -> None:
@@ -155,8 +165,6 @@ def add_audio_arguments(parser) -> None:
 
 
 def run_audio(args) -> int:
-    import sys
-
     from mmtok.encode.audio import encode_rank
     from mmtok.encode.audio_batches import Batching
     from mmtok.ranks import assign_shards
@@ -175,8 +183,23 @@ def run_audio(args) -> int:
     if codec.modality != "audio":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
     batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
-    encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size, batching=batching,
-                sequences=args.sequences, num_workers=args.num_workers, text_tokenizer=args.text_tokenizer,
-                progress=not getattr(args, "no_progress", False))
-    print(f"  job view (every shard): mmtok status {args.out}", file=sys.stderr)
+    summary = encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
+                          batching=batching, sequences=args.sequences, num_workers=args.num_workers,
+                          text_tokenizer=args.text_tokenizer, progress=not args.no_progress)
+    print_summary("encode (audio)", audio_summary_lines(summary, args.out))
+    if args.json:
+        print_json(summary)
     return 0
+
+
+def audio_summary_lines(summary: dict, out: str) -> list[str]:
+    """The human summary of an audio rank: its shards, batches and clips, what it skipped, its pace."""
+    lost = sum(summary["skipped"].values())
+    busy = summary["device_busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
+    reasons = _reasons(summary["skipped"])
+    return [f"rank {summary['rank']}/{summary['world_size']}: {plural(len(summary['shards']), 'shard')} "
+            f"({summary['shards_to_do']} to do), {plural(summary['batches'], 'batch', 'batches')}, "
+            f"{plural(summary['clips'], 'clip')}: {summary['clips'] - lost:,} encoded, {lost:,} skipped"
+            f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
+            f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)",
+            f"job view (every shard): mmtok status {out}"]

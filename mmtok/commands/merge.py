@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from mmtok.commands.report import plural, print_json, print_summary
+from mmtok.formats import skips
+from mmtok.formats.megatron import MMTOK_READER
+
 
 def add_parser(sub) -> None:
     parser = sub.add_parser(
@@ -20,42 +24,54 @@ def add_parser(sub) -> None:
                         help="also write OUT/merged_no_reasoning.bin/.idx with every <|inner_prefix|> ... "
                         "<|inner_suffix|> span removed (markers included); sequences left empty are dropped")
     parser.add_argument("--no-progress", action="store_true", help="no progress (checking the parts reads every byte)")
+    parser.add_argument("--json", action="store_true",
+                        help="also print the merge's summary (merged.json + out, seconds) as one JSON object on stdout")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     import time
 
-    from mmtok.formats.megatron import MMTOK_READER
-    from mmtok.formats import skips
     from mmtok.merge.merge import merge
 
     started = time.perf_counter()
     summary = merge(args.out, strip_reasoning=args.strip_reasoning, progress=not args.no_progress)
     seconds = time.perf_counter() - started
-    if summary["verified_with"] == MMTOK_READER:
-        print("mmtok merge: megatron-core is not installed (pip install 'mmtok[megatron]'); verified with "
-              "mmtok's own reader")
-    skipped = skips.by_reason(summary["counts"])
+    print_summary("merge", summary_lines(summary, args.out, seconds))
+    if args.json:
+        print_json({**summary, "out": args.out, "seconds": round(seconds, 3)})
+    return 0
+
+
+def summary_lines(summary: dict, out: str, seconds: float) -> list[str]:
+    """What the merge wrote: the dataset (or why none), assembled documents, skips, the reasoning-free copy."""
+    parts = plural(summary["num_parts"], "part")
     if summary["dataset"]:
-        print(f"mmtok merge: {summary['num_parts']} parts -> {args.out}/merged.bin/.idx: {summary['sequences']:,} "
-              f"sequences, {summary['tokens']:,} tokens in {seconds:.1f} s (verified with {summary['verified_with']})")
+        lines = [f"{parts} -> {out}/merged.bin/.idx: {plural(summary['sequences'], 'sequence')}, "
+                 f"{plural(summary['tokens'], 'token')} in {seconds:.1f} s (verified with {summary['verified_with']})"]
     else:
-        print(f"mmtok merge: {summary['num_parts']} parts, no sequence with a token: no dataset written (megatron-core "
-              f"cannot open an empty one); merged.json says so")
+        lines = [f"{parts}, no sequence with a token: no dataset written (megatron-core cannot open an empty one); "
+                 "merged.json says so"]
+    if summary["verified_with"] == MMTOK_READER:
+        lines.append("megatron-core is not installed (pip install 'mmtok[megatron]'): verified with mmtok's own reader")
     assembled = summary["assembled"]
     if assembled["documents"] or assembled["documents_skipped"]:
-        print(f"  of which {assembled['documents']:,} documents with several images assembled from the parts' items "
-              f"({assembled['tokens']:,} tokens; {assembled['documents_skipped']:,} skipped)")
+        lines.append(f"of which {plural(assembled['documents'], 'document')} with several images assembled from the "
+                     f"parts' items ({plural(assembled['tokens'], 'token')}; {assembled['documents_skipped']:,} skipped)")
+    skipped = skips.by_reason(summary["counts"])
     if skipped:
-        listed = f"{args.out}/{summary['skipped_file']}"
-        print(f"  skipped {sum(skipped.values()):,} (" + ", ".join(f"{k} {v:,}" for k, v in sorted(skipped.items()))
-              + f"), each named in {listed}")
-    strip = summary.get("strip_reasoning")
-    if strip and not strip["dataset"]:
-        print("  merged_no_reasoning: no sequence left: not written")
-    elif strip:
-        print(f"  merged_no_reasoning: {strip['sequences']:,} sequences; {strip['spans_removed']:,} reasoning spans "
-              f"({strip['reasoning_tokens_removed']:,} tokens) removed, {strip['orphan_prefixes']} orphan prefixes, "
-              f"{strip['orphan_suffixes']} orphan suffixes, {strip['dropped_empty_sequences']} empty sequences dropped")
-    return 0
+        lines.append(f"skipped {sum(skipped.values()):,} (" + ", ".join(f"{k} {v:,}" for k, v in sorted(skipped.items()))
+                     + f"), each named in {out}/{summary['skipped_file']}")
+    return lines + _stripped_lines(summary.get("strip_reasoning"))
+
+
+def _stripped_lines(strip: dict | None) -> list[str]:
+    if not strip:
+        return []
+    if not strip["dataset"]:
+        return ["merged_no_reasoning: no sequence left: not written"]
+    return [f"merged_no_reasoning: {plural(strip['sequences'], 'sequence')}; "
+            f"{plural(strip['spans_removed'], 'reasoning span')} ({plural(strip['reasoning_tokens_removed'], 'token')}) "
+            f"removed, {plural(strip['orphan_prefixes'], 'orphan prefix', 'orphan prefixes')}, "
+            f"{plural(strip['orphan_suffixes'], 'orphan suffix', 'orphan suffixes')}, "
+            f"{plural(strip['dropped_empty_sequences'], 'empty sequence')} dropped"]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mmtok.commands.report import plural, print_summary
+from mmtok.formats import skips
+
 DESCRIPTION = """\
 Write the conversations of the inputs (.jsonl lines, .parquet rows with a `messages` column, or tar
 samples) as WebDataset tars, OUT/conversations-NNNNNN.tar: one sample per conversation, KEY.json (the
@@ -28,11 +31,26 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from mmtok.errors import MmtokError
-    from mmtok.sft.pack import pack, print_summary, refuse_foreign
+    from mmtok.sft.pack import pack, refuse_foreign
 
     if args.samples_per_tar < 1:
         raise MmtokError(f"--samples-per-tar {args.samples_per_tar}: it must be at least 1")
     refuse_foreign(args.out)
     report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, progress=not args.no_progress)
-    print_summary(report, args.out)
+    print_summary("pack", summary_lines(report, args.out))
     return 0
+
+
+def summary_lines(report: dict, out: Path) -> list[str]:
+    """What was packed and skipped (naming where the skips are listed), and the commands that read the tars."""
+    from mmtok.sft.pack import SKIPPED
+
+    counts = report["counts"]
+    skipped = skips.by_reason(counts)
+    media = ", ".join(f"{counts.get(f'{kind}_packed', 0):,} {kind}" for kind in ("image", "audio"))
+    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
+    return [f"{plural(counts.get('conversations', 0), 'conversation')} -> {plural(len(report['tars']), 'tar')} in "
+            f"{out}: {counts.get('packed', 0):,} packed (media: {media}), {sum(skipped.values()):,} skipped"
+            + (f" ({reasons}; each named in {out / SKIPPED})" if skipped else ""),
+            f"next: mmtok scan {out}/conversations-*.tar ..., and the same tars to `mmtok audio convert --kind "
+            "conversations` and `mmtok sft`"]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
+from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
 
 MODES = ("image", "image-text", "text-image", "sft", "interleaved")  # mmtok.formats.presets.MODES, kept import-free
@@ -77,24 +76,24 @@ def run(args) -> int:
         return 0
     meta = build_plan(args.source, parameters_from_args(args), args.out, world_size=args.world_size,
                       progress=not args.quiet)
-    print(summary(meta, args.out), file=sys.stderr)
+    print_summary("plan", summary(meta, args.out))
     if args.explain:
         print(explain_plan(args.out))
     return 0
 
 
-def summary(meta: dict, out) -> str:
+def summary(meta: dict, out) -> list[str]:
     t = meta["totals"]
     over = meta["over_budget"]["images"]
-    return (f"mmtok plan: {t['manifest_rows']:,} rows -> {t['kept_images']:,} images in {meta['num_batches']:,} "
-            f"batches ({t['dropped_images']:,} dropped: "
+    return [f"{plural(t['manifest_rows'], 'row')} -> {plural(t['kept_images'], 'image')} in "
+            f"{plural(meta['num_batches'], 'batch', 'batches')} ({t['dropped_images']:,} dropped: "
             f"{', '.join(f'{k} {v:,}' for k, v in sorted(meta['dropped_by_reason'].items())) or 'none'}); "
-            f"{t['image_tokens']:,} image tokens; {meta['world_size']} ranks, imbalance "
-            f"{100 * meta['imbalance']:.3f}%" + (f"; {over:,} images above the budget" if over else "")
-            + f"; wrote {out}" + _warnings(meta))
+            f"{plural(t['image_tokens'], 'image token')}; {plural(meta['world_size'], 'rank')}, imbalance "
+            f"{100 * meta['imbalance']:.3f}%" + (f"; {plural(over, 'image')} above the budget" if over else "")
+            + f"; wrote {out}"] + _warnings(meta)
 
 
-def _warnings(meta: dict) -> str:
+def _warnings(meta: dict) -> list[str]:
     """Lines for what the user should know: balance above target (and why), documents over the limit."""
     lines = []
     balance, long = meta["balance"], meta["long_documents"]
@@ -102,7 +101,7 @@ def _warnings(meta: dict) -> str:
         lines.append(f"warning: modeled imbalance {100 * meta['imbalance']:.2f}% is above the "
                      f"{100 * balance['target']:.1f}% target: {balance['limited_by']}")
     if long["dropped"]:
-        lines.append(f"warning: {long['dropped']:,} documents dropped as document_too_long (over "
-                     f"{long['limit']:,} tokens; the largest has {long['largest_tokens']:,}); raise "
-                     "--max-document-tokens (0: no limit) to keep them")
-    return "".join(f"\nmmtok plan: {line}" for line in lines)
+        lines.append(f"warning: {plural(long['dropped'], 'document')} dropped as document_too_long (over "
+                     f"{plural(long['limit'], 'token')}; the largest has {plural(long['largest_tokens'], 'token')}); "
+                     "raise --max-document-tokens (0: no limit) to keep them")
+    return lines

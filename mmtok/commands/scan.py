@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 from pathlib import Path
 
+from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
 
 _GLOB_CHARS = "*?["
@@ -84,7 +84,7 @@ def run(args) -> int:
     meta = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
     if not meta["images_ok"]:
         raise MmtokError(no_image_message(meta, args.out))
-    print(summary_line(meta, args.out), file=sys.stderr)
+    print_summary("scan", summary_line(meta, args.out))
     return 0
 
 
@@ -113,6 +113,6 @@ def summary_line(meta: dict, out: Path) -> str:
     errors = ", ".join(f"{reason} {count:,}" for reason, count in meta["reasons"].items()) or "none"
     # Rows scanned in this run (cached shards excluded), error rows included: the work done per second.
     rate = run["rows_scanned"] / run["seconds"] if run["seconds"] > 0 else 0.0
-    return (f"mmtok scan: {meta['shards']:,} shards ({run['cached_shards']:,} from cache), "
-            f"{meta['images_ok']:,} images ok, {meta['errors']:,} errors ({errors}), "
-            f"{rate:,.0f} images/s with {run['workers']} worker(s); wrote {out / 'manifest.parquet'}")
+    return (f"{plural(meta['shards'], 'shard')} ({run['cached_shards']:,} from cache), "
+            f"{plural(meta['images_ok'], 'image')} ok, {plural(meta['errors'], 'error')} ({errors}), "
+            f"{rate:,.0f} images/s with {plural(run['workers'], 'worker')}; wrote {out / 'manifest.parquet'}")

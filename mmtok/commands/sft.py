@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mmtok.commands.report import plural, print_json, print_summary
+from mmtok.formats import skips
+
 DESCRIPTION = """\
 Render SFT conversations with the text tokenizer's chat template and replace every media placeholder
 (<|image|>/<image>, <|audio|>/<audio>, or an image/audio content part) by its medium's block: images
@@ -40,6 +43,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
     parser.add_argument("--world-size", type=int, default=None, help="number of ranks (default: from the environment)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true",
+                        help="also print the rank's summary as one JSON object on stdout (the human one stays on stderr)")
     parser.set_defaults(func=run)
 
 
@@ -47,7 +52,7 @@ def run(args) -> int:
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.launch import resolve_rank
     from mmtok.errors import MmtokError
-    from mmtok.sft.build import SftOptions, assemble_rank, print_summary
+    from mmtok.sft.build import SftOptions, assemble_rank
 
     if args.max_tokens < 1:
         raise MmtokError(f"--max-tokens {args.max_tokens}: it must be at least 1")
@@ -57,5 +62,22 @@ def run(args) -> int:
     stats = assemble_rank(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
                           audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
                           options=options)
-    print_summary(rank, world_size, stats, args.out)
+    print_summary("sft", summary_lines(rank, world_size, stats, args.out))
+    if args.json:
+        print_json({"rank": rank, "world_size": world_size, **stats})
     return 0
+
+
+def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[str]:
+    """What the rank wrote and skipped (naming where the skips are listed), and the next command."""
+    counts = stats["counts"]
+    skipped = skips.by_reason(counts)
+    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
+    lines = [f"rank {rank}/{world_size}: {plural(counts.get('conversations', 0), 'conversation')}: "
+             f"{counts.get('documents_written', 0):,} written ({plural(counts.get('tokens', 0), 'token')}, "
+             f"{counts.get('images_written', 0):,} image and {plural(counts.get('audio_written', 0), 'audio block')}), "
+             f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons}; each named in "
+             f"{stats['part_dir']}/skipped.jsonl)" if skipped else "")]
+    if stats.get("already_done"):
+        lines.append(f"(part already finished: {stats['part_dir']})")
+    return lines + [f"next, when every rank finished: mmtok merge {out} [--strip-reasoning]"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
+from mmtok.commands.report import plural
+
 DESCRIPTION = """\
 Show where an encode job stands, from OUT/parts alone. Reads only: takes no lock and writes nothing,
 so it is safe to run (and rerun) while the ranks are encoding, from any host that sees OUT.
@@ -53,7 +55,7 @@ def run(args) -> int:
 def render(status: dict) -> str:
     """The human view of a `job_status` result: header, part table, totals, balance, ETA."""
     states = ", ".join(f"{n} {state}" for state, n in status["states"].items() if n)
-    lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, {status['num_parts']} parts"
+    lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, {plural(status['num_parts'], 'part')}"
              + (f": {states}" if states else "")]
     lines += [f"  warning: {w}" for w in status["warnings"]]
     lines += _table(status)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from mmtok.commands.report import plural, print_summary
+
 BUILD_HELP = """\
 Write a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
 and the base's chat_template.jinja if it has one) whose ids are exactly mmtok's vocabulary layout for the
@@ -53,9 +55,9 @@ def run_build(args) -> int:
 
     summary = build_tokenizer(args.text_tokenizer, args.out, image_codec=args.image_codec, audio_codec=args.audio_codec)
     omni = summary["total_size"] - summary["text_size"]
-    print(f"mmtok tokenizer build: {summary['text_tokenizer']} ({summary['text_size']:,} text ids) + {omni:,} omni ids "
-          f"= {summary['total_size']:,} ids -> {summary['out']} (tokenizer.json "
-          f"{summary['tokenizer_json_bytes'] / 1e6:.1f} MB) in {summary['seconds']:.1f} s")
+    print_summary("tokenizer build", f"{summary['text_tokenizer']} ({summary['text_size']:,} text ids) + "
+                  f"{omni:,} omni ids = {summary['total_size']:,} ids -> {summary['out']} (tokenizer.json "
+                  f"{summary['tokenizer_json_bytes'] / 1e6:.1f} MB) in {summary['seconds']:.1f} s")
     return 0
 
 
@@ -64,10 +66,10 @@ def run_check(args) -> int:
 
     problems, summaries = check_tokenizer(args.directory, args.data)
     for problem in problems:
-        print(f"mmtok tokenizer check: {problem}")
+        print_summary("tokenizer check", problem)
     if problems:
-        print(f"mmtok tokenizer check: {len(problems)} problem(s): {args.directory} does not fit this data")
+        print_summary("tokenizer check", f"{plural(len(problems), 'problem')}: {args.directory} does not fit this data")
         return 1
     for summary in summaries:
-        print(f"mmtok tokenizer check: ok: {args.directory} fits {summary}")
+        print_summary("tokenizer check", f"ok: {args.directory} fits {summary}")
     return 0

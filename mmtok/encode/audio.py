@@ -23,7 +23,6 @@ thread takes them from the DataLoader, the device encodes, the committer commits
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections import Counter
@@ -354,14 +353,7 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
     context.cache_metadata["num_parts"] = len(shards)
     work = open_parts([shards[i] for i in mine], context, batching, len(shards), trim_of(codec) * int(codec.hop))
     summary = run_parts(work, codec, context, num_workers=num_workers, progress=progress)
-    summary.update(rank=rank, world_size=world_size, shards=mine)
-    busy = summary["device_busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
-    lost = sum(summary["skipped"].values())
-    reasons = ", ".join(f"{k} {v:,}" for k, v in summary["skipped"].items())
-    print(f"mmtok encode (audio) rank {rank}/{world_size}: {len(mine)} shards ({len(work)} to do), "
-          f"{summary['batches']} batches, {summary['clips']} clips: {summary['clips'] - lost} encoded, {lost} skipped"
-          f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
-          f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)", file=sys.stderr)
+    summary.update(rank=rank, world_size=world_size, shards=mine, shards_to_do=len(work))
     return summary
 
 

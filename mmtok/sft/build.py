@@ -30,7 +30,6 @@ so `mmtok merge OUT` gives the same bytes for any world size of this stage or of
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -335,18 +334,3 @@ def _refuse_other_parts(directory: Path) -> None:
         modality = commitlog.read_identity(directory).get("modality")
         if modality != "sft":
             raise MmtokError(f"{directory} is a part of an {modality} encode, not of `mmtok sft`; pass another --out")
-
-
-def print_summary(rank: int, world_size: int, stats: dict, out: Path, file=None) -> None:
-    file = file or sys.stderr  # looked up now: a caller (or a test) may have replaced it
-    counts = stats["counts"]
-    skipped = skips.by_reason(counts)
-    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
-    print(f"mmtok sft rank {rank}/{world_size}: {counts.get('conversations', 0):,} conversations: "
-          f"{counts.get('documents_written', 0):,} written ({counts.get('tokens', 0):,} tokens, "
-          f"{counts.get('images_written', 0):,} image and {counts.get('audio_written', 0):,} audio blocks), "
-          f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons}; each named in "
-          f"{stats['part_dir']}/skipped.jsonl)" if skipped else ""), file=file)
-    if stats.get("already_done"):
-        print(f"  (part already finished: {stats['part_dir']})", file=file)
-    print(f"  next, when every rank finished: mmtok merge {out} [--strip-reasoning]", file=file)

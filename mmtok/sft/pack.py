@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 import tarfile
 from collections import Counter
 from contextlib import ExitStack
@@ -181,19 +180,6 @@ class _Tars:
         if exc[0] is None and not self.names:
             self._next()  # nothing packed: one empty tar, so the later stages have their input
         self._stack.__exit__(*exc)
-
-
-def print_summary(report: dict, out: Path, file=None) -> None:
-    file = file or sys.stderr  # looked up now: a caller (or a test) may have replaced it
-    counts = report["counts"]
-    skipped = skips.by_reason(counts)
-    media = ", ".join(f"{counts.get(f'{kind}_packed', 0):,} {kind}" for kind in ("image", "audio"))
-    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
-    print(f"mmtok pack: {counts.get('conversations', 0):,} conversations -> {len(report['tars'])} tar(s) in {out}: "
-          f"{counts.get('packed', 0):,} packed (media: {media}), {sum(skipped.values()):,} skipped"
-          + (f" ({reasons}; each named in {out / SKIPPED})" if skipped else ""), file=file)
-    print(f"  next: mmtok scan {out}/conversations-*.tar ..., and the same tars to `mmtok audio convert --kind "
-          "conversations` and `mmtok sft`", file=file)
 
 
 def refuse_foreign(out: Path) -> None:

@@ -1,0 +1,39 @@
+"""How every command reports what it did: one shape, one stream.
+
+A summary goes to stderr as `mmtok COMMAND: headline` and then its detail lines, each indented by two
+spaces. stdout is left to what a user pipes: `inspect` output, `plan --explain`, `status`,
+`inspect --megatron`, and the one JSON object of a `--json` flag (docs/development.md lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def print_summary(command: str, lines: str | Sequence[str]) -> None:
+    """Print a summary on stderr: the first line after `mmtok COMMAND: `, the others indented."""
+    lines = [lines] if isinstance(lines, str) else list(lines)
+    text = [f"mmtok {command}: {lines[0]}"] + [f"  {line}" for line in lines[1:]]
+    print("\n".join(text), file=sys.stderr)  # sys.stderr looked up now: a caller (or a test) may replace it
+
+
+def print_json(result: dict) -> None:
+    """Print a command's result as one JSON object on one stdout line (paths as strings)."""
+    print(json.dumps(result, sort_keys=True, default=_plain))
+
+
+def _plain(value):
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item"):  # a NumPy scalar
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def plural(count: int, noun: str, many: str | None = None) -> str:
+    """`1 rank`, `2 ranks`, `1,024 images`: the count (thousands separated) and the noun it takes;
+    `many` is the plural where it is not noun + s (`plural(n, "batch", "batches")`)."""
+    return f"{count:,} {noun if count == 1 else many or noun + 's'}"
