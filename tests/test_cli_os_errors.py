@@ -119,6 +119,7 @@ def test_merge_on_a_full_disk_is_one_line_leaves_no_temp_file_and_reruns(job, mo
     fs = mount(8 << 20)
     out = fs.path / "out"
     assert main([*encode, str(out)]) == 0
+    capsys.readouterr()  # the encode's summary (stderr too): the merge's error is to be its only line
     ballast = _fill(fs.path, leave=2 * 4096)  # two pages: the merged files do not fit
     assert main(["merge", str(out), "--no-progress"]) == 2
     _one_line_error(capsys, "No space left on device [ENOSPC]", str(out))
