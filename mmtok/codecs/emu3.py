@@ -59,9 +59,9 @@ PRECISION = PrecisionContract(tf32_matmul=False, tf32_conv=False, dtype="float32
 OFFICIAL_MIN_PIXELS = 512 * 512
 OFFICIAL_MAX_PIXELS = 1024 * 1024
 MAX_ASPECT = 5.0
-# Positions per distance matrix block (512 x 32,768 float32 = 64 MiB), the same for every batch: the last
+# Positions per distance matrix block (128 x 32,768 float32 = 16 MiB), the same for every batch: the last
 # block is zero-padded, so each block's matmul runs one kernel whatever the batch size.
-QUANTIZE_CHUNK = 512
+QUANTIZE_CHUNK = 128
 
 
 @dataclass(frozen=True)
