@@ -61,6 +61,7 @@ def top2_gaps(latents: torch.Tensor, weight: torch.Tensor, block: int = 256) -> 
     return torch.cat(gaps)
 
 
+@torch.no_grad()
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--photos", type=int, default=8)
@@ -86,7 +87,7 @@ def main() -> int:
         for name, layout in (("in order", order), ("shuffled", shuffled)):
             t = time.perf_counter()
             latents = in_batches(codec.latents, pixels, layout, size)
-            codes = in_batches(codec.encode, pixels, layout, size)
+            codes = in_batches(codec.quantize.codes, latents, layout, size)  # = encode(), whose first half is latents
             differ = (codes != reference).flatten()
             gaps = top2_gaps(vectors[differ], weight).tolist() if differ.any() else []
             rows.append([size, name, reference.numel(), int((latents != reference_latents).sum()),

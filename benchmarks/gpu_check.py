@@ -467,6 +467,7 @@ def step_batch_invariance(step: StepRecord, profile: Profile, work: Path) -> Non
     from mmtok.codecs import emu35
     from mmtok.codecs import wavtokenizer as wt
 
+    torch.set_grad_enabled(False)  # this process only measures
     codec = emu35.load(random_checkpoint(work, profile.invariance_codec), device)
     largest = profile.invariance_batches[-1]
     images, label = source_images(largest)

@@ -41,14 +41,16 @@ def compositions(count: int) -> list[np.ndarray]:
             *(rng.permutation(count) for _ in range(2))]
 
 
-def assert_batch_invariant(encode, pixels: torch.Tensor) -> None:
+def assert_batch_invariant(encode, pixels: torch.Tensor) -> torch.Tensor:
+    """encode(pixels) image by image equals it in every batch size and order; returns the one-by-one result."""
     alone = in_batches(encode, pixels, 1)
     for size in BATCH_SIZES[1:]:
         assert torch.equal(in_batches(encode, pixels, size), alone), f"batch size {size}"
-    for order in compositions(len(pixels))[1:3]:
-        for size in (3, 8):
+    for order in compositions(len(pixels))[2:3]:
+        for size in (8,):
             shuffled = in_batches(encode, pixels[torch.from_numpy(order.copy())], size)
             assert torch.equal(shuffled[torch.from_numpy(np.argsort(order))], alone), f"order {order}, batch {size}"
+    return alone
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +67,11 @@ def emu3_codec(tmp_path_factory):
 # ------------------------------------------------------------------------------------ images
 
 
-def test_emu35_codes_do_not_depend_on_batch_size_or_neighbours(emu35_codec):
-    assert_batch_invariant(emu35_codec.encode, real_photos(IMAGES, 48, 64))
-
-
-def test_emu35_latents_are_bit_identical_across_batch_sizes(emu35_codec):
+def test_emu35_latents_and_codes_do_not_depend_on_batch_size_or_neighbours(emu35_codec):
     pixels = real_photos(IMAGES, 32, 48)
-    alone = in_batches(emu35_codec.latents, pixels, 1)
-    for size in BATCH_SIZES[1:]:
-        assert torch.equal(in_batches(emu35_codec.latents, pixels, size), alone), f"batch size {size}"
+    alone = assert_batch_invariant(emu35_codec.latents, pixels)  # bit for bit, before the argmax
+    codes_alone = torch.cat([emu35_codec.quantize.codes(latents[None]) for latents in alone]).to(torch.int32)
+    assert torch.equal(emu35_codec.encode(pixels), codes_alone)
 
 
 def test_emu3_codes_do_not_depend_on_batch_size_or_neighbours(emu3_codec):
@@ -112,13 +110,13 @@ def wav_codec(tmp_path_factory):
 
 
 def speech_clips(count: int) -> list[np.ndarray]:
-    """`count` real speech clips at 24 kHz, 0.3 to 1.6 s, cut at varied sample counts (n mod 600)."""
+    """`count` real speech clips at 24 kHz, 0.15 to 0.4 s, cut at varied sample counts (n mod 600)."""
     sources = [load_audio(str(p))[0] for p in alsa_sounds()[:2] + asterisk_prompts()[:6]]
     rng = np.random.default_rng(1)
     clips = []
     for index in range(count):
         wave = sources[index % len(sources)]
-        length = min(wave.size, int(rng.integers(3_601, 38_400)))
+        length = min(wave.size, int(rng.integers(3_601, 9_600)))
         start = int(rng.integers(0, wave.size - length + 1))
         clips.append(peak_normalize(wave[start:start + length]))
     return clips
@@ -140,8 +138,7 @@ def test_wavtokenizer_kept_codes_do_not_depend_on_batch_size_bucket_or_neighbour
     assert all(alone[i].size == wt.trimmed_count(clip.size) for i, clip in enumerate(clips))
     by_duration = np.argsort([clip.size for clip in clips])
     layouts = [(range(len(clips)), size) for size in BATCH_SIZES[1:]]  # mixed durations: much padding
-    layouts += [(by_duration, 3), (by_duration[::-1], 8)]  # duration buckets: short and long neighbours
-    layouts += [(order, 4) for order in compositions(len(clips))[2:]]
+    layouts += [(by_duration[::-1], 3), (compositions(len(clips))[2], 8)]  # duration buckets; other neighbours
     for order, size in layouts:
         batched = kept_codes(wav_codec, clips, order, size)
         for index in range(len(clips)):

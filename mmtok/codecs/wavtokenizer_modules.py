@@ -165,9 +165,9 @@ class Codebook(nn.Module):
     `embed_avg`) are training-only and are not loaded.
     """
 
-    # Frames per distance matrix block (1,024 x 4,096 floats, 16 MiB), the same for every batch: the last
+    # Frames per distance matrix block (128 x 4,096 floats, 2 MiB), the same for every batch: the last
     # block is zero-padded, so each block's matmul runs one kernel and a frame's code ignores its batch.
-    ROWS_PER_CHUNK = 1024
+    ROWS_PER_CHUNK = 128
 
     def __init__(self, codebook_size: int, dim: int = DIMENSION):
         super().__init__()
