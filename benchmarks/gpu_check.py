@@ -15,6 +15,11 @@ Steps (status ok / failed / skipped, with a one-line error):
                 of the official softmax/one-hot quantizer, TF32 (the contract) and strict fp32; peak memory per
                 case; code flips TF32 vs strict fp32 and bf16 autocast vs strict fp32 on the same real photos
   wavtokenizer  WavTokenizer encoder (official encoder size), seconds of audio per second at batch 1 and 32
+  batch_invariance  under each codec's precision contract: the codes of a fixed real-photo set (Emu3.5) encoded
+                at batch sizes 1, 2, 7, 16 and the plan's largest, and in shuffled compositions, against batch
+                1: differing codes per million and the top-1 minus top-2 logit gaps where they differ; the same
+                for WavTokenizer's kept codes (clips of mixed lengths, duration-sorted and shuffled batches,
+                gaps of the negative squared distance)
   e2e           real-photo JPEG shards -> mmtok scan -> plan (2 ranks) -> encode rank 0 and 1 one after the
                 other on cuda:0 (LOCAL_RANK=0, mid-size codec) -> merge; device-busy fraction and images/s
                 from each part's stats.json
@@ -50,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ("environment", "emu35", "wavtokenizer", "e2e", "status", "calibrate", "cuda_context")
+STEPS = ("environment", "emu35", "wavtokenizer", "batch_invariance", "e2e", "status", "calibrate", "cuda_context")
 REPORT_JSON, REPORT_MD = "gpu_check.json", "gpu_check.md"
 MIB = 1 << 20
 NOT_REACHED = "not reached: the check stopped before this step"
@@ -83,12 +88,17 @@ class Profile:
     calibrate_checkpoint: str
     calibrate_preset: dict  # "base": a preset of plans/; the other keys replace its values
     calibrate_flags: tuple
+    invariance_codec: str  # Emu3.5 config of the batch_invariance step
+    invariance_side: int  # image side of its photo set
+    invariance_batches: tuple  # batch sizes compared with batch 1; the last is the plan's largest at that side
+    invariance_clips: int  # WavTokenizer clips of mixed lengths
+    invariance_clip_s: tuple  # (min, max) clip seconds
 
 
 GPU = Profile(
     name="gpu", budget_s=405,
-    caps={"environment": 15, "emu35": 130, "wavtokenizer": 35, "e2e": 100, "status": 15, "calibrate": 85,
-          "cuda_context": 25},
+    caps={"environment": 15, "emu35": 115, "wavtokenizer": 35, "batch_invariance": 40, "e2e": 100, "status": 15,
+          "calibrate": 60, "cuda_context": 25},
     soft_margin_s=6,
     emu35_config="full", emu35_cases=((512, 16), (1024, 4)), flip_photos={512: 16, 1024: 8},
     case_seconds=3.0, max_repeats=5, case_reserve_s=12,
@@ -99,13 +109,16 @@ GPU = Profile(
     calibrate_checkpoint="full", calibrate_preset={"base": "apertus-stage1"},
     calibrate_flags=("--device", "cuda", "--max-shapes", "6", "--batch-sizes", "1,8,32",
                      "--max-images", "32", "--repeats", "2", "--no-progress"),
+    # 123 = apertus-stage1's largest batch at 512^2: token_budget 131,072 // 1,065 tokens per image
+    invariance_codec="mid", invariance_side=512, invariance_batches=(2, 7, 16, 123),
+    invariance_clips=64, invariance_clip_s=(1.0, 12.0),
 )
 SMOKE = Profile(
     # Caps about 3x what each step takes on an idle 2-core VM (~50 s in all), so a loaded CI machine
     # slows the check down rather than failing it.
     name="smoke", budget_s=300,
-    caps={"environment": 30, "emu35": 60, "wavtokenizer": 60, "e2e": 150, "status": 30, "calibrate": 60,
-          "cuda_context": 45},
+    caps={"environment": 30, "emu35": 60, "wavtokenizer": 60, "batch_invariance": 60, "e2e": 150, "status": 30,
+          "calibrate": 60, "cuda_context": 45},
     soft_margin_s=2,
     emu35_config="tiny", emu35_cases=((64, 2),), flip_photos={64: 4},
     case_seconds=0.3, max_repeats=2, case_reserve_s=2,
@@ -117,6 +130,8 @@ SMOKE = Profile(
     calibrate_preset={"base": "apertus-stage1", "min_pixels": 64 * 64, "max_pixels": 128 * 128},
     calibrate_flags=("--device", "cpu", "--max-shapes", "2", "--batch-sizes", "1",
                      "--max-images", "1", "--repeats", "1", "--no-progress"),
+    invariance_codec="tiny", invariance_side=64, invariance_batches=(2, 7, 16, 17),
+    invariance_clips=9, invariance_clip_s=(0.2, 0.6),
 )
 
 
@@ -445,6 +460,111 @@ def synthetic_audio(seconds: float, count: int, rate: int):
     return np.stack(clips).astype(np.float32)
 
 
+# -- step: batch_invariance -------------------------------------------------------------------------
+def step_batch_invariance(step: StepRecord, profile: Profile, work: Path) -> None:
+    """The codes of one input at other batch sizes and between other neighbours, against batch 1."""
+    torch, device = torch_device(profile)
+    from mmtok.codecs import emu35
+    from mmtok.codecs import wavtokenizer as wt
+
+    torch.set_grad_enabled(False)  # this process only measures
+    codec = emu35.load(random_checkpoint(work, profile.invariance_codec), device)
+    largest = profile.invariance_batches[-1]
+    images, label = source_images(largest)
+    photos = torch.from_numpy(photo_batch(images, profile.invariance_side, largest))
+    step.put("images", f"{largest} photos at {profile.invariance_side}^2 ({label}); Emu3.5 {profile.invariance_codec} "
+                       f"config, TF32 contract, on {device}")
+    emu35.PRECISION.apply()
+    weight = codec.quantize.embedding.weight
+
+    def image_gaps(index: int, positions) -> list[float]:
+        latents = codec.latents(photos[index:index + 1])[0].flatten(1).T  # [h*w, D], batch 1
+        return top2_gaps(latents[positions] @ weight.T)
+
+    step.put("image_median_gap", float(top2_gaps(codec.latents(photos[:1])[0].flatten(1).T @ weight.T).median()))
+    invariance_cases(step, profile, torch, "emu3.5", photos, lambda batch: codec.encode(batch).flatten(1).cpu(),
+                     image_gaps, device)
+
+    directory = work / "wavtokenizer"
+    if not (directory / "model.ckpt").is_file():
+        wt.write_random_checkpoint(directory)
+    audio = wt.load(directory, device)
+    clips = mixed_clips(profile, wt.SAMPLE_RATE)
+    step.put("audio", f"{len(clips)} synthetic clips of {profile.invariance_clip_s[0]:g} to "
+                      f"{profile.invariance_clip_s[1]:g} s; WavTokenizer random weights, strict fp32, kept codes only")
+    embed = audio.codebook.embed
+
+    def audio_gaps(index: int, positions) -> list[float]:
+        with torch.inference_mode():
+            latents = audio.encoder(torch.from_numpy(clips[index]).to(device)[None, None])[0].T[positions]
+        return top2_gaps(-(latents.pow(2).sum(1, keepdim=True) - 2 * latents @ embed.T + audio.codebook.embed_sq))
+
+    def encode_audio(batch: list) -> list:
+        return [torch.from_numpy(codes) for codes in audio.encode_clips(batch, sample_rate=wt.SAMPLE_RATE)]
+
+    invariance_cases(step, profile, torch, "wavtokenizer", clips, encode_audio, audio_gaps, device)
+
+
+def top2_gaps(scores) -> "torch.Tensor":
+    """Top-1 minus top-2 score per row: how far each code is from flipping."""
+    top = scores.topk(2, dim=1).values
+    return (top[:, 0] - top[:, 1]).float().cpu()
+
+
+def mixed_clips(profile: Profile, rate: int) -> list:
+    """profile.invariance_clips synthetic clips of seeded lengths across profile.invariance_clip_s."""
+    import numpy as np
+
+    low, high = profile.invariance_clip_s
+    waves = synthetic_audio(high, profile.invariance_clips, rate)
+    lengths = np.random.default_rng(2).integers(int(low * rate), int(high * rate), len(waves))
+    return [np.ascontiguousarray(wave[:length]) for wave, length in zip(waves, lengths)]
+
+
+def invariance_cases(step: StepRecord, profile: Profile, torch, codec: str, items, encode, gaps, device) -> None:
+    """Encode `items` at batch 1, then at each size of profile.invariance_batches (input order), duration- or
+    index-sorted in batches of 7 and in two shuffles at 16; one record per layout of what differs from batch 1."""
+    import numpy as np
+
+    count = len(items)
+    sizes = [size for size in profile.invariance_batches if size <= count] or [count]
+    rng = np.random.default_rng(0)
+    layouts = [("input order", np.arange(count), size) for size in sizes]
+    if codec == "wavtokenizer":
+        layouts.append(("duration-sorted buckets", np.argsort([len(clip) for clip in items], kind="stable"), 7))
+    layouts += [(f"shuffle {seed}", rng.permutation(count), min(16, count)) for seed in (1, 2)]
+
+    def run(order, size: int) -> list:
+        out = [None] * count
+        for start in range(0, count, size):
+            chosen = [int(i) for i in order[start:start + size]]
+            batch = [items[i] for i in chosen] if isinstance(items, list) else items[chosen]
+            for index, codes in zip(chosen, encode(batch)):
+                out[index] = codes
+        return out
+
+    alone = run(np.arange(count), 1)
+    total = sum(int(codes.numel()) for codes in alone)
+    for name, order, size in layouts:
+        case = {"codec": codec, "layout": name, "batch": size, "codes": total}
+        if step.left() < profile.case_reserve_s:
+            step.append("invariance", {**case, "status": "skipped: out of time"})
+            continue
+        try:
+            codes = run(order, size)
+        except torch.cuda.OutOfMemoryError as err:
+            case["status"] = f"failed: {error_line(err)[:160]}"
+        else:
+            differing = {i: torch.nonzero(codes[i] != alone[i]).flatten() for i in range(count)}
+            found = [gap for i, where in differing.items() if len(where) for gap in gaps(i, where[:20]).tolist()]
+            changed = sum(len(where) for where in differing.values())
+            case.update(differing=changed, per_million=round(1e6 * changed / max(total, 1), 1),
+                        gaps=[float(f"{gap:.3g}") for gap in sorted(found)[:10]])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        step.append("invariance", case)
+
+
 # -- step: e2e ---------------------------------------------------------------------------------------
 def e2e_paths(work: Path) -> dict[str, Path]:
     root = work / "e2e"
@@ -718,7 +838,7 @@ def contexts_of(pid: int) -> tuple[list[dict] | None, str]:
 
 
 STEP_FUNCTIONS = {"environment": step_environment, "emu35": step_emu35, "wavtokenizer": step_wavtokenizer,
-                  "e2e": step_e2e, "status": step_status, "calibrate": step_calibrate,
+                  "batch_invariance": step_batch_invariance, "e2e": step_e2e, "status": step_status, "calibrate": step_calibrate,
                   "cuda_context": step_cuda_context}
 
 
@@ -895,6 +1015,15 @@ def md_wavtokenizer(r: dict) -> list[str]:
             table(["batch", "audio s", "audio s per s", "best wall s", "repeats", "peak MiB"], rows)]
 
 
+def md_batch_invariance(r: dict) -> list[str]:
+    rows = [[c["codec"], c["layout"], c["batch"], c["codes"], c.get("differing", c.get("status")),
+             c.get("per_million"), ", ".join(map(str, c.get("gaps", [])))] for c in r.get("invariance", [])]
+    return [f"Images: {r.get('images')}. Audio: {r.get('audio')}. Median top-1 minus top-2 logit of the first "
+            f"photo's codes: {rounded(r.get('image_median_gap'))}.", "",
+            table(["codec", "layout", "batch", "codes", "differing from batch 1", "per million",
+                   "gaps where they differ (logit / -distance)"], rows)]
+
+
 def md_e2e(r: dict) -> list[str]:
     corpus = r.get("corpus", {})
     lines = [f"Corpus: {corpus.get('images')} captioned JPEGs ({corpus.get('distinct_jpegs')} distinct, long side "
@@ -975,7 +1104,8 @@ def md_cuda_context(r: dict) -> list[str]:
     return lines
 
 
-RENDERERS = {"environment": md_environment, "emu35": md_emu35, "wavtokenizer": md_wavtokenizer, "e2e": md_e2e,
+RENDERERS = {"environment": md_environment, "emu35": md_emu35, "wavtokenizer": md_wavtokenizer,
+             "batch_invariance": md_batch_invariance, "e2e": md_e2e,
              "status": md_status, "calibrate": md_calibrate, "cuda_context": md_cuda_context}
 
 

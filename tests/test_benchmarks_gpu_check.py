@@ -11,9 +11,9 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = ["environment", "emu35", "wavtokenizer", "e2e", "status", "calibrate", "cuda_context"]
+STEPS = ["environment", "emu35", "wavtokenizer", "batch_invariance", "e2e", "status", "calibrate", "cuda_context"]
 # Every step has a CPU variant; status and calibrate may be skipped only where their command is missing.
-MUST_RUN = ["environment", "emu35", "wavtokenizer", "e2e", "cuda_context"]
+MUST_RUN = ["environment", "emu35", "wavtokenizer", "batch_invariance", "e2e", "cuda_context"]
 
 
 def test_smoke_check_reports_every_step(tmp_path):
@@ -35,6 +35,10 @@ def test_smoke_check_reports_every_step(tmp_path):
     e2e = report["steps"]["e2e"]["results"]
     assert [part["images_written"] for part in e2e["parts"]] == [part["images_planned"] for part in e2e["parts"]]
     assert e2e["merged"]["sequences"] == e2e["corpus"]["images"]  # one caption document per image
+    cases = report["steps"]["batch_invariance"]["results"]["invariance"]
+    assert {case["codec"] for case in cases} == {"emu3.5", "wavtokenizer"}
+    assert sorted({case["batch"] for case in cases if case["codec"] == "emu3.5"}) == [2, 7, 16, 17]
+    assert all(case["differing"] == 0 for case in cases), cases  # the CPU is batch-invariant bit for bit
     markdown = (tmp_path / "gpu_check.md").read_text()
     for name in STEPS:
         assert f"## {name}: {report['steps'][name]['status']}" in markdown

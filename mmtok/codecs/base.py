@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from mmtok.errors import MmtokError
 
@@ -63,6 +64,52 @@ def refuse_low_precision(dtype: str, codec: str) -> None:
             "0.5% for TF32), so the tokens would not match the corpus made with this codec's contract. "
             "Use float32 (the default)."
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch invariance: the numbers of one input never depend on the batch it is in
+
+
+class BatchInvariantConv:
+    """Mixin for nn.Conv1d/2d/3d: on the CPU, float32 convolutions always run oneDNN's kernel.
+
+    PyTorch picks the CPU kernel by shape, batch size and thread count (the im2col "slow" kernel for a
+    single small image or, on one thread, a 1x1 conv under 16 images; oneDNN otherwise), and the two
+    round differently (~1e-6). Calling oneDNN for every batch size makes a sample's output the same
+    whatever its batch or, for audio, its padded length. Other devices and dtypes keep PyTorch's choice.
+    Weights and their names are nn.Conv's, so checkpoints load unchanged."""
+
+    def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (input.device.type == "cpu" and input.dtype == torch.float32 and self.padding_mode == "zeros"
+                and not isinstance(self.padding, str) and torch.backends.mkldnn.is_available()):
+            return torch.mkldnn_convolution(input, weight, bias, self.padding, self.stride, self.dilation, self.groups)
+        return super()._conv_forward(input, weight, bias)
+
+
+class Conv1d(BatchInvariantConv, nn.Conv1d):
+    pass
+
+
+class Conv2d(BatchInvariantConv, nn.Conv2d):
+    pass
+
+
+class Conv3d(BatchInvariantConv, nn.Conv3d):
+    pass
+
+
+def row_blocks(rows: torch.Tensor, block: int):
+    """Yield (start, count, a [block, D] view or zero-padded copy) over `rows` [N, D].
+
+    Every block has exactly `block` rows, so a matmul over it runs the same kernel whatever N is: BLAS
+    libraries pick their kernel by the row count (a vector kernel for one row, others for a few), and a
+    row's dot products then round differently. Only the first `count` rows of a block's results are real."""
+    for start in range(0, len(rows), block):
+        chunk = rows[start:start + block]
+        count = len(chunk)
+        if count < block:
+            chunk = torch.cat([chunk, chunk.new_zeros(block - count, *chunk.shape[1:])])
+        yield start, count, chunk
 
 
 class Codec(torch.nn.Module):

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mmtok.codecs.base import Codec, PrecisionContract, checkpoint_fingerprint
+from mmtok.codecs.base import Codec, Conv2d, Conv3d, PrecisionContract, checkpoint_fingerprint, row_blocks
 from mmtok.errors import MmtokError
 
 CONFIG_FILE = "config.json"
@@ -59,7 +59,9 @@ PRECISION = PrecisionContract(tf32_matmul=False, tf32_conv=False, dtype="float32
 OFFICIAL_MIN_PIXELS = 512 * 512
 OFFICIAL_MAX_PIXELS = 1024 * 1024
 MAX_ASPECT = 5.0
-QUANTIZE_CHUNK = 2048  # positions per distance matrix chunk: 2048 x 32768 float32 = 256 MiB at most
+# Positions per distance matrix block (128 x 32,768 float32 = 16 MiB), the same for every batch: the last
+# block is zero-padded, so each block's matmul runs one kernel whatever the batch size.
+QUANTIZE_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,8 @@ class SpatialNorm(nn.Module):
     def __init__(self, channels: int, zq_channels: int):
         super().__init__()
         self.norm_layer = nn.GroupNorm(32, channels, eps=1e-6)
-        self.conv_y = nn.Conv2d(zq_channels, channels, 1)
-        self.conv_b = nn.Conv2d(zq_channels, channels, 1)
+        self.conv_y = Conv2d(zq_channels, channels, 1)
+        self.conv_b = Conv2d(zq_channels, channels, 1)
 
     def forward(self, x: torch.Tensor, zq: torch.Tensor) -> torch.Tensor:
         zq = F.interpolate(zq, size=x.shape[-2:], mode="nearest")
@@ -124,11 +126,11 @@ class ResnetBlock(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, zq_channels: int | None = None):
         super().__init__()
         self.norm1 = _norm(in_channels, zq_channels)
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.conv1 = Conv2d(in_channels, out_channels, 3, padding=1)
         self.norm2 = _norm(out_channels, zq_channels)
-        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        self.conv2 = Conv2d(out_channels, out_channels, 3, padding=1)
         if in_channels != out_channels:
-            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, 1)
+            self.nin_shortcut = Conv2d(in_channels, out_channels, 1)
 
     def forward(self, x: torch.Tensor, zq: torch.Tensor | None = None) -> torch.Tensor:
         h = self.conv1(_silu(_apply_norm(self.norm1, x, zq)))
@@ -143,10 +145,10 @@ class AttnBlock(nn.Module):
     def __init__(self, channels: int, zq_channels: int | None = None):
         super().__init__()
         self.norm = _norm(channels, zq_channels)
-        self.q = nn.Conv2d(channels, channels, 1)
-        self.k = nn.Conv2d(channels, channels, 1)
-        self.v = nn.Conv2d(channels, channels, 1)
-        self.proj_out = nn.Conv2d(channels, channels, 1)
+        self.q = Conv2d(channels, channels, 1)
+        self.k = Conv2d(channels, channels, 1)
+        self.v = Conv2d(channels, channels, 1)
+        self.proj_out = Conv2d(channels, channels, 1)
 
     def forward(self, x: torch.Tensor, zq: torch.Tensor | None = None) -> torch.Tensor:
         h = _apply_norm(self.norm, x, zq)
@@ -162,7 +164,7 @@ class AttnBlock(nn.Module):
 class Downsample(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, stride=2)
+        self.conv = Conv2d(channels, channels, 3, stride=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.pad(x, (0, 1, 0, 1)))
@@ -171,7 +173,7 @@ class Downsample(nn.Module):
 class Upsample(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv = Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
@@ -186,7 +188,7 @@ class CausalConv3d(nn.Module):
         super().__init__()
         pad_h, pad_w = kernel[1] - stride[1], kernel[2] - stride[2]
         self.padding = (pad_w - pad_w // 2, pad_w // 2, pad_h - pad_h // 2, pad_h // 2, 2, 0)
-        self.conv = nn.Conv3d(in_channels, out_channels, kernel, stride=stride)
+        self.conv = Conv3d(in_channels, out_channels, kernel, stride=stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.pad(x, self.padding))
@@ -260,7 +262,7 @@ class Encoder(nn.Module):
     def __init__(self, config: Emu3Config):
         super().__init__()
         ch, mult = config.ch, config.ch_mult
-        self.conv_in = nn.Conv2d(config.in_channels, ch, 3, padding=1)
+        self.conv_in = Conv2d(config.in_channels, ch, 3, padding=1)
         self.down = nn.ModuleList()
         block_in = ch
         for level, factor in enumerate(mult):
@@ -273,7 +275,7 @@ class Encoder(nn.Module):
         self.mid = _middle(block_in, None)
         self.norm_out = nn.GroupNorm(32, block_in, eps=1e-6)
         z = 2 * config.z_channels if config.double_z else config.z_channels
-        self.conv_out = nn.Conv2d(block_in, z, 3, padding=1)
+        self.conv_out = Conv2d(block_in, z, 3, padding=1)
         steps = int(math.log2(config.temporal_downsample_factor))
         self.time_conv = nn.ModuleList(TemporalDownsample(z) for _ in range(steps))
         self.time_res_stack = nn.Sequential(*(TemporalResnetBlock(z) for _ in range(config.num_res_blocks)))
@@ -303,7 +305,7 @@ class Decoder(nn.Module):
         steps = int(math.log2(config.temporal_downsample_factor))
         self.time_conv = nn.ModuleList(TemporalUpsample(z) for _ in range(steps))
         block_in = ch * mult[-1]
-        self.conv_in = nn.Conv2d(z, block_in, 3, padding=1)
+        self.conv_in = Conv2d(z, block_in, 3, padding=1)
         self.mid = _middle(block_in, zq_ch)
         levels: list[nn.Module] = []
         for level in reversed(range(len(mult))):
@@ -315,7 +317,7 @@ class Decoder(nn.Module):
             levels.insert(0, up)
         self.up = nn.ModuleList(levels)  # indexed by level: up[0] is full resolution and runs last
         self.norm_out = SpatialNorm(block_in, zq_ch)
-        self.conv_out = nn.Conv2d(block_in, config.out_channels, 3, padding=1)
+        self.conv_out = Conv2d(block_in, config.out_channels, 3, padding=1)
 
     def temporal(self, z: torch.Tensor, zq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """z, zq [B, c, t, h, w] -> both [B, c, t * temporal_downsample_factor, h, w] (shared weights)."""
@@ -340,13 +342,14 @@ class Quantizer(nn.Module):
         self.embedding = nn.Embedding(config.codebook_size, config.embed_dim)
 
     def nearest(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, c] -> int64 [N]: argmin of |x|^2 + |e|^2 - 2 x.e (float32), chunked over rows (same numbers)."""
+        """[N, c] -> int64 [N]: argmin of |x|^2 + |e|^2 - 2 x.e (float32), in fixed-shape row blocks, so
+        a row's code does not depend on the other rows."""
         codebook = self.embedding.weight
         e_sq = codebook.pow(2).sum(dim=1)
         out = []
-        for rows in torch.split(x, QUANTIZE_CHUNK):
+        for _, count, rows in row_blocks(x, QUANTIZE_CHUNK):
             distance = rows.pow(2).sum(dim=1, keepdim=True) + e_sq - 2 * (rows @ codebook.t())
-            out.append(distance.argmin(dim=1))
+            out.append(distance.argmin(dim=1)[:count])
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=x.device)
 
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from mmtok.codecs.base import Codec, PrecisionContract, checkpoint_fingerprint, refuse_low_precision
+from mmtok.codecs.base import (Codec, Conv2d, PrecisionContract, checkpoint_fingerprint, refuse_low_precision,
+                               row_blocks)
 from mmtok.errors import MmtokError
 from mmtok.fsutil import atomic_writer
 
@@ -39,7 +40,9 @@ PRECISION = PrecisionContract(tf32_matmul=True, tf32_conv=True)
 
 # Largest logits block the chunked argmax materializes (elements; 2**24 float32 = 64 MiB).
 LOGITS_BUDGET = 1 << 24
-ROW_BLOCK = 4096  # latent vectors per block: keeps each matmul large enough to run at full speed
+# Latent vectors per block, the same for every batch (the last block is zero-padded) so each block's
+# matmul runs one kernel whatever the batch; 512 rows x 32,768 codes still run at full speed.
+ROW_BLOCK = 512
 
 # Tiny default for tests and the demo: 5 levels (16 pixels per code), attention at the lowest level
 # and in the middle blocks, a 1,024 x 32 codebook; about 1.2 M parameters, a 5 MB checkpoint.
@@ -88,8 +91,8 @@ def group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
 
 
-def conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(in_channels, out_channels, kernel_size=3, stride=stride, padding=1 if stride == 1 else 0)
+def conv3x3(in_channels: int, out_channels: int, stride: int = 1) -> Conv2d:
+    return Conv2d(in_channels, out_channels, kernel_size=3, stride=stride, padding=1 if stride == 1 else 0)
 
 
 class ResnetBlock(nn.Module):
@@ -102,7 +105,7 @@ class ResnetBlock(nn.Module):
         self.norm2 = group_norm(out_channels)
         self.conv2 = conv3x3(out_channels, out_channels)
         if in_channels != out_channels:
-            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, kernel_size=1)
+            self.nin_shortcut = Conv2d(in_channels, out_channels, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv1(swish(self.norm1(x)))
@@ -118,10 +121,10 @@ class AttnBlock(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.norm = group_norm(channels)
-        self.q = nn.Conv2d(channels, channels, kernel_size=1)
-        self.k = nn.Conv2d(channels, channels, kernel_size=1)
-        self.v = nn.Conv2d(channels, channels, kernel_size=1)
-        self.proj_out = nn.Conv2d(channels, channels, kernel_size=1)
+        self.q = Conv2d(channels, channels, kernel_size=1)
+        self.k = Conv2d(channels, channels, kernel_size=1)
+        self.v = Conv2d(channels, channels, kernel_size=1)
+        self.proj_out = Conv2d(channels, channels, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, channels, height, width = x.shape
@@ -266,14 +269,16 @@ class Quantizer(nn.Module):
         """int64 [B, h, w]: argmax over the codebook of z.e for each latent vector of z [B, D, h, w].
 
         Guarantees: the same index as torch.argmax over the full logits row (first maximum on ties,
-        first NaN if any); no intermediate larger than `budget` elements besides the inputs."""
+        first NaN if any); a vector's index does not depend on the other vectors of z (fixed-shape
+        blocks); no intermediate larger than `budget` elements besides the inputs."""
         batch, dim, height, width = z.shape
         vectors = z.permute(0, 2, 3, 1).reshape(-1, dim)
-        rows = max(1, min(len(vectors), ROW_BLOCK, budget))
+        # Not min(len(vectors), ...): one block shape for every batch; a padded block is rows x dim elements.
+        rows = max(1, min(ROW_BLOCK, budget // dim))
         columns = max(1, min(self.embedding.num_embeddings, budget // rows))
         best = torch.empty(len(vectors), dtype=torch.int64, device=z.device)
-        for start in range(0, len(vectors), rows):
-            best[start:start + rows] = self._argmax_rows(vectors[start:start + rows], columns)
+        for start, count, block in row_blocks(vectors, rows):
+            best[start:start + count] = self._argmax_rows(block, columns)[:count]
         return best.reshape(batch, height, width)
 
     def _argmax_rows(self, vectors: torch.Tensor, columns: int) -> torch.Tensor:
@@ -328,8 +333,8 @@ class Emu35Codec(Codec):
         self.encoder = Encoder(**ddconfig)
         self.decoder = Decoder(**ddconfig)
         self.quantize = Quantizer(config["n_embed"], config["embed_dim"])
-        self.quant_conv = nn.Conv2d(ddconfig["z_channels"], config["embed_dim"], kernel_size=1)
-        self.post_quant_conv = nn.Conv2d(config["embed_dim"], ddconfig["z_channels"], kernel_size=1)
+        self.quant_conv = Conv2d(ddconfig["z_channels"], config["embed_dim"], kernel_size=1)
+        self.post_quant_conv = Conv2d(config["embed_dim"], ddconfig["z_channels"], kernel_size=1)
         self.config = copy.deepcopy(dict(config))
         self.codebook_size = int(config["n_embed"])
         self.pixels_per_code = 2 ** (len(ddconfig["ch_mult"]) - 1)

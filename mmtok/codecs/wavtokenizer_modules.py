@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmtok.codecs.base import Conv1d, row_blocks
+
 # ---------------------------------------------------------------------------------------------
 # SEANet encoder (EnCodec's, non-causal, reflect padding, ELU, as configured by EncodecFeatures)
 # ---------------------------------------------------------------------------------------------
@@ -50,7 +52,7 @@ class NormConv1d(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1):
         super().__init__()
-        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride)
+        self.conv = Conv1d(in_channels, out_channels, kernel_size, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(x)
@@ -163,7 +165,9 @@ class Codebook(nn.Module):
     `embed_avg`) are training-only and are not loaded.
     """
 
-    ROWS_PER_CHUNK = 16_384  # bounds the distance matrix to 16,384 x 4,096 floats (256 MiB)
+    # Frames per distance matrix block (128 x 4,096 floats, 2 MiB), the same for every batch: the last
+    # block is zero-padded, so each block's matmul runs one kernel and a frame's code ignores its batch.
+    ROWS_PER_CHUNK = 128
 
     def __init__(self, codebook_size: int, dim: int = DIMENSION):
         super().__init__()
@@ -180,14 +184,13 @@ class Codebook(nn.Module):
 
         The expression and its evaluation order match the official EuclideanCodebook.quantize, so
         rounding (and thus near-ties) resolve the same way; max() returns the first maximal index.
-        Rows are processed in chunks (one chunk, i.e. the reference's exact call, up to
-        ROWS_PER_CHUNK frames per batch).
+        Rows are processed in blocks of exactly ROWS_PER_CHUNK frames, so a frame's code does not
+        depend on the other frames of the batch.
         """
         batch, dim, frames = latents.shape
         rows = latents.transpose(1, 2).reshape(-1, dim)
         embed_t = self.embed.t()
-        codes = [self._nearest_rows(rows[start: start + self.ROWS_PER_CHUNK], embed_t)
-                 for start in range(0, rows.shape[0], self.ROWS_PER_CHUNK)]
+        codes = [self._nearest_rows(block, embed_t)[:count] for _, count, block in row_blocks(rows, self.ROWS_PER_CHUNK)]
         return torch.cat(codes).view(batch, frames)
 
     def _nearest_rows(self, x: torch.Tensor, embed_t: torch.Tensor) -> torch.Tensor:
@@ -218,9 +221,9 @@ class ResnetBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.norm1 = group_norm(dim)
-        self.conv1 = nn.Conv1d(dim, dim, kernel_size=3, padding=1)
+        self.conv1 = Conv1d(dim, dim, kernel_size=3, padding=1)
         self.norm2 = group_norm(dim)
-        self.conv2 = nn.Conv1d(dim, dim, kernel_size=3, padding=1)
+        self.conv2 = Conv1d(dim, dim, kernel_size=3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv1(swish(self.norm1(x)))
@@ -234,10 +237,10 @@ class AttnBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.norm = group_norm(dim)
-        self.q = nn.Conv1d(dim, dim, kernel_size=1)
-        self.k = nn.Conv1d(dim, dim, kernel_size=1)
-        self.v = nn.Conv1d(dim, dim, kernel_size=1)
-        self.proj_out = nn.Conv1d(dim, dim, kernel_size=1)
+        self.q = Conv1d(dim, dim, kernel_size=1)
+        self.k = Conv1d(dim, dim, kernel_size=1)
+        self.v = Conv1d(dim, dim, kernel_size=1)
+        self.proj_out = Conv1d(dim, dim, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -276,7 +279,7 @@ class ConvNeXtBlock(nn.Module):
 
     def __init__(self, dim: int, intermediate_dim: int, adanorm_embeddings: int | None):
         super().__init__()
-        self.dwconv = nn.Conv1d(dim, dim, kernel_size=7, padding=3, groups=dim)
+        self.dwconv = Conv1d(dim, dim, kernel_size=7, padding=3, groups=dim)
         self.norm = channel_norm(dim, adanorm_embeddings)
         self.pwconv1 = nn.Linear(dim, intermediate_dim)
         self.act = nn.GELU()
@@ -295,7 +298,7 @@ class VocosBackbone(nn.Module):
     def __init__(self, input_channels: int, dim: int, intermediate_dim: int, num_layers: int,
                  adanorm_embeddings: int | None):
         super().__init__()
-        self.embed = nn.Conv1d(input_channels, dim, kernel_size=7, padding=3)
+        self.embed = Conv1d(input_channels, dim, kernel_size=7, padding=3)
         self.norm = channel_norm(dim, adanorm_embeddings)
         self.convnext = nn.ModuleList(ConvNeXtBlock(dim, intermediate_dim, adanorm_embeddings)
                                       for _ in range(num_layers))

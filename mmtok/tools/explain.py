@@ -97,6 +97,7 @@ def _ranks(meta: dict, cost: np.ndarray, rank_lines: int) -> list[str]:
                  + (f"NOT met -- {balance['limited_by']}" if balance["limited_by"] else "met")
                  + (f"; {balance['split_batches']:,} batches split at rank targets for {len(ranges)} ranks"
                     if balance["split_batches"] else ""))
+    lines += _world_size_contract(meta)
     long = meta["long_documents"]
     lines.append(f"  documents over max_document_tokens ({long['limit']:,}; 0 = no limit): {long['dropped']:,} "
                  f"dropped; largest document {long['largest_tokens']:,} tokens")
@@ -115,3 +116,14 @@ def _ranks(meta: dict, cost: np.ndarray, rank_lines: int) -> list[str]:
         share = f"{100 * (per_rank[r] / mean - 1):+.2f}%" if mean else "-"
         lines.append(f"  {r:>6} {f'[{ranges[r, 0]}, {ranges[r, 1]})':>24} {per_rank[r]:>12.4g} {share:>8}")
     return lines
+
+
+def _world_size_contract(meta: dict) -> list[str]:
+    """Why merged bytes do not depend on --world-size although this batch list may."""
+    split = meta["balance"]["split_batches"]
+    cause = (f"this plan split {split:,} batches at its {meta['world_size']} rank targets, so its batch list is "
+             "for that world size" if split else "a plan for another world size may split other batches")
+    return [f"  world size: {cause}. Merged bytes are identical for every world size because the codecs are",
+            "    batch-invariant: an image's codes do not depend on its batch size or neighbours (CPU: proven by",
+            "    tests/test_codecs_batch_invariance.py; GPU: measured by benchmarks/gpu_check.sh, not guaranteed",
+            "    across GPU kinds -- see docs/codecs.md#batch-invariance-codes-that-do-not-depend-on-the-batch)"]
