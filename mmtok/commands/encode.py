@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from mmtok.commands.report import plural, print_json, print_summary
+from mmtok.commands.report import plural, print_report, print_summary
 from mmtok.errors import MmtokError
 
 DESCRIPTION = """\
@@ -84,9 +84,8 @@ def run_images(args) -> int:
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
                             max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress)
     stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
-    print_summary("encode", summary_lines(rank, world_size, stats, args.out))
-    if args.json:
-        print_json({"rank": rank, "world_size": world_size, **stats})
+    print_report("encode", summary_lines(rank, world_size, stats, args.out),
+                 {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     return 0
 
 
@@ -186,9 +185,7 @@ def run_audio(args) -> int:
     summary = encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
                           batching=batching, sequences=args.sequences, num_workers=args.num_workers,
                           text_tokenizer=args.text_tokenizer, progress=not args.no_progress)
-    print_summary("encode (audio)", audio_summary_lines(summary, args.out))
-    if args.json:
-        print_json(summary)
+    print_report("encode (audio)", audio_summary_lines(summary, args.out), summary if args.json else None)
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmtok.commands.report import plural, print_json, print_summary
+from mmtok.commands.report import plural, print_report
 from mmtok.formats import skips
 from mmtok.formats.megatron import MMTOK_READER
 
@@ -37,9 +37,8 @@ def run(args) -> int:
     started = time.perf_counter()
     summary = merge(args.out, strip_reasoning=args.strip_reasoning, progress=not args.no_progress)
     seconds = time.perf_counter() - started
-    print_summary("merge", summary_lines(summary, args.out, seconds))
-    if args.json:
-        print_json({**summary, "out": args.out, "seconds": round(seconds, 3)})
+    print_report("merge", summary_lines(summary, args.out, seconds),
+                 {**summary, "out": args.out, "seconds": round(seconds, 3)} if args.json else None)
     return 0
 
 

@@ -20,6 +20,13 @@ def print_summary(command: str, lines: str | Sequence[str]) -> None:
     print("\n".join(text), file=sys.stderr)  # sys.stderr looked up now: a caller (or a test) may replace it
 
 
+def print_report(command: str, lines: str | Sequence[str], result: dict | None = None) -> None:
+    """A command's summary on stderr and, when its --json flag asked for it (`result` given), its result on stdout."""
+    print_summary(command, lines)
+    if result is not None:
+        print_json(result)
+
+
 def print_json(result: dict) -> None:
     """Print a command's result as one JSON object on one stdout line (paths as strings)."""
     print(json.dumps(result, sort_keys=True, default=_plain))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import plural, print_json, print_summary
+from mmtok.commands.report import plural, print_report
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -62,9 +62,8 @@ def run(args) -> int:
     stats = assemble_rank(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
                           audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
                           options=options)
-    print_summary("sft", summary_lines(rank, world_size, stats, args.out))
-    if args.json:
-        print_json({"rank": rank, "world_size": world_size, **stats})
+    print_report("sft", summary_lines(rank, world_size, stats, args.out),
+                 {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     return 0
 
 
