@@ -106,6 +106,16 @@ def read_json(path: str | os.PathLike) -> dict | list | None:
         raise MmtokError(f"{path}: not valid JSON ({err}); restore the file") from None
 
 
+def read_json_object(path: str | os.PathLike) -> dict | None:
+    """`read_json` of a file that must hold one JSON object (a summary, a report): anything else is an
+    MmtokError naming the file."""
+    value = read_json(path)
+    if value is not None and not isinstance(value, dict):
+        raise MmtokError(f"{path}: a JSON {type(value).__name__}, not an object; restore the file or rerun the "
+                         "stage that wrote it")
+    return value
+
+
 class SummaryFile:
     """The JSON summary a run writes last, so that its presence means the run completed: removed when a run
     starts (`remove`), written atomically when it ends (`write`), read back by whoever needs the run's result."""
@@ -124,8 +134,9 @@ class SummaryFile:
         atomic_write_json(self.path(out), summary)
 
     def read(self, out: str | os.PathLike) -> dict | None:
-        """The summary, or None when OUT holds no completed run; MmtokError naming the file when damaged."""
-        return read_json(self.path(out))
+        """The summary, or None when OUT holds no completed run; MmtokError naming the file when damaged or
+        not a JSON object."""
+        return read_json_object(self.path(out))
 
 
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:

@@ -46,7 +46,12 @@ def test_every_line_has_every_field_in_one_order():
 
 @pytest.mark.parametrize("damaged", [b'{"key": "k", "reas', b"[1, 2]\n",
                                      b'{"key":"k","source":"s","reason":"x","detail":"","stage":"encode"}\n',
-                                     b"\xff\xfe\n"])
+                                     b"\xff\xfe\n",
+                                     # every key, in order, but values of the wrong JSON types
+                                     b'{"key":["a"],"source":1,"container":null,"member":null,"position":"x",'
+                                     b'"reason":{"a":1},"detail":"","stage":"encode"}\n',
+                                     b'{"key":"k","source":"s","container":null,"member":null,"position":true,'
+                                     b'"reason":"x","detail":"","stage":"encode"}\n'])
 def test_a_damaged_line_is_refused_naming_the_file_and_line(tmp_path, damaged):
     path = tmp_path / "skipped.jsonl"
     path.write_bytes(skips.to_line(RECORDS[0]) + damaged)

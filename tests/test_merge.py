@@ -230,6 +230,14 @@ def test_inspect_says_why_a_merge_wrote_no_dataset(tmp_path, capsys):
     assert "no tokens: no dataset" in out and "merged: not written" in out
 
 
+@pytest.mark.parametrize("summary", ["[1]", '{"dataset": false}', '{"strip_reasoning": 3}', '"text"'])
+def test_a_wrong_shaped_merged_json_is_no_traceback(tmp_path, capsys, summary):
+    (tmp_path / "merged.json").write_text(summary)
+    assert main(["inspect", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
 # -- documents of several images: assembled by merge from the parts' items --------------------------
 def _block(document: int, index: int) -> list[int]:
     """The block of image `index` of `document` in these tests: BOI, index + 1 codes, EOI."""

@@ -81,7 +81,8 @@ class BatchInvariantConv:
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if (input.device.type == "cpu" and input.dtype == torch.float32 and self.padding_mode == "zeros"
-                and not isinstance(self.padding, str) and torch.backends.mkldnn.is_available()):
+                and not isinstance(self.padding, str) and torch.backends.mkldnn.is_available()
+                and torch.backends.mkldnn.enabled):  # a user who turned oneDNN off keeps PyTorch's choice
             return torch.mkldnn_convolution(input, weight, bias, self.padding, self.stride, self.dilation, self.groups)
         return super()._conv_forward(input, weight, bias)
 
@@ -98,12 +99,16 @@ class Conv3d(BatchInvariantConv, nn.Conv3d):
     pass
 
 
-def row_blocks(rows: torch.Tensor, block: int):
-    """Yield (start, count, a [block, D] view or zero-padded copy) over `rows` [N, D].
+def row_blocks(rows: torch.Tensor, block: int, device_block: int | None = None):
+    """Yield (start, count, a [block, D] view or zero-padded copy) over `rows` [N, D]; on an accelerator the
+    blocks have `device_block` rows when given (there a small block costs a kernel launch per few rows, and
+    a block the same for every batch is all invariance needs).
 
     Every block has exactly `block` rows, so a matmul over it runs the same kernel whatever N is: BLAS
     libraries pick their kernel by the row count (a vector kernel for one row, others for a few), and a
     row's dot products then round differently. Only the first `count` rows of a block's results are real."""
+    if device_block is not None and rows.device.type != "cpu":
+        block = device_block
     for start in range(0, len(rows), block):
         chunk = rows[start:start + block]
         count = len(chunk)

@@ -59,9 +59,10 @@ PRECISION = PrecisionContract(tf32_matmul=False, tf32_conv=False, dtype="float32
 OFFICIAL_MIN_PIXELS = 512 * 512
 OFFICIAL_MAX_PIXELS = 1024 * 1024
 MAX_ASPECT = 5.0
-# Positions per distance matrix block (128 x 32,768 float32 = 16 MiB), the same for every batch: the last
-# block is zero-padded, so each block's matmul runs one kernel whatever the batch size.
+# Positions per distance matrix block (CPU: 128 x 32,768 float32 = 16 MiB; a GPU: 2,048, 256 MiB), the same
+# for every batch: the last block is zero-padded, so each block's matmul runs one kernel whatever the batch size.
 QUANTIZE_CHUNK = 128
+QUANTIZE_CHUNK_DEVICE = 2048
 
 
 @dataclass(frozen=True)
@@ -347,7 +348,7 @@ class Quantizer(nn.Module):
         codebook = self.embedding.weight
         e_sq = codebook.pow(2).sum(dim=1)
         out = []
-        for _, count, rows in row_blocks(x, QUANTIZE_CHUNK):
+        for _, count, rows in row_blocks(x, QUANTIZE_CHUNK, QUANTIZE_CHUNK_DEVICE):
             distance = rows.pow(2).sum(dim=1, keepdim=True) + e_sq - 2 * (rows @ codebook.t())
             out.append(distance.argmin(dim=1)[:count])
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=x.device)

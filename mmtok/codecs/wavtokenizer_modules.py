@@ -167,7 +167,8 @@ class Codebook(nn.Module):
 
     # Frames per distance matrix block (128 x 4,096 floats, 2 MiB), the same for every batch: the last
     # block is zero-padded, so each block's matmul runs one kernel and a frame's code ignores its batch.
-    ROWS_PER_CHUNK = 128
+    ROWS_PER_CHUNK = 128  # frames per block on the CPU (small: a short clip pads less)
+    ROWS_PER_CHUNK_DEVICE = 4096  # on a GPU (fewer launches; 4,096 x 16,384 distances = 256 MiB at most)
 
     def __init__(self, codebook_size: int, dim: int = DIMENSION):
         super().__init__()
@@ -190,7 +191,8 @@ class Codebook(nn.Module):
         batch, dim, frames = latents.shape
         rows = latents.transpose(1, 2).reshape(-1, dim)
         embed_t = self.embed.t()
-        codes = [self._nearest_rows(block, embed_t)[:count] for _, count, block in row_blocks(rows, self.ROWS_PER_CHUNK)]
+        blocks = row_blocks(rows, self.ROWS_PER_CHUNK, self.ROWS_PER_CHUNK_DEVICE)
+        codes = [self._nearest_rows(block, embed_t)[:count] for _, count, block in blocks]
         return torch.cat(codes).view(batch, frames)
 
     def _nearest_rows(self, x: torch.Tensor, embed_t: torch.Tensor) -> torch.Tensor:

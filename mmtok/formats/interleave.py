@@ -16,9 +16,11 @@ METADATA_FILE = SummaryFile(METADATA)
 def not_written_reason(prefix: Path) -> str | None:
     """Why OUT/<set> has no dataset, when OUT/interleave.json records that set as not written."""
     try:
-        entry = (METADATA_FILE.read(prefix.parent) or {}).get("datasets", {}).get(prefix.name)
-    except (OSError, MmtokError, AttributeError):  # absent or not ours: the caller reports the path as it is
+        datasets = (METADATA_FILE.read(prefix.parent) or {}).get("datasets")
+    except (OSError, MmtokError):  # absent or damaged: the caller reports the path as it is
         return None
-    if not entry or entry.get("written", True):
+    entry = datasets.get(prefix.name) if isinstance(datasets, dict) else None
+    if not isinstance(entry, dict) or entry.get("written", True) is not False:
         return None
-    return f"{entry['reason']}, so `mmtok audio interleave` did not write it (see {METADATA_FILE.path(prefix.parent)})"
+    reason = entry.get("reason") or "recorded as not written"
+    return f"{reason}, so `mmtok audio interleave` did not write it (see {METADATA_FILE.path(prefix.parent)})"

@@ -31,8 +31,8 @@ def not_written_reason(prefix: Path) -> str | None:
         return None
     if summary is None:
         return None
-    entry = {MERGED: summary, NO_REASONING: summary.get("strip_reasoning") or {}}.get(prefix.name, {})
-    if entry.get("dataset", True):
-        return None
-    return (f"no sequence has a token (every input was skipped: see {prefix.parent / summary['skipped_file']}), "
-            "so `mmtok merge` wrote no dataset")
+    entry = {MERGED: summary, NO_REASONING: summary.get("strip_reasoning")}.get(prefix.name)
+    if not isinstance(entry, dict) or entry.get("dataset", True) is not False:
+        return None  # written, or a summary that does not say: the caller reports the path as it is
+    listed = prefix.parent / str(summary.get("skipped_file") or MERGED + SKIPPED_SUFFIX)
+    return f"no sequence has a token (every input was skipped: see {listed}), so `mmtok merge` wrote no dataset"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mmtok.errors import MmtokError
 from mmtok.formats.tar import Damage, read_members
-from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file
+from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, read_json_object
 
 SHAR_DIR = "shar"
 WORK_DIR = ".work"
@@ -87,8 +87,7 @@ def write_report(out: Path, report: dict) -> None:
 
 def read_report(out: Path) -> dict | None:
     """OUT/conversion.json, or None when OUT has none."""
-    path = out / REPORT
-    return json.loads(path.read_text("utf-8")) if path.is_file() else None
+    return read_json_object(out / REPORT)
 
 
 def manifest_sha256(path: Path) -> str:

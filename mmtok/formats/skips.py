@@ -62,6 +62,9 @@ class SkipRecord:
 
 
 FIELDS = tuple(f.name for f in fields(SkipRecord))
+# The JSON types each field may hold; a record read back is checked against them before anything uses it.
+_TYPES = {"key": (str,), "source": (str,), "container": (str, type(None)), "member": (str, type(None)),
+          "position": (int, type(None)), "reason": (str,), "detail": (str,), "stage": (str,)}
 
 
 # -- writer ------------------------------------------------------------------------------------------
@@ -93,9 +96,14 @@ def read(path: str | os.PathLike) -> Iterator[SkipRecord]:
 def _parse(line: bytes, path: str | os.PathLike, number: int) -> SkipRecord:
     try:
         record = json.loads(line)
-        if not isinstance(record, dict) or tuple(record) != FIELDS:
-            raise ValueError(f"keys {list(record) if isinstance(record, dict) else type(record).__name__}, "
-                             f"not {list(FIELDS)}")
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        if tuple(record) != FIELDS:
+            raise ValueError(f"keys {list(record)}, not {list(FIELDS)}")
+        wrong = [name for name, value in record.items()
+                 if not isinstance(value, _TYPES[name]) or isinstance(value, bool)]
+        if wrong:
+            raise ValueError(f"wrong type for {', '.join(wrong)}")
         return SkipRecord(**record)
     except ValueError as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors too
         raise MmtokError(f"{Path(path)}:{number}: not a skip record of this mmtok ({err}); the file is damaged or "
