@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.commands.report import plural, print_json, print_summary
+from mmtok.commands.report import plural, print_json, print_summary, reasons
 
 
 def test_a_count_takes_the_singular_only_for_one():
@@ -30,3 +30,8 @@ def test_a_json_result_is_one_line_with_paths_and_numpy_counts_as_plain_values(c
     print_json({"part_dir": Path("/out/parts/part-00000"), "tokens": np.int64(7), "counts": {"images": 2}})
     [line] = capsys.readouterr().out.splitlines()
     assert json.loads(line) == {"part_dir": "/out/parts/part-00000", "tokens": 7, "counts": {"images": 2}}
+
+
+def test_reasons_are_listed_in_one_shape_in_reason_order():
+    assert reasons({"missing_caption": 1, "decode_error": 1_200}) == "decode_error 1,200, missing_caption 1"
+    assert reasons({}) == ""

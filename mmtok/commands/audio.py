@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from mmtok.commands.report import plural, print_summary
+from mmtok.commands.report import plural, print_summary, reasons
 from mmtok.formats import skips
 
 CONVERT_HELP = """\
@@ -135,4 +135,4 @@ def interleave_line(summary: dict) -> str:
     counts = summary["counts"]
     skipped = skips.by_reason(counts)
     return (f"{plural(counts['clips'], 'clip')} -> " + "; ".join(sets)
-            + (f"; skipped {dict(sorted(skipped.items()))}" if skipped else ""))
+            + (f"; skipped {sum(skipped.values()):,} ({reasons(skipped)})" if skipped else ""))

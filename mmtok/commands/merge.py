@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmtok.commands.report import plural, print_report
+from mmtok.commands.report import plural, print_report, reasons
 from mmtok.formats import skips
 from mmtok.formats.megatron import MMTOK_READER
 
@@ -59,8 +59,8 @@ def summary_lines(summary: dict, out: str, seconds: float) -> list[str]:
                      f"parts' items ({plural(assembled['tokens'], 'token')}; {assembled['documents_skipped']:,} skipped)")
     skipped = skips.by_reason(summary["counts"])
     if skipped:
-        lines.append(f"skipped {sum(skipped.values()):,} (" + ", ".join(f"{k} {v:,}" for k, v in sorted(skipped.items()))
-                     + f"), each named in {out}/{summary['skipped_file']}")
+        lines.append(f"skipped {sum(skipped.values()):,} ({reasons(skipped)}), each named in "
+                     f"{out}/{summary['skipped_file']}")
     return lines + _stripped_lines(summary.get("strip_reasoning"))
 
 

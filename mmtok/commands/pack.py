@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import plural, print_summary
+from mmtok.commands.report import plural, print_summary, reasons
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -47,10 +47,10 @@ def summary_lines(report: dict, out: Path) -> list[str]:
 
     counts = report["counts"]
     skipped = skips.by_reason(counts)
-    media = ", ".join(f"{counts.get(f'{kind}_packed', 0):,} {kind}" for kind in ("image", "audio"))
-    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
+    media = ", ".join(plural(counts.get(f"{kind}_packed", 0), noun) for kind, noun in (("image", "image"),
+                                                                                     ("audio", "audio file")))
     return [f"{plural(counts.get('conversations', 0), 'conversation')} -> {plural(len(report['tars']), 'tar')} in "
             f"{out}: {counts.get('packed', 0):,} packed (media: {media}), {sum(skipped.values()):,} skipped"
-            + (f" ({reasons}; each named in {out / SKIPPED})" if skipped else ""),
+            + (f" ({reasons(skipped)}; each named in {out / SKIPPED})" if skipped else ""),
             f"next: mmtok scan {out}/conversations-*.tar ..., and the same tars to `mmtok audio convert --kind "
             "conversations` and `mmtok sft`"]

@@ -40,6 +40,11 @@ def _plain(value):
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def reasons(by_reason: dict[str, int]) -> str:
+    """`decode_error 2, missing_caption 1`: counts by reason, in reason order, as every summary lists them."""
+    return ", ".join(f"{reason} {count:,}" for reason, count in sorted(by_reason.items()))
+
+
 def plural(count: int, noun: str, many: str | None = None) -> str:
     """`1 rank`, `2 ranks`, `1,024 images`: the count (thousands separated) and the noun it takes;
     `many` is the plural where it is not noun + s (`plural(n, "batch", "batches")`)."""

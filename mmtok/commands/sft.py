@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import plural, print_report
+from mmtok.commands.report import plural, print_report, reasons
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -71,11 +71,10 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[st
     """What the rank wrote and skipped (naming where the skips are listed), and the next command."""
     counts = stats["counts"]
     skipped = skips.by_reason(counts)
-    reasons = ", ".join(f"{k} {v:,}" for k, v in skipped.items())
     lines = [f"rank {rank}/{world_size}: {plural(counts.get('conversations', 0), 'conversation')}: "
              f"{counts.get('documents_written', 0):,} written ({plural(counts.get('tokens', 0), 'token')}, "
              f"{counts.get('images_written', 0):,} image and {plural(counts.get('audio_written', 0), 'audio block')}), "
-             f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons}; each named in "
+             f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons(skipped)}; each named in "
              f"{stats['part_dir']}/skipped.jsonl)" if skipped else "")]
     if stats.get("already_done"):
         lines.append(f"(part already finished: {stats['part_dir']})")
