@@ -102,11 +102,8 @@ def test_conversation_reading_names_the_fault_and_keeps_the_sound_sample(tmp_pat
             reasons[item.id] = [locate(item, media, ref.slot).kind for ref in media]
         except Skip as skip:
             reasons[item.id] = skip.reason
-    expected = {"chats/one": ["member"], "chats/two": FAULTS[fault]}
-    if fault == "cut_in_header":  # the sample being read may have lost members; the damage is a record too
-        header = tar.stat().st_size - 100  # where faulty_tar cut the last header
-        expected[f"chats/(damaged tar at byte {header})"] = "truncated_tar"
-    assert reasons == expected
+    # a cut header ends sample two, which may have lost members: one record, of the damage's reason
+    assert reasons == {"chats/one": ["member"], "chats/two": FAULTS[fault]}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
