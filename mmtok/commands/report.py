@@ -44,3 +44,15 @@ def plural(count: int, noun: str, many: str | None = None) -> str:
     """`1 rank`, `2 ranks`, `1,024 images`: the count (thousands separated) and the noun it takes;
     `many` is the plural where it is not noun + s (`plural(n, "batch", "batches")`)."""
     return f"{count:,} {noun if count == 1 else many or noun + 's'}"
+
+
+def files_skipped(counts: dict[str, int], listed: Path | str) -> str:
+    """"; N input files skipped (reason n, ...; named in LISTED)" for the inputs skipped whole (they hold no
+    input to count), else ""."""
+    from mmtok.formats import skips
+
+    files = skips.files_by_reason(counts)
+    if not files:
+        return ""
+    reasons = ", ".join(f"{k} {v:,}" for k, v in files.items())
+    return f"; {plural(sum(files.values()), 'input file')} skipped ({reasons}; named in {listed})"

@@ -53,6 +53,7 @@ IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 KIND_SUFFIXES = {"audio": AUDIO_SUFFIXES, "image": IMAGE_SUFFIXES}
 INPUT_KINDS = ("tar", "jsonl", "parquet")
 TRUNCATED_MEMBER = KIND_REASONS[TRUNCATED]
+NO_SAMPLES = "no_samples"  # a tar without one member named KEY.EXT
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Conversation:
     members: dict[str, tuple[int, int]] = field(default_factory=dict)  # member name -> (data offset, size)
     refused: dict[str, str] = field(default_factory=dict)  # member name -> the tar reader's reason (also in members)
     base: str = "."  # directory that relative paths are relative to
+    whole_file: bool = False  # the record of an input without a conversation (an empty tar): counted as no conversation
 
     def media(self) -> list[MediaRef]:
         """The media its messages reference, in order (ConversationError when they cannot be listed)."""
@@ -77,7 +79,9 @@ class Conversation:
         return conversation_media(self.record)
 
     def skip_record(self, skip: Skip, stage: str) -> SkipRecord:
-        """The skip record of this conversation, skipped by `stage` for `skip`."""
+        """The skip record of this conversation (of its input file when `whole_file`), skipped by `stage` for `skip`."""
+        if self.whole_file:
+            return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="tar")
         return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="conversation",
                              member=self.id)
 
@@ -221,18 +225,36 @@ def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
 
     Where the tar is damaged, the sample being read may have lost members: it is one record of the damage's
     reason (a member the file ends inside: `truncated_member`, as the scan says). Damage where no sample is
-    open is a record of its own (`<stem>/(damaged tar at byte N)`); the reader goes on after it.
+    open is a record of its own (`<stem>/(damaged tar at byte N)`); the reader goes on after it. A tar without
+    a single sample (empty, compressed, no tar, no KEY.EXT member) is one `whole_file` record, no conversation.
     """
     stem = input_stem(path)
+    orphans: list[Damage] = []  # damage before the first sample: the file's reason if no sample follows
+    sampled = False
     try:
         for key, members, damage in _tar_samples(path):
+            if key is None and not sampled:
+                orphans.append(damage)
+                continue
+            if not sampled:
+                sampled = True
+                yield from (_damage_record(path, stem, number, orphan) for orphan in orphans)
             if key is None:
-                yield Conversation(f"{stem}/(damaged tar at byte {damage.offset})", str(path), number,
-                                   error=Skip(damage.reason, damage.describe()))
+                yield _damage_record(path, stem, number, damage)
             else:
                 yield _tar_sample(path, stem, number, key, members, damage)
     except OSError as err:
         raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
+    if not sampled:
+        skip = (Skip(orphans[0].reason, orphans[0].describe()) if orphans else
+                Skip(NO_SAMPLES, "no member is named KEY.EXT (a WebDataset sample's member)"))
+        yield Conversation(path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
+
+
+def _damage_record(path: Path, stem: str, number: int, damage: Damage) -> Conversation:
+    """The record of damage met where no sample was open: what it cut belongs to no sample read."""
+    return Conversation(f"{stem}/(damaged tar at byte {damage.offset})", str(path), number,
+                        error=Skip(damage.reason, damage.describe()))
 
 
 def _tar_sample(path: Path, stem: str, number: int, key: str, entries: list[Member],
