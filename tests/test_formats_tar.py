@@ -15,6 +15,8 @@ import pytest
 from PIL import Image
 
 from mmtok.audio.sources import TarUnit
+from mmtok.formats import skips
+from mmtok.formats.chat import ConversationError
 from mmtok.formats.skips import SkipRecord
 from mmtok.encode.audio import load_clip
 from mmtok.errors import Skip
@@ -23,6 +25,7 @@ from mmtok.formats.shar import index_members
 from mmtok.formats.tar import CHECK_BATCH, Damage, Member, read_members
 from mmtok.media.audio import AudioReason
 from mmtok.scan.scanner import scan_tar
+from mmtok.sft.pack import pack
 from tarkit import TYPE_FLAG, with_header_field
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,11 +105,8 @@ def test_conversation_reading_names_the_fault_and_keeps_the_sound_sample(tmp_pat
             reasons[item.id] = [locate(item, media, ref.slot).kind for ref in media]
         except Skip as skip:
             reasons[item.id] = skip.reason
-    expected = {"chats/one": ["member"], "chats/two": FAULTS[fault]}
-    if fault == "cut_in_header":  # the sample being read may have lost members; the damage is a record too
-        header = tar.stat().st_size - 100  # where faulty_tar cut the last header
-        expected[f"chats/(damaged tar at byte {header})"] = "truncated_tar"
-    assert reasons == expected
+    # a cut header ends sample two, which may have lost members: one record, of the damage's reason
+    assert reasons == {"chats/one": ["member"], "chats/two": FAULTS[fault]}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -202,3 +202,67 @@ def test_no_module_but_the_tar_reader_reads_tars_with_tarfile():
         reading += [f"{rel}:{line}: {what}" for line, what in _tarfile_uses(tree)]
     assert reading == [], "read tars with mmtok.formats.tar.read_members / read_member"
     assert importers <= TAR_WRITERS, f"tarfile imported outside the writers: {sorted(importers - TAR_WRITERS)}"
+
+
+# -- a sample the damage cuts is one record of the damage's reason -----------------------------------
+def two_clip_chats(tmp_path: Path) -> tuple[Path, bytes, dict[str, int]]:
+    """A tar of four samples, each a json with two audio placeholders and two clips; its bytes and the
+    header offset of each member."""
+    members = []
+    for key in ("one", "two", "three", "four"):
+        record = json.dumps({"messages": [{"role": "user", "content": "<|audio|> <|audio|> Same?"},
+                                          {"role": "assistant", "content": "Yes."}]}).encode()
+        members += [(f"{key}.json", record), (f"{key}.0.wav", WAV), (f"{key}.1.wav", WAV)]
+    tar = faulty_tar(tmp_path / "chats.tar", members, "none")
+    data = tar.read_bytes()
+    return tar, data, dict(zip((name for name, _ in members), _header_offsets(data)))
+
+
+def located_reasons(tar: Path) -> dict[str, object]:
+    """Conversation id -> its error's reason, else what its media locate to, else the locate's Skip reason."""
+    reasons = {}
+    for item in read_conversations([tar]):
+        try:
+            media = item.media()
+            reasons[item.id] = [locate(item, media, ref.slot).kind for ref in media]
+        except (Skip, ConversationError) as err:
+            reasons[item.id] = err.reason
+    return reasons
+
+
+SOUND = ["member", "member"]
+
+
+def test_a_sample_the_tar_ends_inside_is_truncated_member_not_a_placeholder_mismatch(tmp_path):
+    tar, data, headers = two_clip_chats(tmp_path)
+    tar.write_bytes(data[:headers["two.0.wav"] + 512 + 1000])  # two.1.wav is lost with the cut
+    assert located_reasons(tar) == {"chats/one": SOUND, "chats/two": "truncated_member"}
+
+
+def test_a_corrupt_header_mid_sample_is_one_record_and_the_counts_add_up(tmp_path):
+    tar, data, headers = two_clip_chats(tmp_path)
+    damaged = bytearray(data)
+    damaged[headers["two.0.wav"] + 3] ^= 0x20  # a flipped bit in the name: its checksum fails
+    tar.write_bytes(bytes(damaged))
+    assert located_reasons(tar) == {"chats/one": SOUND, "chats/two": "corrupt_header", "chats/three": SOUND,
+                                    "chats/four": SOUND}  # two.1.wav, after the resync, is still sample two's
+    counts = pack([tar], tmp_path / "packed", progress=False)["counts"]
+    assert (counts["conversations"], counts["packed"], skips.by_reason(counts)) == (4, 3, {"corrupt_header": 1})
+
+
+def test_a_media_member_named_in_no_utf8_is_non_utf8_name_in_its_sample(tmp_path):
+    tar, data, headers = two_clip_chats(tmp_path)
+    tar.write_bytes(with_header_field(data, headers["two.0.wav"], slice(0, 1), b"\xff"))  # "\xffwo.0.wav"
+    assert located_reasons(tar) == {"chats/one": SOUND, "chats/two": "non_utf8_name", "chats/three": SOUND,
+                                    "chats/four": SOUND}
+
+
+@pytest.mark.parametrize("content", [b"", bytes(10240)], ids=["empty_file", "no_samples"])
+def test_a_tar_without_a_sample_is_no_conversation_and_one_file_reason(tmp_path, content):
+    tar = tmp_path / "chats.tar"
+    tar.write_bytes(content)
+    report = pack([tar], tmp_path / "packed", progress=False)
+    reason = "empty_file" if not content else "no_samples"
+    assert report["counts"] == {skips.file_count_key(reason): 1}
+    [record] = skips.read(tmp_path / "packed" / "skipped.jsonl")
+    assert (record.key, record.container, record.reason) == ("chats.tar", "tar", reason)

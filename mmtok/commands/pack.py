@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import plural, print_summary, reasons
+from mmtok.commands.report import files_skipped, plural, print_summary, reasons
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -51,6 +51,6 @@ def summary_lines(report: dict, out: Path) -> list[str]:
                                                                                      ("audio", "audio file")))
     return [f"{plural(counts.get('conversations', 0), 'conversation')} -> {plural(len(report['tars']), 'tar')} in "
             f"{out}: {counts.get('packed', 0):,} packed (media: {media}), {sum(skipped.values()):,} skipped"
-            + (f" ({reasons(skipped)}; each named in {out / SKIPPED})" if skipped else ""),
+            + (f" ({reasons(skipped)}; each named in {out / SKIPPED})" if skipped else "") + files_skipped(counts, out / SKIPPED),
             f"next: mmtok scan {out}/conversations-*.tar ..., and the same tars to `mmtok audio convert --kind "
             "conversations` and `mmtok sft`"]

@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from mmtok.formats import skips
+
 
 def print_summary(command: str, lines: str | Sequence[str]) -> None:
     """Print a summary on stderr: the first line after `mmtok COMMAND: `, the others indented."""
@@ -49,3 +51,12 @@ def plural(count: int, noun: str, many: str | None = None) -> str:
     """`1 rank`, `2 ranks`, `1,024 images`: the count (thousands separated) and the noun it takes;
     `many` is the plural where it is not noun + s (`plural(n, "batch", "batches")`)."""
     return f"{count:,} {noun if count == 1 else many or noun + 's'}"
+
+
+def files_skipped(counts: dict[str, int], listed: Path | str) -> str:
+    """"; N input files skipped (reason n, ...; named in LISTED)" for the inputs skipped whole (they hold no
+    input to count), else ""."""
+    files = skips.files_by_reason(counts)
+    if not files:
+        return ""
+    return f"; {plural(sum(files.values()), 'input file')} skipped ({reasons(files)}; named in {listed})"

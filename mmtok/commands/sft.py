@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import plural, print_report, reasons
+from mmtok.commands.report import files_skipped, plural, print_report, reasons
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -75,7 +75,8 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[st
              f"{counts.get('documents_written', 0):,} written ({plural(counts.get('tokens', 0), 'token')}, "
              f"{counts.get('images_written', 0):,} image and {plural(counts.get('audio_written', 0), 'audio block')}), "
              f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons(skipped)}; each named in "
-             f"{stats['part_dir']}/skipped.jsonl)" if skipped else "")]
+             f"{stats['part_dir']}/skipped.jsonl)" if skipped else "")
+             + files_skipped(counts, f"{stats['part_dir']}/skipped.jsonl")]
     if stats.get("already_done"):
         lines.append(f"(part already finished: {stats['part_dir']})")
     return lines + [f"next, when every rank finished: mmtok merge {out} [--strip-reasoning]"]

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
-from mmtok.formats.tar import Damage, read_member, read_members
+from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
 
@@ -52,6 +52,8 @@ AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 KIND_SUFFIXES = {"audio": AUDIO_SUFFIXES, "image": IMAGE_SUFFIXES}
 INPUT_KINDS = ("tar", "jsonl", "parquet")
+TRUNCATED_MEMBER = KIND_REASONS[TRUNCATED]
+NO_SAMPLES = "no_samples"  # a tar without one member named KEY.EXT
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Conversation:
     members: dict[str, tuple[int, int]] = field(default_factory=dict)  # member name -> (data offset, size)
     refused: dict[str, str] = field(default_factory=dict)  # member name -> the tar reader's reason (also in members)
     base: str = "."  # directory that relative paths are relative to
+    whole_file: bool = False  # the record of an input without a conversation (an empty tar): counted as no conversation
 
     def media(self) -> list[MediaRef]:
         """The media its messages reference, in order (ConversationError when they cannot be listed)."""
@@ -76,7 +79,9 @@ class Conversation:
         return conversation_media(self.record)
 
     def skip_record(self, skip: Skip, stage: str) -> SkipRecord:
-        """The skip record of this conversation, skipped by `stage` for `skip`."""
+        """The skip record of this conversation (of its input file when `whole_file`), skipped by `stage` for `skip`."""
+        if self.whole_file:
+            return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="tar")
         return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="conversation",
                              member=self.id)
 
@@ -218,53 +223,99 @@ def _parsed(data: bytes | str, what: str) -> tuple[dict | None, Skip | None]:
 def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
     """Samples of a WebDataset tar that have a KEY.json member (one sample's members are consecutive).
 
-    Where the tar is damaged, the sample being read may have lost members: it is a record of the damage's
-    reason, and so is the damage itself (`<stem>/(damaged tar at byte N)`); the reader goes on after it.
+    Where the tar is damaged, the sample being read may have lost members: it is one record of the damage's
+    reason (a member the file ends inside: `truncated_member`, as the scan says). Damage where no sample is
+    open is a record of its own (`<stem>/(damaged tar at byte N)`); the reader goes on after it. A tar without
+    a single sample (empty, compressed, no tar, no KEY.EXT member) is one `whole_file` record, no conversation.
     """
     stem = input_stem(path)
-    key, members, refused, body = None, {}, {}, None
-
-    def flush():
-        if key is None:
-            return None
-        origin, json_name = f"{path}:{key}", f"{key}.json"
-        sample = {"tar": str(path), "key": key, "members": dict(members), "refused": dict(refused)}
-        if json_name in refused:
-            return Conversation(f"{stem}/{key}", origin, number, error=Skip(refused[json_name], f"member {json_name}"),
-                                **sample)
-        if body is None:
-            return Conversation(f"{stem}/{key}", origin, number, error=Skip("missing_json", f"sample {key} has no "
-                                "json member"), **sample)
-        record, error = _parsed(body, json_name)
-        ident = _own_id(record) or f"{stem}/{key}"  # `mmtok pack` keeps ids this way
-        return Conversation(ident, origin, number, record, error, base=str(path.parent), **sample)
-
+    orphans: list[Damage] = []  # damage before the first sample: the file's reason if no sample follows
+    sampled = False
     try:
-        for entry in read_members(path):
-            if isinstance(entry, Damage):
-                skip = Skip(entry.reason, entry.describe())
-                if key is not None:
-                    yield Conversation(f"{stem}/{key}", f"{path}:{key}", number, error=skip, tar=str(path), key=key)
-                yield Conversation(f"{stem}/(damaged tar at byte {entry.offset})", str(path), number, error=skip)
-                key = None
+        for key, members, damage in _tar_samples(path):
+            if key is None and not sampled:
+                orphans.append(damage)
                 continue
-            sample = sample_key(entry.name)
-            if sample is None:
-                continue
-            sample = sample[0]
-            if sample != key:
-                if (done := flush()) is not None:
-                    yield done
-                key, members, refused, body = sample, {}, {}, None
-            members[entry.name] = (entry.offset, entry.size)
-            if entry.reason:
-                refused[entry.name] = entry.reason
-            elif entry.name == f"{sample}.json":
-                body = read_member(path, entry.offset, entry.size)
+            if not sampled:
+                sampled = True
+                yield from (_damage_record(path, stem, number, orphan) for orphan in orphans)
+            if key is None:
+                yield _damage_record(path, stem, number, damage)
+            else:
+                yield _tar_sample(path, stem, number, key, members, damage)
     except OSError as err:
         raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
-    if (done := flush()) is not None:
-        yield done
+    if not sampled:
+        skip = (Skip(orphans[0].reason, orphans[0].describe()) if orphans else
+                Skip(NO_SAMPLES, "no member is named KEY.EXT (a WebDataset sample's member)"))
+        yield Conversation(path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
+
+
+def _damage_record(path: Path, stem: str, number: int, damage: Damage) -> Conversation:
+    """The record of damage met where no sample was open: what it cut belongs to no sample read."""
+    return Conversation(f"{stem}/(damaged tar at byte {damage.offset})", str(path), number,
+                        error=Skip(damage.reason, damage.describe()))
+
+
+def _tar_sample(path: Path, stem: str, number: int, key: str, entries: list[Member],
+                damage: Damage | None) -> Conversation:
+    """The conversation of one sample's members; its error is the first of: the damage that cut it short,
+    a member the file ends inside, a refused or missing json member, a json that does not parse."""
+    origin, json_name = f"{path}:{key}", f"{key}.json"
+    members = {entry.name: (entry.offset, entry.size) for entry in entries}
+    refused = {entry.name: entry.reason for entry in entries if entry.reason}
+    sample = {"tar": str(path), "key": key, "members": members, "refused": refused}
+    cut = next((name for name, reason in refused.items() if reason == TRUNCATED_MEMBER), None)
+    if damage is not None:
+        error = Skip(damage.reason, damage.describe())
+    elif cut is not None:
+        error = Skip(TRUNCATED_MEMBER, f"the tar ends inside member {cut}: the sample's later members are lost")
+    elif json_name in refused:
+        error = Skip(refused[json_name], f"member {json_name}")
+    elif json_name not in members:
+        error = Skip("missing_json", f"sample {key} has no json member")
+    else:
+        record, error = _parsed(read_member(path, *members[json_name]), json_name)
+        ident = _own_id(record) or f"{stem}/{key}"  # `mmtok pack` keeps ids this way
+        return Conversation(ident, origin, number, record, error, base=str(path.parent), **sample)
+    return Conversation(f"{stem}/{key}", origin, number, error=error, **sample)
+
+
+def _tar_samples(path: Path) -> Iterator[tuple[str | None, list[Member], Damage | None]]:
+    """(key, members, damage) of each sample of the tar at `path` in tar order: consecutive members sharing a
+    key, the damage that ended the sample when one did; (None, [], damage) for damage where no sample is open.
+
+    After damage, the members of the same key that follow the resync belong to the sample already reported
+    (they are dropped). A member whose name is not UTF-8 cannot be trusted to name its sample: it joins the
+    open sample, refused, unless the member after it shares its (escaped) key -- a sample named so throughout.
+    """
+    key, members, held, absorbed = None, [], [], None
+    for entry in read_members(path):
+        if isinstance(entry, Damage):
+            members += held
+            yield key, members, entry
+            key, members, held, absorbed = None, [], [], key
+            continue
+        named = sample_key(entry.name)
+        if named is None or named[0] == absorbed:
+            continue
+        sample, absorbed = named[0], None
+        if held:
+            if sample == sample_key(held[0].name)[0]:  # a sample whose key is not UTF-8: its own
+                if key is not None:
+                    yield key, members, None
+                key, members = sample, []
+            members, held = members + held, []
+        if sample != key and key is not None and entry.reason == NON_UTF8_NAME:
+            held.append(entry)
+            continue
+        if sample != key:
+            if key is not None:
+                yield key, members, None
+            key, members = sample, []
+        members.append(entry)
+    if key is not None:
+        yield key, members + held, None
 
 
 def _jsonl_conversations(path: Path, number: int) -> Iterator[Conversation]:

@@ -23,6 +23,7 @@ from mmtok.errors import MmtokError, Skip
 
 SKIPPED = "skipped:"  # the counter prefix: skipped:<reason>
 ITEM_FAILED = "items_failed:"  # an image item that failed (its document is skipped later, by merge or sft)
+FILE_SKIPPED = "files_skipped:"  # an input file with no input in it (an empty tar): its record, no input counted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +120,16 @@ def count_key(reason: str) -> str:
 def item_failed_key(reason: str) -> str:
     """The counter of the image items that failed for `reason`."""
     return f"{ITEM_FAILED}{reason}"
+
+
+def file_count_key(reason: str) -> str:
+    """The counter of the input files skipped whole for `reason` (they hold no input to count)."""
+    return f"{FILE_SKIPPED}{reason}"
+
+
+def files_by_reason(counts: dict[str, int]) -> dict[str, int]:
+    """The whole-file skip counters of `counts` as {reason: count}, by reason."""
+    return {key[len(FILE_SKIPPED):]: counts[key] for key in sorted(counts) if key.startswith(FILE_SKIPPED)}
 
 
 def reason_of(key: str) -> str | None:

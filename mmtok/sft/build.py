@@ -298,6 +298,10 @@ class _Unit:
 
     def add(self, conversation: Conversation, builder: ConversationBuilder) -> None:
         self.conversations += 1
+        if conversation.whole_file:
+            self.counts[skips.file_count_key(conversation.error.reason)] += 1
+            self.skipped.append(conversation.skip_record(conversation.error, "sft"))
+            return
         self.counts["conversations"] += 1
         try:
             tokens, used = builder.build(conversation)

@@ -123,6 +123,10 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
         bar = progress_bar(desc="pack", unit="conv", enabled=progress)
         with _Tars(out, samples_per_tar) as tars:
             for ordinal, conversation in enumerate(read_conversations(inputs)):
+                if conversation.whole_file:
+                    counts[skips.file_count_key(conversation.error.reason)] += 1
+                    skipped.append(conversation.skip_record(conversation.error, "pack"))
+                    continue
                 counts["conversations"] += 1
                 try:
                     members, kinds = pack_conversation(conversation, f"{ordinal:09d}")
