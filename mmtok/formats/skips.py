@@ -129,7 +129,7 @@ def file_count_key(reason: str) -> str:
 
 def files_by_reason(counts: dict[str, int]) -> dict[str, int]:
     """The whole-file skip counters of `counts` as {reason: count}, by reason."""
-    return {key[len(FILE_SKIPPED):]: counts[key] for key in sorted(counts) if key.startswith(FILE_SKIPPED)}
+    return _by_prefix(counts, FILE_SKIPPED)
 
 
 def reason_of(key: str) -> str | None:
@@ -139,12 +139,16 @@ def reason_of(key: str) -> str | None:
 
 def by_reason(counts: dict[str, int]) -> dict[str, int]:
     """The skip counters of `counts` as {reason: count}, by reason."""
-    return {reason: counts[key] for key in sorted(counts) if (reason := reason_of(key)) is not None}
+    return _by_prefix(counts, SKIPPED)
 
 
 def items_failed_by_reason(counts: dict[str, int]) -> dict[str, int]:
     """The failed-item counters of `counts` as {reason: count}, by reason."""
-    return {key[len(ITEM_FAILED):]: counts[key] for key in sorted(counts) if key.startswith(ITEM_FAILED)}
+    return _by_prefix(counts, ITEM_FAILED)
+
+
+def _by_prefix(counts: dict[str, int], prefix: str) -> dict[str, int]:
+    return {key[len(prefix):]: counts[key] for key in sorted(counts) if key.startswith(prefix)}
 
 
 def total(counts: dict[str, int], *, failed_items: bool = False) -> int:
