@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from mmtok.commands.report import files_skipped, plural, print_summary, reasons
+from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -25,6 +26,7 @@ def add_parser(sub) -> None:
     parser.add_argument("inputs", nargs="+", type=Path, help="conversation files (.jsonl, .parquet, .tar)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (an earlier pack there is replaced)")
     parser.add_argument("--samples-per-tar", type=int, default=1000, help="conversations per tar (default 1000)")
+    add_media_root(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -36,7 +38,8 @@ def run(args) -> int:
     if args.samples_per_tar < 1:
         raise MmtokError(f"--samples-per-tar {args.samples_per_tar}: it must be at least 1")
     refuse_foreign(args.out)
-    report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, progress=not args.no_progress)
+    report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, progress=not args.no_progress,
+                  media_roots=args.media_root)
     print_summary("pack", summary_lines(report, args.out))
     return 0
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,8 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.formats.chat import ChatRenderer, ConversationError, MediaSlot, recorded_special_ids, split_media
-from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, input_fingerprint, locate,
-                                 read_conversations)
+from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
+                                         locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
@@ -241,8 +242,9 @@ def count_conversations(inputs: list[Path]) -> int:
 
 def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
                   audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
-                  options: SftOptions = SftOptions()) -> dict:
-    """Assemble rank `rank` of `world_size` into OUT/parts/part-<rank>; returns its stats."""
+                  options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> dict:
+    """Assemble rank `rank` of `world_size` into OUT/parts/part-<rank>; returns its stats. A medium given as
+    a file path resolves only inside its input's directory or one of `media_roots`."""
     from mmtok.progress import progress as progress_bar
 
     tokenizer = load_text_tokenizer(text_tokenizer)
@@ -253,6 +255,8 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
     total = count_conversations(inputs)
     units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
     identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
+    if media_roots:  # they decide which file references resolve: a resume must use the same
+        identity["media_roots"] = list(check_media_roots(media_roots))
     _refuse_other_parts(part_dir(out, rank))
     with PartWriter(part_dir(out, rank), identity) as part:
         if part.done:
@@ -262,7 +266,7 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
         bar = progress_bar(total=last - first, desc=f"sft rank {rank}", unit="conv", enabled=options.progress)
         pending, ordinal = _Unit(first // CONVERSATIONS_PER_UNIT), -1
         try:
-            for ordinal, conversation in enumerate(read_conversations(inputs)):
+            for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
                 if ordinal < first:
                     continue
                 if ordinal >= last:

@@ -26,12 +26,13 @@ import io
 import json
 import tarfile
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 from mmtok.formats.chat import ConversationError, with_media_names
-from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, check_inputs, input_fingerprint, locate,
-                                 read_conversations)
+from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, check_inputs, check_media_roots,
+                                         input_fingerprint, locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer
@@ -51,12 +52,20 @@ def extension(kind: str, data: bytes, name: str | None) -> str:
     """The member extension of a medium: its name's when that is a known one of its kind, else its signature's."""
     if name and (suffix := name.rsplit(".", 1)[-1].lower()) in KIND_SUFFIXES[kind] and "." in name:
         return suffix
+    if (ext := _signature(kind, data)) is not None:
+        return ext
+    other = "audio" if kind == "image" else "image"
+    looks = f"; they look like {ext} {other}" if (ext := _signature(other, data)) else ""
+    # never the bytes themselves: a skip record must not copy a file's content out of the input
+    raise Skip("missing_media", f"{kind} bytes of no format mmtok reads (it reads {', '.join(KIND_SUFFIXES[kind])})"
+               + looks)
+
+
+def _signature(kind: str, data: bytes) -> str | None:
+    """The extension of the `kind` format whose signature `data` starts with, else None."""
     if data[:4] == b"RIFF" and data[8:12] == RIFF[kind][0]:
         return RIFF[kind][1]
-    for signature, ext in SIGNATURES[kind]:
-        if data.startswith(signature):
-            return ext
-    raise Skip("missing_media", f"{kind} bytes of no format mmtok reads (first bytes {data[:8].hex()})")
+    return next((ext for signature, ext in SIGNATURES[kind] if data.startswith(signature)), None)
 
 
 def pack_conversation(conversation: Conversation, key: str) -> tuple[list[tuple[str, bytes]], Counter]:
@@ -76,7 +85,7 @@ def pack_conversation(conversation: Conversation, key: str) -> tuple[list[tuple[
             data = located.read()
         except OSError as err:
             raise Skip("missing_media", f"{ref.slot.kind} {ref.slot.index}: {located.where}: {err}") from None
-        name = located.member or (located.path if located.kind == "file" else None)
+        name = located.member or (located.where if located.kind == "file" else None)  # the name it was given
         try:
             ext = extension(ref.slot.kind, data, name)
         except Skip as skip:
@@ -105,11 +114,14 @@ def _json_bytes(record: dict) -> bytes:
         raise
 
 
-def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR, progress: bool = True) -> dict:
-    """Pack every conversation of `inputs` into OUT; returns the report written to OUT/pack.json."""
+def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR, progress: bool = True,
+         media_roots: Sequence[Path] = ()) -> dict:
+    """Pack every conversation of `inputs` into OUT, reading media files only inside each input's directory or
+    `media_roots`; returns the report written to OUT/pack.json."""
     from mmtok.progress import progress as progress_bar
 
     check_inputs(inputs)  # before OUT is touched: a mistyped input must not unfinish an earlier pack
+    roots = check_media_roots(media_roots)
     inside = [p for p in inputs if Path(p).resolve().is_relative_to(out.resolve())]
     if inside:
         raise MmtokError(f"{inside[0]} is inside --out {out}, which pack rewrites; pack into another directory")
@@ -122,7 +134,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
         skipped = []
         bar = progress_bar(desc="pack", unit="conv", enabled=progress)
         with _Tars(out, samples_per_tar) as tars:
-            for ordinal, conversation in enumerate(read_conversations(inputs)):
+            for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
                 if conversation.whole_file:
                     counts[skips.file_count_key(conversation.error.reason)] += 1
                     skipped.append(conversation.skip_record(conversation.error, "pack"))
@@ -145,7 +157,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
             if stale.name not in tars.names:
                 stale.unlink()  # an earlier pack into OUT had more tars
         report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars.names,
-                  "counts": dict(sorted(counts.items()))}
+                  "counts": dict(sorted(counts.items())), **({"media_roots": list(roots)} if roots else {})}
         atomic_write_json(out / REPORT, report)
     return report
 
