@@ -12,7 +12,9 @@ from. `pack` writes each conversation of the inputs (`mmtok.formats.conversation
                                  name, else from the bytes' signature)
   OUT/skipped.jsonl              every conversation not packed, a skip record each (`mmtok.formats.skips`):
                                  key = its id, reason `missing_media` (a reference that resolves to nothing
-                                 or to bytes of no known format) or the record's own reasons
+                                 or to bytes of no known format), `outside_root` / `not_a_file` (a file path
+                                 outside the roots or no regular file: `conversations.locate`) or the
+                                 record's own reasons
   OUT/pack.json                  the inputs and counts (written last: its presence means the pack completed)
 
 Bytes are copied unchanged, so a packed medium decodes to the same pixels and samples as the original and
