@@ -170,7 +170,9 @@ def _hostile_corpus(tmp_path: Path) -> tuple[Path, Path]:
     (data / "horse.png").write_bytes(photo)
     (secret / "shadow.png").write_bytes(photo + SECRET)  # would pass as a png: only the roots keep it out
     (data / "link.png").symlink_to(secret / "shadow.png")
-    lines = [_image_line("inside", "horse.png"), _image_line("absolute", str(secret / "shadow.png")),
+    (data / "inner.png").symlink_to("horse.png")  # a symlink that stays inside is fine
+    lines = [_image_line("inside", "horse.png"), _image_line("inner-link", "inner.png"),
+             _image_line("absolute", str(secret / "shadow.png")),
              _image_line("dotdot", "../secret/shadow.png"), _image_line("symlink", "link.png"),
              _image_line("file-url", f"file://{secret / 'shadow.png'}")]
     write_jsonl(data / "convs.jsonl", lines)
@@ -197,7 +199,7 @@ def _skipped(out: Path) -> dict[str, dict]:
 def test_media_outside_the_input_directory_are_not_packed(tmp_path):
     inputs, _ = _hostile_corpus(tmp_path)
     counts = _pack([inputs], tmp_path / "out")["counts"]
-    assert counts == {"conversations": 5, "packed": 1, "image_packed": 1, "skipped:outside_root": 4}
+    assert counts == {"conversations": 6, "packed": 2, "image_packed": 2, "skipped:outside_root": 4}
     skipped = _skipped(tmp_path / "out")
     assert {key: r["reason"] for key, r in skipped.items()} == {
         "absolute": "outside_root", "dotdot": "outside_root", "symlink": "outside_root", "file-url": "outside_root"}
@@ -208,7 +210,16 @@ def test_media_outside_the_input_directory_are_not_packed(tmp_path):
 def test_a_media_root_admits_the_files_under_it(tmp_path):
     inputs, secret = _hostile_corpus(tmp_path)
     counts = _pack([inputs], tmp_path / "out", "--media-root", secret)["counts"]
-    assert counts == {"conversations": 5, "packed": 5, "image_packed": 5}
+    assert counts == {"conversations": 6, "packed": 6, "image_packed": 6}
+
+
+def test_a_media_root_that_is_no_directory_is_refused_in_one_line(tmp_path, capsys):
+    inputs, _ = _hostile_corpus(tmp_path)
+    assert main(["pack", str(inputs), "--out", str(tmp_path / "out"), "--no-progress",
+                 "--media-root", str(tmp_path / "typo")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--media-root" in err and "typo" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_fifo_device_or_directory_medium_is_never_opened(tmp_path):
