@@ -136,6 +136,7 @@ BAD_ROWS = [  # (row, what its detail names)
       "num_samples": 8000, "duration": 1.0}, "type"),
     ({"id": "r-sources-not-a-list", "sources": "x.wav", "sampling_rate": 8000, "num_samples": 8000,
       "duration": 1.0}, "sources"),
+    ({"id": "r-no-sources", "sampling_rate": 8000, "num_samples": 8000, "duration": 1.0}, "recording without `sources`"),
     (["not", "an", "object"], "object"),
 ]
 

@@ -534,11 +534,12 @@ def lhotse_units(manifests: list[Path], allow_command_sources: bool = False) -> 
 
 def _manifest_rows(manifests: list[Path]) -> tuple[list[dict], list[dict], list[SkipRecord]]:
     """(recordings, supervisions, bad_manifest_row records) of the manifests' lines: a row with `sources`
-    is a recording, any other a supervision; each checked to hold the keys mmtok and lhotse need."""
+    (or a `sampling_rate`, which no supervision has) is a recording, any other a supervision; each checked
+    to hold the keys mmtok and lhotse need."""
     recordings, supervisions, dropped = [], [], []
     for path in manifests:
         for line, row in _jsonl_rows(path):
-            is_recording = isinstance(row, dict) and "sources" in row
+            is_recording = isinstance(row, dict) and ("sources" in row or "sampling_rate" in row)
             problem = _row_problem(row, RECORDING_KEYS if is_recording else SUPERVISION_KEYS)
             if problem is None and is_recording:
                 problem = next(filter(None, map(_source_problem, row["sources"])), None)
