@@ -22,7 +22,7 @@ from mmtok.codecs import emu35
 from mmtok.encode import loader
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
-from mmtok.formats.items import CONTAINERS, media_digest, part_containers
+from mmtok.formats.items import CONTAINERS, ImageIndex, media_digest, part_containers
 from mmtok.formats.manifest import container_identity
 from mmtok.vocab import check_ids_in_range
 
@@ -195,3 +195,12 @@ def test_a_manifest_of_the_previous_version_is_a_one_line_rerun_scan(kit, tmp_pa
                  "--text-tokenizer", str(kit[0])]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rerun `mmtok scan`" in err, err
+
+
+def test_item_records_that_point_past_the_stored_ids_are_refused_naming_the_file(tmp_path):
+    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({CONTAINERS: {}}))
+    record = {"kind": "image", "key": "k", "source": str(tmp_path / "t.tar"), "member": "k.0.png", "length": 10}
+    (tmp_path / commitlog.ITEMS).write_text(json.dumps(record) + "\n")
+    (tmp_path / commitlog.ITEM_IDS).write_bytes(np.arange(4, dtype=np.int32).tobytes())
+    with pytest.raises(MmtokError, match=r"items.jsonl: its records need 10 ids but .*items.ids holds 4"):
+        ImageIndex([tmp_path])

@@ -79,7 +79,12 @@ class ImageIndex:
                 skip = Skip(record["skip"], record.get("detail", "")) if "skip" in record else None
                 self._items[(tar, record["member"])] = ImageItem(number, record["offset"], record["length"], skip)
                 self._count[(tar, record["key"])] += 1
-            self._ids.append(np.asarray(commitlog.read_item_ids(directory, end)))
+            ids = np.asarray(commitlog.read_item_ids(directory, end))
+            if end > ids.size:  # records that point past the ids: never lend a cut block
+                raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
+                                 f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "
+                                 f"delete {directory} and re-encode this part")
+            self._ids.append(ids)
         self._tars = {tar for tar, _ in self._count}
         self.tars = sorted(self._tars)  # resolved paths of the tars the images come from
 

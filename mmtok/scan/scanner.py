@@ -75,6 +75,11 @@ def describe(path: str) -> Source:
     try:
         identity = container_identity(path)
         return Source(path, identity["size"], identity["mtime_ns"], identity["head"])
+    except OSError:  # unreadable: its scan says why (`unreadable_shard`)
+        pass
+    try:
+        st = os.stat(path)
+        return Source(path, st.st_size, st.st_mtime_ns)
     except OSError:
         return Source(path, -1, 0)
 
