@@ -17,7 +17,8 @@ placeholder replaced by its medium's block, in order:
 A conversation is written once, only when every medium it references encoded; otherwise it is a skip
 record naming it: `missing_media` (a reference that resolves to nothing, or a medium no encode output
 holds), `placeholder_mismatch` (placeholders and the sample's media differ in number),
-`media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason), or
+`media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason),
+`stale_media` (its tar changed since it was scanned: its image items belong to other bytes), or
 a rendering reason (`template_error`, `invalid_json`, ...). BOS is prepended / EOS appended unless the
 rendering starts / ends with them; a conversation over --max-tokens is `document_too_long`.
 
@@ -74,10 +75,18 @@ class ImageItems:
         self._index = ImageIndex([part.directory for part in parts])
 
     def images_of(self, tar: str, key: str) -> int:
+        """How many images sample `key` of `tar` has; Skip `stale_media` when the tar changed since its encode."""
+        self._check_current(tar)
         return self._index.images_of(tar, key)
 
+    def _check_current(self, tar: str) -> None:
+        stale = self._index.stale(tar)
+        if stale is not None:  # its items were made from other bytes at this path: never lend them
+            raise Skip("stale_media", stale)
+
     def block(self, tar: str, member: str) -> np.ndarray:
-        """The image block of tar member `member`; Skip if it did not encode."""
+        """The image block of tar member `member`; Skip if it did not encode (or the tar changed since)."""
+        self._check_current(tar)
         found = self._index.find(tar, member)
         if found is None and not self._index.holds_tar(tar):
             tars = self._index.tars
