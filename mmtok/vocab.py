@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mmtok.errors import MmtokError
+
 # Omni-special tokens in id order, starting at the end of the text vocabulary.
 OMNI_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|omni_reserved_0|>",
@@ -215,6 +217,18 @@ class VocabLayout:
             "audio_codebook": self.audio_codebook,
             **self.omnimodal_config(),
         }
+
+
+def check_ids_in_range(ids: np.ndarray, low: int, high: int, what: str) -> None:
+    """Refuse (MmtokError naming `what`) any id outside [low, high): the last guard before ids that a
+    file gave are committed, so damaged or foreign ids never reach a dataset."""
+    ids = np.asarray(ids)
+    if not ids.size:
+        return
+    outside = (ids < low) | (ids >= high)
+    if outside.any():
+        raise MmtokError(f"{what}: id {int(ids[outside][0])} is outside [{low}, {high}) ({int(outside.sum())} such "
+                         "ids): the ids are damaged or were made for another vocabulary; re-create them")
 
 
 def _find(tokens: np.ndarray, token: int, start: int, name: str) -> int:
