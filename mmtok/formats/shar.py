@@ -113,21 +113,27 @@ def read_report(out: Path) -> dict | None:
     return report
 
 
-def manifest_sha256(path: Path) -> str:
-    """sha256 of a decompressed cuts manifest (gzip headers carry a timestamp, the content does not);
-    MmtokError naming the file when it does not decompress."""
+def _manifest_bytes(path: Path) -> bytes:
+    """A cuts manifest's decompressed bytes; MmtokError naming the file when it does not decompress."""
     try:
         with gzip.open(path, "rb") as handle:
-            return hashlib.sha256(handle.read()).hexdigest()
+            return handle.read()
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
         raise MmtokError(f"{path}: the cuts manifest does not decompress ({err}): bit rot or a damaged copy; "
                          "re-run `mmtok audio convert` into a new --out") from None
 
 
+def manifest_sha256(path: Path) -> str:
+    """sha256 of a decompressed cuts manifest (gzip headers carry a timestamp, the content does not)."""
+    return hashlib.sha256(_manifest_bytes(path)).hexdigest()
+
+
 def read_cut_dicts(path: Path) -> list[dict]:
-    """The cuts of one cuts manifest as JSON dicts, in order."""
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """The cuts of one cuts manifest as JSON dicts, in order; MmtokError naming the file when it is damaged."""
+    try:
+        return [json.loads(line) for line in _manifest_bytes(path).decode("utf-8").split("\n") if line.strip()]
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
+        raise MmtokError(f"{path}: not a cuts manifest ({err}); re-run `mmtok audio convert` into a new --out") from None
 
 
 @dataclass(frozen=True)
