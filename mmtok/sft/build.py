@@ -121,6 +121,7 @@ class AudioClips:
         self.layout = layout
         self._paths: list[Path] = []
         self._rows: dict[str, tuple[int, int]] = {}
+        self._digests: dict[str, str] = {}  # cut id -> sha256 of the bytes it was converted from
         self._why: dict[str, Skip] = {}
         self._loaded: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.describe = []
@@ -134,8 +135,13 @@ class AudioClips:
             self.describe.append({"out": os.path.realpath(out), "codec": metadata["codec"], "trim": metadata["trim"],
                                   "num_parts": metadata["num_parts"]})
             for path in paths:
-                for row, cut_id in enumerate(audio_cache.read_index(path).column("cut_id").to_pylist()):
-                    self._rows.setdefault(cut_id, (len(self._paths), row))
+                index = audio_cache.read_index(path)
+                for row, (cut_id, digest) in enumerate(zip(index.column("cut_id").to_pylist(),
+                                                           index.column("source_sha256").to_pylist())):
+                    if cut_id not in self._rows:
+                        self._rows[cut_id] = (len(self._paths), row)
+                        if digest is not None:
+                            self._digests[cut_id] = digest
                 self._paths.append(path)
             for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
@@ -149,8 +155,9 @@ class AudioClips:
             for record in skips.read(path):
                 self._why.setdefault(record.key, record.skip())
 
-    def block(self, cut_id: str) -> np.ndarray:
-        """<|audio_start|> the clip's ids <|audio_end|>; Skip when no cache holds the clip."""
+    def block(self, cut_id: str, source: Located | None = None) -> np.ndarray:
+        """<|audio_start|> the clip's ids <|audio_end|>; Skip when no cache holds the clip, or when `source`
+        (the medium the conversation references) is no longer the bytes the clip was converted from."""
         found = self._rows.get(cut_id)
         if found is None:
             why = self._why.get(cut_id)
@@ -158,14 +165,27 @@ class AudioClips:
                 raise Skip(f"media_skipped:{why.reason}", f"clip {cut_id}: {why.detail}")
             raise Skip("missing_media", f"clip {cut_id} is in no audio token cache given (--audio)"
                        + ("" if self._paths else ": none was given"))
+        if source is not None and source.kind != "cut" and cut_id in self._digests:
+            self._check_source(cut_id, source)
         part, row = found
-        ids = self._part(part)[row]
-        return self.layout.audio_block(ids - self.layout.audio_offset)  # ids back to codes: the block checks them
+        ids = self._part(part)[row]  # checked to be audio ids when the part was read
+        return self.layout.audio_block(ids - self.layout.audio_offset)
+
+    def _check_source(self, cut_id: str, source: Located) -> None:
+        """Skip `stale_media` when the medium's bytes differ from those clip `cut_id` was converted from."""
+        try:
+            digest = shar.source_digest(source.read())
+        except OSError as err:
+            raise Skip("missing_media", f"clip {cut_id}: cannot read {source.where} ({err})") from None
+        if digest != self._digests[cut_id]:
+            raise Skip("stale_media", f"clip {cut_id}: {source.where} changed since `mmtok audio convert` read it "
+                       f"(sha256 {digest[:12]}..., converted {self._digests[cut_id][:12]}...); rerun the conversion "
+                       "and the audio encode")
 
     def _part(self, part: int) -> list[np.ndarray]:
         """One cache part's audio ids (the last few parts kept: conversations visit them in order)."""
         if part not in self._loaded:
-            self._loaded[part] = audio_cache.read_tokens(self._paths[part])[0]
+            self._loaded[part] = audio_cache.read_tokens(self._paths[part], self.layout)[0]
             if len(self._loaded) > 4:
                 self._loaded.popitem(last=False)
         self._loaded.move_to_end(part)
@@ -227,7 +247,7 @@ class ConversationBuilder:
         """(the medium's block, what provenance names it by: the cut id of a clip, the member of an image)."""
         if slot.kind == "audio":
             cut_id = located.cut_id or audio_clip_id(conversation.id, slot.index)
-            return self.audio.block(cut_id), cut_id
+            return self.audio.block(cut_id, located), cut_id
         if located.kind != "member" or self.images is None:
             where = "no --images was given" if self.images is None else \
                 "images are encoded from tar members only: `mmtok pack` the conversations into tars first"
