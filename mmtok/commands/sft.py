@@ -77,6 +77,9 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[st
              f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons(skipped)}; each named in "
              f"{stats['part_dir']}/skipped.jsonl)" if skipped else "")
              + files_skipped(counts, f"{stats['part_dir']}/skipped.jsonl")]
+    if counts.get("control_literals"):
+        lines.append(f"{plural(counts['control_literals'], 'conversation')} held control-token names in their text "
+                     "(tokenized as text, never as control tokens: control_literals)")
     if stats.get("already_done"):
         lines.append(f"(part already finished: {stats['part_dir']})")
     return lines + [f"next, when every rank finished: mmtok merge {out} [--strip-reasoning]"]
