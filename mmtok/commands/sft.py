@@ -39,7 +39,10 @@ def add_parser(sub) -> None:
                         help="`mmtok audio convert` output (repeatable): names why a clip it dropped is missing")
     parser.add_argument("--out", type=Path, required=True, help="output directory (parts go to OUT/parts/)")
     parser.add_argument("--max-tokens", type=int, default=1 << 20,
-                        help="skip conversations longer than this as document_too_long (default 1,048,576)")
+                        help="skip conversations longer than this as document_too_long (default 1,048,576); text "
+                             "that certainly has more tokens (more UTF-8 bytes than this x the tokenizer's longest "
+                             "vocabulary entry) is skipped before it is tokenized, and bounds the chat template's "
+                             "rendering")
     parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
     parser.add_argument("--world-size", type=int, default=None, help="number of ranks (default: from the environment)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

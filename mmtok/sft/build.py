@@ -19,7 +19,10 @@ record naming it: `missing_media` (a reference that resolves to nothing, or a me
 holds), `placeholder_mismatch` (placeholders and the sample's media differ in number),
 `media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason), or
 a rendering reason (`template_error`, `invalid_json`, ...). BOS is prepended / EOS appended unless the
-rendering starts / ends with them; a conversation over --max-tokens is `document_too_long`.
+rendering starts / ends with them; a conversation over --max-tokens is `document_too_long` (text that
+certainly is -- `TextTokenizer.max_token_bytes` -- before it is tokenized). Only the template's own
+control tokens become control ids (`ChatRenderer.render_pieces`): a control-token name in the record is
+text, and the conversation counts as `control_literals`.
 
 Ranks: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT; rank r of N
 takes a contiguous range of units into OUT/parts/part-r and commits after every unit (resumable, see
