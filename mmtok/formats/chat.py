@@ -123,7 +123,7 @@ class ChatRenderer:
     """Compiles a chat template once; `render(conversation)` is thread-safe and deterministic.
 
     `controls` are the tokenizer's control tokens by name (`TextTokenizer.control_tokens()`); `render_pieces`
-    keeps those a record's text holds as text. Each rendering is bounded (see `_bounded`): a template that
+    keeps those a record's text holds as text. Each rendering is bounded (see RENDER_STEPS): a template that
     loops away or builds huge strings is that conversation's `template_error` / `document_too_long`.
     """
 
@@ -139,6 +139,7 @@ class ChatRenderer:
         self.eos_token = eos_token
         self._controls = {name: c for name, c in (controls or {}).items() if name not in PLACEHOLDER_KIND}
         self._literal = _alternation(self._controls)  # None: no control token to keep out of the text
+        self._edges = _Edges(self._controls)
         self._cut = _alternation([*self._controls, *PLACEHOLDER_KIND])
         self._template_chars = frozenset(template)
 
@@ -164,12 +165,22 @@ class ChatRenderer:
         if max_chars is not None and size > max_chars:  # characters <= UTF-8 bytes: certainly too long
             raise ConversationError("document_too_long", f"the record holds {size:,} characters of text, more than "
                                     f"--max-tokens can hold ({max_chars:,})")
-        hidden = _hidden_literals(self._literal, record, self._template_chars)
+        hidden = _hidden_literals(self._literal, self._edges, record, self._template_chars)
         if hidden:
-            context.update(_replaced(record, lambda text: self._literal.sub(lambda m: hidden[m.group()], text)))
+            context.update(_replaced(record, lambda text: self._hide(text, hidden)))
         rendered = self._render(context, max_chars)
         restore = {ord(marker): name for name, marker in hidden.items()}
-        return Rendering(self._cut_at_controls(rendered, restore), bool(hidden))
+        return Rendering(self._cut_at_controls(rendered, restore), any(hidden))
+
+    def _hide(self, text: str, hidden: dict[str, str]) -> str:
+        """`text` with each control name replaced by its marker, and fenced by the separator where it
+        could join its neighbour into a name."""
+        text = self._literal.sub(lambda m: hidden[m.group()], text)
+        separator = hidden.get("")
+        if separator is not None:
+            text = (separator if self._edges.starts(text) else "") + text + \
+                (separator if self._edges.ends(text) else "")
+        return text
 
     def _context(self, conversation: dict) -> dict:
         messages = _messages(conversation)
@@ -246,14 +257,19 @@ def _alternation(names) -> re.Pattern | None:
 _RENDERER_KEYS = ("bos_token", "eos_token", "add_generation_prompt")
 
 
-def _hidden_literals(literal: re.Pattern | None, record: dict, template_chars: frozenset) -> dict[str, str]:
-    """{control name the record's strings hold: the one character that hides it while rendering}. The
-    characters are private-use code points that neither those strings nor the template contain, so
-    putting the names back after the cut is exact."""
+def _hidden_literals(literal: re.Pattern | None, edges: "_Edges", record: dict,
+                     template_chars: frozenset) -> dict[str, str]:
+    """{control name the record's strings hold: the one character that hides it while rendering}, and
+    under "" the character that keeps apart two strings the template may join into a name (`<|inner_` +
+    `prefix|>`: one ends with a name's beginning, the other starts with its end). The characters are
+    private-use code points that neither those strings nor the template contain, so putting the names
+    back (and taking the separators out) after the cut is exact."""
     if literal is None:
         return {}
     strings = list(_texts(record))
     found = sorted({m.group() for text in strings for m in literal.finditer(text)})
+    if any(edges.touches(text) for text in strings):
+        found.append("")
     if not found:
         return {}
     used = set(template_chars).union(*map(set, strings))
@@ -263,6 +279,24 @@ def _hidden_literals(literal: re.Pattern | None, record: dict, template_chars: f
         raise ConversationError("unrenderable_text", "the record uses every private-use character: no character "
                                 "is left to keep its control-token names as text")
     return markers
+
+
+class _Edges:
+    """Whether a string starts with the end of a control name or ends with its beginning (a proper part)."""
+
+    def __init__(self, names):
+        self._lengths = range(1, max(map(len, names), default=1))
+        self._heads = {name[:k] for name in names for k in range(1, len(name))}
+        self._tails = {name[k:] for name in names for k in range(1, len(name))}
+
+    def starts(self, text: str) -> bool:
+        return any(text[:k] in self._tails for k in self._lengths if k <= len(text))
+
+    def ends(self, text: str) -> bool:
+        return any(text[-k:] in self._heads for k in self._lengths if k <= len(text))
+
+    def touches(self, text: str) -> bool:
+        return self.starts(text) or self.ends(text)
 
 
 def _texts(value: Any) -> Iterator[str]:
