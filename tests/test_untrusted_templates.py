@@ -141,3 +141,11 @@ def test_jsonl_transcript_rows_with_deep_nesting_or_lone_surrogates_are_bad_tabl
     kept, dropped = read_transcript_table(table)
     assert [row["path"] for row in kept] == ["b.wav"]
     assert [record.reason for record in dropped] == ["bad_table_row", "bad_table_row"]
+
+
+def test_the_budget_leaves_ordinary_template_features_as_they_render():
+    template = ("{% macro f(obj, context) %}{{ obj }}{{ context }}{% endmacro %}{{ f(obj=1, context=2) }} "
+                "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '.' if loop.last }}{% endfor %} "
+                "{% for x in [[1, [2]]] recursive %}{{ x }}{% endfor %} {{ '%5s|' % 'a' }}{{ '{:>3}'.format(7) }}")
+    record = {"messages": [CONVERSATION["messages"][0]] * 2}
+    assert ChatRenderer(template, "<s>", "</s>").render(record) == "12 1/22/2. [1, [2]]     a|  7"

@@ -395,7 +395,7 @@ def _bounded_environment():
     class Bounded(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**", "%", "+"})
 
-        def call(self, context, obj, *args, **kwargs):
+        def call(self, context, obj, /, *args, **kwargs):  # positional-only: a macro may take `obj=`
             _charge(*args, *kwargs.values(), ints=True, steps=MACRO_STEPS if isinstance(obj, Macro) else 1)
             result = super().call(context, obj, *args, **kwargs)
             _charge(result)
