@@ -34,7 +34,6 @@ left is counted by extension (`ignored`), never dropped silently.
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,8 +44,8 @@ import numpy as np
 
 from mmtok.media.audio import AudioReason, to_mono
 from mmtok.formats.chat import ConversationError
-from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
-                                 sample_key)
+from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, json_value, locate,
+                                         read_conversations, sample_key)
 from mmtok.formats.shar import source_digest
 from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
@@ -240,7 +239,9 @@ def _table_lines(path: Path) -> list[tuple[int, str | None]]:
 
 
 def _json_row(text: str) -> dict:
-    row = json.loads(text)  # JSONDecodeError is a ValueError
+    row, error = json_value(text, "json")  # deep nesting and lone surrogates too, as every reader
+    if error is not None:
+        raise ValueError(error.detail)
     if not isinstance(row, dict):
         raise ValueError(f"not a JSON object but {type(row).__name__}")
     return row
@@ -564,10 +565,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
         with opener(path, "rb") as handle:
             for number, raw in enumerate(handle, 1):
                 if raw.strip():
-                    try:
-                        yield number, json.loads(raw)
-                    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-                        yield number, ValueError(f"not JSON ({type(err).__name__})")
+                    value, skip = json_value(raw, f"line {number}")
+                    yield number, ValueError(f"not JSON ({skip.detail})") if skip else value
     except (OSError, EOFError) as err:  # unreadable, or a damaged gzip stream
         raise MmtokError(f"{path}: cannot read the Lhotse manifest ({err})") from None
 

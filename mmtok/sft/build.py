@@ -20,7 +20,10 @@ holds), `placeholder_mismatch` (placeholders and the sample's media differ in nu
 `media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason),
 `stale_media` (its tar changed since it was scanned: its image items belong to other bytes), or
 a rendering reason (`template_error`, `invalid_json`, ...). BOS is prepended / EOS appended unless the
-rendering starts / ends with them; a conversation over --max-tokens is `document_too_long`.
+rendering starts / ends with them; a conversation over --max-tokens is `document_too_long` (text that
+certainly is -- `TextTokenizer.max_token_bytes` -- before it is tokenized). Only the template's own
+control tokens become control ids (`ChatRenderer.render_pieces`): a control-token name in the record is
+text, and the conversation counts as `control_literals`.
 
 Ranks: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT; rank r of N
 takes a contiguous range of units into OUT/parts/part-r and commits after every unit (resumable, see
@@ -40,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok import __version__
-from mmtok.formats.chat import ChatRenderer, ConversationError, MediaSlot, recorded_special_ids, split_media
+from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
 from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
                                          locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
@@ -54,6 +57,8 @@ from mmtok.vocab import VocabLayout
 
 CONVERSATIONS_PER_UNIT = 256  # one commit per unit: a kill loses at most this many conversations' work
 DEFAULT_MAX_TOKENS = 1 << 20
+# A data-quality count: written conversations whose text held control-token names (tokenized as text).
+CONTROL_LITERALS = "control_literals"
 
 
 @dataclass(frozen=True)
@@ -202,6 +207,10 @@ class ConversationBuilder:
         self.images = images
         self.audio = audio
         self.max_tokens = max_tokens
+        self._controls = {name: control.id for name, control in tokenizer.control_tokens().items()}
+        # Text of more UTF-8 bytes than this has more than max_tokens tokens (TextTokenizer.max_token_bytes):
+        # refused before the tokenizer sees it. None: the tokenizer gives no such bound.
+        self._max_text_bytes = None if tokenizer.max_token_bytes is None else max_tokens * tokenizer.max_token_bytes
         self._bos = np.array([tokenizer.bos_id], np.int32)
         self._eos = np.array([tokenizer.eos_id], np.int32)
 
@@ -209,22 +218,28 @@ class ConversationBuilder:
         """(tokens, what went into them); Skip naming the first problem."""
         try:
             media = conversation.media()
-            pieces = split_media(self.renderer.render(conversation.record))
+            rendering = self.renderer.render_pieces(conversation.record, self._max_text_bytes)
         except ConversationError as err:
             raise Skip(err.reason, err.detail) from None
+        pieces = rendering.pieces
         slots = [p for p in pieces if isinstance(p, MediaSlot)]
         if sorted(slots, key=_slot_order) != sorted((m.slot for m in media), key=_slot_order):
             raise Skip("placeholder_mismatch", f"the rendering has {_kinds(slots)} placeholders, the messages "
                        f"reference {_kinds([m.slot for m in media])}")
         self._check_image_count(conversation, slots)
+        self._check_text_size(pieces)
         parts, used = [], {"image": [], "audio": []}
         for piece in pieces:
             if isinstance(piece, str):
                 parts.append(np.asarray(self.tokenizer.encode(piece), np.int32))
-                continue
-            block, reference = self._block(conversation, piece, locate(conversation, media, piece))
-            parts.append(block)
-            used[piece.kind].append(reference)
+            elif isinstance(piece, Control):
+                parts.append(np.array([self._controls[piece.name]], np.int32))
+            else:
+                block, reference = self._block(conversation, piece, locate(conversation, media, piece))
+                parts.append(block)
+                used[piece.kind].append(reference)
+        if rendering.control_literals:  # counted by the rank (`control_literals`), not part of the provenance
+            used[CONTROL_LITERALS] = True
         if not (parts and parts[0].size and parts[0][0] == self._bos[0]):
             parts.insert(0, self._bos)
         if not (parts[-1].size and parts[-1][-1] == self._eos[0]):
@@ -233,6 +248,14 @@ class ConversationBuilder:
         if tokens.size > self.max_tokens:
             raise Skip("document_too_long", f"{tokens.size:,} tokens > --max-tokens {self.max_tokens:,}")
         return tokens, used
+
+    def _check_text_size(self, pieces: list) -> None:
+        if self._max_text_bytes is None:
+            return
+        size = sum(len(p.encode("utf-8", "surrogatepass")) for p in pieces if isinstance(p, str))
+        if size > self._max_text_bytes:
+            raise Skip("document_too_long", f"{size:,} bytes of text are more than --max-tokens {self.max_tokens:,} "
+                       f"tokens of at most {self.tokenizer.max_token_bytes} bytes each")
 
     def _check_image_count(self, conversation: Conversation, slots: list[MediaSlot]) -> None:
         images = sum(slot.kind == "image" for slot in slots)
@@ -343,6 +366,8 @@ class _Unit:
             self.counts["documents_skipped"] += 1
             self.skipped.append(conversation.skip_record(skip, "sft"))
             return
+        if used.pop(CONTROL_LITERALS, False):
+            self.counts[CONTROL_LITERALS] += 1
         self.sequences.append(tokens)
         self.provenance.append({"conversation": conversation.id, "origin": conversation.origin, **used})
         self.counts.update(documents_written=1, tokens=int(tokens.size), images_written=len(used["image"]),
