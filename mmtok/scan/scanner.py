@@ -24,9 +24,11 @@ from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NON_UTF8_NAME, REGULAR, TRUNCATED,
-                               TarWalker, compressed_detail)
+                               UNSUPPORTED, TarWalker, compressed_detail)
 
-SCAN_VERSION = 4  # bump when rows for the same input change; invalidates caches
+# Bump when rows for the same input change; invalidates caches. 5: GNU sparse and multi-volume members
+# are `unsupported_member` (pax sparse ones were rows of garbage bytes), a file given twice is `duplicate_input`.
+SCAN_VERSION = 5
 CACHE_DIR = ".scan-cache"
 # One read at a sample's first header usually holds its small sidecars, the next image's header and
 # that image's first HEAD_BYTES: ~1.1 reads and ~7 KB per image on WebDataset shards with captions
@@ -191,7 +193,7 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         suffix = ext if ext in _KNOWN_SUFFIXES else ext[ext.rfind(b".") + 1:].lower()
         if suffix in _IMAGE_SUFFIXES:
             images.append(_image_entry(walker, raw, kind, offset, size))
-        elif kind == TRUNCATED or kind == BAD_SIZE:
+        elif kind == TRUNCATED or kind == BAD_SIZE or kind == UNSUPPORTED:  # a sidecar too: never silently lost
             out.shard_error(KIND_REASONS[kind], offset, raw.decode("utf-8", "backslashreplace"))
         elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
             text = (offset, size)
