@@ -1,5 +1,5 @@
 """Durable, atomic file writes (a crash never leaves a half-written file under its final name), the reading
-back of the JSON they write, and the one-writer lock of an output directory."""
+back of the JSON they write, the one-writer lock of an output directory, and which input paths name one file."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterable, Iterator
 
 from mmtok.errors import MmtokError
 
@@ -164,6 +164,26 @@ def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
             handle.seek(0, os.SEEK_END)
             shutil.copyfileobj(src, handle, 1 << 24)
     handle.seek(0, os.SEEK_END)  # the kernel moved the descriptor's offset; resync the buffered writer
+
+
+DUPLICATE_INPUT = "duplicate_input"  # the reason of an input that is a file given already, under another path
+
+
+def same_file_as(paths: Iterable[str | os.PathLike]) -> list[int | None]:
+    """For each path, the index of the first earlier path naming the same file -- the same device and inode
+    after symlinks: a symlink, a hard link, a bind mount -- else None. A path that cannot be stat'ed is its
+    own (its reader names the error). Every stage reads such an input once (DUPLICATE_INPUT)."""
+    first: dict[tuple[int, int], int] = {}
+    earlier: list[int | None] = []
+    for index, path in enumerate(paths):
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):  # missing, a NUL byte, a name too long
+            earlier.append(None)
+            continue
+        found = first.setdefault((st.st_dev, st.st_ino), index)
+        earlier.append(None if found == index else found)
+    return earlier
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

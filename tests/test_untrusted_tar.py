@@ -123,3 +123,96 @@ def test_the_shar_index_refuses_a_sparse_recording(tmp_path):
     members, damage = index_members(tar)
     assert damage is None and isinstance(members["cut-b"], tuple)
     assert members["cut-a"].startswith(UNSUPPORTED + ":")
+
+
+# -- §3: one file reached by two paths ------------------------------------------------------------------------
+
+def two_more_paths(path: Path) -> list[Path]:
+    """`path`, a symbolic link to it and a hard link to it: three paths, one file."""
+    link = path.with_name("link-" + path.name)
+    link.symlink_to(path)
+    hard = path.with_name("hard-" + path.name)
+    os.link(path, hard)
+    return [path, link, hard]
+
+
+def test_the_scan_reads_a_shard_reached_by_three_paths_once(tmp_path):
+    tar = tmp_path / "s.tar"
+    tar.write_bytes(archive(regular("a.png", png()), regular("b.png", png(90))))
+    paths = two_more_paths(tar)
+    run_scan([describe(str(p)) for p in paths], tmp_path / "out", ScanOptions(), workers=1, progress=False)
+    manifest = Manifest.open(tmp_path / "out")
+    rows = [(r["tar"], r["member"], r["reason"]) for r in manifest.read().to_pylist()]
+    assert rows == [(str(tar), "a.png", ""), (str(tar), "b.png", ""),
+                    (str(paths[1]), "", "duplicate_input"), (str(paths[2]), "", "duplicate_input")]
+    assert manifest.metadata["images_ok"] == 2 and manifest.metadata["reasons"] == {"duplicate_input": 2}
+    assert all(str(tar) in e["detail"] for e in manifest.metadata["shard_errors"])
+
+
+def test_audio_convert_reads_a_tar_reached_by_two_paths_once(tmp_path):
+    tar = tmp_path / "calls.tar"
+    tar.write_bytes(archive(regular("one.flac", encoded(digit("1")))))
+    paths = two_more_paths(tar)
+    convert(paths, tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    assert [cut.id for cut in load_cuts(tmp_path / "out")] == ["calls/one"]
+    assert [(d["key"], d["reason"]) for d in dropped_records(tmp_path / "out")] == [
+        ("link-calls.tar", "duplicate_input"), ("hard-calls.tar", "duplicate_input")]
+    assert report(tmp_path / "out")["counts"] == {"in": 3, "written": 1, "skipped:duplicate_input": 2}
+
+
+def test_conversations_of_a_file_reached_by_two_paths_are_read_once(tmp_path):
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    first = tmp_path / "chats.jsonl"
+    first.write_text(json.dumps(chat) + "\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "chats.jsonl").symlink_to(first)  # the same stem: no longer refused as an id collision
+    (other / "more.jsonl").symlink_to(first)
+    read = [(c.id, c.whole_file, c.error.reason if c.error else None)
+            for c in read_conversations([first, other / "chats.jsonl", other / "more.jsonl"])]
+    assert read[0][1:] == (False, None) and read[1:] == [
+        ("chats.jsonl", True, "duplicate_input"), ("more.jsonl", True, "duplicate_input")]
+
+
+# -- §3: a conversation that names one member twice -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    from encodekit import chat_tokenizer as write_chat_tokenizer
+    from mmtok.text import load_text_tokenizer
+
+    return load_text_tokenizer(str(write_chat_tokenizer(tmp_path_factory.mktemp("tok"))))
+
+
+@pytest.mark.parametrize("placed", ["placeholders", "parts"])
+def test_a_conversation_naming_one_image_member_twice_gets_its_block_twice(chat_tokenizer, placed):
+    from chatkit import ImageStore, build, image_block, tar_conversation
+
+    if placed == "placeholders":  # two <image> placeholders, the record's `images` list names one member twice
+        record = {"messages": [{"role": "user", "content": "<image><image> The same photo twice?"},
+                               {"role": "assistant", "content": "Yes."}], "images": ["a.png", "a.png"]}
+    else:
+        part = {"type": "image", "image": "a.png"}
+        record = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "And again:"}, part]},
+                               {"role": "assistant", "content": "Yes."}]}
+    block = image_block(chat_tokenizer, 0)
+    other = image_block(chat_tokenizer, 1)
+    images = ImageStore({("t.tar", "k.a.png"): block, ("t.tar", "k.b.png"): other}, counts={("t.tar", "k"): 1})
+    tokens, used = build(chat_tokenizer, tar_conversation(record, ["a.png", "json"]), images)
+    assert used["image"] == ["t.tar:k.a.png", "t.tar:k.a.png"]
+    text = tokens.tolist()
+    assert sum(text[i:i + block.size] == block.tolist() for i in range(len(text))) == 2
+    # a sample whose second image no slot names is still a mismatch (two slots, but one distinct member)
+    images.counts = {("t.tar", "k"): 2}
+    assert built_reason(chat_tokenizer, tar_conversation(record, ["a.png", "b.png", "json"]), images) == \
+        "placeholder_mismatch"
+
+
+def built_reason(tokenizer, conversation, images) -> str:
+    from chatkit import build
+
+    try:
+        build(tokenizer, conversation, images)
+    except Skip as skip:
+        return skip.reason
+    return ""

@@ -50,6 +50,7 @@ from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, 
 from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
+from mmtok.fsutil import DUPLICATE_INPUT, same_file_as
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -704,13 +705,19 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
                   audio_column: str = "audio", text_column: str = "text", exclude: Path | None = None) -> Collected:
     """Every work unit of every input, in input order (Lhotse manifests are read together, as are
     conversation inputs, at the first one's position); nothing under `exclude` (the output directory)
-    is an input."""
+    is an input. An input that is an earlier one under another path is one `duplicate_input` record."""
     for path in inputs:
         if not path.exists():
             raise MmtokError(f"input not found: {path}")
     units: list[Unit] = []
     dropped: list[SkipRecord] = []
     ignored: Counter = Counter()
+    earlier = same_file_as(inputs)  # one file (or directory) under two paths is read once
+    for path, first in zip(inputs, earlier):
+        if first is not None:
+            dropped.append(skip_record(path.name, str(path), DUPLICATE_INPUT, f"the same file as {inputs[first]} "
+                                       "(one device and inode: a link or a mount); read once"))
+    inputs = [path for path, first in zip(inputs, earlier) if first is None]
     kinds = [detect_kind(p) if kind == "auto" else kind for p in inputs]
     if transcripts is not None and "dir" not in kinds:
         raise MmtokError("--transcripts applies to a directory input; none was given")

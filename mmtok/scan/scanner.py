@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mmtok.formats.chat import ConversationError, conversation_media
+from mmtok.fsutil import DUPLICATE_INPUT, same_file_as
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NON_UTF8_NAME, REGULAR, TRUNCATED,
@@ -471,9 +472,10 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CACHE_DIR).mkdir(exist_ok=True)
     stats: list[dict | None] = [None] * len(sources)
+    earlier = same_file_as(s.path for s in sources)  # one file under two paths is read once
     for i, source in enumerate(sources):
         stats[i] = cached_stats(cache_path(out_dir, source, options)) if source.size >= 0 else None
-    todo = [i for i, s in enumerate(stats) if s is None]
+    todo = [i for i, s in enumerate(stats) if s is None and earlier[i] is None]
     began = time.perf_counter()
     bar = progress_bar(total=len(sources), initial=len(sources) - len(todo), unit="shard", desc="scan",
                        enabled=progress)
@@ -484,6 +486,10 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
         bar.update(1)
         bar.set_postfix(images=images, refresh=False)
     bar.close()
+    for i, first in enumerate(earlier):
+        if first is not None:
+            stats[i] = _error_stats(DUPLICATE_INPUT, f"the same file as {sources[first].path} (one device and "
+                                    "inode: a link or a mount); its rows are that input's", stats[first])
     seconds = time.perf_counter() - began
     meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summarize(sources, stats, options))
     _prune_cache(out_dir, {cache_path(out_dir, s, options).name for s in sources})
@@ -509,7 +515,7 @@ def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: 
                 pool.shutdown(cancel_futures=True)
                 raise
             except Exception as err:  # the worker process died (e.g. killed for memory)
-                result = _failed(f"{type(err).__name__}: {err}")
+                result = _error_stats("scan_failed", f"{type(err).__name__}: {err}")
             yield futures[future], result
 
 
@@ -519,14 +525,17 @@ def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
     except OSError:  # input errors are rows already (scan_source): this one is the output's, e.g. a full disk
         raise
     except Exception as err:  # a bug must cost one shard, not the run; the row names it
-        return _failed(f"{type(err).__name__}: {err}")
+        return _error_stats("scan_failed", f"{type(err).__name__}: {err}")
 
 
-def _failed(detail: str) -> dict:
+def _error_stats(reason: str, detail: str, like: dict | None = None) -> dict:
+    """The statistics of an input that is one shard-level error row (not cached); its container and file
+    format are those of `like` (the input it repeats), else a tar's."""
     rows = ShardRows()
-    rows.shard_error("scan_failed", detail=detail)
+    rows.shard_error(reason, detail=detail)
     table = shard_table(rows)
-    return {"bytes_read": 0, "reads": 0, "container": "tar", "file_format": "tar", "documents": rows.documents, "ignored": {},
+    kind = {key: (like or {}).get(key, "tar") for key in ("container", "file_format")}
+    return {"bytes_read": 0, "reads": 0, **kind, "documents": rows.documents, "ignored": {},
             "shard_errors": rows.shard_errors, "table": table, **_row_counts(table)}
 
 
