@@ -166,6 +166,17 @@ def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
     handle.seek(0, os.SEEK_END)  # the kernel moved the descriptor's offset; resync the buffered writer
 
 
+def shown_path(path: str | os.PathLike) -> str:
+    """`path` as text that every UTF-8 writer (JSON, Parquet, a terminal) takes: itself, or with `\\xNN` escapes
+    for the bytes of a file name that is not UTF-8 (which Python holds as lone surrogates). A path is valid
+    UTF-8 exactly when `shown_path(path) == os.fspath(path)`."""
+    text = os.fspath(path)
+    try:
+        return os.fsencode(text).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name gives (from JSON text): \udXXX escapes
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 DUPLICATE_INPUT = "duplicate_input"  # the reason of an input that is a file given already, under another path
 
 

@@ -216,3 +216,42 @@ def built_reason(tokenizer, conversation, images) -> str:
     except Skip as skip:
         return skip.reason
     return ""
+
+
+# -- §4: file names that are not UTF-8 -----------------------------------------------------------------------
+
+LATIN1 = os.fsdecode(b"caf\xe9")  # "café" in Latin-1: how Python holds a name that is not UTF-8
+
+
+def test_scan_names_a_member_and_an_input_path_that_are_not_utf8_and_writes_the_manifest(tmp_path, capsys):
+    good = tmp_path / "good.tar"
+    good.write_bytes(archive(regular("a.png", png()), regular(LATIN1 + ".png", png(90))))
+    folder = tmp_path / LATIN1
+    folder.mkdir()
+    (folder / "s.tar").write_bytes(archive(regular("b.png", png())))
+    out = tmp_path / "out"
+    code = cli(["scan", str(good), str(folder / "s.tar"), "--out", str(out), "--workers", "1", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    manifest = Manifest.open(out)
+    rows = [(r["tar"], r["member"], r["reason"]) for r in manifest.read().to_pylist()]
+    shown = str(tmp_path / "caf\\xe9" / "s.tar")
+    assert rows == [(str(good), "a.png", ""), (str(good), "caf\\xe9.png", "non_utf8_name"), (shown, "", "non_utf8_path")]
+    assert [i["path"] for i in manifest.metadata["inputs"]] == [str(good), shown]
+    assert "non_utf8_path 1" in capsys.readouterr().err
+
+
+def test_audio_convert_refuses_a_file_name_that_is_not_utf8_and_reads_a_folder_that_is_not(tmp_path, capsys):
+    root = tmp_path / LATIN1  # the input folder itself is not UTF-8: its files are read all the same
+    root.mkdir()
+    (root / "one.flac").write_bytes(encoded(digit("1")))
+    (root / (LATIN1 + ".flac")).write_bytes(encoded(digit("2")))
+    (root / ("notes." + LATIN1)).write_bytes(b"not audio")
+    out = tmp_path / "out"
+    code = cli(["audio", "convert", str(root), "--out", str(out), "--workers", "0", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert [cut.id for cut in load_cuts(out)] == ["one"]
+    assert [(d["key"], d["reason"]) for d in dropped_records(out)] == [("caf\\xe9.flac", "non_utf8_name")]
+    assert report(out)["counts"] == {"in": 3, "written": 1, "skipped:non_utf8_name": 1, "ignored:caf\\xe9": 1}
+    for path in (out / "dropped").glob("*.jsonl"):
+        path.read_bytes().decode("utf-8")  # nothing but valid text: escapes, no lone surrogates
+        assert "\\udc" not in path.read_text()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -47,10 +48,10 @@ from mmtok.media.audio import AudioReason, to_mono
 from mmtok.formats.chat import ConversationError
 from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
                                  sample_key)
-from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
+from mmtok.formats.tar import NON_UTF8_NAME, Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import DUPLICATE_INPUT, same_file_as
+from mmtok.fsutil import DUPLICATE_INPUT, same_file_as, shown_path
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -98,7 +99,7 @@ def decode_audio(data: bytes | str, origin: str) -> tuple[np.ndarray, int]:
     import soundfile
 
     try:
-        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        source = io.BytesIO(data) if isinstance(data, bytes) else os.fsencode(data)  # bytes: any file name
         samples, rate = soundfile.read(source, dtype="float32", always_2d=False)
     except Exception as err:  # libsndfile reports every malformed input as a generic error
         raise AudioReason("decode_error", f"{origin}: {err}") from None
@@ -270,7 +271,7 @@ def is_audio_file(path: Path) -> bool:
     import soundfile
 
     try:
-        return soundfile.info(str(path)).format != "RAW"
+        return soundfile.info(os.fsencode(path)).format != "RAW"  # bytes: a name that is not UTF-8 too
     except Exception:  # libsndfile reports every unrecognised input as a generic error
         return False
 
@@ -300,7 +301,7 @@ def scan_directory(root: Path, named: set[str], skip: Path | None,
         if rel in named or is_audio_file(path):
             audio.append(rel)
         elif skip is None or path.resolve() != skip:
-            ignored[extension_of(rel)] += 1
+            ignored[shown_path(extension_of(rel))] += 1
     return sorted(audio), ignored
 
 
@@ -319,6 +320,11 @@ def directory_units(root: Path, table: Path | None,
         rel = _relative_to(Path(row["path"]), root)
         by_file.setdefault(rel, []).append(row)
     files, ignored = scan_directory(root, set(by_file), table, exclude)
+    for rel in files:  # a clip id is text: a name that is not UTF-8 is refused as in a tar (shown escaped)
+        if shown_path(rel) != rel:
+            dropped.append(skip_record(shown_path(rel), shown_path(rel), NON_UTF8_NAME, "a file name that is not "
+                                       "UTF-8 (shown with \\xNN escapes): rename it (e.g. `convmv`)"))
+    files = [rel for rel in files if shown_path(rel) == rel]
     records: list[dict] = []
     owners: list[str] = []
     for rel in sorted(set(files) | set(by_file)):

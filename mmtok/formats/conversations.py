@@ -47,7 +47,7 @@ from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversat
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import DUPLICATE_INPUT, same_file_as
+from mmtok.fsutil import DUPLICATE_INPUT, same_file_as, shown_path
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -495,5 +495,5 @@ def input_fingerprint(inputs: list[Path]) -> list[dict]:
     out = []
     for path in inputs:
         stat = os.stat(path)
-        out.append({"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+        out.append({"path": shown_path(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
     return out
