@@ -16,13 +16,11 @@ from PIL import Image
 from audio_corpus import digit
 from convertkit import dropped_records, encoded, load_cuts, report
 from mmtok.audio.convert import ConvertOptions, convert
-from mmtok.audio.sources import TarUnit
 from mmtok.cli import main as cli
 from mmtok.errors import Skip
 from mmtok.formats.conversations import locate, read_conversations
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.shar import index_members
-from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import Damage, read_members
 from mmtok.scan.scanner import ScanOptions, describe, run_scan
 from tarkit import archive, multi_volume, old_gnu_sparse, pax_sparse, regular
