@@ -1,6 +1,7 @@
 """Durable, atomic file writes (a crash never leaves a half-written file under its final name), the reading
-back of the JSON they write, the one-writer lock of an output directory, and the one rule for reading a file
-an input names: only a regular file is opened (a FIFO would block, a device never ends or acts on open)."""
+back of the JSON they write, the one-writer lock of an output directory, which input paths name one file, and
+the one rule for reading a file an input names: only a regular file is opened (a FIFO would block, a device
+never ends or acts on open)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import stat
 import struct
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterable, Iterator
 
 from mmtok.errors import MmtokError
 
@@ -194,6 +195,37 @@ def read_regular_file(path: str | os.PathLike) -> bytes:
             if kind is None:
                 return handle.read()
     raise OSError(errno.EINVAL, f"{kind}, not a regular file: mmtok reads only regular files", str(path))
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """`path` as text that every UTF-8 writer (JSON, Parquet, a terminal) takes: itself, or with `\\xNN` escapes
+    for the bytes of a file name that is not UTF-8 (which Python holds as lone surrogates). A path is valid
+    UTF-8 exactly when `shown_path(path) == os.fspath(path)`."""
+    text = os.fspath(path)
+    try:
+        return os.fsencode(text).decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name gives (from JSON text): \udXXX escapes
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+DUPLICATE_INPUT = "duplicate_input"  # the reason of an input that is a file given already, under another path
+
+
+def same_file_as(paths: Iterable[str | os.PathLike]) -> list[int | None]:
+    """For each path, the index of the first earlier path naming the same file -- the same device and inode
+    after symlinks: a symlink, a hard link, a bind mount -- else None. A path that cannot be stat'ed is its
+    own (its reader names the error). Every stage reads such an input once (DUPLICATE_INPUT)."""
+    first: dict[tuple[int, int], int] = {}
+    earlier: list[int | None] = []
+    for index, path in enumerate(paths):
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):  # missing, a NUL byte, a name too long
+            earlier.append(None)
+            continue
+        found = first.setdefault((st.st_dev, st.st_ino), index)
+        earlier.append(None if found == index else found)
+    return earlier
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

@@ -30,7 +30,7 @@ from tarkit import TYPE_FLAG, with_header_field
 
 REPO = Path(__file__).resolve().parent.parent
 # The fault planted in a tar's last member, and the reason every stage gives for it.
-FAULTS = {"sparse": "not_a_regular_file", "symlink": "not_a_regular_file", "cut_in_member": "truncated_member",
+FAULTS = {"sparse": "unsupported_member", "symlink": "not_a_regular_file", "cut_in_member": "truncated_member",
           "cut_in_header": "truncated_tar"}
 # Modules that create tars: `tarfile` there only writes (every `tarfile.open` has a "w" mode).
 TAR_WRITERS = {"mmtok/sft/pack.py", "mmtok/commands/demo_flow.py"}

@@ -47,7 +47,7 @@ from mmtok.formats.conversations import check_media_roots
 from mmtok.formats import shar as shar_format
 from mmtok.formats import skips
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import WriterLock, atomic_write_bytes, with_filename
+from mmtok.fsutil import WriterLock, atomic_write_bytes, shown_path, with_filename
 
 STORAGE = {"format": "flac", "subtype": "PCM_24", "sample_rate": TARGET_SAMPLE_RATE, "channels": 1}
 MAX_STORED_PEAK = 1.0 - 2.0**-22  # largest |x| that survives float -> 24-bit PCM without clipping
@@ -284,15 +284,16 @@ def write_skipped(out: Path, name: str, skipped: list[SkipRecord]) -> None:
 # --- the run ------------------------------------------------------------------------------------
 
 def describe_inputs(inputs: list[Path], transcripts: Path | None, exclude: Path) -> list[dict]:
-    """Input paths with sizes (a directory: its file count and total bytes, without the output `exclude`
-    when it lies inside), recorded and checked on resume."""
+    """Input paths (`shown_path`: JSON takes no name that is not UTF-8) with sizes (a directory: its file count
+    and total bytes, without the output `exclude` when it lies inside), recorded and checked on resume."""
     described, exclude = [], exclude.resolve()
     for path in [*inputs, *([transcripts] if transcripts else [])]:
         if path.is_dir():
             files = [p for p in path.rglob("*") if p.is_file() and not p.resolve().is_relative_to(exclude)]
-            described.append({"path": str(path.resolve()), "files": len(files), "bytes": sum(p.stat().st_size for p in files)})
+            described.append({"path": shown_path(path.resolve()), "files": len(files),
+                              "bytes": sum(p.stat().st_size for p in files)})
         else:
-            described.append({"path": str(path.resolve()), "bytes": path.stat().st_size})
+            described.append({"path": shown_path(path.resolve()), "bytes": path.stat().st_size})
     return described
 
 

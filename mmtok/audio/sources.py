@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -47,10 +48,10 @@ from mmtok.formats.chat import ConversationError
 from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, json_value, locate,
                                          read_conversations, sample_key)
 from mmtok.formats.shar import source_digest
-from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
+from mmtok.formats.tar import NON_UTF8_NAME, Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import not_a_regular_file
+from mmtok.fsutil import DUPLICATE_INPUT, not_a_regular_file, same_file_as, shown_path
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -275,7 +276,7 @@ def is_audio_file(path: Path) -> bool:
     import soundfile
 
     try:
-        return soundfile.info(str(path)).format != "RAW"
+        return soundfile.info(os.fsencode(path)).format != "RAW"  # bytes: a name that is not UTF-8 too
     except Exception:  # libsndfile reports every unrecognised input as a generic error
         return False
 
@@ -305,7 +306,7 @@ def scan_directory(root: Path, named: set[str], skip: Path | None,
         if rel in named or is_audio_file(path):
             audio.append(rel)
         elif skip is None or path.resolve() != skip:
-            ignored[extension_of(rel)] += 1
+            ignored[shown_path(extension_of(rel))] += 1
     return sorted(audio), ignored
 
 
@@ -324,6 +325,11 @@ def directory_units(root: Path, table: Path | None,
         rel = _relative_to(Path(row["path"]), root)
         by_file.setdefault(rel, []).append(row)
     files, ignored = scan_directory(root, set(by_file), table, exclude)
+    for rel in files:  # a clip id is text: a name that is not UTF-8 is refused as in a tar (shown escaped)
+        if shown_path(rel) != rel:
+            dropped.append(skip_record(shown_path(rel), shown_path(rel), NON_UTF8_NAME, "a file name that is not "
+                                       "UTF-8 (shown with \\xNN escapes): rename it (e.g. `convmv`)"))
+    files = [rel for rel in files if shown_path(rel) == rel]
     records: list[dict] = []
     owners: list[str] = []
     for rel in sorted(set(files) | set(by_file)):
@@ -811,13 +817,20 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
     """Every work unit of every input, in input order (Lhotse manifests are read together, as are
     conversation inputs, at the first one's position); nothing under `exclude` (the output directory)
     is an input. Lhotse `command`/`url` sources are read only with `allow_command_sources`; conversation
-    audio files only inside each input's directory or `media_roots`."""
+    audio files only inside each input's directory or `media_roots`. An input that is an earlier one under
+    another path is one `duplicate_input` record."""
     for path in inputs:
         if not path.exists():
             raise MmtokError(f"input not found: {path}")
     units: list[Unit] = []
     dropped: list[SkipRecord] = []
     ignored: Counter = Counter()
+    earlier = same_file_as(inputs)  # one file (or directory) under two paths is read once
+    for path, first in zip(inputs, earlier):
+        if first is not None:
+            dropped.append(skip_record(path.name, str(path), DUPLICATE_INPUT, f"the same file as {inputs[first]} "
+                                       "(one device and inode: a link or a mount); read once"))
+    inputs = [path for path, first in zip(inputs, earlier) if first is None]
     kinds = [detect_kind(p) if kind == "auto" else kind for p in inputs]
     if transcripts is not None and "dir" not in kinds:
         raise MmtokError("--transcripts applies to a directory input; none was given")

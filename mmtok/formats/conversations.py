@@ -13,7 +13,8 @@ Inputs and the id each conversation gets (ids are unique across the inputs; a re
 A content id is the first 16 hex digits of the SHA-256 of the record (`content_id`), not its line or row
 number: the audio a conversion made for a record stays that record's when lines are added or removed
 before `mmtok sft` reads the file (identical records share an id: the second is a duplicate). Two inputs
-with the same file stem are refused (their ids would collide).
+with the same file stem are refused (their ids would collide); one file given under two paths (a link, a
+mount) is read once, the second path one `duplicate_input` record of its own.
 
 A medium's reference (`mmtok.formats.chat.MediaRef.source`) is resolved by `locate`:
 
@@ -53,7 +54,7 @@ from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversat
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import not_a_regular_file, read_regular_file
+from mmtok.fsutil import DUPLICATE_INPUT, not_a_regular_file, read_regular_file, same_file_as, shown_path
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -90,7 +91,8 @@ class Conversation:
     def skip_record(self, skip: Skip, stage: str) -> SkipRecord:
         """The skip record of this conversation (of its input file when `whole_file`), skipped by `stage` for `skip`."""
         if self.whole_file:
-            return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="tar")
+            return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin,
+                                 container="tar" if self.tar is not None else None)
         return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="conversation",
                              member=self.id)
 
@@ -178,11 +180,14 @@ def check_media_roots(media_roots: Sequence[Path]) -> tuple[str, ...]:
 
 
 def check_inputs(inputs: list[Path]) -> None:
-    """Each input exists, is of a known kind, and no two share a file stem (their ids would collide)."""
+    """Each input exists, is of a known kind, and no two share a file stem (their ids would collide);
+    an input that is an earlier one under another path is read once (`duplicate_input`), not checked."""
     stems: dict[str, Path] = {}
-    for path in inputs:
+    for path, first in zip(inputs, same_file_as(inputs)):
         if not path.is_file():
             raise MmtokError(f"conversation input not found (or not a file): {path}")
+        if first is not None:
+            continue
         stem = input_stem(path)
         if stem in stems:
             raise MmtokError(f"inputs {stems[stem]} and {path} share the name {stem!r}: their conversation ids would "
@@ -192,7 +197,11 @@ def check_inputs(inputs: list[Path]) -> None:
 
 def _conversations(inputs: list[Path], media_roots: tuple[str, ...]) -> Iterator[Conversation]:
     seen: set[str] = set()
-    for number, path in enumerate(inputs):
+    for number, (path, first) in enumerate(zip(inputs, same_file_as(inputs))):
+        if first is not None:  # its conversations would repeat under the ids of another stem
+            yield Conversation(path.name, str(path), number, whole_file=True, error=Skip(
+                DUPLICATE_INPUT, f"the same file as {inputs[first]} (one device and inode: a link or a mount)"))
+            continue
         for conversation in _READERS[input_kind(path)](path, number):
             if media_roots:
                 conversation = replace(conversation, media_roots=media_roots)
@@ -529,5 +538,5 @@ def input_fingerprint(inputs: list[Path]) -> list[dict]:
     out = []
     for path in inputs:
         stat = os.stat(path)
-        out.append({"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+        out.append({"path": shown_path(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
     return out

@@ -1,4 +1,5 @@
 """Walk a tar file's headers from byte offsets: ustar, GNU (long names `L`/`K`), pax (`x`/`g`).
+Members whose data is not the file's bytes (GNU sparse, multi-volume) are walked past and refused.
 
 The one tar member reader of mmtok: the scan drives `TarWalker` itself (it parses image heads from
 the walk's read window); every other stage reads a tar with `read_members` and `read_member`, so a
@@ -29,7 +30,10 @@ MAX_SIZE = (1 << 63) - 1  # off_t's limit, as in GNU tar; also what the manifest
 
 # Member kinds yielded by TarWalker.members. BAD_SIZE: the pax `size` record is unusable and the
 # walk went on with the ustar size field (as GNU tar does), so neither size can be trusted.
-REGULAR, TRUNCATED, SPECIAL, BAD_SIZE = 0, 1, 2, 3
+# UNSUPPORTED: a file whose bytes are not its data read by byte range -- GNU sparse (old-GNU `S`, pax
+# GNU.sparse.* records: the data is a map plus the non-hole chunks) or a multi-volume continuation (`M`:
+# the tail of a file begun in another volume); never decoded, whatever its name says.
+REGULAR, TRUNCATED, SPECIAL, BAD_SIZE, UNSUPPORTED = 0, 1, 2, 3, 4
 
 # How a walk ended (TarWalker.end_reason); "" is a clean end-of-archive block.
 TRUNCATED_TAR = "truncated_tar"
@@ -37,7 +41,8 @@ CORRUPT_HEADER = "corrupt_header"
 BAD_MEMBER_SIZE = "bad_member_size"  # a header with a valid checksum but no usable size
 
 # The reason each member kind other than REGULAR is refused (not read by byte range), in every stage.
-KIND_REASONS = {TRUNCATED: "truncated_member", SPECIAL: "not_a_regular_file", BAD_SIZE: BAD_MEMBER_SIZE}
+KIND_REASONS = {TRUNCATED: "truncated_member", SPECIAL: "not_a_regular_file", BAD_SIZE: BAD_MEMBER_SIZE,
+                UNSUPPORTED: "unsupported_member"}
 NON_UTF8_NAME = "non_utf8_name"
 READ_WINDOW = 4 * BLOCK  # read_members needs headers only: a small window per member
 
@@ -47,6 +52,11 @@ _COMPRESSIONS = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"), 
 
 _ZERO_BLOCK = bytes(BLOCK)
 _REGULAR_TYPES = frozenset(b"07\x00")
+_UNSUPPORTED_TYPES = frozenset(b"SM")  # old-GNU sparse, GNU multi-volume continuation
+_SPARSE_PAX = b"GNU.sparse."  # pax records of a GNU sparse member (formats 0.0, 0.1, 1.0)
+_SPARSE_EXTENDED = 482  # old-GNU header byte: the sparse map goes on in extension blocks after the header
+_EXTENSION_EXTENDED = 504  # the same flag in an extension block
+MAX_SPARSE_EXTENSIONS = 1 << 16  # a longer chain of extension blocks is treated as a corrupt header
 _POSIX_MAGIC = b"ustar\x0000"
 # Name (100 bytes), size (12), type flag, magic (8) and the first byte of the ustar prefix.
 _HEADER_FIELDS = struct.Struct("100s24x12s20xB100x8s80xB").unpack_from
@@ -182,10 +192,19 @@ class TarWalker:
                             self._fail(headers, offsets, len(headers) - 1)
                             return
                     continue
+                elif flag in _UNSUPPORTED_TYPES:
+                    kind = UNSUPPORTED
+                    if flag == 0x53 and buf[i + _SPARSE_EXTENDED]:
+                        data = self._past_extensions(data)
+                        if data is None:
+                            self._fail(headers, offsets, len(headers) - 1)
+                            return
                 else:
                     kind = SPECIAL
                 bad_record = None
                 if pax or pax_global:
+                    if kind == REGULAR and any(key.startswith(_SPARSE_PAX) for key in pax):
+                        kind = UNSUPPORTED
                     name, size, bad_record = _apply_pax(name, size, pax_global, pax)
                     pax = {}
                 if long_name is not None:
@@ -207,6 +226,17 @@ class TarWalker:
         finally:  # also when the caller drops the walk early
             self.reads += reads
             self.bytes_read += requested
+
+    def _past_extensions(self, data: int) -> int | None:
+        """Where an old-GNU sparse member's data starts: past the extension blocks of its sparse map that
+        follow the header at `data - BLOCK` (the member's size counts only the data). None for a chain
+        longer than MAX_SPARSE_EXTENSIONS; a chain the file ends inside leaves the walk at its end."""
+        for _ in range(MAX_SPARSE_EXTENSIONS):
+            block = self.head(data, BLOCK)
+            data += BLOCK
+            if len(block) < BLOCK or not block[_EXTENSION_EXTENDED]:
+                return data
+        return None
 
     def _fail(self, headers: list[bytes], offsets: list[int], bad: int | None) -> bool:
         """Record the first bad header among `headers[:bad+1]` (checksums first); True if any."""
@@ -374,7 +404,7 @@ def _apply_pax(name: bytes, size: int | None, pax_global: dict[bytes, bytes],
     An unusable `size` record leaves the ustar size in place, as GNU tar does.
     """
     merged = {**pax_global, **pax}
-    name = merged.get(b"path", name)
+    name = pax.get(b"GNU.sparse.name") or merged.get(b"path", name)  # a sparse member's path is a stand-in
     record = merged.get(b"size")
     if record is None:
         return name, size, None

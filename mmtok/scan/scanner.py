@@ -16,19 +16,23 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
 from mmtok.formats.chat import ConversationError, conversation_media
+from mmtok.fsutil import DUPLICATE_INPUT, same_file_as, shown_path
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import container_identity
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NON_UTF8_NAME, REGULAR, TRUNCATED,
-                               TarWalker, compressed_detail)
+                               UNSUPPORTED, TarWalker, compressed_detail)
 
-SCAN_VERSION = 4  # bump when rows for the same input change; invalidates caches
+# Bump when rows for the same input change; invalidates caches. 5: GNU sparse and multi-volume members
+# are `unsupported_member` (pax sparse ones were rows of garbage bytes), a file given twice is `duplicate_input`.
+SCAN_VERSION = 5
 CACHE_DIR = ".scan-cache"
+NON_UTF8_PATH = "non_utf8_path"  # an input path that is not UTF-8 (the tar reader's non_utf8_name, for a file)
 # One read at a sample's first header usually holds its small sidecars, the next image's header and
 # that image's first HEAD_BYTES: ~1.1 reads and ~7 KB per image on WebDataset shards with captions
 # (6 KiB windows needed 1.35 reads, 7 KiB read 7.6 KB; see benchmarks/bench_scan.py).
@@ -203,7 +207,7 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
         suffix = ext if ext in _KNOWN_SUFFIXES else ext[ext.rfind(b".") + 1:].lower()
         if suffix in _IMAGE_SUFFIXES:
             images.append(_image_entry(walker, raw, kind, offset, size))
-        elif kind == TRUNCATED or kind == BAD_SIZE:
+        elif kind == TRUNCATED or kind == BAD_SIZE or kind == UNSUPPORTED:  # a sidecar too: never silently lost
             out.shard_error(KIND_REASONS[kind], offset, raw.decode("utf-8", "backslashreplace"))
         elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
             text = (offset, size)
@@ -481,9 +485,11 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CACHE_DIR).mkdir(exist_ok=True)
     stats: list[dict | None] = [None] * len(sources)
+    refused = _refused_inputs(sources)
+    sources = [replace(s, path=shown_path(s.path)) for s in sources]  # what the manifest names them by
     for i, source in enumerate(sources):
         stats[i] = cached_stats(cache_path(out_dir, source, options)) if source.size >= 0 else None
-    todo = [i for i, s in enumerate(stats) if s is None]
+    todo = [i for i, s in enumerate(stats) if s is None and i not in refused]
     began = time.perf_counter()
     bar = progress_bar(total=len(sources), initial=len(sources) - len(todo), unit="shard", desc="scan",
                        enabled=progress)
@@ -494,12 +500,31 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
         bar.update(1)
         bar.set_postfix(images=images, refresh=False)
     bar.close()
+    for i, (reason, detail, like) in refused.items():
+        stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
     seconds = time.perf_counter() - began
     meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summarize(sources, stats, options))
     _prune_cache(out_dir, {cache_path(out_dir, s, options).name for s in sources})
     meta["_run"] = {"scanned_shards": len(todo), "cached_shards": len(sources) - len(todo), "seconds": seconds,
                     "rows_scanned": images, "workers": workers}
     return meta
+
+
+def _refused_inputs(sources: list[Source]) -> dict[int, tuple[str, str, int | None]]:
+    """The inputs that are not scanned, each one shard-level row: (reason, detail, the input whose container
+    kind it has). A path that is not UTF-8 cannot be a manifest's `tar` (readers open that path); a file
+    reached by a second path is read once."""
+    refused: dict[int, tuple[str, str, int | None]] = {}
+    for i, source in enumerate(sources):
+        if shown_path(source.path) != source.path:
+            refused[i] = (NON_UTF8_PATH, f"the path {shown_path(source.path)} is not UTF-8; the manifest names "
+                          "inputs by UTF-8 paths: rename it (e.g. `convmv`)", None)
+    earlier = same_file_as("" if i in refused else s.path for i, s in enumerate(sources))  # "": never a file
+    for i, first in enumerate(earlier):
+        if first is not None:
+            refused[i] = (DUPLICATE_INPUT, f"the same file as {sources[first].path} (one device and inode: a "
+                          "link or a mount); its rows are that input's", first)
+    return dict(sorted(refused.items()))
 
 
 def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: Path, workers: int) -> Iterator[tuple[int, dict]]:
@@ -519,7 +544,7 @@ def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: 
                 pool.shutdown(cancel_futures=True)
                 raise
             except Exception as err:  # the worker process died (e.g. killed for memory)
-                result = _failed(f"{type(err).__name__}: {err}")
+                result = _error_stats("scan_failed", f"{type(err).__name__}: {err}")
             yield futures[future], result
 
 
@@ -529,14 +554,17 @@ def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
     except OSError:  # input errors are rows already (scan_source): this one is the output's, e.g. a full disk
         raise
     except Exception as err:  # a bug must cost one shard, not the run; the row names it
-        return _failed(f"{type(err).__name__}: {err}")
+        return _error_stats("scan_failed", f"{type(err).__name__}: {err}")
 
 
-def _failed(detail: str) -> dict:
+def _error_stats(reason: str, detail: str, like: dict | None = None) -> dict:
+    """The statistics of an input that is one shard-level error row (not cached); its container and file
+    format are those of `like` (the input it repeats), else a tar's."""
     rows = ShardRows()
-    rows.shard_error("scan_failed", detail=detail)
+    rows.shard_error(reason, detail=detail)
     table = shard_table(rows)
-    return {"bytes_read": 0, "reads": 0, "container": "tar", "file_format": "tar", "documents": rows.documents, "ignored": {},
+    kind = {key: (like or {}).get(key, "tar") for key in ("container", "file_format")}
+    return {"bytes_read": 0, "reads": 0, **kind, "documents": rows.documents, "ignored": {},
             "shard_errors": rows.shard_errors, "table": table, **_row_counts(table)}
 
 

@@ -16,7 +16,8 @@ placeholder replaced by its medium's block, in order:
 
 A conversation is written once, only when every medium it references encoded; otherwise it is a skip
 record naming it: `missing_media` (a reference that resolves to nothing, or a medium no encode output
-holds), `placeholder_mismatch` (placeholders and the sample's media differ in number),
+holds), `placeholder_mismatch` (the media placeholders name and the sample's differ in number; a member
+named twice is one image, whose block fills both),
 `media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason),
 `stale_media` (its tar changed since it was scanned: its image items belong to other bytes), or
 a rendering reason (`template_error`, `invalid_json`, ...). BOS is prepended / EOS appended unless the
@@ -226,7 +227,7 @@ class ConversationBuilder:
         if sorted(slots, key=_slot_order) != sorted((m.slot for m in media), key=_slot_order):
             raise Skip("placeholder_mismatch", f"the rendering has {_kinds(slots)} placeholders, the messages "
                        f"reference {_kinds([m.slot for m in media])}")
-        self._check_image_count(conversation, slots)
+        self._check_image_count(conversation, media, slots)
         self._check_text_size(pieces)
         parts, used = [], {"image": [], "audio": []}
         for piece in pieces:
@@ -257,14 +258,18 @@ class ConversationBuilder:
             raise Skip("document_too_long", f"{size:,} bytes of text are more than --max-tokens {self.max_tokens:,} "
                        f"tokens of at most {self.tokenizer.max_token_bytes} bytes each")
 
-    def _check_image_count(self, conversation: Conversation, slots: list[MediaSlot]) -> None:
-        images = sum(slot.kind == "image" for slot in slots)
+    def _check_image_count(self, conversation: Conversation, media: list, slots: list[MediaSlot]) -> None:
+        """The sample's encoded images are the members its image slots name: a member named by two slots is
+        one image (it fills both), a member no slot names is a mismatch."""
         if conversation.tar is None or self.images is None:
             return
         have = self.images.images_of(conversation.tar, conversation.key)
-        if have and have != images:
-            raise Skip("placeholder_mismatch", f"the conversation has {images} image placeholder(s), the sample's "
-                       f"encoded images are {have}")
+        placeholders = [slot for slot in slots if slot.kind == "image"]
+        images = {_image_of(conversation, media, slot) for slot in placeholders}
+        if have and have != len(images):
+            named = f" naming {len(images)} image(s)" if len(images) != len(placeholders) else ""
+            raise Skip("placeholder_mismatch", f"the conversation has {len(placeholders)} image placeholder(s)"
+                       f"{named}, the sample's encoded images are {have}")
 
     def _block(self, conversation: Conversation, slot: MediaSlot, located: Located) -> tuple[np.ndarray, str]:
         """(the medium's block, what provenance names it by: the cut id of a clip, the member of an image)."""
@@ -276,6 +281,16 @@ class ConversationBuilder:
                 "images are encoded from tar members only: `mmtok pack` the conversations into tars first"
             raise Skip("missing_media", f"image {slot.index} ({located.where}): {where}")
         return self.images.block(conversation.tar, located.member), located.where
+
+
+def _image_of(conversation: Conversation, media: list, slot: MediaSlot) -> str | MediaSlot:
+    """The sample member an image slot names, or the slot itself where it names none (counted on its own:
+    the fill then says what is missing)."""
+    try:
+        located = locate(conversation, media, slot)
+    except Skip:
+        return slot
+    return located.member if located.kind == "member" else slot
 
 
 def _slot_order(slot: MediaSlot) -> tuple[str, int]:
