@@ -237,9 +237,9 @@ def test_a_tokenizer_config_of_the_wrong_shape_names_the_file(tmp_path, capsys, 
 @pytest.mark.parametrize("device", ["gpu0", "cuda:-1", "bogus", "cuda:0;rm"])
 @pytest.mark.parametrize("command", ["encode", "audio_encode", "calibrate"])
 def test_a_device_that_is_no_device_is_refused_saying_what_is_accepted(tmp_path, capsys, command, device):
-    argv = {"encode": ["encode", "--plan", str(tmp_path / "plan"), "--out", str(tmp_path / "out")],
-            "audio_encode": ["encode", "--modality", "audio", "--shar", str(tmp_path / "shar"),
-                             "--out", str(tmp_path / "out")],
+    encode = ["encode", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "out")]
+    argv = {"encode": [*encode, "--plan", str(tmp_path / "plan")],
+            "audio_encode": [*encode, "--modality", "audio", "--shar", str(tmp_path / "shar")],
             "calibrate": ["calibrate", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "cost.yaml")]}[command]
     with pytest.raises(SystemExit) as stopped:  # refused by argparse, before the command reads anything
         main([*argv, "--device", device])
