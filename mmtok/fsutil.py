@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from mmtok.errors import MmtokError
+from mmtok.errors import DamagedFile, MmtokError
 
 _FLOCK = struct.Struct("hhqqi")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
@@ -99,24 +99,62 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
 
 def read_json(path: str | os.PathLike) -> dict | list | None:
     """The JSON document at `path` (what `atomic_write_json` wrote), or None when there is no such file;
-    MmtokError naming the file when it does not parse."""
+    DamagedFile naming the file when it does not parse."""
     path = Path(path)
     if not path.is_file():
         return None
     try:
         return json.loads(path.read_text("utf-8"))
-    except ValueError as err:
-        raise MmtokError(f"{path}: not valid JSON ({err}); restore the file") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the parser's stack
+        raise DamagedFile(f"{path}: not valid JSON ({str(err)[:200]}); restore the file") from None
 
 
 def read_json_object(path: str | os.PathLike) -> dict | None:
-    """`read_json` of a file that must hold one JSON object (a summary, a report): anything else is an
-    MmtokError naming the file."""
+    """`read_json` of a file that must hold one JSON object (a summary, a report, a part's identity):
+    anything else is a DamagedFile naming the file."""
     value = read_json(path)
     if value is not None and not isinstance(value, dict):
-        raise MmtokError(f"{path}: a JSON {type(value).__name__}, not an object; restore the file or rerun the "
-                         "stage that wrote it")
+        raise DamagedFile(f"{path}: must hold an object, not {_json_name(value)}; restore the file or rerun the "
+                          "stage that wrote it")
     return value
+
+
+_MISSING = object()
+
+
+def required(obj: dict, key: str, kind: type | tuple[type, ...], path: str | os.PathLike, default=_MISSING):
+    """`obj[key]`, which must be a `kind` (an int is never a bool); `default` when the key is absent and a
+    default is given. Else DamagedFile naming the file and the key: the one check every reader of a JSON
+    file that parses but may have the wrong shape (a list, a string for a number, a missing key) goes through."""
+    if not isinstance(obj, dict):
+        raise DamagedFile(f"{path}: {_json_name(obj)} where an object holding key {key!r} belongs; restore the "
+                          "file or rerun the stage that wrote it")
+    if key not in obj:
+        if default is not _MISSING:
+            return default
+        raise DamagedFile(f"{path}: no key {key!r}; restore the file or rerun the stage that wrote it")
+    value = obj[key]
+    if not _is_kind(value, kind):
+        raise DamagedFile(f"{path}: key {key!r} must be {_json_name(kind)}, not {_json_name(value)}; restore the "
+                          "file or rerun the stage that wrote it")
+    return value
+
+
+def _is_kind(value, kind: type | tuple[type, ...]) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+
+
+JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+              bool: "a boolean", type(None): "null"}
+
+
+def _json_name(value_or_kind) -> str:
+    """The JSON name of a value's type, or of a Python type (or tuple of types), for messages."""
+    if isinstance(value_or_kind, tuple):
+        return " or ".join(_json_name(kind) for kind in value_or_kind)
+    kind = value_or_kind if isinstance(value_or_kind, type) else type(value_or_kind)
+    return JSON_NAMES.get(kind, kind.__name__)
 
 
 class SummaryFile:
@@ -137,7 +175,7 @@ class SummaryFile:
         atomic_write_json(self.path(out), summary)
 
     def read(self, out: str | os.PathLike) -> dict | None:
-        """The summary, or None when OUT holds no completed run; MmtokError naming the file when damaged or
+        """The summary, or None when OUT holds no completed run; DamagedFile naming the file when damaged or
         not a JSON object."""
         return read_json_object(self.path(out))
 

@@ -7,8 +7,12 @@ sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID. Used by every command that runs a 
 from __future__ import annotations
 
 import os
+import re
 
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, brief
+
+DEVICE_FORMS = "cpu, cuda, cuda:N (N = 0, 1, ...: a GPU index) or mps"
+_DEVICE = re.compile(r"cpu|mps|cuda(:[0-9]+)?")
 
 
 def resolve_rank(rank: int | None, world_size: int | None, default_world_size: int = 1) -> tuple[int, int]:
@@ -45,17 +49,38 @@ def resolve_device(requested: str | None = None):
     import torch
 
     if requested:
-        device = torch.device(requested)
+        device = torch.device(parse_device(requested))
     elif not torch.cuda.is_available():
         device = torch.device("cpu")
     elif "LOCAL_RANK" in os.environ:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", _env_int(("LOCAL_RANK",), 0))
     elif "SLURM_LOCALID" in os.environ:
-        device = torch.device("cuda", int(os.environ["SLURM_LOCALID"]) % torch.cuda.device_count())
+        device = torch.device("cuda", _env_int(("SLURM_LOCALID",), 0) % torch.cuda.device_count())
     else:
         device = torch.device("cuda", 0)
     if device.type == "cuda":
+        _check_visible(device)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     return device
+
+
+def parse_device(text: str) -> str:
+    """`text` when it names a device (DEVICE_FORMS), else MmtokError saying what is accepted: checked where
+    the flag is parsed, before any work, so `--device gpu0` never reaches torch (whose message lists a dozen
+    device types mmtok does not run on)."""
+    if not _DEVICE.fullmatch(text.strip()):
+        raise MmtokError(f"--device {brief(repr(text), 60)} is not a device: pass {DEVICE_FORMS}")
+    return text.strip()
+
+
+def _check_visible(device) -> None:
+    """A CUDA device this process can see (CUDA_VISIBLE_DEVICES renumbers them from 0)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise MmtokError(f"device {device}: this process sees no CUDA device; pass --device cpu, or run where a GPU is")
+    if device.index is not None and device.index >= count:
+        raise MmtokError(f"device {device}: this process sees {count} CUDA device(s), cuda:0 … cuda:{count - 1}")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, brief
+from mmtok.fsutil import read_json_object
 
 BUILTIN_TEKKEN = "tekken"
 
@@ -86,7 +87,7 @@ class HFTokenizer(TextTokenizer):
         from tokenizers import Tokenizer
 
         config_path = path.with_name("tokenizer_config.json")
-        config = json.loads(config_path.read_text("utf-8")) if config_path.is_file() else {}
+        config = read_json_object(config_path) or {}
         self._tok = Tokenizer.from_file(str(path))
         digest = hashlib.sha256(path.read_bytes())
         if config_path.is_file():
@@ -106,7 +107,7 @@ class HFTokenizer(TextTokenizer):
     def _lookup(self, name: str) -> int:
         token_id = self._tok.token_to_id(name)
         if token_id is None:
-            raise MmtokError(f"text tokenizer {self.__dict__.get('name', '')} has no token {name!r}")
+            raise MmtokError(f"text tokenizer {self.__dict__.get('name', '')} has no token {brief(repr(name))}")
         return token_id
 
     def encode(self, text: str) -> list[int]:
@@ -160,7 +161,7 @@ class TekkenTokenizer(TextTokenizer):
         try:
             return self._tok.get_special_token(name)
         except Exception:
-            raise MmtokError(f"text tokenizer {self.name} has no special token {name!r}") from None
+            raise MmtokError(f"text tokenizer {self.name} has no special token {brief(repr(name))}") from None
 
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_piece(token_id)
@@ -198,7 +199,7 @@ def load_text_tokenizer(spec: str = BUILTIN_TEKKEN) -> TextTokenizer:
     except MmtokError:
         raise
     except Exception as err:  # the tokenizers/mistral-common loaders raise plain Exceptions for a bad file
-        raise MmtokError(f"{path}: not a text tokenizer this tool can read ({err}); pass `tekken`, an HF "
+        raise MmtokError(f"{path}: not a text tokenizer this tool can read ({brief(err)}); pass `tekken`, an HF "
                          "tokenizer.json (or its directory) or a tekken JSON") from None
 
 

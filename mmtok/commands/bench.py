@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import plural, print_summary
 
 
@@ -34,7 +35,7 @@ def add_parser(sub) -> None:
                        help="a codec and its checkpoint directory; repeat to compare several")
     child.add_argument("--out", required=True, help="output folder (resumed when it holds the same run)")
     child.add_argument("--modality", choices=("image", "audio"), default="image", help="default image")
-    child.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    add_device_argument(child)
     child.add_argument("--path-column", default="path", help="table input: column with file paths (default path)")
     child.add_argument("--categories", default=None, help="manifest input: table with `key` and the category column")
     child.add_argument("--text-tokenizer", default="tekken",

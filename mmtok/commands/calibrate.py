@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import plural, print_json, print_summary
 from mmtok.errors import MmtokError
 
@@ -18,7 +19,7 @@ def add_parser(sub) -> None:
         "encode (`mmtok calibrate --checkpoint DIR --out cost.yaml`).")
     parser.add_argument("--codec", default="emu3.5", help="image codec name: emu3.5 (default) or emu3")
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="directory with the official checkpoint files")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    add_device_argument(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--plan", metavar="PLAN", help="take the shapes from this plan: the most common ones by image "
                         "count plus the extremes of area and aspect ratio")

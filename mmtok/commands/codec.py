@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
 
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
         child = codec_sub.add_parser(name, help=text, description=text)
         child.add_argument("--codec", required=True, help="codec name: emu3.5, emu3 or wavtokenizer")
         child.add_argument("--checkpoint", required=True, help="directory with the official checkpoint files")
-        child.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+        add_device_argument(child)
         child.add_argument("input", help="input file")
         child.add_argument("--out", required=True, help="output file")
         if name == "encode":

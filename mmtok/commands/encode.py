@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import plural, print_report, print_summary
 from mmtok.errors import MmtokError
 
@@ -41,7 +42,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
     parser.add_argument("--world-size", type=int, default=None,
                         help="number of ranks (default: from the environment, else the plan's)")
-    parser.add_argument("--device", default=None, help="torch device (default: see above; cpu without CUDA)")
+    add_device_argument(parser, "see above; cpu without CUDA")
     group = parser.add_argument_group("image options")
     group.add_argument("--loader-threads", type=int, default=min(8, os.cpu_count() or 1),
                        help="threads that read, decode, resize and tokenize ahead of the device (default min(8, CPUs))")

@@ -41,6 +41,7 @@ This is the only module that knows the layout of a part directory.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -57,7 +58,8 @@ from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, writ
 from mmtok.formats.megatron import encode_index, idx_path
 from mmtok.formats import skips
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, sync, with_filename
+from mmtok.fsutil import (WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, read_json_object, required, sync,
+                          with_filename)
 
 PART_FORMAT = "mmtok-part/3"  # /2: per-unit checksums, skipped.jsonl, no empty dataset; /3: items
 TOKENS = "tokens"  # dataset prefix inside a part directory: tokens.bin / tokens.idx
@@ -101,7 +103,13 @@ def part_prefix(directory: str | os.PathLike) -> Path:
 
 
 def read_identity(directory: str | os.PathLike) -> dict:
-    return json.loads((Path(directory) / IDENTITY).read_text("utf-8"))
+    """A part's identity.json: an object whose `part` and `num_parts` (what every reader needs before the
+    part's checksums are verified) are integers; DamagedFile naming the file and the key otherwise."""
+    path = Path(directory) / IDENTITY
+    identity = _read_object(path)
+    for key in ("part", "num_parts"):
+        required(identity, key, int, path)
+    return identity
 
 
 def is_done(directory: str | os.PathLike) -> bool:
@@ -109,7 +117,21 @@ def is_done(directory: str | os.PathLike) -> bool:
 
 
 def read_stats(directory: str | os.PathLike) -> dict:
-    return json.loads((Path(directory) / STATS).read_text("utf-8"))
+    """A finished part's stats.json: an object whose `counts` (when there) is an object and `dataset` (when
+    there) a boolean; DamagedFile naming the file and the key otherwise."""
+    path = Path(directory) / STATS
+    stats = _read_object(path)
+    required(stats, "counts", dict, path, default={})
+    required(stats, "dataset", bool, path, default=True)
+    return stats
+
+
+def _read_object(path: Path) -> dict:
+    """`read_json_object` of a file that must be there (FileNotFoundError names it otherwise)."""
+    value = read_json_object(path)
+    if value is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    return value
 
 
 def identity_difference(recorded: Any, current: Any, path: str = "") -> str | None:

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import numpy as np
 
-from mmtok.errors import MmtokError
+from mmtok.errors import DamagedFile, MmtokError
 from mmtok.fsutil import atomic_writer, copy_file_into, fsync_dir, publish_file, with_filename
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -88,28 +88,56 @@ def write_index(prefix: str | os.PathLike, lengths: np.ndarray, dtype: np.dtype 
         handle.write(encode_index(lengths, dtype))
 
 
+class DamagedDataset(DamagedFile):
+    """A `.idx`/`.bin` pair that does not hold what its header says: one line naming the file."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"{path}: {problem}; the dataset is damaged or not one mmtok wrote -- rerun the stage that "
+                         "wrote it (`mmtok merge`, `mmtok audio interleave`)")
+
+
 def read_index(prefix: str | os.PathLike) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
-    """(dtype, lengths, pointers, document indices) of `prefix.idx`, validated against `prefix.bin`."""
+    """(dtype, lengths, pointers, document indices) of `prefix.idx`, validated against `prefix.bin`: every
+    count, length, pointer and document index is checked before it is used, so no reader (mmtok's or
+    megatron-core's) ever sees a header that points past its files. DamagedDataset names the file otherwise."""
     path = idx_path(prefix)
     data = path.read_bytes()
     head = len(INDEX_MAGIC) + struct.calcsize("<QBQQ")
     if len(data) < head or data[: len(INDEX_MAGIC)] != INDEX_MAGIC:
-        raise ValueError(f"{path}: not a Megatron indexed-dataset index (bad magic)")
+        raise DamagedDataset(path, "not a Megatron indexed-dataset index (bad magic)")
     version, code, count, doc_count = struct.unpack_from("<QBQQ", data, len(INDEX_MAGIC))
     if version != INDEX_VERSION or code not in CODE_DTYPES:
-        raise ValueError(f"{path}: unsupported version {version} or dtype code {code}")
+        raise DamagedDataset(path, f"unsupported version {version} or dtype code {code}")
     expected = head + count * 4 + count * 8 + doc_count * 8
     if len(data) < expected:
-        raise ValueError(f"{path}: truncated index ({len(data)} bytes, expected {expected})")
+        raise DamagedDataset(path, f"truncated index ({len(data)} bytes, its header needs {expected})")
     lengths = np.frombuffer(data, np.int32, count, head)
     pointers = np.frombuffer(data, np.int64, count, head + count * 4)
     documents = np.frombuffer(data, np.int64, doc_count, head + count * 12)
     dtype = CODE_DTYPES[code]
-    bin_size = bin_path(prefix).stat().st_size
-    if int(lengths.astype(np.int64).sum()) * dtype.itemsize != bin_size:
-        raise ValueError(f"{path}: lengths cover {int(lengths.sum())} tokens but {bin_path(prefix)} holds "
-                         f"{bin_size // dtype.itemsize}")
+    _check_layout(path, bin_path(prefix), dtype, lengths, pointers, documents)
     return dtype, lengths, pointers, documents
+
+
+def _check_layout(path: Path, bin_file: Path, dtype: np.dtype, lengths: np.ndarray, pointers: np.ndarray,
+                  documents: np.ndarray) -> None:
+    """Lengths, pointers and document indices that stay inside the `.bin` and the sequence count."""
+    try:
+        bin_size = bin_file.stat().st_size
+    except FileNotFoundError:
+        raise DamagedDataset(path, f"no {bin_file.name} beside it") from None
+    sizes = lengths.astype(np.int64) * dtype.itemsize
+    if lengths.size and int(lengths.min()) < 0:
+        raise DamagedDataset(path, f"a negative sequence length ({int(lengths.min())})")
+    if int(sizes.sum()) != bin_size:
+        raise DamagedDataset(path, f"lengths cover {int(lengths.astype(np.int64).sum())} tokens but {bin_file} holds "
+                                   f"{bin_size // dtype.itemsize}")
+    if lengths.size and (int(pointers.min()) < 0 or (pointers % dtype.itemsize).any()
+                         or int((pointers + sizes).max()) > bin_size):
+        raise DamagedDataset(path, f"a sequence pointer outside {bin_file} ({bin_size} bytes)")
+    if (documents.size < 1 or int(documents[0]) != 0 or int(documents[-1]) != lengths.size
+            or (np.diff(documents) < 0).any()):
+        raise DamagedDataset(path, f"document indices that are not 0 … {lengths.size} in order")
 
 
 def read_sequences(prefix: str | os.PathLike) -> Iterable[np.ndarray]:
@@ -213,6 +241,7 @@ def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
     """
     lengths = [read_index(p)[1] for p in part_prefixes]
     expected = np.concatenate(lengths) if lengths else np.zeros(0, np.int32)
+    read_index(prefix)  # mmtok's checks first: megatron-core never opens an index that points past its files
     try:
         IndexedDataset = import_indexed_dataset()
     except ImportError:  # the caller says so: the name returned is MMTOK_READER

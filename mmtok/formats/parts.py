@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmtok.errors import MmtokError
+from mmtok.errors import DamagedFile, MmtokError
 from mmtok.formats import commitlog
 
 
@@ -72,9 +72,12 @@ def _check_same_run(parts: list[Part]) -> None:
 
 
 def read_part_json(path: Path, reader, directory: Path):
-    """`reader(directory)`, with a damaged or unreadable file reported as one line naming it."""
+    """`reader(directory)`, with a damaged or unreadable file reported as one line naming it (and, for a
+    file of the wrong shape, the key)."""
     try:
         return reader(directory)
+    except DamagedFile:
+        raise
     except (ValueError, OSError) as err:
         raise MmtokError(f"{path}: unreadable ({err}); the part is damaged -- delete {directory} and re-encode "
                          "this part") from None

@@ -39,7 +39,7 @@ from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPE
 from mmtok.formats.items import refuse_changed_containers
 from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, verify_merged, write_index
-from mmtok.fsutil import WriterLock, atomic_writer, copy_file_into
+from mmtok.fsutil import WriterLock, atomic_writer, copy_file_into, required
 
 ASSEMBLED = ".assembled"  # the assembled documents' dataset, joined after the parts' sequences, then removed
 REASONING_MARKERS = ("<|inner_prefix|>", "<|inner_suffix|>")
@@ -77,7 +77,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
         finally:
             remove_dataset(out / ASSEMBLED)
         if strip_reasoning:
-            summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity), bool(prefixes))
+            summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity, parts[0].directory / commitlog.IDENTITY), bool(prefixes))
         SUMMARY_FILE.write(out, summary)
     return summary
 
@@ -141,16 +141,17 @@ class ReasoningIds:
     eos: int
 
 
-def reasoning_ids(identity: dict) -> ReasoningIds:
-    """Marker ids recorded in a part identity by encode (looked up by name in its text tokenizer)."""
-    special = identity.get("text_special_ids", {})
-    tokenizer = identity.get("text_tokenizer", {})
+def reasoning_ids(identity: dict, path: Path) -> ReasoningIds:
+    """Marker ids recorded in a part identity (`path`) by encode (looked up by name in its text tokenizer)."""
+    special = required(identity, "text_special_ids", dict, path, default={})
+    tokenizer = required(identity, "text_tokenizer", dict, path, default={})
     absent = [name for name in REASONING_MARKERS if name not in special]
     if absent:
         raise MmtokError(f"--strip-reasoning: the text tokenizer of this run ({tokenizer.get('name', '?')}) has no "
                          f"{' / '.join(absent)} token, so its sequences cannot hold reasoning spans")
-    return ReasoningIds(special["<|inner_prefix|>"], special["<|inner_suffix|>"], special.get(TURN_END),
-                        tokenizer["bos_id"], tokenizer["eos_id"])
+    return ReasoningIds(required(special, "<|inner_prefix|>", int, path), required(special, "<|inner_suffix|>", int, path),
+                        required(special, TURN_END, int, path, default=None), required(tokenizer, "bos_id", int, path),
+                        required(tokenizer, "eos_id", int, path))
 
 
 def strip_sequence(tokens: np.ndarray, ids: ReasoningIds, stats: dict[str, int]) -> np.ndarray:

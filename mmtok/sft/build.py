@@ -52,6 +52,7 @@ from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.items import ImageIndex
 from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
+from mmtok.fsutil import required
 from mmtok.ranks import unit_ranges
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
@@ -76,8 +77,8 @@ class ImageItems:
     def __init__(self, out: Path, layout: VocabLayout, tokenizer: TextTokenizer):
         self.out = out
         parts = find_parts(out)
-        self.identity = parts[0].identity
-        _check_image_run(out, self.identity, layout, tokenizer)
+        self.identity, self.identity_file = parts[0].identity, parts[0].directory / commitlog.IDENTITY
+        _check_image_run(out, self.identity, self.identity_file, layout, tokenizer)
         self._index = ImageIndex([part.directory for part in parts])
 
     def images_of(self, tar: str, key: str) -> int:
@@ -107,15 +108,18 @@ class ImageItems:
         return self._index.ids(found)
 
 
-def _check_image_run(out: Path, identity: dict, layout: VocabLayout, tokenizer: TextTokenizer) -> None:
+def _check_image_run(out: Path, identity: dict, path: Path, layout: VocabLayout, tokenizer: TextTokenizer) -> None:
+    """The image run (its identity read from `path`) was made for this tokenizer and layout."""
     if identity.get("modality") != "image" or identity.get("mode") != "sft":
         raise MmtokError(f"{out}: not the image encode of a `--mode sft` plan (modality {identity.get('modality')}, "
                          f"mode {identity.get('mode')}); plan the conversation tars with `mmtok plan --mode sft`")
-    if identity["text_tokenizer"].get("sha256") != tokenizer.fingerprint:
-        raise MmtokError(f"{out}: its image blocks were made with text tokenizer {identity['text_tokenizer'].get('name')}"
+    text_tokenizer = required(identity, "text_tokenizer", dict, path)
+    if text_tokenizer.get("sha256") != tokenizer.fingerprint:
+        raise MmtokError(f"{out}: its image blocks were made with text tokenizer {text_tokenizer.get('name')}"
                          f", not {tokenizer.name}; pass the plan's --text-tokenizer")
-    if identity["vocab"]["total_size"] != layout.total_size or identity["vocab"]["text_size"] != layout.text_size:
-        raise MmtokError(f"{out}: its vocabulary layout {identity['vocab']} differs from this tokenizer's")
+    vocab = required(identity, "vocab", dict, path)
+    if vocab.get("total_size") != layout.total_size or vocab.get("text_size") != layout.text_size:
+        raise MmtokError(f"{out}: its vocabulary layout {vocab} differs from this tokenizer's")
 
 
 # -- encoded audio ----------------------------------------------------------------------------------
@@ -397,8 +401,9 @@ class _Unit:
 def _identity(inputs, tokenizer, layout, images, clips, options, rank, world_size, units) -> dict:
     special = recorded_special_ids(tokenizer)
     image_run = None if images is None else {
-        "out": os.path.realpath(images.out), "plan_fingerprint": images.identity["plan_fingerprint"],
-        "codec": images.identity["codec"]}
+        "out": os.path.realpath(images.out),
+        "plan_fingerprint": required(images.identity, "plan_fingerprint", str, images.identity_file),
+        "codec": required(images.identity, "codec", dict, images.identity_file)}
     return {"part": rank, "num_parts": world_size, "modality": "sft", "mode": "sft", "part_units": list(units),
             "inputs": input_fingerprint(inputs), "conversations_per_unit": CONVERSATIONS_PER_UNIT,
             "max_tokens": options.max_tokens, "text_tokenizer": tokenizer.describe(), "text_special_ids": special,

@@ -14,6 +14,7 @@ import numpy as np
 
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog, interleave, megatron, merged
+from mmtok.fsutil import required
 from mmtok.vocab import VocabLayout
 
 AUDIO_CODES_PER_SECOND = 40
@@ -44,14 +45,19 @@ def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str | None = None
 
 
 def recorded_tokenizer(prefix: Path) -> str | None:
-    """The text tokenizer a merge output's merged.json records, when it still loads with the same checksum."""
+    """The text tokenizer a merge output's merged.json records, when it still loads with the same checksum.
+    A merged.json of the wrong shape is a DamagedFile naming it and the key."""
     from mmtok.text import load_text_tokenizer
 
+    path = merged.SUMMARY_FILE.path(prefix.parent)
+    identity = required(merged.SUMMARY_FILE.read(prefix.parent) or {}, "identity", dict, path, default={})
+    recorded = required(identity, "text_tokenizer", dict, path, default={})
+    name, sha256 = (required(recorded, key, str, path, default=None) for key in ("name", "sha256"))
+    if name is None:
+        return None
     try:
-        recorded = merged.SUMMARY_FILE.read(prefix.parent)["identity"]["text_tokenizer"]
-        name = recorded["name"]
-        return name if load_text_tokenizer(name).fingerprint == recorded["sha256"] else None
-    except (OSError, ValueError, KeyError, TypeError, MmtokError):
+        return name if load_text_tokenizer(name).fingerprint == sha256 else None
+    except (OSError, MmtokError):  # moved or changed since the merge: the caller falls back
         return None
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.formats.parts import timing_stats
-from mmtok.errors import MmtokError
+from mmtok.errors import DamagedFile, MmtokError
 from mmtok.formats import commitlog, skips
 from mmtok.fsutil import WriterLock
 from mmtok.formats.parts import shared_identity
@@ -95,6 +95,8 @@ def _read_part(number: int, directory: Path) -> dict:
         return {**part, "detail": "not started: the encode stopped before it wrote the part's identity"}
     try:
         identity = commitlog.read_identity(directory)
+    except DamagedFile as err:  # names the file and the key
+        return _damaged(number, directory, f"{err}; or delete the directory and rerun its encode command")
     except (ValueError, OSError) as err:
         return _damaged(number, directory, f"{directory / commitlog.IDENTITY}: unreadable ({err}); delete the "
                         "directory and rerun its encode command")

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from mmtok import __version__
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, brief
 from mmtok.formats import interleave, megatron, merged
-from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json
+from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required
 from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
@@ -222,7 +222,7 @@ def verify_ids(tokenizer, base_vocab: dict[str, int], layout: VocabLayout, spec:
     if len(vocab) != layout.total_size:
         problem = f"{len(vocab):,} ids instead of {layout.total_size:,}"
     elif moved := next((name for name, i in base_vocab.items() if vocab.get(name) != i), None):
-        problem = f"text token {moved!r} moved from id {base_vocab[moved]:,} to {vocab.get(moved)}"
+        problem = f"text token {brief(repr(moved))} moved from id {base_vocab[moved]:,} to {vocab.get(moved)}"
     elif wrong := next((n for i, n in enumerate(omni_token_names(layout), layout.text_size) if vocab.get(n) != i), None):
         problem = f"{wrong!r} got id {vocab.get(wrong)} instead of its layout id"
     else:
@@ -260,7 +260,7 @@ def _copy_chat_template(source: Path | None, out: Path) -> None:
 
 
 def _read_json(path: Path) -> dict:
-    return read_json(path) or {}
+    return read_json_object(path) or {}
 
 
 # -- check -----------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def read_tokenizer(directory: str | Path) -> tuple[object, dict]:
     try:
         return Tokenizer.from_file(str(directory / TOKENIZER_JSON)), config
     except Exception as err:  # the tokenizers library raises plain Exceptions for a damaged file
-        raise MmtokError(f"{directory / TOKENIZER_JSON}: not a readable tokenizer ({err}); rebuild it with "
+        raise MmtokError(f"{directory / TOKENIZER_JSON}: not a readable tokenizer ({brief(err)}); rebuild it with "
                          "`mmtok tokenizer build`") from None
 
 
@@ -294,10 +294,10 @@ def dataset_metadata(prefix: str | Path) -> dict:
                          "unknown -- pass a dataset written by `mmtok merge` (OUT/merged) or `mmtok audio interleave` "
                          "(OUT/stage)")
     path, meta = recorded
-    if not isinstance(meta.get("vocab", {}).get("text_size"), int):
-        raise MmtokError(f"{path}: records no vocabulary layout (vocab.text_size); re-run the stage that wrote it")
-    return {"file": str(path), "vocab": meta.get("vocab", {}), "text_tokenizer": meta.get("text_tokenizer", {}),
-            "codec": meta.get("codec", {}), "text_special_ids": meta.get("text_special_ids", {})}
+    vocab = required(meta, "vocab", dict, path)
+    required(vocab, "text_size", int, path)
+    return {"file": str(path), "vocab": vocab,
+            **{key: required(meta, key, dict, path, default={}) for key in ("text_tokenizer", "codec", "text_special_ids")}}
 
 
 def _recorded_layout(directory: Path) -> tuple[Path, dict] | None:
@@ -305,7 +305,8 @@ def _recorded_layout(directory: Path) -> tuple[Path, dict] | None:
     interleave summary."""
     summary = merged.SUMMARY_FILE.read(directory)
     if summary is not None:
-        return merged.SUMMARY_FILE.path(directory), summary.get("identity", {})
+        path = merged.SUMMARY_FILE.path(directory)
+        return path, required(summary, "identity", dict, path, default={})
     metadata = interleave.METADATA_FILE.read(directory)
     return None if metadata is None else (interleave.METADATA_FILE.path(directory), metadata)
 
@@ -381,7 +382,7 @@ def special_problems(meta: dict, vocab: dict[str, int], config: dict, prefix) ->
         name = _role_name(config.get(role))
         if name and key in meta["text_tokenizer"]:
             recorded[name] = meta["text_tokenizer"][key]
-    return [f"token {name}: dataset {prefix} uses id {i:,}, the tokenizer has "
+    return [f"token {brief(name)}: dataset {prefix} uses id {_number(i)}, the tokenizer has "
             f"{'no such token' if vocab.get(name) is None else f'id {vocab[name]:,}'}"
             for name, i in recorded.items() if vocab.get(name) != i]
 
