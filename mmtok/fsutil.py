@@ -12,7 +12,7 @@ import socket
 import struct
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterable, Iterator
 
 from mmtok.errors import MmtokError
 
@@ -137,6 +137,30 @@ class SummaryFile:
         """The summary, or None when OUT holds no completed run; MmtokError naming the file when damaged or
         not a JSON object."""
         return read_json_object(self.path(out))
+
+
+def refuse_out_overlapping(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None],
+                           trees: Iterable[str | os.PathLike | None] = (), flag: str = "--out") -> None:
+    """MmtokError, before anything is written, when the output `out` would hold an input: `out` is one of
+    `inputs` (file or directory) or an input lies inside the directory `out`. `trees` are the input
+    directories a command reads recursively: `out` inside one of them is refused too (its outputs would
+    become inputs). Paths are compared resolved (symlinks followed), so a link cannot hide an overlap;
+    `out` next to its inputs, or inside a directory whose named files alone are read, is fine."""
+    target = Path(os.path.realpath(out))
+    for given in inputs:
+        if given is None:
+            continue
+        source = Path(os.path.realpath(given))
+        if source == target:
+            raise MmtokError(f"{flag} {out} is the input {given}: writing there would destroy it; pass another "
+                             f"{flag}")
+        if source.is_relative_to(target):
+            raise MmtokError(f"the input {given} is inside {flag} {out}, which this command writes; pass an "
+                             f"{flag} that holds no input")
+    for tree in trees:
+        if tree is not None and target.is_relative_to(os.path.realpath(tree)):
+            raise MmtokError(f"{flag} {out} is inside the input directory {tree}, which is read with everything "
+                             f"below it; pass an {flag} outside it")
 
 
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:

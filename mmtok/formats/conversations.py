@@ -35,12 +35,14 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
 import json
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
@@ -107,6 +109,18 @@ class Located:
             return read_member(self.path, self.offset, self.size)
         with open(self.path, "rb") as handle:
             return handle.read()
+
+    def open(self) -> tuple[IO[bytes], int]:
+        """(a binary stream positioned at the medium's first byte, the medium's size in bytes), so a caller
+        can bound the size before reading and copy the bytes in pieces, never all at once (not for "cut");
+        OSError when the file cannot be opened. The caller closes the stream."""
+        if self.data is not None:
+            return io.BytesIO(self.data), len(self.data)
+        handle = open(self.path, "rb")
+        if self.kind == "member":
+            handle.seek(self.offset)
+            return handle, self.size
+        return handle, os.fstat(handle.fileno()).st_size
 
 
 def audio_clip_id(conversation_id: str, index: int) -> str:

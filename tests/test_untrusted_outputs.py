@@ -1,0 +1,134 @@
+"""Untrusted input, class "outputs" (issue 21 §5, and §4's media bound of `pack`): mmtok never destroys
+what it did not write, an --out that overlaps an input is refused before anything is written, a run that
+exits non-zero leaves the previous complete output untouched, a full disk ends in one line with no temp
+file left, and `pack` streams media under a size bound. Each test builds its own small hostile case.
+
+A full disk is a real one: a small tmpfs (root only, as in CI and tests/test_cli_os_errors.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+from encodekit import caption_corpus, chat_tokenizer, real_images, write_tar
+
+from mmtok.cli import main
+from mmtok.fsutil import sha256_file
+
+
+def _turns(content, answer: str = "Noted.") -> list[dict]:
+    return [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+
+
+def _conversations(root: Path, lines: int = 2) -> Path:
+    """talk.jsonl: `lines` conversations, each with one real photo referenced by relative path."""
+    images = root / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    (images / "horse.png").write_bytes(real_images()["horse.png"].read_bytes())
+    path = root / "talk.jsonl"
+    path.write_text("".join(json.dumps({"id": f"c{i}", "images": ["images/horse.png"],
+                                        "messages": _turns(f"<image> Picture {i}?", "A horse.")}) + "\n"
+                            for i in range(lines)))
+    return path
+
+
+def _snapshot(directory: Path) -> dict[str, str]:
+    """name -> sha256 of every file under `directory` (the lock excluded: taking it writes its holder line)."""
+    return {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def _one_line_error(capsys, *expected: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "Exception ignored" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- pack: foreign files
+
+def test_pack_refuses_a_users_own_tars_at_its_target_names_and_touches_none(tmp_path, capsys):
+    inputs = _conversations(tmp_path)
+    out = tmp_path / "out"
+    theirs = [write_tar(out / f"conversations-{i:06d}.tar", [(f"mine{i}.txt", b"my own data %d" % i)])
+              for i in range(5)]
+    before = _snapshot(out)
+    assert main(["pack", str(inputs), "--out", str(out), "--no-progress"]) == 2
+    _one_line_error(capsys, str(theirs[0]), "not written by `mmtok pack`")
+    assert _snapshot(out) == before
+
+
+def test_pack_replaces_only_the_tars_its_own_metadata_names(tmp_path, capsys):
+    inputs = _conversations(tmp_path, lines=3)
+    out = tmp_path / "out"
+    assert main(["pack", str(inputs), "--out", str(out), "--samples-per-tar", "1", "--no-progress"]) == 0
+    assert sorted(p.name for p in out.glob("conversations-*.tar")) == [f"conversations-{i:06d}.tar" for i in range(3)]
+    mine = write_tar(out / "conversations-000007.tar", [("mine.txt", b"my own data")])
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert main(["pack", str(inputs), "--out", str(out), "--no-progress"]) == 2
+    _one_line_error(capsys, str(mine))
+    assert _snapshot(out) == before
+    mine.unlink()
+    assert main(["pack", str(inputs), "--out", str(out), "--no-progress"]) == 0  # its own tars: replaced
+    assert sorted(p.name for p in out.glob("conversations-*.tar")) == ["conversations-000000.tar"]
+
+
+def test_pack_after_a_killed_pack_still_knows_which_tars_it_wrote(tmp_path, monkeypatch):
+    import mmtok.sft.pack
+
+    out = tmp_path / "out"
+    calls = []
+    real = mmtok.sft.pack.pack_conversation
+
+    def killed(conversation, key, *options):
+        calls.append(key)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # two tars are published, pack.json is not written
+        return real(conversation, key, *options)
+
+    monkeypatch.setattr(mmtok.sft.pack, "pack_conversation", killed)
+    assert main(["pack", str(_conversations(tmp_path, lines=4)), "--out", str(out), "--samples-per-tar", "1",
+                 "--no-progress"]) == 130
+    monkeypatch.undo()
+    assert not (out / "pack.json").exists() and len(list(out.glob("conversations-*.tar"))) == 2
+    assert main(["pack", str(_conversations(tmp_path, lines=1)), "--out", str(out), "--no-progress"]) == 0
+    assert sorted(p.name for p in out.glob("conversations-*.tar")) == ["conversations-000000.tar"]
+
+
+# ----------------------------------------------------------------------------- pack: bounded media
+
+def test_pack_skips_a_medium_above_max_media_bytes_as_media_too_large(tmp_path, capsys):
+    inputs = _conversations(tmp_path, lines=1)
+    size = (tmp_path / "images" / "horse.png").stat().st_size
+    out = tmp_path / "out"
+    assert main(["pack", str(inputs), "--out", str(out), "--max-media-bytes", str(size - 1), "--no-progress"]) == 0
+    report = json.loads((out / "pack.json").read_text())
+    assert report["counts"].get("skipped:media_too_large") == 1 and not report["counts"].get("packed")
+    (record,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]
+    assert record["reason"] == "media_too_large" and "c0" in record["key"] and f"{size - 1:,}" in record["detail"]
+    assert main(["pack", str(inputs), "--out", str(out), "--max-media-bytes", str(size), "--no-progress"]) == 0
+    with tarfile.open(out / "conversations-000000.tar") as tar:
+        packed = tar.extractfile("000000000.0.png").read()
+    assert packed == (tmp_path / "images" / "horse.png").read_bytes()
+
+
+def test_pack_never_reads_a_whole_medium_into_memory(tmp_path, monkeypatch):
+    """The packed member is streamed from the file: Located.read() (all bytes at once) is never called."""
+    from mmtok.formats import conversations
+
+    inputs = _conversations(tmp_path, lines=1)
+
+    def refuse(self):
+        raise AssertionError("pack read a whole medium into memory")
+
+    monkeypatch.setattr(conversations.Located, "read", refuse)
+    assert main(["pack", str(inputs), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    with tarfile.open(tmp_path / "out" / "conversations-000000.tar") as tar:
+        assert tar.extractfile("000000000.0.png").read() == (tmp_path / "images" / "horse.png").read_bytes()
