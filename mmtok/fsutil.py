@@ -148,8 +148,8 @@ def refuse_out_overlapping(out: str | os.PathLike, inputs: Iterable[str | os.Pat
     `out` next to its inputs, or inside a directory whose named files alone are read, is fine."""
     target = Path(os.path.realpath(out))
     for given in inputs:
-        if given is None:
-            continue
+        if given is None or not os.path.exists(given):
+            continue  # a name (`tekken`, a preset) or a missing input: nothing there to destroy
         source = Path(os.path.realpath(given))
         if source == target:
             raise MmtokError(f"{flag} {out} is the input {given}: writing there would destroy it; pass another "

@@ -132,3 +132,65 @@ def test_pack_never_reads_a_whole_medium_into_memory(tmp_path, monkeypatch):
     assert main(["pack", str(inputs), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     with tarfile.open(tmp_path / "out" / "conversations-000000.tar") as tar:
         assert tar.extractfile("000000000.0.png").read() == (tmp_path / "images" / "horse.png").read_bytes()
+
+
+# ----------------------------------------------------------------------------- --out overlapping an input
+
+def test_sft_refuses_an_out_that_holds_its_input_and_leaves_the_input_whole(tmp_path, capsys):
+    out = tmp_path / "out"
+    part = out / "parts" / "part-00000"
+    part.mkdir(parents=True)
+    inputs = part / "skipped.jsonl"  # a conversation file where sft writes its part's skip list
+    inputs.write_text(json.dumps({"id": "c0", "messages": _turns("Hello?", "Hi.")}) + "\n")
+    before = inputs.read_bytes()
+    tokenizer = chat_tokenizer(tmp_path / "tokenizer")
+    assert main(["sft", str(inputs), "--text-tokenizer", str(tokenizer), "--out", str(out), "--rank", "0",
+                 "--world-size", "1", "--no-progress"]) == 2
+    _one_line_error(capsys, str(inputs), "inside --out")
+    assert inputs.read_bytes() == before
+    assert sorted(p.name for p in part.iterdir()) == ["skipped.jsonl"]
+
+
+def test_scan_refuses_an_out_that_holds_a_shard_before_writing(tmp_path, capsys):
+    data = tmp_path / "data"
+    (shard,) = caption_corpus(data)[:1]
+    assert main(["scan", str(shard), "--out", str(data), "--workers", "1", "--no-progress"]) == 2
+    _one_line_error(capsys, str(shard), "inside --out")
+    assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in caption_corpus(tmp_path / "again"))
+
+
+def test_audio_convert_refuses_an_out_inside_a_directory_input(tmp_path, capsys):
+    from audio_corpus import digit
+
+    speech = tmp_path / "speech"
+    speech.mkdir()
+    (speech / "one.wav").write_bytes(digit("1").read_bytes())
+    assert main(["audio", "convert", str(speech), "--out", str(speech / "shar"), "--workers", "0",
+                 "--no-progress"]) == 2
+    _one_line_error(capsys, str(speech), "inside the input directory")
+    assert sorted(p.name for p in speech.iterdir()) == ["one.wav"]
+
+
+def test_plan_refuses_the_manifest_directory_as_its_out(tmp_path, capsys):
+    caption_corpus(tmp_path / "data")
+    manifest = tmp_path / "manifest"
+    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(manifest), "--workers", "1",
+                 "--no-progress"]) == 0
+    before = _snapshot(manifest)
+    capsys.readouterr()
+    assert main(["plan", str(manifest), "--out", str(manifest), "--quiet"]) == 2
+    _one_line_error(capsys, "is the input")
+    assert _snapshot(manifest) == before
+
+
+def test_an_out_next_to_its_inputs_is_fine(tmp_path):
+    from mmtok.fsutil import refuse_out_overlapping
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("")
+    refuse_out_overlapping(tmp_path / "out", [tmp_path / "in" / "a.jsonl", tmp_path / "in"])
+    refuse_out_overlapping(tmp_path / "in" / "out", [tmp_path / "in" / "a.jsonl"])  # named files only: no tree
+    link = tmp_path / "alias"
+    link.symlink_to(tmp_path / "in")
+    with pytest.raises(Exception, match="inside --out"):
+        refuse_out_overlapping(link, [tmp_path / "in" / "a.jsonl"])  # a symlink hides no overlap
