@@ -194,3 +194,52 @@ def test_an_out_next_to_its_inputs_is_fine(tmp_path):
     link.symlink_to(tmp_path / "in")
     with pytest.raises(Exception, match="inside --out"):
         refuse_out_overlapping(link, [tmp_path / "in" / "a.jsonl"])  # a symlink hides no overlap
+
+
+# ----------------------------------------------------------------------------- a failed run keeps the last output
+
+def test_merge_strip_reasoning_that_cannot_strip_writes_nothing_and_keeps_the_last_merge(tmp_path, capsys):
+    import numpy as np
+
+    from mmtok.formats.commitlog import PartWriter, part_dir
+
+    part = PartWriter(part_dir(tmp_path, 0), {"part": 0, "num_parts": 1, "modality": "image",
+                                              "plan_fingerprint": "p", "part_batches": [0, 1],
+                                              "text_special_ids": {},  # no reasoning markers
+                                              "text_tokenizer": {"name": "t", "bos_id": 1, "eos_id": 2}})
+    part.commit(0, [np.array([1, 5, 2], np.int32)], [{"key": "k"}], {"written": 1})
+    part.finish({})
+    part.close()
+    assert main(["merge", str(tmp_path), "--no-progress"]) == 0
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path), "--strip-reasoning", "--no-progress"]) == 2
+    _one_line_error(capsys, "has no <|inner_prefix|> / <|inner_suffix|> token")
+    assert _snapshot(tmp_path) == before
+
+
+def test_scan_with_a_mistyped_path_keeps_the_good_manifest(tmp_path, capsys):
+    caption_corpus(tmp_path / "data")
+    out = tmp_path / "manifest"
+    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(out), "--workers", "1",
+                 "--no-progress"]) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert main(["scan", str(tmp_path / "dtaa" / "shard-000000.tar"), "--out", str(out), "--workers", "1",
+                 "--no-progress"]) == 2
+    _one_line_error(capsys, "no image found", "dtaa")
+    assert _snapshot(out) == before
+
+
+def test_plan_that_keeps_no_row_keeps_the_good_plan(tmp_path, capsys):
+    caption_corpus(tmp_path / "data")
+    manifest, out = tmp_path / "manifest", tmp_path / "plan"
+    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(manifest), "--workers", "1",
+                 "--no-progress"]) == 0
+    assert main(["plan", str(manifest), "--out", str(out), "--quiet"]) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert main(["plan", str(manifest), "--out", str(out), "--quiet", "--min-source-pixels", "0",
+                 "--max-source-pixels", "1"]) == 2
+    _one_line_error(capsys, "so the plan holds no image", "too_many_pixels")
+    assert _snapshot(out) == before and not [p for p in out.iterdir() if ".tmp" in p.name]

@@ -107,8 +107,9 @@ def no_image_message(meta: dict, out: Path) -> str:
         found.append(f"skipped members: {ignored}")
     return (f"no image found in {meta['shards']:,} input(s): {'; '.join(found) or 'no image members'}. "
             "Check the paths: mmtok scan reads uncompressed tar shards (image members named "
-            "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; every error row is in "
-            f"{out / 'manifest.parquet'}")
+            "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; "
+            + (f"every error row is in {out / 'manifest.parquet'}" if meta["written"] else
+               f"nothing written, the earlier manifest in {out} is kept"))
 
 
 def summary_line(meta: dict, out: Path) -> str:
