@@ -83,6 +83,16 @@ def with_filename(err: OSError, path: str | os.PathLike) -> OSError:
     return type(err)(err.errno, err.strerror, str(path))
 
 
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """An OSError inside the block names `path` when it names no file (a library writing through its own
+    handle -- pyarrow's ParquetWriter on a full disk -- says only the errno)."""
+    try:
+        yield
+    except OSError as err:
+        raise with_filename(err, path) from None
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_writer(path, "wb") as handle:
         handle.write(data)

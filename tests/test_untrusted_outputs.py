@@ -243,3 +243,80 @@ def test_plan_that_keeps_no_row_keeps_the_good_plan(tmp_path, capsys):
                  "--max-source-pixels", "1"]) == 2
     _one_line_error(capsys, "so the plan holds no image", "too_many_pixels")
     assert _snapshot(out) == before and not [p for p in out.iterdir() if ".tmp" in p.name]
+
+
+# ----------------------------------------------------------------------------- a full disk; reproducible bytes
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs with `leave` bytes free (a real full disk, as tests/test_cli_os_errors.py makes one)."""
+    from test_cli_os_errors import Mount, _fill
+
+    mounts = []
+
+    def make(leave: int) -> Path:
+        mounts.append(Mount(tmp_path / f"fs{len(mounts)}", 1 << 20))
+        _fill(mounts[-1].path, leave)
+        return mounts[-1].path
+
+    yield make
+    for mount in mounts:
+        mount.umount()
+
+
+def _temp_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if ".tmp" in p.name]
+
+
+def test_plan_on_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temp_file(tmp_path, full_disk, capsys):
+    caption_corpus(tmp_path / "data")
+    manifest = tmp_path / "manifest"
+    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(manifest), "--workers", "1",
+                 "--no-progress"]) == 0
+    disk = full_disk(leave=4096)
+    capsys.readouterr()
+    assert main(["plan", str(manifest), "--out", str(disk / "plan"), "--quiet"]) == 2
+    _one_line_error(capsys, "No space left on device", str(disk / "plan"))
+    assert not _temp_files(disk)
+
+
+def _speech(root: Path) -> Path:
+    from audio_corpus import digit
+
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("1", "2", "3"):
+        (root / f"{name}.wav").write_bytes(digit(name).read_bytes())
+    return root
+
+
+@pytest.mark.parametrize("leave", [30_000, 50_000])  # the disk fills while the shard's tar is written
+def test_audio_convert_on_a_full_disk_ends_in_one_line(tmp_path, full_disk, leave):
+    """In a process of its own: the tar writer's leftover stream retried its write at exit ("Exception ignored")."""
+    import sys
+
+    import mmtok
+
+    speech = _speech(tmp_path / "speech")
+    disk = full_disk(leave=leave)
+    env = {**os.environ, "PYTHONPATH": str(Path(mmtok.__file__).parents[1])}
+    result = subprocess.run([sys.executable, "-m", "mmtok", "audio", "convert", str(speech), "--out",
+                             str(disk / "out"), "--workers", "0", "--no-progress"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    err = result.stderr.strip()
+    assert result.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "No space left on device" in err and str(disk / "out") in err and "Exception ignored" not in err
+    assert not _temp_files(disk) and not list((disk / "out" / ".work").glob("*"))
+
+
+def test_two_identical_audio_converts_give_byte_identical_files(tmp_path):
+    speech = _speech(tmp_path / "speech")
+    for out in ("a", "b"):
+        assert main(["audio", "convert", str(speech), "--out", str(tmp_path / out), "--workers", "0",
+                     "--no-progress"]) == 0
+        if out == "a":
+            import time
+
+            time.sleep(1.1)  # gzip headers hold seconds
+    first, second = _snapshot(tmp_path / "a"), _snapshot(tmp_path / "b")
+    differ = sorted(name for name in first if first[name] != second.get(name))
+    assert first.keys() == second.keys() and not differ, differ

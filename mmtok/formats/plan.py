@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
-from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, sha256_file, with_filename
+from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, sha256_file
 from mmtok.ranks import partition_ranks
 
 FORMAT = "mmtok-plan"
@@ -112,24 +112,29 @@ class _TableFile:
         self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         self.schema = schema
         self.rows = 0
-        self._writer = pq.ParquetWriter(self.tmp, schema, **_parquet_options(path.name))
+        try:
+            with naming(self.path):
+                self._writer = pq.ParquetWriter(self.tmp, schema, **_parquet_options(path.name))
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)  # created, but its header did not fit (a full disk)
+            raise
         self._groups = FixedRowGroups(self._writer, schema, ROW_GROUP_ROWS)
 
     def write(self, columns: Mapping[str, np.ndarray | pa.Array]) -> None:
         arrays = [_arrow(columns[f.name], f.type) for f in self.schema]
-        self._groups.write(pa.Table.from_arrays(arrays, schema=self.schema))
+        with naming(self.path):
+            self._groups.write(pa.Table.from_arrays(arrays, schema=self.schema))
         self.rows = self._groups.rows
 
     def seal(self) -> None:
         """Write the last row group and the footer (the file is complete, still under its temporary name)."""
-        try:
+        with naming(self.path):
             self._groups.finish()
             self._writer.close()
-        except OSError as err:
-            raise with_filename(err, self.path) from None
 
     def publish(self) -> None:
-        publish_file(self.tmp, self.path)
+        with naming(self.path):
+            publish_file(self.tmp, self.path)
 
     def abort(self) -> None:
         try:
