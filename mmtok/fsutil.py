@@ -150,12 +150,12 @@ class SummaryFile:
 
 
 def refuse_out_overlapping(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None],
-                           trees: Iterable[str | os.PathLike | None] = (), flag: str = "--out") -> None:
+                           flag: str = "--out") -> None:
     """MmtokError, before anything is written, when the output `out` would hold an input: `out` is one of
-    `inputs` (file or directory) or an input lies inside the directory `out`. `trees` are the input
-    directories a command reads recursively: `out` inside one of them is refused too (its outputs would
-    become inputs). Paths are compared resolved (symlinks followed), so a link cannot hide an overlap;
-    `out` next to its inputs, or inside a directory whose named files alone are read, is fine."""
+    `inputs` (file or directory) or an input lies inside the directory `out`. Paths are compared resolved
+    (symlinks followed), so a link cannot hide an overlap. `out` next to its inputs, or inside an input
+    directory, is not an overlap: no command reads its own output as input (`audio convert` leaves an
+    output inside a directory input out of the walk)."""
     target = Path(os.path.realpath(out))
     for given in inputs:
         if given is None or not os.path.exists(given):
@@ -167,10 +167,6 @@ def refuse_out_overlapping(out: str | os.PathLike, inputs: Iterable[str | os.Pat
         if source.is_relative_to(target):
             raise MmtokError(f"the input {given} is inside {flag} {out}, which this command writes; pass an "
                              f"{flag} that holds no input")
-    for tree in trees:
-        if tree is not None and target.is_relative_to(os.path.realpath(tree)):
-            raise MmtokError(f"{flag} {out} is inside the input directory {tree}, which is read with everything "
-                             f"below it; pass an {flag} outside it")
 
 
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:

@@ -159,15 +159,14 @@ def test_scan_refuses_an_out_that_holds_a_shard_before_writing(tmp_path, capsys)
     assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in caption_corpus(tmp_path / "again"))
 
 
-def test_audio_convert_refuses_an_out_inside_a_directory_input(tmp_path, capsys):
+def test_audio_convert_refuses_a_directory_input_as_its_out(tmp_path, capsys):
     from audio_corpus import digit
 
     speech = tmp_path / "speech"
     speech.mkdir()
     (speech / "one.wav").write_bytes(digit("1").read_bytes())
-    assert main(["audio", "convert", str(speech), "--out", str(speech / "shar"), "--workers", "0",
-                 "--no-progress"]) == 2
-    _one_line_error(capsys, str(speech), "inside the input directory")
+    assert main(["audio", "convert", str(speech), "--out", str(speech), "--workers", "0", "--no-progress"]) == 2
+    _one_line_error(capsys, str(speech), "is the input")
     assert sorted(p.name for p in speech.iterdir()) == ["one.wav"]
 
 
@@ -189,7 +188,8 @@ def test_an_out_next_to_its_inputs_is_fine(tmp_path):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.jsonl").write_text("")
     refuse_out_overlapping(tmp_path / "out", [tmp_path / "in" / "a.jsonl", tmp_path / "in"])
-    refuse_out_overlapping(tmp_path / "in" / "out", [tmp_path / "in" / "a.jsonl"])  # named files only: no tree
+    refuse_out_overlapping(tmp_path / "in" / "out", [tmp_path / "in" / "a.jsonl", tmp_path / "in"])
+    refuse_out_overlapping(tmp_path / "tekken", ["tekken"])  # a name, not a path: nothing to destroy
     link = tmp_path / "alias"
     link.symlink_to(tmp_path / "in")
     with pytest.raises(Exception, match="inside --out"):
@@ -248,35 +248,33 @@ def test_plan_that_keeps_no_row_keeps_the_good_plan(tmp_path, capsys):
 # ----------------------------------------------------------------------------- a full disk; reproducible bytes
 
 @pytest.fixture
-def full_disk(tmp_path):
-    """A 1 MiB tmpfs with `leave` bytes free (a real full disk, as tests/test_cli_os_errors.py makes one)."""
-    from test_cli_os_errors import Mount, _fill
-
-    mounts = []
+def full_disk(mount):
+    """make(leave) -> a 1 MiB tmpfs with `leave` bytes free (a real full disk, as tests/test_cli_os_errors.py
+    makes one)."""
+    from diskkit import fill
 
     def make(leave: int) -> Path:
-        mounts.append(Mount(tmp_path / f"fs{len(mounts)}", 1 << 20))
-        _fill(mounts[-1].path, leave)
-        return mounts[-1].path
+        disk = mount(1 << 20).path
+        fill(disk, leave)
+        return disk
 
-    yield make
-    for mount in mounts:
-        mount.umount()
+    return make
 
 
 def _temp_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if ".tmp" in p.name]
 
 
-def test_plan_on_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temp_file(tmp_path, full_disk, capsys):
+@pytest.mark.parametrize("leave", [4096, 12_288])  # full while the first / the last Parquet file is started
+def test_plan_on_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temp_file(tmp_path, full_disk, capsys, leave):
     caption_corpus(tmp_path / "data")
     manifest = tmp_path / "manifest"
     assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(manifest), "--workers", "1",
                  "--no-progress"]) == 0
-    disk = full_disk(leave=4096)
+    disk = full_disk(leave=leave)
     capsys.readouterr()
     assert main(["plan", str(manifest), "--out", str(disk / "plan"), "--quiet"]) == 2
-    _one_line_error(capsys, "No space left on device", str(disk / "plan"))
+    _one_line_error(capsys, "No space left on device", str(disk / "plan") + "/", ".parquet")
     assert not _temp_files(disk)
 
 
