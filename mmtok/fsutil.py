@@ -1,5 +1,6 @@
 """Durable, atomic file writes (a crash never leaves a half-written file under its final name), the reading
-back of the JSON they write, and the one-writer lock of an output directory."""
+back of the JSON they write, the one-writer lock of an output directory, and the one rule for reading a file
+an input names: only a regular file is opened (a FIFO would block, a device never ends or acts on open)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import struct
 import time
 from pathlib import Path
@@ -194,6 +196,42 @@ def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
             handle.seek(0, os.SEEK_END)
             shutil.copyfileobj(src, handle, 1 << 24)
     handle.seek(0, os.SEEK_END)  # the kernel moved the descriptor's offset; resync the buffered writer
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_regular_file(path: str | os.PathLike) -> str | None:
+    """What `path` is when it is no regular file ("a FIFO", "a directory", ...), else None; symlinks are
+    followed, and a path that cannot be stat'ed raises OSError (FileNotFoundError when it is not there)."""
+    return _kind(os.stat(path).st_mode)
+
+
+def _kind(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _FILE_KINDS if test(mode)), "no regular file")
+
+
+def read_regular_file(path: str | os.PathLike) -> bytes:
+    """The bytes of the regular file at `path` (`open_regular_file`)."""
+    with open_regular_file(path) as handle:
+        return handle.read()
+
+
+def open_regular_file(path: str | os.PathLike) -> IO[bytes]:
+    """The regular file at `path`, open for binary reading (the caller closes it). Anything else is refused
+    with an OSError before it is opened, and again after (opened non-blocking, so a FIFO swapped in
+    meanwhile cannot block a read)."""
+    kind = not_a_regular_file(path)
+    if kind is None:
+        handle = open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+        kind = _kind(os.fstat(handle.fileno()).st_mode)
+        if kind is None:
+            return handle
+        handle.close()
+    raise OSError(errno.EINVAL, f"{kind}, not a regular file: mmtok reads only regular files", str(path))
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

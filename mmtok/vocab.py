@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from mmtok.errors import MmtokError
+
 # Omni-special tokens in id order, starting at the end of the text vocabulary.
 OMNI_SPECIAL_TOKENS: tuple[str, ...] = (
     "<|omni_reserved_0|>",
@@ -224,8 +226,21 @@ def _find(tokens: np.ndarray, token: int, start: int, name: str) -> int:
     return start + int(hits[0])
 
 
+class IdsOutOfRange(MmtokError, ValueError):
+    """Ids outside their modality's range: a damaged store or a codec that does not fit the layout."""
+
+
+def check_ids_in_range(ids: np.ndarray, low: int, high: int, what: str) -> None:
+    """Refuse (IdsOutOfRange naming `what`, the range and the offending values) unless every id is in
+    [low, high): the last guard before ids of a modality are committed, whatever produced them."""
+    ids = np.asarray(ids)
+    if ids.size and (ids.min() < low or ids.max() >= high):
+        bad = ids[(ids < low) | (ids >= high)]
+        raise IdsOutOfRange(f"{what}: {bad.size} id(s) outside [{low}, {high}) (min {ids.min()}, max {ids.max()}); "
+                            "the codes do not belong to this vocabulary layout -- nothing was written for them")
+
+
 def _offset_codes(codes: np.ndarray, offset: int, size: int, what: str) -> np.ndarray:
     codes = np.asarray(codes)
-    if codes.size and (codes.min() < 0 or codes.max() >= size):
-        raise ValueError(f"{what} code out of range [0, {size}): min {codes.min()}, max {codes.max()}")
+    check_ids_in_range(codes, 0, size, f"{what} codes")
     return (codes.astype(np.int64) + offset).astype(np.int32)

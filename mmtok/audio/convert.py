@@ -35,7 +35,7 @@ from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from mmtok import __version__
 from mmtok.media.audio import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
 from mmtok.audio.sources import ClipSpec, Collected, Unit, collect_units, pick_channel, skip_record
 from mmtok.errors import MmtokError
+from mmtok.formats.conversations import check_media_roots
 from mmtok.formats import shar as shar_format
 from mmtok.formats import skips
 from mmtok.formats.skips import SkipRecord
@@ -377,9 +378,12 @@ class Conversion:
 
 def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str = "auto",
             transcripts: Path | None = None, audio_column: str = "audio", text_column: str = "text",
-            workers: int = 1, progress: bool = True) -> dict:
+            workers: int = 1, progress: bool = True, allow_command_sources: bool = False,
+            media_roots: Sequence[Path] = ()) -> dict:
     """Convert `inputs` into Lhotse Shar shards under `out`; returns the conversion report (what
     OUT/conversion.json holds) and `already_done`: whether an earlier run had finished the conversion.
+    Lhotse `command`/`url` sources are run or fetched only with `allow_command_sources`; conversation audio
+    files are read only inside each input's directory or `media_roots`.
 
     Restartable: shards recorded in OUT/conversion.json are kept; work resumes after the last one.
     One writer per output: OUT is locked for the whole run, and a second run into it is refused at once.
@@ -392,11 +396,17 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
         identity = {"tool": f"mmtok {__version__}", "inputs": describe_inputs(inputs, transcripts, out), "kind": kind,
                     "options": asdict(options), "audio_column": audio_column, "text_column": text_column,
                     "text_tokenizer": tokenizer.describe(), "storage": STORAGE, "resampler": RESAMPLER}
+        # what decides which sources are read, recorded (only when set: earlier outputs keep their identity)
+        if allow_command_sources:
+            identity["allow_command_sources"] = True
+        if media_roots:
+            identity["media_roots"] = list(check_media_roots(media_roots))
         state = Conversion(out, identity, options)
         if state.report["complete"]:
             return {**state.report, "already_done": True}
         collected = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
-                                  text_column=text_column, exclude=out)
+                                  text_column=text_column, exclude=out, allow_command_sources=allow_command_sources,
+                                  media_roots=media_roots)
         write_skipped(out, "inputs", collected.skipped)
         convert_units(state, collected.units, workers, tokenizer, progress)
         state.add_inputs(collected)

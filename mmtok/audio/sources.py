@@ -39,7 +39,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, 
 from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
+from mmtok.fsutil import not_a_regular_file
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -484,26 +485,30 @@ class _RecordingLoader:
         from lhotse import Recording
 
         try:
-            recording = Recording.from_dict(self.recording)
+            recording = Recording.from_dict(dict(self.recording))  # from_dict pops keys: keep the unit's intact
             samples = recording.load_audio()  # [C, T] at the recording's own rate
         except Exception as err:  # lhotse wraps every backend failure differently
             raise AudioReason("decode_error", f"{self.origin}: {err}") from None
         return np.ascontiguousarray(samples.T), int(recording.sampling_rate)
 
 
-def lhotse_units(manifests: list[Path]) -> tuple[list[Unit], list[SkipRecord]]:
+SOURCE_TYPES = ("file", "command", "url", "memory", "shar")  # lhotse.audio.AudioSource.type
+UNSAFE_SOURCE_TYPES = ("command", "url")  # a shell command run as the user; a fetch over the network
+RECORDING_KEYS = {"id": str, "sources": list, "sampling_rate": int, "num_samples": int, "duration": (int, float)}
+SUPERVISION_KEYS = {"id": str, "recording_id": str, "start": (int, float), "duration": (int, float)}
+
+
+def lhotse_units(manifests: list[Path], allow_command_sources: bool = False) -> tuple[list[Unit], list[SkipRecord]]:
     """One unit per recording (manifest order); its supervisions (sorted by start) are its clips.
 
     A recording without supervisions is one clip without text; a supervision whose recording is
-    in none of the manifests is skipped (`missing_recording`).
+    in none of the manifests is skipped (`missing_recording`). A manifest line that is no recording or
+    supervision (not a JSON object, a missing key, a value of the wrong type) is `bad_manifest_row`
+    naming the file and line. Every clip of a recording read by a `command` or `url` source is
+    `unsafe_source` unless `allow_command_sources`, and of one whose `file` source is a FIFO, device,
+    socket or directory `not_a_file`: such a source is never run, fetched or opened.
     """
-    from lhotse.serialization import load_jsonl
-
-    recordings: list[dict] = []
-    supervisions: list[dict] = []
-    for path in manifests:
-        for item in load_jsonl(path):
-            (recordings if "sources" in item else supervisions).append(item)
+    recordings, supervisions, dropped = _manifest_rows(manifests)
     if not recordings:
         raise MmtokError(f"no Lhotse recordings found in {', '.join(map(str, manifests))}: pass the recordings "
                          "manifest (JSONL with `sources`) together with the supervisions manifest")
@@ -511,16 +516,112 @@ def lhotse_units(manifests: list[Path]) -> tuple[list[Unit], list[SkipRecord]]:
     for sup in supervisions:
         by_recording.setdefault(sup["recording_id"], []).append(sup)
     known = {r["id"] for r in recordings}
-    dropped = [skip_record(s["id"], f"supervision {s['id']}", "missing_recording", s["recording_id"])
-               for s in supervisions if s["recording_id"] not in known]
+    dropped += [skip_record(s["id"], f"supervision {s['id']}", "missing_recording", s["recording_id"])
+                for s in supervisions if s["recording_id"] not in known]
     units: list[Unit] = []
     for rec in recordings:
         sups = sorted(by_recording.get(rec["id"], []), key=lambda s: (s["start"], s["id"]))
         clips = [_supervision_clip(rec["id"], s, n) for n, s in enumerate(sups)]
         if not sups:
             clips = [ClipSpec(id=rec["id"], source_id=rec["id"], clip=0, origin=f"recording {rec['id']}")]
+        refusal = _source_refusal(rec, allow_command_sources)
+        if refusal is not None:
+            dropped += [skip_record(clip.id, clip.origin, *refusal) for clip in clips]
+            continue
         units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
     return units, dropped
+
+
+def _manifest_rows(manifests: list[Path]) -> tuple[list[dict], list[dict], list[SkipRecord]]:
+    """(recordings, supervisions, bad_manifest_row records) of the manifests' lines: a row with `sources`
+    (or a `sampling_rate`, which no supervision has) is a recording, any other a supervision; each checked
+    to hold the keys mmtok and lhotse need."""
+    recordings, supervisions, dropped = [], [], []
+    for path in manifests:
+        for line, row in _jsonl_rows(path):
+            is_recording = isinstance(row, dict) and ("sources" in row or "sampling_rate" in row)
+            problem = _row_problem(row, RECORDING_KEYS if is_recording else SUPERVISION_KEYS)
+            if problem is None and is_recording:
+                problem = next(filter(None, map(_source_problem, row["sources"])), None)
+            if problem is not None:
+                dropped.append(skip_record(f"{path.name}:{line}", f"{path}:{line}", "bad_manifest_row",
+                                           f"{problem}; fix or remove line {line}"))
+            else:
+                (recordings if is_recording else supervisions).append(row)
+    return recordings, supervisions, dropped
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON or a ValueError) of every non-blank line of a .jsonl[.gz] manifest."""
+    import gzip
+
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                if raw.strip():
+                    try:
+                        yield number, json.loads(raw)
+                    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+                        yield number, ValueError(f"not JSON ({type(err).__name__})")
+    except (OSError, EOFError) as err:  # unreadable, or a damaged gzip stream
+        raise MmtokError(f"{path}: cannot read the Lhotse manifest ({err})") from None
+
+
+_KIND_NAMES = {str: "a non-empty string", list: "a non-empty list", int: "an integer"}
+
+
+def _row_problem(row, keys: dict[str, type | tuple]) -> str | None:
+    """Why `row` is not a row with `keys` of their types (None when it is)."""
+    if isinstance(row, ValueError):
+        return str(row)
+    noun = "recording" if "sources" in keys else "supervision"
+    if not isinstance(row, dict):
+        return f"not a JSON object but {type(row).__name__}"
+    for key, kind in keys.items():
+        value = row.get(key)
+        if value is None:
+            return f"a {noun} without `{key}`"
+        if isinstance(value, bool) or not isinstance(value, kind) or value in ("", []):
+            return f"{noun} `{key}`={_shown(value)} is not {_KIND_NAMES.get(kind, 'a number')}"
+        if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+            return f"{noun} `{key}`={_shown(value)} is not a finite non-negative number"
+    return None
+
+
+def _source_problem(source) -> str | None:
+    """Why one entry of a recording's `sources` is no lhotse AudioSource (None when it is one)."""
+    if not isinstance(source, dict):
+        return f"a source that is not a JSON object but {type(source).__name__}"
+    if source.get("type") not in SOURCE_TYPES:
+        return f"source `type`={_shown(source.get('type'))} is none of {', '.join(SOURCE_TYPES)}"
+    if not isinstance(source.get("source"), str) or not isinstance(source.get("channels"), list):
+        return "a source without a `source` string and a `channels` list"
+    return None
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _source_refusal(recording: dict, allow_command_sources: bool) -> tuple[str, str] | None:
+    """(reason, detail) when a source of `recording` must not be read: a command or URL (unless allowed), a
+    `file` source that is no regular file; None when every source may be read."""
+    for source in recording["sources"]:
+        kind, where = source["type"], source["source"]
+        if kind in UNSAFE_SOURCE_TYPES and not allow_command_sources:
+            verb = "runs a shell command" if kind == "command" else "fetches a URL"
+            return "unsafe_source", (f"a `{kind}` source {verb} ({_shown(where)}); not read unless "
+                                     "--allow-command-sources")
+        if kind == "file":
+            try:
+                what = not_a_regular_file(where)
+            except (OSError, ValueError):
+                continue  # not there (or no path): lhotse's decode_error says so when it is read
+            if what is not None:
+                return "not_a_file", f"the `file` source {_shown(where)} is {what}; mmtok opens only regular files"
+    return None
 
 
 def _supervision_clip(recording_id: str, sup: dict, number: int) -> ClipSpec:
@@ -627,14 +728,15 @@ class _LocatedLoader:
         return decode_audio(data, self.located.where)
 
 
-def conversation_units(inputs: list[Path]) -> tuple[list[Unit], list[SkipRecord]]:
+def conversation_units(inputs: list[Path], media_roots: Sequence[Path] = ()) -> tuple[list[Unit], list[SkipRecord]]:
     """The audio clips of every conversation of `inputs` (read together: ids are unique across them), in
     input, conversation and slot order, as units of at most CONVERSATION_UNIT_CLIPS clips of one input;
-    and what could not be located or listed, as skip records."""
+    and what could not be located or listed, as skip records. Audio files resolve only inside each
+    input's directory or `media_roots` (`mmtok.formats.conversations.locate`)."""
     units: list[ConversationUnit] = []
     dropped: list[SkipRecord] = []
     unit_input = None
-    for conversation in read_conversations(inputs):
+    for conversation in read_conversations(inputs, media_roots):
         for item in _conversation_clips(conversation):
             if isinstance(item, SkipRecord):
                 dropped.append(item)
@@ -689,7 +791,7 @@ def detect_kind(path: Path) -> str:
 
 # Kinds whose inputs are read together, at the first one's position: a supervision's recording may be in
 # any manifest; conversation ids are unique across the inputs.
-READ_TOGETHER = {"lhotse": lhotse_units, "conversations": conversation_units}
+READ_TOGETHER = ("lhotse", "conversations")
 
 
 class Collected(NamedTuple):
@@ -701,10 +803,12 @@ class Collected(NamedTuple):
 
 
 def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path | None = None,
-                  audio_column: str = "audio", text_column: str = "text", exclude: Path | None = None) -> Collected:
+                  audio_column: str = "audio", text_column: str = "text", exclude: Path | None = None,
+                  allow_command_sources: bool = False, media_roots: Sequence[Path] = ()) -> Collected:
     """Every work unit of every input, in input order (Lhotse manifests are read together, as are
     conversation inputs, at the first one's position); nothing under `exclude` (the output directory)
-    is an input."""
+    is an input. Lhotse `command`/`url` sources are read only with `allow_command_sources`; conversation
+    audio files only inside each input's directory or `media_roots`."""
     for path in inputs:
         if not path.exists():
             raise MmtokError(f"input not found: {path}")
@@ -725,7 +829,9 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
         elif this_kind in READ_TOGETHER:
             if position != kinds.index(this_kind):
                 continue  # read with the first input of its kind
-            found = READ_TOGETHER[this_kind]([p for p, k in zip(inputs, kinds) if k == this_kind])
+            together = [p for p, k in zip(inputs, kinds) if k == this_kind]
+            found = (lhotse_units(together, allow_command_sources) if this_kind == "lhotse"
+                     else conversation_units(together, media_roots))
         else:
             raise MmtokError(f"unknown source kind {this_kind!r}; known: {', '.join(KINDS)}")
         units.extend(found[0])

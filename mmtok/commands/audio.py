@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from mmtok.commands.report import plural, print_summary, reasons
+from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 
 CONVERT_HELP = """\
@@ -59,6 +60,11 @@ def add_parser(sub) -> None:
     convert.add_argument("--audio-column", default="audio", help="Parquet: column with audio bytes (default audio)")
     convert.add_argument("--text-column", default="text", help="Parquet: column with the text (default text)")
     convert.add_argument("--text-tokenizer", default="tekken", help="tokenizer spec (default: built-in tekken)")
+    convert.add_argument("--allow-command-sources", action="store_true",
+                         help="Lhotse manifests: also read recordings whose sources are `command` (a shell "
+                         "command, run as you) or `url` (fetched); without it each of their clips is skipped as "
+                         "unsafe_source. Only for manifests you trust")
+    add_media_root(convert)
     convert.add_argument("--shard-size", type=int, default=5000, help="cuts per Shar shard (default 5000)")
     convert.add_argument("--min-duration", type=float, default=0.3, help="drop clips shorter than this (s, default 0.3)")
     convert.add_argument("--max-duration", type=float, default=60.0, help="drop clips longer than this (s, default 60)")
@@ -100,9 +106,13 @@ def run(args) -> int:
         options = ConvertOptions(min_duration=args.min_duration, max_duration=args.max_duration,
                                  min_rms_dbfs=args.min_rms_dbfs, shard_size=args.shard_size,
                                  text_tokenizer=args.text_tokenizer)
+        if args.allow_command_sources:
+            print_summary("audio convert", "warning: --allow-command-sources: the shell commands and URLs of the "
+                          "Lhotse manifests' sources are run and fetched as you; use it only for manifests you trust")
         report = convert(args.inputs, args.out, options, kind=args.kind, transcripts=args.transcripts,
                          audio_column=args.audio_column, text_column=args.text_column, workers=args.workers,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, allow_command_sources=args.allow_command_sources,
+                         media_roots=args.media_root)
         print_summary("audio convert", convert_line(report))
         return 0
     from mmtok.audio.interleave import interleave

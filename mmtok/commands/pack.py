@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from mmtok.commands.report import files_skipped, plural, print_summary, reasons
+from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -31,6 +32,7 @@ def add_parser(sub) -> None:
                         help="largest medium packed, in bytes (default 1 GiB = 1073741824): a conversation with a "
                         "larger one is skipped as media_too_large instead of copied (media are streamed, never "
                         "read whole into memory)")
+    add_media_root(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -44,7 +46,7 @@ def run(args) -> int:
     if args.max_media_bytes < 1:
         raise MmtokError(f"--max-media-bytes {args.max_media_bytes}: it must be at least 1")
     report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, max_media_bytes=args.max_media_bytes,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, media_roots=args.media_root)
     print_summary("pack", summary_lines(report, args.out))
     return 0
 

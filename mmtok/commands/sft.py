@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from mmtok.commands.report import files_skipped, plural, print_report, reasons
+from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 
 DESCRIPTION = """\
@@ -40,6 +41,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory (parts go to OUT/parts/)")
     parser.add_argument("--max-tokens", type=int, default=1 << 20,
                         help="skip conversations longer than this as document_too_long (default 1,048,576)")
+    add_media_root(parser)
     parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
     parser.add_argument("--world-size", type=int, default=None, help="number of ranks (default: from the environment)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -63,7 +65,7 @@ def run(args) -> int:
     options = SftOptions(max_tokens=args.max_tokens, progress=not args.no_progress)
     stats = assemble_rank(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
                           audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
-                          options=options)
+                          options=options, media_roots=args.media_root)
     print_report("sft", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     return 0

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from mmtok.errors import MmtokError
 
-PATH_OPTIONS = ("transcripts", "shard_list")  # option values that are paths, resolved against the root
+PATH_OPTIONS = ("transcripts", "shard_list", "media_root")  # option values that are paths (or lists of them),
+# resolved against the root
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def load_source(path: str | Path, root: str | Path | None = None) -> SourceDecla
     for key in PATH_OPTIONS:
         if isinstance(options.get(key), str):
             options[key] = str(base / options[key])
+        elif isinstance(options.get(key), list):
+            options[key] = [str(base / value) for value in options[key]]
     return SourceDeclaration(name=str(data.get("name", path.stem)), modality=str(data.get("modality", "image")),
                              inputs=[str(base / i) for i in inputs], options=options)
 
@@ -68,3 +71,14 @@ def apply_source(args: argparse.Namespace, parser: argparse.ArgumentParser, sour
         if getattr(args, key) == action.default:  # not given on the command line
             setattr(args, key, action.type(value) if action.type and isinstance(value, str) else value)
     return source.inputs
+
+
+def add_media_root(parser: argparse.ArgumentParser) -> None:
+    """`--media-root DIR` (repeatable), the one declaration of the flag for every command that reads
+    conversations' media files (pack, sft, audio convert): the roots a file reference may resolve into."""
+    parser.add_argument("--media-root", type=Path, action="append", default=[], metavar="DIR",
+                        help="a directory that conversations' media file paths may resolve into, besides each "
+                        "input's own directory (repeatable; a relative path is looked for there after the input's "
+                        "directory). A path elsewhere -- absolute, escaping with `..`, or a symlink whose target "
+                        "leaves every root -- is skipped as outside_root; FIFOs, devices and directories are never "
+                        "opened (not_a_file)")

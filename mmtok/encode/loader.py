@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from mmtok.documents import DocumentError, DocumentBuilder, Sidecars, Template
+from mmtok.formats.items import media_digest
 from mmtok.formats.manifest import MemberReader, ShortRead
 from mmtok.encode.work import RankWork
 from mmtok.errors import Skip
@@ -41,6 +42,7 @@ class PreparedBatch:
     rows: slice  # its rows in the RankWork arrays
     pixels: torch.Tensor  # uint8 [B, H, W, 3], a view of the loader's host ring
     failures: list[Skip | None]  # per image: why it was skipped, or None when decoded
+    digests: list[str | None]  # per image: the digest of the bytes it was decoded from (None when unread)
     templates: dict[int, Template | DocumentError]  # per document whose first image is in the batch
 
 
@@ -132,24 +134,30 @@ class BatchLoader:
         finally:
             self._queue.put(None)
 
-    def _load_image(self, target: np.ndarray, slot: int, row: int) -> Skip | None:
-        """Decode row `row` into `target[slot]`; returns why it was skipped (slot zeroed) or None."""
+    def _load_image(self, target: np.ndarray, slot: int, row: int) -> tuple[Skip | None, str | None]:
+        """Decode row `row` into `target[slot]`; returns (why it was skipped -- slot zeroed -- or None,
+        the digest of the bytes read or None)."""
         r = self.work.rows
+        digest = None
         try:
+            stale = self.work.stale.get(r["tar"][row])
+            if stale is not None:  # its offsets describe other bytes now: nothing of it is read
+                raise Skip("stale_media", stale)
             data = self.reader.read_member(r["container"][row], r["tar"][row], r["member"][row],
                                            int(r["offset"][row]), int(r["size"][row]))
+            digest = media_digest(data)
             image = decode_rgb(data)
             expected = (int(r["width"][row]), int(r["height"][row]))
             if all(expected) and image.size != expected:  # the scan's oriented size: orientation must agree
                 raise ImageDecodeError("size_mismatch", f"decoded {image.size}, manifest {expected}")
             target[slot] = resize_rgb(image, target.shape[1], target.shape[2])
-            return None
-        except ImageDecodeError as err:
+            return None, digest
+        except Skip as err:  # ImageDecodeError included
             target[slot] = 0
-            return err
+            return err, digest
         except ShortRead as err:
             target[slot] = 0
-            return Skip("short_read", str(err))
+            return Skip("short_read", str(err)), digest
 
     def _templates(self, batch: int) -> dict[int, Template | DocumentError]:
         out: dict[int, Template | DocumentError] = {}
@@ -181,7 +189,9 @@ class BatchLoader:
     def __iter__(self) -> Iterator[PreparedBatch]:
         while (item := self._queue.get()) is not None:
             batch, rows, pixels, images, texts = item
-            yield PreparedBatch(batch, rows, pixels, [f.result() for f in images], texts.result())
+            loaded = [f.result() for f in images]
+            yield PreparedBatch(batch, rows, pixels, [failure for failure, _ in loaded],
+                                [digest for _, digest in loaded], texts.result())
 
     def release(self, prepared: PreparedBatch) -> None:
         """Hand a batch's host memory back once the device no longer reads it (batches in order)."""

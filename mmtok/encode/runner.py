@@ -37,10 +37,10 @@ from mmtok.encode.loop import Meter, run_device
 from mmtok.formats.parts import timing_stats
 from mmtok.formats import skips
 from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, part_dir
-from mmtok.formats.items import TEMPLATE_KIND, image_item
+from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
 from mmtok.formats.skips import SkipRecord
 from mmtok.text import TextTokenizer, load_text_tokenizer
-from mmtok.vocab import VocabLayout
+from mmtok.vocab import VocabLayout, check_ids_in_range
 
 
 
@@ -98,6 +98,7 @@ def part_identity(work: RankWork, codec, tokenizer: TextTokenizer, layout: Vocab
         "text_tokenizer": tokenizer.describe(),
         "text_special_ids": special,
         "vocab": layout.offsets(),
+        CONTAINERS: work.containers,  # the tars as scanned: sft and merge check them before using the items
     }
 
 
@@ -139,7 +140,7 @@ class Assembler:
                                      "not match this mmtok -- re-run `mmtok plan`")
                 self._one_image_document(row, failure, block, template, commit)
             else:
-                commit.items.append(image_item(self.sample(row), failure, block))
+                commit.items.append(image_item(self.sample(row), failure, block, prepared.digests[slot]))
                 commit.counts["images_deferred"] += 1
                 if failure:  # the item says why; counted here too so the summary and status show it now
                     commit.counts[skips.item_failed_key(failure.reason)] += 1
@@ -151,6 +152,9 @@ class Assembler:
         return commit
 
     def _block(self, codes: np.ndarray, row: int) -> np.ndarray:
+        r = self.work.rows  # the last guard: no code outside the image codebook reaches a commit
+        check_ids_in_range(codes, 0, self.builder.layout.image_codebook,
+                           f"image codes of {r['tar'][row]} member {r['member'][row]} (manifest row {r['manifest_row'][row]})")
         block = self.builder.image_block(codes)
         if block.size != self.work.rows["tokens"][row]:
             raise MmtokError(f"image block of manifest row {self.work.rows['manifest_row'][row]} has {block.size} "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmtok.errors import MmtokError
+from mmtok.formats.manifest import identity_change, stale_detail
 from mmtok.formats.plan import Plan
 
 PLAN_COLUMNS = ["manifest_row", "batch", "target_height", "target_width", "tokens", "document", "image_index",
@@ -34,6 +35,8 @@ class RankWork:
     batch_starts: np.ndarray  # row offset of batch start+i (length n_batches + 1)
     rows: dict[str, np.ndarray]  # plan columns + manifest columns, one entry per image
     text_column: str | None  # captions of Parquet/Arrow inputs: the scan's text column
+    containers: dict[str, dict]  # the scan's identity of each container of the rank (its part identity)
+    stale: dict[str, str]  # containers changed since the scan -> why: their images are `stale_media`, unread
 
     @property
     def mode(self) -> str:
@@ -73,6 +76,13 @@ def load_rank_work(plan_dir: str | os.PathLike, rank: int, world_size: int) -> R
     manifest = plan.manifest()
     rows.update(manifest.read_rows(rows["manifest_row"], MANIFEST_COLUMNS))
     batch_starts = np.searchsorted(rows["batch"], np.arange(start, end + 1)).astype(np.int64)
+    containers = manifest.identities(sorted(set(rows["tar"])))
     return RankWork(plan_meta=plan.meta, rank=rank, world_size=world_size, batch_range=(start, end),
                     rederived=world_size != plan.world_size, batch_starts=batch_starts, rows=rows,
-                    text_column=manifest.text_column)
+                    text_column=manifest.text_column, containers=containers, stale=stale_containers(containers))
+
+
+def stale_containers(containers: dict[str, dict]) -> dict[str, str]:
+    """The containers whose bytes are no longer those the scan saw -> the `stale_media` detail."""
+    changes = {path: identity_change(path, recorded) for path, recorded in containers.items()}
+    return {path: stale_detail(path, change) for path, change in changes.items() if change}

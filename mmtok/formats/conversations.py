@@ -22,12 +22,18 @@ A medium's reference (`mmtok.formats.chat.MediaRef.source`) is resolved by `loca
   {"bytes": ..., "path": ...}     a Hugging Face `Audio`/`Image` cell: its bytes, else its path
   bytes                           inline bytes (a Parquet cell)
   a string                        in a tar: a member of the sample (full name, `KEY.` + name, or base
-                                  name); otherwise (or if no member matches) a file path, relative to
-                                  the input's directory; `file://` is stripped; http(s) is refused
+                                  name); otherwise (or if no member matches) a file path (`file://` is
+                                  stripped; http(s) is refused), resolved by `_located_file`
   none (a typed placeholder)      in a tar: the sample's members of that kind no other reference names,
                                   by the N of KEY.N.ext, then by name (the scan's order)
 
-What cannot be resolved is `missing_media` naming the slot and what was looked for.
+A file path is untrusted: it resolves only inside the *roots*, the input's own directory and each
+`--media-root` (`read_conversations(..., media_roots=)`). A relative path is looked for under each root in
+that order; an absolute one must lie inside one. Symlinks and `..` are resolved first, so one whose target
+leaves every root is `outside_root`, as is an absolute path elsewhere; a FIFO, device, socket or directory
+is `not_a_file` and never opened (`mmtok.fsutil.read_regular_file`).
+
+What cannot be resolved otherwise is `missing_media` naming the slot and what was looked for.
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ import io
 import json
 import os
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -48,6 +54,7 @@ from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversat
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
+from mmtok.fsutil import not_a_regular_file, open_regular_file, read_regular_file
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -71,7 +78,8 @@ class Conversation:
     key: str | None = None  # its WebDataset sample key
     members: dict[str, tuple[int, int]] = field(default_factory=dict)  # member name -> (data offset, size)
     refused: dict[str, str] = field(default_factory=dict)  # member name -> the tar reader's reason (also in members)
-    base: str = "."  # directory that relative paths are relative to
+    base: str = "."  # directory that relative paths are relative to: the input's own, the first root
+    media_roots: tuple[str, ...] = ()  # the further roots a file path may resolve into (real paths)
     whole_file: bool = False  # the record of an input without a conversation (an empty tar): counted as no conversation
 
     def media(self) -> list[MediaRef]:
@@ -107,8 +115,7 @@ class Located:
             return self.data
         if self.kind == "member":
             return read_member(self.path, self.offset, self.size)
-        with open(self.path, "rb") as handle:
-            return handle.read()
+        return read_regular_file(self.path)
 
     def open(self) -> tuple[IO[bytes], int]:
         """(a binary stream positioned at the medium's first byte, the medium's size in bytes), so a caller
@@ -116,10 +123,11 @@ class Located:
         OSError when the file cannot be opened. The caller closes the stream."""
         if self.data is not None:
             return io.BytesIO(self.data), len(self.data)
-        handle = open(self.path, "rb")
         if self.kind == "member":
+            handle = open(self.path, "rb")
             handle.seek(self.offset)
             return handle, self.size
+        handle = open_regular_file(self.path)  # as `read`: never a FIFO, device or directory
         return handle, os.fstat(handle.fileno()).st_size
 
 
@@ -167,11 +175,20 @@ def input_kind(path: Path) -> str:
                      "with one conversation per line, or a .parquet file with a `messages` column)")
 
 
-def read_conversations(inputs: list[Path]) -> Iterator[Conversation]:
-    """Every conversation of `inputs`, in input order (a tar's samples in tar order, lines and rows in order).
-    The inputs are checked now (MmtokError), before the first conversation is asked for."""
+def read_conversations(inputs: list[Path], media_roots: Sequence[Path] = ()) -> Iterator[Conversation]:
+    """Every conversation of `inputs`, in input order (a tar's samples in tar order, lines and rows in order),
+    its file references resolving inside its input's directory or one of `media_roots`. The inputs and
+    roots are checked now (MmtokError), before the first conversation is asked for."""
     check_inputs(inputs)
-    return _conversations(inputs)
+    return _conversations(inputs, check_media_roots(media_roots))
+
+
+def check_media_roots(media_roots: Sequence[Path]) -> tuple[str, ...]:
+    """The real paths of `media_roots`, each an existing directory (else MmtokError naming it)."""
+    for root in media_roots:
+        if not Path(root).is_dir():
+            raise MmtokError(f"--media-root {root}: not a directory; pass a directory that holds the media")
+    return tuple(os.path.realpath(root) for root in media_roots)
 
 
 def check_inputs(inputs: list[Path]) -> None:
@@ -187,10 +204,12 @@ def check_inputs(inputs: list[Path]) -> None:
         stems[stem] = path
 
 
-def _conversations(inputs: list[Path]) -> Iterator[Conversation]:
+def _conversations(inputs: list[Path], media_roots: tuple[str, ...]) -> Iterator[Conversation]:
     seen: set[str] = set()
     for number, path in enumerate(inputs):
         for conversation in _READERS[input_kind(path)](path, number):
+            if media_roots:
+                conversation = replace(conversation, media_roots=media_roots)
             if conversation.id in seen:
                 conversation = Conversation(conversation.id, conversation.origin, number,
                                             error=Skip("duplicate_conversation", f"id {conversation.id!r} was "
@@ -413,16 +432,36 @@ def locate(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) -
         raise Skip("missing_media", f"{what}: {source} is remote; mmtok reads no network -- fetch it first")
     if conversation.tar is not None and (member := _member(conversation, source)) is not None:
         return _located_member(conversation, member, what)
-    path = Path(source.removeprefix("file://"))
-    path = path if path.is_absolute() else Path(conversation.base) / path
-    try:
-        found = path.is_file()
-    except (OSError, ValueError) as err:  # a name too long, a NUL byte, an I/O error: this medium, not the run
-        raise Skip("missing_media", f"{what}: {source[:200]!r} cannot be checked ({err})") from None
-    if not found:
-        what_not = f"neither a member of sample {conversation.origin} nor a file" if conversation.tar else "not a file"
-        raise Skip("missing_media", f"{what}: {source!r} is {what_not} ({path} not found)")
-    return Located("file", str(path), str(path))
+    return _located_file(conversation, source, what)
+
+
+def _located_file(conversation: Conversation, source: str, what: str) -> Located:
+    """A file path reference, inside the roots (the input's directory, then each media root): the first
+    root under which it names something decides; Skip `outside_root` where its real path (symlinks and `..`
+    resolved) lies in no root, `not_a_file` for what is no regular file, `missing_media` where nothing is."""
+    reference = source.removeprefix("file://")
+    bases = (conversation.base, *conversation.media_roots)
+    roots = tuple(map(os.path.realpath, bases))
+    outside = None
+    for candidate in [reference] if os.path.isabs(reference) else [os.path.join(base, reference) for base in bases]:
+        try:
+            real = os.path.realpath(candidate)
+            if not any(real == root or real.startswith(root.rstrip("/") + "/") for root in roots):
+                outside = outside or real
+                continue
+            kind = not_a_regular_file(real)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except (OSError, ValueError) as err:  # a name too long, a NUL byte, an I/O error: this medium, not the run
+            raise Skip("missing_media", f"{what}: {source[:200]!r} cannot be checked ({err})") from None
+        if kind is not None:
+            raise Skip("not_a_file", f"{what}: {source[:200]!r} is {kind}; mmtok opens only regular files")
+        return Located("file", str(Path(candidate)), real)
+    if outside is not None:
+        raise Skip("outside_root", f"{what}: {source[:200]!r} resolves to {outside[:200]}, outside "
+                   f"{' and '.join(roots)}; a medium must lie in the input's directory or a --media-root DIR")
+    what_not = f"neither a member of sample {conversation.origin} nor a file" if conversation.tar else "not a file"
+    raise Skip("missing_media", f"{what}: {source!r} is {what_not} (looked in {' and '.join(roots)})")
 
 
 def _stored(conversation: Conversation, media: list[MediaRef], slot: MediaSlot) -> Located:

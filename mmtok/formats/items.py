@@ -2,15 +2,21 @@
 in a part's items (`mmtok.formats.commitlog`: items.ids / items.jsonl) for a later stage to assemble.
 
 An image item is one image of a tar member: its record holds the sample's fields (key, source = the
-tar, container, member, manifest_row, document, image_index) and, for an image that failed, `skip` and
+tar, container, member, manifest_row, document, image_index), the `digest` of the bytes it was decoded
+from (`media_digest`; absent when they could not be read) and, for an image that failed, `skip` and
 `detail`; its ids are the image block (none when it failed). `image_item` writes one (`mmtok encode`);
 `ImageIndex` finds them again by (tar, member) across the parts of an output (`mmtok sft`). A document
 of several images also has a `template` item, which merge's assembly reads beside the images.
+
+Items are bound to their tar as the scan saw it: each image part's identity holds `part_containers`, the
+scan's identity of every tar of the part (`mmtok.formats.manifest.container_identity`); `ImageIndex.stale`
+says whether a tar changed since, so no item lends its tokens to other bytes at the same path.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -18,16 +24,28 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.errors import Skip
+from mmtok.errors import MmtokError, Skip
 from mmtok.formats import commitlog
+from mmtok.formats.manifest import identity_change, stale_detail
 
 IMAGE_KIND = "image"
 TEMPLATE_KIND = "template"
 
 
-def image_item(sample: dict, failure: Skip | None, block: np.ndarray | None) -> tuple[dict, np.ndarray]:
+CONTAINERS = "part_containers"  # the part identity key: tar path -> the scan's identity of it
+
+
+def media_digest(data: bytes) -> str:
+    """The digest an image item records of the bytes it was decoded from (blake2b, 128 bits, hex)."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def image_item(sample: dict, failure: Skip | None, block: np.ndarray | None,
+               digest: str | None = None) -> tuple[dict, np.ndarray]:
     """The (record, ids) of one image for `PartWriter.commit(items=...)`: its block, or why it failed."""
     record = {"kind": IMAGE_KIND, **sample}
+    if digest is not None:
+        record["digest"] = digest
     if failure:
         record.update(skip=failure.reason, detail=failure.detail)
     return record, block if block is not None else np.zeros(0, np.int32)
@@ -48,7 +66,10 @@ class ImageIndex:
         self._ids: list[np.ndarray] = []
         self._items: dict[tuple[str, str], ImageItem] = {}
         self._count: Counter = Counter()  # images per (tar, sample key)
+        self._containers: dict[str, dict] = {}  # resolved tar path -> the scan's identity of it
+        self._stale: dict[str, str | None] = {}
         for number, directory in enumerate(directories):
+            self._containers.update({_real(tar): identity for tar, identity in part_containers(directory).items()})
             end = 0
             for _, record in commitlog.iter_items(directory):
                 end = record["offset"] + record["length"]
@@ -58,7 +79,12 @@ class ImageIndex:
                 skip = Skip(record["skip"], record.get("detail", "")) if "skip" in record else None
                 self._items[(tar, record["member"])] = ImageItem(number, record["offset"], record["length"], skip)
                 self._count[(tar, record["key"])] += 1
-            self._ids.append(np.asarray(commitlog.read_item_ids(directory, end)))
+            ids = np.asarray(commitlog.read_item_ids(directory, end))
+            if end > ids.size:  # records that point past the ids: never lend a cut block
+                raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
+                                 f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "
+                                 f"delete {directory} and re-encode this part")
+            self._ids.append(ids)
         self._tars = {tar for tar, _ in self._count}
         self.tars = sorted(self._tars)  # resolved paths of the tars the images come from
 
@@ -69,12 +95,42 @@ class ImageIndex:
     def holds_tar(self, tar: str) -> bool:
         return _real(tar) in self._tars
 
+    def stale(self, tar: str) -> str | None:
+        """Why the items of `tar` no longer belong to the file at that path (a `stale_media` detail), or None;
+        the file is looked at once per index."""
+        real = _real(tar)
+        if real not in self._stale:
+            recorded = self._containers.get(real)
+            change = None if recorded is None else identity_change(real, recorded)
+            self._stale[real] = None if change is None else stale_detail(tar, change)
+        return self._stale[real]
+
     def find(self, tar: str, member: str) -> ImageItem | None:
         return self._items.get((_real(tar), member))
 
     def ids(self, item: ImageItem) -> np.ndarray:
         """The image block of an item that encoded."""
         return self._ids[item.part][item.offset:item.offset + item.length]
+
+
+def part_containers(directory: Path) -> dict[str, dict]:
+    """The scan's identity of every tar an image part's items come from; refused for a part that predates them."""
+    identity = commitlog.read_identity(directory)
+    if CONTAINERS not in identity:
+        raise MmtokError(f"{directory / commitlog.IDENTITY}: this image part records no identity of its tars (made by "
+                         "an older mmtok), so its items cannot be bound to their bytes; re-run `mmtok scan`, "
+                         "`mmtok plan` and `mmtok encode`")
+    return identity[CONTAINERS]
+
+
+def refuse_changed_containers(identities: list[dict]) -> None:
+    """MmtokError naming the first tar recorded in image part `identities` whose file changed since its scan
+    (`mmtok merge`: the part's tokens and provenance would name other bytes); a tar that is gone is not refused."""
+    for identity in identities:
+        for tar, recorded in sorted(identity.get(CONTAINERS, {}).items()):
+            change = identity_change(tar, recorded)
+            if change is not None:
+                raise MmtokError(stale_detail(tar, change))
 
 
 @functools.lru_cache(maxsize=4096)

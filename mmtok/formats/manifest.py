@@ -36,7 +36,8 @@ from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, sha256_fil
 MANIFEST_FILE = "manifest.parquet"
 METADATA_FILE = "manifest.json"
 FORMAT = "mmtok.manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each input of manifest.json records its identity (see `container_identity`)
+IDENTITY_HEAD_BYTES = 8192  # the bytes of a container's identity fingerprint: its first headers (and data)
 ROW_GROUP_ROWS = 1 << 18  # fixed, so the file bytes depend only on the rows
 
 SCHEMA = pa.schema([
@@ -145,6 +146,17 @@ class Manifest:
                              f"{self.fingerprint[:12]}...); rerun `mmtok scan` into {self.directory}")
         return actual
 
+    def identities(self, paths: Iterable[str]) -> dict[str, dict]:
+        """The identity the scan recorded (`container_identity`) of each of `paths`, an input of the manifest."""
+        recorded = {entry["path"]: entry.get("identity") for entry in self.metadata.get("inputs", ())}
+        out = {}
+        for path in paths:
+            if recorded.get(path) is None:
+                raise MmtokError(f"{self.directory / METADATA_FILE} records no identity of input {path}; "
+                                 f"rerun `mmtok scan` into {self.directory}")
+            out[path] = recorded[path]
+        return out
+
     @property
     def text_column(self) -> str | None:
         """The caption column of Parquet/Arrow inputs, as the scan recorded it (tars use txt sidecars)."""
@@ -214,6 +226,42 @@ def _numpy(column) -> np.ndarray:
         values = np.asarray(encoded.dictionary.to_pylist() + [None], dtype=object)
         return values[encoded.indices.fill_null(len(values) - 1).to_numpy(zero_copy_only=False)]
     return column.to_numpy()
+
+
+def container_identity(path: str | os.PathLike) -> dict:
+    """What the scan saw of an input file, checked again before its bytes are used (encode, sft, merge):
+    its size, mtime and the blake2b of its first IDENTITY_HEAD_BYTES (a tar's first headers). A file that was
+    re-packed, truncated or replaced has another identity; the scan stays header-only (one small read)."""
+    import hashlib
+    import stat as stat_mode
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO or device must not block here (nor be read)
+    try:
+        stat = os.fstat(fd)
+        head = os.pread(fd, IDENTITY_HEAD_BYTES, 0) if stat_mode.S_ISREG(stat.st_mode) else b""
+    finally:
+        os.close(fd)
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "head": hashlib.blake2b(head, digest_size=16).hexdigest()}
+
+
+def identity_change(path: str, recorded: dict) -> str | None:
+    """How the file at `path` differs from its `recorded` identity ("size 10240 -> 20480"), or None; None also
+    for a file that is gone (its readers name that: `missing_input`)."""
+    try:
+        now = container_identity(path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"unreadable ({err.strerror or err})"
+    changed = [f"{key} {recorded.get(key)} -> {now[key]}" for key in now if recorded.get(key) != now[key]]
+    return ", ".join(changed) or None
+
+
+def stale_detail(path: str, change: str) -> str:
+    """The detail of a `stale_media` skip (or refusal) of a container: which file, what changed, the fix."""
+    return (f"{path} changed since its scan ({change}); its tokens would belong to other bytes -- "
+            "re-run `mmtok scan`, `mmtok plan` and `mmtok encode` on it as it is now")
 
 
 class ShortRead(OSError):

@@ -36,6 +36,7 @@ from mmtok.merge.assemble import assemble_documents
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
 from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX, SUMMARY_FILE
+from mmtok.formats.items import refuse_changed_containers
 from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, verify_merged, write_index
 from mmtok.fsutil import WriterLock, atomic_writer, copy_file_into
@@ -52,6 +53,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
     with WriterLock(out, f"merge output {out}"):
         _refuse_sft_images(out)  # said before find_parts reads every byte of the parts
         parts = find_parts(out, progress)
+        refuse_changed_containers([part.identity for part in parts])  # before anything is written
         # Whether the run can strip is decided before anything is written: a refusal keeps the last merge.
         ids = reasoning_ids(parts[0].identity) if strip_reasoning else None
         SUMMARY_FILE.remove(out)

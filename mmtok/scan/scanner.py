@@ -22,6 +22,7 @@ from typing import Iterator
 
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.conversations import IMAGE_SUFFIXES
+from mmtok.formats.manifest import container_identity
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NON_UTF8_NAME, REGULAR, TRUNCATED,
                                TarWalker, compressed_detail)
@@ -61,10 +62,21 @@ class Source:
     path: str  # absolute
     size: int  # -1 when it cannot be stat'ed
     mtime_ns: int
+    head: str = ""  # the fingerprint of its first bytes (`mmtok.formats.manifest.container_identity`)
+
+    @property
+    def identity(self) -> dict:
+        """What encode, sft and merge check the file against before using its bytes."""
+        return {"size": self.size, "mtime_ns": self.mtime_ns, "head": self.head}
 
 
 def describe(path: str) -> Source:
     path = os.path.abspath(path)
+    try:
+        identity = container_identity(path)
+        return Source(path, identity["size"], identity["mtime_ns"], identity["head"])
+    except OSError:  # unreadable: its scan says why (`unreadable_shard`)
+        pass
     try:
         st = os.stat(path)
         return Source(path, st.st_size, st.st_mtime_ns)
@@ -564,7 +576,8 @@ def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) ->
             totals[name].update(st[name])
         shard_errors += [{"path": source.path, **err} for err in st["shard_errors"]]
         inputs.append({"path": source.path, "size": source.size, "mtime_ns": source.mtime_ns,
-                       "container": st["container"], "file_format": st["file_format"], "rows": st["rows"]})
+                       "container": st["container"], "file_format": st["file_format"], "rows": st["rows"],
+                       "identity": source.identity})
     return {
         "inputs": inputs,
         "shards": len(sources),

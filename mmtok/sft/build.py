@@ -17,7 +17,8 @@ placeholder replaced by its medium's block, in order:
 A conversation is written once, only when every medium it references encoded; otherwise it is a skip
 record naming it: `missing_media` (a reference that resolves to nothing, or a medium no encode output
 holds), `placeholder_mismatch` (placeholders and the sample's media differ in number),
-`media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason), or
+`media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason),
+`stale_media` (its tar changed since it was scanned: its image items belong to other bytes), or
 a rendering reason (`template_error`, `invalid_json`, ...). BOS is prepended / EOS appended unless the
 rendering starts / ends with them; a conversation over --max-tokens is `document_too_long`.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +41,8 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.formats.chat import ChatRenderer, ConversationError, MediaSlot, recorded_special_ids, split_media
-from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, input_fingerprint, locate,
-                                 read_conversations)
+from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
+                                         locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
@@ -73,10 +75,18 @@ class ImageItems:
         self._index = ImageIndex([part.directory for part in parts])
 
     def images_of(self, tar: str, key: str) -> int:
+        """How many images sample `key` of `tar` has; Skip `stale_media` when the tar changed since its encode."""
+        self._check_current(tar)
         return self._index.images_of(tar, key)
 
+    def _check_current(self, tar: str) -> None:
+        stale = self._index.stale(tar)
+        if stale is not None:  # its items were made from other bytes at this path: never lend them
+            raise Skip("stale_media", stale)
+
     def block(self, tar: str, member: str) -> np.ndarray:
-        """The image block of tar member `member`; Skip if it did not encode."""
+        """The image block of tar member `member`; Skip if it did not encode (or the tar changed since)."""
+        self._check_current(tar)
         found = self._index.find(tar, member)
         if found is None and not self._index.holds_tar(tar):
             tars = self._index.tars
@@ -241,8 +251,9 @@ def count_conversations(inputs: list[Path]) -> int:
 
 def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
                   audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
-                  options: SftOptions = SftOptions()) -> dict:
-    """Assemble rank `rank` of `world_size` into OUT/parts/part-<rank>; returns its stats."""
+                  options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> dict:
+    """Assemble rank `rank` of `world_size` into OUT/parts/part-<rank>; returns its stats. A medium given as
+    a file path resolves only inside its input's directory or one of `media_roots`."""
     from mmtok.progress import progress as progress_bar
 
     tokenizer = load_text_tokenizer(text_tokenizer)
@@ -253,6 +264,8 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
     total = count_conversations(inputs)
     units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
     identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
+    if media_roots:  # they decide which file references resolve: a resume must use the same
+        identity["media_roots"] = list(check_media_roots(media_roots))
     _refuse_other_parts(part_dir(out, rank))
     with PartWriter(part_dir(out, rank), identity) as part:
         if part.done:
@@ -262,7 +275,7 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
         bar = progress_bar(total=last - first, desc=f"sft rank {rank}", unit="conv", enabled=options.progress)
         pending, ordinal = _Unit(first // CONVERSATIONS_PER_UNIT), -1
         try:
-            for ordinal, conversation in enumerate(read_conversations(inputs)):
+            for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
                 if ordinal < first:
                     continue
                 if ordinal >= last:

@@ -12,7 +12,9 @@ from. `pack` writes each conversation of the inputs (`mmtok.formats.conversation
                                  name, else from the bytes' signature)
   OUT/skipped.jsonl              every conversation not packed, a skip record each (`mmtok.formats.skips`):
                                  key = its id, reason `missing_media` (a reference that resolves to nothing
-                                 or to bytes of no known format) or the record's own reasons
+                                 or to bytes of no known format), `outside_root` / `not_a_file` (a file path
+                                 outside the roots or no regular file: `conversations.locate`) or the
+                                 record's own reasons
   OUT/pack.json                  the inputs and counts (written last: its presence means the pack completed)
 
 Bytes are copied unchanged, so a packed medium decodes to the same pixels and samples as the original and
@@ -27,14 +29,15 @@ import json
 import re
 import tarfile
 from collections import Counter
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from mmtok.formats.chat import ConversationError, with_media_names
-from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, Located, check_inputs, input_fingerprint,
-                                         locate, read_conversations)
+from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, Located, check_inputs, check_media_roots,
+                                         input_fingerprint, locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, read_json_object, refuse_out_overlapping
@@ -57,12 +60,20 @@ def extension(kind: str, data: bytes, name: str | None) -> str:
     """The member extension of a medium: its name's when that is a known one of its kind, else its signature's."""
     if name and (suffix := name.rsplit(".", 1)[-1].lower()) in KIND_SUFFIXES[kind] and "." in name:
         return suffix
+    if (ext := _signature(kind, data)) is not None:
+        return ext
+    other = "audio" if kind == "image" else "image"
+    looks = f"; they look like {ext} {other}" if (ext := _signature(other, data)) else ""
+    # never the bytes themselves: a skip record must not copy a file's content out of the input
+    raise Skip("missing_media", f"{kind} bytes of no format mmtok reads (it reads {', '.join(KIND_SUFFIXES[kind])})"
+               + looks)
+
+
+def _signature(kind: str, data: bytes) -> str | None:
+    """The extension of the `kind` format whose signature `data` starts with, else None."""
     if data[:4] == b"RIFF" and data[8:12] == RIFF[kind][0]:
         return RIFF[kind][1]
-    for signature, ext in SIGNATURES[kind]:
-        if data.startswith(signature):
-            return ext
-    raise Skip("missing_media", f"{kind} bytes of no format mmtok reads (first bytes {data[:8].hex()})")
+    return next((ext for signature, ext in SIGNATURES[kind] if data.startswith(signature)), None)
 
 
 @dataclass
@@ -124,7 +135,7 @@ def _extension(kind: str, slot: str, member: PackedMember, located: Located) -> 
     """The member extension of a medium from its name or its first bytes (read, then the stream is put back)."""
     head = member.stream.read(16)
     member.stream.seek(-len(head), io.SEEK_CUR)
-    name = located.member or (located.path if located.kind == "file" else None)
+    name = located.member or (located.where if located.kind == "file" else None)  # the name it was given
     try:
         return extension(kind, head, name)
     except Skip as skip:
@@ -151,14 +162,16 @@ def _json_bytes(record: dict) -> bytes:
 
 
 def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR,
-         max_media_bytes: int = MAX_MEDIA_BYTES, progress: bool = True) -> dict:
-    """Pack every conversation of `inputs` into OUT; returns the report written to OUT/pack.json.
+         max_media_bytes: int = MAX_MEDIA_BYTES, progress: bool = True, media_roots: Sequence[Path] = ()) -> dict:
+    """Pack every conversation of `inputs` into OUT, reading media files only inside each input's directory or
+    `media_roots`; returns the report written to OUT/pack.json.
 
     Only files pack's own metadata names are replaced or removed: a foreign file at a target name is an
     MmtokError naming it, raised before anything is written."""
     from mmtok.progress import progress as progress_bar
 
     check_inputs(inputs)  # before OUT is touched: a mistyped input must not unfinish an earlier pack
+    roots = check_media_roots(media_roots)
     refuse_out_overlapping(out, inputs)
     owned = refuse_foreign(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +184,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
         skipped = []
         bar = progress_bar(desc="pack", unit="conv", enabled=progress)
         with _Tars(out, samples_per_tar, owned) as tars:
-            for ordinal, conversation in enumerate(read_conversations(inputs)):
+            for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
                 if conversation.whole_file:
                     counts[skips.file_count_key(conversation.error.reason)] += 1
                     skipped.append(conversation.skip_record(conversation.error, "pack"))
@@ -193,7 +206,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
         for stale in sorted(tars.owned - set(tars.names)):
             (out / stale).unlink(missing_ok=True)  # an earlier pack into OUT wrote more tars
         report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars.names,
-                  "counts": dict(sorted(counts.items()))}
+                  "counts": dict(sorted(counts.items())), **({"media_roots": list(roots)} if roots else {})}
         atomic_write_json(out / REPORT, report)
         (out / OWNED).unlink(missing_ok=True)  # pack.json names the tars now
     return report

@@ -1,0 +1,206 @@
+"""Issue 21 §3, images: tokens always belong to the bytes they claim.
+
+An image item is bound to the bytes it came from (the digest encode takes of every member it decodes) and to
+the identity of its tar as the scan saw it (size, mtime, a fingerprint of its first bytes). A tar changed since
+then never lends its old tokens: encode does not decode it, `mmtok sft` skips its conversations as
+`stale_media`, `mmtok merge` refuses it naming the tar. The items store is checksummed and verified by sft, and
+every image code is checked against the image range before a commit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from encodekit import chat_tokenizer, image_items, real_images, write_tar
+
+from mmtok.cli import main
+from mmtok.codecs import emu35
+from mmtok.encode import loader
+from mmtok.errors import MmtokError
+from mmtok.formats import commitlog
+from mmtok.formats.items import CONTAINERS, ImageIndex, media_digest, part_containers
+from mmtok.formats.manifest import container_identity
+from mmtok.vocab import check_ids_in_range
+
+PLAN = ["--mode", "sft", "--min-pixels", "1024", "--max-pixels", "2304", "--token-budget", "40",
+        "--max-batch-images", "2"]
+# Two conversations of one image each: re-packed, each sample gets the other's photo under the same member name.
+PHOTOS = {"c000": "chelsea.png", "c001": "coffee.png"}
+
+
+def _conversation(question: str) -> dict:
+    return {"messages": [{"role": "user", "content": f"<image>\n{question}"},
+                         {"role": "assistant", "content": "A photo."}]}
+
+
+def _pack(tar: Path, photos: dict[str, str]) -> Path:
+    images = real_images()
+    members = []
+    for key, photo in photos.items():
+        members += [(f"{key}.0.png", images[photo].read_bytes()),
+                    (f"{key}.json", json.dumps(_conversation(f"What is in photo {key}?")).encode())]
+    return write_tar(tar, members)
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    """(the chat tokenizer's directory, a random emu3.5 checkpoint), shared by every test."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("kit")
+    return chat_tokenizer(root / "tokenizer"), emu35.write_random_checkpoint(root / "ckpt")
+
+
+def _scan_plan(kit, work: Path, tar: Path) -> Path:
+    text, _ = kit
+    assert main(["scan", str(tar), "--out", str(work / "manifest"), "--workers", "1", "--no-progress"]) == 0
+    assert main(["plan", str(work / "manifest"), "--out", str(work / "plan"), "--quiet", *PLAN,
+                 "--text-tokenizer", str(text)]) == 0
+    return work / "plan"
+
+
+def _encode(kit, work: Path) -> int:
+    return main(["encode", "--plan", str(work / "plan"), "--checkpoint", str(kit[1]), "--out", str(work / "images"),
+                 "--device", "cpu", "--no-progress"])
+
+
+def _sft(kit, work: Path, tar: Path, out: str) -> int:
+    return main(["sft", str(tar), "--text-tokenizer", str(kit[0]), "--images", str(work / "images"),
+                 "--out", str(work / out), "--no-progress"])
+
+
+@pytest.fixture()
+def encoded(kit, tmp_path):
+    """A conversation tar scanned, planned and encoded (`--mode sft`): (work directory, the tar)."""
+    tar = _pack(tmp_path / "data" / "conv-0.tar", PHOTOS)
+    _scan_plan(kit, tmp_path, tar)
+    assert _encode(kit, tmp_path) == 0
+    return tmp_path, tar
+
+
+def _counts(out: Path) -> dict:
+    return commitlog.read_stats(commitlog.part_dir(out, 0))["counts"]
+
+
+def _skips(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (commitlog.part_dir(out, 0) / commitlog.SKIPPED).read_text().splitlines()]
+
+
+def _repack_swapped(tar: Path) -> None:
+    """The reported case: the same tar path re-packed, every sample now holding the other's photo."""
+    _pack(tar, dict(zip(PHOTOS, reversed(PHOTOS.values()))))
+
+
+def test_a_tar_repacked_after_its_encode_is_stale_media_not_another_photos_tokens(kit, encoded):
+    work, tar = encoded
+    assert _sft(kit, work, tar, "before") == 0
+    assert _counts(work / "before")["documents_written"] == 2
+    _repack_swapped(tar)
+    assert _sft(kit, work, tar, "after") == 0
+    counts = _counts(work / "after")
+    assert counts.get("documents_written", 0) == 0 and counts["skipped:stale_media"] == 2, counts
+    records = _skips(work / "after")
+    assert {r["key"].split("/")[-1] for r in records} == set(PHOTOS) and {r["reason"] for r in records} == {"stale_media"}
+    assert all(str(tar) in r["detail"] and "changed since" in r["detail"] for r in records), records
+
+
+def test_image_items_record_the_digest_of_the_bytes_they_were_decoded_from(encoded):
+    work, tar = encoded
+    records, _ = commitlog.read_items(commitlog.part_dir(work / "images", 0))
+    photos = real_images()
+    assert {r["key"]: r["digest"] for r in records} == {key: media_digest(photos[photo].read_bytes())
+                                                         for key, photo in PHOTOS.items()}
+    [identity] = commitlog.read_identity(commitlog.part_dir(work / "images", 0))[CONTAINERS].values()
+    assert identity == container_identity(tar)
+
+
+def test_a_tar_changed_between_scan_and_encode_is_stale_media_and_never_decoded(kit, tmp_path, monkeypatch):
+    tar = _pack(tmp_path / "data" / "conv-0.tar", PHOTOS)
+    _scan_plan(kit, tmp_path, tar)
+    _repack_swapped(tar)
+    monkeypatch.setattr(loader, "decode_rgb", lambda data: pytest.fail("a stale tar's bytes were decoded"))
+    assert _encode(kit, tmp_path) == 0
+    records, ids = commitlog.read_items(commitlog.part_dir(tmp_path / "images", 0))
+    assert [r["skip"] for r in records] == ["stale_media"] * 2 and ids.size == 0
+    assert all(str(tar) in r["detail"] and "digest" not in r for r in records)
+    assert _sft(kit, tmp_path, tar, "sft") == 0
+    assert _counts(tmp_path / "sft")["skipped:stale_media"] == 2
+
+
+def test_merge_refuses_an_encode_whose_tar_changed_since_in_one_line_naming_it(kit, tmp_path, capsys):
+    tar = _pack(tmp_path / "data" / "img-0.tar", PHOTOS)
+    text, _ = kit
+    assert main(["scan", str(tar), "--out", str(tmp_path / "manifest"), "--workers", "1", "--no-progress"]) == 0
+    assert main(["plan", str(tmp_path / "manifest"), "--out", str(tmp_path / "plan"), "--quiet", "--mode", "image",
+                 *PLAN[2:], "--text-tokenizer", str(text)]) == 0
+    assert _encode(kit, tmp_path) == 0
+    _repack_swapped(tar)
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "images"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tar) in err and "changed since its scan" in err, err
+    assert not (tmp_path / "images" / "merged.bin").exists()
+
+
+@pytest.mark.parametrize("name", [commitlog.ITEM_IDS, commitlog.ITEMS])
+def test_a_flipped_bit_in_the_image_items_is_a_one_line_refusal_naming_the_file(kit, encoded, capsys, name):
+    work, tar = encoded
+    path = commitlog.part_dir(work / "images", 0) / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert _sft(kit, work, tar, "sft") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and "checksum" in err, err
+
+
+def test_image_codes_outside_the_codebook_are_refused_before_a_commit(kit, tmp_path, monkeypatch, capsys):
+    tar = _pack(tmp_path / "data" / "conv-0.tar", PHOTOS)
+    _scan_plan(kit, tmp_path, tar)
+    encode = emu35.Emu35Codec.encode
+    monkeypatch.setattr(emu35.Emu35Codec, "encode", lambda self, pixels: encode(self, pixels) + (1 << 20))
+    capsys.readouterr()
+    assert _encode(kit, tmp_path) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "image codes of" in err and str(tar) in err and "outside [0," in err, err
+    assert commitlog.read_commits(commitlog.part_dir(tmp_path / "images", 0)) == ([], 0)
+
+
+def test_check_ids_in_range_names_what_the_range_and_the_offenders():
+    check_ids_in_range(np.array([3, 4, 9]), 3, 10, "audio ids")
+    check_ids_in_range(np.zeros(0, np.int64), 3, 10, "nothing")
+    with pytest.raises(MmtokError, match=r"audio ids of x: 2 id\(s\) outside \[3, 10\) \(min 2, max 10\)"):
+        check_ids_in_range(np.array([2, 5, 10]), 3, 10, "audio ids of x")
+
+
+def test_an_image_part_that_predates_tar_identities_is_a_one_line_rerun_refusal(tmp_path):
+    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"modality": "image", "mode": "sft"}))
+    with pytest.raises(MmtokError, match=r"records no identity of its tars .* re-run `mmtok scan`"):
+        part_containers(tmp_path)
+
+
+def test_a_manifest_of_the_previous_version_is_a_one_line_rerun_scan(kit, tmp_path, capsys):
+    tar = _pack(tmp_path / "data" / "conv-0.tar", PHOTOS)
+    assert main(["scan", str(tar), "--out", str(tmp_path / "manifest"), "--workers", "1", "--no-progress"]) == 0
+    meta_path = tmp_path / "manifest" / "manifest.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["inputs"][0]["identity"] == container_identity(tar)
+    meta_path.write_text(json.dumps({**meta, "format_version": 1}))
+    capsys.readouterr()
+    assert main(["plan", str(tmp_path / "manifest"), "--out", str(tmp_path / "plan"), "--quiet", *PLAN,
+                 "--text-tokenizer", str(kit[0])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rerun `mmtok scan`" in err, err
+
+
+def test_item_records_that_point_past_the_stored_ids_are_refused_naming_the_file(tmp_path):
+    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({CONTAINERS: {}}))
+    record = {"kind": "image", "key": "k", "source": str(tmp_path / "t.tar"), "member": "k.0.png", "length": 10}
+    (tmp_path / commitlog.ITEMS).write_text(json.dumps(record) + "\n")
+    (tmp_path / commitlog.ITEM_IDS).write_bytes(np.arange(4, dtype=np.int32).tobytes())
+    with pytest.raises(MmtokError, match=r"items.jsonl: its records need 10 ids but .*items.ids holds 4"):
+        ImageIndex([tmp_path])
