@@ -100,7 +100,8 @@ def run(args) -> int:
             args.inputs = list(args.inputs) + [Path(p) for p in declared]
         if not args.inputs:
             raise MmtokError("no input: give INPUT paths or --source FILE")
-        refuse_out_overlapping(args.out, [*args.inputs, args.transcripts, args.source, args.text_tokenizer])
+        refuse_out_overlapping(args.out, [*args.inputs, args.transcripts, args.source, args.text_tokenizer,
+                                           *args.media_root])
         if args.shard_size <= 0:
             raise MmtokError(f"--shard-size must be positive, got {args.shard_size}")
         options = ConvertOptions(min_duration=args.min_duration, max_duration=args.max_duration,

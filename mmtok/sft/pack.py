@@ -172,7 +172,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
 
     check_inputs(inputs)  # before OUT is touched: a mistyped input must not unfinish an earlier pack
     roots = check_media_roots(media_roots)
-    refuse_out_overlapping(out, inputs)
+    refuse_out_overlapping(out, [*inputs, *media_roots])
     owned = refuse_foreign(out)
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, f"pack output {out}"):
