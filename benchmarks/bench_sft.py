@@ -199,7 +199,7 @@ def write_image_items(out: Path, items: list[list[tuple[dict, np.ndarray]]], tok
 def write_audio_cache(out: Path, clips: list[dict], tokenizer, layout: VocabLayout) -> None:
     """AUDIO_PARTS cache parts of `clips`, in order (the metadata AudioClips checks)."""
     metadata = {"num_parts": AUDIO_PARTS, "vocab": layout.to_dict(), "text_tokenizer": tokenizer.describe(),
-                "codec": {"name": "wavtokenizer", "run": False}, "trim": 5, "format": "mmtok-audio-cache/1"}
+                "codec": {"name": "wavtokenizer", "run": False}, "trim": 5, "format": audio_cache.CACHE_FORMAT}
     for number in range(AUDIO_PARTS):
         rows = clips[number * len(clips) // AUDIO_PARTS:(number + 1) * len(clips) // AUDIO_PARTS]
         rows = [{**row, "part": number, "position": position} for position, row in enumerate(rows)]

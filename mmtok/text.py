@@ -10,8 +10,10 @@ Two file formats are accepted:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -21,7 +23,13 @@ BUILTIN_TEKKEN = "tekken"
 
 
 class TextTokenizer:
-    """Encodes text to ids without BOS/EOS; special tokens are looked up by name, never hard-coded."""
+    """Encodes text to ids without BOS/EOS; special tokens are looked up by name, never hard-coded.
+
+    `encode` takes text as text: a control token's name typed into it (`<|user_end|>`, `</s>`) is
+    tokenized as the characters it is, never as the control id -- what a person or a web page wrote
+    cannot end a turn or open a reasoning span. Control ids come only from `token_id` (the chat
+    template's structure, mmtok's own blocks).
+    """
 
     def __init__(self, *, name: str, fingerprint: str, vocab_size: int, bos_id: int, eos_id: int,
                  chat_template: str | None = None):
@@ -41,6 +49,18 @@ class TextTokenizer:
     def token_id(self, name: str) -> int:
         raise NotImplementedError
 
+    def control_tokens(self) -> dict[str, "ControlToken"]:
+        """The tokenizer's control (special) tokens by name: what `encode` never produces from text."""
+        return {}
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        """An upper bound on the UTF-8 bytes one token of `encode` covers (None: no sound bound known).
+
+        So text of more than `max_tokens * max_token_bytes` bytes has more than `max_tokens` tokens, and
+        is refused before the tokenizer spends ~300 bytes of memory per character on it."""
+        return None
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens shown by name (for inspection, not round-tripping)."""
         raise NotImplementedError
@@ -49,6 +69,16 @@ class TextTokenizer:
         """What output metadata records about the tokenizer."""
         return {"name": self.name, "sha256": self.fingerprint, "vocab_size": self.vocab_size,
                 "bos_id": self.bos_id, "eos_id": self.eos_id}
+
+
+@dataclass(frozen=True)
+class ControlToken:
+    """One control token: its id, and whether it takes the whitespace to its left / right with it (the HF
+    added-token `lstrip` / `rstrip` flags, kept where mmtok cuts a rendering at the token itself)."""
+
+    id: int
+    lstrip: bool = False
+    rstrip: bool = False
 
 
 class HFTokenizer(TextTokenizer):
@@ -63,6 +93,7 @@ class HFTokenizer(TextTokenizer):
             digest.update(config_path.read_bytes())
         self._tok.no_padding()
         self._tok.no_truncation()
+        self._tok.encode_special_tokens = True  # special tokens' names in text stay text (see TextTokenizer)
         super().__init__(
             name=str(path),
             fingerprint=digest.hexdigest(),
@@ -86,6 +117,21 @@ class HFTokenizer(TextTokenizer):
 
     def token_id(self, name: str) -> int:
         return self._lookup(name)
+
+    def control_tokens(self) -> dict[str, ControlToken]:
+        return {token.content: ControlToken(token_id, token.lstrip, token.rstrip)
+                for token_id, token in self._tok.get_added_tokens_decoder().items() if token.special}
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        # A vocab entry's UTF-8 length bounds the input bytes its token covers: exact for plain BPE/WordPiece
+        # pieces, an overestimate for byte-level pieces (one input byte is a 1-2 byte alphabet character) and
+        # SentencePiece's 3-byte `▁` -- too high is safe, it only refuses less. Not sound when a normalizer may
+        # delete text or unknown characters fuse into one <unk>: no bound then.
+        model = json.loads(self._tok.to_str()).get("model", {})
+        if self._tok.normalizer is not None or model.get("fuse_unk"):
+            return None
+        return max(len(piece.encode("utf-8")) for piece in self._tok.get_vocab(with_added_tokens=False))
 
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_token(token_id)
@@ -118,6 +164,11 @@ class TekkenTokenizer(TextTokenizer):
 
     def token_text(self, token_id: int) -> str:
         return self._tok.id_to_piece(token_id)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        # tekken pieces are byte strings (tiktoken); its special tokens are never produced from text.
+        return max(len(self._tok.id_to_byte_piece(i)) for i in range(self._tok.num_special_tokens, self._tok.n_words))
 
     def decode(self, ids: Sequence[int]) -> str:
         from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy

@@ -45,7 +45,7 @@ class AudioStore:
     def __init__(self, blocks: dict[str, np.ndarray | Skip] | None = None):
         self.blocks = blocks or {}
 
-    def block(self, cut_id: str) -> np.ndarray:
+    def block(self, cut_id: str, source=None) -> np.ndarray:
         return _stored(self.blocks, cut_id)
 
 

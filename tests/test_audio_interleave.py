@@ -12,7 +12,7 @@ import pytest
 from mmtok.audio.interleave import LONG, STAGE, interleave
 from mmtok.cli import main
 from mmtok.errors import MmtokError
-from mmtok.formats.audio_cache import cache_path, write_cache
+from mmtok.formats.audio_cache import CACHE_FORMAT, cache_path, checksum_path, write_cache
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.vocab import VocabLayout
@@ -53,7 +53,7 @@ def make_cache(out: Path, sources: dict = SOURCES, split: int = 9) -> dict[int, 
                          "target_language": target,
                          "audio_ids": LAYOUT.audio_ids(np.full(audio_length, key)),
                          "text_ids": None if text_length < 0 else np.full(text_length, 1000 + key, np.int32)})
-    meta = {"num_parts": 2, "vocab": LAYOUT.to_dict(), "format": "mmtok-audio-cache/1", "codec": {"name": "test"},
+    meta = {"num_parts": 2, "vocab": LAYOUT.to_dict(), "format": CACHE_FORMAT, "codec": {"name": "test"},
             "text_tokenizer": {"name": "test", "bos_id": BOS, "eos_id": EOS}, "trim": 5}
     for part, chunk in enumerate((rows[:split], rows[split:])):
         for position, row in enumerate(chunk):
@@ -193,7 +193,8 @@ def test_output_is_deterministic(built, tmp_path):
 def test_missing_cache_part_is_refused(built, tmp_path):
     root, _, _, _ = built
     (tmp_path / "audio-cache").mkdir()
-    (tmp_path / "audio-cache" / "part-00000.parquet").write_bytes(cache_path(root / "enc", 0).read_bytes())
+    for source in (cache_path(root / "enc", 0), checksum_path(cache_path(root / "enc", 0))):
+        (tmp_path / "audio-cache" / source.name).write_bytes(source.read_bytes())
     with pytest.raises(MmtokError, match="part-00001"):
         interleave(tmp_path, tmp_path / "out", progress=False)
 

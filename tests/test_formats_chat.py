@@ -25,7 +25,7 @@ from chatkit import (CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL, AudioS
                      built_skip, image_block, tar_conversation)
 from encodekit import train_chat_tokenizer
 
-from mmtok.formats.chat import ChatRenderer, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
+from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
 from mmtok.formats.conversations import Conversation, audio_clip_id, locate
 from mmtok.errors import Skip
 from mmtok.text import load_text_tokenizer
@@ -120,14 +120,16 @@ def _reference(tokenizer, parts: list) -> list:
 
 
 def _tokens(tokenizer, pieces: list) -> list:
-    """What an assembly stage starts from: each text piece tokenized, each slot kept."""
-    return [x for piece in pieces for x in ([piece] if isinstance(piece, MediaSlot) else tokenizer.encode(piece))]
+    """What an assembly stage starts from: each text piece tokenized, each control token by name, each slot kept."""
+    return [x for piece in pieces for x in ([piece] if isinstance(piece, MediaSlot) else
+                                            [tokenizer.token_id(piece.name)] if isinstance(piece, Control) else
+                                            tokenizer.encode(piece))]
 
 
 @pytest.mark.parametrize("form", sorted(REFERENCES))
 def test_every_content_form_renders_to_the_reference_tokens(tokenizer, renderer, form):
     conversation, reference = REFERENCES[form]
-    pieces = split_media(renderer.render(conversation))
+    pieces = renderer.render_pieces(conversation).pieces
     assert _tokens(tokenizer, pieces) == _reference(tokenizer, reference)
 
 

@@ -173,8 +173,11 @@ def test_an_hf_base_keeps_its_chat_template_roles_and_ids(root):
     layout = VocabLayout(text.vocab_size)
     assert summary["total_size"] == layout.total_size == tokenizer.get_vocab_size(with_added_tokens=True)
     assert config["chat_template"] == APERTUS_TEMPLATE and tokenizer.token_to_id(config["eos_token"]) == text.eos_id
-    for sentence in SENTENCES[:2] + ["<|user_start|>What is in this image?<|user_end|>"]:
+    for sentence in SENTENCES[:2]:
         assert tokenizer.encode(sentence, add_special_tokens=False).ids == text.encode(sentence)
+    # A rendering's control tokens are the template's, by id (text.encode keeps typed names as text).
+    turn = tokenizer.encode("<|user_start|>What is in this image?<|user_end|>", add_special_tokens=False).ids
+    assert turn == [text.token_id("<|user_start|>"), *text.encode("What is in this image?"), text.token_id("<|user_end|>")]
     ids = tokenizer.encode("<|user_start|><image> here", add_special_tokens=False).ids
     assert ids == [text.token_id("<|user_start|>"), layout.special_id("<|image|>"), *text.encode(" here")]
 

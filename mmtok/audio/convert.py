@@ -74,6 +74,7 @@ class Clip:
     original_rate: int
     gain: float
     text_tokens: list[int] | None
+    source_sha256: str | None = None  # of the bytes the clip was decoded from (None: lhotse read them)
 
 
 # --- one clip ---------------------------------------------------------------------------------
@@ -94,8 +95,10 @@ def rms_dbfs(samples: np.ndarray) -> float:
     return 20.0 * math.log10(rms) if rms > 0 else -math.inf
 
 
-def prepare_clip(samples: np.ndarray, rate: int, spec: ClipSpec, options: ConvertOptions, tokenizer) -> Clip:
-    """Validate, resample to 24 kHz mono and encode one clip; raises AudioReason with the drop reason."""
+def prepare_clip(samples: np.ndarray, rate: int, spec: ClipSpec, options: ConvertOptions, tokenizer,
+                 source_sha256: str | None = None) -> Clip:
+    """Validate, resample to 24 kHz mono and encode one clip (bound to the digest of the bytes it was
+    decoded from); raises AudioReason with the drop reason."""
     clip = cut_segment(pick_channel(samples, spec.channel), rate, spec)
     check_finite(clip)  # zero_length / non_finite
     duration = clip.size / rate
@@ -114,7 +117,7 @@ def prepare_clip(samples: np.ndarray, rate: int, spec: ClipSpec, options: Conver
     if gain != 1.0:
         wave = wave * np.float32(gain)
     tokens = tokenizer.encode(spec.text) if spec.text is not None else None
-    return Clip(spec, encode_flac(wave), int(wave.size), rate, gain, tokens)
+    return Clip(spec, encode_flac(wave), int(wave.size), rate, gain, tokens, source_sha256)
 
 
 def encode_flac(wave: np.ndarray) -> bytes:
@@ -168,13 +171,13 @@ def process_unit(unit: Unit) -> list[Clip | SkipRecord]:
             continue
         loader, clips = item
         try:
-            samples, rate = loader()
+            samples, rate, digest = loader()
         except AudioReason as err:
             results.extend(skip_record(c.id, c.origin, err.reason, str(err)) for c in clips)
             continue
         for spec in clips:
             try:
-                results.append(prepare_clip(samples, rate, spec, options, tokenizer))
+                results.append(prepare_clip(samples, rate, spec, options, tokenizer, digest))
             except AudioReason as err:
                 results.append(skip_record(spec.id, spec.origin, err.reason, str(err)))
     return results
@@ -247,6 +250,8 @@ def make_cut(clip: Clip):
         custom["target_language"] = spec.target_language
     if clip.gain != 1.0:
         custom["gain"] = clip.gain
+    if clip.source_sha256 is not None:
+        custom[shar_format.SOURCE_DIGEST] = clip.source_sha256
     return MonoCut(id=spec.id, start=0.0, duration=duration, channel=0, recording=recording,
                    supervisions=supervisions, custom=custom)
 
@@ -270,7 +275,7 @@ def write_shard(out: Path, index: int, clips: list[Clip]) -> dict:
         shutil.rmtree(work, ignore_errors=True)
         raise with_filename(err, work) from None
     duration = sum(c.num_samples for c in clips) / TARGET_SAMPLE_RATE
-    return {"index": index, "cuts": len(clips), "duration": duration, "cuts_sha256": shar_format.manifest_sha256(cuts)}
+    return {"index": index, "cuts": len(clips), "duration": duration, **shar_format.shard_digests(cuts)}
 
 
 def _abandon(writer) -> None:

@@ -161,13 +161,13 @@ def split_greedy(segments: list[tuple[str, ClipRef]], max_tokens: int, counts: C
 class TokenSource:
     """Token arrays of cache rows, keeping a few parts in memory (runs rarely span more than two)."""
 
-    def __init__(self, parts: list[Path], keep: int = 4):
-        self.parts, self.keep = parts, keep
+    def __init__(self, parts: list[Path], layout: VocabLayout, keep: int = 4):
+        self.parts, self.layout, self.keep = parts, layout, keep
         self.loaded: OrderedDict[int, tuple[list, list]] = OrderedDict()
 
     def get(self, clip: ClipRef) -> tuple[np.ndarray, np.ndarray | None]:
         if clip.part not in self.loaded:
-            self.loaded[clip.part] = read_tokens(self.parts[clip.part])
+            self.loaded[clip.part] = read_tokens(self.parts[clip.part], self.layout)  # ids checked: the last guard
             if len(self.loaded) > self.keep:
                 self.loaded.popitem(last=False)
         self.loaded.move_to_end(clip.part)
@@ -202,11 +202,11 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
         raise MmtokError(f"need 0 < --stage-max-tokens ({stage_max_tokens}) <= --max-tokens ({max_tokens})")
     parts = find_parts(encoded)
     meta = read_metadata(parts[0])
-    builder = SequenceBuilder(VocabLayout(meta["vocab"]["text_size"]), meta["text_tokenizer"]["bos_id"],
-                              meta["text_tokenizer"]["eos_id"])
+    layout = VocabLayout(meta["vocab"]["text_size"])
+    builder = SequenceBuilder(layout, meta["text_tokenizer"]["bos_id"], meta["text_tokenizer"]["eos_id"])
     clips = load_clips(parts)
     counts: Counter = Counter(clips=len(clips))
-    tokens = TokenSource(parts)
+    tokens = TokenSource(parts, layout)
     writers: dict[str, DatasetWriter] = {}  # opened by a set's first sequence: an empty set leaves no file
     try:
         for planned in progress_bar(plan(clips, counts), desc="audio interleave", unit="seq", enabled=progress):

@@ -34,7 +34,6 @@ left is counted by extension (`ignored`), never dropped silently.
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,8 +44,9 @@ import numpy as np
 
 from mmtok.media.audio import AudioReason, to_mono
 from mmtok.formats.chat import ConversationError
-from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, locate, read_conversations,
-                                 sample_key)
+from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, json_value, locate,
+                                         read_conversations, sample_key)
+from mmtok.formats.shar import source_digest
 from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
@@ -79,8 +79,10 @@ def skip_record(key: str, origin: str, reason: str, detail: str = "") -> SkipRec
     return SkipRecord(key=key, source=origin, reason=reason, detail=detail, stage="convert")
 
 
-# A payload loader returns (samples [T] or [T, C] float32, sampling rate) or raises AudioReason.
-Loader = Callable[[], tuple[np.ndarray, int]]
+# A payload loader returns (samples [T] or [T, C] float32, sampling rate, sha256 of the bytes they were
+# decoded from -- None when lhotse read them --) or raises AudioReason. The digest binds each clip to its
+# bytes (`mmtok.formats.shar.SOURCE_DIGEST`), so a medium changed since the conversion is never given old tokens.
+Loader = Callable[[], tuple[np.ndarray, int, str | None]]
 
 
 @dataclass
@@ -93,16 +95,17 @@ class Unit:
         raise NotImplementedError
 
 
-def decode_audio(data: bytes | str, origin: str) -> tuple[np.ndarray, int]:
-    """Decode a file path or encoded bytes with soundfile (WAV, FLAC, OGG/Opus, MP3) -> ([T] or [T, C], rate)."""
+def decode_audio(data: bytes | str, origin: str) -> tuple[np.ndarray, int, str]:
+    """Decode a file path or encoded bytes with soundfile (WAV, FLAC, OGG/Opus, MP3) -> ([T] or [T, C], rate,
+    sha256 of the bytes): the bytes are read once, for the digest and the decoder."""
     import soundfile
 
     try:
-        source = io.BytesIO(data) if isinstance(data, bytes) else data
-        samples, rate = soundfile.read(source, dtype="float32", always_2d=False)
+        data = data if isinstance(data, bytes) else Path(data).read_bytes()
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
     except Exception as err:  # libsndfile reports every malformed input as a generic error
         raise AudioReason("decode_error", f"{origin}: {err}") from None
-    return samples, int(rate)
+    return samples, int(rate), source_digest(data)
 
 
 # --- clip numbering -------------------------------------------------------------------------------
@@ -236,7 +239,9 @@ def _table_lines(path: Path) -> list[tuple[int, str | None]]:
 
 
 def _json_row(text: str) -> dict:
-    row = json.loads(text)  # JSONDecodeError is a ValueError
+    row, error = json_value(text, "json")  # deep nesting and lone surrogates too, as every reader
+    if error is not None:
+        raise ValueError(error.detail)
     if not isinstance(row, dict):
         raise ValueError(f"not a JSON object but {type(row).__name__}")
     return row
@@ -393,7 +398,7 @@ class _ByteRangeLoader:
     size: int
     origin: str
 
-    def __call__(self) -> tuple[np.ndarray, int]:
+    def __call__(self) -> tuple[np.ndarray, int, str | None]:
         try:
             data = read_member(self.path, self.offset, self.size)
         except MemberTruncated:  # cut short since the tar was listed
@@ -481,7 +486,7 @@ class _RecordingLoader:
     recording: dict
     origin: str
 
-    def __call__(self) -> tuple[np.ndarray, int]:
+    def __call__(self) -> tuple[np.ndarray, int, str | None]:
         from lhotse import Recording
 
         try:
@@ -489,7 +494,7 @@ class _RecordingLoader:
             samples = recording.load_audio()  # [C, T] at the recording's own rate
         except Exception as err:  # lhotse wraps every backend failure differently
             raise AudioReason("decode_error", f"{self.origin}: {err}") from None
-        return np.ascontiguousarray(samples.T), int(recording.sampling_rate)
+        return np.ascontiguousarray(samples.T), int(recording.sampling_rate), None
 
 
 SOURCE_TYPES = ("file", "command", "url", "memory", "shar")  # lhotse.audio.AudioSource.type
@@ -560,10 +565,8 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
         with opener(path, "rb") as handle:
             for number, raw in enumerate(handle, 1):
                 if raw.strip():
-                    try:
-                        yield number, json.loads(raw)
-                    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
-                        yield number, ValueError(f"not JSON ({type(err).__name__})")
+                    value, skip = json_value(raw, f"line {number}")
+                    yield number, ValueError(f"not JSON ({skip.detail})") if skip else value
     except (OSError, EOFError) as err:  # unreadable, or a damaged gzip stream
         raise MmtokError(f"{path}: cannot read the Lhotse manifest ({err})") from None
 
@@ -720,7 +723,7 @@ class ConversationUnit(Unit):
 class _LocatedLoader:
     located: Located  # plain data, so the loader pickles to a worker
 
-    def __call__(self) -> tuple[np.ndarray, int]:
+    def __call__(self) -> tuple[np.ndarray, int, str | None]:
         try:
             data = self.located.read()
         except OSError as err:  # located at collection, gone or cut short since

@@ -40,7 +40,10 @@ def add_parser(sub) -> None:
                         help="`mmtok audio convert` output (repeatable): names why a clip it dropped is missing")
     parser.add_argument("--out", type=Path, required=True, help="output directory (parts go to OUT/parts/)")
     parser.add_argument("--max-tokens", type=int, default=1 << 20,
-                        help="skip conversations longer than this as document_too_long (default 1,048,576)")
+                        help="skip conversations longer than this as document_too_long (default 1,048,576); text "
+                             "that certainly has more tokens (more UTF-8 bytes than this x the tokenizer's longest "
+                             "vocabulary entry) is skipped before it is tokenized, and bounds the chat template's "
+                             "rendering")
     add_media_root(parser)
     parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
     parser.add_argument("--world-size", type=int, default=None, help="number of ranks (default: from the environment)")
@@ -82,6 +85,9 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[st
              f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons(skipped)}; each named in "
              f"{stats['part_dir']}/skipped.jsonl)" if skipped else "")
              + files_skipped(counts, f"{stats['part_dir']}/skipped.jsonl")]
+    if counts.get("control_literals"):
+        lines.append(f"{plural(counts['control_literals'], 'conversation')} held control-token names in their text "
+                     "(tokenized as text, never as control tokens: control_literals)")
     if stats.get("already_done"):
         lines.append(f"(part already finished: {stats['part_dir']})")
     return lines + [f"next, when every rank finished: mmtok merge {out} [--strip-reasoning]"]

@@ -37,13 +37,15 @@ from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioRea
 from mmtok.documents import SequenceBuilder, is_translation
 from mmtok.encode.audio_batches import Batching, make_batches
 from mmtok.ranks import assign_shards
+from mmtok.vocab import check_ids_in_range
 from mmtok.encode.loop import Meter, run_device
 from mmtok.formats.parts import timing_stats
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
+from mmtok.formats.audio_cache import CACHE_FORMAT
 from mmtok.formats.commitlog import pack_carry, unpack_carry
 from mmtok.formats.skips import SkipRecord
-from mmtok.formats.shar import SharShard, discover_shards, index_members, shard_fingerprint
+from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 
 SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
 DEFAULT_TRIM = 5  # codes dropped at the end of every clip (WavTokenizer's look-ahead; the codec reports its own)
@@ -199,6 +201,7 @@ def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) ->
             continue
         counts["encoded"] += 1
         text_ids, language, target = clip_text(cut, context.tokenizer)
+        check_clip_ids(context.builder.layout, audio_ids, text_ids, f"{part.directory}: clip {cut.id}")
         custom = cut.custom or {}
         made = sequences_for(context.sequences, context.builder, audio_ids, text_ids, is_translation(language, target))
         if not made:
@@ -212,11 +215,19 @@ def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) ->
         rows.append({"cut_id": cut.id, "source_id": str(custom.get("source_id", cut.id)),
                      "clip": int(custom.get("clip", 0)), "part": shard.index, "position": position,
                      "duration": float(cut.duration), "language": language, "target_language": target,
-                     "audio_ids": audio_ids, "text_ids": text_ids})
+                     "audio_ids": audio_ids, "text_ids": text_ids, "source_sha256": custom.get(SOURCE_DIGEST)})
     write_cache(cache_path(context.out, shard.index), rows, {**context.cache_metadata, "part": shard.index})
     timing = meter.committed(0, sum(int(t.size) for t in sequences))
     part.commit(unit, sequences, provenance, {**counts, **timing}, carry_done=True, skipped=skipped)
     w.finish({**stats, **timing_stats(part.counts)})
+
+
+def check_clip_ids(layout, audio_ids: np.ndarray, text_ids: np.ndarray | None, what: str) -> None:
+    """The last guard before a clip's ids are committed: audio ids are audio ids, text ids (which a
+    foreign Shar's `text_tokens` may hold) text ids; MmtokError naming the clip otherwise."""
+    check_ids_in_range(audio_ids, layout.audio_offset, layout.total_size, f"{what}: audio ids")
+    if text_ids is not None:
+        check_ids_in_range(text_ids, 0, layout.text_size, f"{what}: text ids")
 
 
 # --- the rank loop ------------------------------------------------------------------------------------
@@ -291,8 +302,10 @@ def _part_work(shard: SharShard, directory: Path, lock, context: Context, batchi
                min_samples: int) -> PartWork:
     from lhotse import CutSet
 
-    w = PartWork(shard, directory, part_identity(shard, context, num_parts), 0, [], lock)
+    w = PartWork(shard, directory, None, 0, [], lock)
     try:
+        verify_shard(shard)  # before any of its bytes is trusted: a changed shard is refused, naming the file
+        w.identity = part_identity(shard, context, num_parts)
         cuts = CutSet.from_file(shard.cuts_path).to_eager()
         batches = make_batches(cuts, batching)
         w.num_batches = len(batches)
@@ -329,7 +342,7 @@ def build_context(out: Path, codec, tokenizer, sequences: str, batching: Batchin
                 "sequence_layout": builder.describe(), "batching": batching.to_dict(), "preprocess": preprocess,
                 "conversion": None if report is None else {k: report["identity"][k] for k in ("options", "storage")}}
     cache_metadata = {"num_parts": None, "vocab": layout.to_dict(), "text_tokenizer": tokenizer.describe(),
-                      "codec": codec.describe(), "trim": trim_of(codec), "format": "mmtok-audio-cache/1"}
+                      "codec": codec.describe(), "trim": trim_of(codec), "format": CACHE_FORMAT}
     return Context(out, builder, tokenizer, sequences, identity, cache_metadata)
 
 

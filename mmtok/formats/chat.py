@@ -27,9 +27,11 @@ question for the template: its media could not be listed.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,65 +102,379 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
+@dataclass(frozen=True)
+class Control:
+    """A control token the template's own text made (never one typed into the record): cut out of the
+    rendering by name, so the text tokenizer only ever sees text."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """One conversation rendered: text pieces, template-made control tokens and media slots, in order;
+    `control_literals` says the record's text held control-token names (kept as text)."""
+
+    pieces: list[str | Control | MediaSlot]
+    control_literals: bool
+
+
 class ChatRenderer:
-    """Compiles a chat template once; `render(conversation)` is thread-safe and deterministic."""
+    """Compiles a chat template once; `render(conversation)` is thread-safe and deterministic.
 
-    def __init__(self, template: str, bos_token: str, eos_token: str):
+    `controls` are the tokenizer's control tokens by name (`TextTokenizer.control_tokens()`); `render_pieces`
+    keeps those a record's text holds as text. Each rendering is bounded (see RENDER_STEPS): a template that
+    loops away or builds huge strings is that conversation's `template_error` / `document_too_long`.
+    """
+
+    def __init__(self, template: str, bos_token: str, eos_token: str, controls: Mapping[str, Any] | None = None):
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                    extensions=["jinja2.ext.loopcontrols"])
-        environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise_exception
+        self._environment = _bounded_environment()
         try:
-            self._template = environment.from_string(template)
-        except TemplateError as err:
-            raise MmtokError(f"the text tokenizer's chat_template does not compile: {err}") from None
+            self._template = self._environment.from_string(_counting_loops(self._environment.parse(template)))
+        except (TemplateError, RecursionError) as err:
+            raise MmtokError(f"the text tokenizer's chat_template does not compile: {_short_error(err)}") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._controls = {name: c for name, c in (controls or {}).items() if name not in PLACEHOLDER_KIND}
+        self._literal = _alternation(self._controls)  # None: no control token to keep out of the text
+        self._edges = _Edges(self._controls)
+        self._cut = _alternation([*self._controls, *PLACEHOLDER_KIND])
+        self._template_chars = frozenset(template)
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "ChatRenderer":
-        if not tokenizer.chat_template:
-            raise MmtokError(f"mode sft needs a chat template, but the text tokenizer {tokenizer.name} has none: pass "
-                             "an HF tokenizer directory whose tokenizer_config.json has `chat_template`")
-        template = tokenizer.chat_template
-        if isinstance(template, list):  # HF allows named templates: [{"name": "default", "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()))
-        return cls(template, tokenizer.token_text(tokenizer.bos_id), tokenizer.token_text(tokenizer.eos_id))
+        template = _template_source(tokenizer)
+        return cls(template, tokenizer.token_text(tokenizer.bos_id), tokenizer.token_text(tokenizer.eos_id),
+                   tokenizer.control_tokens())
 
-    def render(self, conversation: dict) -> str:
+    def render(self, conversation: dict, max_chars: int | None = None) -> str:
         """The rendered string of one sidecar (`{"messages": [...], ...}`), one canonical placeholder
         where each media part was; ConversationError if unusable."""
-        from jinja2 import TemplateError
+        return self._render(self._context(conversation), max_chars)
 
+    def render_pieces(self, conversation: dict, max_chars: int | None = None) -> Rendering:
+        """The rendering cut into text, template-made control tokens and media slots. Control-token names
+        inside the record's strings are hidden from the template behind characters the record and the
+        template do not use, and put back as text after the cut: only the template's own text makes a
+        Control. `max_chars` bounds the rendering (`document_too_long` above it)."""
+        context = self._context(conversation)
+        record = {k: v for k, v in context.items() if k not in _RENDERER_KEYS}  # what the record brought
+        size = sum(map(len, _texts(record)))
+        if max_chars is not None and size > max_chars:  # characters <= UTF-8 bytes: certainly too long
+            raise ConversationError("document_too_long", f"the record holds {size:,} characters of text, more than "
+                                    f"--max-tokens can hold ({max_chars:,})")
+        hidden = _hidden_literals(self._literal, self._edges, record, self._template_chars)
+        if hidden:
+            context.update(_replaced(record, lambda text: self._hide(text, hidden)))
+        rendered = self._render(context, max_chars)
+        restore = {ord(marker): name for name, marker in hidden.items()}
+        return Rendering(self._cut_at_controls(rendered, restore), any(hidden))
+
+    def _hide(self, text: str, hidden: dict[str, str]) -> str:
+        """`text` with each control name replaced by its marker, and fenced by the separator where it
+        could join its neighbour into a name."""
+        text = self._literal.sub(lambda m: hidden[m.group()], text)
+        separator = hidden.get("")
+        if separator is not None:
+            text = (separator if self._edges.starts(text) else "") + text + \
+                (separator if self._edges.ends(text) else "")
+        return text
+
+    def _context(self, conversation: dict) -> dict:
         messages = _messages(conversation)
         context = {k: v for k, v in conversation.items() if k != "messages"}
         context.update(messages=[_for_template(m, i) for i, m in enumerate(messages)], bos_token=self.bos_token,
                        eos_token=self.eos_token, add_generation_prompt=False)
+        return context
+
+    def _render(self, context: dict, max_chars: int | None) -> str:
+        limit = max_chars or MAX_RENDER_CHARS
+        token = _BUDGET.set(_Budget(RENDER_STEPS, limit))
         try:
-            return self._template.render(**context)
+            chunks, size = [], 0
+            for chunk in self._template.generate(**context):
+                size += len(chunk)
+                if size > limit:
+                    raise ConversationError("document_too_long", f"the rendering passes {limit:,} characters, more "
+                                            "than --max-tokens can hold")
+                chunks.append(chunk)
+            return "".join(chunks)
         except ConversationError:
             raise
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as err:
-            raise ConversationError("template_error", f"{type(err).__name__}: {err}") from None
+        except Exception as err:  # a template is untrusted code: whatever it raises is this conversation's
+            raise ConversationError("template_error", _short_error(err)) from None
+        finally:
+            _BUDGET.reset(token)
+
+    def _cut_at_controls(self, rendered: str, restore: dict[int, str]) -> list[str | Control | MediaSlot]:
+        return [p for p in self._stripped(_cut(rendered, self._cut, restore)) if p != ""]
+
+    def _stripped(self, pieces: list) -> list:
+        """HF's `lstrip`/`rstrip` added-token flags: the token takes the whitespace beside it, as the
+        tokenizer would have done had it seen the whole rendering."""
+        out = list(pieces)
+        for i, piece in enumerate(out):
+            control = self._controls.get(piece.name) if isinstance(piece, Control) else None
+            if control is None:
+                continue
+            if getattr(control, "lstrip", False) and i > 0 and isinstance(out[i - 1], str):
+                out[i - 1] = out[i - 1].rstrip()
+            if getattr(control, "rstrip", False) and i + 1 < len(out) and isinstance(out[i + 1], str):
+                out[i + 1] = out[i + 1].lstrip()
+        return out
+
+
+def _template_source(tokenizer) -> str:
+    """The tokenizer's chat template: a string, or HF's list of named ones (`default`, else the first);
+    anything else is refused at start-up, naming the tokenizer."""
+    template = tokenizer.chat_template
+    if not template:
+        raise MmtokError(f"mode sft needs a chat template, but the text tokenizer {tokenizer.name} has none: pass "
+                         "an HF tokenizer directory whose tokenizer_config.json has `chat_template`")
+    if isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str)
+                                          for t in template):
+        named = {t.get("name"): t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()))
+    if not isinstance(template, str):
+        raise MmtokError(f"text tokenizer {tokenizer.name}: `chat_template` is a {type(template).__name__}, not a "
+                         "string or a list of {\"name\": ..., \"template\": string}; fix its tokenizer_config.json")
+    return template
+
+
+def _short_error(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}"
+    return text if len(text) <= 300 else text[:300] + " ..."
+
+
+# -- control-token names in the record's text --------------------------------------------------------
+def _alternation(names) -> re.Pattern | None:
+    names = sorted(names, key=len, reverse=True)  # the longest name first: `<|image_start|>` before `<|image|>`
+    return re.compile("|".join(re.escape(n) for n in names)) if names else None
+
+
+_RENDERER_KEYS = ("bos_token", "eos_token", "add_generation_prompt")
+
+
+def _hidden_literals(literal: re.Pattern | None, edges: "_Edges", record: dict,
+                     template_chars: frozenset) -> dict[str, str]:
+    """{control name the record's strings hold: the one character that hides it while rendering}, and
+    under "" the character that keeps apart two strings the template may join into a name (`<|inner_` +
+    `prefix|>`: one ends with a name's beginning, the other starts with its end). The characters are
+    private-use code points that neither those strings nor the template contain, so putting the names
+    back (and taking the separators out) after the cut is exact."""
+    if literal is None:
+        return {}
+    strings = list(_texts(record))
+    found = sorted({m.group() for text in strings for m in literal.finditer(text)})
+    if any(edges.touches(text) for text in strings):
+        found.append("")
+    if not found:
+        return {}
+    used = set(template_chars).union(*map(set, strings))
+    free = (chr(c) for c in (*range(0x10FFFD, 0xFFFFF, -1), *range(0xFFFFD, 0xEFFFF, -1)) if chr(c) not in used)
+    markers = dict(zip(found, free))
+    if len(markers) < len(found):
+        raise ConversationError("unrenderable_text", "the record uses every private-use character: no character "
+                                "is left to keep its control-token names as text")
+    return markers
+
+
+class _Edges:
+    """Whether a string starts with the end of a control name or ends with its beginning (a proper part)."""
+
+    def __init__(self, names):
+        self._lengths = range(1, max(map(len, names), default=1))
+        self._heads = {name[:k] for name in names for k in range(1, len(name))}
+        self._tails = {name[k:] for name in names for k in range(1, len(name))}
+
+    def starts(self, text: str) -> bool:
+        return any(text[:k] in self._tails for k in self._lengths if k <= len(text))
+
+    def ends(self, text: str) -> bool:
+        return any(text[-k:] in self._heads for k in self._lengths if k <= len(text))
+
+    def touches(self, text: str) -> bool:
+        return self.starts(text) or self.ends(text)
+
+
+def _texts(value: Any) -> Iterator[str]:
+    """Every string of a json-like value, mapping keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _texts(key)
+            yield from _texts(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item)
+
+
+def _replaced(value: Any, change) -> Any:
+    """A json-like value with every string (mapping keys too) passed through `change`."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {_replaced(k, change): _replaced(v, change) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_replaced(v, change) for v in value]
+    return value
+
+
+# -- bounded rendering ------------------------------------------------------------------------------
+# Why steps, not seconds: a deadline would make whether a conversation is kept depend on the machine's
+# load, and a resumed part must hold the same conversations as an uninterrupted one. So every unit of
+# template work is charged one step -- each loop iteration (every `for` iterates through `_steps`, put
+# in at compile time), attribute or item lookup, call (macros, methods, filters) and arithmetic
+# operation -- and each of those is bounded in size (no value or argument above the output bound), so
+# RENDER_STEPS bounds the time: about a second of one core (a loop step costs ~0.7 us, a macro call ~10 us,
+# so it is charged MACRO_STEPS). A real template spends some tens of steps per message.
+RENDER_STEPS = 1_000_000
+MACRO_STEPS = 10
+MAX_RENDER_CHARS = 1 << 28  # the output bound when the caller gives none
+_BUDGET: ContextVar["_Budget"] = ContextVar("mmtok_chat_budget")
+
+
+class _AtRenderTime(Exception):
+    """Raised to jinja's compiler, which then evaluates the expression when rendering, under a budget."""
+
+
+@dataclass
+class _Budget:
+    steps: int
+    max_size: int
+
+
+def _charge(*values: Any, ints: bool = False, steps: int = 1) -> None:
+    """`steps` of the budget; refuse a value above the output bound (with `ints`: an int that would size
+    one, a call's `center(10**9)`)."""
+    budget = _BUDGET.get(None)
+    if budget is None:  # jinja folding a constant while compiling: make it wait for the rendering's budget
+        raise _AtRenderTime()
+    budget.steps -= steps
+    if budget.steps < 0:
+        raise ConversationError("template_error", f"the chat template ran more than {RENDER_STEPS:,} steps")
+    for value in values:
+        if isinstance(value, (str, bytes, list, tuple, dict)):
+            size = len(value)
+        elif ints and isinstance(value, int) and not isinstance(value, bool):
+            size = abs(value)
+        else:
+            continue
+        if size > budget.max_size:
+            raise ConversationError("template_error", f"the chat template made a value of size {size:,}, above the "
+                                    f"rendering's bound ({budget.max_size:,}: what --max-tokens can hold)")
+
+
+def _steps(iterable: Any) -> Iterator[Any]:
+    for item in iterable:
+        _charge()
+        yield item
+
+
+def _bounded_call(function):
+    @functools.wraps(function)  # keeps jinja's pass_context / pass_environment marks
+    def call(*args, **kwargs):
+        _charge(*args, *kwargs.values(), ints=True)
+        result = function(*args, **kwargs)
+        _charge(result)
+        return result
+
+    return call
+
+
+_WIDE_FORMAT = re.compile(r"\d{7}")  # a width or precision of a million or more in a format string
+
+
+def _bounded_environment():
+    from jinja2.runtime import Macro
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+        def call(self, context, obj, /, *args, **kwargs):  # positional-only: a macro may take `obj=`
+            _charge(*args, *kwargs.values(), ints=True, steps=MACRO_STEPS if isinstance(obj, Macro) else 1)
+            result = super().call(context, obj, *args, **kwargs)
+            _charge(result)
+            return result
+
+        def getattr(self, obj, attribute):
+            if isinstance(obj, str) and attribute in ("format", "format_map"):
+                _check_format(obj)
+            result = super().getattr(obj, attribute)
+            _charge(result)  # a namespace string doubled in a loop is refused here, before it doubles again
+            return result
+
+        def getitem(self, obj, argument):
+            result = super().getitem(obj, argument)
+            _charge(result)
+            return result
+
+        def call_binop(self, context, operator, left, right):
+            _charge(left, right)
+            if operator == "*":  # a sequence repeated: its size before it is made
+                for sequence, times in ((left, right), (right, left)):
+                    if hasattr(sequence, "__len__") and isinstance(times, int):
+                        _charge(len(sequence) * times, ints=True)
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+                _charge(left.bit_length() * right // 8, ints=True)  # the power's size in bytes
+            if operator == "%" and isinstance(left, str):
+                _check_format(left)
+            result = super().call_binop(context, operator, left, right)
+            _charge(result)
+            return result
+
+    # optimized=False: jinja's optimizer would evaluate constant expressions (`'x' | center(10**9)`) while
+    # compiling, outside any budget.
+    environment = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"],
+                          optimized=False)
+    environment.filters = {name: _bounded_call(f) for name, f in environment.filters.items()}
+    environment.filters.update(tojson=_bounded_call(_tojson), _mmtok_steps=_steps)
+    environment.globals["raise_exception"] = _raise_exception
+    return environment
+
+
+def _check_format(text: str) -> None:
+    if _WIDE_FORMAT.search(text):
+        raise ConversationError("template_error", "a format string with a width or precision of a million or more")
+
+
+def _counting_loops(ast):
+    """The template's syntax tree with every `for` loop iterating through `_steps`."""
+    from jinja2 import nodes
+
+    for loop in ast.find_all(nodes.For):
+        loop.iter = nodes.Filter(loop.iter, "_mmtok_steps", [], [], None, None, lineno=loop.lineno)
+    return ast
 
 
 def split_media(text: str) -> list[str | MediaSlot]:
     """Cut rendered text at media placeholders (either spelling): the non-empty text pieces in order,
     with a MediaSlot where each placeholder was."""
-    pieces: list[str | MediaSlot] = []
+    return [p for p in _cut(text, _PLACEHOLDER, {}) if p != ""]
+
+
+def _cut(text: str, pattern: re.Pattern, restore: dict[int, str]) -> list[str | Control | MediaSlot]:
+    """`text` cut at each match of `pattern`: a MediaSlot for a placeholder (numbered per kind), a Control
+    for any other name; the text between, with `restore` applied (str.translate), kept empty or not."""
+    pieces: list[str | Control | MediaSlot] = []
     counts = dict.fromkeys(MEDIA_KINDS, 0)
     position = 0
-    for match in _PLACEHOLDER.finditer(text):
-        kind = PLACEHOLDER_KIND[match.group()]
-        pieces.extend([text[position : match.start()], MediaSlot(kind, counts[kind])])
-        counts[kind] += 1
+    for match in pattern.finditer(text):
+        pieces.append(text[position : match.start()].translate(restore))
+        name = match.group()
+        if name in PLACEHOLDER_KIND:
+            kind = PLACEHOLDER_KIND[name]
+            pieces.append(MediaSlot(kind, counts[kind]))
+            counts[kind] += 1
+        else:
+            pieces.append(Control(name))
         position = match.end()
-    pieces.append(text[position:])
-    return [p for p in pieces if p != ""]
+    pieces.append(text[position:].translate(restore))
+    return pieces
 
 
 def conversation_media(conversation: dict) -> list[MediaRef]:

@@ -48,7 +48,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
@@ -238,19 +238,27 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _parsed(data: bytes | str, what: str) -> tuple[dict | None, Skip | None]:
+    """A json record (an object), or the `invalid_json` Skip naming `what`."""
+    record, error = json_value(data, what)
+    if error is None and not isinstance(record, dict):
+        return None, Skip("invalid_json", f"{what}: top level is {type(record).__name__}, not an object")
+    return record, error
+
+
+def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
+    """The json value of one untrusted cell, line or member, or the `invalid_json` Skip naming `what`:
+    what is not json, nesting too deep for the parser, or a lone surrogate (no text a tokenizer takes)."""
     try:
-        record = json.loads(data)
+        value = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
         return None, Skip("invalid_json", f"{what}: {type(err).__name__ if isinstance(err, RecursionError) else err}")
-    if not isinstance(record, dict):
-        return None, Skip("invalid_json", f"{what}: top level is {type(record).__name__}, not an object")
     raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
     if _SURROGATE_ESCAPE.search(raw):  # JSON may escape a lone surrogate, which is no text a tokenizer takes
         try:
-            json.dumps(record, ensure_ascii=False).encode("utf-8")
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
             return None, Skip("invalid_json", f"{what}: a \\u escape of a lone surrogate (not Unicode text)")
-    return record, None
+    return value, None
 
 
 def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
@@ -386,10 +394,7 @@ def _parquet_conversations(path: Path, number: int) -> Iterator[Conversation]:
             messages = record.get("messages")
             error = None
             if isinstance(messages, (str, bytes)):  # a JSON column: the list of messages as text
-                try:
-                    record["messages"] = json.loads(messages)
-                except (UnicodeDecodeError, ValueError) as err:
-                    error = Skip("invalid_json", f"row {row} `messages`: {err}")
+                record["messages"], error = json_value(messages, f"row {row} `messages`")
             ident = _record_id(None if error else record, stem, f"row-{row}")
             yield Conversation(ident, f"{path}:row {row}", number, None if error else record, error,
                                base=str(path.parent))

@@ -6,8 +6,8 @@
                                    (its gzip header time set to 0: equal clips give equal bytes)
   OUT/shar/recording.NNNNNN.tar    their audio: one member `<cut id>.flac` per cut (the `recording` field)
   OUT/conversion.json              the conversion report (REPORT_FORMAT): `shards` (index, cuts, duration,
-                                   cuts_sha256), `complete`, counts and the resume cursor; rewritten
-                                   atomically after every shard
+                                   cuts_sha256, recording_sha256), `complete`, counts and the resume
+                                   cursor; rewritten atomically after every shard
   OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl
                                    the skip records (`mmtok.formats.skips`) of what the inputs, shard
                                    NNNNNN's units and the run's tail dropped
@@ -17,6 +17,12 @@ Nothing else lives in OUT/shar, because lhotse treats every file there as a Shar
 and reads the files themselves (`SharWriter`, `CutSet.from_shar`, `CutSet.from_file`); this module
 knows the names, the member naming, the report and what identifies a shard. A bare Lhotse Shar
 directory (no report) is read too: durations then come from its cuts manifests.
+
+Checked bytes: lhotse's Shar reader verifies nothing (a tar header checksum at most), so the report
+records each shard's sha256 (of the recording tar, and of the decompressed cuts manifest: gzip headers
+carry a time) and `verify_shard` compares them before encode trusts a shard. Each cut records in
+`custom[SOURCE_DIGEST]` the sha256 of the bytes its clip was converted from (`source_digest`), which the
+audio token cache keeps, so `mmtok sft` can tell a medium changed since its conversion (`stale_media`).
 """
 
 from __future__ import annotations
@@ -25,18 +31,20 @@ import gzip
 import hashlib
 import json
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from mmtok.errors import MmtokError
 from mmtok.formats.tar import Damage, read_members
-from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, read_json_object
+from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, read_json_object, sha256_file
 
 SHAR_DIR = "shar"
 WORK_DIR = ".work"
 SKIPPED_DIR = "dropped"  # the skip lists (the name predates `skipped:` counters: kept for existing outputs)
 REPORT = "conversion.json"
-REPORT_FORMAT = "mmtok-audio-convert/1"
+REPORT_FORMAT = "mmtok-audio-convert/2"  # /2: shards' recording_sha256, cuts' source_sha256
+SOURCE_DIGEST = "source_sha256"  # cut.custom key: sha256 of the bytes the clip was converted from
 FIELDS = {"recording": "flac"}  # SharWriter fields: each cut's audio is the tar member `<cut id>.flac`
 AUDIO_EXTENSIONS = ("flac", "wav", "mp3", "opus", "ogg")  # recording members a (foreign) Shar may hold
 CUTS_GLOB = "cuts.*.jsonl.gz"
@@ -90,6 +98,17 @@ def publish_shard(out: Path, index: int) -> Path:
     return shar / shard_files(index)[0]
 
 
+def shard_digests(cuts_path: Path) -> dict:
+    """What the report records to verify shard `cuts_path` (and its recording tar) by."""
+    recording = cuts_path.with_name(shard_files(int(cuts_path.name.split(".")[1]))[1])
+    return {"cuts_sha256": manifest_sha256(cuts_path), "recording_sha256": sha256_file(recording)}
+
+
+def source_digest(data: bytes) -> str:
+    """The digest a clip records of the bytes it was converted from (SOURCE_DIGEST)."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def write_report(out: Path, report: dict) -> None:
     """Atomically (re)write OUT/conversion.json."""
     atomic_write_json(out / REPORT, report)
@@ -98,20 +117,35 @@ def write_report(out: Path, report: dict) -> None:
 # --- reader side ------------------------------------------------------------------------------------
 
 def read_report(out: Path) -> dict | None:
-    """OUT/conversion.json, or None when OUT has none."""
-    return read_json_object(out / REPORT)
+    """OUT/conversion.json, or None when OUT has none; refuses a report of another format."""
+    report = read_json_object(out / REPORT)
+    if report is not None and report.get("format") != REPORT_FORMAT:
+        raise MmtokError(f"{out / REPORT}: a conversion of format {report.get('format')!r} (before shard checksums); "
+                         f"this mmtok reads {REPORT_FORMAT}: re-run `mmtok audio convert` into a new --out")
+    return report
+
+
+def _manifest_bytes(path: Path) -> bytes:
+    """A cuts manifest's decompressed bytes; MmtokError naming the file when it does not decompress."""
+    try:
+        with gzip.open(path, "rb") as handle:
+            return handle.read()
+    except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+        raise MmtokError(f"{path}: the cuts manifest does not decompress ({err}): bit rot or a damaged copy; "
+                         "re-run `mmtok audio convert` into a new --out") from None
 
 
 def manifest_sha256(path: Path) -> str:
     """sha256 of a decompressed cuts manifest (gzip headers carry a timestamp, the content does not)."""
-    with gzip.open(path, "rb") as handle:
-        return hashlib.sha256(handle.read()).hexdigest()
+    return hashlib.sha256(_manifest_bytes(path)).hexdigest()
 
 
 def read_cut_dicts(path: Path) -> list[dict]:
-    """The cuts of one cuts manifest as JSON dicts, in order."""
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """The cuts of one cuts manifest as JSON dicts, in order; MmtokError naming the file when it is damaged."""
+    try:
+        return [json.loads(line) for line in _manifest_bytes(path).decode("utf-8").split("\n") if line.strip()]
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
+        raise MmtokError(f"{path}: not a cuts manifest ({err}); re-run `mmtok audio convert` into a new --out") from None
 
 
 @dataclass(frozen=True)
@@ -121,6 +155,7 @@ class SharShard:
     recording_path: Path
     duration: float
     num_cuts: int
+    recorded: dict | None = None  # the report's digests of the shard (None: a bare Shar, nothing to verify)
 
 
 def shar_location(path: Path) -> tuple[Path, dict | None]:
@@ -156,7 +191,8 @@ def discover_shards(path: Path) -> tuple[list[SharShard], dict | None]:
         else:
             durations = [c["duration"] for c in read_cut_dicts(shar / cuts_name)]
             duration, count = sum(durations), len(durations)
-        shards.append(SharShard(index, shar / cuts_name, shar / recording_name, float(duration), int(count)))
+        digests = {k: recorded[index][k] for k in ("cuts_sha256", "recording_sha256")} if index in recorded else None
+        shards.append(SharShard(index, shar / cuts_name, shar / recording_name, float(duration), int(count), digests))
     return shards, report
 
 
@@ -165,6 +201,19 @@ def shard_fingerprint(shard: SharShard) -> dict:
     (gzip headers carry a timestamp) and the recording tar's size."""
     return {"index": shard.index, "cuts_sha256": manifest_sha256(shard.cuts_path),
             "recording_bytes": shard.recording_path.stat().st_size, "cuts": shard.num_cuts}
+
+
+def verify_shard(shard: SharShard) -> None:
+    """Refuse (MmtokError naming the file) a shard whose recording tar or cuts manifest differs from what
+    its conversion recorded; a bare Shar's shards have no record and pass."""
+    if shard.recorded is None:
+        return
+    found = {"cuts_sha256": (shard.cuts_path, manifest_sha256(shard.cuts_path)),
+             "recording_sha256": (shard.recording_path, sha256_file(shard.recording_path))}
+    for key, (path, digest) in found.items():
+        if digest != shard.recorded[key]:
+            raise MmtokError(f"{path}: does not match the sha256 that {REPORT} recorded (bit rot, a damaged copy or "
+                             "a changed file); re-run `mmtok audio convert` into a new --out")
 
 
 def index_members(recording_path: Path) -> tuple[dict[str, tuple[int, int] | str], str | None]:

@@ -20,7 +20,10 @@ holds), `placeholder_mismatch` (placeholders and the sample's media differ in nu
 `media_skipped:<reason>` (the medium was dropped by its conversion or its encode, with that reason),
 `stale_media` (its tar changed since it was scanned: its image items belong to other bytes), or
 a rendering reason (`template_error`, `invalid_json`, ...). BOS is prepended / EOS appended unless the
-rendering starts / ends with them; a conversation over --max-tokens is `document_too_long`.
+rendering starts / ends with them; a conversation over --max-tokens is `document_too_long` (text that
+certainly is -- `TextTokenizer.max_token_bytes` -- before it is tokenized). Only the template's own
+control tokens become control ids (`ChatRenderer.render_pieces`): a control-token name in the record is
+text, and the conversation counts as `control_literals`.
 
 Ranks: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT; rank r of N
 takes a contiguous range of units into OUT/parts/part-r and commits after every unit (resumable, see
@@ -40,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok import __version__
-from mmtok.formats.chat import ChatRenderer, ConversationError, MediaSlot, recorded_special_ids, split_media
+from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
 from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
                                          locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
@@ -54,6 +57,8 @@ from mmtok.vocab import VocabLayout
 
 CONVERSATIONS_PER_UNIT = 256  # one commit per unit: a kill loses at most this many conversations' work
 DEFAULT_MAX_TOKENS = 1 << 20
+# A data-quality count: written conversations whose text held control-token names (tokenized as text).
+CONTROL_LITERALS = "control_literals"
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ class AudioClips:
         self.layout = layout
         self._paths: list[Path] = []
         self._rows: dict[str, tuple[int, int]] = {}
+        self._digests: dict[str, str] = {}  # cut id -> sha256 of the bytes it was converted from
         self._why: dict[str, Skip] = {}
         self._loaded: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.describe = []
@@ -134,8 +140,13 @@ class AudioClips:
             self.describe.append({"out": os.path.realpath(out), "codec": metadata["codec"], "trim": metadata["trim"],
                                   "num_parts": metadata["num_parts"]})
             for path in paths:
-                for row, cut_id in enumerate(audio_cache.read_index(path).column("cut_id").to_pylist()):
-                    self._rows.setdefault(cut_id, (len(self._paths), row))
+                index = audio_cache.read_index(path)
+                for row, (cut_id, digest) in enumerate(zip(index.column("cut_id").to_pylist(),
+                                                           index.column("source_sha256").to_pylist())):
+                    if cut_id not in self._rows:
+                        self._rows[cut_id] = (len(self._paths), row)
+                        if digest is not None:
+                            self._digests[cut_id] = digest
                 self._paths.append(path)
             for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
@@ -149,8 +160,9 @@ class AudioClips:
             for record in skips.read(path):
                 self._why.setdefault(record.key, record.skip())
 
-    def block(self, cut_id: str) -> np.ndarray:
-        """<|audio_start|> the clip's ids <|audio_end|>; Skip when no cache holds the clip."""
+    def block(self, cut_id: str, source: Located | None = None) -> np.ndarray:
+        """<|audio_start|> the clip's ids <|audio_end|>; Skip when no cache holds the clip, or when `source`
+        (the medium the conversation references) is no longer the bytes the clip was converted from."""
         found = self._rows.get(cut_id)
         if found is None:
             why = self._why.get(cut_id)
@@ -158,14 +170,27 @@ class AudioClips:
                 raise Skip(f"media_skipped:{why.reason}", f"clip {cut_id}: {why.detail}")
             raise Skip("missing_media", f"clip {cut_id} is in no audio token cache given (--audio)"
                        + ("" if self._paths else ": none was given"))
+        if source is not None and source.kind != "cut" and cut_id in self._digests:
+            self._check_source(cut_id, source)
         part, row = found
-        ids = self._part(part)[row]
-        return self.layout.audio_block(ids - self.layout.audio_offset)  # ids back to codes: the block checks them
+        ids = self._part(part)[row]  # checked to be audio ids when the part was read
+        return self.layout.audio_block(ids - self.layout.audio_offset)
+
+    def _check_source(self, cut_id: str, source: Located) -> None:
+        """Skip `stale_media` when the medium's bytes differ from those clip `cut_id` was converted from."""
+        try:
+            digest = shar.source_digest(source.read())
+        except OSError as err:
+            raise Skip("missing_media", f"clip {cut_id}: cannot read {source.where} ({err})") from None
+        if digest != self._digests[cut_id]:
+            raise Skip("stale_media", f"clip {cut_id}: {source.where} changed since `mmtok audio convert` read it "
+                       f"(sha256 {digest[:12]}..., converted {self._digests[cut_id][:12]}...); rerun the conversion "
+                       "and the audio encode")
 
     def _part(self, part: int) -> list[np.ndarray]:
         """One cache part's audio ids (the last few parts kept: conversations visit them in order)."""
         if part not in self._loaded:
-            self._loaded[part] = audio_cache.read_tokens(self._paths[part])[0]
+            self._loaded[part] = audio_cache.read_tokens(self._paths[part], self.layout)[0]
             if len(self._loaded) > 4:
                 self._loaded.popitem(last=False)
         self._loaded.move_to_end(part)
@@ -182,6 +207,10 @@ class ConversationBuilder:
         self.images = images
         self.audio = audio
         self.max_tokens = max_tokens
+        self._controls = {name: control.id for name, control in tokenizer.control_tokens().items()}
+        # Text of more UTF-8 bytes than this has more than max_tokens tokens (TextTokenizer.max_token_bytes):
+        # refused before the tokenizer sees it. None: the tokenizer gives no such bound.
+        self._max_text_bytes = None if tokenizer.max_token_bytes is None else max_tokens * tokenizer.max_token_bytes
         self._bos = np.array([tokenizer.bos_id], np.int32)
         self._eos = np.array([tokenizer.eos_id], np.int32)
 
@@ -189,22 +218,28 @@ class ConversationBuilder:
         """(tokens, what went into them); Skip naming the first problem."""
         try:
             media = conversation.media()
-            pieces = split_media(self.renderer.render(conversation.record))
+            rendering = self.renderer.render_pieces(conversation.record, self._max_text_bytes)
         except ConversationError as err:
             raise Skip(err.reason, err.detail) from None
+        pieces = rendering.pieces
         slots = [p for p in pieces if isinstance(p, MediaSlot)]
         if sorted(slots, key=_slot_order) != sorted((m.slot for m in media), key=_slot_order):
             raise Skip("placeholder_mismatch", f"the rendering has {_kinds(slots)} placeholders, the messages "
                        f"reference {_kinds([m.slot for m in media])}")
         self._check_image_count(conversation, slots)
+        self._check_text_size(pieces)
         parts, used = [], {"image": [], "audio": []}
         for piece in pieces:
             if isinstance(piece, str):
                 parts.append(np.asarray(self.tokenizer.encode(piece), np.int32))
-                continue
-            block, reference = self._block(conversation, piece, locate(conversation, media, piece))
-            parts.append(block)
-            used[piece.kind].append(reference)
+            elif isinstance(piece, Control):
+                parts.append(np.array([self._controls[piece.name]], np.int32))
+            else:
+                block, reference = self._block(conversation, piece, locate(conversation, media, piece))
+                parts.append(block)
+                used[piece.kind].append(reference)
+        if rendering.control_literals:  # counted by the rank (`control_literals`), not part of the provenance
+            used[CONTROL_LITERALS] = True
         if not (parts and parts[0].size and parts[0][0] == self._bos[0]):
             parts.insert(0, self._bos)
         if not (parts[-1].size and parts[-1][-1] == self._eos[0]):
@@ -213,6 +248,14 @@ class ConversationBuilder:
         if tokens.size > self.max_tokens:
             raise Skip("document_too_long", f"{tokens.size:,} tokens > --max-tokens {self.max_tokens:,}")
         return tokens, used
+
+    def _check_text_size(self, pieces: list) -> None:
+        if self._max_text_bytes is None:
+            return
+        size = sum(len(p.encode("utf-8", "surrogatepass")) for p in pieces if isinstance(p, str))
+        if size > self._max_text_bytes:
+            raise Skip("document_too_long", f"{size:,} bytes of text are more than --max-tokens {self.max_tokens:,} "
+                       f"tokens of at most {self.tokenizer.max_token_bytes} bytes each")
 
     def _check_image_count(self, conversation: Conversation, slots: list[MediaSlot]) -> None:
         images = sum(slot.kind == "image" for slot in slots)
@@ -227,7 +270,7 @@ class ConversationBuilder:
         """(the medium's block, what provenance names it by: the cut id of a clip, the member of an image)."""
         if slot.kind == "audio":
             cut_id = located.cut_id or audio_clip_id(conversation.id, slot.index)
-            return self.audio.block(cut_id), cut_id
+            return self.audio.block(cut_id, located), cut_id
         if located.kind != "member" or self.images is None:
             where = "no --images was given" if self.images is None else \
                 "images are encoded from tar members only: `mmtok pack` the conversations into tars first"
@@ -323,6 +366,8 @@ class _Unit:
             self.counts["documents_skipped"] += 1
             self.skipped.append(conversation.skip_record(skip, "sft"))
             return
+        if used.pop(CONTROL_LITERALS, False):
+            self.counts[CONTROL_LITERALS] += 1
         self.sequences.append(tokens)
         self.provenance.append({"conversation": conversation.id, "origin": conversation.origin, **used})
         self.counts.update(documents_written=1, tokens=int(tokens.size), images_written=len(used["image"]),
