@@ -86,6 +86,16 @@ def with_filename(err: OSError, path: str | os.PathLike) -> OSError:
     return type(err)(err.errno, err.strerror, str(path))
 
 
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """An OSError inside the block names `path` when it names no file (a library writing through its own
+    handle -- pyarrow's ParquetWriter on a full disk -- says only the errno)."""
+    try:
+        yield
+    except OSError as err:
+        raise with_filename(err, path) from None
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     with atomic_writer(path, "wb") as handle:
         handle.write(data)
@@ -180,6 +190,26 @@ class SummaryFile:
         return read_json_object(self.path(out))
 
 
+def refuse_out_overlapping(out: str | os.PathLike, inputs: Iterable[str | os.PathLike | None],
+                           flag: str = "--out") -> None:
+    """MmtokError, before anything is written, when the output `out` would hold an input: `out` is one of
+    `inputs` (file or directory) or an input lies inside the directory `out`. Paths are compared resolved
+    (symlinks followed), so a link cannot hide an overlap. `out` next to its inputs, or inside an input
+    directory, is not an overlap: no command reads its own output as input (`audio convert` leaves an
+    output inside a directory input out of the walk)."""
+    target = Path(os.path.realpath(out))
+    for given in inputs:
+        if given is None or not os.path.exists(given):
+            continue  # a name (`tekken`, a preset) or a missing input: nothing there to destroy
+        source = Path(os.path.realpath(given))
+        if source == target:
+            raise MmtokError(f"{flag} {out} is the input {given}: writing there would destroy it; pass another "
+                             f"{flag}")
+        if source.is_relative_to(target):
+            raise MmtokError(f"the input {given} is inside {flag} {out}, which this command writes; pass an "
+                             f"{flag} that holds no input")
+
+
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
     """Append the bytes of file `source` to the open binary file `handle`.
 
@@ -224,14 +254,22 @@ def _kind(mode: int) -> str | None:
 
 
 def read_regular_file(path: str | os.PathLike) -> bytes:
-    """The bytes of the regular file at `path`. Anything else is refused with an OSError before it is opened,
-    and again after (opened non-blocking, so a FIFO swapped in meanwhile cannot block the read)."""
+    """The bytes of the regular file at `path` (`open_regular_file`)."""
+    with open_regular_file(path) as handle:
+        return handle.read()
+
+
+def open_regular_file(path: str | os.PathLike) -> IO[bytes]:
+    """The regular file at `path`, open for binary reading (the caller closes it). Anything else is refused
+    with an OSError before it is opened, and again after (opened non-blocking, so a FIFO swapped in
+    meanwhile cannot block a read)."""
     kind = not_a_regular_file(path)
     if kind is None:
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as handle:
-            kind = _kind(os.fstat(handle.fileno()).st_mode)
-            if kind is None:
-                return handle.read()
+        handle = open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+        kind = _kind(os.fstat(handle.fileno()).st_mode)
+        if kind is None:
+            return handle
+        handle.close()
     raise OSError(errno.EINVAL, f"{kind}, not a regular file: mmtok reads only regular files", str(path))
 
 

@@ -60,3 +60,19 @@ def every_written_dataset_opens_in_megatron_core(request, tmp_path_factory):
             del dataset
         except Exception as err:  # noqa: BLE001 - report any reader failure as the test's failure
             pytest.fail(f"{idx} does not open in megatron-core's IndexedDataset: {type(err).__name__}: {err}")
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """make(size) -> a tmpfs of `size` bytes under tmp_path (`diskkit.Mount`), unmounted after the test."""
+    from diskkit import Mount
+
+    mounts = []
+
+    def make(size: int) -> Mount:
+        mounts.append(Mount(tmp_path / f"fs{len(mounts)}", size))
+        return mounts[-1]
+
+    yield make
+    for m in mounts:
+        m.umount()

@@ -6,11 +6,10 @@ A full disk and a read-only file system are real ones: small tmpfs mounts (root 
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
+from diskkit import fill
 from encodekit import planned_job
 
 from mmtok.cli import main
@@ -18,40 +17,6 @@ from mmtok.formats.commitlog import part_dir, read_commits
 from mmtok.fsutil import sha256_file
 
 MERGED = ("merged.bin", "merged.idx", "merged.provenance.jsonl", "merged.skipped.jsonl")
-
-
-class Mount:
-    """A tmpfs of `size` bytes at `path`, resizable and remountable read-only."""
-
-    def __init__(self, path: Path, size: int):
-        self.path = path
-        path.mkdir(parents=True)
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                capture_output=True, text=True)
-        if result.returncode:
-            pytest.skip(f"needs root to mount a tmpfs (as in CI): {result.stderr.strip()}")
-
-    def remount(self, options: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,{options}", str(self.path)], check=True)
-
-    def umount(self) -> None:
-        import gc
-
-        gc.collect()  # a reader's mmap (megatron-core's IndexedDataset) lives until collected
-        subprocess.run(["umount", str(self.path)], check=True)
-
-
-@pytest.fixture
-def mount(tmp_path):
-    mounts = []
-
-    def make(size: int) -> Mount:
-        mounts.append(Mount(tmp_path / f"fs{len(mounts)}", size))
-        return mounts[-1]
-
-    yield make
-    for m in mounts:
-        m.umount()
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +30,6 @@ def job(tmp_path_factory):
 
 
 PAGES_FREE = 6
-
-
-def _fill(directory: Path, leave: int) -> Path:
-    """A ballast file that leaves `leave` bytes free on the file system of `directory`."""
-    stats = os.statvfs(directory)
-    ballast = directory / "ballast"
-    ballast.write_bytes(b"\0" * (stats.f_bavail * stats.f_frsize - leave))
-    return ballast
 
 
 def _one_line_error(capsys, *expected: str) -> str:
@@ -96,7 +53,7 @@ def test_encode_on_a_full_disk_is_one_line_and_resumes_once_space_is_freed(job, 
     root, encode = job
     fs = mount(1 << 20)
     out = fs.path / "out"
-    _fill(fs.path, leave=PAGES_FREE * 4096)  # room for a few commits, not for the whole part
+    fill(fs.path, leave=PAGES_FREE * 4096)  # room for a few commits, not for the whole part
     assert main([*encode, str(out)]) == 2
     _one_line_error(capsys, "No space left on device [ENOSPC]", str(out), "rerun the same command", "resume")
     assert not _temp_files(fs.path)
@@ -120,7 +77,7 @@ def test_merge_on_a_full_disk_is_one_line_leaves_no_temp_file_and_reruns(job, mo
     out = fs.path / "out"
     assert main([*encode, str(out)]) == 0
     capsys.readouterr()  # the encode's summary (stderr too): the merge's error is to be its only line
-    ballast = _fill(fs.path, leave=2 * 4096)  # two pages: the merged files do not fit
+    ballast = fill(fs.path, leave=2 * 4096)  # two pages: the merged files do not fit
     assert main(["merge", str(out), "--no-progress"]) == 2
     _one_line_error(capsys, "No space left on device [ENOSPC]", str(out))
     assert not _temp_files(fs.path) and not (out / "merged.json").exists()

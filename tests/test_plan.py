@@ -715,8 +715,9 @@ def test_changed_or_incomplete_plan_is_refused(corpus, tmp_path):
         Plan.open(tmp_path / "p")
 
 
-def test_failed_plan_leaves_no_plan_json_and_no_temporaries(corpus, tmp_path, monkeypatch):
+def test_failed_plan_keeps_the_previous_plan_and_leaves_no_temporaries(corpus, tmp_path, monkeypatch):
     plan(corpus, tmp_path / "p")
+    before = {name: (tmp_path / "p" / name).read_bytes() for name in FILES}
 
     def fail(*args):
         raise RuntimeError("disk full")
@@ -724,7 +725,9 @@ def test_failed_plan_leaves_no_plan_json_and_no_temporaries(corpus, tmp_path, mo
     monkeypatch.setattr(core, "_write_group", fail)
     with pytest.raises(RuntimeError):
         plan(corpus, tmp_path / "p")
-    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(FILES[:-1])  # old data files, no plan.json
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(FILES)  # no temporary file
+    assert {name: (tmp_path / "p" / name).read_bytes() for name in FILES} == before
+    Plan.open(tmp_path / "p")
 
 
 def test_bad_manifests_are_refused_with_the_row(tmp_path):

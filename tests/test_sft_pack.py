@@ -282,11 +282,11 @@ def test_a_rerun_after_a_first_pack_was_interrupted_packs(packed, tmp_path, monk
     """A pack stopped before its first tar leaves only its writer lock in OUT: that is its own output."""
     calls = []
 
-    def interrupted(conversation, key):
+    def interrupted(conversation, key, *options):
         calls.append(key)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return pack_conversation(conversation, key)
+        return pack_conversation(conversation, key, *options)
 
     out = tmp_path / "out"
     monkeypatch.setattr(mmtok.sft.pack, "pack_conversation", interrupted)

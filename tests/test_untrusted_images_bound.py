@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encodekit import chat_tokenizer, image_items, real_images, write_tar
+from encodekit import chat_tokenizer, real_images, write_tar
 
 from mmtok.cli import main
 from mmtok.codecs import emu35

@@ -264,17 +264,32 @@ def write_shard(out: Path, index: int, clips: list[Clip]) -> dict:
     work = shar_format.shard_work_dir(out, index)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    writer = SharWriter(work, fields=dict(shar_format.FIELDS), shard_size=len(clips), shard_offset=index)
     try:
-        with audio_backend(flac24_backend()):
-            with SharWriter(work, fields=dict(shar_format.FIELDS), shard_size=len(clips), shard_offset=index) as writer:
-                for clip in clips:
-                    writer.write(make_cut(clip))
+        with audio_backend(flac24_backend()), writer:
+            for clip in clips:
+                writer.write(make_cut(clip))
         cuts = shar_format.publish_shard(out, index)
     except OSError as err:  # e.g. a full disk: name the shard (lhotse's writer does not) and drop its work dir
+        _abandon(writer)
         shutil.rmtree(work, ignore_errors=True)
         raise with_filename(err, work) from None
     duration = sum(c.num_samples for c in clips) / TARGET_SAMPLE_RATE
     return {"index": index, "cuts": len(clips), "duration": duration, **shar_format.shard_digests(cuts)}
+
+
+def _abandon(writer) -> None:
+    """Close every stream of a failed SharWriter, ignoring their errors: lhotse's `close` stops at the first
+    writer that fails (a full disk), and a tar stream left open retries its write when it is collected,
+    which prints an "Exception ignored" traceback after the run's one-line error."""
+    for field_writer in writer.writers.values():
+        field_writer = getattr(field_writer, "tar_writer", field_writer)  # an audio field wraps its tar writer
+        for stream in (getattr(field_writer, "tarstream", None), getattr(field_writer, "stream", None)):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass  # the shard is being dropped: its bytes do not matter, only that nothing retries
 
 
 def write_skipped(out: Path, name: str, skipped: list[SkipRecord]) -> None:

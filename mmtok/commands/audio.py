@@ -87,6 +87,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from mmtok.fsutil import refuse_out_overlapping
+
     if args.audio_command == "convert":
         from mmtok.audio.convert import ConvertOptions, convert
         from mmtok.errors import MmtokError
@@ -98,6 +100,8 @@ def run(args) -> int:
             args.inputs = list(args.inputs) + [Path(p) for p in declared]
         if not args.inputs:
             raise MmtokError("no input: give INPUT paths or --source FILE")
+        refuse_out_overlapping(args.out, [*args.inputs, args.transcripts, args.source, args.text_tokenizer,
+                                           *args.media_root])
         if args.shard_size <= 0:
             raise MmtokError(f"--shard-size must be positive, got {args.shard_size}")
         options = ConvertOptions(min_duration=args.min_duration, max_duration=args.max_duration,
@@ -113,6 +117,8 @@ def run(args) -> int:
         print_summary("audio convert", convert_line(report))
         return 0
     from mmtok.audio.interleave import interleave
+
+    refuse_out_overlapping(args.out, [args.encoded])
 
     summary = interleave(args.encoded, args.out, stage_max_tokens=args.stage_max_tokens, max_tokens=args.max_tokens,
                          progress=not args.no_progress)

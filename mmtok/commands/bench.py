@@ -52,6 +52,9 @@ def run(args) -> int:
     require_extra("bench", "mmtok bench reconstruct")  # before hours of encoding, not at the report
     from mmtok.bench.reconstruct import RunOptions, parse_tokenizer
     from mmtok.bench.reconstruct import run as run_bench
+    from mmtok.fsutil import refuse_out_overlapping
+
+    refuse_out_overlapping(args.out, [args.manifest, args.categories])
 
     options = RunOptions(
         manifest=Path(args.manifest), category_column=args.category_column, per_category=args.per_category,

@@ -51,8 +51,10 @@ def batch_sizes(text: str) -> list[int]:
 def run(args) -> int:
     from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid, write_calibration
     from mmtok.codecs.base import load_codec
+    from mmtok.fsutil import refuse_out_overlapping
     from mmtok.launch import resolve_device
 
+    refuse_out_overlapping(args.out, [args.plan, args.checkpoint])
     if args.max_shapes < 1:
         raise MmtokError(f"--max-shapes must be >= 1, got {args.max_shapes}")
     sizes = batch_sizes(args.batch_sizes)

@@ -43,8 +43,10 @@ def run(args) -> int:
     import torch
 
     from mmtok.codecs.base import load_codec
+    from mmtok.fsutil import refuse_out_overlapping
     from mmtok.launch import resolve_device
 
+    refuse_out_overlapping(args.out, [args.input, args.checkpoint])
     codec = load_codec(args.codec, args.checkpoint, resolve_device(args.device))
     codec.precision.apply()
     out = Path(args.out)

@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from mmtok.fsutil import refuse_out_overlapping
+
+    refuse_out_overlapping(args.out, [args.plan, args.checkpoint, args.shar, args.text_tokenizer])
     if args.modality == "audio":
         return run_audio(args)
     return run_images(args)

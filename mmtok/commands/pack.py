@@ -24,8 +24,14 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("pack", help="conversations and their media (paths, cells, base64) -> WebDataset tars",
                             description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", type=Path, help="conversation files (.jsonl, .parquet, .tar)")
-    parser.add_argument("--out", type=Path, required=True, help="output directory (an earlier pack there is replaced)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="output directory: empty, new, or an earlier pack (whose own tars are replaced); it "
+                        "may not hold an input, and a file there that pack did not write is refused, never replaced")
     parser.add_argument("--samples-per-tar", type=int, default=1000, help="conversations per tar (default 1000)")
+    parser.add_argument("--max-media-bytes", type=int, default=1 << 30, metavar="N",
+                        help="largest medium packed, in bytes (default 1 GiB = 1073741824): a conversation with a "
+                        "larger one is skipped as media_too_large instead of copied (media are streamed, never "
+                        "read whole into memory)")
     add_media_root(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -33,13 +39,14 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from mmtok.errors import MmtokError
-    from mmtok.sft.pack import pack, refuse_foreign
+    from mmtok.sft.pack import pack
 
     if args.samples_per_tar < 1:
         raise MmtokError(f"--samples-per-tar {args.samples_per_tar}: it must be at least 1")
-    refuse_foreign(args.out)
-    report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, progress=not args.no_progress,
-                  media_roots=args.media_root)
+    if args.max_media_bytes < 1:
+        raise MmtokError(f"--max-media-bytes {args.max_media_bytes}: it must be at least 1")
+    report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, max_media_bytes=args.max_media_bytes,
+                  progress=not args.no_progress, media_roots=args.media_root)
     print_summary("pack", summary_lines(report, args.out))
     return 0
 

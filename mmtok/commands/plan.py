@@ -66,6 +66,7 @@ def parameters_from_args(args):
 
 
 def run(args) -> int:
+    from mmtok.fsutil import refuse_out_overlapping
     from mmtok.plan import build_plan
     from mmtok.tools.explain import explain_plan
 
@@ -74,6 +75,7 @@ def run(args) -> int:
             raise MmtokError("pass --out PLAN_DIR to write a plan (or --explain PLAN_DIR to describe one)")
         print(explain_plan(args.source))
         return 0
+    refuse_out_overlapping(args.out, [args.source, args.cost_model, args.preset, args.text_tokenizer])
     meta = build_plan(args.source, parameters_from_args(args), args.out, world_size=args.world_size,
                       progress=not args.quiet)
     print_summary("plan", summary(meta, args.out))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
+from mmtok.fsutil import refuse_out_overlapping
 
 _GLOB_CHARS = "*?["
 
@@ -79,7 +80,9 @@ def run(args) -> int:
         args.shards = list(args.shards) + apply_source(args, args.parser, load_source(args.source, args.root), "image")
     if args.workers < 1:
         raise MmtokError(f"--workers must be at least 1, got {args.workers}")
-    sources = [describe(p) for p in expand_inputs(args.shards, args.shard_list)]
+    paths = expand_inputs(args.shards, args.shard_list)
+    refuse_out_overlapping(args.out, [*paths, args.shard_list, args.source])
+    sources = [describe(p) for p in paths]
     options = ScanOptions(image_column=args.image_column, text_column=args.text_column)
     meta = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
     if not meta["images_ok"]:
@@ -104,8 +107,9 @@ def no_image_message(meta: dict, out: Path) -> str:
         found.append(f"skipped members: {ignored}")
     return (f"no image found in {meta['shards']:,} input(s): {'; '.join(found) or 'no image members'}. "
             "Check the paths: mmtok scan reads uncompressed tar shards (image members named "
-            "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; every error row is in "
-            f"{out / 'manifest.parquet'}")
+            "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; "
+            + (f"every error row is in {out / 'manifest.parquet'}" if meta["written"] else
+               f"nothing written, the earlier manifest in {out} is kept"))
 
 
 def summary_line(meta: dict, out: Path) -> str:

@@ -57,8 +57,11 @@ def run(args) -> int:
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.launch import resolve_rank
     from mmtok.errors import MmtokError
+    from mmtok.fsutil import refuse_out_overlapping
     from mmtok.sft.build import SftOptions, assemble_rank
 
+    refuse_out_overlapping(args.out, [*args.inputs, args.images, *args.audio, *args.converted, args.text_tokenizer,
+                                      *args.media_root])
     if args.max_tokens < 1:
         raise MmtokError(f"--max-tokens {args.max_tokens}: it must be at least 1")
     rank, world_size = resolve_rank(args.rank, args.world_size)

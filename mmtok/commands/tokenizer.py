@@ -51,8 +51,10 @@ def add_parser(sub) -> None:
 
 
 def run_build(args) -> int:
+    from mmtok.fsutil import refuse_out_overlapping
     from mmtok.tools.tokenizer import build_tokenizer
 
+    refuse_out_overlapping(args.out, [args.text_tokenizer])
     summary = build_tokenizer(args.text_tokenizer, args.out, image_codec=args.image_codec, audio_codec=args.audio_codec)
     omni = summary["total_size"] - summary["text_size"]
     print_summary("tokenizer build", f"{summary['text_tokenizer']} ({summary['text_size']:,} text ids) + "

@@ -42,19 +42,21 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import io
 import json
 import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import DUPLICATE_INPUT, not_a_regular_file, read_regular_file, same_file_as, shown_path
+from mmtok.fsutil import (DUPLICATE_INPUT, not_a_regular_file, open_regular_file, read_regular_file, same_file_as,
+                          shown_path)
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -117,6 +119,19 @@ class Located:
         if self.kind == "member":
             return read_member(self.path, self.offset, self.size)
         return read_regular_file(self.path)
+
+    def open(self) -> tuple[IO[bytes], int]:
+        """(a binary stream positioned at the medium's first byte, the medium's size in bytes), so a caller
+        can bound the size before reading and copy the bytes in pieces, never all at once (not for "cut");
+        OSError when the file cannot be opened. The caller closes the stream."""
+        if self.data is not None:
+            return io.BytesIO(self.data), len(self.data)
+        if self.kind == "member":
+            handle = open(self.path, "rb")
+            handle.seek(self.offset)
+            return handle, self.size
+        handle = open_regular_file(self.path)  # as `read`: never a FIFO, device or directory
+        return handle, os.fstat(handle.fileno()).st_size
 
 
 def audio_clip_id(conversation_id: str, index: int) -> str:

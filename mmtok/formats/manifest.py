@@ -63,6 +63,11 @@ SCHEMA = pa.schema([
 COLUMNS = tuple(SCHEMA.names)
 
 
+def has_manifest(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a complete manifest (its manifest.json, written last)."""
+    return (Path(directory) / METADATA_FILE).is_file()
+
+
 def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], metadata: dict) -> dict:
     """Write the tables (in row order, columns as SCHEMA) and the metadata JSON; return the metadata.
 

@@ -11,9 +11,10 @@ PLAN_DIR/
   plan.json          metadata (parameters, fingerprints, totals, rank ranges); written LAST
 ```
 
-Every file is written to a temporary sibling, fsynced and renamed; an existing plan.json is removed
-before anything else is written, so a directory holds a plan exactly when plan.json exists and the
-sizes it records match the files. Parquet files use fixed options and fixed row-group sizes, so the
+Every file is written to a temporary sibling; only when all of them are complete is an existing plan.json
+removed and are they fsynced and renamed, plan.json last, so a directory holds a plan exactly when
+plan.json exists and the sizes it records match the files, and a run that fails before its end (a full
+disk, a plan that keeps no image) leaves the previous plan as it was and no temporary file. Parquet files use fixed options and fixed row-group sizes, so the
 same inputs give byte-identical files (Parquet stores no timestamps; `created_by` names the pyarrow
 version). No pickle anywhere.
 
@@ -36,7 +37,7 @@ import pyarrow.parquet as pq
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
-from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, sha256_file
+from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, sha256_file
 from mmtok.ranks import partition_ranks
 
 FORMAT = "mmtok-plan"
@@ -111,18 +112,29 @@ class _TableFile:
         self.tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         self.schema = schema
         self.rows = 0
-        self._writer = pq.ParquetWriter(self.tmp, schema, **_parquet_options(path.name))
+        try:
+            with naming(self.path):
+                self._writer = pq.ParquetWriter(self.tmp, schema, **_parquet_options(path.name))
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)  # created, but its header did not fit (a full disk)
+            raise
         self._groups = FixedRowGroups(self._writer, schema, ROW_GROUP_ROWS)
 
     def write(self, columns: Mapping[str, np.ndarray | pa.Array]) -> None:
         arrays = [_arrow(columns[f.name], f.type) for f in self.schema]
-        self._groups.write(pa.Table.from_arrays(arrays, schema=self.schema))
+        with naming(self.path):
+            self._groups.write(pa.Table.from_arrays(arrays, schema=self.schema))
         self.rows = self._groups.rows
 
-    def commit(self) -> None:
-        self._groups.finish()
-        self._writer.close()
-        publish_file(self.tmp, self.path)
+    def seal(self) -> None:
+        """Write the last row group and the footer (the file is complete, still under its temporary name)."""
+        with naming(self.path):
+            self._groups.finish()
+            self._writer.close()
+
+    def publish(self) -> None:
+        with naming(self.path):
+            publish_file(self.tmp, self.path)
 
     def abort(self) -> None:
         try:
@@ -140,22 +152,35 @@ def _arrow(values: np.ndarray | pa.Array, type_: pa.DataType) -> pa.Array:
 class PlanWriter:
     """Writes one plan directory; use as a context manager, call `finish(meta)` last.
 
-    On an exception every temporary file is removed and no plan.json exists afterwards.
+    On an exception before `finish` every temporary file is removed and the directory's previous plan, if
+    any, is untouched.
     """
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        (self.directory / META_FILE).unlink(missing_ok=True)  # the old metadata must not describe new files
-        self._files = {name: _TableFile(self.directory / name, schema) for name, schema in SCHEMAS.items()}
+        self._files: dict[str, _TableFile] = {}
+        try:
+            for name, schema in SCHEMAS.items():
+                self._files[name] = _TableFile(self.directory / name, schema)
+        except BaseException:
+            self._abort()
+            raise
 
     def __enter__(self) -> "PlanWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            for table_file in self._files.values():
+            self._abort()
+
+    def _abort(self) -> None:
+        """Remove every temporary file, each even when closing another fails (a full disk)."""
+        for table_file in self._files.values():
+            try:
                 table_file.abort()
+            except OSError:
+                pass  # its temporary file is gone (abort unlinks it in any case); the first error is raised
 
     def write_images(self, columns: Mapping[str, np.ndarray]) -> None:
         self._files[IMAGES_FILE].write(columns)
@@ -171,10 +196,15 @@ class PlanWriter:
         self._files[DROPPED_FILE].write({"manifest_row": manifest_row, "reason": reason.dictionary_decode()})
 
     def finish(self, meta: dict) -> dict:
-        """Commit the Parquet files, then write plan.json (with `files` and `fingerprint` added)."""
+        """Complete the Parquet files, then replace the old plan: plan.json removed (the old metadata must not
+        describe new files), the files renamed into place, plan.json (with `files` and `fingerprint` added)
+        written last."""
+        for table_file in self._files.values():
+            table_file.seal()
+        (self.directory / META_FILE).unlink(missing_ok=True)
         files = {}
         for name, table_file in self._files.items():
-            table_file.commit()
+            table_file.publish()
             files[name] = {"rows": table_file.rows, "bytes": table_file.path.stat().st_size,
                            "sha256": sha256_file(table_file.path)}
         fsync_dir(self.directory)
@@ -183,6 +213,11 @@ class PlanWriter:
                                                meta["manifest_fingerprint"])
         atomic_write_json(self.directory / META_FILE, meta)
         return meta
+
+
+def has_plan(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a complete plan (its plan.json, written last)."""
+    return (Path(directory) / META_FILE).is_file()
 
 
 def plan_fingerprint(images_sha256: str, parameters: dict, manifest_fingerprint: str) -> str:

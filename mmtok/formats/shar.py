@@ -3,6 +3,7 @@
 `mmtok audio convert` writes, `mmtok encode --modality audio` reads:
 
   OUT/shar/cuts.NNNNNN.jsonl.gz    the cuts of shard NNNNNN (indices 0..n-1), written by lhotse's SharWriter
+                                   (its gzip header time set to 0: equal clips give equal bytes)
   OUT/shar/recording.NNNNNN.tar    their audio: one member `<cut id>.flac` per cut (the `recording` field)
   OUT/conversion.json              the conversion report (REPORT_FORMAT): `shards` (index, cuts, duration,
                                    cuts_sha256, recording_sha256), `complete`, counts and the resume
@@ -75,10 +76,21 @@ def shard_work_dir(out: Path, index: int) -> Path:
 
 # --- writer side ------------------------------------------------------------------------------------
 
+def clear_gzip_mtime(path: Path) -> None:
+    """Set the modification time in the gzip header of `path` (lhotse's writer puts the clock there) to 0,
+    "no time stamp" in RFC 1952: the same clips give the same bytes. A header with its own CRC (FHCRC) is
+    left alone (Python's gzip never writes one)."""
+    with open(path, "r+b") as handle:
+        header = handle.read(4)
+        if len(header) == 4 and header[:3] == b"\x1f\x8b\x08" and not header[3] & 0x02:
+            handle.write(b"\0\0\0\0")  # MTIME: bytes 4..7
+
+
 def publish_shard(out: Path, index: int) -> Path:
     """Move the complete shard `index` from its work directory into OUT/shar (each file fsynced, then
     renamed; the directory fsynced); returns its cuts manifest's path."""
     work, shar = shard_work_dir(out, index), out / SHAR_DIR
+    clear_gzip_mtime(work / shard_files(index)[0])
     for name in shard_files(index):
         publish_file(work / name, shar / name)
     fsync_dir(shar)

@@ -54,6 +54,8 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
         _refuse_sft_images(out)  # said before find_parts reads every byte of the parts
         parts = find_parts(out, progress)
         refuse_changed_containers([part.identity for part in parts])  # before anything is written
+        # Whether the run can strip is decided before anything is written: a refusal keeps the last merge.
+        ids = reasoning_ids(parts[0].identity, parts[0].directory / commitlog.IDENTITY) if strip_reasoning else None
         SUMMARY_FILE.remove(out)
         summary = _merge_stats(parts)
         prefixes = [commitlog.part_prefix(part.directory) for part in parts if commitlog.has_dataset(part.directory)]
@@ -77,7 +79,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
         finally:
             remove_dataset(out / ASSEMBLED)
         if strip_reasoning:
-            summary["strip_reasoning"] = write_stripped(out, reasoning_ids(parts[0].identity, parts[0].directory / commitlog.IDENTITY), bool(prefixes))
+            summary["strip_reasoning"] = write_stripped(out, ids, bool(prefixes))
         SUMMARY_FILE.write(out, summary)
     return summary
 

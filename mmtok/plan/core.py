@@ -22,7 +22,7 @@ import numpy as np
 from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
-from mmtok.formats.plan import PlanWriter
+from mmtok.formats.plan import PlanWriter, has_plan
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_bounds, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.formats.presets import PlanParameters
@@ -63,8 +63,9 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     target shape and within the token budget unless it is a single image; image order (and so every
     document) does not depend on `world_size` -- only where batches are split for balance does; the
     modeled imbalance is at most BALANCE_TARGET unless plan.json's `balance.limited_by` says why not.
-    A plan that keeps no image is an MmtokError naming the drops and the flag to change, raised after
-    the plan is written (so dropped.parquet and `--explain` can show the rows).
+    A plan that keeps no image is an MmtokError naming the drops and the flag to change: raised before
+    anything is written when `out_dir` holds a plan (which stays as it was), else after the plan is written
+    (so dropped.parquet and `--explain` can show the rows).
     """
     if world_size < 1:
         raise MmtokError(f"--world-size must be >= 1, got {world_size}")
@@ -81,7 +82,7 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
             rows.reason[:] = filtered
             meta, _ = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, splits,
                                  progress)
-    _refuse_empty(meta, Path(out_dir))
+    _refuse_empty(meta, Path(out_dir), written=True)
     return meta
 
 
@@ -113,6 +114,8 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
         meta["long_documents"] = {"limit": params.max_document_tokens, "dropped": planner.long_documents,
                                   "largest_tokens": planner.largest_document}
         meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
+        if has_plan(out_dir):
+            _refuse_empty(meta, Path(out_dir), written=False)  # a plan of no image must not replace the last plan
         return writer.finish(meta), log
 
 
@@ -147,8 +150,9 @@ def _drop_fix(reason: str, parameters: dict) -> str | None:
     return None
 
 
-def _refuse_empty(meta: dict, out_dir: Path) -> None:
-    """MmtokError when the plan keeps no image: how many rows, dropped why, and what to change."""
+def _refuse_empty(meta: dict, out_dir: Path, written: bool) -> None:
+    """MmtokError when the plan keeps no image: how many rows, dropped why, where to see them (the plan just
+    `written`, else nowhere: the earlier plan in `out_dir` is kept), and what to change."""
     totals = meta["totals"]
     if totals["kept_images"]:
         return
@@ -159,7 +163,8 @@ def _refuse_empty(meta: dict, out_dir: Path) -> None:
     fixes = dict.fromkeys(fix for fix in (_drop_fix(reason, meta["parameters"]) for reason, _ in counts) if fix)
     raise MmtokError(f"all {totals['manifest_rows']:,} manifest rows were dropped "
                      f"({', '.join(f'{reason} {count:,}' for reason, count in counts)}), so the plan holds no image "
-                     f"-- see {out_dir / 'dropped.parquet'} or `mmtok plan --explain {out_dir}`"
+                     + (f"-- see {out_dir / 'dropped.parquet'} or `mmtok plan --explain {out_dir}`" if written else
+                        f"-- nothing written, the earlier plan in {out_dir} is kept")
                      + "".join(f"; {fix}" for fix in fixes))
 
 

@@ -477,10 +477,14 @@ def cached_table(path: Path):
 
 
 def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers: int, progress: bool = True) -> dict:
-    """Scan all sources (cached shards are not rescanned) and write the manifest; return its metadata."""
+    """Scan all sources (cached shards are not rescanned) and write the manifest; return its metadata.
+
+    A scan that finds no usable image fails (the command says why); into an OUT that holds a complete
+    manifest it writes nothing (`written` False in what it returns), so that manifest and its cache stay as
+    they were; elsewhere it writes the manifest of error rows, to be looked at."""
     from mmtok.progress import progress as progress_bar
 
-    from mmtok.formats.manifest import write_manifest
+    from mmtok.formats.manifest import has_manifest, write_manifest
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CACHE_DIR).mkdir(exist_ok=True)
@@ -503,10 +507,14 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
     for i, (reason, detail, like) in refused.items():
         stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
     seconds = time.perf_counter() - began
-    meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summarize(sources, stats, options))
+    run = {"scanned_shards": len(todo), "cached_shards": len(sources) - len(todo), "seconds": seconds,
+           "rows_scanned": images, "workers": workers}
+    summary = summarize(sources, stats, options)
+    if not summary["images_ok"] and has_manifest(out_dir):
+        return {**summary, "written": False, "_run": run}
+    meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
     _prune_cache(out_dir, {cache_path(out_dir, s, options).name for s in sources})
-    meta["_run"] = {"scanned_shards": len(todo), "cached_shards": len(sources) - len(todo), "seconds": seconds,
-                    "rows_scanned": images, "workers": workers}
+    meta["_run"], meta["written"] = run, True
     return meta
 
 

@@ -26,22 +26,28 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from mmtok.formats.chat import ConversationError, with_media_names
-from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, check_inputs, check_media_roots,
+from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, Located, check_inputs, check_media_roots,
                                          input_fingerprint, locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
-from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer
+from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, read_json_object, refuse_out_overlapping
 
 SAMPLES_PER_TAR = 1000
 REPORT = "pack.json"
 SKIPPED = "skipped.jsonl"
+OWNED = ".pack-owned.json"  # the tars a running (or killed) pack wrote, until pack.json names them
+TAR_NAME = re.compile(r"conversations-\d{6}\.tar")
+MAX_MEDIA_BYTES = 1 << 30  # one medium above this is `media_too_large` (--max-media-bytes)
 # Leading bytes of the formats the codecs read (checked in order): an extension for media without a name.
 SIGNATURES = {"image": ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"GIF8", "gif"), (b"BM", "bmp"),
                         (b"II*\x00", "tif"), (b"MM\x00*", "tif")),
@@ -70,36 +76,75 @@ def _signature(kind: str, data: bytes) -> str | None:
     return next((ext for signature, ext in SIGNATURES[kind] if data.startswith(signature)), None)
 
 
-def pack_conversation(conversation: Conversation, key: str) -> tuple[list[tuple[str, bytes]], Counter]:
+@dataclass
+class PackedMember:
+    """One member of a packed sample: its name, its size, and its bytes as an open stream (copied into the tar
+    in pieces, so a medium is never held in memory whole)."""
+
+    name: str
+    size: int
+    stream: IO[bytes]
+
+
+def pack_conversation(conversation: Conversation, key: str,
+                      max_media_bytes: int = MAX_MEDIA_BYTES) -> tuple[list[PackedMember], Counter]:
     """(the members of one conversation's sample, json last; media packed by kind); Skip naming why it
-    cannot be packed."""
+    cannot be packed (`media_too_large`: a medium above `max_media_bytes`). The caller closes the members'
+    streams (`close_members`); on a Skip they are closed here."""
     try:
         media = conversation.media()
     except ConversationError as err:
         raise Skip(err.reason, err.detail) from None
     members, names, counts = [], {}, Counter()
-    for ref in media:
-        located = locate(conversation, media, ref.slot)
-        if located.kind == "cut":
-            names[ref.slot] = {"cut_id": located.cut_id}
-            continue
-        try:
-            data = located.read()
-        except OSError as err:
-            raise Skip("missing_media", f"{ref.slot.kind} {ref.slot.index}: {located.where}: {err}") from None
-        name = located.member or (located.where if located.kind == "file" else None)  # the name it was given
-        try:
-            ext = extension(ref.slot.kind, data, name)
-        except Skip as skip:
-            raise Skip(skip.reason, f"{ref.slot.kind} {ref.slot.index}: {located.where}: {skip.detail}") from None
-        member = f"{key}.{counts[ref.slot.kind]}.{ext}"
-        counts[ref.slot.kind] += 1
-        names[ref.slot] = member
-        members.append((member, data))
-    record = with_media_names(conversation.record, names)
-    record["id"] = conversation.id
-    members.append((f"{key}.json", _json_bytes(record)))
+    try:
+        for ref in media:
+            located = locate(conversation, media, ref.slot)
+            if located.kind == "cut":
+                names[ref.slot] = {"cut_id": located.cut_id}
+                continue
+            slot = f"{ref.slot.kind} {ref.slot.index}"
+            member = _media_member(located, slot, max_media_bytes, members)
+            ext = _extension(ref.slot.kind, slot, member, located)
+            member.name = f"{key}.{counts[ref.slot.kind]}.{ext}"
+            counts[ref.slot.kind] += 1
+            names[ref.slot] = member.name
+        record = with_media_names(conversation.record, names)
+        record["id"] = conversation.id
+        data = _json_bytes(record)
+    except BaseException:
+        close_members(members)
+        raise
+    members.append(PackedMember(f"{key}.json", len(data), io.BytesIO(data)))
     return members, counts
+
+
+def _media_member(located: Located, slot: str, max_media_bytes: int, members: list[PackedMember]) -> PackedMember:
+    """The medium opened as a member (appended to `members`, so it is closed with them), its size bounded."""
+    try:
+        stream, size = located.open()
+    except OSError as err:
+        raise Skip("missing_media", f"{slot}: {located.where}: {err}") from None
+    members.append(PackedMember("", size, stream))
+    if size > max_media_bytes:
+        raise Skip("media_too_large", f"{slot}: {located.where}: {size:,} bytes, above --max-media-bytes "
+                   f"{max_media_bytes:,}; raise it to pack this medium")
+    return members[-1]
+
+
+def _extension(kind: str, slot: str, member: PackedMember, located: Located) -> str:
+    """The member extension of a medium from its name or its first bytes (read, then the stream is put back)."""
+    head = member.stream.read(16)
+    member.stream.seek(-len(head), io.SEEK_CUR)
+    name = located.member or (located.where if located.kind == "file" else None)  # the name it was given
+    try:
+        return extension(kind, head, name)
+    except Skip as skip:
+        raise Skip(skip.reason, f"{slot}: {located.where}: {skip.detail}") from None
+
+
+def close_members(members: list[PackedMember]) -> None:
+    for member in members:
+        member.stream.close()
 
 
 def _json_bytes(record: dict) -> bytes:
@@ -116,26 +161,29 @@ def _json_bytes(record: dict) -> bytes:
         raise
 
 
-def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR, progress: bool = True,
-         media_roots: Sequence[Path] = ()) -> dict:
+def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR,
+         max_media_bytes: int = MAX_MEDIA_BYTES, progress: bool = True, media_roots: Sequence[Path] = ()) -> dict:
     """Pack every conversation of `inputs` into OUT, reading media files only inside each input's directory or
-    `media_roots`; returns the report written to OUT/pack.json."""
+    `media_roots`; returns the report written to OUT/pack.json.
+
+    Only files pack's own metadata names are replaced or removed: a foreign file at a target name is an
+    MmtokError naming it, raised before anything is written."""
     from mmtok.progress import progress as progress_bar
 
     check_inputs(inputs)  # before OUT is touched: a mistyped input must not unfinish an earlier pack
     roots = check_media_roots(media_roots)
-    inside = [p for p in inputs if Path(p).resolve().is_relative_to(out.resolve())]
-    if inside:
-        raise MmtokError(f"{inside[0]} is inside --out {out}, which pack rewrites; pack into another directory")
+    refuse_out_overlapping(out, [*inputs, *media_roots])
+    owned = refuse_foreign(out)
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, f"pack output {out}"):
+        _record_owned(out, owned)  # before pack.json goes: a killed pack must still know which tars are its
         (out / REPORT).unlink(missing_ok=True)  # until rewritten, the output is not a finished pack
         for stale in out.glob(".conversations-*.tar.tmp-*"):
             stale.unlink()  # what a killed pack was writing (the lock is ours: no live writer owns it)
         counts: Counter = Counter()
         skipped = []
         bar = progress_bar(desc="pack", unit="conv", enabled=progress)
-        with _Tars(out, samples_per_tar) as tars:
+        with _Tars(out, samples_per_tar, owned) as tars:
             for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
                 if conversation.whole_file:
                     counts[skips.file_count_key(conversation.error.reason)] += 1
@@ -143,7 +191,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
                     continue
                 counts["conversations"] += 1
                 try:
-                    members, kinds = pack_conversation(conversation, f"{ordinal:09d}")
+                    members, kinds = pack_conversation(conversation, f"{ordinal:09d}", max_media_bytes)
                 except Skip as skip:
                     counts[skips.count_key(skip.reason)] += 1
                     skipped.append(conversation.skip_record(skip, "pack"))
@@ -155,38 +203,45 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
         bar.close()
         with atomic_writer(out / SKIPPED) as handle:
             skips.append(handle, skipped)
-        for stale in sorted(out.glob("conversations-*.tar")):
-            if stale.name not in tars.names:
-                stale.unlink()  # an earlier pack into OUT had more tars
+        for stale in sorted(tars.owned - set(tars.names)):
+            (out / stale).unlink(missing_ok=True)  # an earlier pack into OUT wrote more tars
         report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars.names,
                   "counts": dict(sorted(counts.items())), **({"media_roots": list(roots)} if roots else {})}
         atomic_write_json(out / REPORT, report)
+        (out / OWNED).unlink(missing_ok=True)  # pack.json names the tars now
     return report
 
 
 class _Tars:
-    """The output tars, each written atomically as its samples come (a sample's media are held, not a tar's),
-    member metadata fixed (no clock, no owner): the same inputs give the same bytes."""
+    """The output tars, each written atomically as its samples come (a sample's media are streamed, never
+    held whole), member metadata fixed (no clock, no owner): the same inputs give the same bytes. Each tar's
+    name is recorded in OUT/.pack-owned.json before the tar can appear."""
 
-    def __init__(self, out: Path, samples_per_tar: int):
-        self.out, self.samples_per_tar = out, samples_per_tar
+    def __init__(self, out: Path, samples_per_tar: int, owned: set[str]):
+        self.out, self.samples_per_tar, self.owned = out, samples_per_tar, set(owned)
         self.names: list[str] = []
         self._stack = ExitStack()
         self._archive, self._samples = None, 0
 
-    def add(self, members: list[tuple[str, bytes]]) -> None:
+    def add(self, members: list[PackedMember]) -> None:
         if self._archive is None or self._samples == self.samples_per_tar:
             self._next()
-        for member, data in members:
-            info = tarfile.TarInfo(member)
-            info.size, info.mtime, info.mode = len(data), 0, 0o644
-            self._archive.addfile(info, io.BytesIO(data))
+        try:
+            for member in members:
+                info = tarfile.TarInfo(member.name)
+                info.size, info.mtime, info.mode = member.size, 0, 0o644
+                self._archive.addfile(info, member.stream)  # copies `size` bytes in pieces
+        finally:
+            close_members(members)
         self._samples += 1
 
     def _next(self) -> None:
         self._stack.close()  # the previous tar: closed, fsynced, renamed into place
         self._stack = ExitStack()
         self.names.append(f"conversations-{len(self.names):06d}.tar")
+        if self.names[-1] not in self.owned:
+            self.owned.add(self.names[-1])
+            _record_owned(self.out, self.owned)
         handle = self._stack.enter_context(atomic_writer(self.out / self.names[-1]))
         self._archive = self._stack.enter_context(tarfile.open(fileobj=handle, mode="w", format=tarfile.GNU_FORMAT))
         self._samples = 0
@@ -200,10 +255,42 @@ class _Tars:
         self._stack.__exit__(*exc)
 
 
-def refuse_foreign(out: Path) -> None:
-    """OUT must be empty or an earlier pack output: pack replaces its tars."""
-    if not out.exists() or (out / REPORT).is_file() or any(out.glob("conversations-*.tar")):
-        return
-    own = (WriterLock.NAME, ".conversations-", f".{SKIPPED}.tmp-", f".{REPORT}.tmp-")  # a stopped pack leaves these
-    if any(not p.name.startswith(own) for p in out.iterdir()):
-        raise MmtokError(f"{out} exists and is not an earlier `mmtok pack` output; pass another --out")
+def _record_owned(out: Path, owned: set[str]) -> None:
+    atomic_write_json(out / OWNED, {"format": "mmtok-pack-owned/1", "tars": sorted(owned)})
+
+
+def _owned(out: Path) -> set[str] | None:
+    """The tars pack's own metadata says it wrote into OUT (pack.json's, and those of a pack stopped before
+    it wrote pack.json); None when OUT holds no pack metadata."""
+    found = None
+    for name in (REPORT, OWNED):
+        meta = read_json_object(out / name)
+        if meta is None:
+            continue
+        tars = meta.get("tars")
+        if not isinstance(tars, list) or not all(isinstance(t, str) and TAR_NAME.fullmatch(t) for t in tars):
+            raise MmtokError(f"{out / name}: `tars` is not a list of conversations-NNNNNN.tar names; pass another "
+                             "--out (or restore the file)")
+        found = (found or set()) | set(tars)
+    return found
+
+
+def refuse_foreign(out: Path) -> set[str]:
+    """The tars of an earlier pack in OUT (which this pack may replace); MmtokError naming the first file
+    pack did not write when OUT is not empty and holds no pack metadata, or holds a tar at a target name
+    (conversations-NNNNNN.tar) that no pack metadata names."""
+    if not out.exists():
+        return set()
+    owned = _owned(out)
+    if owned is None:
+        own = (WriterLock.NAME, ".conversations-", f".{SKIPPED}.tmp-", f".{REPORT}.tmp-", f".{OWNED}.tmp-")
+        foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith(own))  # what a stopped pack leaves
+        if foreign:
+            raise MmtokError(f"{out / foreign[0]} was not written by `mmtok pack` ({out} holds no pack.json); pack "
+                             "replaces the files in --out: pass another --out")
+        owned = set()
+    foreign = sorted(p.name for p in out.glob("conversations-*.tar") if p.name not in owned)
+    if foreign:
+        raise MmtokError(f"{out / foreign[0]} was not written by `mmtok pack` (its pack.json does not name it), and "
+                         "pack writes and removes files of that name: move it away or pass another --out")
+    return owned
