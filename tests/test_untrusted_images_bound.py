@@ -178,7 +178,7 @@ def test_check_ids_in_range_names_what_the_range_and_the_offenders():
 
 
 def test_an_image_part_that_predates_tar_identities_is_a_one_line_rerun_refusal(tmp_path):
-    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"modality": "image", "mode": "sft"}))
+    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, "modality": "image", "mode": "sft"}))
     with pytest.raises(MmtokError, match=r"records no identity of its tars .* re-run `mmtok scan`"):
         part_containers(tmp_path)
 

@@ -37,6 +37,17 @@ def _conversations(root: Path, lines: int = 2) -> Path:
     return path
 
 
+def _scan(inputs: str, out: str) -> int:
+    return main(["scan", inputs, "--out", out, "--workers", "1", "--no-progress"])
+
+
+def _scanned(root: Path) -> Path:
+    """A captioned corpus under root/data, scanned into root/manifest."""
+    caption_corpus(root / "data")
+    assert _scan(str(root / "data" / "*.tar"), str(root / "manifest")) == 0
+    return root / "manifest"
+
+
 def _snapshot(directory: Path) -> dict[str, str]:
     """name -> sha256 of every file under `directory` (the lock excluded: taking it writes its holder line)."""
     return {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*"))
@@ -154,7 +165,7 @@ def test_sft_refuses_an_out_that_holds_its_input_and_leaves_the_input_whole(tmp_
 def test_scan_refuses_an_out_that_holds_a_shard_before_writing(tmp_path, capsys):
     data = tmp_path / "data"
     (shard,) = caption_corpus(data)[:1]
-    assert main(["scan", str(shard), "--out", str(data), "--workers", "1", "--no-progress"]) == 2
+    assert _scan(str(shard), str(data)) == 2
     _one_line_error(capsys, str(shard), "inside --out")
     assert sorted(p.name for p in data.iterdir()) == sorted(p.name for p in caption_corpus(tmp_path / "again"))
 
@@ -171,10 +182,7 @@ def test_audio_convert_refuses_a_directory_input_as_its_out(tmp_path, capsys):
 
 
 def test_plan_refuses_the_manifest_directory_as_its_out(tmp_path, capsys):
-    caption_corpus(tmp_path / "data")
-    manifest = tmp_path / "manifest"
-    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(manifest), "--workers", "1",
-                 "--no-progress"]) == 0
+    manifest = _scanned(tmp_path)
     before = _snapshot(manifest)
     capsys.readouterr()
     assert main(["plan", str(manifest), "--out", str(manifest), "--quiet"]) == 2
@@ -219,23 +227,16 @@ def test_merge_strip_reasoning_that_cannot_strip_writes_nothing_and_keeps_the_la
 
 
 def test_scan_with_a_mistyped_path_keeps_the_good_manifest(tmp_path, capsys):
-    caption_corpus(tmp_path / "data")
-    out = tmp_path / "manifest"
-    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(out), "--workers", "1",
-                 "--no-progress"]) == 0
+    out = _scanned(tmp_path)
     before = _snapshot(out)
     capsys.readouterr()
-    assert main(["scan", str(tmp_path / "dtaa" / "shard-000000.tar"), "--out", str(out), "--workers", "1",
-                 "--no-progress"]) == 2
+    assert _scan(str(tmp_path / "dtaa" / "shard-000000.tar"), str(out)) == 2
     _one_line_error(capsys, "no image found", "dtaa")
     assert _snapshot(out) == before
 
 
 def test_plan_that_keeps_no_row_keeps_the_good_plan(tmp_path, capsys):
-    caption_corpus(tmp_path / "data")
-    manifest, out = tmp_path / "manifest", tmp_path / "plan"
-    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(manifest), "--workers", "1",
-                 "--no-progress"]) == 0
+    manifest, out = _scanned(tmp_path), tmp_path / "plan"
     assert main(["plan", str(manifest), "--out", str(out), "--quiet"]) == 0
     before = _snapshot(out)
     capsys.readouterr()
@@ -267,10 +268,7 @@ def _temp_files(root: Path) -> list[Path]:
 
 @pytest.mark.parametrize("leave", [4096, 12_288])  # full while the first / the last Parquet file is started
 def test_plan_on_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temp_file(tmp_path, full_disk, capsys, leave):
-    caption_corpus(tmp_path / "data")
-    manifest = tmp_path / "manifest"
-    assert main(["scan", str(tmp_path / "data" / "*.tar"), "--out", str(manifest), "--workers", "1",
-                 "--no-progress"]) == 0
+    manifest = _scanned(tmp_path)
     disk = full_disk(leave=leave)
     capsys.readouterr()
     assert main(["plan", str(manifest), "--out", str(disk / "plan"), "--quiet"]) == 2
