@@ -116,6 +116,15 @@ def test_tokenizer_check_of_a_damaged_dataset_is_one_line_naming_the_file(tmp_pa
     one_error_line(capsys, prefix.parent, "merged.")
 
 
+@pytest.mark.damages_datasets
+@pytest.mark.parametrize("token", [-(1 << 31), 1 << 30], ids=["negative", "past_the_vocabulary"])
+def test_inspect_of_a_bin_holding_an_id_outside_the_vocabulary_is_one_line_naming_it(tmp_path, capsys, token):
+    prefix = damaged_dataset(tmp_path, None, tekken().vocab_size)
+    _patch(prefix.parent / "merged.bin", 4, struct.pack("<i", token))  # the second token of sequence 0: a flipped bit
+    assert main(["inspect", str(prefix), "--text-tokenizer", "tekken"]) == 2
+    one_error_line(capsys, prefix.parent, "merged.bin")
+
+
 def test_an_intact_dataset_still_inspects(tmp_path, capsys):
     prefix = damaged_dataset(tmp_path, None, tekken().vocab_size)  # the checks pass every dataset mmtok writes
     assert main(["inspect", str(prefix), "--text-tokenizer", "tekken"]) == 0
