@@ -149,8 +149,12 @@ def replace_json(path: Path, value) -> None:
 
 @pytest.mark.parametrize("command", ["merge", "status"])
 @pytest.mark.parametrize("identity, key", [([0, 1], IDENTITY), ({"part": "0", "num_parts": 1}, "part"),
-                                           ({"part": 0}, "num_parts"), ({"part": 0, "num_parts": [1]}, "num_parts")],
-                         ids=["a_list", "a_string_part", "no_num_parts", "a_list_num_parts"])
+                                           ({"part": 0}, "num_parts"), ({"part": 0, "num_parts": [1]}, "num_parts"),
+                                           ({"part": 0, "num_parts": 1, "part_batches": "0-1"}, "part_batches"),
+                                           ({"part": 0, "num_parts": 1, "part_batches": [1, 0]}, "part_batches"),
+                                           ({"part": 0, "num_parts": 1, "modality": ["image"]}, "modality")],
+                         ids=["a_list", "a_string_part", "no_num_parts", "a_list_num_parts", "a_string_part_batches",
+                              "a_backwards_part_batches", "a_list_modality"])
 def test_an_identity_of_the_wrong_shape_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, command,
                                                                                  identity, key):
     directory = image_part(tmp_path)
