@@ -53,7 +53,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from mmtok.errors import DamagedFile, MmtokError, Skip
+from mmtok.errors import DamagedFile, MmtokError, Skip, brief
 from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, write_index
 from mmtok.formats.megatron import encode_index, idx_path
 from mmtok.formats import skips
@@ -114,14 +114,9 @@ def read_identity(directory: str | os.PathLike) -> dict:
     required(identity, "modality", str, path, default=None)
     span = required(identity, "part_batches", list, path, default=None)
     if span is not None and not (len(span) == 2 and all(type(b) is int and b >= 0 for b in span) and span[0] <= span[1]):
-        raise DamagedFile(f"{path}: key 'part_batches' must be [start, end] of batch numbers, not {_shown(span)}; "
+        raise DamagedFile(f"{path}: key 'part_batches' must be [start, end] of batch numbers, not {brief(json.dumps(span), 60)}; "
                           "restore the file or rerun the stage that wrote it")
     return identity
-
-
-def _shown(value) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def is_done(directory: str | os.PathLike) -> bool:
