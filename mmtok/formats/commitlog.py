@@ -113,9 +113,10 @@ def read_identity(directory: str | os.PathLike) -> dict:
         required(identity, key, int, path)
     required(identity, "modality", str, path, default=None)
     span = required(identity, "part_batches", list, path, default=None)
-    if span is not None and not (len(span) == 2 and all(type(b) is int and b >= 0 for b in span) and span[0] <= span[1]):
-        raise DamagedFile(f"{path}: key 'part_batches' must be [start, end] of batch numbers, not {brief(json.dumps(span), 60)}; "
-                          "restore the file or rerun the stage that wrote it")
+    if span is not None and not (len(span) == 2 and all(type(b) is int and b >= 0 for b in span)
+                                 and span[0] <= span[1]):
+        raise DamagedFile(f"{path}: key 'part_batches' must be [start, end] of batch numbers, not "
+                          f"{brief(json.dumps(span), 60)}; restore the file or rerun the stage that wrote it")
     return identity
 
 
