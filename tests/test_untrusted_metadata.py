@@ -216,6 +216,23 @@ def test_plain_inspect_of_a_merged_json_of_the_wrong_shape_names_the_file_and_th
     one_error_line(capsys, tmp_path / "merged.json", "name")
 
 
+@pytest.mark.parametrize("name, value, key", [
+    ("plan.json", [], "format"), ("plan.json", "a plan", "format"),
+    ("plan.json", {"world_size": "2"}, "world_size"),
+    ("plan.json", {"world_size": 2, "num_batches": 1, "fingerprint": "f", "files": ["plan.parquet"]}, "files"),
+    ("manifest.json", [], "format"), ("manifest.json", 7, "format")],
+    ids=["plan_a_list", "plan_a_string", "plan_a_string_world_size", "plan_a_list_of_files", "manifest_a_list",
+         "manifest_a_number"])
+def test_inspect_of_a_plan_or_manifest_json_of_the_wrong_shape_names_the_file(tmp_path, capsys, name, value, key):
+    from mmtok.formats.plan import FORMAT, FORMAT_VERSION
+
+    if isinstance(value, dict):  # a plan of this format and version: the shape of its keys is what is wrong
+        value = {**value, "format": FORMAT, "format_version": FORMAT_VERSION}
+    replace_json(tmp_path / name, value)
+    assert main(["inspect", str(tmp_path)]) == 2
+    one_error_line(capsys, tmp_path / name, key)
+
+
 # -- tokenizer files: what the parser says is quoted briefly ---------------------------------------------
 @pytest.fixture
 def broken_tokenizer(tmp_path) -> Path:
