@@ -198,7 +198,7 @@ def test_a_manifest_of_the_previous_version_is_a_one_line_rerun_scan(kit, tmp_pa
 
 
 def test_item_records_that_point_past_the_stored_ids_are_refused_naming_the_file(tmp_path):
-    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({CONTAINERS: {}}))
+    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, CONTAINERS: {}}))
     record = {"kind": "image", "key": "k", "source": str(tmp_path / "t.tar"), "member": "k.0.png", "length": 10}
     (tmp_path / commitlog.ITEMS).write_text(json.dumps(record) + "\n")
     (tmp_path / commitlog.ITEM_IDS).write_bytes(np.arange(4, dtype=np.int32).tobytes())

@@ -116,6 +116,15 @@ def test_tokenizer_check_of_a_damaged_dataset_is_one_line_naming_the_file(tmp_pa
     one_error_line(capsys, prefix.parent, "merged.")
 
 
+@pytest.mark.damages_datasets
+@pytest.mark.parametrize("token", [-(1 << 31), 1 << 30], ids=["negative", "past_the_vocabulary"])
+def test_inspect_of_a_bin_holding_an_id_outside_the_vocabulary_is_one_line_naming_it(tmp_path, capsys, token):
+    prefix = damaged_dataset(tmp_path, None, tekken().vocab_size)
+    _patch(prefix.parent / "merged.bin", 4, struct.pack("<i", token))  # the second token of sequence 0: a flipped bit
+    assert main(["inspect", str(prefix), "--text-tokenizer", "tekken"]) == 2
+    one_error_line(capsys, prefix.parent, "merged.bin")
+
+
 def test_an_intact_dataset_still_inspects(tmp_path, capsys):
     prefix = damaged_dataset(tmp_path, None, tekken().vocab_size)  # the checks pass every dataset mmtok writes
     assert main(["inspect", str(prefix), "--text-tokenizer", "tekken"]) == 0
@@ -140,8 +149,12 @@ def replace_json(path: Path, value) -> None:
 
 @pytest.mark.parametrize("command", ["merge", "status"])
 @pytest.mark.parametrize("identity, key", [([0, 1], IDENTITY), ({"part": "0", "num_parts": 1}, "part"),
-                                           ({"part": 0}, "num_parts"), ({"part": 0, "num_parts": [1]}, "num_parts")],
-                         ids=["a_list", "a_string_part", "no_num_parts", "a_list_num_parts"])
+                                           ({"part": 0}, "num_parts"), ({"part": 0, "num_parts": [1]}, "num_parts"),
+                                           ({"part": 0, "num_parts": 1, "part_batches": "0-1"}, "part_batches"),
+                                           ({"part": 0, "num_parts": 1, "part_batches": [1, 0]}, "part_batches"),
+                                           ({"part": 0, "num_parts": 1, "modality": ["image"]}, "modality")],
+                         ids=["a_list", "a_string_part", "no_num_parts", "a_list_num_parts", "a_string_part_batches",
+                              "a_backwards_part_batches", "a_list_modality"])
 def test_an_identity_of_the_wrong_shape_is_one_line_naming_the_file_and_the_key(tmp_path, capsys, command,
                                                                                  identity, key):
     directory = image_part(tmp_path)
@@ -201,6 +214,23 @@ def test_plain_inspect_of_a_merged_json_of_the_wrong_shape_names_the_file_and_th
     replace_json(tmp_path / "merged.json", {"identity": {"text_tokenizer": {"name": 7, "sha256": "x"}}})
     assert main(["inspect", str(prefix)]) == 2
     one_error_line(capsys, tmp_path / "merged.json", "name")
+
+
+@pytest.mark.parametrize("name, value, key", [
+    ("plan.json", [], "format"), ("plan.json", "a plan", "format"),
+    ("plan.json", {"world_size": "2"}, "world_size"),
+    ("plan.json", {"world_size": 2, "num_batches": 1, "fingerprint": "f", "files": ["plan.parquet"]}, "files"),
+    ("manifest.json", [], "format"), ("manifest.json", 7, "format")],
+    ids=["plan_a_list", "plan_a_string", "plan_a_string_world_size", "plan_a_list_of_files", "manifest_a_list",
+         "manifest_a_number"])
+def test_inspect_of_a_plan_or_manifest_json_of_the_wrong_shape_names_the_file(tmp_path, capsys, name, value, key):
+    from mmtok.formats.plan import FORMAT, FORMAT_VERSION
+
+    if isinstance(value, dict):  # a plan of this format and version: the shape of its keys is what is wrong
+        value = {**value, "format": FORMAT, "format_version": FORMAT_VERSION}
+    replace_json(tmp_path / name, value)
+    assert main(["inspect", str(tmp_path)]) == 2
+    one_error_line(capsys, tmp_path / name, key)
 
 
 # -- tokenizer files: what the parser says is quoted briefly ---------------------------------------------

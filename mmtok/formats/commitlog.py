@@ -53,7 +53,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from mmtok.errors import MmtokError, Skip
+from mmtok.errors import DamagedFile, MmtokError, Skip, brief
 from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, write_index
 from mmtok.formats.megatron import encode_index, idx_path
 from mmtok.formats import skips
@@ -104,11 +104,19 @@ def part_prefix(directory: str | os.PathLike) -> Path:
 
 def read_identity(directory: str | os.PathLike) -> dict:
     """A part's identity.json: an object whose `part` and `num_parts` (what every reader needs before the
-    part's checksums are verified) are integers; DamagedFile naming the file and the key otherwise."""
+    part's checksums are verified) are integers, whose `modality` (when there) is a string and whose
+    `part_batches` (when there) is [start, end] of batch numbers; DamagedFile naming the file and the key
+    otherwise."""
     path = Path(directory) / IDENTITY
     identity = _read_object(path)
     for key in ("part", "num_parts"):
         required(identity, key, int, path)
+    required(identity, "modality", str, path, default=None)
+    span = required(identity, "part_batches", list, path, default=None)
+    if span is not None and not (len(span) == 2 and all(type(b) is int and b >= 0 for b in span)
+                                 and span[0] <= span[1]):
+        raise DamagedFile(f"{path}: key 'part_batches' must be [start, end] of batch numbers, not "
+                          f"{brief(json.dumps(span), 60)}; restore the file or rerun the stage that wrote it")
     return identity
 
 

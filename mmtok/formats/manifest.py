@@ -31,7 +31,7 @@ import pyarrow as pa
 from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.parquet import FixedRowGroups
-from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, sha256_file
+from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
 
 MANIFEST_FILE = "manifest.parquet"
 METADATA_FILE = "manifest.json"
@@ -120,6 +120,8 @@ class Manifest:
                              f"manifest; run `mmtok scan ... --out {directory}`") from None
         except (OSError, ValueError) as err:
             raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok scan` into {directory}") from None
+        if not isinstance(meta, dict):  # DamagedFile naming the file
+            required(meta, "format", str, path)
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise MmtokError(f"{path} is not an mmtok manifest of version {FORMAT_VERSION} "
                              f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); rerun `mmtok scan`")

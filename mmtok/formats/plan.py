@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
-from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, sha256_file
+from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, sha256_file
 from mmtok.ranks import partition_ranks
 
 FORMAT = "mmtok-plan"
@@ -248,12 +248,17 @@ class Plan:
             meta = json.loads(path.read_text("utf-8"))
         except ValueError as err:
             raise MmtokError(f"{path}: damaged ({err}); re-run `mmtok plan`") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        if not isinstance(meta, dict):  # the shape every reader below relies on; DamagedFile names file and key
+            required(meta, "format", str, path)
+        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise MmtokError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} plan (format {meta.get('format')!r}, "
                              f"version {meta.get('format_version')!r}); re-run `mmtok plan`")
-        for name, info in meta["files"].items():
+        for key in ("world_size", "num_batches"):
+            required(meta, key, int, path)
+        required(meta, "fingerprint", str, path)
+        for name, info in required(meta, "files", dict, path).items():
             file = directory / name
-            if not file.is_file() or file.stat().st_size != info["bytes"]:
+            if not file.is_file() or file.stat().st_size != required(info, "bytes", int, path):
                 raise MmtokError(f"{file} does not match {path} (missing or changed size); re-run `mmtok plan`")
         return cls(directory, meta)
 

@@ -494,6 +494,7 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
     for i, source in enumerate(sources):
         stats[i] = cached_stats(cache_path(out_dir, source, options)) if source.size >= 0 else None
     todo = [i for i, s in enumerate(stats) if s is None and i not in refused]
+    cached = len(sources) - len(todo) - len(refused)  # a refused input is neither scanned nor read from the cache
     began = time.perf_counter()
     bar = progress_bar(total=len(sources), initial=len(sources) - len(todo), unit="shard", desc="scan",
                        enabled=progress)
@@ -507,7 +508,7 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
     for i, (reason, detail, like) in refused.items():
         stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
     seconds = time.perf_counter() - began
-    run = {"scanned_shards": len(todo), "cached_shards": len(sources) - len(todo), "seconds": seconds,
+    run = {"scanned_shards": len(todo), "cached_shards": cached, "seconds": seconds,
            "rows_scanned": images, "workers": workers}
     summary = summarize(sources, stats, options)
     if not summary["images_ok"] and has_manifest(out_dir):

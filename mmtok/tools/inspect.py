@@ -137,6 +137,7 @@ def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_voca
         if number >= limit:
             break
         lines.append(f"--- sequence {number} ({len(tokens)} tokens)")
+        _check_ids(prefix, number, tokens, layout)
         try:
             lines.append(render_sequence(tokens, layout, tokenizer))
         except ValueError as err:  # the ids do not parse in this layout: most likely another text tokenizer
@@ -146,6 +147,17 @@ def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_voca
         if render_dir and codec is not None:
             lines.extend(render_blocks(tokens, layout, codec, Path(render_dir), number))
     return "\n".join(lines)
+
+
+def _check_ids(prefix: Path, number: int, tokens: np.ndarray, layout: VocabLayout) -> None:
+    """Refuse a sequence holding an id outside the layout (a damaged .bin, or another vocabulary) in one line,
+    before a tokenizer library is handed it (tiktoken and mistral_common raise tracebacks on such ids)."""
+    bad = (tokens < 0) | (tokens >= layout.total_size)
+    if bad.any():
+        raise MmtokError(f"{megatron.bin_path(prefix)}: sequence {number} holds {int(bad.sum())} id(s) outside the "
+                         f"vocabulary [0, {layout.total_size}) (min {int(tokens.min())}, max {int(tokens.max())}): the "
+                         "file is damaged, or the data was made with another text tokenizer -- pass its "
+                         "--text-tokenizer / --text-vocab-size, or rerun the stage that wrote it")
 
 
 def render_sequence(tokens: np.ndarray, layout: VocabLayout, tokenizer) -> str:
