@@ -39,10 +39,9 @@ import numpy as np
 from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats import skips
-from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens
+from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens, recorded_sha256
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.formats.interleave import METADATA_FILE
-from mmtok.fsutil import sha256_file
 from mmtok.vocab import VocabLayout
 
 STAGE, LONG = "stage", "long-context"
@@ -238,7 +237,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
         if name not in writers:
             remove_dataset(out / name)  # a stale set from an earlier run must not look like this run's
     summary = {"tool": f"mmtok {__version__}", "input": str(encoded.resolve()),
-               "cache": [{"part": i, "sha256": sha256_file(p)} for i, p in enumerate(parts)],
+               "cache": [{"part": i, "sha256": recorded_sha256(p)} for i, p in enumerate(parts)],  # verified
                "parameters": {"stage_max_tokens": stage_max_tokens, "max_tokens": max_tokens},
                "vocab": meta["vocab"], "text_tokenizer": meta["text_tokenizer"], "codec": meta["codec"],
                "sequences": builder.describe(), "datasets": datasets, "counts": dict(sorted(counts.items()))}

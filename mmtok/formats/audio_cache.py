@@ -86,13 +86,19 @@ def write_cache(path: Path, rows: list[dict], metadata: dict) -> None:
     atomic_write_bytes(checksum_path(path), f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())
 
 
-def verify(path: Path) -> str:
-    """The sha256 of cache part `path`, once it matches its checksum file; MmtokError naming the file otherwise."""
+def recorded_sha256(path: Path) -> str:
+    """The sha256 that cache part `path`'s checksum file records (what `verify` checks the bytes against, so
+    a reader that verified the part can name it without hashing it again)."""
     try:
-        recorded = checksum_path(path).read_text(encoding="ascii").split()[0]
+        return checksum_path(path).read_text(encoding="ascii").split()[0]
     except (OSError, UnicodeDecodeError, IndexError):
         raise MmtokError(f"{path}: no readable checksum file {checksum_path(path).name} (an older mmtok's cache, "
                          f"before {CACHE_FORMAT}, or an incomplete copy); {RERUN}") from None
+
+
+def verify(path: Path) -> str:
+    """The sha256 of cache part `path`, once it matches its checksum file; MmtokError naming the file otherwise."""
+    recorded = recorded_sha256(path)
     digest = sha256_file(path)
     if digest != recorded:
         raise MmtokError(f"{path}: its bytes do not match {checksum_path(path).name} (bit rot, a damaged copy or "

@@ -35,7 +35,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from mmtok.errors import MmtokError, Skip
+from mmtok.errors import MmtokError, Skip, brief
 
 MEDIA_KINDS = ("image", "audio")
 CANONICAL_PLACEHOLDER = {"image": "<|image|>", "audio": "<|audio|>"}
@@ -244,8 +244,8 @@ def _template_source(tokenizer) -> str:
 
 
 def _short_error(err: BaseException) -> str:
-    text = f"{type(err).__name__}: {err}"
-    return text if len(text) <= 300 else text[:300] + " ..."
+    """What a template (or its compiler) raised, as `errors.brief` quotes any library's message."""
+    return brief(f"{type(err).__name__}: {err}", 300)
 
 
 # -- control-token names in the record's text --------------------------------------------------------
