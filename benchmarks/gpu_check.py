@@ -1021,7 +1021,22 @@ def md_batch_invariance(r: dict) -> list[str]:
     return [f"Images: {r.get('images')}. Audio: {r.get('audio')}. Median top-1 minus top-2 logit of the first "
             f"photo's codes: {rounded(r.get('image_median_gap'))}.", "",
             table(["codec", "layout", "batch", "codes", "differing from batch 1", "per million",
-                   "gaps where they differ (logit / -distance)"], rows)]
+                   "gaps where they differ (logit / -distance)"], rows), "", invariance_verdict(r)]
+
+
+def invariance_verdict(r: dict) -> str:
+    """What the cases mean for the world-size contract (docs/codecs.md), and the action they call for."""
+    cases = r.get("invariance", [])
+    measured = [c for c in cases if "differing" in c]
+    differing = sorted({c["codec"] for c in measured if c["differing"]})
+    if not measured or len(measured) < len(cases):
+        return "Verdict: incomplete (a case did not run); rerun this step before relying on either contract."
+    if differing:
+        return (f"Verdict: NOT batch-invariant on this device ({', '.join(differing)}): plans made for different "
+                "--world-size values may give different merged bytes here. Plan with `mmtok plan --fixed-batches` "
+                "(or encode one plan at every world size) where byte-identical outputs across world sizes matter.")
+    return ("Verdict: batch-invariant on this device for every case: plans for any --world-size give the same "
+            "merged bytes here; `--fixed-batches` is not needed.")
 
 
 def md_e2e(r: dict) -> list[str]:

@@ -40,6 +40,23 @@ def test_smoke_check_reports_every_step(tmp_path):
     assert sorted({case["batch"] for case in cases if case["codec"] == "emu3.5"}) == [2, 7, 16, 17]
     assert all(case["differing"] == 0 for case in cases), cases  # the CPU is batch-invariant bit for bit
     markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "Verdict: batch-invariant on this device for every case" in markdown
     for name in STEPS:
         assert f"## {name}: {report['steps'][name]['status']}" in markdown
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu_check.json", "gpu_check.md"]
+
+
+def test_invariance_verdict_names_the_codec_and_the_action():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up there
+    spec.loader.exec_module(gpu_check)
+    same = {"codec": "emu3.5", "differing": 0}
+    assert "batch-invariant on this device" in gpu_check.invariance_verdict({"invariance": [same]})
+    flipped = gpu_check.invariance_verdict({"invariance": [same, {"codec": "wavtokenizer", "differing": 3}]})
+    assert "NOT batch-invariant" in flipped and "(wavtokenizer)" in flipped and "--fixed-batches" in flipped
+    skipped = {"codec": "emu3.5", "status": "skipped: out of time"}
+    assert gpu_check.invariance_verdict({"invariance": [same, skipped]}).startswith("Verdict: incomplete")

@@ -44,6 +44,8 @@ MISSING_TAR = "/nonexistent/shard-000000.tar"  # image modes must never open sid
 FILES = ("plan.parquet", "batches.parquet", "documents.parquet", "dropped.parquet", "plan.json")
 SMALL = PlanParameters(min_pixels=128 * 128, max_pixels=512 * 512, token_budget=4096, max_batch_images=3,
                        window_rows=24)
+SMALL_FLAGS = ("--min-pixels", str(128 * 128), "--max-pixels", str(512 * 512), "--token-budget", "4096",
+               "--max-batch-images", "3", "--window-rows", "24")  # SMALL, as `mmtok plan` flags
 WORLD_SIZES = (1, 2, 3, 5, 8, 64)
 
 
@@ -163,7 +165,8 @@ def test_image_order_and_documents_do_not_depend_on_world_size(corpus, by_world_
     metas = {n: meta for n, (meta, _) in by_world_size.items()}
     one_dir = by_world_size[1][1]
     one = tables(one_dir)
-    assert metas[1]["balance"] == {"target": core.BALANCE_TARGET, "limited_by": None, "split_batches": 0}
+    assert metas[1]["balance"] == {"target": core.BALANCE_TARGET, "fixed_batches": False, "limited_by": None,
+                                   "split_batches": 0}
     assert metas[64]["balance"]["split_batches"] > 0  # so the comparison below covers split batches
     per_image = ("manifest_row", "document", "image_index", "document_images", "target_height", "target_width",
                  "tokens")
@@ -185,6 +188,29 @@ def test_image_order_and_documents_do_not_depend_on_world_size(corpus, by_world_
     plan(corpus, tmp_path / "again")
     for name in FILES:
         assert (tmp_path / "again" / name).read_bytes() == (one_dir / name).read_bytes(), name
+
+
+def test_fixed_batches_plans_have_one_batch_list_for_every_world_size(corpus, by_world_size, tmp_path):
+    """--fixed-batches: merged bytes across world sizes do not rely on the device being batch-invariant."""
+    one_dir = by_world_size[1][1]
+    assert by_world_size[64][0]["balance"]["split_batches"] > 0  # without the flag this world size splits
+    for n in (3, 64):
+        out = tmp_path / str(n)
+        if n == 3:  # the flag, through the command
+            assert cli_main(["plan", str(corpus), "--out", str(out), "--world-size", "3", "--fixed-batches",
+                             "--quiet", *SMALL_FLAGS]) == 0
+            meta = json.loads((out / "plan.json").read_text())
+        else:
+            meta = build_plan(corpus, SMALL, out, world_size=n, progress=False, fixed_batches=True)
+        assert meta["balance"]["fixed_batches"] and meta["balance"]["split_batches"] == 0
+        for name in FILES[:-1]:  # every Parquet file: the batches, their images and documents
+            assert (out / name).read_bytes() == (one_dir / name).read_bytes(), (n, name)
+        assert meta["fingerprint"] == by_world_size[1][0]["fingerprint"]
+        assert meta["imbalance"] >= by_world_size[n][0]["imbalance"]  # what the flag costs: balance
+        if meta["balance"]["limited_by"]:
+            assert meta["balance"]["limited_by"].startswith("--fixed-batches")
+    assert "any other world size has the same batches" in explain_plan(tmp_path / "64")
+    assert "may split batches" in explain_plan(one_dir)
 
 
 def test_batches_of_any_world_size_are_pieces_of_the_world_size_1_batches(by_world_size):

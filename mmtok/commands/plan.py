@@ -42,6 +42,10 @@ def add_parser(sub) -> None:
                         "calibrate --out`, or a preset): replaces the preset's cost model; --cost-* flags still apply")
     for flag, kind, text in PARAMETER_FLAGS:
         parser.add_argument(flag, type=kind, help=text)
+    parser.add_argument("--fixed-batches", action="store_true",
+                        help="never split a batch at a rank target: the batch list, and so every image's batch, is "
+                        "the same for every --world-size (merged bytes then do not rely on the device's codes being "
+                        "batch-invariant); costs balance only on corpora with few batches per rank")
     parser.add_argument("--explain", action="store_true",
                         help="print the shape histogram, token totals, drops by reason and per-rank cost")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -77,7 +81,7 @@ def run(args) -> int:
         return 0
     refuse_out_overlapping(args.out, [args.source, args.cost_model, args.preset, args.text_tokenizer])
     meta = build_plan(args.source, parameters_from_args(args), args.out, world_size=args.world_size,
-                      progress=not args.quiet)
+                      progress=not args.quiet, fixed_batches=args.fixed_batches)
     print_summary("plan", summary(meta, args.out))
     if args.explain:
         print(explain_plan(args.out))

@@ -55,13 +55,14 @@ class _BatchLog:
 
 
 def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir: str | os.PathLike,
-               world_size: int = 1, progress: bool = True) -> dict:
+               world_size: int = 1, progress: bool = True, fixed_batches: bool = False) -> dict:
     """Plan `manifest_dir` into `out_dir`; returns plan.json's content.
 
     Guarantees: deterministic (same manifest, parameters and world size -> byte-identical files);
     every manifest row is in exactly one of plan.parquet and dropped.parquet; every batch is one
     target shape and within the token budget unless it is a single image; image order (and so every
-    document) does not depend on `world_size` -- only where batches are split for balance does; the
+    document) does not depend on `world_size` -- only where batches are split for balance does, and
+    with `fixed_batches` no batch is split, so the batch list does not depend on it either; the
     modeled imbalance is at most BALANCE_TARGET unless plan.json's `balance.limited_by` says why not.
     A plan that keeps no image is an MmtokError naming the drops and the flag to change: raised before
     anything is written when `out_dir` holds a plan (which stays as it was), else after the plan is written
@@ -75,20 +76,21 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     rows = filter_manifest(manifest, params, reasons, progress)
     shapes = ShapeTable.build(rows.shapes_seen, params, tokenizer)
     filtered = rows.reason.copy()  # a second pass starts from the same filter reasons
-    meta, log = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, {}, progress)
-    if world_size > 1 and meta["imbalance"] > SPLIT_ABOVE:
+    meta, log = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, {}, progress,
+                           fixed_batches)
+    if world_size > 1 and meta["imbalance"] > SPLIT_ABOVE and not fixed_batches:
         splits = _splits(log, params, world_size)
         if splits:
             rows.reason[:] = filtered
             meta, _ = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, splits,
-                                 progress)
+                                 progress, fixed_batches)
     _refuse_empty(meta, Path(out_dir), written=True)
     return meta
 
 
 def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, rows: ManifestRows,
                shapes: ShapeTable, reasons: Reasons, out_dir, world_size: int, splits: dict[int, list[int]],
-               progress: bool) -> tuple[dict, _BatchLog]:
+               progress: bool, fixed_batches: bool) -> tuple[dict, _BatchLog]:
     """Plan every group and write the plan files; returns plan.json's content and the batch log."""
     from mmtok.progress import progress as progress_bar
 
@@ -110,7 +112,7 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
             bar.update(hi - lo)
         planner.close()
         meta = _metadata(manifest, params, tokenizer, rows, reasons, log, documents,
-                         n_windows=len(bounds) - 1, world_size=world_size)
+                         n_windows=len(bounds) - 1, world_size=world_size, fixed_batches=fixed_batches)
         meta["long_documents"] = {"limit": params.max_document_tokens, "dropped": planner.long_documents,
                                   "largest_tokens": planner.largest_document}
         meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
@@ -209,7 +211,8 @@ def rank_summary(costs: np.ndarray, world_size: int) -> dict:
             "imbalance": imbalance(per_rank)}
 
 
-def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int) -> str | None:
+def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int,
+                  fixed_batches: bool = False) -> str | None:
     """Why the modeled imbalance is above BALANCE_TARGET (None when it is not): the cause and the figure."""
     if summary["imbalance"] <= BALANCE_TARGET:
         return None
@@ -218,6 +221,10 @@ def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead
         return (f"{images:,} images for {world_size:,} ranks: {summary['rank_cost']['idle_ranks']:,} ranks have no "
                 "work -- plan for fewer ranks")
     mean = summary["rank_cost"]["mean"]
+    if fixed_batches:
+        return (f"--fixed-batches: no batch is split at a rank target (so the batch list does not depend on "
+                f"--world-size), and the largest batch costs {100 * float(costs.max()) / mean:.1f}% of a rank's mean "
+                "cost -- plan for fewer ranks, or without --fixed-batches where the device is batch-invariant")
     largest = float(np.max((costs - overhead) / np.maximum(counts, 1) + overhead)) if len(costs) else 0.0
     return (f"the smallest piece of a batch (the per-batch overhead of the cost model, {overhead:g}, plus one image) "
             f"costs up to {100 * largest / mean:.1f}% of a rank's mean cost ({images / world_size:,.1f} images per "
@@ -227,7 +234,7 @@ def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead
 
 def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer,
               rows: ManifestRows, reasons: Reasons, log: _BatchLog, documents: dict, n_windows: int,
-              world_size: int) -> dict:
+              world_size: int, fixed_batches: bool) -> dict:
     costs = log.array("cost", np.float64)
     tokens, count = log.array("tokens", np.int64), log.array("num_images", np.int64)
     ranks = rank_summary(costs, world_size)
@@ -242,8 +249,9 @@ def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeniz
                        "text_vocab_size": tokenizer.vocab_size},
         "world_size": world_size,
         **ranks,
-        "balance": {"target": BALANCE_TARGET,
-                    "limited_by": balance_limit(ranks, costs, count, params.cost_model.batch, world_size)},
+        "balance": {"target": BALANCE_TARGET, "fixed_batches": fixed_batches,
+                    "limited_by": balance_limit(ranks, costs, count, params.cost_model.batch, world_size,
+                                                fixed_batches)},
         "num_batches": len(costs),
         "num_windows": n_windows,
         "totals": {

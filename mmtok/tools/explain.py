@@ -119,11 +119,17 @@ def _ranks(meta: dict, cost: np.ndarray, rank_lines: int) -> list[str]:
 
 
 def _world_size_contract(meta: dict) -> list[str]:
-    """Why merged bytes do not depend on --world-size although this batch list may."""
+    """What the merged bytes are identical across, for this plan: its own batch list, other world sizes."""
     split = meta["balance"]["split_batches"]
-    cause = (f"this plan split {split:,} batches at its {meta['world_size']} rank targets, so its batch list is "
-             "for that world size" if split else "a plan for another world size may split other batches")
-    return [f"  world size: {cause}. Merged bytes are identical for every world size because the codecs are",
-            "    batch-invariant: an image's codes do not depend on its batch size or neighbours (CPU: proven by",
-            "    tests/test_codecs_batch_invariance.py; GPU: measured by benchmarks/gpu_check.sh, not guaranteed",
-            "    across GPU kinds -- see docs/codecs.md#batch-invariance-codes-that-do-not-depend-on-the-batch)"]
+    lines = ["  world size: encoding this plan with any number of ranks gives the same merged bytes by construction",
+             "    (ranks take contiguous ranges of this plan's batches; no batch changes)."]
+    if meta["balance"].get("fixed_batches"):  # plans made before --fixed-batches lack the key
+        return lines + ["    --fixed-batches: no batch was split, so a plan of the same manifest and parameters for",
+                        "    any other world size has the same batches, and the same merged bytes on any device."]
+    cause = (f"this plan split {split:,} batches at its {meta['world_size']} rank targets" if split
+             else "a plan for another world size may split batches at its rank targets")
+    return lines + [f"    A plan made for another world size: {cause}; the merged bytes are still identical where",
+                    "    the codecs are batch-invariant (an image's codes do not depend on its batch size or",
+                    "    neighbours): on the CPU proven by tests/test_codecs_batch_invariance.py, on a GPU measured by",
+                    "    benchmarks/gpu_check.sh, not promised across GPU kinds; --fixed-batches removes the",
+                    "    dependence (docs/codecs.md#batch-invariance-codes-that-do-not-depend-on-the-batch)."]
