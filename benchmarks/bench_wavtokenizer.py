@@ -1,6 +1,6 @@
 """WavTokenizer benchmark: encoder throughput, resampling cost, and the padding reach, in one run.
 
-    python benchmarks/bench_wavtokenizer.py [--seconds 120] [--batch 8] [--golden $MMTOK_GOLDEN/wavtokenizer]
+    python benchmarks/bench_wavtokenizer.py [--seconds 120] [--batch 8] [--golden SET_DIR]
 
 1. Encoder throughput on CPU (seconds of audio per second), batch 1 vs batched, same clips, same run,
    with the official-size SEANet encoder and 4,096 x 512 codebook (random weights; the encoder size is
@@ -33,6 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
+from goldenkit import COMPACT_ROOT, expand  # noqa: E402
 from realmedia import alsa_sounds, asterisk_prompts  # noqa: E402
 
 from mmtok.media.audio import load_audio, peak_normalize, resample  # noqa: E402
@@ -199,8 +200,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--clips", type=int, default=48, help="real speech clips for the padding reach")
-    parser.add_argument("--golden", type=Path, default=REPO.parent / "shared" / "golden" / "wavtokenizer",
-                        help="golden folder whose checkpoint is used for the padding reach (if present)")
+    parser.add_argument("--golden", type=Path, default=None,
+                        help="an original golden set folder whose checkpoint is used for the padding reach "
+                             "(default: the repository's tests/golden/wavtokenizer, expanded)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -212,10 +214,9 @@ def main() -> None:
         codec = wt.load(random_dir)
         bench_cpu_encoder(codec, speech, args.seconds, args.batch, args.repeats)
         bench_resampling(args.repeats)
-        golden_dir = args.golden / "checkpoint"
-        reach_codec = wt.load(golden_dir) if golden_dir.is_dir() else codec
-        print(f"\n(padding reach with the {'golden' if golden_dir.is_dir() else 'random'} checkpoint)")
-        bench_padding_reach(reach_codec, speech, args.batch)
+        golden = args.golden or expand(COMPACT_ROOT / "wavtokenizer", Path(tmp) / "golden")
+        print("\n(padding reach with the golden checkpoint)")
+        bench_padding_reach(wt.load(golden / "checkpoint"), speech, args.batch)
         if torch.cuda.is_available():
             bench_cuda(random_dir, speech)
         else:

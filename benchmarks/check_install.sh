@@ -13,8 +13,8 @@
 #   bash benchmarks/check_install.sh [TORCH_VERSION ...]         default: 2.14.1 2.13.0
 #   FLOOR=1 TESTS="tests/test_codecs_emu35.py tests/test_scan.py" bash benchmarks/check_install.sh 2.13.0
 #
-# Minutes per version (downloads aside): not part of the test suite. Needs the golden vectors
-# ($MMTOK_GOLDEN, docs/development.md#tests) for the codec tests. Venvs go to $WORK (default /tmp/mmtok-check-install), kept for a
+# Minutes per version (downloads aside): not part of the test suite. The codec tests read the golden
+# sets in tests/golden (docs/development.md#tests). Venvs go to $WORK (default /tmp/mmtok-check-install), kept for a
 # look afterwards; a summary line per version is printed and appended to $WORK/results.txt.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"

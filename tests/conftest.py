@@ -19,6 +19,15 @@ def pytest_configure(config):
                             "megatron-core open check after it is skipped")
 
 
+@pytest.fixture(scope="session")
+def golden_sets(tmp_path_factory):
+    """name -> that golden codec set's folder (realmedia.golden), expanded at most once per session."""
+    from realmedia import golden
+
+    cache = tmp_path_factory.mktemp("golden")
+    return lambda name: golden(name, cache)
+
+
 @pytest.fixture(scope="module")
 def forkserver():
     """Encode processes forked from a server that has torch and mmtok imported: a restart costs

@@ -3,8 +3,9 @@ not synthetic noise: docs/development.md#tests).
 
 Images: scikit-image's bundled `skimage.data` files and Debian's `mate-backgrounds` photos.
 Speech: Debian's `alsa-utils` sounds (48 kHz), `asterisk-core-sounds-en-wav` prompts (8 kHz) and
-`espeak-ng` for known texts. `.ci/run` installs the Debian packages; the golden codec vectors are
-read from $MMTOK_GOLDEN (default: the folder `golden` in a `shared` folder next to the checkout).
+`espeak-ng` for known texts. `.ci/run` installs the Debian packages. The golden codec sets are in the
+repository (tests/golden/, compact; goldenkit.py expands them); $MMTOK_GOLDEN may point at a folder of
+original sets instead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN = Path(os.environ.get("MMTOK_GOLDEN", REPO.parent / "shared" / "golden"))
 MATE_DIR = Path("/usr/share/backgrounds/mate")
 ALSA_DIR = Path("/usr/share/sounds/alsa")
 ASTERISK_DIR = Path("/usr/share/asterisk/sounds/en")
@@ -65,11 +65,20 @@ def espeak(text: str, out: Path, voice: str = "en") -> Path:
     return out
 
 
-def golden(name: str) -> Path:
-    """A golden-vector folder; skips (with the reason) only where the golden root GOLDEN is absent."""
-    folder = GOLDEN / name
-    if not GOLDEN.is_dir():
-        pytest.skip(f"golden vectors not available: {GOLDEN} is absent (set MMTOK_GOLDEN to its path)")
+def golden(name: str, cache: Path) -> Path:
+    """A golden set folder laid out as the official code wrote it (checkpoint/ + reference arrays):
+    $MMTOK_GOLDEN/<name> when that override is set, else tests/golden/<name> expanded once into `cache`."""
+    override = os.environ.get("MMTOK_GOLDEN")
+    if override:
+        folder = Path(override) / name
+        if not folder.is_dir():
+            pytest.fail(f"golden set {folder} is missing: unset MMTOK_GOLDEN to use the sets in tests/golden")
+        return folder
+    folder = cache / name
     if not folder.is_dir():
-        pytest.fail(f"golden folder {folder} is missing although {GOLDEN} exists")
+        from goldenkit import COMPACT_ROOT, expand
+
+        partial = cache / f"{name}.partial"  # renamed when complete: an interrupted expansion is redone
+        shutil.rmtree(partial, ignore_errors=True)
+        expand(COMPACT_ROOT / name, partial).rename(folder)
     return folder

@@ -14,14 +14,14 @@ from mmtok.codecs.base import load_codec
 from mmtok.errors import MmtokError
 from mmtok.media.images import resize_rgb
 from mmtok.media.resize import target_shape
-from realmedia import golden, skimage_images
+from realmedia import skimage_images
 
 NAMES = ("astronaut", "coffee", "rocket", "chelsea", "immunohistochemistry")
 
 
 @pytest.fixture(scope="module")
-def gold():
-    return golden("emu3")
+def gold(golden_sets):
+    return golden_sets("emu3")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from mmtok.codecs import emu35
 from mmtok.codecs.base import PrecisionContract, checkpoint_fingerprint, load_codec
 from mmtok.errors import MmtokError
 from mmtok.media.images import load_rgb_file, resize_rgb
-from realmedia import golden, skimage_images
+from realmedia import skimage_images
 
 REAL_NAMES = ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg")
 
@@ -28,8 +28,8 @@ def real_images(height: int, width: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def golden_dir() -> Path:
-    return golden("emu35")
+def golden_dir(golden_sets) -> Path:
+    return golden_sets("emu35")
 
 
 @pytest.fixture(scope="module")

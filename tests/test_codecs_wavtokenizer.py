@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from realmedia import ALSA_DIR, ASTERISK_DIR, alsa_sounds, asterisk_prompts, golden
+from realmedia import ALSA_DIR, ASTERISK_DIR, alsa_sounds, asterisk_prompts
 
 from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.cli import main
@@ -23,8 +23,8 @@ REFERENCE_LOOKAHEAD = 2877  # measured on the official code by perturbing single
 
 
 @pytest.fixture(scope="module")
-def gold() -> Path:
-    return golden("wavtokenizer")
+def gold(golden_sets) -> Path:
+    return golden_sets("wavtokenizer")
 
 
 @pytest.fixture(scope="module")
