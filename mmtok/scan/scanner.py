@@ -429,15 +429,17 @@ def shard_table(rows: ShardRows):
     return pa.table({name: pa.array(values, SCHEMA.field(name).type) for name, values in zip(SHARD_COLUMNS, columns)})
 
 
-def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> dict:
-    """Scan one input and commit its rows and statistics to the cache; return the statistics (with the
-    rows as `table` too for an input that could not be read: the final assembly scans it again)."""
+def scan_to_cache(source: Source, options: ScanOptions, out_dir: str, final: bool) -> dict:
+    """Scan one input and commit its rows and statistics to the cache; return the statistics. An input that
+    could not be read keeps its rows as `table` too: the final assembly (`final`) commits nothing for it,
+    a rank commits it marked `retry` (done for the ranks; the final assembly scans it again)."""
     rows, stats = scan_source(source, options)
     stats.update(documents=rows.documents, ignored=dict(rows.ignored), shard_errors=rows.shard_errors)
     table = shard_table(rows)
     stats.update(_row_counts(table))
     retry = not stats.pop("cacheable", True)
-    write_shard(cache_path(Path(out_dir), source, options), table, stats, retry)
+    if not (retry and final):
+        write_shard(cache_path(Path(out_dir), source, options), table, stats, retry)
     return {**stats, "table": table} if retry else stats
 
 
@@ -612,12 +614,12 @@ def _claimed(source: Source, options: ScanOptions, out_dir: str, final: bool) ->
             return {**record["stats"], "scanned": False}
         for stale in cache.glob(f".{key}.*.tmp-*"):  # a killed holder's unfinished writes
             stale.unlink(missing_ok=True)
-        return {**_guarded(source, options, out_dir), "scanned": True}
+        return {**_guarded(source, options, out_dir, final), "scanned": True}
 
 
-def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
+def _guarded(source: Source, options: ScanOptions, out_dir: str, final: bool) -> dict:
     try:
-        return scan_to_cache(source, options, out_dir)
+        return scan_to_cache(source, options, out_dir, final)
     except OSError:  # input errors are rows already (scan_source): this one is the output's, e.g. a full disk
         raise
     except Exception as err:  # a bug must cost one shard, not the run; the row names it
