@@ -41,7 +41,8 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> list[Path]:
     """Nine WebDataset shards of real photos, 1 to 5 samples each (uneven bytes), captions, one document of
-    three images ordered by its json sidecar, one truncated shard and one file that is not a tar."""
+    three images ordered by its json sidecar, one truncated shard, one file that is not a tar, and a
+    directory given as an input (`unreadable_shard`)."""
     photos = [_jpeg(p, 48 + 16 * k) for k, p in enumerate(skimage_images()[:6])]
     root = tmp_path_factory.mktemp("dist")
     paths = []
@@ -59,7 +60,8 @@ def shards(tmp_path_factory) -> list[Path]:
         paths.append(path)
     paths[7].write_bytes(paths[7].read_bytes()[:2000])  # ends inside a member
     paths[8].write_bytes(b"not a tar at all" * 40)
-    return paths
+    (root / "a-directory").mkdir()  # unreadable: committed marked `retry`, tried again by every assembly
+    return paths + [root / "a-directory"]
 
 
 def _files(out: Path) -> dict[str, bytes]:
@@ -91,7 +93,7 @@ def test_every_world_size_writes_the_one_process_bytes(shards, reference, tmp_pa
     sources = [describe(str(p)) for p in shards]
     shares = [scan_share(sources, tmp_path, OPTIONS, rank, world_size, workers=1, progress=False)
               for rank in reversed(range(world_size))]  # the last rank first: it takes over the others' shards
-    assert sum(s["scanned_shards"] for s in shares) == len(shards)  # each shard scanned once
+    assert sum(s["scanned_shards"] for s in shares) == len(shards)  # each shard scanned once by the ranks
     assert [s["manifest"] is not None for s in shares] == [True] * world_size  # whoever finds all done assembles
     assert sum(s["own_shards"] for s in shares) == len(shards)
     _same_as_one_process(tmp_path, reference)
@@ -144,7 +146,8 @@ def test_a_held_claim_is_never_scanned_by_another_rank(shards, reference, tmp_pa
     assert not commit_path(cache_path(tmp_path, held, OPTIONS)).exists()
     assert not (tmp_path / "manifest.json").exists()
     final = run_scan([describe(str(p)) for p in shards], tmp_path, OPTIONS, workers=1, progress=False)
-    assert final["_run"]["scanned_shards"] == 1  # the claim's holder ended: the final run scans that one alone
+    # The claim's holder ended: the final run scans that shard, and the unreadable input once more.
+    assert final["_run"]["scanned_shards"] == 2
     _same_as_one_process(tmp_path, reference)
 
 
@@ -178,5 +181,5 @@ def test_damaged_rows_are_rescanned_before_assembly(shards, reference, tmp_path)
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum tells
     rows.write_bytes(bytes(data))
     meta = run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
-    assert meta["_run"]["scanned_shards"] == 1
+    assert meta["_run"]["scanned_shards"] == 2  # that shard, and the unreadable input (tried by every run)
     _same_as_one_process(tmp_path, reference)

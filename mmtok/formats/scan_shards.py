@@ -60,6 +60,12 @@ def read_rows(rows_path: Path) -> pa.Table:
     return pa.ipc.open_file(pa.memory_map(str(rows_path))).read_all()
 
 
+def discard_shard(rows_path: Path) -> None:
+    """Drop one shard's result (its commit first: rows without a commit are not committed)."""
+    commit_path(rows_path).unlink(missing_ok=True)
+    rows_path.unlink(missing_ok=True)
+
+
 def remove_shards(cache: Path, keep: set[str]) -> None:
     """Drop the results (rows, commit, claim lock) of every key not in `keep`: inputs no longer scanned here."""
     for path in cache.iterdir():

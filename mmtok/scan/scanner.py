@@ -23,7 +23,7 @@ from typing import Iterator
 
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.fsutil import DUPLICATE_INPUT, LockHeld, WriterLock, same_file_as, shown_path
-from mmtok.formats.scan_shards import read_commit, read_rows, remove_shards, write_shard
+from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import container_identity
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
@@ -429,17 +429,16 @@ def shard_table(rows: ShardRows):
     return pa.table({name: pa.array(values, SCHEMA.field(name).type) for name, values in zip(SHARD_COLUMNS, columns)})
 
 
-def scan_to_cache(source: Source, options: ScanOptions, out_dir: str, final: bool) -> dict:
+def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> dict:
     """Scan one input and commit its rows and statistics to the cache; return the statistics. An input that
-    could not be read keeps its rows as `table` too: the final assembly (`final`) commits nothing for it,
-    a rank commits it marked `retry` (done for the ranks; the final assembly scans it again)."""
+    could not be read is committed marked `retry` (done for the ranks; every assembly scans it again) and
+    keeps its rows as `table` too."""
     rows, stats = scan_source(source, options)
     stats.update(documents=rows.documents, ignored=dict(rows.ignored), shard_errors=rows.shard_errors)
     table = shard_table(rows)
     stats.update(_row_counts(table))
     retry = not stats.pop("cacheable", True)
-    if not (retry and final):
-        write_shard(cache_path(Path(out_dir), source, options), table, stats, retry)
+    write_shard(cache_path(Path(out_dir), source, options), table, stats, retry)
     return {**stats, "table": table} if retry else stats
 
 
@@ -475,16 +474,21 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
                 record = read_commit(cache_path(out_dir, source, options), verify=True)
                 stats[i] = None if record is None or record["retry"] else record["stats"]
         todo = [i for i, s in enumerate(stats) if s is None and i not in refused]
-        cached = len(sources) - len(todo) - len(refused)  # a refused input is neither scanned nor read from the cache
         began = time.perf_counter()
         for i, result in _scan_all(todo, sources, options, out_dir, workers, True, progress, len(sources)):
             stats[i] = result
+        scanned = [i for i in todo if stats[i]["scanned"]]  # the others were committed by a rank meanwhile
         for i, (reason, detail, like) in refused.items():
             stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
-        run = {"scanned_shards": len(todo), "cached_shards": cached, "seconds": time.perf_counter() - began,
-               "rows_scanned": sum(stats[i]["rows"] for i in todo), "workers": workers, **_read_totals(stats)}
+        run = {"scanned_shards": len(scanned), "seconds": time.perf_counter() - began, "workers": workers,
+               # a refused input is neither scanned nor read from the cache
+               "cached_shards": len(sources) - len(scanned) - len(refused),
+               "rows_scanned": sum(stats[i]["rows"] for i in scanned), **_read_totals(stats)}
         summary = summarize(sources, stats, options)
         if not summary["images_ok"] and has_manifest(out_dir):
+            for i in scanned:  # the cache stays as it was too: no mark of a mistyped input is left
+                if "table" in stats[i]:
+                    discard_shard(cache_path(out_dir, sources[i], options))
             return {**summary, "written": False, "_run": run}
         meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
         remove_shards(out_dir / CACHE_DIR, {shard_key(s, options) for s in sources})
@@ -504,7 +508,8 @@ def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank:
     shown, refused = _inputs(sources)
     eligible = [i for i in range(len(shown)) if i not in refused]
     own = [eligible[j] for j in assign_shards([max(shown[i].size, 0) for i in eligible], world_size)[rank]]
-    others = [i for i in reversed(eligible) if i not in set(own)]  # the owners start at the front
+    mine = set(own)
+    others = [i for i in reversed(eligible) if i not in mine]  # from the far end: their owners start at the front
 
     def committed(i: int) -> bool:
         return read_commit(cache_path(out_dir, shown[i], options), verify=False) is not None
@@ -514,7 +519,7 @@ def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank:
     scanned = {i: st for i, st in _scan_all(todo, shown, options, out_dir, workers, False, progress, len(todo))
                if st is not None and st["scanned"]}
     share = {"rank": rank, "world_size": world_size, "shards": len(shown), "own_shards": len(own),
-             "scanned_shards": len(scanned), "taken_over": len(scanned.keys() - set(own)),
+             "scanned_shards": len(scanned), "taken_over": len(scanned.keys() - mine),
              "rows_scanned": sum(st["rows"] for st in scanned.values()), "seconds": time.perf_counter() - began,
              "workers": workers, **_read_totals(list(scanned.values()))}
     share["left"] = sum(not committed(i) for i in eligible)
@@ -614,12 +619,12 @@ def _claimed(source: Source, options: ScanOptions, out_dir: str, final: bool) ->
             return {**record["stats"], "scanned": False}
         for stale in cache.glob(f".{key}.*.tmp-*"):  # a killed holder's unfinished writes
             stale.unlink(missing_ok=True)
-        return {**_guarded(source, options, out_dir, final), "scanned": True}
+        return {**_guarded(source, options, out_dir), "scanned": True}
 
 
-def _guarded(source: Source, options: ScanOptions, out_dir: str, final: bool) -> dict:
+def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
     try:
-        return scan_to_cache(source, options, out_dir, final)
+        return scan_to_cache(source, options, out_dir)
     except OSError:  # input errors are rows already (scan_source): this one is the output's, e.g. a full disk
         raise
     except Exception as err:  # a bug must cost one shard, not the run; the row names it
