@@ -112,7 +112,8 @@ def share_line(share: dict) -> str:
     """What one rank scanned, and who writes the manifest."""
     line = (f"rank {share['rank']} of {share['world_size']}: scanned {plural(share['scanned_shards'], 'shard')} "
             f"({share['taken_over']:,} taken over from other ranks; its share was {share['own_shards']:,} of "
-            f"{share['shards']:,}), {plural(share['rows_scanned'], 'image')}, {per_image(share)}")
+            f"{share['shards']:,}), {plural(share['rows_scanned'], 'image')}"
+            + (f", {per_image(share)}" if share["rows"] else ""))
     if share["left"]:
         return (line + f"; {plural(share['left'], 'shard')} still being scanned by other ranks: the last of them "
                 "writes the manifest (or run `mmtok scan` without --rank when they have ended)")
