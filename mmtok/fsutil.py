@@ -319,7 +319,8 @@ class LockHeld(MmtokError):
 
 
 class WriterLock:
-    """One writer at a time for an output directory: an exclusive POSIX record lock on `DIR/.lock`.
+    """One writer at a time for an output directory: an exclusive POSIX record lock on `DIR/.lock` (or on
+    another file of DIR guarding one piece of it: a scan shard's claim).
 
     The lock is an fcntl (POSIX) lock, so the kernel -- or, on a shared file system, its lock manager
     (NFSv4, Lustre mounted with `flock`, GPFS) -- drops it when the holding process dies, SIGKILL

@@ -186,3 +186,15 @@ def test_damaged_rows_are_rescanned_before_assembly(shards, reference, tmp_path)
     meta = run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
     assert meta["_run"]["scanned_shards"] == 2  # that shard, and the unreadable input (tried by every run)
     _same_as_one_process(tmp_path, reference)
+
+
+def test_a_dead_claim_holders_leftovers_are_cleared_and_its_shard_rescanned(shards, reference, tmp_path):
+    sources = [describe(str(p)) for p in shards]
+    run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
+    rows = cache_path(tmp_path, sources[5], OPTIONS)
+    commit_path(rows).unlink()  # killed between its rows and its commit
+    stale = rows.with_name(f".{rows.name}.tmp-999999")  # and a half-written file of an earlier try
+    stale.write_bytes(b"half")
+    share = scan_share(sources, tmp_path, OPTIONS, 0, 2, workers=1, progress=False)
+    assert share["scanned_shards"] == 1 and not stale.exists()
+    _same_as_one_process(tmp_path, reference)
