@@ -1,6 +1,7 @@
 """Scan throughput: `mmtok scan` (header-only) vs the naive `tarfile` + `PIL.Image.open(...).size`.
 
     python benchmarks/bench_scan.py [--workdir /tmp/mmtok-bench-scan] [--images 200000] [--shards 64]
+                                    [--world-size N]
 
 Builds (once, cached in WORKDIR) WebDataset shards of real photos (Debian mate-backgrounds and
 scikit-image data) re-encoded at web sizes (30-100 KB): baseline and progressive JPEG, JPEG with a
@@ -12,7 +13,10 @@ other. For each layout, in one run:
 - warm page cache: our scan on 1 worker (the per-shard scan, and the whole `run_scan` with manifest
   writing) vs the baseline on the same shards, images/s per core and the ratio;
 - cold page cache (pages dropped with POSIX_FADV_DONTNEED): our scan's images/s, bytes requested
-  per image (every pread counted) and the bytes the kernel read from storage (/proc/self/io).
+  per image (every pread counted) and the bytes the kernel read from storage (/proc/self/io);
+- with `--world-size N` (cold page cache each time): `mmtok scan --workers 1` in one process vs N
+  concurrent `mmtok scan --rank r --world-size N --workers 1` processes into one OUT (the model of N
+  nodes), wall time, small reads per second, and whether both manifests are byte-identical.
 """
 
 from __future__ import annotations
@@ -284,6 +288,47 @@ def measure(paths: list[Path], workdir: Path, repeat: int) -> dict:
     }
 
 
+def commit_totals(out: Path) -> tuple[int, int]:
+    """(rows, reads) over the shard commits a scan left in OUT/.scan-cache."""
+    rows = reads = 0
+    for path in (out / ".scan-cache").glob("*.json"):
+        stats = json.loads(path.read_text())["stats"]
+        rows, reads = rows + stats["rows"], reads + stats["reads"]
+    return rows, reads
+
+
+def cli_scan(paths: list[Path], out: Path, world_size: int) -> float:
+    """Wall seconds of a cold-cache `mmtok scan --workers 1` into an empty OUT: one process, or
+    `world_size` rank processes started together (then the final assembly if no rank wrote it)."""
+    import subprocess
+
+    shutil.rmtree(out, ignore_errors=True)
+    drop_page_cache(paths)
+    command = [sys.executable, "-m", "mmtok", "scan", *map(str, paths), "--out", str(out), "--workers", "1",
+               "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    began = time.perf_counter()
+    ranks = [subprocess.Popen(command + (["--rank", str(r), "--world-size", str(world_size)] if world_size > 1 else []),
+                              env=env, stderr=subprocess.DEVNULL) for r in range(world_size)]
+    if any(rank.wait() for rank in ranks):
+        raise SystemExit(f"a scan process failed: {command}")
+    if not (out / "manifest.json").exists():
+        subprocess.run(command, env=env, check=True, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - began
+
+
+def measure_ranks(paths: list[Path], workdir: Path, world_size: int) -> dict:
+    """One process vs `world_size` rank processes, cold page cache: wall time and small reads per second."""
+    one = cli_scan(paths, workdir / "one", 1)
+    many = cli_scan(paths, workdir / "ranks", world_size)
+    rows, reads = commit_totals(workdir / "one")
+    same = (workdir / "one" / "manifest.parquet").read_bytes() == (workdir / "ranks" / "manifest.parquet").read_bytes()
+    return {"world_size": world_size, "rows": rows, "reads": reads, "reads_per_image": round(reads / rows, 3),
+            "one_process_wall_s": round(one, 2), "ranks_wall_s": round(many, 2), "speedup": round(one / many, 2),
+            "one_process_small_reads_per_s": round(reads / one), "ranks_small_reads_per_s": round(reads / many),
+            "manifest_bytes_identical": same}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mmtok-bench-scan")
@@ -292,6 +337,8 @@ def main() -> int:
     parser.add_argument("--layouts", default="images,captions", help="comma-separated: images, captions")
     parser.add_argument("--repeat", type=int, default=3, help="warm runs of our scan (the best is reported)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--world-size", type=int, default=0,
+                        help="also compare one scan process with this many concurrent rank processes (cold cache)")
     args = parser.parse_args()
 
     figures = {"machine": f"{os.cpu_count()}-core {os.uname().machine}, Python {sys.version.split()[0]}",
@@ -299,6 +346,8 @@ def main() -> int:
     for layout in args.layouts.split(","):
         paths = build_corpus(args.workdir / layout, args.images, args.shards, captions=layout == "captions")
         figures[layout] = measure(paths, args.workdir, args.repeat)
+        if args.world_size > 1:
+            figures[layout]["ranks"] = measure_ranks(paths, args.workdir, args.world_size)
         print(json.dumps({layout: figures[layout]}, indent=2), file=sys.stderr)
     figures["calibration_ms_at_end"] = round(calibration(), 1)
     figures["load_average_at_end"] = os.getloadavg()[0]

@@ -314,8 +314,13 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+class LockHeld(MmtokError):
+    """Another process holds a `WriterLock` (the message names it and what to do)."""
+
+
 class WriterLock:
-    """One writer at a time for an output directory: an exclusive POSIX record lock on `DIR/.lock`.
+    """One writer at a time for an output directory: an exclusive POSIX record lock on `DIR/.lock` (or on
+    another file of DIR guarding one piece of it: a scan shard's claim).
 
     The lock is an fcntl (POSIX) lock, so the kernel -- or, on a shared file system, its lock manager
     (NFSv4, Lustre mounted with `flock`, GPFS) -- drops it when the holding process dies, SIGKILL
@@ -329,19 +334,21 @@ class WriterLock:
     NAME = ".lock"
     _held: dict[str, "WriterLock"] = {}
 
-    def __init__(self, directory: str | os.PathLike, what: str):
-        self.path = Path(directory) / self.NAME
+    def __init__(self, directory: str | os.PathLike, what: str, name: str = NAME, wait: bool = False):
+        """Take the lock `directory/name` (one lock file may guard one piece of a directory, e.g. a shard's
+        scan); `wait` blocks until the holder releases it or dies, else a held lock raises `LockHeld`."""
+        self.path = Path(directory) / name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         key = os.path.realpath(self.path)
         if key in WriterLock._held:
             raise MmtokError(f"{what} is already being written by this process; one writer per output")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(self._fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             os.close(self._fd)
             if err.errno in (errno.EACCES, errno.EAGAIN):
-                raise MmtokError(f"{what} is being written by another process ({self._holder()}); wait for it "
+                raise LockHeld(f"{what} is being written by another process ({self._holder()}); wait for it "
                                  "to finish or stop it, then rerun this command (it resumes). One writer per "
                                  "output: a second one is refused.") from None
             raise MmtokError(f"{self.path}: cannot take the writer lock ({os.strerror(err.errno)}); mmtok needs a "

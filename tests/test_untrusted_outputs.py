@@ -49,9 +49,9 @@ def _scanned(root: Path) -> Path:
 
 
 def _snapshot(directory: Path) -> dict[str, str]:
-    """name -> sha256 of every file under `directory` (the lock excluded: taking it writes its holder line)."""
+    """name -> sha256 of every file under `directory` (the locks excluded: taking one writes its holder line)."""
     return {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+            if p.is_file() and not p.name.endswith(".lock")}
 
 
 def _one_line_error(capsys, *expected: str) -> str:

@@ -19,7 +19,10 @@ def add_parser(sub) -> None:
         help="index tar shards (headers only) into a Parquet manifest",
         description="Index WebDataset tar shards (reading only tar headers and the first KiB of each image) "
         "and Parquet/Arrow files with an image column into OUT/manifest.parquet + OUT/manifest.json. "
-        "Finished shards are cached in OUT/.scan-cache, so a rerun after a kill resumes.",
+        "Finished shards are cached in OUT/.scan-cache, so a rerun after a kill resumes. Across nodes: "
+        "run one process per rank (--rank/--world-size, or from torchrun/srun); each scans its share, takes "
+        "over the shards no other rank has started, and the last to finish writes the manifest (the same "
+        "bytes as one process's scan; a final `mmtok scan` without --rank does it too).",
     )
     parser.add_argument("shards", nargs="*", metavar="SHARD", help="tar/Parquet/Arrow files or glob patterns")
     parser.add_argument("--shard-list", type=Path, metavar="FILE",
@@ -33,6 +36,11 @@ def add_parser(sub) -> None:
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="processes scanning shards in parallel (default: CPU count)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="this process's rank (default: RANK, else SLURM_PROCID, else 0)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="number of ranks (default: WORLD_SIZE, else SLURM_NTASKS, else 1: one process "
+                        "scans every shard not committed yet and writes the manifest)")
     parser.add_argument("--image-column", metavar="NAME",
                         help="Parquet/Arrow column with image bytes (binary or {bytes, path}); "
                         "default: 'image' or the first such column")
@@ -72,7 +80,8 @@ def expand_inputs(patterns: list[str], shard_list: Path | None) -> list[str]:
 
 
 def run(args) -> int:
-    from mmtok.scan.scanner import ScanOptions, describe, run_scan
+    from mmtok.launch import resolve_rank
+    from mmtok.scan.scanner import ScanOptions, describe, run_scan, scan_share
 
     if args.source is not None:
         from mmtok.commands.sources import apply_source, load_source
@@ -84,11 +93,39 @@ def run(args) -> int:
     refuse_out_overlapping(args.out, [*paths, args.shard_list, args.source])
     sources = [describe(p) for p in paths]
     options = ScanOptions(image_column=args.image_column, text_column=args.text_column)
-    meta = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
+    rank, world_size = resolve_rank(args.rank, args.world_size)
+    if world_size == 1:
+        meta = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
+    else:
+        share = scan_share(sources, args.out, options, rank, world_size, args.workers, progress=not args.no_progress)
+        meta = share["manifest"]
+        print_summary("scan", share_line(share))
+        if meta is None:
+            return 0
     if not meta["images_ok"]:
         raise MmtokError(no_image_message(meta, args.out))
     print_summary("scan", summary_line(meta, args.out))
     return 0
+
+
+def share_line(share: dict) -> str:
+    """What one rank scanned, and who writes the manifest."""
+    line = (f"rank {share['rank']} of {share['world_size']}: scanned {plural(share['scanned_shards'], 'shard')} "
+            f"({share['taken_over']:,} taken over from other ranks; its share was {share['own_shards']:,} of "
+            f"{share['shards']:,}), {plural(share['rows_scanned'], 'image')}"
+            + (f", {per_image(share)}" if share["rows"] else ""))
+    if share["left"]:
+        return (line + f"; {plural(share['left'], 'shard')} still being scanned by other ranks: the last of them "
+                "writes the manifest (or run `mmtok scan` without --rank when they have ended)")
+    if share["manifest"] is None:
+        return line + "; every shard is done: the other rank that finished last writes the manifest"
+    return line + "; every shard is done: writing the manifest"
+
+
+def per_image(totals: dict) -> str:
+    """Reads and bytes requested from storage per image row (what a scan costs a parallel file system)."""
+    rows = max(totals["rows"], 1)
+    return f"{totals['reads'] / rows:.2f} reads and {totals['bytes_read'] / rows / 1000:.1f} KB read per image"
 
 
 def no_image_message(meta: dict, out: Path) -> str:
@@ -119,4 +156,5 @@ def summary_line(meta: dict, out: Path) -> str:
     rate = run["rows_scanned"] / run["seconds"] if run["seconds"] > 0 else 0.0
     return (f"{plural(meta['shards'], 'shard')} ({run['cached_shards']:,} from cache), "
             f"{plural(meta['images_ok'], 'image')} ok, {plural(meta['errors'], 'error')} ({errors}), "
-            f"{rate:,.0f} images/s with {plural(run['workers'], 'worker')}; wrote {out / 'manifest.parquet'}")
+            f"{rate:,.0f} images/s with {plural(run['workers'], 'worker')}, {per_image(run)}; "
+            f"wrote {out / 'manifest.parquet'}")

@@ -1,10 +1,11 @@
 """Scan containers (tar shards, Parquet/Arrow files) into manifest rows, one process per shard.
 
-Per shard the result is a table of rows in container order with shard-local document ids; it is
-cached under `OUT/.scan-cache/` (keyed by path, size, mtime and the options that change rows)
-as soon as the shard is done, so a killed scan resumes without rescanning finished shards. The
-manifest is then assembled in input order with global document ids: the bytes do not depend on
-the number of workers, on the completion order, or on which shards came from the cache.
+Per shard the result is a table of rows in container order with shard-local document ids; the process
+that claims the shard (a worker, or a rank on any node: `scan_share`) commits it under `OUT/.scan-cache/`
+(`mmtok.formats.scan_shards`, keyed by path, size, mtime and the options that change rows) as soon as the
+shard is done, so a killed scan resumes without rescanning finished shards and two processes never scan
+one shard. The manifest is then assembled in input order with global document ids: the bytes do not
+depend on the number of workers or ranks, on the completion order, or on which shards came from the cache.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import Iterator
 
 from mmtok.formats.chat import ConversationError, conversation_media
-from mmtok.fsutil import DUPLICATE_INPUT, same_file_as, shown_path
+from mmtok.fsutil import DUPLICATE_INPUT, LockHeld, WriterLock, same_file_as, shown_path
+from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import container_identity
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
@@ -405,10 +407,16 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def cache_path(out_dir: Path, source: Source, options: ScanOptions) -> Path:
+def shard_key(source: Source, options: ScanOptions) -> str:
+    """The name of an input's result in the cache: what its rows depend on (path, size, mtime, options)."""
     ident = json.dumps([SCAN_VERSION, source.path, source.size, source.mtime_ns,
                         options.image_column, options.text_column])
-    return out_dir / CACHE_DIR / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".arrow")
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+def cache_path(out_dir: Path, source: Source, options: ScanOptions) -> Path:
+    """The rows of an input's committed result (`mmtok.formats.scan_shards`)."""
+    return out_dir / CACHE_DIR / (shard_key(source, options) + ".arrow")
 
 
 def shard_table(rows: ShardRows):
@@ -422,26 +430,16 @@ def shard_table(rows: ShardRows):
 
 
 def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> dict:
-    """Scan one input, store its rows in the cache (unless unreadable), return its statistics."""
-    import pyarrow as pa
-
-    from mmtok.fsutil import atomic_writer
-
-    began = time.perf_counter()
+    """Scan one input and commit its rows and statistics to the cache; return the statistics. An input that
+    could not be read is committed marked `retry` (done for the ranks; every assembly scans it again) and
+    keeps its rows as `table` too."""
     rows, stats = scan_source(source, options)
-    stats.update(documents=rows.documents, ignored=dict(rows.ignored), shard_errors=rows.shard_errors,
-                 seconds=time.perf_counter() - began)
+    stats.update(documents=rows.documents, ignored=dict(rows.ignored), shard_errors=rows.shard_errors)
     table = shard_table(rows)
     stats.update(_row_counts(table))
-    if stats.pop("cacheable", True):
-        table = table.replace_schema_metadata({"mmtok.scan": json.dumps(stats)})
-        with atomic_writer(cache_path(Path(out_dir), source, options)) as handle:
-            with pa.ipc.new_file(handle, table.schema) as writer:
-                writer.write_table(table)
-        stats["cached"] = True
-    else:
-        stats["table"] = table
-    return stats
+    retry = not stats.pop("cacheable", True)
+    write_shard(cache_path(Path(out_dir), source, options), table, stats, retry)
+    return {**stats, "table": table} if retry else stats
 
 
 def _row_counts(table) -> dict:
@@ -454,69 +452,111 @@ def _row_counts(table) -> dict:
     return {"rows": table.num_rows, "images_ok": sum(formats.values()), "formats": formats, "reasons": reasons}
 
 
-def cached_stats(path: Path) -> dict | None:
-    """Statistics of a cached shard (from the file's schema, without reading rows), or None."""
-    import pyarrow as pa
-
-    try:
-        with pa.OSFile(str(path)) as source:
-            meta = pa.ipc.open_file(source).schema.metadata or {}
-    except (OSError, pa.ArrowInvalid):
-        return None
-    return json.loads(meta[b"mmtok.scan"]) if b"mmtok.scan" in meta else None
-
-
-def cached_table(path: Path):
-    """The rows of a cached shard, memory-mapped."""
-    import pyarrow as pa
-
-    return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
-
-
 # ----------------------------------------------------------------------------------- the whole run
 
 
 def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers: int, progress: bool = True) -> dict:
-    """Scan all sources (cached shards are not rescanned) and write the manifest; return its metadata.
+    """Scan every source not committed yet (waiting for shards that other processes are scanning) and write
+    the manifest; return its metadata.
 
     A scan that finds no usable image fails (the command says why); into an OUT that holds a complete
     manifest it writes nothing (`written` False in what it returns), so that manifest and its cache stay as
-    they were; elsewhere it writes the manifest of error rows, to be looked at."""
-    from mmtok.progress import progress as progress_bar
-
+    they were; elsewhere it writes the manifest of error rows, to be looked at. One process at a time writes
+    the manifest of an OUT (its `.lock`; another is refused with `LockHeld`)."""
     from mmtok.formats.manifest import has_manifest, write_manifest
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / CACHE_DIR).mkdir(exist_ok=True)
-    stats: list[dict | None] = [None] * len(sources)
-    refused = _refused_inputs(sources)
-    sources = [replace(s, path=shown_path(s.path)) for s in sources]  # what the manifest names them by
-    for i, source in enumerate(sources):
-        stats[i] = cached_stats(cache_path(out_dir, source, options)) if source.size >= 0 else None
-    todo = [i for i, s in enumerate(stats) if s is None and i not in refused]
-    cached = len(sources) - len(todo) - len(refused)  # a refused input is neither scanned nor read from the cache
-    began = time.perf_counter()
-    bar = progress_bar(total=len(sources), initial=len(sources) - len(todo), unit="shard", desc="scan",
-                       enabled=progress)
-    images = 0
-    for i, result in _run(todo, sources, options, out_dir, workers):
-        stats[i] = result
-        images += result["rows"]
-        bar.update(1)
-        bar.set_postfix(images=images, refresh=False)
-    bar.close()
-    for i, (reason, detail, like) in refused.items():
-        stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
-    seconds = time.perf_counter() - began
-    run = {"scanned_shards": len(todo), "cached_shards": cached, "seconds": seconds,
-           "rows_scanned": images, "workers": workers}
-    summary = summarize(sources, stats, options)
-    if not summary["images_ok"] and has_manifest(out_dir):
-        return {**summary, "written": False, "_run": run}
-    meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
-    _prune_cache(out_dir, {cache_path(out_dir, s, options).name for s in sources})
+    (out_dir / CACHE_DIR).mkdir(parents=True, exist_ok=True)
+    with WriterLock(out_dir, f"the manifest in {out_dir}"):
+        sources, refused = _inputs(sources)
+        stats: list[dict | None] = [None] * len(sources)
+        for i, source in enumerate(sources):
+            if i not in refused:
+                record = read_commit(cache_path(out_dir, source, options), verify=True)
+                stats[i] = None if record is None or record["retry"] else record["stats"]
+        todo = [i for i, s in enumerate(stats) if s is None and i not in refused]
+        began = time.perf_counter()
+        for i, result in _scan_all(todo, sources, options, out_dir, workers, True, progress, len(sources)):
+            stats[i] = result
+        scanned = [i for i in todo if stats[i]["scanned"]]  # the others were committed by a rank meanwhile
+        for i, (reason, detail, like) in refused.items():
+            stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
+        run = {"scanned_shards": len(scanned), "seconds": time.perf_counter() - began, "workers": workers,
+               # a refused input is neither scanned nor read from the cache
+               "cached_shards": len(sources) - len(scanned) - len(refused),
+               "rows_scanned": sum(stats[i]["rows"] for i in scanned), **_read_totals(stats)}
+        summary = summarize(sources, stats, options)
+        if not summary["images_ok"] and has_manifest(out_dir):
+            for i in scanned:  # the cache stays as it was too: no mark of a mistyped input is left
+                if "table" in stats[i]:
+                    discard_shard(cache_path(out_dir, sources[i], options))
+            return {**summary, "written": False, "_run": run}
+        meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
+        remove_shards(out_dir / CACHE_DIR, {shard_key(s, options) for s in sources})
     meta["_run"], meta["written"] = run, True
     return meta
+
+
+def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank: int, world_size: int,
+               workers: int, progress: bool = True) -> dict:
+    """Rank `rank` of `world_size`: scan this rank's share of the sources (`ranks.assign_shards` by bytes),
+    then, from the far end, every source no other process has claimed yet (a slow or dead rank's); when
+    every source is then committed, write the manifest (`run_scan`: the same bytes as one process's scan).
+    Returns what this rank scanned and, under `manifest`, the manifest's metadata when it wrote it."""
+    from mmtok.ranks import assign_shards
+
+    (out_dir / CACHE_DIR).mkdir(parents=True, exist_ok=True)
+    shown, refused = _inputs(sources)
+    eligible = [i for i in range(len(shown)) if i not in refused]
+    own = [eligible[j] for j in assign_shards([max(shown[i].size, 0) for i in eligible], world_size)[rank]]
+    mine = set(own)
+    others = [i for i in reversed(eligible) if i not in mine]  # from the far end: their owners start at the front
+
+    def committed(i: int) -> bool:
+        return read_commit(cache_path(out_dir, shown[i], options), verify=False) is not None
+
+    todo = [i for i in own + others if not committed(i)]
+    began = time.perf_counter()
+    scanned = {i: st for i, st in _scan_all(todo, shown, options, out_dir, workers, False, progress, len(todo))
+               if st is not None and st["scanned"]}
+    share = {"rank": rank, "world_size": world_size, "shards": len(shown), "own_shards": len(own),
+             "scanned_shards": len(scanned), "taken_over": len(scanned.keys() - mine),
+             "rows_scanned": sum(st["rows"] for st in scanned.values()), "seconds": time.perf_counter() - began,
+             "workers": workers, **_read_totals(list(scanned.values()))}
+    share["left"] = sum(not committed(i) for i in eligible)
+    share["manifest"] = None
+    if not share["left"]:
+        try:
+            share["manifest"] = run_scan(sources, out_dir, options, workers, progress=False)
+        except LockHeld:  # the other rank that finished last writes the same bytes
+            pass
+    return share
+
+
+def _read_totals(stats: list[dict]) -> dict:
+    """Rows, reads and bytes requested over shard statistics (what a scan costs the storage per image)."""
+    return {"rows": sum(st["rows"] for st in stats), "reads": sum(st["reads"] for st in stats),
+            "bytes_read": sum(st["bytes_read"] for st in stats)}
+
+
+def _inputs(sources: list[Source]) -> tuple[list[Source], dict[int, tuple[str, str, int | None]]]:
+    """The sources as the manifest names them, and the refused ones (`_refused_inputs`)."""
+    refused = _refused_inputs(sources)
+    return [replace(s, path=shown_path(s.path)) for s in sources], refused
+
+
+def _scan_all(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: Path, workers: int,
+              final: bool, progress: bool, total: int) -> Iterator[tuple[int, dict | None]]:
+    """`_run` behind a progress bar of `total` shards (those not in `todo` are done)."""
+    from mmtok.progress import progress as progress_bar
+
+    bar = progress_bar(total=total, initial=total - len(todo), unit="shard", desc="scan", enabled=progress)
+    images = 0
+    for i, result in _run(todo, sources, options, out_dir, workers, final):
+        images += result["rows"] if result is not None else 0
+        bar.update(1)
+        bar.set_postfix(images=images, refresh=False)
+        yield i, result
+    bar.close()
 
 
 def _refused_inputs(sources: list[Source]) -> dict[int, tuple[str, str, int | None]]:
@@ -536,16 +576,18 @@ def _refused_inputs(sources: list[Source]) -> dict[int, tuple[str, str, int | No
     return dict(sorted(refused.items()))
 
 
-def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: Path, workers: int) -> Iterator[tuple[int, dict]]:
-    """Scan the shards `todo`, yielding (index, stats) as they finish; a crashed worker becomes an error row."""
+def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: Path, workers: int,
+         final: bool) -> Iterator[tuple[int, dict | None]]:
+    """Claim and scan the shards `todo` (`_claimed`), yielding (index, stats or None) as they finish; a
+    crashed worker becomes an error row."""
     if workers <= 1 or len(todo) <= 1:
         for i in todo:
-            yield i, _guarded(sources[i], options, str(out_dir))
+            yield i, _claimed(sources[i], options, str(out_dir), final)
         return
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-        futures = {pool.submit(_guarded, sources[i], options, str(out_dir)): i for i in todo}
+        futures = {pool.submit(_claimed, sources[i], options, str(out_dir), final): i for i in todo}
         for future in as_completed(futures):
             try:
                 result = future.result()
@@ -553,8 +595,31 @@ def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: 
                 pool.shutdown(cancel_futures=True)
                 raise
             except Exception as err:  # the worker process died (e.g. killed for memory)
-                result = _error_stats("scan_failed", f"{type(err).__name__}: {err}")
+                result = {**_error_stats("scan_failed", f"{type(err).__name__}: {err}"), "scanned": True}
             yield futures[future], result
+
+
+def _claimed(source: Source, options: ScanOptions, out_dir: str, final: bool) -> dict | None:
+    """Scan one input under its claim and commit it (`scanned` True in the stats it returns); the committed
+    stats (`scanned` False) when another process committed it first; None when another process holds the
+    claim, unless `final`: the final assembly waits for it, checks the rows' sha256 and rescans an input
+    that could not be read."""
+    cache = Path(out_dir) / CACHE_DIR
+    key = shard_key(source, options)
+    try:
+        # A POSIX record lock (`WriterLock`): the kernel, or a shared file system's lock manager, drops it
+        # when its holder dies, SIGKILL included and on any host, so a killed rank's claim is free for the
+        # rerun at once. Nothing probes a pid (a pid from another host means nothing here).
+        claim = WriterLock(cache, f"shard {source.path}", name=key + ".lock", wait=final)
+    except LockHeld:
+        return None
+    with claim:
+        record = read_commit(cache_path(Path(out_dir), source, options), verify=final)
+        if record is not None and not (final and record["retry"]):
+            return {**record["stats"], "scanned": False}
+        for stale in cache.glob(f".{key}.*.tmp-*"):  # a killed holder's unfinished writes
+            stale.unlink(missing_ok=True)
+        return {**_guarded(source, options, out_dir), "scanned": True}
 
 
 def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
@@ -586,7 +651,7 @@ def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, opt
     for source, st in zip(sources, stats):
         table = st.get("table")
         if table is None:
-            table = cached_table(cache_path(out_dir, source, options))
+            table = read_rows(cache_path(out_dir, source, options))
         n = table.num_rows
         table = table.set_column(table.schema.get_field_index("document"), "document",
                                  pc.add(table.column("document"), pa.scalar(first_document, pa.int64())))
@@ -621,10 +686,3 @@ def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) ->
         "options": {"image_column": options.image_column, "text_column": options.text_column},
         "scan_version": SCAN_VERSION,
     }
-
-
-def _prune_cache(out_dir: Path, keep: set[str]) -> None:
-    """Drop cache entries of inputs no longer scanned into this directory."""
-    for path in (out_dir / CACHE_DIR).glob("*.arrow"):
-        if path.name not in keep:
-            path.unlink(missing_ok=True)
