@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from mmtok.cli import main
 from mmtok.commands.demo_flow import demo_conversations
+from mmtok.errors import MmtokError
 from mmtok.formats.conversations import audio_clip_id, locate
 from mmtok.text import CHAT_TEMPLATE_FILE, load_text_tokenizer
 
@@ -270,3 +271,11 @@ def test_chat_template_file_wins_over_the_config_key_as_in_transformers(tmp_path
     assert AutoTokenizer.from_pretrained(str(base)).chat_template == OFFICIAL_TEMPLATE.read_text()
     (tmp_path / CHAT_TEMPLATE_FILE).write_text("{{ bos_token }}other")
     assert load_text_tokenizer(str(tmp_path)).fingerprint != before  # a run records which template it rendered with
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    train_chat_tokenizer(tmp_path, vocab_size=300, special=SPECIAL_TOKENS[:4], added=SPECIAL_TOKENS[4:],
+                         texts=TRAINING_TEXT, template="{{ bos_token }}")
+    (tmp_path / CHAT_TEMPLATE_FILE).write_bytes(b"{{ bos_token }}\xff")
+    with pytest.raises(MmtokError, match=f"{CHAT_TEMPLATE_FILE}: not UTF-8 text"):
+        load_text_tokenizer(str(tmp_path))
