@@ -2,7 +2,8 @@
 
 Two file formats are accepted:
 * a Hugging Face `tokenizer.json` (or a directory holding it, plus `tokenizer_config.json` for the
-  chat template and the BOS/EOS names) -- what production passes (Apertus, EuroLLM, ...);
+  BOS/EOS names and the chat template, and `chat_template.jinja`, which holds the chat template instead
+  where there is one -- as transformers reads them) -- what production passes (Apertus, EuroLLM, ...);
 * a Mistral "tekken" JSON, read with `mistral-common`. The built-in default `tekken` is the
   Mistral-NeMo tokenizer that ships inside mistral-common (131,072 ids, the Apertus 1.0 family),
   so the demo and tests run with no download.
@@ -18,9 +19,12 @@ from pathlib import Path
 from typing import Sequence
 
 from mmtok.errors import MmtokError, brief
-from mmtok.fsutil import read_json_object
+from mmtok.fsutil import read_json_object, read_regular_file
 
 BUILTIN_TEKKEN = "tekken"
+# Beside tokenizer.json: the chat template as its own file (transformers' save_pretrained, the Apertus 1.5
+# release); where it exists, transformers' AutoTokenizer takes it over tokenizer_config.json's chat_template.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class TextTokenizer:
@@ -92,6 +96,9 @@ class HFTokenizer(TextTokenizer):
         digest = hashlib.sha256(path.read_bytes())
         if config_path.is_file():
             digest.update(config_path.read_bytes())
+        template = _template_file(path.with_name(CHAT_TEMPLATE_FILE))
+        if template is not None:
+            digest.update(template.encode("utf-8"))
         self._tok.no_padding()
         self._tok.no_truncation()
         self._tok.encode_special_tokens = True  # special tokens' names in text stay text (see TextTokenizer)
@@ -101,7 +108,7 @@ class HFTokenizer(TextTokenizer):
             vocab_size=self._tok.get_vocab_size(with_added_tokens=True),
             bos_id=self._lookup(_token_name(config.get("bos_token"), "<s>")),
             eos_id=self._lookup(_token_name(config.get("eos_token"), "</s>")),
-            chat_template=config.get("chat_template"),
+            chat_template=config.get("chat_template") if template is None else template,
         )
 
     def _lookup(self, name: str) -> int:
@@ -201,6 +208,16 @@ def load_text_tokenizer(spec: str = BUILTIN_TEKKEN) -> TextTokenizer:
     except Exception as err:  # the tokenizers/mistral-common loaders raise plain Exceptions for a bad file
         raise MmtokError(f"{path}: not a text tokenizer this tool can read ({brief(err)}); pass `tekken`, an HF "
                          "tokenizer.json (or its directory) or a tekken JSON") from None
+
+
+def _template_file(path: Path) -> str | None:
+    """The text of a chat_template.jinja, or None where there is none."""
+    if not path.exists():
+        return None
+    try:
+        return read_regular_file(path).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise MmtokError(f"{path}: not UTF-8 text ({brief(err)}); a chat template is a jinja text file") from None
 
 
 def _token_name(value, default: str) -> str:

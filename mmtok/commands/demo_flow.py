@@ -140,19 +140,20 @@ def bundled_table(name: str, key: str, value: str) -> dict[str, str]:
 def demo_conversations() -> list[tuple[str, dict, list[tuple[str, Path]]]]:
     """The demo's SFT conversations: (sample key, KEY.json record, media members as (name after `KEY.`,
     bundled file)), in tar order. The answers quote the bundled captions and transcripts, so what the
-    assistant says is true of the media. The last one types two audio placeholders for one clip: `mmtok sft`
-    skips it as placeholder_mismatch."""
+    assistant says is true of the media. Every one is in a form the official Apertus 1.5 chat template renders
+    too (Apertus `parts`/`blocks` or strings, tool-call arguments as JSON text). The last one types two audio
+    placeholders for one clip: `mmtok sft` skips it as placeholder_mismatch."""
     captions = bundled_table("captions.jsonl", "file", "caption")
     speech = bundled_table("audio/transcripts.jsonl", "path", "text")
     images, audio = DEMO_DATA / "images", DEMO_DATA / "audio"
     catalogue = {"name": "find_photo", "description": "Find a bundled demo photo by what it shows.",
                  "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
     return [
-        ("photo_and_speech", {"messages": [  # OpenAI-style parts: an image and a spoken clip, both tar members
-            {"role": "user", "content": [
+        ("photo_and_speech", {"messages": [  # Apertus parts: an image and a spoken clip, both tar members
+            {"role": "user", "content": {"parts": [
                 {"type": "image", "image": "0.jpg"},
                 {"type": "text", "text": " What does the speaker say, and what is in this photo? "},
-                {"type": "audio", "audio": "1.flac"}]},
+                {"type": "audio", "audio": "1.flac"}]}},
             {"role": "assistant", "content": f"The speaker says: \"{speech['talk_en_00.flac']}\" "
                                              f"The photo: {captions['astronaut.jpg']}"}]},
          [("0.jpg", images / "astronaut.jpg"), ("1.flac", audio / "talk_en_00.flac")]),
@@ -169,7 +170,8 @@ def demo_conversations() -> list[tuple[str, dict, list[tuple[str, Path]]]]:
                 {"type": "text", "text": " Which of the demo photos is this? Check the catalogue."}]}},
             {"role": "assistant", "content": {"blocks": [
                 {"type": "thoughts", "text": "A tabby cat looking to the side; the catalogue can name the file."},
-                {"type": "tool_calls", "calls": [{"name": "find_photo", "arguments": {"query": "tabby cat"}}]},
+                {"type": "tool_calls", "calls": [  # arguments as JSON text: the official template joins strings
+                    {"name": "find_photo", "arguments": json.dumps({"query": "tabby cat"})}]},
                 {"type": "tool_outputs", "outputs": [
                     {"output": json.dumps({"file": "chelsea.jpg", "caption": captions["chelsea.jpg"]})}]},
                 {"type": "thoughts", "text": " One match, and its caption fits the photo."},

@@ -232,7 +232,8 @@ def _template_source(tokenizer) -> str:
     template = tokenizer.chat_template
     if not template:
         raise MmtokError(f"mode sft needs a chat template, but the text tokenizer {tokenizer.name} has none: pass "
-                         "an HF tokenizer directory whose tokenizer_config.json has `chat_template`")
+                         "an HF tokenizer directory with a chat_template.jinja or a `chat_template` in its "
+                         "tokenizer_config.json")
     if isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str)
                                           for t in template):
         named = {t.get("name"): t["template"] for t in template}
