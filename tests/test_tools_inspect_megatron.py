@@ -69,6 +69,7 @@ def megatron_arguments(output: str) -> argparse.Namespace:
         parser.add_argument(flag, required=True)
     for flag in ("--make-vocab-size-divisible-by", "--seq-length"):
         parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--train-samples", type=int)
     return parser.parse_args(shlex.split(block))
 
 
@@ -154,6 +155,9 @@ def test_weights_must_match_the_datasets(recipe, capsys):
     assert main(["inspect", *paths, "--megatron", "--weights", "1"]) == 2
     assert "one positive weight per dataset (2)" in capsys.readouterr().err
     assert main(["inspect", *paths]) == 2  # several datasets only make sense for the recipe
+    assert main(["inspect", paths[0], "--train-tokens", "1000"]) == 2  # so does a token budget
+    assert main(["inspect", *paths, "--megatron", "--train-tokens", "0"]) == 2
+    assert "--train-tokens must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_seq_length_advice_holds_the_longest_document_up_to_32k():
@@ -167,3 +171,60 @@ def test_seq_length_advice_holds_the_longest_document_up_to_32k():
 def test_split_advice_holds_out_validation_only_when_every_dataset_can_spare_it():
     assert advise_split([100, 2500])[0] == "99,1,0"
     assert advise_split([99, 2500])[0] == "100,0,0"
+
+
+def recipe_blend(recipe, capsys, *flags: str):
+    """`inspect --megatron` of the fixture's two datasets with `flags`: (parsed arguments, stdout, stderr)."""
+    assert main(["inspect", *map(str, recipe.datasets), "--megatron", *flags]) == 0
+    captured = capsys.readouterr()
+    return megatron_arguments(captured.out), captured.out, captured.err
+
+
+def built_blend(recipe, args: argparse.Namespace, seq_length: int, samples: int, cache: str):
+    """megatron-core's train blend of the recipe's --data-path, as Megatron-LM builds it."""
+    return gpt_dataset(get_blend_from_list(args.data_path), OmniTokenizer(recipe.tokenizer), seq_length, samples,
+                       recipe.root / cache)
+
+
+def test_a_dataset_shorter_than_one_sample_is_warned_where_an_unweighted_blend_fails(recipe, capsys):
+    args, out, err = recipe_blend(recipe, capsys)  # 763 tokens each, --seq-length 1024
+    assert args.seq_length == 1024 and out.count("# warning: ") == 2 and err.count("warning: ") == 2
+    assert "holds 763 tokens, fewer than one sample (--seq-length + 1 = 1,025)" in err
+    assert "AssertionError in megatron-core's BlendedDataset" in err
+    with one_process_group(recipe.root), pytest.raises(AssertionError) as failure:
+        built_blend(recipe, args, args.seq_length, 20, "short")
+    assert failure.traceback[-1].path.name == "blended_dataset.py"
+
+    args, out, err = recipe_blend(recipe, capsys, "--seq-length", "256")
+    assert args.seq_length == 256 and "warning" not in out + err
+    with one_process_group(recipe.root):
+        train = built_blend(recipe, args, 256, 20, "fits")
+    assert len(train) == 4  # one epoch: 762 // 256 = 2 samples of each
+
+
+def built_epochs(dataset) -> float:
+    """The epochs megatron-core's GPTDataset built: its document index holds every document once per epoch."""
+    return len(dataset.document_index) / len(dataset.dataset.sequence_lengths)
+
+
+def test_train_tokens_give_the_epochs_megatron_core_builds_for_a_weighted_blend(recipe, capsys):
+    args, out, err = recipe_blend(recipe, capsys, "--weights", "0.7", "0.3", "--seq-length", "128",
+                                  "--train-tokens", "20000")
+    assert args.train_samples == 157  # 20,000 / 128, rounded up
+    predicted = [float(value) for value in re.findall(r"share 0\.[37]00, 763 tokens: ([\d.]+) epochs", out)]
+    assert predicted == [18.44, 7.9]  # 0.7 (0.3) x 157 x 128 / 763
+    with one_process_group(recipe.root):
+        train = built_blend(recipe, args, 128, args.train_samples, "epochs")
+    for dataset, epochs in zip(train.datasets, predicted):
+        # megatron-core builds whole epochs, for whole samples and its 0.5% surplus: the next whole number or one more
+        assert epochs < built_epochs(dataset) < epochs + 2
+    assert err.count("is repeated: ") == 2 and "its first pass ends at 5.4% of the run" in err
+
+
+def test_train_tokens_beyond_one_epoch_of_an_unweighted_blend_say_where_the_data_runs_out(recipe, capsys):
+    args, out, err = recipe_blend(recipe, capsys, "--seq-length", "128", "--train-tokens", "20000")
+    assert "the blend holds 10 samples, so the data runs out at 6.4% of the 157 samples" in err
+    assert out.count(": 0.84 epochs -- 16% of its tokens never train") == 2  # 5 samples x 128 of 763 tokens
+    with one_process_group(recipe.root):
+        train = built_blend(recipe, args, 128, args.train_samples, "out")
+    assert len(train) == 10  # one epoch of each, whatever was asked for
