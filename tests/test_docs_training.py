@@ -1,19 +1,15 @@
 """docs/training.md's megatron-core block, run as it stands on the page, in a directory holding what its constants
-name: a merged output of mmtok's real flow (OUT_A; OUT_B holds the same files under a second prefix) and its
-`mmtok tokenizer build` (omni-tokenizer). The block's tokenizer is megatron-core's Hugging Face one: transformers
-(which takes most of this test's time loading the 135,782-id tokenizer)."""
+name: two merged outputs of mmtok's real flow (OUT_A, OUT_B) and their `mmtok tokenizer build` (omni-tokenizer).
+The block's tokenizer is megatron-core's Hugging Face one: transformers, which takes most of this test's time
+(about 8 s of CPU) loading the 135,782-id tokenizer."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from encodekit import caption_env, encode_all, one_torch_thread, plan
-
-from mmtok.cli import main
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "training.md"
 MARKER = "<!-- tests/test_docs_training.py runs the next block as it stands -->"
@@ -26,17 +22,14 @@ def page_block() -> str:
     return found.group(1)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("training-doc")
-    with one_torch_thread():
-        env = caption_env(root / "env")
-        encode_all(env, plan(env, "plan"), root / "OUT_A", world_size=1)
-    (root / "OUT_B").mkdir()
-    for suffix in (".bin", ".idx"):
-        os.link(root / "OUT_A" / f"merged{suffix}", root / "OUT_B" / f"merged{suffix}")
-    assert main(["tokenizer", "build", "--text-tokenizer", str(env.text), "--out", str(root / "omni-tokenizer")]) == 0
-    return root
+@pytest.fixture
+def workdir(caption_blend, tmp_path):
+    """A directory where the page's names are conftest's caption_blend: OUT_A and OUT_B its two outputs (modes
+    image-text and text-image), omni-tokenizer its tokenizer."""
+    (tmp_path / "OUT_A").symlink_to(caption_blend.datasets[0].parent)
+    (tmp_path / "OUT_B").symlink_to(caption_blend.datasets[1].parent)
+    (tmp_path / "omni-tokenizer").symlink_to(caption_blend.tokenizer)
+    return tmp_path
 
 
 def test_the_pages_megatron_core_block_builds_the_weighted_blend_with_documents_kept_apart(workdir, monkeypatch,
