@@ -1,5 +1,6 @@
 """`mmtok inspect --megatron`: the printed arguments, read as Megatron-LM reads them, build megatron-core's blended
-GPT dataset from two merged outputs, and its samples decode with the `mmtok tokenizer build` tokenizer."""
+GPT dataset from two merged outputs (conftest's caption_blend), and its samples decode with the `mmtok tokenizer
+build` tokenizer; the warnings name what megatron-core does with datasets shorter than a sample or repeated."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import json
 import re
 import shlex
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from encodekit import caption_env, chat_tokenizer, encode_all, gpt_dataset, one_torch_thread, plan
+from encodekit import chat_tokenizer, gpt_dataset
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 from megatron.core.datasets.utils import get_blend_from_list
 from tokenizers import Tokenizer
@@ -69,6 +69,7 @@ def megatron_arguments(output: str) -> argparse.Namespace:
         parser.add_argument(flag, required=True)
     for flag in ("--make-vocab-size-divisible-by", "--seq-length"):
         parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--train-samples", type=int)
     return parser.parse_args(shlex.split(block))
 
 
@@ -96,32 +97,21 @@ def one_process_group(directory: Path):
         torch.distributed.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("recipe")
-    with one_torch_thread():
-        env = caption_env(root)
-        outs = [encode_all(env, plan(env, f"plan-{mode}", "--mode", mode), root / mode, world_size=1)
-                for mode in ("image-text", "text-image")]
-    assert main(["tokenizer", "build", "--text-tokenizer", str(env.text), "--out", str(root / "omni")]) == 0
-    return SimpleNamespace(root=root, env=env, datasets=[out / "merged" for out in outs], tokenizer=root / "omni")
-
-
-def test_recipe_builds_a_weighted_blend_whose_samples_decode_to_image_blocks(recipe, capsys):
-    paths = [str(prefix) for prefix in recipe.datasets]
-    assert main(["inspect", *paths, "--megatron", "--weights", "0.7", "0.3", "--tokenizer", str(recipe.tokenizer)]) == 0
+def test_recipe_builds_a_weighted_blend_whose_samples_decode_to_image_blocks(caption_blend, capsys):
+    paths = [str(prefix) for prefix in caption_blend.datasets]
+    assert main(["inspect", *paths, "--megatron", "--weights", "0.7", "0.3", "--tokenizer", str(caption_blend.tokenizer)]) == 0
     output = capsys.readouterr().out
     args = megatron_arguments(output)
     prefixes, weights = get_blend_from_list(args.data_path)
-    assert prefixes == [str(prefix.resolve()) for prefix in recipe.datasets] and weights == [0.7, 0.3]
-    assert args.tokenizer_type == "HuggingFaceTokenizer" and Path(args.tokenizer_model) == recipe.tokenizer.resolve()
+    assert prefixes == [str(prefix.resolve()) for prefix in caption_blend.datasets] and weights == [0.7, 0.3]
+    assert args.tokenizer_type == "HuggingFaceTokenizer" and Path(args.tokenizer_model) == caption_blend.tokenizer.resolve()
     tokenizer = OmniTokenizer(Path(args.tokenizer_model))
     multiple = args.make_vocab_size_divisible_by
     assert f"{-(-tokenizer.vocab_size // multiple) * multiple:,} at TP 1" in output
-    assert args.seq_length >= max(int(read_index(prefix)[1].max()) for prefix in recipe.datasets)
+    assert args.seq_length >= max(int(read_index(prefix)[1].max()) for prefix in caption_blend.datasets)
 
-    with one_process_group(recipe.root):
-        train = gpt_dataset((prefixes, weights), tokenizer, args.seq_length, 20, recipe.root, split=args.split)
+    with one_process_group(caption_blend.root):
+        train = gpt_dataset((prefixes, weights), tokenizer, args.seq_length, 20, caption_blend.root, split=args.split)
     assert np.bincount(train.dataset_index, minlength=2).tolist() == [14, 6]  # the weights, as Megatron blends them
     blocks = 0
     for index in range(len(train)):
@@ -134,26 +124,29 @@ def test_recipe_builds_a_weighted_blend_whose_samples_decode_to_image_blocks(rec
     assert blocks >= len(train)
 
 
-def test_recipe_refuses_a_tokenizer_built_from_another_text_tokenizer(recipe, capsys):
-    other = chat_tokenizer(recipe.root / "other-text", vocab_size=300)
-    assert main(["tokenizer", "build", "--text-tokenizer", str(other), "--out", str(recipe.root / "omni-other")]) == 0
+def test_recipe_refuses_a_tokenizer_built_from_another_text_tokenizer(caption_blend, capsys):
+    other = chat_tokenizer(caption_blend.root / "other-text", vocab_size=300)
+    assert main(["tokenizer", "build", "--text-tokenizer", str(other), "--out", str(caption_blend.root / "omni-other")]) == 0
     capsys.readouterr()
-    assert main(["inspect", str(recipe.datasets[0]), "--megatron", "--tokenizer", str(recipe.root / "omni-other")]) == 2
+    assert main(["inspect", str(caption_blend.datasets[0]), "--megatron", "--tokenizer", str(caption_blend.root / "omni-other")]) == 2
     assert "does not fit the data: layout:" in capsys.readouterr().err
 
 
-def test_recipe_without_a_tokenizer_says_how_to_build_it(recipe, capsys):
-    assert main(["inspect", str(recipe.datasets[0]), "--megatron"]) == 0
+def test_recipe_without_a_tokenizer_says_how_to_build_it(caption_blend, capsys):
+    assert main(["inspect", str(caption_blend.datasets[0]), "--megatron"]) == 0
     output = capsys.readouterr().out
     assert megatron_arguments(output).tokenizer_model == "TOKENIZER_DIR"
-    assert f"mmtok tokenizer build --text-tokenizer {recipe.env.text / 'tokenizer.json'} --out TOKENIZER_DIR" in output
+    assert f"mmtok tokenizer build --text-tokenizer {caption_blend.env.text / 'tokenizer.json'} --out TOKENIZER_DIR" in output
 
 
-def test_weights_must_match_the_datasets(recipe, capsys):
-    paths = [str(prefix) for prefix in recipe.datasets]
+def test_weights_must_match_the_datasets(caption_blend, capsys):
+    paths = [str(prefix) for prefix in caption_blend.datasets]
     assert main(["inspect", *paths, "--megatron", "--weights", "1"]) == 2
     assert "one positive weight per dataset (2)" in capsys.readouterr().err
     assert main(["inspect", *paths]) == 2  # several datasets only make sense for the recipe
+    assert main(["inspect", paths[0], "--train-tokens", "1000"]) == 2  # so does a token budget
+    assert main(["inspect", *paths, "--megatron", "--train-tokens", "0"]) == 2
+    assert "--train-tokens must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_seq_length_advice_holds_the_longest_document_up_to_32k():
@@ -167,3 +160,60 @@ def test_seq_length_advice_holds_the_longest_document_up_to_32k():
 def test_split_advice_holds_out_validation_only_when_every_dataset_can_spare_it():
     assert advise_split([100, 2500])[0] == "99,1,0"
     assert advise_split([99, 2500])[0] == "100,0,0"
+
+
+def recipe_blend(caption_blend, capsys, *flags: str):
+    """`inspect --megatron` of the fixture's two datasets with `flags`: (parsed arguments, stdout, stderr)."""
+    assert main(["inspect", *map(str, caption_blend.datasets), "--megatron", *flags]) == 0
+    captured = capsys.readouterr()
+    return megatron_arguments(captured.out), captured.out, captured.err
+
+
+def built_blend(caption_blend, args: argparse.Namespace, seq_length: int, samples: int, cache: str):
+    """megatron-core's train blend of the recipe's --data-path, as Megatron-LM builds it."""
+    return gpt_dataset(get_blend_from_list(args.data_path), OmniTokenizer(caption_blend.tokenizer), seq_length, samples,
+                       caption_blend.root / cache)
+
+
+def test_a_dataset_shorter_than_one_sample_is_warned_where_an_unweighted_blend_fails(caption_blend, capsys):
+    args, out, err = recipe_blend(caption_blend, capsys)  # 763 tokens each, --seq-length 1024
+    assert args.seq_length == 1024 and out.count("# warning: ") == 2 and err.count("warning: ") == 2
+    assert "holds 763 tokens, fewer than one sample (--seq-length + 1 = 1,025)" in err
+    assert "AssertionError in megatron-core's BlendedDataset" in err
+    with one_process_group(caption_blend.root), pytest.raises(AssertionError) as failure:
+        built_blend(caption_blend, args, args.seq_length, 20, "short")
+    assert failure.traceback[-1].path.name == "blended_dataset.py"
+
+    args, out, err = recipe_blend(caption_blend, capsys, "--seq-length", "256")
+    assert args.seq_length == 256 and "warning" not in out + err
+    with one_process_group(caption_blend.root):
+        train = built_blend(caption_blend, args, 256, 20, "fits")
+    assert len(train) == 4  # one epoch: 762 // 256 = 2 samples of each
+
+
+def built_epochs(dataset) -> float:
+    """The epochs megatron-core's GPTDataset built: its document index holds every document once per epoch."""
+    return len(dataset.document_index) / len(dataset.dataset.sequence_lengths)
+
+
+def test_train_tokens_give_the_epochs_megatron_core_builds_for_a_weighted_blend(caption_blend, capsys):
+    args, out, err = recipe_blend(caption_blend, capsys, "--weights", "0.7", "0.3", "--seq-length", "128",
+                                  "--train-tokens", "20000")
+    assert args.train_samples == 157  # 20,000 / 128, rounded up
+    predicted = [float(value) for value in re.findall(r"share 0\.[37]00, 763 tokens: ([\d.]+) epochs", out)]
+    assert predicted == [18.44, 7.9]  # 0.7 (0.3) x 157 x 128 / 763
+    with one_process_group(caption_blend.root):
+        train = built_blend(caption_blend, args, 128, args.train_samples, "epochs")
+    for dataset, epochs in zip(train.datasets, predicted):
+        # megatron-core builds whole epochs, for whole samples and its 0.5% surplus: the next whole number or one more
+        assert epochs < built_epochs(dataset) < epochs + 2
+    assert err.count("is repeated: ") == 2 and "its first pass ends at 5.4% of the run" in err
+
+
+def test_train_tokens_beyond_one_epoch_of_an_unweighted_blend_say_where_the_data_runs_out(caption_blend, capsys):
+    args, out, err = recipe_blend(caption_blend, capsys, "--seq-length", "128", "--train-tokens", "20000")
+    assert "the blend holds 10 samples, so the data runs out at 6.4% of the 157 samples" in err
+    assert out.count(": 0.84 epochs -- 16% of its tokens never train") == 2  # 5 samples x 128 of 763 tokens
+    with one_process_group(caption_blend.root):
+        train = built_blend(caption_blend, args, 128, args.train_samples, "out")
+    assert len(train) == 10  # one epoch of each, whatever was asked for

@@ -29,18 +29,29 @@ def add_parser(sub) -> None:
                         help="with --megatron: one blending weight per PATH, in order (put it after the PATHs)")
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="with --megatron: the `mmtok tokenizer build` directory; checked against the data")
+    parser.add_argument("--seq-length", type=int, default=None, metavar="N",
+                        help="with --megatron: the sequence length to train with (default: the advised one)")
+    parser.add_argument("--train-tokens", type=int, default=None, metavar="T",
+                        help="with --megatron: the run's token budget; adds --train-samples and prints how many "
+                        "epochs of each dataset the weights imply, warning about repeated datasets")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from mmtok.commands.report import print_summary
     from mmtok.errors import MmtokError
     from mmtok.tools.inspect import inspect_path, megatron_recipe
 
     if args.megatron:
-        print(megatron_recipe(args.paths, weights=args.weights, tokenizer=args.tokenizer))
+        recipe = megatron_recipe(args.paths, weights=args.weights, tokenizer=args.tokenizer,
+                                 seq_length=args.seq_length, train_tokens=args.train_tokens)
+        print(recipe.text)
+        if recipe.warnings:
+            print_summary("inspect --megatron", [f"warning: {warning}" for warning in recipe.warnings])
         return 0
-    if len(args.paths) > 1 or args.weights or args.tokenizer:
-        raise MmtokError("several PATHs, --weights and --tokenizer go with --megatron; without it give one PATH")
+    if len(args.paths) > 1 or args.weights or args.tokenizer or args.seq_length or args.train_tokens:
+        raise MmtokError("several PATHs, --weights, --tokenizer, --seq-length and --train-tokens go with --megatron; "
+                         "without it give one PATH")
     codec = None
     if args.render:
         if not (args.codec and args.checkpoint):

@@ -8,6 +8,7 @@ to PNG/WAV through a codec's decoder.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -220,18 +221,62 @@ LONGEST_WHOLE_SAMPLE = 32_768  # above this, advise the 8,192-token stage length
 STAGE_SEQ_LENGTH = 8_192
 
 
-def megatron_recipe(paths: list[str], *, weights: list[float] | None = None, tokenizer: str | None = None) -> str:
+@dataclass(frozen=True)
+class Recipe:
+    """What `inspect --megatron` found: `text` is the argument block and its `#` lines; `warnings` are the
+    problems a run with these arguments would meet (also in `text`, as `# warning:` lines)."""
+
+    text: str
+    warnings: list[str]
+
+
+def megatron_recipe(paths: list[str], *, weights: list[float] | None = None, tokenizer: str | None = None,
+                    seq_length: int | None = None, train_tokens: int | None = None) -> Recipe:
     """The Megatron-LM arguments that train on the datasets at `paths`, then `#` lines that explain them.
 
-    The argument block is shell-ready (one argument per line, joined by backslashes). Refused with
-    MmtokError: a path that is no dataset, datasets of different layouts, weights that do not match the
-    paths, and a `tokenizer` directory that `mmtok tokenizer check` does not pass for these datasets.
+    The argument block is shell-ready (one argument per line, joined by backslashes). `seq_length` replaces the
+    advised --seq-length; `train_tokens` (the run's token budget) adds --train-samples and the epochs of each
+    dataset the blend implies. Refused with MmtokError: a path that is no dataset, datasets of different layouts,
+    weights that do not match the paths, a budget or length below 1, and a `tokenizer` directory that
+    `mmtok tokenizer check` does not pass for these datasets.
     """
+    prefixes = [_require_prefix(path) for path in paths]
+    metas = _checked_metadata(prefixes, weights, tokenizer, seq_length, train_tokens)
+    lengths = [megatron.read_index(prefix)[1] for prefix in prefixes]
+    layout = VocabLayout(metas[0]["vocab"]["text_size"])
+    advised, advice = advise_seq_length(np.concatenate(lengths))
+    seq_length, seq_note = (advised, advice) if seq_length is None else (seq_length, f"as given (advised: {advised:,})")
+    split, split_note = advise_split([len(part) for part in lengths])
+    data = [str(prefix.resolve()) for prefix in prefixes]
+    data_path = " ".join(f"{w:g} {p}" for w, p in zip(weights, data)) if weights else " ".join(data)
+    arguments = [f"--data-path {data_path}", f"--split {split}", "--tokenizer-type HuggingFaceTokenizer",
+                 f"--tokenizer-model {Path(tokenizer).resolve() if tokenizer else 'TOKENIZER_DIR'}",
+                 f"--make-vocab-size-divisible-by {VOCAB_DIVISIBLE_BY}", f"--seq-length {seq_length}"]
+    tokens = [int(part.sum()) for part in lengths]
+    warnings = short_dataset_warnings(prefixes, tokens, seq_length, blended_by_size=weights is None and len(paths) > 1)
+    notes = []
+    if train_tokens is not None:
+        train_samples = -(-train_tokens // seq_length)
+        arguments.append(f"--train-samples {train_samples}")
+        epoch_notes, epoch_warnings = budget_epochs(prefixes, tokens, weights, seq_length, train_samples)
+        notes += epoch_notes
+        warnings += epoch_warnings
+    lines = [f"# Megatron-LM data and tokenizer arguments for {len(prefixes)} mmtok dataset(s)",
+             " \\\n".join(arguments),
+             *_recipe_notes(prefixes, metas, lengths, layout, weights, tokenizer, seq_note, split_note), *notes,
+             *(f"# warning: {warning}" for warning in warnings)]
+    return Recipe("\n".join(lines), warnings)
+
+
+def _checked_metadata(prefixes: list[Path], weights, tokenizer, seq_length, train_tokens) -> list[dict]:
+    """Each dataset's metadata, once the recipe's inputs are checked (see `megatron_recipe`)."""
     from mmtok.tools.tokenizer import check_tokenizer, dataset_metadata
 
-    prefixes = [_require_prefix(path) for path in paths]
     if weights is not None and (len(weights) != len(prefixes) or min(weights) <= 0):
         raise MmtokError(f"--weights needs one positive weight per dataset ({len(prefixes)}), got {weights}")
+    for flag, value in (("--seq-length", seq_length), ("--train-tokens", train_tokens)):
+        if value is not None and value < 1:
+            raise MmtokError(f"{flag} must be at least 1, got {value}")
     metas = [dataset_metadata(prefix) for prefix in prefixes]
     sizes = {(meta["vocab"]["text_size"], meta["vocab"].get("total_size")) for meta in metas}
     if len(sizes) > 1:
@@ -242,19 +287,66 @@ def megatron_recipe(paths: list[str], *, weights: list[float] | None = None, tok
         if problems:
             raise MmtokError(f"tokenizer {tokenizer} does not fit the data: {problems[0]} ({len(problems)} problem(s); "
                              f"`mmtok tokenizer check {tokenizer} --data PREFIX` lists them all)")
-    lengths = [megatron.read_index(prefix)[1] for prefix in prefixes]
-    layout = VocabLayout(metas[0]["vocab"]["text_size"])
-    seq_length, seq_note = advise_seq_length(np.concatenate(lengths))
-    split, split_note = advise_split([len(part) for part in lengths])
-    data = [str(prefix.resolve()) for prefix in prefixes]
-    data_path = " ".join(f"{w:g} {p}" for w, p in zip(weights, data)) if weights else " ".join(data)
-    arguments = [f"--data-path {data_path}", f"--split {split}", "--tokenizer-type HuggingFaceTokenizer",
-                 f"--tokenizer-model {Path(tokenizer).resolve() if tokenizer else 'TOKENIZER_DIR'}",
-                 f"--make-vocab-size-divisible-by {VOCAB_DIVISIBLE_BY}", f"--seq-length {seq_length}"]
-    lines = [f"# Megatron-LM data and tokenizer arguments for {len(prefixes)} mmtok dataset(s)",
-             " \\\n".join(arguments),
-             *_recipe_notes(prefixes, metas, lengths, layout, weights, tokenizer, seq_note, split_note)]
-    return "\n".join(lines)
+    return metas
+
+
+def samples_per_epoch(tokens: int, seq_length: int) -> int:
+    """The samples megatron-core's GPTDataset cuts from one pass over `tokens` tokens: each takes --seq-length + 1
+    tokens, its last one shared with the next sample (`add_extra_token_to_sequence`)."""
+    return max(tokens - 1, 0) // seq_length
+
+
+def short_dataset_warnings(prefixes: list[Path], tokens: list[int], seq_length: int, *,
+                           blended_by_size: bool) -> list[str]:
+    """One warning per dataset that holds fewer tokens than one sample (--seq-length + 1)."""
+    warnings = []
+    for prefix, count in zip(prefixes, tokens):
+        if samples_per_epoch(count, seq_length):
+            continue
+        what = (f"{prefix} holds {count:,} tokens, fewer than one sample (--seq-length + 1 = {seq_length + 1:,}), "
+                "so megatron-core cuts no sample from one pass over it")
+        if blended_by_size:
+            warnings.append(f"{what}; a blend without --weights weighs each dataset by those samples, so building it "
+                            "fails (AssertionError in megatron-core's BlendedDataset) -- give --weights, a smaller "
+                            "--seq-length, or leave the dataset out")
+        else:
+            warnings.append(f"{what}: every sample drawn from it repeats it whole -- blend it with more data, give a "
+                            "smaller --seq-length, or leave it out")
+    return warnings
+
+
+def budget_epochs(prefixes: list[Path], tokens: list[int], weights: list[float] | None, seq_length: int,
+                  train_samples: int) -> tuple[list[str], list[str]]:
+    """The `#` lines that say how many epochs of each dataset a run of `train_samples` samples draws (share of the
+    blend x train tokens / dataset tokens), and the warnings: datasets repeated, or the blend running out.
+
+    With weights, megatron-core starts a new shuffled epoch of a dataset whenever one ends, so the mixture holds to
+    the end of the run; without weights it blends several datasets by their samples per epoch and builds one epoch
+    of each, so the blend runs out when they do."""
+    train_tokens = train_samples * seq_length
+    per_epoch = [samples_per_epoch(count, seq_length) for count in tokens]
+    if weights is None and len(prefixes) > 1:
+        shares = [count / max(sum(per_epoch), 1) for count in per_epoch]
+        served = min(train_samples, sum(per_epoch))
+    else:
+        shares = [w / sum(weights) for w in weights] if weights else [1.0]
+        served = train_samples
+    notes = [f"# epochs: --train-samples {train_samples:,} of --seq-length {seq_length:,} = {train_tokens:,} train "
+             "tokens; each dataset's epochs = its share of the blend x train tokens / its tokens"]
+    warnings = []
+    for prefix, count, share in zip(prefixes, tokens, shares):
+        epochs = share * served * seq_length / max(count, 1)
+        unused = f" -- {1 - epochs:.0%} of its tokens never train" if epochs < 1 else ""
+        notes.append(f"#   {prefix}: share {share:.3f}, {count:,} tokens: {epochs:,.2f} epochs{unused}")
+        if epochs > 1:
+            warnings.append(f"{prefix} is repeated: {epochs:,.2f} epochs, its first pass ends at {1 / epochs:.1%} of "
+                            "the run (megatron-core then reshuffles and repeats it, keeping the mixture; a loader that "
+                            "does not repeat would drop it there and shift the mixture to the others)")
+    if served < train_samples:
+        warnings.append(f"without --weights megatron-core builds one epoch of each dataset: the blend holds "
+                        f"{served:,} samples, so the data runs out at {served / train_samples:.1%} of the "
+                        f"{train_samples:,} samples asked for -- give --weights to repeat the datasets")
+    return notes, warnings
 
 
 def _recipe_notes(prefixes, metas, lengths, layout: VocabLayout, weights, tokenizer, seq_note: str,
