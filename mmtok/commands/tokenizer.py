@@ -14,7 +14,9 @@ text tokenizer T: the text ids of T unchanged; then the 200 omni-special ids (<|
 one token per image code (<|visual token i|>) and per audio code (<|audio token i|>). With the built-in
 tekken (131,072 text ids) that is 266,440 ids: <|img_start|> = 131,073, image code 0 = 131,272, audio
 code 0 = 262,344; a 128,000-id base shifts every omni id down by 3,072. tokenizer_config.json carries
-base_vocab_size and the omnimodal_config block that the swiss-ai Megatron-LM fork reads. Use the same
+every key of the released Apertus 1.5 tokenizer_config.json (base_vocab_size, the omnimodal_config block that
+the swiss-ai Megatron-LM fork reads, the sft_* sequences, the span tokens, vision_tokenizer/audio_tokenizer) and
+mmtok's additions; docs/training.md lists them. Use the same
 --text-tokenizer as `mmtok plan` / `mmtok audio convert`, then `mmtok tokenizer check` against the data.
 """
 

@@ -465,9 +465,9 @@ def _number(value) -> str:
 def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[list[str], int]:
     """Every difference between two tokenizer directories, one line each: the tokenizer_config.json and
     special_tokens_map.json keys (nested keys by their path, `omnimodal_config.modalities[0].offset`), every
-    token name's id, and every added token's flags (ADDED_TOKEN_FLAGS). The
-    token lines of each kind stop after DIFFERENCES_SHOWN with one line counting the rest. Returns (lines, how
-    many differences there are): ([], 0) when the two are equal."""
+    token name's id, and every added token's flags (ADDED_TOKEN_FLAGS). The token lines of each kind stop after
+    DIFFERENCES_SHOWN with one line counting the rest. Returns (lines, how many differences there are): ([], 0)
+    when the two are equal."""
     here, there = _tokenizer_files(directory), _tokenizer_files(reference)
     names = (Path(directory).name, Path(reference).name)
     if names[0] == names[1] or not all(names):
@@ -525,9 +525,11 @@ def _tokenizer_files(directory: str | Path) -> dict:
         pieces = {entry[0]: i for i, entry in enumerate(pieces) if isinstance(entry, list) and entry}
     if not isinstance(pieces, dict):
         raise MmtokError(f"{path}: its model has no vocabulary this check reads (type {model.get('type')})")
-    added = [entry for entry in required(state, "added_tokens", list, path, default=[]) if isinstance(entry, dict)]
-    return {"vocab": {**pieces, **{entry.get("content"): entry.get("id") for entry in added}},
-            "added": {entry.get("content"): {flag: entry.get(flag) for flag in ADDED_TOKEN_FLAGS} for entry in added},
+    added = [entry for entry in required(state, "added_tokens", list, path, default=[])
+             if isinstance(entry, dict) and isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int)]
+    pieces = {name: i for name, i in pieces.items() if isinstance(i, int)}  # ids compared and sorted as numbers
+    return {"vocab": {**pieces, **{entry["content"]: entry["id"] for entry in added}},
+            "added": {entry["content"]: {flag: entry.get(flag) for flag in ADDED_TOKEN_FLAGS} for entry in added},
             CONFIG_JSON: _read_json(directory / CONFIG_JSON), SPECIAL_MAP_JSON: _read_json(directory / SPECIAL_MAP_JSON)}
 
 
