@@ -17,8 +17,12 @@ equals mmtok's TextTokenizer's, except that the converted tokenizer -- like ever
 name of a control token written in the text (`<s>`, `[INST]`) into that token, where tekken's own
 encoder reads it as plain characters.
 
+tokenizer_config.json holds every key of the released Apertus 1.5 one (tests/data/apertus_1p5_tokenizer), with
+its values when the base has the release's text vocabulary, and mmtok's additions (docs/training.md lists them).
+
 `check_tokenizer` compares a tokenizer directory with the datasets mmtok wrote (`mmtok merge`,
 `mmtok audio interleave`): the layout, the structure and text special ids, and every id on disk.
+`compare_tokenizers` compares it with another tokenizer directory, key by key and id by id.
 """
 
 from __future__ import annotations
