@@ -22,6 +22,7 @@ from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import read_json_object, read_regular_file
 
 BUILTIN_TEKKEN = "tekken"
+CONFIG_JSON = "tokenizer_config.json"  # beside an HF tokenizer.json: roles, chat template
 # Beside tokenizer.json: the chat template as its own file (transformers' save_pretrained, the Apertus 1.5
 # release); where it exists, transformers' AutoTokenizer takes it over tokenizer_config.json's chat_template.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -90,21 +91,15 @@ class HFTokenizer(TextTokenizer):
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        config_path = path.with_name("tokenizer_config.json")
-        config = read_json_object(config_path) or {}
+        config = read_json_object(path.with_name(CONFIG_JSON)) or {}
         self._tok = Tokenizer.from_file(str(path))
-        digest = hashlib.sha256(path.read_bytes())
-        if config_path.is_file():
-            digest.update(config_path.read_bytes())
         template = _template_file(path.with_name(CHAT_TEMPLATE_FILE))
-        if template is not None:
-            digest.update(template.encode("utf-8"))
         self._tok.no_padding()
         self._tok.no_truncation()
         self._tok.encode_special_tokens = True  # special tokens' names in text stay text (see TextTokenizer)
         super().__init__(
             name=str(path),
-            fingerprint=digest.hexdigest(),
+            fingerprint=hf_fingerprint(path),
             vocab_size=self._tok.get_vocab_size(with_added_tokens=True),
             bos_id=self._lookup(_token_name(config.get("bos_token"), "<s>")),
             eos_id=self._lookup(_token_name(config.get("eos_token"), "</s>")),
@@ -182,6 +177,54 @@ class TekkenTokenizer(TextTokenizer):
         from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 
         return self._tok.decode([int(i) for i in ids], special_token_policy=SpecialTokenPolicy.KEEP)
+
+
+def hf_fingerprint(path: Path) -> str:
+    """The sha256 of an HF tokenizer: its tokenizer.json at `path`, then the tokenizer_config.json and the
+    chat_template.jinja beside it (where they exist)."""
+    digest = hashlib.sha256(path.read_bytes())
+    config_path = path.with_name(CONFIG_JSON)
+    if config_path.is_file():
+        digest.update(config_path.read_bytes())
+    template = _template_file(path.with_name(CHAT_TEMPLATE_FILE))
+    if template is not None:
+        digest.update(template.encode("utf-8"))
+    return digest.hexdigest()
+
+
+def tokenizer_difference(recorded: dict, current: dict) -> str | None:
+    """How the tokenizer `current` differs from `recorded` (both `describe()` records): None when they are the
+    same files. When both are HF tokenizers whose files are still where their records name them, unchanged,
+    and their tokenizer.json are byte-identical, the clause names the tokenizer_config.json keys that differ
+    (another chat template, other role tokens); otherwise it names both tokenizers and their sha256."""
+    if recorded.get("sha256") == current.get("sha256"):
+        return None
+    keys = _config_only_difference(recorded, current)
+    if keys is None:
+        return (f"{recorded.get('name')} (sha256 {str(recorded.get('sha256'))[:12]}...), not {current.get('name')} "
+                f"(sha256 {str(current.get('sha256'))[:12]}...)")
+    template = CHAT_TEMPLATE_FILE in keys
+    keys = [key for key in keys if key != CHAT_TEMPLATE_FILE]
+    parts = ([f"tokenizer_config.json differs in {', '.join(keys)}"] if keys else []) + \
+        ([f"the {CHAT_TEMPLATE_FILE} beside it differs"] if template else [])
+    which = " and ".join(parts) or "tokenizer_config.json differs only in formatting"
+    return f"the same tokenizer.json, but {which} ({current.get('name')} vs {recorded.get('name')})"
+
+
+def _config_only_difference(recorded: dict, current: dict) -> list[str] | None:
+    """The top-level tokenizer_config.json keys in which two recorded HF tokenizers differ, or None unless both
+    records' files are still there as recorded and their tokenizer.json bytes are equal."""
+    paths = [Path(str(record.get("name"))) for record in (recorded, current)]
+    if not all(path.name == "tokenizer.json" and path.is_file() for path in paths):
+        return None  # a tekken record names its file only; an HF directory may be gone
+    if any(hf_fingerprint(path) != record.get("sha256") for path, record in zip(paths, (recorded, current))):
+        return None  # changed since it was recorded: what the run used is no longer on disk
+    if read_regular_file(paths[0]) != read_regular_file(paths[1]):
+        return None
+    old, new = (read_json_object(path.with_name(CONFIG_JSON)) or {} for path in paths)
+    keys = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+    templates = [_template_file(path.with_name(CHAT_TEMPLATE_FILE)) for path in paths]
+    return keys + ([CHAT_TEMPLATE_FILE] if templates[0] != templates[1] else [])
 
 
 def builtin_tekken_path() -> Path:

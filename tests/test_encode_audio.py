@@ -284,3 +284,15 @@ def test_the_cli_summary_goes_to_stderr_and_json_prints_the_rank_result(shar, ch
         assert (result["rank"], result["world_size"], len(result["shards"])) == (rank, 3, 1) and result["clips"] > 0
     merge(tmp_path)
     assert fingerprint(tmp_path) == fingerprint(one_rank)  # the command writes what the library call does
+
+
+def test_another_text_tokenizer_than_the_conversions_is_refused_naming_both(shar, codec, tmp_path):
+    from encodekit import chat_tokenizer
+
+    from mmtok.errors import MmtokError
+
+    other = chat_tokenizer(tmp_path / "chat")
+    with pytest.raises(MmtokError, match=r"tokenized with another text tokenizer than --text-tokenizer: "
+                                         r"tekken_240718\.json \(sha256 \w{12}\.\.\.\), not .*chat/tokenizer\.json"):
+        encode_rank(shar, tmp_path / "out", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
+                    text_tokenizer=str(other), progress=False)

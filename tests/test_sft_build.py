@@ -229,3 +229,23 @@ def test_split_media_accepts_both_spellings_and_numbers_each_kind():
     assert split_media("a<image>b<|audio|><|image|><audio>") == [
         "a", MediaSlot("image", 0), "b", MediaSlot("audio", 0), MediaSlot("image", 1), MediaSlot("audio", 1)]
     assert split_media("no media") == ["no media"]
+
+
+def test_a_tokenizer_differing_only_in_its_config_is_named_by_the_differing_keys(tokenizer_directory, tmp_path):
+    """Same tokenizer.json, another chat template: the refusal names the config key, not two tokenizer names."""
+    from mmtok.sft.build import _check_image_run
+    from mmtok.vocab import VocabLayout
+
+    recorded = load_text_tokenizer(str(tokenizer_directory))
+    other = shutil.copytree(tokenizer_directory, tmp_path / "other-template")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] += "{# edited #}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    layout = VocabLayout(recorded.vocab_size)
+    identity = {"modality": "image", "mode": "sft", "text_tokenizer": recorded.describe(), "vocab": layout.to_dict()}
+    with pytest.raises(MmtokError) as refused:
+        _check_image_run(tmp_path / "images", identity, tmp_path / "identity.json", layout,
+                         load_text_tokenizer(str(other)))
+    message = str(refused.value)
+    assert "the same tokenizer.json" in message and "tokenizer_config.json differs in chat_template" in message
+    assert "made with text tokenizer" not in message

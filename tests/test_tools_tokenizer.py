@@ -16,9 +16,19 @@ from mmtok.errors import MmtokError
 from mmtok.formats.megatron import DatasetWriter, bin_path, read_sequences
 from mmtok.text import caption_text, load_text_tokenizer
 from mmtok.tools.tokenizer import (AUDIO_CODE_TOKEN, IMAGE_CODE_TOKEN, RESERVED_TOKEN, build_tokenizer, byte_level_chars,
-                             omni_token_names)
+                                   omni_token_names, provenance_problems, value_differences)
 from mmtok.vocab import OMNI_SPECIAL_TOKENS, VocabLayout
 
+RELEASE = Path(__file__).parent / "data" / "apertus_1p5_tokenizer"  # the released tokenizer_config.json
+# The names the Apertus 1.5 text vocabulary gives ids 0-3 and 61-74 (its roles and chat tokens).
+APERTUS_NAMES = {0: "<unk>", 1: "<s>", 2: "</s>", 3: "<pad>", 61: "<|system_start|>", 62: "<|system_end|>",
+                 63: "<|developer_start|>", 64: "<|developer_end|>", 65: "<|user_start|>", 66: "<|user_end|>",
+                 67: "<|assistant_start|>", 68: "<|assistant_end|>", 73: "<|tool_output_start|>",
+                 74: "<|tool_output_end|>"}
+# What `mmtok tokenizer build` writes differently from the release (docs/training.md), given its text vocabulary.
+RELEASE_DIFFERENCES = {"backend", "is_local", "vision_tokenizer.path", "mmtok",
+                       "omnimodal_config.modalities[0].structure_token_ids",
+                       "omnimodal_config.modalities[1].structure_token_ids"}
 SENTENCES = [
     "The astronaut floats above the earth; the rocket waits on the launch pad.",
     "Grüße aus Zürich! Ça coûte 12,50 € — naïve café, smörgåsbord.",
@@ -55,6 +65,28 @@ def sized_tokenizer(directory: Path, size: int) -> Path:
     return directory
 
 
+def apertus_like_base(directory: Path) -> Path:
+    """A stand-in for the Apertus 1.5 text tokenizer: 131,072 contiguous ids with the release's role and chat
+    token names at their ids, and the tokenizer_config.json keys the Apertus text tokenizer has."""
+    vocab = {char: 100 + i for i, char in enumerate(byte_level_chars())}
+    vocab.update({name: i for i, name in APERTUS_NAMES.items()})
+    taken = set(vocab.values())
+    vocab.update({f"<SPECIAL_{i}>": i for i in range(100) if i not in taken})
+    vocab.update({f"filler{i}": i for i in range(len(vocab), 131_072)})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(name, special=True) for name in APERTUS_NAMES.values()])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    release = json.loads((RELEASE / "tokenizer_config.json").read_text())
+    config = {key: release[key] for key in ("add_prefix_space", "bos_token", "clean_up_tokenization_spaces",
+                                            "eos_token", "model_input_names", "model_max_length", "pad_token",
+                                            "padding_side", "unk_token")}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tokenizer")
@@ -76,6 +108,20 @@ def small_base_dir(root) -> Path:
     base = sized_tokenizer(root / "base-128000", 128_000)
     assert main(["tokenizer", "build", "--text-tokenizer", str(base), "--out", str(root / "omni-128000")]) == 0
     return root / "omni-128000"
+
+
+@pytest.fixture(scope="module")
+def apertus_dir(root) -> Path:
+    base = apertus_like_base(root / "apertus-text")
+    assert main(["tokenizer", "build", "--text-tokenizer", str(base), "--out", str(root / "omni-apertus")]) == 0
+    return root / "omni-apertus"
+
+
+@pytest.fixture(scope="module")
+def chat_omni(root) -> Path:
+    """An omnimodal tokenizer built from the small test chat tokenizer (quick to build and to copy)."""
+    build_tokenizer(str(chat_tokenizer(root / "chat-text")), root / "omni-chat-small")
+    return root / "omni-chat-small"
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +194,44 @@ def test_tokenizer_config_carries_the_omnimodal_contract(tekken_dir, tekken_omni
     assert tokenizer.token_to_id(config["eos_token"]) == 2 and tokenizer.token_to_id(config["bos_token"]) == 1
     roles = json.loads((tekken_dir / "special_tokens_map.json").read_text())
     assert roles == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+
+
+def test_a_tekken_build_has_every_release_key_but_the_sft_sequences_tekken_has_no_tokens_for(tekken_omni):
+    tokenizer, config = tekken_omni
+    release = json.loads((RELEASE / "tokenizer_config.json").read_text())
+    missing = set(release) - set(config)
+    assert missing == {"backend", "is_local", "sft_user_begin_sequence", "sft_assistant_begin_sequence", "sft_eot_token"}
+    assert (config["vision_tokenizer"], config["audio_tokenizer"]) == ({"type": "Emu3.5", "codebook_size": 131_072},
+                                                                     release["audio_tokenizer"])
+    assert [config[key] for key in ("vision_begin_token", "vision_end_token", "audio_begin_token", "audio_end_token")] \
+        == [[tokenizer.token_to_id(n)] for n in ("<|img_start|>", "<|img_end|>", "<|audio_start|>", "<|audio_end|>")]
+    assert (config["vocab_size"], config["added_tokens_count"]) == (131_072, 135_368)
+    assert (config["eos_token"], config["pad_token"]) == ("</s>", "<pad>")  # tekken's own roles
+
+
+def test_from_the_release_text_vocabulary_every_release_key_has_the_release_value(apertus_dir):
+    config = json.loads((apertus_dir / "tokenizer_config.json").read_text())
+    release = json.loads((RELEASE / "tokenizer_config.json").read_text())
+    differences = value_differences(config, release, ("built", "release"))
+    assert {key for key, _ in differences} == RELEASE_DIFFERENCES, differences
+    assert all(("only in release" in what) == (key in ("backend", "is_local", "vision_tokenizer.path"))
+               for key, what in differences)
+    assert (config["eos_token"], config["sft_eot_token"], config["vision_tokenizer"]["type"]) == (
+        "<|assistant_end|>", [68], "Emu3.5")
+
+
+def test_the_release_keys_load_in_transformers_with_the_release_roles(apertus_dir, root, tmp_path):
+    """The built tokenizer_config.json read by transformers, beside the text tokenizer.json: loading the whole
+    build's 135,368 added tokens takes transformers about 10 s (checked by hand, docs/training.md)."""
+    transformers = pytest.importorskip("transformers")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(apertus_dir / name, tmp_path / name)
+    shutil.copy(root / "apertus-text" / "tokenizer.json", tmp_path / "tokenizer.json")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (68, 3, 1)
+    assert (tokenizer.padding_side, tokenizer.model_max_length) == ("left", int(1e30))
+    assert tokenizer.init_kwargs["sft_eot_token"] == [68] and tokenizer.init_kwargs["vision_begin_token"] == [131_073]
+    assert tokenizer.encode("<|user_start|>", add_special_tokens=False) == [65]
 
 
 def test_a_128000_base_shifts_every_omni_id_as_the_layout_says(root, small_base_dir):
@@ -284,6 +368,68 @@ def test_check_reads_audio_interleave_outputs_and_their_codec(tekken_dir, tmp_pa
     (tmp_path / METADATA).write_text(json.dumps(meta))
     assert check(tekken_dir, tmp_path / STAGE) == 1
     assert "rebuild it with --audio-codec another-codec" in capsys.readouterr().err
+
+
+def test_check_against_an_equal_copy_passes(chat_omni, tmp_path, capsys):
+    copy = shutil.copytree(chat_omni, tmp_path / "release")
+    assert main(["tokenizer", "check", str(chat_omni), "--against", str(copy)]) == 0
+    assert "equals" in capsys.readouterr().err
+
+
+def test_check_against_names_every_changed_key_id_and_added_token(chat_omni, tmp_path, capsys):
+    release = shutil.copytree(chat_omni, tmp_path / "release")
+    config = json.loads((release / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|assistant_end|>"
+    config["vision_tokenizer"]["type"] = "emu3.5"
+    del config["added_tokens_count"]
+    (release / "tokenizer_config.json").write_text(json.dumps(config))
+    state = json.loads((release / "tokenizer.json").read_text())
+    added = {entry["content"]: entry for entry in state["added_tokens"]}
+    start, end = added["<|img_start|>"], added["<|img_end|>"]
+    start["content"], end["content"] = "<|img_end|>", "<|img_start|>"  # the two ids swapped
+    start["normalized"] = True  # now <|img_end|>'s entry
+    seven = added[AUDIO_CODE_TOKEN.format(i=7)]
+    seven["content"] = "<|audio token 7b|>"  # one token missing, one extra
+    (release / "tokenizer.json").write_text(json.dumps(state))
+    assert main(["tokenizer", "check", str(chat_omni), "--against", str(release)]) == 1
+    lines = [line.strip() for line in capsys.readouterr().err.splitlines()]
+    problems, verdict = lines[:-1], lines[-1]
+    start_id, end_id = start["id"], end["id"]
+    expected = [
+        "tokenizer_config.json added_tokens_count: only in omni-chat-small (135368)",
+        'tokenizer_config.json eos_token: "</s>" in omni-chat-small, "<|assistant_end|>" in release',
+        'tokenizer_config.json vision_tokenizer.type: "Emu3.5" in omni-chat-small, "emu3.5" in release',
+        f"token '<|img_start|>': id {start_id:,} in omni-chat-small, id {end_id:,} in release",
+        f"token '<|img_end|>': id {end_id:,} in omni-chat-small, id {start_id:,} in release",
+        f"token '<|audio token 7b|>': not in omni-chat-small, id {seven['id']:,} in release",
+        f"token '<|audio token 7|>': id {seven['id']:,} in omni-chat-small, not in release",
+    ]
+    assert [p.removeprefix("mmtok tokenizer check: ") for p in problems[:7]] == expected
+    assert [p.removeprefix("mmtok tokenizer check: ") for p in problems[7:]] == [
+        "added token '<|img_end|>': normalized False in omni-chat-small, True in release",
+        "added token '<|audio token 7b|>': an added token in release only",
+        "added token '<|audio token 7|>': an added token in omni-chat-small only"]
+    assert verdict.endswith(f"10 differences: {chat_omni} differs from {release}")
+
+
+def test_check_against_another_layout_counts_every_shifted_id_in_a_bounded_report(tekken_dir, small_base_dir, capsys):
+    assert main(["tokenizer", "check", str(small_base_dir), "--against", str(tekken_dir)]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert any("more differences in token ids" in line for line in lines) and len(lines) < 100
+    assert "mmtok tokenizer check: tokenizer_config.json base_vocab_size: 128000 in omni-128000, 131072 in " \
+        "omni-tekken" in lines
+
+
+def test_a_data_tokenizer_differing_only_in_its_config_is_named_by_its_keys(chat_omni, root, tmp_path):
+    """Same tokenizer.json as the tokenizer's base, another chat template: the config key is named."""
+    other = shutil.copytree(root / "chat-text", tmp_path / "other-template")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages }}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    meta = {"text_tokenizer": load_text_tokenizer(str(other)).describe(), "codec": {}}
+    _, built = load(chat_omni)
+    (problem,) = provenance_problems(meta, built, "OUT/merged")
+    assert "the same tokenizer.json, but tokenizer_config.json differs in chat_template" in problem
 
 
 def _copy_dataset(out: Path, target: Path) -> Path:

@@ -14,7 +14,9 @@ text tokenizer T: the text ids of T unchanged; then the 200 omni-special ids (<|
 one token per image code (<|visual token i|>) and per audio code (<|audio token i|>). With the built-in
 tekken (131,072 text ids) that is 266,440 ids: <|img_start|> = 131,073, image code 0 = 131,272, audio
 code 0 = 262,344; a 128,000-id base shifts every omni id down by 3,072. tokenizer_config.json carries
-base_vocab_size and the omnimodal_config block that the swiss-ai Megatron-LM fork reads. Use the same
+every key of the released Apertus 1.5 tokenizer_config.json (base_vocab_size, the omnimodal_config block that
+the swiss-ai Megatron-LM fork reads, the sft_* sequences, the span tokens, vision_tokenizer/audio_tokenizer) and
+mmtok's additions; docs/training.md lists them. Use the same
 --text-tokenizer as `mmtok plan` / `mmtok audio convert`, then `mmtok tokenizer check` against the data.
 """
 
@@ -22,8 +24,10 @@ CHECK_HELP = """\
 Check a tokenizer directory against datasets written by `mmtok merge` (OUT/merged, OUT/merged_no_reasoning)
 or `mmtok audio interleave` (OUT/stage, OUT/long-context): the same layout as the dataset's metadata
 (OUT/merged.json or OUT/interleave.json), every structure token and BOS/EOS at the id the data uses, the
-same base text tokenizer and codec, and every id on disk inside the tokenizer's vocabulary. Prints one
-line per problem and exits 1, or one success line and exits 0.
+same base text tokenizer and codec, and every id on disk inside the tokenizer's vocabulary. With
+--against REF, also compare it with another tokenizer directory (a released one): every tokenizer_config.json
+and special_tokens_map.json key, every token name's id and every added token's flags. Prints one line per
+problem or difference and exits 1, or one success line and exits 0.
 """
 
 
@@ -45,8 +49,10 @@ def add_parser(sub) -> None:
     check = tokenizer_sub.add_parser("check", help="verify a tokenizer directory against datasets",
                                      description=CHECK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("directory", metavar="DIR", help="tokenizer directory (the --out of `mmtok tokenizer build`)")
-    check.add_argument("--data", required=True, action="append", metavar="PREFIX",
+    check.add_argument("--data", action="append", default=[], metavar="PREFIX",
                        help="dataset prefix such as OUT/merged (repeat for several datasets)")
+    check.add_argument("--against", metavar="REF", help="a tokenizer directory to compare key by key and id by id, "
+                       "such as the released Apertus 1.5 tokenizer")
     check.set_defaults(func=run_check)
 
 
@@ -64,14 +70,26 @@ def run_build(args) -> int:
 
 
 def run_check(args) -> int:
-    from mmtok.tools.tokenizer import check_tokenizer
+    from mmtok.errors import MmtokError
+    from mmtok.tools.tokenizer import check_tokenizer, compare_tokenizers
 
-    problems, summaries = check_tokenizer(args.directory, args.data)
-    for problem in problems:
-        print_summary("tokenizer check", problem)
+    if not args.data and not args.against:
+        raise MmtokError("tokenizer check needs --data PREFIX (a dataset) or --against REF (a tokenizer directory)")
+    problems, summaries = check_tokenizer(args.directory, args.data) if args.data else ([], [])
+    differences, count = compare_tokenizers(args.directory, args.against) if args.against else ([], 0)
+    for line in [*problems, *differences]:
+        print_summary("tokenizer check", line)
+    verdicts = []
     if problems:
-        print_summary("tokenizer check", f"{plural(len(problems), 'problem')}: {args.directory} does not fit this data")
+        verdicts.append(f"{plural(len(problems), 'problem')}: {args.directory} does not fit this data")
+    if count:
+        verdicts.append(f"{plural(count, 'difference')}: {args.directory} differs from {args.against}")
+    for verdict in verdicts:
+        print_summary("tokenizer check", verdict)
+    if verdicts:
         return 1
     for summary in summaries:
         print_summary("tokenizer check", f"ok: {args.directory} fits {summary}")
+    if args.against:
+        print_summary("tokenizer check", f"ok: {args.directory} equals {args.against}, key by key and id by id")
     return 0

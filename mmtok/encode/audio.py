@@ -38,6 +38,7 @@ from mmtok.documents import SequenceBuilder, is_translation
 from mmtok.encode.audio_batches import Batching, make_batches
 from mmtok.ranks import assign_shards
 from mmtok.vocab import check_ids_in_range
+from mmtok.text import tokenizer_difference
 from mmtok.encode.loop import Meter, run_device
 from mmtok.formats.parts import timing_stats
 from mmtok.errors import MmtokError, Skip
@@ -328,11 +329,10 @@ def build_context(out: Path, codec, tokenizer, sequences: str, batching: Batchin
     from mmtok.vocab import VocabLayout
 
     if report is not None:
-        converted = report["identity"]["text_tokenizer"]["sha256"]
-        if converted != tokenizer.fingerprint:
-            raise MmtokError(f"the Shar text was tokenized with {report['identity']['text_tokenizer']['name']} "
-                             f"(sha256 {converted[:12]}...), but --text-tokenizer gives {tokenizer.name} "
-                             f"(sha256 {tokenizer.fingerprint[:12]}...); pass the conversion's tokenizer")
+        difference = tokenizer_difference(report["identity"]["text_tokenizer"], tokenizer.describe())
+        if difference:
+            raise MmtokError(f"the Shar text was tokenized with another text tokenizer than --text-tokenizer: "
+                             f"{difference}; pass the conversion's tokenizer")
     layout = VocabLayout(tokenizer.vocab_size)
     builder = SequenceBuilder(layout, tokenizer.bos_id, tokenizer.eos_id)
     preprocess = {"sample_rate": TARGET_SAMPLE_RATE, "peak_dbfs": PEAK_DBFS, "resampler": RESAMPLER,

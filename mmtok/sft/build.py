@@ -54,7 +54,7 @@ from mmtok.formats.items import ImageIndex
 from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
 from mmtok.fsutil import required
 from mmtok.ranks import unit_ranges
-from mmtok.text import TextTokenizer, load_text_tokenizer
+from mmtok.text import TextTokenizer, load_text_tokenizer, tokenizer_difference
 from mmtok.vocab import VocabLayout
 
 CONVERSATIONS_PER_UNIT = 256  # one commit per unit: a kill loses at most this many conversations' work
@@ -113,10 +113,10 @@ def _check_image_run(out: Path, identity: dict, path: Path, layout: VocabLayout,
     if identity.get("modality") != "image" or identity.get("mode") != "sft":
         raise MmtokError(f"{out}: not the image encode of a `--mode sft` plan (modality {identity.get('modality')}, "
                          f"mode {identity.get('mode')}); plan the conversation tars with `mmtok plan --mode sft`")
-    text_tokenizer = required(identity, "text_tokenizer", dict, path)
-    if text_tokenizer.get("sha256") != tokenizer.fingerprint:
-        raise MmtokError(f"{out}: its image blocks were made with text tokenizer {text_tokenizer.get('name')}"
-                         f", not {tokenizer.name}; pass the plan's --text-tokenizer")
+    difference = tokenizer_difference(required(identity, "text_tokenizer", dict, path), tokenizer.describe())
+    if difference:
+        raise MmtokError(f"{out}: its image blocks were made with another text tokenizer: {difference}; pass the "
+                         "plan's --text-tokenizer")
     vocab = required(identity, "vocab", dict, path)
     if vocab.get("total_size") != layout.total_size or vocab.get("text_size") != layout.text_size:
         raise MmtokError(f"{out}: its vocabulary layout {vocab} differs from this tokenizer's")

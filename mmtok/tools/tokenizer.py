@@ -17,8 +17,12 @@ equals mmtok's TextTokenizer's, except that the converted tokenizer -- like ever
 name of a control token written in the text (`<s>`, `[INST]`) into that token, where tekken's own
 encoder reads it as plain characters.
 
+tokenizer_config.json holds every key of the released Apertus 1.5 one (tests/data/apertus_1p5_tokenizer), with
+its values when the base has the release's text vocabulary, and mmtok's additions (docs/training.md lists them).
+
 `check_tokenizer` compares a tokenizer directory with the datasets mmtok wrote (`mmtok merge`,
 `mmtok audio interleave`): the layout, the structure and text special ids, and every id on disk.
+`compare_tokenizers` compares it with another tokenizer directory, key by key and id by id.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from mmtok import __version__
 from mmtok.errors import MmtokError, brief
 from mmtok.formats import interleave, megatron, merged
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required
-from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer
+from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer, tokenizer_difference
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -48,6 +52,20 @@ ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 IMAGE_CODECS = ("emu3.5", "emu3")
 AUDIO_CODECS = ("wavtokenizer",)
 CODEC_SECTIONS = {"image": "vision_tokenizer", "audio": "audio_tokenizer"}  # tokenizer_config.json keys
+CODEC_TYPES = {"emu3.5": "Emu3.5", "emu3": "Emu3", "wavtokenizer": "wavtokenizer"}  # the `type` upstream spells
+# Keys of the released Apertus 1.5 tokenizer_config.json (tests/data/apertus_1p5_tokenizer) that no base
+# decides, with the release's values; a base's own value wins.
+RELEASE_DEFAULTS = {"add_prefix_space": False, "clean_up_tokenization_spaces": False, "extra_special_tokens": {},
+                    "model_input_names": ["input_ids", "attention_mask"], "model_max_length": int(1e30),
+                    "padding_side": "left"}
+# The release's SFT boundary keys (read by the swiss-ai Megatron-LM fork) and the chat token each one names.
+SFT_SEQUENCES = {"sft_user_begin_sequence": "<|user_start|>", "sft_assistant_begin_sequence": "<|assistant_start|>",
+                 "sft_eot_token": "<|assistant_end|>"}
+# The release's span keys: key -> the structure token it names.
+SPAN_TOKENS = {"vision_begin_token": "<|img_start|>", "vision_end_token": "<|img_end|>",
+               "audio_begin_token": "<|audio_start|>", "audio_end_token": "<|audio_end|>"}
+ADDED_TOKEN_FLAGS = ("special", "normalized", "lstrip", "rstrip", "single_word")
+DIFFERENCES_SHOWN = 20  # token differences printed per kind by `check --against`; all are counted
 
 
 def omni_token_names(layout: VocabLayout) -> list[str]:
@@ -90,11 +108,14 @@ def load_base(spec: str) -> Base:
     else:
         path = Path(text.name)  # an HFTokenizer is named by its tokenizer.json
         config = _read_json(path.with_name(CONFIG_JSON))
+        tokenizer = Tokenizer.from_file(str(path))
         roles = {"bos_token": text.token_text(text.bos_id), "eos_token": text.token_text(text.eos_id)}
+        if tokenizer.token_to_id("<pad>") is not None:
+            roles["pad_token"] = "<pad>"  # the release names a pad token; a base's own pad_token wins
         roles.update({role: config[role] for role in ROLES if role in config})
         config = {**config, **roles}
         template = path.with_name(CHAT_TEMPLATE)
-        base = Base(Tokenizer.from_file(str(path)), config, _read_json(path.with_name(SPECIAL_MAP_JSON)) or roles,
+        base = Base(tokenizer, config, _read_json(path.with_name(SPECIAL_MAP_JSON)) or roles,
                     template if template.is_file() else None, text)
     _check_base(base, spec)
     return base
@@ -199,7 +220,7 @@ def build_tokenizer(text_spec: str, out: str | Path, *, image_codec: str = "emu3
     atomic_write_bytes(out / TOKENIZER_JSON, data)
     atomic_write_json(out / SPECIAL_MAP_JSON, base.special_tokens_map)
     _copy_chat_template(base.chat_template_file, out)
-    atomic_write_json(out / CONFIG_JSON, tokenizer_config(base, layout, image_codec, audio_codec))
+    atomic_write_json(out / CONFIG_JSON, tokenizer_config(base, base_vocab, layout, image_codec, audio_codec))
     return {"out": str(out), "text_tokenizer": base.text.name, "text_size": layout.text_size,
             "total_size": layout.total_size, "tokenizer_json_bytes": len(data),
             "seconds": round(time.monotonic() - started, 2)}
@@ -234,17 +255,28 @@ def verify_ids(tokenizer, base_vocab: dict[str, int], layout: VocabLayout, spec:
                          "tokens this build does not expect; please report it with the base tokenizer attached")
 
 
-def tokenizer_config(base: Base, layout: VocabLayout, image_codec: str, audio_codec: str) -> dict:
-    """tokenizer_config.json: the base's keys (roles, chat template), the layout contract, and the build's provenance."""
+def tokenizer_config(base: Base, base_vocab: dict[str, int], layout: VocabLayout, image_codec: str,
+                     audio_codec: str) -> dict:
+    """tokenizer_config.json: every key of the released Apertus 1.5 one (docs/training.md lists them), the base's
+    own keys (roles, chat template), and mmtok's additions (structure_token_ids, the `mmtok` provenance).
+
+    From a base with the release's text vocabulary the release's keys get the release's values: the roles come
+    from the base, the SFT sequences are the ids of the base's Apertus chat tokens (absent from a base without
+    them), everything else follows from the layout.
+    """
     # added_tokens_decoder would list the base's added tokens only; tokenizer.json holds them all
     config = {key: value for key, value in base.config.items() if key != "added_tokens_decoder"}
     return {
+        **RELEASE_DEFAULTS,
         **config,
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": config.get("clean_up_tokenization_spaces", False),  # decode text as it is
+        "vocab_size": layout.text_size,  # as the release: the text vocabulary (len(tokenizer) is total_size)
+        "added_tokens_count": layout.total_size - layout.text_size,
+        **{key: [base_vocab[name]] for key, name in SFT_SEQUENCES.items() if name in base_vocab},
+        **{key: [layout.special_id(name)] for key, name in SPAN_TOKENS.items()},
         **layout.omnimodal_config(structure=True),
-        CODEC_SECTIONS["image"]: {"type": image_codec, "codebook_size": layout.image_codebook},
-        CODEC_SECTIONS["audio"]: {"type": audio_codec, "codebook_size": layout.audio_codebook},
+        CODEC_SECTIONS["image"]: {"type": CODEC_TYPES[image_codec], "codebook_size": layout.image_codebook},
+        CODEC_SECTIONS["audio"]: {"type": CODEC_TYPES[audio_codec], "codebook_size": layout.audio_codebook},
         "mmtok": {"version": __version__, "base_tokenizer": base.text.describe(),
                   "content_tokens": {"vision": IMAGE_CODE_TOKEN, "audio": AUDIO_CODE_TOKEN},
                   "reserved_token": RESERVED_TOKEN, "aliases": dict(TOKEN_ALIASES)},
@@ -392,10 +424,10 @@ def provenance_problems(meta: dict, config: dict, prefix) -> list[str]:
     problems = []
     base = config.get("mmtok", {}).get("base_tokenizer")  # absent in tokenizers built by other tools
     data = meta["text_tokenizer"]
-    if base and data.get("sha256") and base.get("sha256") != data["sha256"]:
-        problems.append(f"text tokenizer: dataset {prefix} was made with {data.get('name')} (sha256 "
-                        f"{data['sha256'][:12]}…), the tokenizer built from {base.get('name')} (sha256 "
-                        f"{str(base.get('sha256'))[:12]}…) -- rebuild it with --text-tokenizer set to the data's")
+    difference = tokenizer_difference(data, base) if base and data.get("sha256") else None
+    if difference:
+        problems.append(f"text tokenizer: dataset {prefix} was made with another text tokenizer than the one this "
+                        f"tokenizer was built from: {difference} -- rebuild it with --text-tokenizer set to the data's")
     codec = meta["codec"]
     section = config.get(CODEC_SECTIONS.get(codec.get("modality"), ""), {})
     if section.get("type") and codec.get("name") and section["type"].lower() != codec["name"].lower():  # "Emu3.5" too
@@ -431,3 +463,93 @@ def _role_name(value) -> str | None:
 def _number(value) -> str:
     return f"{value:,}" if isinstance(value, int) else "none"
 
+
+
+# -- check against another tokenizer ---------------------------------------------------------------
+def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[list[str], int]:
+    """Every difference between two tokenizer directories, one line each: the tokenizer_config.json and
+    special_tokens_map.json keys (nested keys by their path, `omnimodal_config.modalities[0].offset`), every
+    token name's id, and every added token's flags (ADDED_TOKEN_FLAGS). The token lines of each kind stop after
+    DIFFERENCES_SHOWN with one line counting the rest. Returns (lines, how many differences there are): ([], 0)
+    when the two are equal."""
+    here, there = _tokenizer_files(directory), _tokenizer_files(reference)
+    names = (Path(directory).name, Path(reference).name)
+    if names[0] == names[1] or not all(names):
+        names = (str(directory), str(reference))
+    lines = []
+    for file in (CONFIG_JSON, SPECIAL_MAP_JSON):
+        lines += [f"{file} {key}: {what}" for key, what in value_differences(here[file], there[file], names)]
+    vocab, ref_vocab = here["vocab"], there["vocab"]
+    added, ref_added = here["added"], there["added"]
+
+    def in_id_order(found: set[str]) -> list[str]:  # so the lines read as the vocabulary does
+        return sorted(found, key=lambda name: (vocab.get(name, ref_vocab.get(name, -1)), name))
+
+    ids = [f"token {brief(repr(name))}: {_id_in(vocab, name, names[0])}, {_id_in(ref_vocab, name, names[1])}"
+           for name in in_id_order(vocab.keys() | ref_vocab.keys()) if vocab.get(name) != ref_vocab.get(name)]
+    flags = [f"added token {brief(repr(name))}: {_flag_difference(added.get(name), ref_added.get(name), names)}"
+             for name in in_id_order(added.keys() | ref_added.keys()) if added.get(name) != ref_added.get(name)]
+    return [*lines, *_shown("token ids", ids), *_shown("added tokens", flags)], len(lines) + len(ids) + len(flags)
+
+
+def value_differences(ours, theirs, names: tuple[str, str], key: str = "") -> list[tuple[str, str]]:
+    """(key path, what differs) for every value of two JSON documents that differs: dictionaries key by key,
+    lists of the same length item by item, anything else as a whole."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        found = []
+        for name in sorted(ours.keys() | theirs.keys()):
+            path = f"{key}.{name}" if key else name
+            if name not in theirs or name not in ours:
+                value, where = (ours[name], names[0]) if name in ours else (theirs[name], names[1])
+                found.append((path, f"only in {where} ({brief(json.dumps(value, ensure_ascii=False), 80)})"))
+            else:
+                found += value_differences(ours[name], theirs[name], names, path)
+        return found
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        return [found for i, (a, b) in enumerate(zip(ours, theirs))
+                for found in value_differences(a, b, names, f"{key}[{i}]")]
+    if ours == theirs and type(ours) is type(theirs):
+        return []
+    shown = [brief(json.dumps(value, ensure_ascii=False), 80) for value in (ours, theirs)]
+    return [(key, f"{shown[0]} in {names[0]}, {shown[1]} in {names[1]}")]
+
+
+def _tokenizer_files(directory: str | Path) -> dict:
+    """Of any Hugging Face tokenizer directory: `vocab` (every token name -> id, added tokens included) and
+    `added` (added token name -> its flags) from tokenizer.json, read as JSON (loading a `tokenizers.Tokenizer`
+    of 135,368 added tokens takes seconds); its tokenizer_config.json and special_tokens_map.json ({} when absent)."""
+    directory = Path(directory)
+    if not (directory / TOKENIZER_JSON).is_file():
+        raise MmtokError(f"{directory}: no {TOKENIZER_JSON} here -- pass a Hugging Face tokenizer directory")
+    path = directory / TOKENIZER_JSON
+    state = read_json_object(path)
+    model = required(state, "model", dict, path)
+    pieces = model.get("vocab")
+    if isinstance(pieces, list):  # Unigram: [piece, score] in id order
+        pieces = {entry[0]: i for i, entry in enumerate(pieces) if isinstance(entry, list) and entry}
+    if not isinstance(pieces, dict):
+        raise MmtokError(f"{path}: its model has no vocabulary this check reads (type {model.get('type')})")
+    added = [entry for entry in required(state, "added_tokens", list, path, default=[])
+             if isinstance(entry, dict) and isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int)]
+    pieces = {name: i for name, i in pieces.items() if isinstance(i, int)}  # ids compared and sorted as numbers
+    return {"vocab": {**pieces, **{entry["content"]: entry["id"] for entry in added}},
+            "added": {entry["content"]: {flag: entry.get(flag) for flag in ADDED_TOKEN_FLAGS} for entry in added},
+            CONFIG_JSON: _read_json(directory / CONFIG_JSON), SPECIAL_MAP_JSON: _read_json(directory / SPECIAL_MAP_JSON)}
+
+
+def _id_in(vocab: dict[str, int], name: str, where: str) -> str:
+    return f"id {vocab[name]:,} in {where}" if name in vocab else f"not in {where}"
+
+
+def _flag_difference(ours: dict | None, theirs: dict | None, names: tuple[str, str]) -> str:
+    """The flags in which one added token differs between two tokenizers, or in which one it is no added token."""
+    if ours is None or theirs is None:
+        return f"an added token in {names[0] if theirs is None else names[1]} only"
+    return "; ".join(f"{flag} {ours[flag]} in {names[0]}, {theirs[flag]} in {names[1]}"
+                     for flag in ADDED_TOKEN_FLAGS if ours[flag] != theirs[flag])
+
+
+def _shown(kind: str, lines: list[str]) -> list[str]:
+    if len(lines) <= DIFFERENCES_SHOWN:
+        return lines
+    return [*lines[:DIFFERENCES_SHOWN], f"… and {len(lines) - DIFFERENCES_SHOWN:,} more differences in {kind}"]
