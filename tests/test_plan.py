@@ -961,3 +961,31 @@ def test_caption_mode_plan_files_match_the_whole_table_planner(tmp_path):
     manifest = write_manifest(tmp_path / "m", rows)
     plan(manifest, tmp_path / "p", SMALL.override(mode="image-text"), 2)
     assert digests(tmp_path / "p") == CAPTIONS_GOLDEN
+
+
+@pytest.mark.parametrize("read_rows", [3, 7, 1 << 18])
+def test_window_bounds_read_in_batches_snap_to_the_next_document_start(tmp_path, monkeypatch, read_rows):
+    rng = np.random.default_rng(read_rows)
+    sizes = [1, 1, 9, 2, 1, 30, 1, 3, 1, 1, 12, 2] + rng.integers(1, 6, 40).tolist()
+    manifest = manifest_format.Manifest.open(write_manifest(tmp_path, documents_of([dict(width=640, height=480)], sizes)))
+    monkeypatch.setattr(plan_rows, "READ_ROWS", read_rows)
+    document = np.repeat(np.arange(len(sizes)), sizes)
+    starts = np.flatnonzero(np.diff(document, prepend=-1))
+    for window_rows in (1, 4, 10, 25, 1000):
+        want = {0, len(document)} | {int(starts[np.searchsorted(starts, c)]) if c <= starts[-1] else len(document)
+                                     for c in range(window_rows, len(document), window_rows)}
+        assert plan_rows.window_bounds(manifest, window_rows, progress=False).tolist() == sorted(want)
+
+
+def test_groups_are_read_one_at_a_time_with_their_rows(corpus, monkeypatch):
+    monkeypatch.setattr(plan_rows, "READ_ROWS", 5)
+    manifest = manifest_format.Manifest.open(corpus)
+    n = manifest.num_rows
+    cuts = np.array([0, 3, 4, 20, n])
+    groups = list(plan_rows.read_groups(manifest, SMALL, plan_rows.Reasons(), cuts))
+    document = manifest.read(["document"]).column(0).to_numpy()
+    assert [(g.start, len(g)) for g in groups] == [(int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:])]
+    for g in groups:
+        assert np.array_equal(g.document, document[g.start:g.start + len(g)])
+    seen = np.concatenate([g.new_shapes for g in groups])
+    assert len(seen) == len(np.unique(seen))  # each shape is announced once, by the first group holding it
