@@ -125,8 +125,9 @@ def _constant(value: str, n: int):
 
 
 def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc_images: tuple[int, int],
-                             seed: int = 0) -> Path:
-    """A contract-layout manifest of `rows` rows (cached: reused when it already has that many rows)."""
+                             seed: int = 0, columns: tuple[str, ...] | None = None) -> Path:
+    """A contract-layout manifest of `rows` rows (cached: reused when it already has that many rows);
+    only `columns` where given (the plan in image mode reads six: a smaller file, written faster)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -135,16 +136,16 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc
     path = directory / "manifest.parquet"
     meta = directory / "manifest.json"
     recorded = json.loads(meta.read_text()) if meta.is_file() else {}
-    tag = _tag(rows, multi_share, doc_images, seed)
+    tag = _tag(rows, multi_share, doc_images, seed) + (f"-columns{len(columns)}" if columns else "")
     if path.is_file() and "format" in recorded and recorded["fingerprint"] == tag:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     rng, sizes = np.random.default_rng(seed), real_sizes()
     writer, document, chunk = None, 0, 1 << 21
     for start in range(0, rows, chunk):
-        columns, document = synthetic_chunk(rng, sizes, start, min(chunk, rows - start), document, multi_share,
+        chunk_columns, document = synthetic_chunk(rng, sizes, start, min(chunk, rows - start), document, multi_share,
                                              doc_images)
-        table = pa.table(columns)
+        table = pa.table(chunk_columns if columns is None else {c: chunk_columns[c] for c in columns})
         if writer is None:
             writer = pq.ParquetWriter(path, table.schema, compression="zstd")
         writer.write_table(table, row_group_size=1 << 20)
@@ -170,13 +171,15 @@ pa.set_cpu_count(1); pa.set_io_thread_count(1)
 import mmtok
 from mmtok.formats.plan import BATCHES_FILE, PlanWriter, Plan
 from mmtok.formats.presets import load_preset
-from mmtok.plan import batching, core
+from mmtok.plan import batching, core, rows
 from mmtok.plan.rows import text_tokenizer
 from mmtok.ranks import imbalance, rank_costs
 phases = {"read + filter + target shapes": 0.0, "windows + batches": 0.0, "write files": 0.0}
 
 def timed(owner, name, phase):
-    inner = getattr(owner, name)
+    inner = getattr(owner, name, None)
+    if inner is None:  # the other planner's layout (whole-table: core.filter_manifest; streaming: rows._filter_batch)
+        return
     def wrapper(*args, **kwargs):
         t = time.process_time()
         try:
@@ -186,6 +189,7 @@ def timed(owner, name, phase):
     setattr(owner, name, wrapper)
 
 timed(core, "filter_manifest", "read + filter + target shapes")
+timed(rows, "_filter_batch", "read + filter + target shapes")  # streaming: the Parquet reads land in "other"
 timed(batching.GroupPlanner, "plan", "windows + batches")
 timed(core, "_write_group", "write files")
 timed(PlanWriter, "finish", "write files")

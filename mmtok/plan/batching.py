@@ -26,19 +26,9 @@ from mmtok.formats.presets import PlanParameters
 from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable
 from mmtok.text import TextTokenizer
 
-GROUP_ROWS = 1 << 20  # windows are planned in groups of about this many rows; grouping never changes the plan
+GROUP_ROWS = 1 << 20  # windows are read and planned in groups of about this many rows: the plan's memory
+# is about one group's; grouping never changes the plan
 MAX_GROUP_WINDOWS = (1 << 16) - 1  # local window ids stay uint16 (radix sorts)
-
-
-def window_bounds(document: np.ndarray, window_rows: int) -> np.ndarray:
-    """Window start rows, then len(document): multiples of window_rows moved forward to the next
-    document start, duplicates merged (a document longer than a window makes one longer window)."""
-    n = len(document)
-    if n == 0:
-        return np.zeros(1, np.int64)
-    candidates = np.arange(window_rows, n, window_rows, dtype=np.int64)
-    snapped = np.searchsorted(document, document[candidates - 1], side="right")  # first row of the next document
-    return np.unique(np.concatenate([[0], snapped, [n]]).astype(np.int64))
 
 
 def window_groups(bounds: np.ndarray) -> np.ndarray:
@@ -108,12 +98,12 @@ class GroupPlanner:
     `splits` maps a batch number of the unsplit plan to the image positions where it is cut
     (see the module docstring); the batches are then renumbered in order."""
 
-    def __init__(self, rows: ManifestRows, shapes: ShapeTable, params: PlanParameters, reasons: Reasons,
-                 tokenizer: TextTokenizer, text_column: str | None = None,
+    def __init__(self, params: PlanParameters, reasons: Reasons, tokenizer: TextTokenizer,
+                 containers: list[tuple[str, str]] | None = None, text_column: str | None = None,
                  splits: dict[int, list[int]] | None = None):
-        self.rows, self.shapes, self.params, self.reasons = rows, shapes, params, reasons
-        self.tokenizer = tokenizer
-        self.captions = CaptionReader(rows.containers, text_column) if params.counts_captions else None
+        self.params, self.reasons, self.tokenizer = params, reasons, tokenizer
+        self.shapes = ShapeTable.build(np.zeros(0, np.uint32), params, tokenizer)  # grows with the shapes seen
+        self.captions = CaptionReader(containers, text_column) if params.counts_captions else None
         self.splits = splits or {}
         self.next_batch = 0
         self.next_unsplit_batch = 0
@@ -121,27 +111,30 @@ class GroupPlanner:
         self.long_documents = 0  # dropped as document_too_long
         self.largest_document = 0  # image-block tokens (+ BOS/EOS) of the largest document seen, dropped or not
 
-    def plan(self, lo: int, hi: int, window_starts: np.ndarray, first_window: int) -> GroupPlan:
-        """Plan manifest rows [lo, hi), whose windows start at `window_starts` (global rows)."""
-        reason = self.rows.reason[lo:hi]  # a view: final reasons land in rows.reason
-        doc_start = _run_starts(self.rows.document[lo:hi])
-        one_image_documents = len(doc_start) == hi - lo
+    def plan(self, rows: ManifestRows, window_starts: np.ndarray, first_window: int) -> GroupPlan:
+        """Plan one group of manifest rows, whose windows start at `window_starts` (global rows)."""
+        if len(rows.new_shapes):
+            self.shapes = ShapeTable.build(np.union1d(self.shapes.packed, rows.new_shapes).astype(np.uint32),
+                                           self.params, self.tokenizer)
+        lo, reason = rows.start, rows.reason  # final reasons land in rows.reason
+        doc_start = _run_starts(rows.document)
+        one_image_documents = len(doc_start) == len(rows)
         if not one_image_documents:
             self._drop_whole_documents(reason, doc_start)
-        self._drop_long_documents(lo, reason, doc_start)
-        text_tokens = self._count_captions(lo, reason, doc_start) if self.captions else None
+        self._drop_long_documents(rows, doc_start)
+        text_tokens = self._count_captions(rows, doc_start) if self.captions else None
         keep = reason == 0
         dropped = np.flatnonzero(~keep)
         plan = GroupPlan(dropped_rows=lo + dropped, dropped_codes=reason[dropped], documents_total=len(doc_start))
         kept_rows = np.flatnonzero(keep)
         if len(kept_rows) == 0:
             return plan
-        kept = self._structure(lo, kept_rows, window_starts - lo, one_image_documents)
+        kept = self._structure(rows, kept_rows, window_starts - lo, one_image_documents)
         order = stable_order(kept.shape, kept.window)
         batch_shape = self._cut(plan, kept, order, first_window)
         batch = np.repeat(plan.batches["batch"], plan.batches["num_images"])
-        self._fill_images(plan, lo, kept, order, batch, batch_shape)
-        self._fill_documents(plan, lo, kept, order, batch, text_tokens)
+        self._fill_images(plan, rows, kept, order, batch, batch_shape)
+        self._fill_documents(plan, rows, kept, order, batch, text_tokens)
         self.next_batch += len(batch_shape)
         self.next_plan_row += len(order)
         return plan
@@ -155,13 +148,14 @@ class GroupPlanner:
             doc_code[np.searchsorted(doc_start, bad_rows, side="right") - 1] = self.reasons.code("document_member_dropped")
             self._drop_documents(reason, doc_start, doc_code)
 
-    def _drop_long_documents(self, lo: int, reason: np.ndarray, doc_start: np.ndarray) -> None:
+    def _drop_long_documents(self, rows: ManifestRows, doc_start: np.ndarray) -> None:
         """Documents whose image blocks + BOS/EOS exceed max_document_tokens get `document_too_long`."""
+        reason = rows.reason
         alive = reason == 0
         if not alive.any():
             return
         row_tokens = np.zeros(len(reason), np.int64)
-        row_tokens[alive] = self.shapes.tokens[self.shapes.index(self.rows.shape[lo:lo + len(reason)][alive])]
+        row_tokens[alive] = self.shapes.tokens[self.shapes.index(rows.shape[alive])]
         tokens = np.add.reduceat(row_tokens, doc_start) + 2
         tokens[reason[doc_start] != 0] = 0
         self.largest_document = max(self.largest_document, int(tokens.max()))
@@ -177,11 +171,11 @@ class GroupPlanner:
         hit = (row_code != 0) & (reason == 0)
         reason[hit] = row_code[hit]
 
-    def _count_captions(self, lo: int, reason: np.ndarray, doc_start: np.ndarray) -> np.ndarray:
+    def _count_captions(self, rows: ManifestRows, doc_start: np.ndarray) -> np.ndarray:
         """Caption tokens of the group's surviving documents (in order); drops the unusable ones."""
-        rows = self.rows
+        reason = rows.reason
         candidate = np.flatnonzero(reason[doc_start] == 0)
-        first = lo + doc_start[candidate]
+        first = doc_start[candidate]
         tokens, why = count_captions(self.captions, self.tokenizer, rows.container[first], rows.text_offset[first],
                                      rows.text_size[first])
         doc_code = np.zeros(len(doc_start), np.uint16)
@@ -190,12 +184,13 @@ class GroupPlanner:
         return tokens[tokens >= 0]
 
     # -- batches -------------------------------------------------------------------------------------
-    def _structure(self, lo: int, kept_rows: np.ndarray, window_starts: np.ndarray, one_image_documents: bool) -> _Kept:
+    def _structure(self, rows: ManifestRows, kept_rows: np.ndarray, window_starts: np.ndarray,
+                   one_image_documents: bool) -> _Kept:
         """Shape index and window of every kept row, and where its documents start."""
-        shape = self.shapes.index(self.rows.shape[lo:][kept_rows])
+        shape = self.shapes.index(rows.shape[kept_rows])
         doc_start = None
         if not one_image_documents:
-            doc_start = _run_starts(self.rows.document[lo:][kept_rows])
+            doc_start = _run_starts(rows.document[kept_rows])
             doc_start = None if len(doc_start) == len(kept_rows) else doc_start
         window_start = np.searchsorted(kept_rows, window_starts)
         window = None
@@ -252,7 +247,7 @@ class GroupPlanner:
         order = np.argsort(starts, kind="stable")
         return starts[order], np.concatenate([batch_run, added[:, 1]])[order]
 
-    def _fill_images(self, plan: GroupPlan, lo: int, kept: _Kept, order: np.ndarray, batch: np.ndarray,
+    def _fill_images(self, plan: GroupPlan, rows: ManifestRows, kept: _Kept, order: np.ndarray, batch: np.ndarray,
                      batch_shape: np.ndarray) -> None:
         b = plan.batches
         count = b["num_images"]
@@ -263,17 +258,17 @@ class GroupPlanner:
             doc_len = _run_lengths(kept.doc_start, len(order))
             document_images = np.repeat(doc_len, doc_len).astype(np.int32)[order]
         plan.images = {
-            "manifest_row": lo + source,
+            "manifest_row": rows.start + source,
             "batch": batch,
             "target_height": np.repeat(b["target_height"], count),
             "target_width": np.repeat(b["target_width"], count),
             "tokens": np.repeat(self.shapes.tokens[batch_shape], count),
-            "document": self.rows.document[lo:][source],
-            "image_index": self.rows.image_index[lo:][source],
+            "document": rows.document[source],
+            "image_index": rows.image_index[source],
             "document_images": document_images,
         }
 
-    def _fill_documents(self, plan: GroupPlan, lo: int, kept: _Kept, order: np.ndarray, batch: np.ndarray,
+    def _fill_documents(self, plan: GroupPlan, rows: ManifestRows, kept: _Kept, order: np.ndarray, batch: np.ndarray,
                         text_tokens: np.ndarray | None) -> None:
         """Document totals and the documents.parquet rows (documents with several images, or with a
         counted caption)."""
@@ -300,7 +295,7 @@ class GroupPlanner:
         plan.text_tokens = int(np.maximum(text_tokens, 0).sum())
         listed = slice(None) if listed_all else np.flatnonzero(num_images > 1)
         plan.documents = {
-            "document": self.rows.document[lo:][kept.rows[start[listed]]],
+            "document": rows.document[kept.rows[start[listed]]],
             "num_images": num_images[listed],
             "text_tokens": text_tokens[listed].astype(np.int32),
             "tokens": tokens[listed],

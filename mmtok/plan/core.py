@@ -1,7 +1,9 @@
 """Manifest -> plan: NumPy only, never per-row Python (seconds per hundred million rows).
 
-1. `mmtok.plan.rows`: read the manifest columns the plan needs, filter rows (each drop gets a
-   reason), compute target shapes with `mmtok.media.resize.target_shapes`.
+1. `mmtok.plan.rows`: window bounds from one pass over the document column; then, group of windows
+   by group of windows, read the manifest columns the plan needs, filter rows (each drop gets a
+   reason), compute target shapes with `mmtok.media.resize.target_shapes`. Only about one group of
+   rows is in memory at a time: the plan's memory grows with its batches, not with the manifest.
 2. and 3. `mmtok.plan.batching`: windows snapped to document boundaries; inside each window,
    images sorted by exact shape and cut into batches under the token budget and max_batch_images.
    Batches are numbered in that order; the order of images depends only on the manifest and the
@@ -23,10 +25,10 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.plan import PlanWriter, has_plan
-from mmtok.plan.batching import GroupPlan, GroupPlanner, window_bounds, window_groups
+from mmtok.plan.batching import GroupPlan, GroupPlanner, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.formats.presets import PlanParameters
-from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable, filter_manifest, text_tokenizer
+from mmtok.plan.rows import Reasons, read_groups, text_tokenizer, window_bounds
 from mmtok.ranks import balance_splits, imbalance, partition_ranks, rank_costs
 from mmtok.text import TextTokenizer
 
@@ -73,48 +75,52 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     manifest = Manifest.open(Path(manifest_dir).resolve())
     tokenizer = text_tokenizer(params.text_tokenizer)
     reasons = Reasons()
-    rows = filter_manifest(manifest, params, reasons, progress)
-    shapes = ShapeTable.build(rows.shapes_seen, params, tokenizer)
-    filtered = rows.reason.copy()  # a second pass starts from the same filter reasons
-    meta, log = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, {}, progress,
+    bounds = window_bounds(manifest, params.window_rows, progress)
+    meta, log = _plan_pass(manifest, params, tokenizer, bounds, reasons, out_dir, world_size, {}, progress,
                            fixed_batches)
     if world_size > 1 and meta["imbalance"] > SPLIT_ABOVE and not fixed_batches:
         splits = _splits(log, params, world_size)
-        if splits:
-            rows.reason[:] = filtered
-            meta, _ = _plan_pass(manifest, params, tokenizer, rows, shapes, reasons, out_dir, world_size, splits,
-                                 progress, fixed_batches)
+        if splits:  # the second pass reads and filters the manifest again: no per-row state is kept
+            meta, _ = _plan_pass(manifest, params, tokenizer, bounds, reasons, out_dir, world_size, splits, progress,
+                                 fixed_batches)
     _refuse_empty(meta, Path(out_dir), written=True)
     return meta
 
 
-def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, rows: ManifestRows,
-               shapes: ShapeTable, reasons: Reasons, out_dir, world_size: int, splits: dict[int, list[int]],
+def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, bounds: np.ndarray,
+               reasons: Reasons, out_dir, world_size: int, splits: dict[int, list[int]],
                progress: bool, fixed_batches: bool) -> tuple[dict, _BatchLog]:
-    """Plan every group and write the plan files; returns plan.json's content and the batch log."""
+    """Read, filter and plan every group and write the plan files; returns plan.json's content and the
+    batch log."""
     from mmtok.progress import progress as progress_bar
 
-    bounds = window_bounds(rows.document, params.window_rows)
     groups = window_groups(bounds)
-    planner = GroupPlanner(rows, shapes, params, reasons, tokenizer, manifest.text_column, splits)
+    group_rows = read_groups(manifest, params, reasons, bounds[groups])
+    planner = None
     log = _BatchLog()
+    dropped: dict[int, int] = {}  # reason code -> rows
     documents = {"kept": 0, "total": 0, "image_tokens": 0, "text_tokens": 0, "tokens": 0}
     desc = "plan: batches" + (" (split for balance)" if splits else "")
     with PlanWriter(out_dir) as writer, \
-            progress_bar(total=len(rows), desc=desc, unit="row", unit_scale=True, enabled=progress) as bar:
-        for g in range(len(groups) - 1):
+            progress_bar(total=int(bounds[-1]), desc=desc, unit="row", unit_scale=True, enabled=progress) as bar:
+        for g, rows in enumerate(group_rows):
+            if planner is None:  # made here: the caption containers are named as rows are read
+                planner = GroupPlanner(params, reasons, tokenizer, rows.containers, manifest.text_column, splits)
             w0, w1 = int(groups[g]), int(groups[g + 1])
-            lo, hi = int(bounds[w0]), int(bounds[w1])
-            plan = planner.plan(lo, hi, bounds[w0:w1], w0)
+            plan = planner.plan(rows, bounds[w0:w1], w0)
             _write_group(writer, plan, reasons)
             log.add(plan)
             _add_document_totals(documents, plan)
-            bar.update(hi - lo)
-        planner.close()
-        meta = _metadata(manifest, params, tokenizer, rows, reasons, log, documents,
+            for code, count in enumerate(np.bincount(plan.dropped_codes).tolist()):
+                dropped[code] = dropped.get(code, 0) + count
+            bar.update(len(rows))
+        if planner is not None:
+            planner.close()
+        meta = _metadata(manifest, params, tokenizer, int(bounds[-1]), dropped, reasons, log, documents,
                          n_windows=len(bounds) - 1, world_size=world_size, fixed_batches=fixed_batches)
-        meta["long_documents"] = {"limit": params.max_document_tokens, "dropped": planner.long_documents,
-                                  "largest_tokens": planner.largest_document}
+        meta["long_documents"] = {"limit": params.max_document_tokens,
+                                  "dropped": planner.long_documents if planner else 0,
+                                  "largest_tokens": planner.largest_document if planner else 0}
         meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
         if has_plan(out_dir):
             _refuse_empty(meta, Path(out_dir), written=False)  # a plan of no image must not replace the last plan
@@ -232,13 +238,12 @@ def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead
             "your GPU (`mmtok calibrate`: its per-batch overhead may be smaller than the analytic default's)")
 
 
-def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer,
-              rows: ManifestRows, reasons: Reasons, log: _BatchLog, documents: dict, n_windows: int,
+def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, n_rows: int,
+              dropped: dict[int, int], reasons: Reasons, log: _BatchLog, documents: dict, n_windows: int,
               world_size: int, fixed_batches: bool) -> dict:
     costs = log.array("cost", np.float64)
     tokens, count = log.array("tokens", np.int64), log.array("num_images", np.int64)
     ranks = rank_summary(costs, world_size)
-    by_reason = np.bincount(rows.reason, minlength=len(reasons.names))
     over = tokens > params.token_budget
     kept_images = int(count.sum())
     return {
@@ -255,7 +260,7 @@ def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeniz
         "num_batches": len(costs),
         "num_windows": n_windows,
         "totals": {
-            "manifest_rows": len(rows), "kept_images": kept_images, "dropped_images": len(rows) - kept_images,
+            "manifest_rows": n_rows, "kept_images": kept_images, "dropped_images": n_rows - kept_images,
             "documents": documents["total"], "kept_documents": documents["kept"],
             "dropped_documents": documents["total"] - documents["kept"],
             "image_tokens": documents["image_tokens"], "text_tokens": documents["text_tokens"],
@@ -265,7 +270,7 @@ def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeniz
                   "document_tokens": params.document_totals_exact,
                   "note": "sft/interleaved: document text is counted by the encoder; document_tokens "
                           "there are BOS + image blocks + EOS only"},
-        "dropped_by_reason": {reasons.names[i]: int(c) for i, c in enumerate(by_reason) if i and c},
+        "dropped_by_reason": {reasons.names[i]: dropped[i] for i in sorted(dropped) if i and dropped[i]},
         "over_budget": _over_budget(log, over),
         "batch_fill": {"full_fraction": float(log.array("full", bool).mean()) if len(costs) else 0.0,
                        "mean_fill": float(np.minimum(tokens / params.token_budget, 1).mean()) if len(costs) else 0.0,

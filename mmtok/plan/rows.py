@@ -1,6 +1,8 @@
 """Stage 1 of the plan: read the manifest columns it needs, filter rows, compute target shapes.
 
-Per manifest row the plan keeps a drop-reason code (0 = kept) and the packed target shape
+The manifest is read twice: once for the window bounds (the document column), then group by group
+(`read_groups`), so only about one group of rows is in memory. Per row of a group the plan keeps a
+drop-reason code (0 = kept) and the packed target shape
 `(h/f) << SHAPE_BITS | (w/f)` from `mmtok.media.resize.target_shapes`, the one resize rule. The packed
 value sorts like (height, width) and indexes a lookup table, so later stages never search per row.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -50,20 +53,40 @@ class Reasons:
 
 @dataclass
 class ManifestRows:
-    """The per-row arrays the plan keeps in memory: 18 bytes a row (38 in caption modes)."""
+    """The per-row arrays of one processing group: 18 bytes a row (38 in caption modes). Row 0 is manifest
+    row `start`; the plan holds one group at a time, so its memory does not grow with the manifest."""
 
+    start: int
     document: np.ndarray  # int64
     image_index: np.ndarray  # int32
     reason: np.ndarray  # uint16 drop-reason code, 0 = kept so far
     shape: np.ndarray  # uint32 packed target shape, 0 where dropped
-    shapes_seen: np.ndarray  # sorted unique packed shapes of kept rows
+    new_shapes: np.ndarray  # sorted packed shapes of kept rows first seen in this group (the shape table grows)
     container: np.ndarray | None = None  # int32 index into `containers` (caption modes only)
-    containers: list[tuple[str, str]] | None = None  # (path, container kind)
+    containers: list[tuple[str, str]] | None = None  # (path, container kind); grows as groups are read
     text_offset: np.ndarray | None = None
     text_size: np.ndarray | None = None
 
+    ARRAYS = ("document", "image_index", "reason", "shape", "container", "text_offset", "text_size")
+
     def __len__(self) -> int:
         return len(self.document)
+
+    @classmethod
+    def concat(cls, pieces: list["ManifestRows"]) -> "ManifestRows":
+        if len(pieces) == 1:
+            return pieces[0]
+        joined = {k: None if getattr(pieces[0], k) is None else np.concatenate([getattr(p, k) for p in pieces])
+                  for k in cls.ARRAYS}
+        return cls(start=pieces[0].start, new_shapes=np.zeros(0, np.uint32), containers=pieces[0].containers,
+                   **joined)
+
+    def head(self, n: int, new_shapes: np.ndarray) -> tuple["ManifestRows", "ManifestRows"]:
+        """(the first n rows, with `new_shapes`; the rest)."""
+        def part(cut: slice, start: int, shapes: np.ndarray) -> ManifestRows:
+            arrays = {k: None if getattr(self, k) is None else getattr(self, k)[cut] for k in self.ARRAYS}
+            return ManifestRows(start=start, new_shapes=shapes, containers=self.containers, **arrays)
+        return part(slice(0, n), self.start, new_shapes), part(slice(n, None), self.start + n, np.zeros(0, np.uint32))
 
 
 @dataclass(frozen=True)
@@ -176,60 +199,95 @@ class _Containers:
 
     def __init__(self) -> None:
         self.codes: dict[tuple[str, str], int] = {}
+        self.names: list[tuple[str, str]] = []  # by code; shared with every ManifestRows read
 
     def encode(self, batch: pa.RecordBatch) -> np.ndarray:
         paths, path_labels = _labels(batch, "tar")
         kinds, kind_labels = _labels(batch, "container")
         n_kinds = max(len(kind_labels), 1)
         unique, inverse = np.unique(paths.astype(np.int64) * n_kinds + kinds, return_inverse=True)  # caption modes only
-        codes = [self.codes.setdefault((path_labels[p // n_kinds], kind_labels[p % n_kinds]), len(self.codes))
-                 for p in unique.tolist()]
+        codes = [self._code((path_labels[p // n_kinds], kind_labels[p % n_kinds])) for p in unique.tolist()]
         return np.asarray(codes, np.int32)[inverse.ravel()] if codes else np.zeros(0, np.int32)
 
+    def _code(self, name: tuple[str, str]) -> int:
+        if name not in self.codes:
+            self.codes[name] = len(self.names)
+            self.names.append(name)
+        return self.codes[name]
 
-def filter_manifest(manifest: Manifest, params: PlanParameters, reasons: Reasons,
-                    progress: bool = True) -> ManifestRows:
-    """Stage 1 over the manifest, READ_ROWS rows at a time."""
+
+def window_bounds(manifest: Manifest, window_rows: int, progress: bool = True) -> np.ndarray:
+    """Window start rows, then the row count: multiples of window_rows moved forward to the next document
+    start, duplicates merged (a document longer than a window makes one longer window). One pass over the
+    document column, READ_ROWS rows at a time, which also checks the document order."""
     from mmtok.progress import progress as progress_bar
 
+    n, path = manifest.num_rows, manifest.path
+    candidates = np.arange(window_rows, n, window_rows, dtype=np.int64)
+    found = np.full(len(candidates), n, np.int64)  # the first document start at or after each candidate
+    start, previous, todo = 0, None, 0  # candidates[todo:] are not found yet
+    with progress_bar(total=n, desc="plan: windows", unit="row", unit_scale=True, enabled=progress) as bar:
+        for batch in manifest.batches(["document"], READ_ROWS):
+            document = _column(batch, "document", np.int64, path, start)
+            _check_document_order(document, previous, path, start)
+            change = np.empty(len(document), bool)
+            change[:1] = previous is None or (len(document) > 0 and document[0] != previous)
+            np.not_equal(document[1:], document[:-1], out=change[1:])
+            doc_starts = start + np.flatnonzero(change)
+            at = np.searchsorted(doc_starts, candidates[todo:])
+            hit = at < len(doc_starts)  # a candidate's start is in this batch or a later one: hits are a prefix
+            found[todo:todo + int(hit.sum())] = doc_starts[at[hit]]
+            todo += int(hit.sum())
+            previous = document[-1] if len(document) else previous
+            start += batch.num_rows
+            bar.update(batch.num_rows)
+    return np.unique(np.concatenate([[0], found, [n]]).astype(np.int64)) if n else np.zeros(1, np.int64)
+
+
+def read_groups(manifest: Manifest, params: PlanParameters, reasons: Reasons,
+                cuts: np.ndarray) -> Iterator[ManifestRows]:
+    """Stage 1 over the manifest, READ_ROWS rows at a time: the filtered rows of each group
+    [cuts[i], cuts[i + 1]), in order; only the rows of about one group are held at a time."""
     path = manifest.path
     columns = list(BASE_COLUMNS) + (list(CAPTION_COLUMNS) if params.counts_captions else [])
     batches = manifest.batches(columns, READ_ROWS, dictionary=[c for c in ("status", "reason", "tar", "container")
                                                                if c in columns])
-    n = manifest.num_rows
-    rows = ManifestRows(document=np.empty(n, np.int64), image_index=np.empty(n, np.int32),
-                        reason=np.empty(n, np.uint16), shape=np.empty(n, np.uint32), shapes_seen=np.empty(0, np.uint32))
     containers = _Containers()
-    if params.counts_captions:
-        rows.container = np.empty(n, np.int32)
-        rows.text_offset, rows.text_size = np.empty(n, np.int64), np.empty(n, np.int64)
     seen = np.zeros(1 << (2 * SHAPE_BITS), bool)
-    start, previous = 0, None
-    with progress_bar(total=n, desc="plan: read manifest", unit="row", unit_scale=True, enabled=progress) as bar:
-        for batch in batches:
-            stop = start + batch.num_rows
-            document = _column(batch, "document", np.int64, path, start)
-            _check_document_order(document, previous, path, start)
-            previous = document[-1] if len(document) else previous
-            rows.document[start:stop] = document
-            rows.image_index[start:stop] = _column(batch, "image_index", np.int32, path, start)
-            width = _column(batch, "width", np.int32, path, start)
-            height = _column(batch, "height", np.int32, path, start)
-            scan = _scan_codes(batch, reasons)
-            for a in range(0, batch.num_rows, FILTER_ROWS):
-                b = min(a + FILTER_ROWS, batch.num_rows)
-                reason, shape = filter_rows(width[a:b], height[a:b], scan[a:b], params, reasons)
-                rows.reason[start + a:start + b], rows.shape[start + a:start + b] = reason, shape
-                seen[shape[reason == 0]] = True
-            if params.counts_captions:
-                rows.container[start:stop] = containers.encode(batch)
-                rows.text_offset[start:stop] = _column(batch, "text_offset", np.int64, path, start)
-                rows.text_size[start:stop] = _column(batch, "text_size", np.int64, path, start)
-            bar.update(batch.num_rows)
-            start = stop
-    rows.shapes_seen = np.flatnonzero(seen).astype(np.uint32)
+    pending: list[ManifestRows] = []  # read, not yet yielded
+    have, g = 0, 0
+    for batch in batches:
+        pending.append(_filter_batch(batch, cuts[g] + have, params, reasons, containers, path))
+        have += batch.num_rows
+        while g + 1 < len(cuts) and cuts[g + 1] - cuts[g] <= have:
+            size = int(cuts[g + 1] - cuts[g])
+            rows = ManifestRows.concat(pending)
+            kept_shapes = rows.shape[:size][rows.reason[:size] == 0]
+            new = np.unique(kept_shapes[~seen[kept_shapes]])
+            seen[new] = True
+            group, rest = rows.head(size, new)
+            yield group
+            pending, have, g = ([rest] if len(rest) else []), have - size, g + 1
+
+
+def _filter_batch(batch: pa.RecordBatch, start: int, params: PlanParameters, reasons: Reasons,
+                  containers: "_Containers", path: Path) -> ManifestRows:
+    """One record batch (manifest rows from `start`) read and filtered."""
+    n = batch.num_rows
+    rows = ManifestRows(start=start, document=_column(batch, "document", np.int64, path, start),
+                        image_index=_column(batch, "image_index", np.int32, path, start),
+                        reason=np.empty(n, np.uint16), shape=np.empty(n, np.uint32),
+                        new_shapes=np.zeros(0, np.uint32), containers=containers.names)
+    width = _column(batch, "width", np.int32, path, start)
+    height = _column(batch, "height", np.int32, path, start)
+    scan = _scan_codes(batch, reasons)
+    for a in range(0, n, FILTER_ROWS):
+        b = min(a + FILTER_ROWS, n)
+        rows.reason[a:b], rows.shape[a:b] = filter_rows(width[a:b], height[a:b], scan[a:b], params, reasons)
     if params.counts_captions:
-        rows.containers = list(containers.codes)
+        rows.container = containers.encode(batch)
+        rows.text_offset = _column(batch, "text_offset", np.int64, path, start)
+        rows.text_size = _column(batch, "text_size", np.int64, path, start)
     return rows
 
 
