@@ -26,7 +26,10 @@ and tokens per second, and the ETA of an unfinished part: its remaining batches 
 (with --plan: its remaining share of the plan's cost model). The job's ETA is the largest ETA of the
 running parts. Once every part is done, the measured imbalance is max/mean - 1 of the parts' wall
 seconds (idle parts included), beside the plan's modeled imbalance (with --plan; re-derived for the
-job's world size when it differs from the plan's). See docs/status.md.
+job's world size when it differs from the plan's). While parts are unfinished, the tail line names the
+running parts that finish last (progress, speed against the median pace, ETA) and the action lines say
+what to do: requeue a slow or silent running part on another node, resume stopped parts, and parts not
+started (in a SLURM array they start as slots free up). See docs/status.md.
 """
 TABLE_LIMIT = 20  # parts shown one per line; above it only unfinished and slowest ones
 
