@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 
-from encodekit import planned_job
+from encodekit import ONE_IMAGE_BATCHES, planned_job
 
 from mmtok.cli import main
 from mmtok.codecs import emu35
@@ -16,8 +16,8 @@ from mmtok.formats.commitlog import COMMITS, is_done, part_dir, read_commits
 from mmtok.fsutil import sha256_file
 
 
-def _records(out) -> int:
-    return len(read_commits(part_dir(out, 0))[0])
+def _records(out, part: int = 0) -> int:
+    return len(read_commits(part_dir(out, part))[0])
 
 
 def _gated_encode(argv: list[str], arrived, gate) -> None:
@@ -112,9 +112,9 @@ def _wait_until(condition, process, kind: str, timeout: float = 60) -> None:
         time.sleep(0.001)
 
 
-def _safe_records(out) -> int:
+def _safe_records(out, part: int = 0) -> int:
     try:
-        return _records(out)
+        return _records(out, part)
     except Exception:  # the log may be mid-append while we look
         return -1
 
@@ -124,3 +124,53 @@ def _tear_tails(directory, rng: random.Random) -> None:
     for name in ("tokens.bin", "provenance.jsonl", "carry.bin", COMMITS):
         with open(directory / name, "ab") as handle:
             handle.write(rng.randbytes(rng.randint(1, 37)).replace(b"\n", b"x"))
+
+
+def _worker(argv: list[str], ranks: list[int], world_size: int) -> None:
+    """One GPU of a SLURM array: the ranks it is handed, one after another."""
+    for rank in ranks:
+        if main([*argv, "--rank", str(rank), "--world-size", str(world_size)]):
+            sys.exit(1)
+
+
+def _run_workers(forkserver, argv: list[str], world_size: int, shares: list[list[int]]) -> None:
+    workers = [forkserver.Process(target=_worker, args=(argv, ranks, world_size)) for ranks in shares]
+    for process in workers:
+        process.start()
+    for process in workers:
+        process.join()
+    assert [p.exitcode for p in workers] == [0] * len(workers)
+
+
+def test_merged_bytes_are_the_same_whether_ranks_run_at_once_in_an_array_or_killed_and_rerun(tmp_path, forkserver):
+    plan_dir, checkpoint = planned_job(tmp_path)
+    plans = {}
+    for world_size in (6, 2):
+        plans[world_size] = tmp_path / f"plan-{world_size}"
+        assert main(["plan", str(tmp_path / "manifest"), "--out", str(plans[world_size]), "--quiet", *ONE_IMAGE_BATCHES,
+                     "--text-tokenizer", str(tmp_path / "tokenizer"), "--world-size", str(world_size)]) == 0
+
+    def argv(plan, out):
+        return ["encode", "--plan", str(plan), "--checkpoint", str(checkpoint), "--out", str(out), "--device", "cpu",
+                "--loader-threads", "1", "--no-progress"]
+
+    at_once, array, two = tmp_path / "at-once", tmp_path / "array", tmp_path / "two"
+    _run_workers(forkserver, argv(plans[6], at_once), 6, [[rank] for rank in range(6)])
+    _run_workers(forkserver, argv(plans[2], two), 2, [[0], [1]])
+    # the array: rank 3's node dies after its first commit; two workers then take the ranks in their own
+    # orders, and rank 3 resumes on one of them
+    arrived, gate = forkserver.Semaphore(0), forkserver.Semaphore(0)
+    dying = forkserver.Process(target=_gated_encode,
+                               args=([*argv(plans[6], array), "--rank", "3", "--world-size", "6"], arrived, gate))
+    dying.start()
+    gate.release()
+    _wait_until(lambda: _safe_records(array, 3) >= 1, dying, "the dying rank")
+    os.kill(dying.pid, signal.SIGKILL)
+    dying.join()
+    assert dying.exitcode == -signal.SIGKILL and not is_done(part_dir(array, 3))
+    assert 1 <= _records(array, 3) < len(read_commits(part_dir(at_once, 3))[0])
+    _run_workers(forkserver, argv(plans[6], array), 6, [[4, 0, 2], [5, 3, 1]])
+    for out in (at_once, array, two):
+        assert main(["merge", str(out)]) == 0
+    for name in ("merged.bin", "merged.idx", "merged.provenance.jsonl"):
+        assert sha256_file(array / name) == sha256_file(at_once / name) == sha256_file(two / name), name

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -268,3 +270,39 @@ def test_the_modeled_imbalance_is_rederived_for_another_world_size(job, tmp_path
     write_part(tmp_path / "other", image_identity(0, 1, (0, 1), plan_fingerprint="f" * 64), range(1))
     with pytest.raises(MmtokError, match="not the plan these parts were encoded from"):
         job_status(tmp_path / "other", plan=plan_dir)
+
+
+def test_the_tail_names_slow_and_silent_running_parts_and_the_parts_not_started(tmp_path, capsys):
+    for part in range(4):  # four done parts at 1 s a batch: the median pace
+        write_part(tmp_path, image_identity(part, 7, (2 * part, 2 * part + 2)), range(2), wall_ms=1000, finish=True)
+    slow = write_part(tmp_path, image_identity(4, 7, (8, 12)), range(2), wall_ms=2000)  # 2 s a batch
+    silent = write_part(tmp_path, image_identity(5, 7, (12, 16)), range(1), wall_ms=1000)
+    long_ago = time.time() - 3600
+    for name in (COMMITS, WriterLock.NAME):
+        os.utime(silent / name, (long_ago, long_ago))  # as if its node hung an hour ago
+    with PartWriter(slow, image_identity(4, 7, (8, 12))), WriterLock(silent, "part 5"):
+        os.utime(silent / WriterLock.NAME, (long_ago, long_ago))
+        status = job_status(tmp_path)
+        assert main(["status", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    parts = by_part(status)
+    assert parts[4]["speed"] == pytest.approx(0.5) and parts[4]["progress"] == pytest.approx(0.5)
+    assert parts[0]["speed"] == pytest.approx(1.0) and parts[6]["speed"] is None
+    assert parts[5]["silent_s"] > 3500
+    assert [a["action"] for a in status["tail"]["actions"]] == ["slow", "stalled", "not_started"]
+    tail = [line for line in shown if line.startswith(("tail:", "action:"))]
+    assert tail == [
+        "tail: 1 not started, 2 running, 4 done; last to finish: part 4 50% at 0.50x the median pace, eta 4.0s, "
+        "part 5 25% at 1.00x the median pace, eta 3.0s",
+        "action: part 4 runs at 0.50x the median pace: requeue it on another node (cancel its task and exclude the "
+        "node; the rerun resumes after its last commit)",
+        tail[2],
+        "action: 1 part not started (6): in a SLURM array they start as slots free up; otherwise launch their ranks"]
+    assert tail[2].startswith("action: part 5 has committed nothing for 1h00m (its batches take 1.0s): its node "
+                              "may hang; requeue it on another node")
+
+
+def test_a_finished_job_shows_no_tail(tmp_path, capsys):
+    write_part(tmp_path, image_identity(0, 1, (0, 2)), range(2), finish=True)
+    assert main(["status", str(tmp_path)]) == 0 and "tail:" not in capsys.readouterr().out
+    assert job_status(tmp_path)["tail"]["actions"] == []

@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
     parser.add_argument("source", help="manifest directory (from `mmtok scan`); with --explain and no --out: a plan")
     parser.add_argument("--out", "-o", help="plan directory to write")
     parser.add_argument("--preset", help="preset name (plans/NAME.yaml) or a YAML file; flags override it")
-    parser.add_argument("--world-size", type=int, default=1, help="number of encode ranks (default 1)")
+    parser.add_argument("--world-size", type=int, default=1, help="number of encode ranks (default 1); on a cluster about 8 per GPU, run as a SLURM array "
+                        "with a concurrency limit of the GPUs (docs/slurm.md)")
     parser.add_argument("--mode", choices=MODES, help="document layout the encoder will write")
     parser.add_argument("--cost-model", metavar="FILE", help="YAML with a `cost_model:` mapping (from `mmtok "
                         "calibrate --out`, or a preset): replaces the preset's cost model; --cost-* flags still apply")

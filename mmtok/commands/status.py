@@ -26,7 +26,10 @@ and tokens per second, and the ETA of an unfinished part: its remaining batches 
 (with --plan: its remaining share of the plan's cost model). The job's ETA is the largest ETA of the
 running parts. Once every part is done, the measured imbalance is max/mean - 1 of the parts' wall
 seconds (idle parts included), beside the plan's modeled imbalance (with --plan; re-derived for the
-job's world size when it differs from the plan's). See docs/status.md.
+job's world size when it differs from the plan's). While parts are unfinished, the tail line names the
+running parts that finish last (progress, speed against the median pace, ETA) and the action lines say
+what to do: requeue a slow or silent running part on another node, resume stopped parts, and parts not
+started (in a SLURM array they start as slots free up). See docs/status.md.
 """
 TABLE_LIMIT = 20  # parts shown one per line; above it only unfinished and slowest ones
 
@@ -112,7 +115,50 @@ def _summary(status: dict) -> list[str]:
     if status["slowest"]:
         lines.append("slowest: " + ", ".join(_slow(status, n) for n in status["slowest"]))
     lines.append(f"eta: {_eta(status)}")
-    return lines
+    return lines + _tail(status)
+
+
+TAIL_SHOWN = 5  # running parts named on the tail line
+
+
+def _tail(status: dict) -> list[str]:
+    """The tail line (the running parts that finish last, their progress, speed and ETA) and one line
+    per recommended action."""
+    tail, states = status["tail"], status["states"]
+    if states["done"] == status["num_parts"]:
+        return []
+    counts = f"{states['missing']} not started, {states['running']} running, {states['done']} done"
+    by_number = {p["part"]: p for p in status["parts"]}
+    shown = [_running(by_number[n]) for n in tail["running"][:TAIL_SHOWN]]
+    lines = [f"tail: {counts}" + (f"; last to finish: {', '.join(shown)}" if shown else "")]
+    return lines + [f"action: {_action(a)}" for a in tail["actions"]]
+
+
+def _running(part: dict) -> str:
+    progress = "?" if part["progress"] is None else f"{100 * part['progress']:.0f}%"
+    speed = "" if part["speed"] is None else f" at {part['speed']:.2f}x the median pace"
+    return f"part {part['part']} {progress}{speed}, eta {_duration(part['eta_s'])}"
+
+
+def _action(action: dict) -> str:
+    kind = action["action"]
+    if kind == "slow":
+        return (f"part {action['part']} runs at {action['speed']:.2f}x the median pace: requeue it on another node "
+                "(cancel its task and exclude the node; the rerun resumes after its last commit)")
+    if kind == "stalled":
+        return (f"part {action['part']} has committed nothing for {_duration(action['silent_s'])} (its batches take "
+                f"{_duration(action['unit_s'])}): its node may hang; requeue it on another node")
+    parts = _numbers(action["parts"])
+    if kind == "resume":
+        return (f"{plural(len(action['parts']), 'part')} stopped ({parts}): requeue their tasks or rerun the "
+                "same encode command")
+    return (f"{plural(len(action['parts']), 'part')} not started ({parts}): in a SLURM array they start as slots free "
+            "up; otherwise launch their ranks")
+
+
+def _numbers(numbers: list[int], shown: int = 8) -> str:
+    text = ", ".join(map(str, numbers[:shown]))
+    return text + (f" and {len(numbers) - shown} more" if len(numbers) > shown else "")
 
 
 def _slow(status: dict, number: int) -> str:

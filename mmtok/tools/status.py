@@ -24,6 +24,7 @@ the same formula as the plan's modeled imbalance (`mmtok.ranks.imbalance` over r
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,8 @@ from mmtok.ranks import imbalance, rank_costs
 STATES = ("done", "running", "stopped", "missing", "damaged")
 RESUME_HINT = "rerun the same encode command to resume"
 SLOWEST = 5
+SLOW_SPEED = 0.75  # a part progressing below this share of the median pace is worth moving to another node
+STALL_UNITS, STALL_S = 10, 600  # a running part silent for this many of its units (and seconds) may hang
 
 
 def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) -> dict:
@@ -69,13 +72,14 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
             "num_parts": num_parts, "states": {s: sum(p["state"] == s for p in parts) for s in STATES},
             "totals": _totals(parts, model), "eta_s": _job_eta(parts),
             "slowest": [p["part"] for p in sorted(parts, key=lambda p: -p["projected_s"])[:SLOWEST] if p["wall_s"]],
-            "imbalance": _imbalance(parts, modality, model, num_parts), "warnings": warnings, "parts": parts}
+            "imbalance": _imbalance(parts, modality, model, num_parts), "tail": _tail(parts),
+            "warnings": warnings, "parts": parts}
 
 
 # -- reading one part --------------------------------------------------------------------------------
 def _missing(number: int, directory: Path, detail: str = "not started: no part directory") -> dict:
     return {"part": number, "state": "missing", "detail": detail, "directory": str(directory), "counts": {},
-            "units_done": 0, "tokens": 0, "part_batches": None}
+            "units_done": 0, "tokens": 0, "part_batches": None, "silent_s": None}
 
 
 def _damaged(number: int, directory: Path, detail: str) -> dict:
@@ -112,8 +116,16 @@ def _read_part(number: int, directory: Path) -> dict:
         state, detail = "stopped", RESUME_HINT
     counts = dict(records[-1]["counts"]) if records else {}
     return {**part, "state": state, "detail": detail, "identity": identity, "part_batches": identity.get("part_batches"),
-            "counts": counts, "units_done": len(records),
+            "counts": counts, "units_done": len(records), "silent_s": _silent_s(directory) if holder else None,
             "tokens": sum(n for record in records for n in record["lengths"]) + counts.get("item_tokens", 0)}
+
+
+def _silent_s(directory: Path) -> float:
+    """Seconds since the part's writer last showed life: its last commit (the commit log's mtime) or its
+    session start (the lock file's mtime: the holder line is written when the lock is taken)."""
+    touched = [(directory / name).stat().st_mtime for name in (commitlog.COMMITS, WriterLock.NAME)
+               if (directory / name).is_file()]
+    return max(0.0, time.time() - max(touched)) if touched else 0.0
 
 
 def _one_run(found: dict[int, dict]) -> tuple[list[dict], list[str]]:
@@ -188,6 +200,7 @@ def _add_figures(part: dict, model: dict | None) -> None:
                 per_s=written / timing["wall_s"] if timing["wall_s"] else 0.0)
     part["eta_s"] = 0.0 if part["state"] == "done" else _eta(part, span, model)
     part["projected_s"] = part["wall_s"] + (part["eta_s"] or 0.0)
+    part["progress"], part["pace_s"] = _progress(part, span, model)
 
 
 def _written(counts: dict) -> int:
@@ -222,6 +235,56 @@ def _eta(part: dict, span: tuple[int, int] | None, model: dict | None) -> float 
         if done_cost > 0:
             return float(part["wall_s"] * (prefix[end] - prefix[reached]) / done_cost)
     return part["wall_s"] * (end - reached) / part["units_done"]
+
+
+def _progress(part: dict, span: tuple[int, int] | None, model: dict | None) -> tuple[float | None, float | None]:
+    """Share of the part's work done (its plan cost with a plan, else its batches), and its wall seconds
+    per unit of that work (None before its first commit): what `_tail` compares between parts."""
+    if part["state"] == "done":
+        return 1.0, _pace(part["wall_s"], _work(part, span, model)[0])
+    done, planned = _work(part, span, model)
+    return (done / planned if planned else None), _pace(part["wall_s"], done)
+
+
+def _work(part: dict, span: tuple[int, int] | None, model: dict | None) -> tuple[float, float | None]:
+    """(work done, work planned) of a part: plan cost with a plan, else batches (audio: units)."""
+    if span is None:
+        return float(part["units_done"]), part["units_planned"]
+    start, end = span
+    if model is not None:
+        prefix = model["prefix"]
+        return float(prefix[start + part["units_done"]] - prefix[start]), float(prefix[end] - prefix[start])
+    return float(part["units_done"]), float(end - start)
+
+
+def _pace(wall_s: float, done: float) -> float | None:
+    return wall_s / done if wall_s and done else None
+
+
+def _tail(parts: list[dict]) -> dict:
+    """The end of the job: each part's speed (the median pace of the parts that made progress over its
+    own, so 0.5 = half as fast), the running parts slowest-to-finish first, and what to do about the
+    tail: move slow or silent running parts to another node, resume stopped ones, and parts not
+    started (in a SLURM array they start as slots free up)."""
+    paces = [p["pace_s"] for p in parts if p["pace_s"]]
+    median = float(np.median(paces)) if paces else None
+    for part in parts:
+        part["speed"] = median / part["pace_s"] if median and part["pace_s"] else None
+    running = sorted((p for p in parts if p["state"] == "running"),
+                     key=lambda p: -(p["eta_s"] if p["eta_s"] is not None else np.inf))
+    actions = []
+    for part in running:
+        per_unit = part["wall_s"] / part["units_done"] if part["units_done"] else None
+        if per_unit and part["silent_s"] > max(STALL_S, STALL_UNITS * per_unit):
+            actions.append({"action": "stalled", "part": part["part"], "silent_s": part["silent_s"],
+                            "unit_s": per_unit})
+        elif part["speed"] is not None and part["speed"] < SLOW_SPEED:
+            actions.append({"action": "slow", "part": part["part"], "speed": part["speed"]})
+    for state, action in (("stopped", "resume"), ("missing", "not_started")):
+        numbers = [p["part"] for p in parts if p["state"] == state]
+        if numbers:
+            actions.append({"action": action, "parts": numbers})
+    return {"running": [p["part"] for p in running], "median_pace_s": median, "actions": actions}
 
 
 def _add_shares(parts: list[dict], model: dict | None) -> None:
