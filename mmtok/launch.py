@@ -17,7 +17,14 @@ _DEVICE = re.compile(r"cpu|mps|cuda(:[0-9]+)?")
 
 def resolve_rank(rank: int | None, world_size: int | None, default_world_size: int = 1) -> tuple[int, int]:
     """Flags first, then RANK/WORLD_SIZE (torchrun sets them per worker, also inside an srun task),
-    then SLURM_PROCID/SLURM_NTASKS, then (0, default_world_size)."""
+    then SLURM_PROCID/SLURM_NTASKS, then (0, default_world_size). Inside a SLURM array task the SLURM
+    variables are refused: there every task is SLURM_PROCID 0 of SLURM_NTASKS 1, so each would take itself for
+    the whole job (the first encodes everything, the lock refuses the rest)."""
+    if (rank is None or world_size is None) and "SLURM_ARRAY_TASK_ID" in os.environ \
+            and not {"RANK", "WORLD_SIZE"} & set(os.environ):
+        raise MmtokError(f"this is SLURM array task {os.environ['SLURM_ARRAY_TASK_ID']}: its SLURM_PROCID/SLURM_NTASKS "
+                         "say rank 0 of 1 in every task; pass --rank \"$SLURM_ARRAY_TASK_ID\" --world-size N (the "
+                         "array's size, e.g. --array=0-6399%800 -> 6400)")
     if rank is None:
         rank = _env_int(("RANK", "SLURM_PROCID"), 0)
     if world_size is None:

@@ -8,7 +8,8 @@ from mmtok.cli import build_parser
 from mmtok.launch import resolve_rank
 from mmtok.errors import MmtokError
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "SLURM_LOCALID")
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "SLURM_LOCALID",
+                      "SLURM_ARRAY_TASK_ID")
 
 
 @pytest.fixture
@@ -43,6 +44,19 @@ def test_srun_variables_alone(clean_env):
 def test_without_launcher_the_plan_world_size_is_the_default(clean_env):
     assert resolve_rank(None, None, default_world_size=4) == (0, 4)
     assert resolve_rank(3, None, default_world_size=4) == (3, 4)
+
+
+def test_a_slurm_array_task_needs_its_rank_from_flags(clean_env):
+    # every array task is SLURM_PROCID 0 of SLURM_NTASKS 1: each would take itself for the whole job
+    clean_env.setenv("SLURM_ARRAY_TASK_ID", "17")
+    clean_env.setenv("SLURM_PROCID", "0")
+    clean_env.setenv("SLURM_NTASKS", "1")
+    with pytest.raises(MmtokError, match=r"SLURM array task 17: .*--rank \"\$SLURM_ARRAY_TASK_ID\" --world-size N"):
+        resolve_rank(None, None)
+    assert resolve_rank(17, 6400) == (17, 6400)  # the documented flags
+    clean_env.setenv("RANK", "2")
+    clean_env.setenv("WORLD_SIZE", "4")
+    assert resolve_rank(None, None) == (2, 4)  # torchrun inside an array task numbers its own workers
 
 
 def test_a_rank_outside_the_world_is_refused(clean_env):
