@@ -45,8 +45,8 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
-                                         locate, read_conversations)
+from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, cached_count, check_media_roots,
+                                         input_fingerprint, locate, read_conversations, write_count)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
@@ -307,8 +307,15 @@ def _kinds(slots: list[MediaSlot]) -> str:
 
 
 # -- the rank ---------------------------------------------------------------------------------------
-def count_conversations(inputs: list[Path]) -> int:
-    return sum(1 for _ in read_conversations(inputs))
+def count_conversations(inputs: list[Path], out: Path) -> int:
+    """How many conversations `inputs` hold (every rank needs it to find its units): read from OUT where an
+    earlier rank or run of these inputs counted them, else counted (a read pass of its own) and kept there."""
+    fingerprint = input_fingerprint(inputs)
+    total = cached_count(out, fingerprint)
+    if total is None:
+        total = sum(1 for _ in read_conversations(inputs))
+        write_count(out, fingerprint, total)
+    return total
 
 
 def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
@@ -323,12 +330,12 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
     image_items = ImageItems(Path(images), layout, tokenizer) if images is not None else None
     clips = AudioClips([Path(a) for a in audio], [Path(c) for c in converted], layout)
     builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
-    total = count_conversations(inputs)
+    _refuse_other_parts(part_dir(out, rank))
+    total = count_conversations(inputs, out)
     units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
     identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
     if media_roots:  # they decide which file references resolve: a resume must use the same
         identity["media_roots"] = list(check_media_roots(media_roots))
-    _refuse_other_parts(part_dir(out, rank))
     with PartWriter(part_dir(out, rank), identity) as part:
         if part.done:
             return {"already_done": True, "counts": dict(part.counts), "part_dir": str(part.directory)}
