@@ -31,6 +31,16 @@ Best wall and CPU seconds of the repeats (warm page cache). Then one more `mmtok
 ChatRenderer.render, the tokenizer's encode, the image and audio block lookups, reading the conversations
 (both passes), loading the media indexes, listing/splitting/locating media references and the part's
 commits: each one's share of that run's wall time. Markdown on stdout.
+
+    python benchmarks/bench_sft.py --scale [--scale-media 1000000 ...] [--scale-conversations 20000 ...]
+                                   [--baseline DIR]   # DIR: `git archive REV mmtok | tar -x -C DIR`
+
+The scale mode runs each measure in a process of its own, with this checkout's mmtok and, side by side, the
+--baseline tree's: (1) the media indexes `mmtok sft` keeps (`ImageIndex` of N x 80% image items on 4 parts,
+`AudioClips` of N x 20% clips with source digests on 4 cache parts): build seconds, RSS kept per item and per
+clip, RSS at the peak of the image index's build, and the indexes' own `nbytes`; (2) `mmtok sft` (one rank) over
+the corpus above of M conversations: a first run, then a rerun of the lost part into the same --out (where the
+count is kept): wall seconds and the process's peak RSS.
 """
 
 from __future__ import annotations
@@ -413,24 +423,32 @@ print(json.dumps({"nbytes": [getattr(index, "nbytes", None), getattr(clips, "nby
                   "audio_s": time.perf_counter() - started, "audio_kept": rss("VmRSS:") - image_rss,
                   "peak": rss("VmHWM:")}))
 """
+PASS_CHILD = r"""
+import sys
+from mmtok.cli import main
+
+code = main(sys.argv[1:])
+print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024)
+sys.exit(code)
+"""
 SCALE_TEXT_SIZE = 32_768
 SCALE_ITEMS_PER_COMMIT = 1 << 16
 
 
-def measured(argv: list[str], tree: Path) -> tuple[float, int, str]:
-    """(wall seconds, peak RSS bytes, stdout) of `argv` run with the mmtok of `tree` first on the path."""
+def measured(argv: list[str], tree: Path) -> tuple[float, str]:
+    """(wall seconds, stdout) of `argv` run with the mmtok of `tree` first on the path. (The child's own
+    rusage would count the bench's pages it was forked with: each child reports its VmHWM itself.)"""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         started = time.perf_counter()
         process = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(tree)}, stdout=out, stderr=err,
                                    cwd=tempfile.gettempdir())  # not the checkout: its mmtok would come first
-        _, status, usage = os.wait4(process.pid, 0)  # this child's own rusage: its peak RSS
+        status = process.wait()
         wall = time.perf_counter() - started
-        process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
-        if process.returncode:
-            raise SystemExit(f"{' '.join(argv[:4])} ... failed ({process.returncode}): {err.read()[-2000:]}")
-        return wall, usage.ru_maxrss * 1024, out.read()
+        if status:
+            raise SystemExit(f"{' '.join(argv[:4])} ... failed ({status}): {err.read()[-2000:]}")
+        return wall, out.read()
 
 
 def write_scale_media(work: Path, images: int, clips: int) -> tuple[Path, Path]:
@@ -471,9 +489,8 @@ def scale_indexes(work: Path, media: int, trees: dict[str, Path]) -> list[dict]:
     print(f"(media stores of {media:,} media written in {time.perf_counter() - started:.0f} s)", file=sys.stderr)
     rows = []
     for name, tree in trees.items():
-        wall, peak, out = measured([sys.executable, "-c", INDEX_CHILD, str(img), str(aud), str(SCALE_TEXT_SIZE)], tree)
-        rows.append({"tree": name, "media": media, "images": images, "clips": clips, "wall": wall, "peak": peak,
-                     **json.loads(out)})
+        wall, out = measured([sys.executable, "-c", INDEX_CHILD, str(img), str(aud), str(SCALE_TEXT_SIZE)], tree)
+        rows.append({"tree": name, "media": media, "images": images, "clips": clips, "wall": wall, **json.loads(out)})
     shutil.rmtree(work / f"media-{media}", ignore_errors=True)
     return rows
 
@@ -489,13 +506,13 @@ def scale_pass(work: Path, conversations: int, trees: dict[str, Path]) -> list[d
     rows = []
     for name, tree in trees.items():
         out = corpus_dir / f"sft-{name}"
-        argv = [sys.executable, "-m", "mmtok", "sft", *map(str, corpus["tars"]), "--text-tokenizer", str(corpus["tok"]),
+        argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["tars"]), "--text-tokenizer", str(corpus["tok"]),
                 "--images", str(corpus_dir / "img"), "--audio", str(corpus_dir / "aud"), "--out", str(out),
                 "--no-progress"]
         for run in ("first run", "rerun of the part"):
             shutil.rmtree(out / "parts", ignore_errors=True)
-            wall, peak, _ = measured(argv, tree)
-            rows.append({"tree": name, "run": run, "conversations": conversations, "wall": wall, "peak": peak,
+            wall, peak = measured(argv, tree)
+            rows.append({"tree": name, "run": run, "conversations": conversations, "wall": wall, "peak": int(peak),
                          "media": corpus["images"] + corpus["clips"]})
     shutil.rmtree(corpus_dir, ignore_errors=True)
     return rows
