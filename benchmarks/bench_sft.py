@@ -419,7 +419,8 @@ index = ImageIndex(sorted((images / "parts").glob("part-*")))
 image_s, image_rss, image_peak = time.perf_counter() - started, rss("VmRSS:"), rss("VmHWM:")
 started = time.perf_counter()
 clips = AudioClips([audio], [], VocabLayout(text_size=text_size))
-print(json.dumps({"nbytes": [getattr(index, "nbytes", None), getattr(clips, "nbytes", None)], "image_s": image_s, "image_kept": image_rss - start, "image_peak": image_peak - start,
+nbytes = [getattr(index, "nbytes", None), getattr(clips, "nbytes", None)]  # the code before has none
+print(json.dumps({"nbytes": nbytes, "image_s": image_s, "image_kept": image_rss - start, "image_peak": image_peak - start,
                   "audio_s": time.perf_counter() - started, "audio_kept": rss("VmRSS:") - image_rss,
                   "peak": rss("VmHWM:")}))
 """

@@ -219,7 +219,8 @@ def sft_job(root: Path, tokenizer_dir: Path) -> list[str]:
             record = {"messages": [{"role": "user", "content": content},
                                    {"role": "assistant", "content": f"It is sample {number}, seen and heard."}]}
             members.append((f"{key}.json", json.dumps(record).encode()))
-            members += [(f"{key}.{i}.jpg", rng.bytes(8)) for i in range(images)] + [(f"{key}.0.wav", rng.bytes(8))] * audio
+            members += [(f"{key}.{i}.jpg", rng.bytes(8)) for i in range(images)]
+            members += [(f"{key}.0.wav", rng.bytes(8))] * audio
             for i in range(images):
                 if (stem, number, i) == ("beta", 4, 1):
                     continue  # never encoded: missing_media

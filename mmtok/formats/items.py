@@ -5,8 +5,8 @@ An image item is one image of a tar member: its record holds the sample's fields
 tar, container, member, manifest_row, document, image_index), the `digest` of the bytes it was decoded
 from (`media_digest`; absent when they could not be read) and, for an image that failed, `skip` and
 `detail`; its ids are the image block (none when it failed). `image_item` writes one (`mmtok encode`);
-`ImageIndex` finds them again by (tar, member) across the parts of an output (`mmtok sft`), in a compact index. A document
-of several images also has a `template` item, which merge's assembly reads beside the images.
+`ImageIndex` finds them again by (tar, member) across the parts of an output (`mmtok sft`), in a compact index.
+A document of several images also has a `template` item, which merge's assembly reads beside the images.
 
 Items are bound to their tar as the scan saw it: each image part's identity holds `part_containers`, the
 scan's identity of every tar of the part (`mmtok.formats.manifest.container_identity`); `ImageIndex.stale`
