@@ -31,15 +31,28 @@ Best wall and CPU seconds of the repeats (warm page cache). Then one more `mmtok
 ChatRenderer.render, the tokenizer's encode, the image and audio block lookups, reading the conversations
 (both passes), loading the media indexes, listing/splitting/locating media references and the part's
 commits: each one's share of that run's wall time. Markdown on stdout.
+
+    python benchmarks/bench_sft.py --scale [--scale-media 1000000 ...] [--scale-conversations 20000 ...]
+                                   [--baseline DIR]   # DIR: `git archive REV mmtok | tar -x -C DIR`
+
+The scale mode runs each measure in a process of its own, with this checkout's mmtok and, side by side, the
+--baseline tree's: (1) the media indexes `mmtok sft` keeps (`ImageIndex` of N x 80% image items on 4 parts,
+`AudioClips` of N x 20% clips with source digests on 4 cache parts): build seconds, RSS kept per item and per
+clip, RSS at the peak of the image index's build, and the indexes' own `nbytes`; (2) `mmtok sft` (one rank) over
+the corpus above of M conversations: a first run, then a rerun of the lost part into the same --out (where the
+count is kept): wall seconds and the process's peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +74,8 @@ from mmtok.formats.conversations import Conversation, audio_clip_id, read_conver
 from mmtok.documents import DocumentBuilder  # noqa: E402
 from mmtok.formats import audio_cache  # noqa: E402
 from mmtok.formats.commitlog import PartWriter, part_dir  # noqa: E402
+from mmtok.formats.items import CONTAINERS  # noqa: E402
+from mmtok.formats.manifest import container_identity  # noqa: E402
 from mmtok.text import HFTokenizer, load_text_tokenizer  # noqa: E402
 from mmtok.vocab import VocabLayout  # noqa: E402
 
@@ -173,22 +188,23 @@ def write_corpus(work: Path, conversations: int, tars: int, seed: int = 0) -> di
                               "audio_ids": layout.audio_ids(codes), "text_ids": None})
                 built.update(clips=1, audio_tokens=codes.size + 2)
         paths.append(encodekit.write_tar(path, members))
-    write_image_items(work / "img", items, tokenizer, layout, rng)
+    write_image_items(work / "img", items, tokenizer, layout, rng, {str(p): container_identity(p) for p in paths})
     write_audio_cache(work / "aud", clips, tokenizer, layout)
     (work / "conv" / "dropped").mkdir(parents=True)  # what `mmtok audio convert` leaves when it dropped nothing
     return {"tars": paths, "tok": tok, "tokenizer": tokenizer, "layout": layout, **built}
 
 
 def write_image_items(out: Path, items: list[list[tuple[dict, np.ndarray]]], tokenizer, layout: VocabLayout,
-                      rng: np.random.Generator) -> None:
-    """The finished parts of a `--mode sft` image encode holding `items` (the identity keys ImageItems checks)."""
+                      rng: np.random.Generator | None, containers: dict[str, dict]) -> None:
+    """The finished parts of a `--mode sft` image encode holding `items` (the identity keys ImageItems checks),
+    shuffled within each part unless `rng` is None."""
     for number, part_items in enumerate(items):
-        identity = {"part": number, "num_parts": IMAGE_PARTS, "modality": "image", "mode": "sft",
+        identity = {"part": number, "num_parts": len(items), "modality": "image", "mode": "sft", CONTAINERS: containers,
                     "plan_fingerprint": "bench-sft", "codec": {"name": "emu3.5", "run": False},
                     "text_tokenizer": tokenizer.describe(),
                     "vocab": {"text_size": layout.text_size, "total_size": layout.total_size,
                               "image_offset": layout.image_offset, "audio_offset": layout.audio_offset}}
-        shuffled = [part_items[k] for k in rng.permutation(len(part_items))]
+        shuffled = part_items if rng is None else [part_items[k] for k in rng.permutation(len(part_items))]
         with PartWriter(part_dir(out, number), identity) as part:
             for unit, start in enumerate(range(0, len(shuffled), UNIT_ITEMS)):
                 chunk = shuffled[start:start + UNIT_ITEMS]
@@ -385,16 +401,162 @@ def bench(work: Path, conversations: int, tars: int, repeats: int) -> None:
               f"{cpu_seconds / profiled_cpu:.0%} | {1e6 * cpu_seconds / conversations:,.0f} |")
 
 
+# -- at scale: 10^7 conversations, 10^8 media ------------------------------------------------------
+INDEX_CHILD = r"""
+import json, sys, time
+from pathlib import Path
+import pyarrow.parquet  # imported before the first measure: its import is not the index's memory
+from mmtok.formats.items import ImageIndex
+from mmtok.sft.build import AudioClips
+from mmtok.vocab import VocabLayout
+
+def rss(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
+
+images, audio, text_size = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+start, started = rss("VmRSS:"), time.perf_counter()
+index = ImageIndex(sorted((images / "parts").glob("part-*")))
+image_s, image_rss, image_peak = time.perf_counter() - started, rss("VmRSS:"), rss("VmHWM:")
+started = time.perf_counter()
+clips = AudioClips([audio], [], VocabLayout(text_size=text_size))
+nbytes = [getattr(index, "nbytes", None), getattr(clips, "nbytes", None)]  # the code before has none
+print(json.dumps({"nbytes": nbytes, "image_s": image_s, "image_kept": image_rss - start, "image_peak": image_peak - start,
+                  "audio_s": time.perf_counter() - started, "audio_kept": rss("VmRSS:") - image_rss,
+                  "peak": rss("VmHWM:")}))
+"""
+PASS_CHILD = r"""
+import sys
+from mmtok.cli import main
+
+code = main(sys.argv[1:])
+print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024)
+sys.exit(code)
+"""
+SCALE_TEXT_SIZE = 32_768
+SCALE_ITEMS_PER_COMMIT = 1 << 16
+
+
+def measured(argv: list[str], tree: Path) -> tuple[float, str]:
+    """(wall seconds, stdout) of `argv` run with the mmtok of `tree` first on the path. (The child's own
+    rusage would count the bench's pages it was forked with: each child reports its VmHWM itself.)"""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        started = time.perf_counter()
+        process = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(tree)}, stdout=out, stderr=err,
+                                   cwd=tempfile.gettempdir())  # not the checkout: its mmtok would come first
+        status = process.wait()
+        wall = time.perf_counter() - started
+        out.seek(0)
+        err.seek(0)
+        if status:
+            raise SystemExit(f"{' '.join(argv[:4])} ... failed ({status}): {err.read()[-2000:]}")
+        return wall, out.read()
+
+
+def write_scale_media(work: Path, images: int, clips: int) -> tuple[Path, Path]:
+    """IMG: `images` image items (keys and members as a tar corpus names them, 4-id blocks) on 4 parts,
+    written a chunk at a time; AUD: `clips` cache clips with source digests on 4 parts."""
+    layout = VocabLayout(text_size=SCALE_TEXT_SIZE)
+    identity = {"modality": "image", "mode": "sft", CONTAINERS: {}, "plan_fingerprint": "bench-sft-scale",
+                "num_parts": IMAGE_PARTS * 2,
+                "codec": {"name": "emu3.5", "run": False}}
+    block = np.full(4, layout.image_offset, np.int32)
+    for number in range(IMAGE_PARTS * 2):
+        with PartWriter(part_dir(work / "img", number), {**identity, "part": number}) as part:
+            span = range(number * images // (IMAGE_PARTS * 2), (number + 1) * images // (IMAGE_PARTS * 2))
+            for unit, start in enumerate(range(span.start, span.stop, SCALE_ITEMS_PER_COMMIT)):
+                chunk = [({"kind": "image", "key": f"{n // 10:09d}", "source": f"/data/sft/convs-{n // 100_000:05d}.tar",
+                           "container": "tar", "member": f"{n // 10:09d}.{n % 10}.jpg", "manifest_row": n,
+                           "document": n // 10, "image_index": n % 10}, block)
+                         for n in range(start, min(start + SCALE_ITEMS_PER_COMMIT, span.stop))]
+                part.commit(unit, [], [], {"deferred": len(chunk)}, items=chunk)
+            part.finish({})
+    metadata = {"num_parts": AUDIO_PARTS, "vocab": layout.to_dict(), "codec": {"name": "wavtokenizer", "run": False},
+                "trim": 5, "format": audio_cache.CACHE_FORMAT, "text_tokenizer": {"name": "bench"}}
+    ids = layout.audio_ids(np.arange(4))
+    for number in range(AUDIO_PARTS):
+        rows = [{"cut_id": audio_clip_id(f"convs-{n // 100_000:05d}/{n:09d}", 0), "source_id": f"s{n}", "clip": 0,
+                 "part": number, "position": position, "duration": 0.1, "language": None, "target_language": None,
+                 "audio_ids": ids, "text_ids": None, "source_sha256": hashlib.sha256(b"%d" % n).hexdigest()}
+                for position, n in enumerate(range(number * clips // AUDIO_PARTS, (number + 1) * clips // AUDIO_PARTS))]
+        audio_cache.write_cache(audio_cache.cache_path(work / "aud", number), rows, {**metadata, "part": number})
+    return work / "img", work / "aud"
+
+
+def scale_indexes(work: Path, media: int, trees: dict[str, Path]) -> list[dict]:
+    """The media indexes of `media` media (80% image items, 20% clips) built by each tree, in a process each."""
+    images, clips = media * 4 // 5, media // 5
+    started = time.perf_counter()
+    img, aud = write_scale_media(work / f"media-{media}", images, clips)
+    print(f"(media stores of {media:,} media written in {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    rows = []
+    for name, tree in trees.items():
+        wall, out = measured([sys.executable, "-c", INDEX_CHILD, str(img), str(aud), str(SCALE_TEXT_SIZE)], tree)
+        rows.append({"tree": name, "media": media, "images": images, "clips": clips, "wall": wall, **json.loads(out)})
+    shutil.rmtree(work / f"media-{media}", ignore_errors=True)
+    return rows
+
+
+def scale_pass(work: Path, conversations: int, trees: dict[str, Path]) -> list[dict]:
+    """`mmtok sft` (one rank) over the bench corpus of `conversations` conversations, by each tree in a process of
+    its own: a first run, then (where the tree keeps the count in OUT) a rerun of the lost part."""
+    corpus_dir = work / f"pass-{conversations}"
+    started = time.perf_counter()
+    corpus = write_corpus(corpus_dir, conversations, max(1, conversations // 10_000))
+    print(f"(corpus of {conversations:,} conversations written in {time.perf_counter() - started:.0f} s)",
+          file=sys.stderr)
+    rows = []
+    for name, tree in trees.items():
+        out = corpus_dir / f"sft-{name}"
+        argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["tars"]), "--text-tokenizer", str(corpus["tok"]),
+                "--images", str(corpus_dir / "img"), "--audio", str(corpus_dir / "aud"), "--out", str(out),
+                "--no-progress"]
+        for run in ("first run", "rerun of the part"):
+            shutil.rmtree(out / "parts", ignore_errors=True)
+            wall, peak = measured(argv, tree)
+            rows.append({"tree": name, "run": run, "conversations": conversations, "wall": wall, "peak": int(peak),
+                         "media": corpus["images"] + corpus["clips"]})
+    shutil.rmtree(corpus_dir, ignore_errors=True)
+    return rows
+
+
+def scale(work: Path, media: list[int], conversations: list[int], baseline: Path | None) -> None:
+    trees = {"before": baseline, "after": REPO} if baseline else {"after": REPO}
+    index_rows = [row for count in media for row in scale_indexes(work, count, trees)]
+    print("| media | code | image items | clips | build s | kept B/image item | kept B/clip | peak of the image "
+          "index B/item | index nbytes B/medium | process peak MiB |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in index_rows:
+        nbytes = "" if row["nbytes"][0] is None else f"{sum(row['nbytes']) / row['media']:.0f}"
+        print(f"| {row['media']:,} | {row['tree']} | {row['images']:,} | {row['clips']:,} | "
+              f"{row['image_s'] + row['audio_s']:.1f} | {row['image_kept'] / row['images']:.0f} | "
+              f"{row['audio_kept'] / row['clips']:.0f} | {row['image_peak'] / row['images']:.0f} | {nbytes} | "
+              f"{row['peak'] / 2**20:,.0f} |")
+    pass_rows = [row for count in conversations for row in scale_pass(work, count, trees)]
+    print("\n| conversations | media | code | run | wall s | us/conversation | peak MiB |\n"
+          "|---:|---:|---|---|---:|---:|---:|")
+    for row in pass_rows:
+        print(f"| {row['conversations']:,} | {row['media']:,} | {row['tree']} | {row['run']} | {row['wall']:.1f} | "
+              f"{1e6 * row['wall'] / row['conversations']:,.0f} | {row['peak'] / 2**20:,.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=5_000)
     parser.add_argument("--tars", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--scale", action="store_true",
+                        help="the scale mode: media indexes of --scale-media media, the pass over --scale-conversations")
+    parser.add_argument("--scale-media", type=int, nargs="*", default=[1_000_000])
+    parser.add_argument("--scale-conversations", type=int, nargs="*", default=[20_000])
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a tree of the mmtok to compare with, side by side (git archive REV | tar -x -C DIR)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-sft-", dir=args.dir))
     try:
-        bench(work, args.conversations, args.tars, args.repeats)
+        if args.scale:
+            scale(work, args.scale_media, args.scale_conversations, args.baseline)
+        else:
+            bench(work, args.conversations, args.tars, args.repeats)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -8,6 +8,10 @@ renders and pins its token layout.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -185,3 +189,69 @@ TEMPLATE = r"""
 {%- if turn.tool -%}{{- '<|tool_output_end|>' -}}{%- endif -%}
 {%- if turn.assistant and not turn.awaiting -%}{{- '<|assistant_end|>' -}}{%- endif -%}
 """
+
+
+# -- a small `mmtok sft` job without codecs ------------------------------------------------------------
+def sft_job(root: Path, tokenizer_dir: Path) -> list[str]:
+    """Under `root` (the working directory, so every recorded path is relative): two conversation tars and a
+    .jsonl in convs/, the finished image items of a `--mode sft` image encode in img/ (one image failed, one
+    never encoded), an audio token cache in aud/ (one clip missing); returns the `mmtok sft` arguments before
+    --out. Every file has a fixed mtime, so the job's outputs are the same bytes on every run."""
+    from mmtok.formats import audio_cache
+    from mmtok.formats.commitlog import PartWriter, part_dir
+    from mmtok.formats.conversations import audio_clip_id
+    from mmtok.formats.items import CONTAINERS, image_item
+    from mmtok.formats.manifest import container_identity
+    from mmtok.text import load_text_tokenizer
+
+    from encodekit import write_tar
+
+    tokenizer = load_text_tokenizer(str(tokenizer_dir))
+    layout = VocabLayout(text_size=tokenizer.vocab_size)
+    rng = np.random.default_rng(24)
+    items, clips, tars = [[], []], [], []
+    for stem in ("alpha", "beta"):
+        tar, members = f"convs/{stem}.tar", []
+        for number in range(7):
+            key = f"s{number:02d}"
+            images, audio = number % 3, number % 2 == 1
+            content = "".join(["<|image|>"] * images + ["<|audio|>"] * audio) + f" Describe sample {number} of {stem}."
+            record = {"messages": [{"role": "user", "content": content},
+                                   {"role": "assistant", "content": f"It is sample {number}, seen and heard."}]}
+            members.append((f"{key}.json", json.dumps(record).encode()))
+            members += [(f"{key}.{i}.jpg", rng.bytes(8)) for i in range(images)]
+            members += [(f"{key}.0.wav", rng.bytes(8))] * audio
+            for i in range(images):
+                if (stem, number, i) == ("beta", 4, 1):
+                    continue  # never encoded: missing_media
+                failure = Skip("decode_error", "truncated JPEG") if (stem, number, i) == ("alpha", 5, 0) else None
+                sample = {"key": key, "source": tar, "container": "tar", "member": f"{key}.{i}.jpg",
+                          "manifest_row": len(items[0]) + len(items[1]), "document": number, "image_index": i}
+                block = None if failure else image_block(tokenizer, int(rng.integers(1 << 30)), (2, 2 + i))
+                items[number % 2].append(image_item(sample, failure, block))
+            if audio and (stem, number) != ("alpha", 3):  # alpha/s03's clip is missing
+                codes = rng.integers(0, layout.audio_codebook, 6 + number)
+                cut = audio_clip_id(f"{stem}/{key}", 0)
+                clips.append({"cut_id": cut, "source_id": cut, "clip": 0, "part": 0, "position": len(clips),
+                              "duration": codes.size / 40, "language": None, "target_language": None,
+                              "audio_ids": layout.audio_ids(codes), "text_ids": None})
+        tars.append(write_tar(root / tar, members))
+    jsonl = root / "convs" / "gamma.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": ident, "messages": [{"role": "user", "content": f"Say {ident}."},
+                                                                    {"role": "assistant", "content": ident}]}) + "\n"
+                             for ident in ("g1", "g2", "g1", "g3")) + "not json\n")
+    for path in (*tars, jsonl):
+        os.utime(path, ns=(1_700_000_000_000_000_000,) * 2)
+    containers = {tar: container_identity(root / tar) for tar in ("convs/alpha.tar", "convs/beta.tar")}
+    for number, part_items in enumerate(items):
+        identity = {"part": number, "num_parts": 2, "modality": "image", "mode": "sft", "plan_fingerprint": "job",
+                    "codec": {"name": "emu3.5"}, "text_tokenizer": tokenizer.describe(),
+                    "vocab": {"text_size": layout.text_size, "total_size": layout.total_size}, CONTAINERS: containers}
+        with PartWriter(part_dir(root / "img", number), identity) as part:
+            part.commit(0, [], [], {"deferred": len(part_items)}, items=part_items[::-1])
+            part.finish({})
+    metadata = {"num_parts": 1, "vocab": layout.to_dict(), "text_tokenizer": tokenizer.describe(), "part": 0,
+                "codec": {"name": "wavtokenizer"}, "trim": 5, "format": audio_cache.CACHE_FORMAT}
+    audio_cache.write_cache(audio_cache.cache_path(root / "aud", 0), clips, metadata)
+    return ["sft", "convs/alpha.tar", "convs/beta.tar", "convs/gamma.jsonl", "--text-tokenizer", str(tokenizer_dir),
+            "--images", "img", "--audio", "aud", "--no-progress"]

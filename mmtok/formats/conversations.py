@@ -55,8 +55,8 @@ from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversat
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import (DUPLICATE_INPUT, not_a_regular_file, open_regular_file, read_regular_file, same_file_as,
-                          shown_path)
+from mmtok.fsutil import (DUPLICATE_INPUT, atomic_write_json, not_a_regular_file, open_regular_file, read_json_object,
+                          read_regular_file, required, same_file_as, shown_path)
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -555,3 +555,22 @@ def input_fingerprint(inputs: list[Path]) -> list[dict]:
         stat = os.stat(path)
         out.append({"path": shown_path(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
     return out
+
+
+# -- the conversation count of a run's inputs, kept in its output ------------------------------------------
+COUNT_FILE = "conversations.json"  # OUT/conversations.json, beside OUT/parts/
+
+
+def cached_count(out: Path, fingerprint: list[dict]) -> int | None:
+    """How many conversations inputs of `fingerprint` (`input_fingerprint`) hold, as counted into `out` by an
+    earlier rank or run (`write_count`); None when nothing was counted for these inputs (or they changed since)."""
+    recorded = read_json_object(Path(out) / COUNT_FILE)
+    if recorded is None or recorded.get("inputs") != fingerprint:
+        return None
+    return required(recorded, "conversations", int, Path(out) / COUNT_FILE)
+
+
+def write_count(out: Path, fingerprint: list[dict], conversations: int) -> None:
+    """Record that inputs of `fingerprint` hold `conversations` conversations (atomic: ranks may race to it)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(out) / COUNT_FILE, {"inputs": fingerprint, "conversations": conversations})

@@ -5,8 +5,8 @@ An image item is one image of a tar member: its record holds the sample's fields
 tar, container, member, manifest_row, document, image_index), the `digest` of the bytes it was decoded
 from (`media_digest`; absent when they could not be read) and, for an image that failed, `skip` and
 `detail`; its ids are the image block (none when it failed). `image_item` writes one (`mmtok encode`);
-`ImageIndex` finds them again by (tar, member) across the parts of an output (`mmtok sft`). A document
-of several images also has a `template` item, which merge's assembly reads beside the images.
+`ImageIndex` finds them again by (tar, member) across the parts of an output (`mmtok sft`), in a compact index.
+A document of several images also has a `template` item, which merge's assembly reads beside the images.
 
 Items are bound to their tar as the scan saw it: each image part's identity holds `part_containers`, the
 scan's identity of every tar of the part (`mmtok.formats.manifest.container_identity`); `ImageIndex.stale`
@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections import Counter
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import commitlog
+from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.manifest import identity_change, stale_detail
 
 IMAGE_KIND = "image"
@@ -51,6 +52,10 @@ def image_item(sample: dict, failure: Skip | None, block: np.ndarray | None,
     return record, block if block is not None else np.zeros(0, np.int32)
 
 
+# ImageIndex's columns and their array typecodes: 25 bytes an item, beside its 16-byte key.
+ITEM_COLUMNS = {"part": "i", "offset": "q", "length": "i", "has_skip": "B", "line": "q"}
+
+
 @dataclass(frozen=True)
 class ImageItem:
     part: int  # position of its part in the directories the index was built from
@@ -60,37 +65,56 @@ class ImageItem:
 
 
 class ImageIndex:
-    """The image items of the parts `directories`, by (tar, member); tars are compared by resolved path."""
+    """The image items of the parts `directories`, by (tar, member); tars are compared by resolved path.
+
+    Kept as NumPy columns, 41 bytes an item and 20 a sample (`nbytes`), not as records: an item's key is the
+    digest of its tar and member (`mmtok.formats.keys`), and the record of an image that failed is re-read from
+    its part when its skip is asked for. Of two items of one member the later (in part, then line order) is kept."""
 
     def __init__(self, directories: list[Path]):
         self._ids: list[np.ndarray] = []
-        self._items: dict[tuple[str, str], ImageItem] = {}
-        self._count: Counter = Counter()  # images per (tar, sample key)
+        self._records = [commitlog.ItemRecords(directory) for directory in directories]
         self._containers: dict[str, dict] = {}  # resolved tar path -> the scan's identity of it
         self._stale: dict[str, str | None] = {}
+        members, samples, self._tars = bytearray(), bytearray(), set()
+        columns = {name: array(code) for name, code in ITEM_COLUMNS.items()}
+        parts, offsets, lengths, has_skip, lines = (column.append for column in columns.values())
         for number, directory in enumerate(directories):
             self._containers.update({_real(tar): identity for tar, identity in part_containers(directory).items()})
             end = 0
-            for _, record in commitlog.iter_items(directory):
+            for line, record in commitlog.iter_items(directory):
                 end = record["offset"] + record["length"]
                 if record.get("kind") != IMAGE_KIND:
                     continue
                 tar = _real(record["source"])
-                skip = Skip(record["skip"], record.get("detail", "")) if "skip" in record else None
-                self._items[(tar, record["member"])] = ImageItem(number, record["offset"], record["length"], skip)
-                self._count[(tar, record["key"])] += 1
+                self._tars.add(tar)
+                members += key_digest(f"{tar}\0{record['member']}")
+                samples += key_digest(f"{tar}\0{record['key']}")
+                parts(number)
+                offsets(record["offset"])
+                lengths(record["length"])
+                has_skip("skip" in record)
+                lines(line)
             ids = np.asarray(commitlog.read_item_ids(directory, end))
             if end > ids.size:  # records that point past the ids: never lend a cut block
                 raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
                                  f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "
                                  f"delete {directory} and re-encode this part")
             self._ids.append(ids)
-        self._tars = {tar for tar, _ in self._count}
+        self._members, kept = KeyTable.of(members, keep="last")
+        self._columns = {name: np.frombuffer(column, column.typecode)[kept] for name, column in columns.items()}
+        self._samples = KeyTable.of(samples, count=True)[0]  # its counts: images per (tar, sample key)
         self.tars = sorted(self._tars)  # resolved paths of the tars the images come from
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the index keeps for its items and samples (the item ids are memory-mapped, not counted)."""
+        return self._members.nbytes + sum(column.nbytes for column in self._columns.values()) + self._samples.nbytes
 
     def images_of(self, tar: str, key: str) -> int:
         """How many images sample `key` of `tar` has."""
-        return self._count[(_real(tar), key)]
+        found = self._samples.find(f"{_real(tar)}\0{key}")
+        return 0 if found < 0 else int(self._samples.counts[found])
 
     def holds_tar(self, tar: str) -> bool:
         return _real(tar) in self._tars
@@ -106,7 +130,15 @@ class ImageIndex:
         return self._stale[real]
 
     def find(self, tar: str, member: str) -> ImageItem | None:
-        return self._items.get((_real(tar), member))
+        found = self._members.find(f"{_real(tar)}\0{member}")
+        if found < 0:
+            return None
+        part, offset, length, failed, line = (int(self._columns[name][found]) for name in ITEM_COLUMNS)
+        skip = None
+        if failed:
+            record = self._records[part].at(line)
+            skip = Skip(record["skip"], record.get("detail", ""))
+        return ImageItem(part, offset, length, skip)
 
     def ids(self, item: ImageItem) -> np.ndarray:
         """The image block of an item that encoded."""

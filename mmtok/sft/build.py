@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,12 +46,13 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
-                                         locate, read_conversations)
-from mmtok.errors import MmtokError, Skip
+from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, cached_count, check_media_roots,
+                                         input_fingerprint, locate, read_conversations, write_count)
+from mmtok.errors import DamagedFile, MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.items import ImageIndex
+from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
 from mmtok.fsutil import required
 from mmtok.ranks import unit_ranges
@@ -130,11 +132,10 @@ class AudioClips:
     def __init__(self, outs: list[Path], converted: list[Path], layout: VocabLayout):
         self.layout = layout
         self._paths: list[Path] = []
-        self._rows: dict[str, tuple[int, int]] = {}
-        self._digests: dict[str, str] = {}  # cut id -> sha256 of the bytes it was converted from
-        self._why: dict[str, Skip] = {}
+        self._why: dict[str, Skip] = {}  # the clips that were dropped or failed: few
         self._loaded: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.describe = []
+        keys, digests, parts, rows = bytearray(), bytearray(), array("i"), array("i")
         for out in outs:
             paths = audio_cache.find_parts(out)
             metadata = audio_cache.read_metadata(paths[0])
@@ -148,14 +149,18 @@ class AudioClips:
                 index = audio_cache.read_index(path)
                 for row, (cut_id, digest) in enumerate(zip(index.column("cut_id").to_pylist(),
                                                            index.column("source_sha256").to_pylist())):
-                    if cut_id not in self._rows:
-                        self._rows[cut_id] = (len(self._paths), row)
-                        if digest is not None:
-                            self._digests[cut_id] = digest
+                    keys += key_digest(cut_id)
+                    digests += _source_digest(digest, path)
+                    parts.append(len(self._paths))
+                    rows.append(row)
                 self._paths.append(path)
             for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
                     self._why.setdefault(record.key, record.skip())
+        # By cut id, 56 bytes a clip: the first cache (in --audio order, then part order) that holds a clip gives it.
+        self._clips, kept = KeyTable.of(keys)
+        self._part, self._row = np.frombuffer(parts, np.int32)[kept], np.frombuffer(rows, np.int32)[kept]
+        self._digests = np.frombuffer(digests, np.uint8).reshape(-1, SHA256_BYTES)[kept]  # zeros: none recorded
         self.converted = [os.path.realpath(c) for c in converted]  # named in the identity: a resume needs the same
         for conversion in converted:
             self._read_dropped(Path(conversion))
@@ -168,31 +173,36 @@ class AudioClips:
     def block(self, cut_id: str, source: Located | None = None) -> np.ndarray:
         """<|audio_start|> the clip's ids <|audio_end|>; Skip when no cache holds the clip, or when `source`
         (the medium the conversation references) is no longer the bytes the clip was converted from."""
-        found = self._rows.get(cut_id)
-        if found is None:
+        found = self._clips.find(cut_id)
+        if found < 0:
             why = self._why.get(cut_id)
             if why is not None:
                 raise Skip(f"media_skipped:{why.reason}", f"clip {cut_id}: {why.detail}")
             raise Skip("missing_media", f"clip {cut_id} is in no audio token cache given (--audio)"
                        + ("" if self._paths else ": none was given"))
-        if source is not None and source.kind != "cut" and cut_id in self._digests:
-            self._check_source(cut_id, source)
-        part, row = found
-        ids = self._part(part)[row]  # checked to be audio ids when the part was read
+        recorded = self._digests[found].tobytes()
+        if source is not None and source.kind != "cut" and recorded != NO_DIGEST:
+            self._check_source(cut_id, source, recorded.hex())
+        ids = self._part_ids(int(self._part[found]))[int(self._row[found])]  # checked to be audio ids when read
         return self.layout.audio_block(ids - self.layout.audio_offset)
 
-    def _check_source(self, cut_id: str, source: Located) -> None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes the clip index keeps (the skip reasons of dropped clips not counted)."""
+        return self._clips.nbytes + self._part.nbytes + self._row.nbytes + self._digests.nbytes
+
+    def _check_source(self, cut_id: str, source: Located, converted: str) -> None:
         """Skip `stale_media` when the medium's bytes differ from those clip `cut_id` was converted from."""
         try:
             digest = shar.source_digest(source.read())
         except OSError as err:
             raise Skip("missing_media", f"clip {cut_id}: cannot read {source.where} ({err})") from None
-        if digest != self._digests[cut_id]:
+        if digest != converted:
             raise Skip("stale_media", f"clip {cut_id}: {source.where} changed since `mmtok audio convert` read it "
-                       f"(sha256 {digest[:12]}..., converted {self._digests[cut_id][:12]}...); rerun the conversion "
+                       f"(sha256 {digest[:12]}..., converted {converted[:12]}...); rerun the conversion "
                        "and the audio encode")
 
-    def _part(self, part: int) -> list[np.ndarray]:
+    def _part_ids(self, part: int) -> list[np.ndarray]:
         """One cache part's audio ids (the last few parts kept: conversations visit them in order)."""
         if part not in self._loaded:
             self._loaded[part] = audio_cache.read_tokens(self._paths[part], self.layout)[0]
@@ -200,6 +210,23 @@ class AudioClips:
                 self._loaded.popitem(last=False)
         self._loaded.move_to_end(part)
         return self._loaded[part]
+
+
+SHA256_BYTES = 32
+NO_DIGEST = bytes(SHA256_BYTES)  # a clip whose source bytes were not recorded (a pretraining clip by cut id)
+
+
+def _source_digest(digest: str | None, path: Path) -> bytes:
+    """The 32 bytes of a cache row's source_sha256 (hex), NO_DIGEST for none; DamagedFile for another value."""
+    if digest is None:
+        return NO_DIGEST
+    try:
+        raw = bytes.fromhex(digest)
+    except ValueError:
+        raw = b""
+    if len(raw) != SHA256_BYTES or raw == NO_DIGEST:
+        raise DamagedFile(f"{path}: source_sha256 {digest[:80]!r} is not a sha256; re-encode this audio part")
+    return raw
 
 
 # -- one conversation ---------------------------------------------------------------------------------
@@ -307,8 +334,15 @@ def _kinds(slots: list[MediaSlot]) -> str:
 
 
 # -- the rank ---------------------------------------------------------------------------------------
-def count_conversations(inputs: list[Path]) -> int:
-    return sum(1 for _ in read_conversations(inputs))
+def count_conversations(inputs: list[Path], out: Path) -> int:
+    """How many conversations `inputs` hold (every rank needs it to find its units): read from OUT where an
+    earlier rank or run of these inputs counted them, else counted (a read pass of its own) and kept there."""
+    fingerprint = input_fingerprint(inputs)
+    total = cached_count(out, fingerprint)
+    if total is None:
+        total = sum(1 for _ in read_conversations(inputs))
+        write_count(out, fingerprint, total)
+    return total
 
 
 def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
@@ -323,12 +357,12 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
     image_items = ImageItems(Path(images), layout, tokenizer) if images is not None else None
     clips = AudioClips([Path(a) for a in audio], [Path(c) for c in converted], layout)
     builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
-    total = count_conversations(inputs)
+    _refuse_other_parts(part_dir(out, rank))
+    total = count_conversations(inputs, out)
     units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
     identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
     if media_roots:  # they decide which file references resolve: a resume must use the same
         identity["media_roots"] = list(check_media_roots(media_roots))
-    _refuse_other_parts(part_dir(out, rank))
     with PartWriter(part_dir(out, rank), identity) as part:
         if part.done:
             return {"already_done": True, "counts": dict(part.counts), "part_dir": str(part.directory)}
