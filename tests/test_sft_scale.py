@@ -90,3 +90,15 @@ def test_a_count_of_inputs_that_changed_since_is_not_used(tmp_path):
     assert cached_count(tmp_path / "out", input_fingerprint([talk])) == 1
     talk.write_text(talk.read_text() * 2)
     assert cached_count(tmp_path / "out", input_fingerprint([talk])) is None
+
+
+@pytest.mark.parametrize("kept", [2, -3])
+def test_a_count_below_what_the_inputs_hold_is_refused_not_written_short(job, monkeypatch, capsys, kept):
+    # OUT/conversations.json edited, or inputs rewritten keeping size and mtime: the last rank must not stop short.
+    root, argv = job
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
+    fingerprint = input_fingerprint([Path(a) for a in argv[1:4]])
+    mmtok.formats.conversations.write_count(root / f"short{kept}", fingerprint, kept)
+    assert main([*argv, "--out", f"short{kept}"]) == 2
+    assert "the inputs hold more conversations than the" in capsys.readouterr().err

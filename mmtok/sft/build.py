@@ -46,8 +46,9 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, cached_count, check_media_roots,
-                                         input_fingerprint, locate, read_conversations, write_count)
+from mmtok.formats.conversations import (COUNT_FILE, Conversation, Located, audio_clip_id, cached_count,
+                                         check_media_roots, input_fingerprint, locate, read_conversations,
+                                         write_count)
 from mmtok.errors import DamagedFile, MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
@@ -372,6 +373,10 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
         pending, ordinal = _Unit(first // CONVERSATIONS_PER_UNIT), -1
         try:
             for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
+                if ordinal >= total:  # past the count: the rank owning the tail would silently drop the rest
+                    raise MmtokError(f"the inputs hold more conversations than the {total:,} counted in "
+                                     f"{Path(out) / COUNT_FILE} (edited, or inputs rewritten keeping their size "
+                                     "and mtime); delete that file and the parts, then rerun")
                 if ordinal < first:
                     continue
                 if ordinal >= last:
