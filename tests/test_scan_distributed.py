@@ -198,3 +198,17 @@ def test_a_dead_claim_holders_leftovers_are_cleared_and_its_shard_rescanned(shar
     share = scan_share(sources, tmp_path, OPTIONS, 0, 2, workers=1, progress=False)
     assert share["scanned_shards"] == 1 and not stale.exists()
     _same_as_one_process(tmp_path, reference)
+
+
+@pytest.mark.parametrize("edit", [{"documents": 99}, {"reads": "x"}, {"images_ok": None}])
+def test_a_commit_whose_stats_were_edited_is_not_committed(shards, reference, tmp_path, edit):
+    # The stats number the manifest's documents and fill manifest.json: the checksum must cover them too.
+    sources = [describe(str(p)) for p in shards]
+    run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
+    commit = commit_path(cache_path(tmp_path, sources[2], OPTIONS))
+    record = json.loads(commit.read_text())
+    record["stats"].update(edit)
+    commit.write_text(json.dumps(record))
+    meta = run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
+    assert meta["_run"]["scanned_shards"] == 2  # that shard, and the unreadable input (tried by every run)
+    _same_as_one_process(tmp_path, reference)

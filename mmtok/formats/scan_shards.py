@@ -6,16 +6,20 @@ depend on who scanned what. A result is written once, in two atomic steps:
 
   <key>.arrow   the shard's rows (Arrow IPC file, the scanner's shard columns, no metadata)
   <key>.json    the commit, written after the rows are durable: {"rows_bytes", "rows_sha256", "stats",
-                "retry"}; `stats` are the shard's counts (rows, documents, reads, bytes read, reasons...),
-                `retry` marks an input that could not be read (the final assembly scans it again)
+                "retry", "sha256"}; `stats` are the shard's counts (rows, documents, reads, bytes read,
+                reasons...), `retry` marks an input that could not be read (the final assembly scans it
+                again), `sha256` is that of the other four (`_digest`): the stats number the manifest's
+                documents, so they are checked like the rows
 
-A result without its commit, or whose rows do not match the commit's size (cheap check) or sha256
-(the check before assembly), is not committed: whoever claims the shard next scans it again.
+A result without its commit, whose commit does not match its sha256, or whose rows do not match the
+commit's size (cheap check) or sha256 (the check before assembly), is not committed: whoever claims the
+shard next scans it again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -23,6 +27,9 @@ import pyarrow as pa
 
 from mmtok.errors import DamagedFile
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json, sha256_file
+
+
+COMMIT_KEYS = ("rows_bytes", "rows_sha256", "stats", "retry")
 
 
 def commit_path(rows_path: Path) -> Path:
@@ -36,8 +43,8 @@ def write_shard(rows_path: Path, table: pa.Table, stats: dict, retry: bool) -> N
         writer.write_table(table)
     data = sink.getvalue().to_pybytes()
     atomic_write_bytes(rows_path, data)
-    atomic_write_json(commit_path(rows_path), {"rows_bytes": len(data), "rows_sha256": hashlib.sha256(data).hexdigest(),
-                                               "stats": stats, "retry": retry})
+    record = {"rows_bytes": len(data), "rows_sha256": hashlib.sha256(data).hexdigest(), "stats": stats, "retry": retry}
+    atomic_write_json(commit_path(rows_path), {**record, "sha256": _digest(record)})
 
 
 def read_commit(rows_path: Path, verify: bool) -> dict | None:
@@ -48,11 +55,16 @@ def read_commit(rows_path: Path, verify: bool) -> dict | None:
         size = os.stat(rows_path).st_size
     except (DamagedFile, FileNotFoundError):
         return None
-    if not isinstance(record, dict) or not {"rows_bytes", "rows_sha256", "stats", "retry"} <= record.keys():
-        return None
+    if not isinstance(record, dict) or record.get("sha256") != _digest({key: record.get(key) for key in COMMIT_KEYS}):
+        return None  # not a commit, or one edited since it was written
     if size != record["rows_bytes"] or (verify and sha256_file(rows_path) != record["rows_sha256"]):
         return None
     return record
+
+
+def _digest(record: dict) -> str:
+    """The sha256 of a commit's fields (JSON with sorted keys: the same after a write and read back)."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def read_rows(rows_path: Path) -> pa.Table:
