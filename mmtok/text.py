@@ -93,7 +93,7 @@ class HFTokenizer(TextTokenizer):
 
         config = read_json_object(path.with_name(CONFIG_JSON)) or {}
         self._tok = Tokenizer.from_file(str(path))
-        template = _template_file(path.with_name(CHAT_TEMPLATE_FILE))
+        template = read_chat_template(path.with_name(CHAT_TEMPLATE_FILE))
         self._tok.no_padding()
         self._tok.no_truncation()
         self._tok.encode_special_tokens = True  # special tokens' names in text stay text (see TextTokenizer)
@@ -186,7 +186,7 @@ def hf_fingerprint(path: Path) -> str:
     config_path = path.with_name(CONFIG_JSON)
     if config_path.is_file():
         digest.update(config_path.read_bytes())
-    template = _template_file(path.with_name(CHAT_TEMPLATE_FILE))
+    template = read_chat_template(path.with_name(CHAT_TEMPLATE_FILE))
     if template is not None:
         digest.update(template.encode("utf-8"))
     return digest.hexdigest()
@@ -223,7 +223,7 @@ def _config_only_difference(recorded: dict, current: dict) -> list[str] | None:
         return None
     old, new = (read_json_object(path.with_name(CONFIG_JSON)) or {} for path in paths)
     keys = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
-    templates = [_template_file(path.with_name(CHAT_TEMPLATE_FILE)) for path in paths]
+    templates = [read_chat_template(path.with_name(CHAT_TEMPLATE_FILE)) for path in paths]
     return keys + ([CHAT_TEMPLATE_FILE] if templates[0] != templates[1] else [])
 
 
@@ -253,7 +253,7 @@ def load_text_tokenizer(spec: str = BUILTIN_TEKKEN) -> TextTokenizer:
                          "tokenizer.json (or its directory) or a tekken JSON") from None
 
 
-def _template_file(path: Path) -> str | None:
+def read_chat_template(path: Path) -> str | None:
     """The text of a chat_template.jinja, or None where there is none."""
     if not path.exists():
         return None

@@ -412,6 +412,21 @@ def test_check_against_names_every_changed_key_id_and_added_token(chat_omni, tmp
     assert verdict.endswith(f"10 differences: {chat_omni} differs from {release}")
 
 
+@pytest.mark.parametrize("where", ["release", "ours", "both"])
+def test_check_against_compares_the_chat_template_file(chat_omni, tmp_path, capsys, where):
+    # transformers renders with chat_template.jinja where a directory has one: a check that skips it says
+    # "equals" for two tokenizers that render conversations differently.
+    ours, release = (shutil.copytree(chat_omni, tmp_path / name) for name in ("ours", "release"))
+    for name, directory in (("ours", ours), ("release", release)):
+        if where in (name, "both"):
+            (directory / "chat_template.jinja").write_text(f"{{{{ bos_token }}}}{name}")
+    assert main(["tokenizer", "check", str(ours), "--against", str(release)]) == 1
+    line = capsys.readouterr().err.splitlines()[0].removeprefix("mmtok tokenizer check: ")
+    assert line == {"release": "chat_template.jinja: only in release (22 characters)",
+                    "ours": "chat_template.jinja: only in ours (19 characters)",
+                    "both": "chat_template.jinja: differs (19 characters in ours, 22 in release)"}[where]
+
+
 def test_check_against_another_layout_counts_every_shifted_id_in_a_bounded_report(tekken_dir, small_base_dir, capsys):
     assert main(["tokenizer", "check", str(small_base_dir), "--against", str(tekken_dir)]) == 1
     lines = capsys.readouterr().err.splitlines()

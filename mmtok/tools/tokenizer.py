@@ -38,7 +38,7 @@ from mmtok import __version__
 from mmtok.errors import MmtokError, brief
 from mmtok.formats import interleave, megatron, merged
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required
-from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer, tokenizer_difference
+from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer, read_chat_template, tokenizer_difference
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -467,8 +467,8 @@ def _number(value) -> str:
 
 # -- check against another tokenizer ---------------------------------------------------------------
 def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[list[str], int]:
-    """Every difference between two tokenizer directories, one line each: the tokenizer_config.json and
-    special_tokens_map.json keys (nested keys by their path, `omnimodal_config.modalities[0].offset`), every
+    """Every difference between two tokenizer directories, one line each: their chat_template.jinja, the
+    tokenizer_config.json and special_tokens_map.json keys (nested keys by their path, `omnimodal_config.modalities[0].offset`), every
     token name's id, and every added token's flags (ADDED_TOKEN_FLAGS). The token lines of each kind stop after
     DIFFERENCES_SHOWN with one line counting the rest. Returns (lines, how many differences there are): ([], 0)
     when the two are equal."""
@@ -476,7 +476,7 @@ def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[li
     names = (Path(directory).name, Path(reference).name)
     if names[0] == names[1] or not all(names):
         names = (str(directory), str(reference))
-    lines = []
+    lines = _template_difference(here[CHAT_TEMPLATE], there[CHAT_TEMPLATE], names)
     for file in (CONFIG_JSON, SPECIAL_MAP_JSON):
         lines += [f"{file} {key}: {what}" for key, what in value_differences(here[file], there[file], names)]
     vocab, ref_vocab = here["vocab"], there["vocab"]
@@ -517,7 +517,7 @@ def value_differences(ours, theirs, names: tuple[str, str], key: str = "") -> li
 def _tokenizer_files(directory: str | Path) -> dict:
     """Of any Hugging Face tokenizer directory: `vocab` (every token name -> id, added tokens included) and
     `added` (added token name -> its flags) from tokenizer.json, read as JSON (loading a `tokenizers.Tokenizer`
-    of 135,368 added tokens takes seconds); its tokenizer_config.json and special_tokens_map.json ({} when absent)."""
+    of 135,368 added tokens takes seconds); its tokenizer_config.json and special_tokens_map.json ({} when absent) and chat_template.jinja (None)."""
     directory = Path(directory)
     if not (directory / TOKENIZER_JSON).is_file():
         raise MmtokError(f"{directory}: no {TOKENIZER_JSON} here -- pass a Hugging Face tokenizer directory")
@@ -534,7 +534,19 @@ def _tokenizer_files(directory: str | Path) -> dict:
     pieces = {name: i for name, i in pieces.items() if isinstance(i, int)}  # ids compared and sorted as numbers
     return {"vocab": {**pieces, **{entry["content"]: entry["id"] for entry in added}},
             "added": {entry["content"]: {flag: entry.get(flag) for flag in ADDED_TOKEN_FLAGS} for entry in added},
-            CONFIG_JSON: _read_json(directory / CONFIG_JSON), SPECIAL_MAP_JSON: _read_json(directory / SPECIAL_MAP_JSON)}
+            CONFIG_JSON: _read_json(directory / CONFIG_JSON), SPECIAL_MAP_JSON: _read_json(directory / SPECIAL_MAP_JSON),
+            CHAT_TEMPLATE: read_chat_template(directory / CHAT_TEMPLATE)}
+
+
+def _template_difference(ours: str | None, theirs: str | None, names: tuple[str, str]) -> list[str]:
+    """The line naming how two chat_template.jinja differ (transformers renders with the file where there is
+    one, over tokenizer_config.json's `chat_template`), or none."""
+    if ours == theirs:
+        return []
+    if ours is None or theirs is None:
+        where, text = (names[0], ours) if theirs is None else (names[1], theirs)
+        return [f"{CHAT_TEMPLATE}: only in {where} ({len(text):,} characters)"]
+    return [f"{CHAT_TEMPLATE}: differs ({len(ours):,} characters in {names[0]}, {len(theirs):,} in {names[1]})"]
 
 
 def _id_in(vocab: dict[str, int], name: str, where: str) -> str:
