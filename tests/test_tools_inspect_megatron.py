@@ -214,6 +214,9 @@ def test_train_tokens_beyond_one_epoch_of_an_unweighted_blend_say_where_the_data
     args, out, err = recipe_blend(caption_blend, capsys, "--seq-length", "128", "--train-tokens", "20000")
     assert "the blend holds 10 samples, so the data runs out at 6.4% of the 157 samples" in err
     assert out.count(": 0.84 epochs -- 16% of its tokens never train") == 2  # 5 samples x 128 of 763 tokens
+    # the header's formula is the one those lines follow: the tokens the blend serves, not the budget
+    assert ("20,096 train tokens, of which the blend serves 10 samples = 1,280 tokens; each dataset's epochs = its "
+            "share of the blend x the tokens served / its tokens") in out
     with one_process_group(caption_blend.root):
         train = built_blend(caption_blend, args, 128, args.train_samples, "out")
     assert len(train) == 10  # one epoch of each, whatever was asked for

@@ -318,7 +318,7 @@ def short_dataset_warnings(prefixes: list[Path], tokens: list[int], seq_length: 
 def budget_epochs(prefixes: list[Path], tokens: list[int], weights: list[float] | None, seq_length: int,
                   train_samples: int) -> tuple[list[str], list[str]]:
     """The `#` lines that say how many epochs of each dataset a run of `train_samples` samples draws (share of the
-    blend x train tokens / dataset tokens), and the warnings: datasets repeated, or the blend running out.
+    blend x the tokens the blend serves / dataset tokens), and the warnings: datasets repeated, or the blend running out.
 
     With weights, megatron-core starts a new shuffled epoch of a dataset whenever one ends, so the mixture holds to
     the end of the run; without weights it blends several datasets by their samples per epoch and builds one epoch
@@ -331,8 +331,10 @@ def budget_epochs(prefixes: list[Path], tokens: list[int], weights: list[float] 
     else:
         shares = [w / sum(weights) for w in weights] if weights else [1.0]
         served = train_samples
+    served_note = (f", of which the blend serves {served:,} samples = {served * seq_length:,} tokens"
+                   if served < train_samples else "")
     notes = [f"# epochs: --train-samples {train_samples:,} of --seq-length {seq_length:,} = {train_tokens:,} train "
-             "tokens; each dataset's epochs = its share of the blend x train tokens / its tokens"]
+             f"tokens{served_note}; each dataset's epochs = its share of the blend x the tokens served / its tokens"]
     warnings = []
     for prefix, count, share in zip(prefixes, tokens, shares):
         epochs = share * served * seq_length / max(count, 1)
