@@ -25,9 +25,9 @@ Check a tokenizer directory against datasets written by `mmtok merge` (OUT/merge
 or `mmtok audio interleave` (OUT/stage, OUT/long-context): the same layout as the dataset's metadata
 (OUT/merged.json or OUT/interleave.json), every structure token and BOS/EOS at the id the data uses, the
 same base text tokenizer and codec, and every id on disk inside the tokenizer's vocabulary. With
---against REF, also compare it with another tokenizer directory (a released one): the chat_template.jinja, every
-tokenizer_config.json and special_tokens_map.json key, every token name's id and every added token's flags. Prints one line per
-problem or difference and exits 1, or one success line and exits 0.
+--against REF, also compare it with another tokenizer directory (a released one): the chat_template.jinja,
+every tokenizer_config.json and special_tokens_map.json key, every token name's id and every added token's
+flags. Prints one line per problem or difference and exits 1, or one success line and exits 0.
 """
 
 

@@ -318,7 +318,8 @@ def short_dataset_warnings(prefixes: list[Path], tokens: list[int], seq_length: 
 def budget_epochs(prefixes: list[Path], tokens: list[int], weights: list[float] | None, seq_length: int,
                   train_samples: int) -> tuple[list[str], list[str]]:
     """The `#` lines that say how many epochs of each dataset a run of `train_samples` samples draws (share of the
-    blend x the tokens the blend serves / dataset tokens), and the warnings: datasets repeated, or the blend running out.
+    blend x the tokens the blend serves / dataset tokens), and the warnings: datasets repeated, or the blend
+    running out.
 
     With weights, megatron-core starts a new shuffled epoch of a dataset whenever one ends, so the mixture holds to
     the end of the run; without weights it blends several datasets by their samples per epoch and builds one epoch

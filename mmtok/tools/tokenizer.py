@@ -468,8 +468,9 @@ def _number(value) -> str:
 # -- check against another tokenizer ---------------------------------------------------------------
 def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[list[str], int]:
     """Every difference between two tokenizer directories, one line each: their chat_template.jinja, the
-    tokenizer_config.json and special_tokens_map.json keys (nested keys by their path, `omnimodal_config.modalities[0].offset`), every
-    token name's id, and every added token's flags (ADDED_TOKEN_FLAGS). The token lines of each kind stop after
+    tokenizer_config.json and special_tokens_map.json keys (nested keys by their path,
+    `omnimodal_config.modalities[0].offset`), every token name's id, and every added token's flags
+    (ADDED_TOKEN_FLAGS). The token lines of each kind stop after
     DIFFERENCES_SHOWN with one line counting the rest. Returns (lines, how many differences there are): ([], 0)
     when the two are equal."""
     here, there = _tokenizer_files(directory), _tokenizer_files(reference)
@@ -517,7 +518,8 @@ def value_differences(ours, theirs, names: tuple[str, str], key: str = "") -> li
 def _tokenizer_files(directory: str | Path) -> dict:
     """Of any Hugging Face tokenizer directory: `vocab` (every token name -> id, added tokens included) and
     `added` (added token name -> its flags) from tokenizer.json, read as JSON (loading a `tokenizers.Tokenizer`
-    of 135,368 added tokens takes seconds); its tokenizer_config.json and special_tokens_map.json ({} when absent) and chat_template.jinja (None)."""
+    of 135,368 added tokens takes seconds); its tokenizer_config.json and special_tokens_map.json ({} when absent)
+    and chat_template.jinja (None when absent)."""
     directory = Path(directory)
     if not (directory / TOKENIZER_JSON).is_file():
         raise MmtokError(f"{directory}: no {TOKENIZER_JSON} here -- pass a Hugging Face tokenizer directory")
