@@ -302,6 +302,22 @@ def test_the_tail_names_slow_and_silent_running_parts_and_the_parts_not_started(
                               "may hang; requeue it on another node")
 
 
+def test_a_part_silent_before_its_first_commit_is_stalled_by_the_others_pace(tmp_path, capsys):
+    for part in range(2):  # two done parts at 1 s a batch
+        write_part(tmp_path, image_identity(part, 3, (2 * part, 2 * part + 2)), range(2), wall_ms=1000, finish=True)
+    hung = write_part(tmp_path, image_identity(2, 3, (4, 6)), range(0))
+    long_ago = time.time() - 3600
+    with WriterLock(hung, "part 2"):
+        for name in (COMMITS, WriterLock.NAME):
+            os.utime(hung / name, (long_ago, long_ago))  # it took the lock an hour ago, then nothing
+        status = job_status(tmp_path)
+        assert main(["status", str(tmp_path)]) == 0
+    assert [a["action"] for a in status["tail"]["actions"]] == ["stalled"]
+    assert status["tail"]["actions"][0]["unit_s"] == pytest.approx(1.0)
+    assert any(line.startswith("action: part 2 has committed nothing for 1h00m (no batch yet, the others' take "
+                               "1.0s)") for line in capsys.readouterr().out.splitlines())
+
+
 def test_a_finished_job_shows_no_tail(tmp_path, capsys):
     write_part(tmp_path, image_identity(0, 1, (0, 2)), range(2), finish=True)
     assert main(["status", str(tmp_path)]) == 0 and "tail:" not in capsys.readouterr().out

@@ -146,8 +146,10 @@ def _action(action: dict) -> str:
         return (f"part {action['part']} runs at {action['speed']:.2f}x the median pace: requeue it on another node "
                 "(cancel its task and exclude the node; the rerun resumes after its last commit)")
     if kind == "stalled":
-        return (f"part {action['part']} has committed nothing for {_duration(action['silent_s'])} (its batches take "
-                f"{_duration(action['unit_s'])}): its node may hang; requeue it on another node")
+        pace = ("no batch yet, the others' take " if action.get("first") else "its batches take ") + \
+            _duration(action["unit_s"])
+        return (f"part {action['part']} has committed nothing for {_duration(action['silent_s'])} ({pace}): its node "
+                "may hang; requeue it on another node")
     parts = _numbers(action["parts"])
     if kind == "resume":
         return (f"{plural(len(action['parts']), 'part')} stopped ({parts}): requeue their tasks or rerun the "

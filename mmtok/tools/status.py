@@ -272,12 +272,16 @@ def _tail(parts: list[dict]) -> dict:
         part["speed"] = median / part["pace_s"] if median and part["pace_s"] else None
     running = sorted((p for p in parts if p["state"] == "running"),
                      key=lambda p: -(p["eta_s"] if p["eta_s"] is not None else np.inf))
+    units = [p["wall_s"] / p["units_done"] for p in parts if p["units_done"] and p["wall_s"]]
+    typical = float(np.median(units)) if units else None  # for a part that has committed nothing yet
     actions = []
     for part in running:
-        per_unit = part["wall_s"] / part["units_done"] if part["units_done"] else None
-        if per_unit and part["silent_s"] > max(STALL_S, STALL_UNITS * per_unit):
+        own = part["wall_s"] / part["units_done"] if part["units_done"] else None
+        per_unit = own or typical  # a part that hangs before its first commit is judged by the others' pace
+        silent = part["silent_s"]  # None where this process holds the part's lock itself
+        if per_unit and silent is not None and silent > max(STALL_S, STALL_UNITS * per_unit):
             actions.append({"action": "stalled", "part": part["part"], "silent_s": part["silent_s"],
-                            "unit_s": per_unit})
+                            "unit_s": per_unit, "first": not part["units_done"]})
         elif part["speed"] is not None and part["speed"] < SLOW_SPEED:
             actions.append({"action": "slow", "part": part["part"], "speed": part["speed"]})
     for state, action in (("stopped", "resume"), ("missing", "not_started")):
