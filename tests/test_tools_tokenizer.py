@@ -458,3 +458,12 @@ def _manifest_rows(manifest: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
     return pq.read_table(manifest / "manifest.parquet").to_pylist()
+
+
+def test_check_names_what_is_wrong_with_a_path_that_is_not_a_tokenizer_directory(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("{}")
+    for name, words in (("missing", "does not exist"), ("file", "is not a directory"),
+                        ("empty", "has no tokenizer.json")):
+        assert main(["tokenizer", "check", str(tmp_path / name), "--against", str(tmp_path / name)]) == 2
+        assert f"{tmp_path / name}: {words} -- pass " in capsys.readouterr().err

@@ -296,13 +296,20 @@ def _read_json(path: Path) -> dict:
 
 
 # -- check -----------------------------------------------------------------------------------------
+def _no_tokenizer(directory: Path, wanted: str) -> str:
+    """The refusal for a path that is not a tokenizer directory: missing, not a directory, or without one."""
+    what = ("does not exist" if not directory.exists() else "is not a directory" if not directory.is_dir()
+            else f"has no {TOKENIZER_JSON}")
+    return f"{directory}: {what} -- pass {wanted}"
+
+
 def read_tokenizer(directory: str | Path) -> tuple[object, dict]:
     """The `tokenizers.Tokenizer` and the tokenizer_config.json of a tokenizer directory."""
     from tokenizers import Tokenizer
 
     directory = Path(directory)
     if not (directory / TOKENIZER_JSON).is_file():
-        raise MmtokError(f"{directory}: no {TOKENIZER_JSON} here -- pass a directory written by `mmtok tokenizer build`")
+        raise MmtokError(_no_tokenizer(directory, "a directory written by `mmtok tokenizer build`"))
     config = _read_json(directory / CONFIG_JSON)
     if not isinstance(config.get("base_vocab_size"), int):
         raise MmtokError(f"{directory / CONFIG_JSON}: no base_vocab_size, so not an omnimodal tokenizer -- "
@@ -522,7 +529,7 @@ def _tokenizer_files(directory: str | Path) -> dict:
     and chat_template.jinja (None when absent)."""
     directory = Path(directory)
     if not (directory / TOKENIZER_JSON).is_file():
-        raise MmtokError(f"{directory}: no {TOKENIZER_JSON} here -- pass a Hugging Face tokenizer directory")
+        raise MmtokError(_no_tokenizer(directory, "a Hugging Face tokenizer directory"))
     path = directory / TOKENIZER_JSON
     state = read_json_object(path)
     model = required(state, "model", dict, path)
