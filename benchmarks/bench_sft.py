@@ -41,6 +41,16 @@ The scale mode runs each measure in a process of its own, with this checkout's m
 clip, RSS at the peak of the image index's build, and the indexes' own `nbytes`; (2) `mmtok sft` (one rank) over
 the corpus above of M conversations: a first run, then a rerun of the lost part into the same --out (where the
 count is kept): wall seconds and the process's peak RSS.
+
+    python benchmarks/bench_sft.py --ranks 10000000 [...] [--world-size 800] [--media-share 0.1]   # ~12 min here
+
+The rank mode measures what one rank of a cluster job costs: N of the smallest realistic conversations (a
+system prompt, a user turn, an answer; --media-share of them with one image placeholder) in chunks of 10,000
+(a JSONL file of the text-only ones with `id`s, then a tar of those with an image and its items in IMG), then
+`mmtok sft` as rank 0 of --world-size (first to start: it counts), as the last rank into the same OUT (it finds
+the count and reads every conversation before its range once) and as the last rank alone in a fresh OUT
+(counting first), each a process of its own: wall and CPU seconds, peak RSS (VmHWM), conversations read and
+rendered.
 """
 
 from __future__ import annotations
@@ -425,11 +435,13 @@ print(json.dumps({"nbytes": nbytes, "image_s": image_s, "image_kept": image_rss 
                   "peak": rss("VmHWM:")}))
 """
 PASS_CHILD = r"""
-import sys
+import json, resource, sys
 from mmtok.cli import main
 
 code = main(sys.argv[1:])
-print(int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024)
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"peak": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024,
+                  "cpu": usage.ru_utime + usage.ru_stime}))
 sys.exit(code)
 """
 SCALE_TEXT_SIZE = 32_768
@@ -512,9 +524,9 @@ def scale_pass(work: Path, conversations: int, trees: dict[str, Path]) -> list[d
                 "--no-progress"]
         for run in ("first run", "rerun of the part"):
             shutil.rmtree(out / "parts", ignore_errors=True)
-            wall, peak = measured(argv, tree)
-            rows.append({"tree": name, "run": run, "conversations": conversations, "wall": wall, "peak": int(peak),
-                         "media": corpus["images"] + corpus["clips"]})
+            wall, said = measured(argv, tree)
+            rows.append({"tree": name, "run": run, "conversations": conversations, "wall": wall,
+                         "peak": json.loads(said)["peak"], "media": corpus["images"] + corpus["clips"]})
     shutil.rmtree(corpus_dir, ignore_errors=True)
     return rows
 
@@ -538,6 +550,103 @@ def scale(work: Path, media: list[int], conversations: list[int], baseline: Path
               f"{1e6 * row['wall'] / row['conversations']:,.0f} | {row['peak'] / 2**20:,.0f} |")
 
 
+# -- one cluster rank of a 10^7-conversation job ---------------------------------------------------
+RANK_CHUNK = 10_000  # conversations a chunk: one JSONL file of the text-only ones, one tar of those with an image
+RANK_POOL = 4_096  # distinct conversation bodies, each written under many ids
+
+
+def small_conversation(text: Writer, image: bool) -> dict:
+    """The smallest realistic conversation: a system prompt, a user turn (an image placeholder first where
+    `image`), one answer."""
+    return {"messages": [{"role": "system", "content": "You are a helpful assistant. " + text(5, 20)},
+                         {"role": "user", "content": ("<|image|>\n" if image else "") + text(5, 40)},
+                         {"role": "assistant", "content": text(20, 120)}]}
+
+
+def write_rank_corpus(work: Path, conversations: int, media_share: float, seed: int = 0) -> dict:
+    """`conversations` small conversations in chunks of RANK_CHUNK: per chunk a JSONL file of the text-only
+    ones (ids c<ordinal>, bodies drawn from a pool) then a tar of the `media_share` with one image each (4x4
+    codes: the pass never reads media bytes, only the items' ids); the tokenizer and the image items."""
+    import tarfile
+
+    rng = np.random.default_rng(seed)
+    train, held_out = topic_words()
+    tok = make_tokenizer(work / "tok", train)
+    tokenizer = load_text_tokenizer(str(tok))
+    layout = VocabLayout(text_size=tokenizer.vocab_size)
+    text = Writer(held_out, rng)
+    plain = [json.dumps(small_conversation(text, False))[1:] for _ in range(RANK_POOL)]
+    with_image = [json.dumps(small_conversation(text, True)).encode() for _ in range(RANK_POOL)]
+    block = DocumentBuilder("sft", tokenizer, layout).image_block(rng.integers(0, layout.image_codebook, (4, 4)))
+    items: list[list[tuple[dict, np.ndarray]]] = [[] for _ in range(IMAGE_PARTS)]
+    inputs, ordinal = [], 0
+    (work / "convs").mkdir(parents=True)
+    for chunk, start in enumerate(range(0, conversations, RANK_CHUNK)):
+        size = min(RANK_CHUNK, conversations - start)
+        media = int(size * media_share)
+        path = (work / "convs" / f"c{chunk:05d}.jsonl").resolve()
+        with open(path, "w") as lines:
+            lines.writelines(f'{{"id": "c{n:09d}", {plain[n % RANK_POOL]}\n'
+                             for n in range(start, start + size - media))
+        inputs.append(path)
+        path = (work / "convs" / f"c{chunk:05d}-media.tar").resolve()
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for n in range(media):
+                key = f"{n:06d}"
+                members = (f"{key}.json", with_image[(start + n) % RANK_POOL]), (f"{key}.0.jpg", b"\xff" * 16)
+                for name, data in members:
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
+                    tar.addfile(info, io.BytesIO(data))
+                items[ordinal % IMAGE_PARTS].append((
+                    {"kind": "image", "key": key, "source": str(path), "container": "tar", "member": f"{key}.0.jpg",
+                     "manifest_row": ordinal, "document": ordinal, "image_index": 0}, block))
+                ordinal += 1
+        inputs.append(path)
+    write_image_items(work / "img", items, tokenizer, layout, None,
+                      {str(p): container_identity(p) for p in inputs if p.suffix == ".tar"})
+    return {"inputs": inputs, "tok": tok, "images": ordinal}
+
+
+def rank_runs(work: Path, conversations: int, world_size: int, media_share: float) -> list[dict]:
+    """`mmtok sft` as rank 0 (it counts: a read pass of its own, then its range), then as the last rank into
+    the same OUT (it finds the count: one read up to the end of its range, all of the inputs), then the last
+    rank alone into a fresh OUT (counting first), each a process of its own."""
+    corpus_dir = work / f"ranks-{conversations}"
+    started = time.perf_counter()
+    corpus = write_rank_corpus(corpus_dir, conversations, media_share)
+    print(f"(corpus of {conversations:,} conversations, {corpus['images']:,} with an image, written in "
+          f"{time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    rows, final = [], world_size - 1
+    for rank, out, counted in ((0, "sft", False), (final, "sft", True), (final, "sft-alone", False)):
+        argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["inputs"]), "--text-tokenizer",
+                str(corpus["tok"]), "--images", str(corpus_dir / "img"), "--out", str(corpus_dir / out),
+                "--rank", str(rank), "--world-size", str(world_size), "--no-progress"]
+        wall, said = measured(argv, REPO)
+        stats = json.loads((part_dir(corpus_dir / out, rank) / "stats.json").read_text())
+        begin, end = (min(unit * mmtok.sft.build.CONVERSATIONS_PER_UNIT, conversations) for unit in stats["units"])
+        rows.append({"conversations": conversations, "world_size": world_size, "rank": rank, "wall": wall,
+                     "count": "found in OUT" if counted else "counted", "media": corpus["images"],
+                     "read": (0 if counted else conversations) + end, "rendered": end - begin,
+                     "written": stats["counts"], **json.loads(said)})
+        print(f"(rank {rank}: {wall:.0f} s)", file=sys.stderr)
+    shutil.rmtree(corpus_dir, ignore_errors=True)
+    return rows
+
+
+def ranks(work: Path, conversations: list[int], world_size: int, media_share: float) -> None:
+    rows = [row for count in conversations for row in rank_runs(work, count, world_size, media_share)]
+    print("| conversations | with an image | world size | rank | count | wall s | CPU s | peak MiB | conversations "
+          "read | rendered | us/conversation read |\n|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        print(f"| {row['conversations']:,} | {row['media']:,} | {row['world_size']} | {row['rank']} | {row['count']} "
+              "| "
+              f"{row['wall']:.1f} | {row['cpu']:.1f} | {row['peak'] / 2**20:,.0f} | {row['read']:,} | "
+              f"{row['rendered']:,} | {1e6 * row['wall'] / row['read']:.1f} |")
+    for row in rows:
+        print(f"rank {row['rank']} ({row['count']}): {row['written']}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=5_000)
@@ -548,12 +657,18 @@ def main() -> None:
                         help="the scale mode: media indexes of --scale-media media, the pass over --scale-conversations")
     parser.add_argument("--scale-media", type=int, nargs="*", default=[1_000_000])
     parser.add_argument("--scale-conversations", type=int, nargs="*", default=[20_000])
+    parser.add_argument("--ranks", type=int, nargs="*", default=None, metavar="N",
+                        help="the rank mode: rank 0 and the last rank of --world-size over N small conversations")
+    parser.add_argument("--world-size", type=int, default=800)
+    parser.add_argument("--media-share", type=float, default=0.1, help="share of the conversations with an image")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a tree of the mmtok to compare with, side by side (git archive REV | tar -x -C DIR)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-sft-", dir=args.dir))
     try:
-        if args.scale:
+        if args.ranks:
+            ranks(work, args.ranks, args.world_size, args.media_share)
+        elif args.scale:
             scale(work, args.scale_media, args.scale_conversations, args.baseline)
         else:
             bench(work, args.conversations, args.tars, args.repeats)
