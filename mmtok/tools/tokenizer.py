@@ -38,13 +38,12 @@ from mmtok import __version__
 from mmtok.errors import MmtokError, brief
 from mmtok.formats import interleave, megatron, merged
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required
-from mmtok.text import TekkenTokenizer, TextTokenizer, load_text_tokenizer, read_chat_template, tokenizer_difference
+from mmtok.text import (CHAT_TEMPLATE_FILE, CONFIG_JSON, TekkenTokenizer, TextTokenizer,
+                        load_text_tokenizer, read_chat_template, tokenizer_difference)
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
 TOKENIZER_JSON = "tokenizer.json"
-CONFIG_JSON = "tokenizer_config.json"
 SPECIAL_MAP_JSON = "special_tokens_map.json"
-CHAT_TEMPLATE = "chat_template.jinja"
 IMAGE_CODE_TOKEN = "<|visual token {i}|>"
 AUDIO_CODE_TOKEN = "<|audio token {i}|>"
 RESERVED_TOKEN = "<|omni_reserved_{i}|>"
@@ -114,7 +113,7 @@ def load_base(spec: str) -> Base:
             roles["pad_token"] = "<pad>"  # the release names a pad token; a base's own pad_token wins
         roles.update({role: config[role] for role in ROLES if role in config})
         config = {**config, **roles}
-        template = path.with_name(CHAT_TEMPLATE)
+        template = path.with_name(CHAT_TEMPLATE_FILE)
         base = Base(tokenizer, config, _read_json(path.with_name(SPECIAL_MAP_JSON)) or roles,
                     template if template.is_file() else None, text)
     _check_base(base, spec)
@@ -284,7 +283,7 @@ def tokenizer_config(base: Base, base_vocab: dict[str, int], layout: VocabLayout
 
 
 def _copy_chat_template(source: Path | None, out: Path) -> None:
-    target = out / CHAT_TEMPLATE
+    target = out / CHAT_TEMPLATE_FILE
     if source is None:
         target.unlink(missing_ok=True)  # a template left from an earlier build would be read by transformers
     else:
@@ -484,7 +483,7 @@ def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[li
     names = (Path(directory).name, Path(reference).name)
     if names[0] == names[1] or not all(names):
         names = (str(directory), str(reference))
-    lines = _template_difference(here[CHAT_TEMPLATE], there[CHAT_TEMPLATE], names)
+    lines = _template_difference(here[CHAT_TEMPLATE_FILE], there[CHAT_TEMPLATE_FILE], names)
     for file in (CONFIG_JSON, SPECIAL_MAP_JSON):
         lines += [f"{file} {key}: {what}" for key, what in value_differences(here[file], there[file], names)]
     vocab, ref_vocab = here["vocab"], there["vocab"]
@@ -544,7 +543,7 @@ def _tokenizer_files(directory: str | Path) -> dict:
     return {"vocab": {**pieces, **{entry["content"]: entry["id"] for entry in added}},
             "added": {entry["content"]: {flag: entry.get(flag) for flag in ADDED_TOKEN_FLAGS} for entry in added},
             CONFIG_JSON: _read_json(directory / CONFIG_JSON), SPECIAL_MAP_JSON: _read_json(directory / SPECIAL_MAP_JSON),
-            CHAT_TEMPLATE: read_chat_template(directory / CHAT_TEMPLATE)}
+            CHAT_TEMPLATE_FILE: read_chat_template(directory / CHAT_TEMPLATE_FILE)}
 
 
 def _template_difference(ours: str | None, theirs: str | None, names: tuple[str, str]) -> list[str]:
@@ -554,8 +553,8 @@ def _template_difference(ours: str | None, theirs: str | None, names: tuple[str,
         return []
     if ours is None or theirs is None:
         where, text = (names[0], ours) if theirs is None else (names[1], theirs)
-        return [f"{CHAT_TEMPLATE}: only in {where} ({len(text):,} characters)"]
-    return [f"{CHAT_TEMPLATE}: differs ({len(ours):,} characters in {names[0]}, {len(theirs):,} in {names[1]})"]
+        return [f"{CHAT_TEMPLATE_FILE}: only in {where} ({len(text):,} characters)"]
+    return [f"{CHAT_TEMPLATE_FILE}: differs ({len(ours):,} characters in {names[0]}, {len(theirs):,} in {names[1]})"]
 
 
 def _id_in(vocab: dict[str, int], name: str, where: str) -> str:
