@@ -210,6 +210,13 @@ def refuse_out_overlapping(out: str | os.PathLike, inputs: Iterable[str | os.Pat
                              f"{flag} that holds no input")
 
 
+def outside(path: str | os.PathLike, root: str | os.PathLike) -> str | None:
+    """The real path of `path` (symlinks and `..` resolved) when it lies outside the real path of the directory
+    `root`, else None: the one rule for what a directory given to mmtok may hand it."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return None if real == top or real.startswith(top.rstrip("/") + "/") else real
+
+
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
     """Append the bytes of file `source` to the open binary file `handle`.
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from mmtok.errors import MmtokError, brief
-from mmtok.fsutil import read_json_object, read_regular_file
+from mmtok.fsutil import outside, read_json_object, read_regular_file
 
 BUILTIN_TEKKEN = "tekken"
 CONFIG_JSON = "tokenizer_config.json"  # beside an HF tokenizer.json: roles, chat template
@@ -91,7 +92,7 @@ class HFTokenizer(TextTokenizer):
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
-        config = read_json_object(path.with_name(CONFIG_JSON)) or {}
+        config = read_json_object(tokenizer_file(path.with_name(CONFIG_JSON))) or {}
         self._tok = Tokenizer.from_file(str(path))
         template = read_chat_template(path.with_name(CHAT_TEMPLATE_FILE))
         self._tok.no_padding()
@@ -182,8 +183,8 @@ class TekkenTokenizer(TextTokenizer):
 def hf_fingerprint(path: Path) -> str:
     """The sha256 of an HF tokenizer: its tokenizer.json at `path`, then the tokenizer_config.json and the
     chat_template.jinja beside it (where they exist)."""
-    digest = hashlib.sha256(path.read_bytes())
-    config_path = path.with_name(CONFIG_JSON)
+    digest = hashlib.sha256(tokenizer_file(path).read_bytes())
+    config_path = tokenizer_file(path.with_name(CONFIG_JSON))
     if config_path.is_file():
         digest.update(config_path.read_bytes())
     template = read_chat_template(path.with_name(CHAT_TEMPLATE_FILE))
@@ -221,7 +222,7 @@ def _config_only_difference(recorded: dict, current: dict) -> list[str] | None:
         return None  # changed since it was recorded: what the run used is no longer on disk
     if read_regular_file(paths[0]) != read_regular_file(paths[1]):
         return None
-    old, new = (read_json_object(path.with_name(CONFIG_JSON)) or {} for path in paths)
+    old, new = (read_json_object(tokenizer_file(path.with_name(CONFIG_JSON))) or {} for path in paths)
     keys = sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
     templates = [read_chat_template(path.with_name(CHAT_TEMPLATE_FILE)) for path in paths]
     return keys + ([CHAT_TEMPLATE_FILE] if templates[0] != templates[1] else [])
@@ -238,7 +239,7 @@ def load_text_tokenizer(spec: str = BUILTIN_TEKKEN) -> TextTokenizer:
     path = builtin_tekken_path() if spec == BUILTIN_TEKKEN else Path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
+    if not tokenizer_file(path).is_file():
         raise MmtokError(f"text tokenizer not found: {spec} (pass `tekken`, a tokenizer.json, or its directory)")
     with open(path, "rb") as handle:
         head = handle.read(4096)
@@ -253,9 +254,25 @@ def load_text_tokenizer(spec: str = BUILTIN_TEKKEN) -> TextTokenizer:
                          "tokenizer.json (or its directory) or a tekken JSON") from None
 
 
+def tokenizer_file(path: Path) -> Path:
+    """`path`, a file of a tokenizer directory (tokenizer.json, tokenizer_config.json, chat_template.jinja, ...),
+    when its real path stays in that directory; MmtokError otherwise. A tokenizer comes from strangers: a link
+    to /etc/passwd as its chat template would become the text of every training sequence. The one link that
+    may leave is the Hugging Face hub cache's own: `REPO/snapshots/REV/NAME` -> `REPO/blobs/HASH`."""
+    real = outside(path, path.parent)
+    if real is None or _hub_cache_blob(Path(real), Path(os.path.realpath(path.parent))):
+        return path
+    raise MmtokError(f"text tokenizer file {path} resolves to {real}, outside its directory {path.parent}; "
+                     "a tokenizer's files must lie in its directory (copy them there)")
+
+
+def _hub_cache_blob(real: Path, directory: Path) -> bool:
+    return directory.parent.name == "snapshots" and real.parent == directory.parent.parent / "blobs"
+
+
 def read_chat_template(path: Path) -> str | None:
     """The text of a chat_template.jinja, or None where there is none."""
-    if not path.exists():
+    if not tokenizer_file(path).exists():
         return None
     try:
         return read_regular_file(path).decode("utf-8")

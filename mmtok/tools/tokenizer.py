@@ -39,7 +39,7 @@ from mmtok.errors import MmtokError, brief
 from mmtok.formats import interleave, megatron, merged
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required
 from mmtok.text import (CHAT_TEMPLATE_FILE, CONFIG_JSON, TekkenTokenizer, TextTokenizer,
-                        load_text_tokenizer, read_chat_template, tokenizer_difference)
+                        load_text_tokenizer, read_chat_template, tokenizer_difference, tokenizer_file)
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -107,13 +107,13 @@ def load_base(spec: str) -> Base:
     else:
         path = Path(text.name)  # an HFTokenizer is named by its tokenizer.json
         config = _read_json(path.with_name(CONFIG_JSON))
-        tokenizer = Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(tokenizer_file(path)))
         roles = {"bos_token": text.token_text(text.bos_id), "eos_token": text.token_text(text.eos_id)}
         if tokenizer.token_to_id("<pad>") is not None:
             roles["pad_token"] = "<pad>"  # the release names a pad token; a base's own pad_token wins
         roles.update({role: config[role] for role in ROLES if role in config})
         config = {**config, **roles}
-        template = path.with_name(CHAT_TEMPLATE_FILE)
+        template = tokenizer_file(path.with_name(CHAT_TEMPLATE_FILE))
         base = Base(tokenizer, config, _read_json(path.with_name(SPECIAL_MAP_JSON)) or roles,
                     template if template.is_file() else None, text)
     _check_base(base, spec)
@@ -291,7 +291,8 @@ def _copy_chat_template(source: Path | None, out: Path) -> None:
 
 
 def _read_json(path: Path) -> dict:
-    return read_json_object(path) or {}
+    """A JSON object file of a tokenizer directory ({} when absent)."""
+    return read_json_object(tokenizer_file(path)) or {}
 
 
 # -- check -----------------------------------------------------------------------------------------
@@ -307,7 +308,7 @@ def read_tokenizer(directory: str | Path) -> tuple[object, dict]:
     from tokenizers import Tokenizer
 
     directory = Path(directory)
-    if not (directory / TOKENIZER_JSON).is_file():
+    if not tokenizer_file(directory / TOKENIZER_JSON).is_file():
         raise MmtokError(_no_tokenizer(directory, "a directory written by `mmtok tokenizer build`"))
     config = _read_json(directory / CONFIG_JSON)
     if not isinstance(config.get("base_vocab_size"), int):
@@ -527,7 +528,7 @@ def _tokenizer_files(directory: str | Path) -> dict:
     of 135,368 added tokens takes seconds); its tokenizer_config.json and special_tokens_map.json ({} when absent)
     and chat_template.jinja (None when absent)."""
     directory = Path(directory)
-    if not (directory / TOKENIZER_JSON).is_file():
+    if not tokenizer_file(directory / TOKENIZER_JSON).is_file():
         raise MmtokError(_no_tokenizer(directory, "a Hugging Face tokenizer directory"))
     path = directory / TOKENIZER_JSON
     state = read_json_object(path)
