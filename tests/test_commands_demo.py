@@ -4,10 +4,11 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from mmtok.cli import main
-from mmtok.commands.demo_flow import CHAT_TOKENIZER, demo_conversations
+from mmtok.commands.demo_flow import CHAT_TOKENIZER, LEGACY_MARKER, MARKER, WRITES, demo_conversations
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -70,3 +71,47 @@ def test_demo_refuses_to_overwrite_a_directory_it_did_not_write(tmp_path, capsys
     assert main(["demo", "--out", str(tmp_path), "--no-audio"]) == 2
     assert "not an earlier demo output" in capsys.readouterr().err
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_demo_refuses_an_out_that_holds_its_checkpoint(tmp_path, capsys):
+    """`--out D --image-checkpoint D/checkpoints/X` once removed D, checkpoint included, then failed."""
+    from mmtok.codecs import emu35
+
+    out = tmp_path / "demo"
+    checkpoint = emu35.write_random_checkpoint(out / "checkpoints" / "mine")
+    (out / MARKER).write_bytes(LEGACY_MARKER)  # an earlier demo's output, as in the report
+    before = {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
+    assert main(["demo", "--out", str(out), "--image-checkpoint", str(checkpoint), "--no-audio"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"the input {checkpoint} is inside --out {out}" in line
+    assert {p: p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()} == before
+
+
+def test_a_rerun_replaces_only_what_the_demo_wrote(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--no-audio"]) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "results").mkdir()
+    stale = out / "encoded" / "stale.bin"  # inside a directory the demo wrote: the demo's to replace
+    stale.write_bytes(b"x")
+    assert main(["demo", "--out", str(out), "--no-audio"]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "results").is_dir()
+    assert not stale.exists() and (out / "encoded" / "merged.bin").is_file()
+    assert json.loads((out / MARKER).read_text())["wrote"] == list(WRITES)
+
+
+@pytest.mark.parametrize("planted", ["directory", "symlink"])
+def test_a_name_the_demo_writes_but_did_not_write_is_never_deleted(tmp_path, capsys, planted):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / MARKER).write_text(json.dumps({"format": "mmtok-demo/1", "wrote": ["checkpoints"]}))
+    if planted == "directory":
+        (out / "plan").mkdir()
+        (out / "plan" / "mine.txt").write_text("mine")
+    else:
+        (tmp_path / "data").mkdir()
+        (out / "plan").symlink_to(tmp_path / "data")
+    assert main(["demo", "--out", str(out), "--no-audio"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert f"{out} holds plan, which no earlier demo wrote there" in line
+    assert (out / "plan" / "mine.txt").is_file() if planted == "directory" else (out / "plan").is_symlink()

@@ -15,8 +15,9 @@ def add_parser(sub) -> None:
         "--modality audio -> sft -> merge --strip-reasoning -> inspect), printing each command as it runs.\n"
         "Without checkpoints the codecs are tiny random-weight checkpoints in the official formats "
         "(real files, meaningless tokens).")
-    parser.add_argument("--out", default="mmtok-demo", help="output directory (default ./mmtok-demo; an earlier "
-                        "demo output there is replaced)")
+    parser.add_argument("--out", default="mmtok-demo", help="output directory (default ./mmtok-demo): new, empty or "
+                        "an earlier demo's, whose own files are replaced (others are left alone); it may not hold "
+                        "a --image-checkpoint or --audio-checkpoint")
     parser.add_argument("--world-size", type=int, default=2, help="encode ranks to simulate (default 2)")
     parser.add_argument("--image-checkpoint", default=None, help="official Emu3.5 tokenizer directory (optional)")
     parser.add_argument("--audio-checkpoint", default=None, help="official WavTokenizer directory (optional)")

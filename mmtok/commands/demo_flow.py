@@ -25,20 +25,25 @@ from pathlib import Path
 from mmtok.commands.report import print_summary
 from mmtok.errors import MmtokError
 from mmtok.formats.merged import SUMMARY_FILE as MERGE_SUMMARY
+from mmtok.fsutil import atomic_write_json, read_json_object, read_regular_file, refuse_out_overlapping
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "data" / "demo"
 CHAT_TOKENIZER = DEMO_DATA / "chat-tokenizer"  # a small BPE with an Apertus 1.5-format chat template
 SOURCES = Path(__file__).resolve().parents[2] / "manifests"  # the checkout's source declarations
-MARKER = "MMTOK_DEMO"
+MARKER = "MMTOK_DEMO"  # the demo's ownership record: which names in --out it wrote
+MARKER_FORMAT = "mmtok-demo/1"
+LEGACY_MARKER = b"written by `mmtok demo`; safe to delete\n"
+WRITES = ("checkpoints", "shards", "manifest", "plan", "encoded", "audio", "sft")  # every name the demo writes in --out
 
 
 def run_demo(out: Path, *, world_size: int = 2, image_checkpoint: str | None = None,
              audio_checkpoint: str | None = None, audio: bool = True) -> dict:
-    """Run the demo into `out` (recreated if it holds an earlier demo) and return its summary."""
+    """Run the demo into `out` (an earlier demo's output there is replaced, nothing else) and return its
+    summary."""
     from mmtok.codecs import emu35, wavtokenizer
 
     started = time.monotonic()
-    _prepare(out)
+    _prepare(out, [image_checkpoint, audio_checkpoint if audio else None])
     random_weights = not (image_checkpoint and (audio_checkpoint or not audio))
     if image_checkpoint is None:
         image_checkpoint = str(emu35.write_random_checkpoint(out / "checkpoints" / "emu3.5-tiny-random"))
@@ -54,16 +59,45 @@ def run_demo(out: Path, *, world_size: int = 2, image_checkpoint: str | None = N
     return summary
 
 
-def _prepare(out: Path) -> None:
+def _prepare(out: Path, inputs: list[str | None]) -> None:
+    """Make `out` ready for a new demo, deleting only what an earlier demo wrote there (the names its
+    MARKER lists); what else is in `out` stays. An `out` that holds an input, or that is not empty and not an
+    earlier demo output, is refused before anything is touched."""
     if not SOURCES.is_dir():
         raise MmtokError(f"the demo needs the source checkout's manifests/ ({SOURCES}); install with "
                          "`pip install -e .` from the repository")
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).exists():
-            raise MmtokError(f"{out} exists and is not an earlier demo output; pass another --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / MARKER).write_text("written by `mmtok demo`; safe to delete\n")
+    refuse_out_overlapping(out, inputs)
+    owned = _owned(out)
+    foreign = [name for name in WRITES if (out / name).is_symlink() or
+               ((out / name).exists() and name not in owned)]
+    if foreign:
+        raise MmtokError(f"{out} holds {', '.join(foreign)}, which no earlier demo wrote there; the demo writes "
+                         f"{', '.join(WRITES)}: move them or pass another --out")
+    for name in owned & set(WRITES):
+        if (out / name).is_dir():
+            shutil.rmtree(out / name)
+        else:
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    # Claimed before anything is written: from here on, these names in `out` are the demo's.
+    atomic_write_json(out / MARKER, {"format": MARKER_FORMAT, "written_by": "mmtok demo; safe to delete",
+                                     "wrote": list(WRITES)})
+
+
+def _owned(out: Path) -> set[str]:
+    """The top-level names an earlier demo wrote into `out` (its MARKER says which); refuses an `out` that
+    holds something else and no MARKER."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return set()
+    if not (out / MARKER).is_file():
+        raise MmtokError(f"{out} exists and is not an earlier demo output; pass another --out")
+    marker = read_regular_file(out / MARKER)
+    if marker == LEGACY_MARKER:  # a demo before the list: it wrote exactly WRITES
+        return set(WRITES)
+    record = read_json_object(out / MARKER)
+    if record.get("format") != MARKER_FORMAT or not isinstance(record.get("wrote"), list):
+        raise MmtokError(f"{out / MARKER}: not a demo marker this version reads; pass another --out")
+    return {name for name in record["wrote"] if isinstance(name, str)}
 
 
 def _mmtok(*argv: str) -> None:
