@@ -56,6 +56,14 @@ class TextTokenizer:
     def token_id(self, name: str) -> int:
         raise NotImplementedError
 
+    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+        """`ids` when each is a text id (< vocab_size), the last guard before they reach a commit of any stage;
+        MmtokError otherwise (ids are checked contiguous at load, so this means a tokenizer that lied)."""
+        if ids and (max(ids) >= self.vocab_size or min(ids) < 0):
+            raise MmtokError(f"text tokenizer {self.name} gave id {max(ids) if max(ids) >= self.vocab_size else min(ids)}"
+                             f", outside its {self.vocab_size:,} text ids; nothing with it was written")
+        return ids
+
     def control_tokens(self) -> dict[str, "ControlToken"]:
         """The tokenizer's control (special) tokens by name: what `encode` never produces from text."""
         return {}
@@ -106,6 +114,7 @@ class HFTokenizer(TextTokenizer):
             eos_id=self._lookup(_token_name(config.get("eos_token"), "</s>")),
             chat_template=config.get("chat_template") if template is None else template,
         )
+        check_contiguous(self._tok.get_vocab(with_added_tokens=True).values(), self.vocab_size, self.name)
 
     def _lookup(self, name: str) -> int:
         token_id = self._tok.token_to_id(name)
@@ -114,10 +123,11 @@ class HFTokenizer(TextTokenizer):
         return token_id
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._in_vocabulary(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        return [enc.ids for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        return [self._in_vocabulary(enc.ids) for enc in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
 
     def token_id(self, name: str) -> int:
         return self._lookup(name)
@@ -158,7 +168,7 @@ class TekkenTokenizer(TextTokenizer):
         )
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, bos=False, eos=False)
+        return self._in_vocabulary(self._tok.encode(text, bos=False, eos=False))
 
     def token_id(self, name: str) -> int:
         try:
@@ -178,6 +188,16 @@ class TekkenTokenizer(TextTokenizer):
         from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 
         return self._tok.decode([int(i) for i in ids], special_token_policy=SpecialTokenPolicy.KEEP)
+
+
+def check_contiguous(ids, vocab_size: int, name: str) -> None:
+    """MmtokError unless `ids` are exactly 0 … vocab_size-1: the text range of the omnimodal layout is
+    [0, vocab_size), and a token whose id lies past it would put typed text among the image or audio codes."""
+    ids = list(ids)
+    if len(ids) != vocab_size or max(ids) != vocab_size - 1 or len(set(ids)) != vocab_size:
+        raise MmtokError(f"text tokenizer {name}: its ids are not contiguous ({len(ids):,} tokens, highest id "
+                         f"{max(ids):,}); mmtok's layout needs ids 0 … N-1 (text ids past N would land among the "
+                         "image and audio codes) -- use the tokenizer the model was trained with")
 
 
 def hf_fingerprint(path: Path) -> str:

@@ -23,6 +23,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmtok.codecs.base import refuse_non_finite
+from mmtok.errors import MmtokError, brief
+
 WEIGHTS = Path(__file__).resolve().parent.parent / "data" / "lpips_alex_v0.1.npz"
 # The LPIPS input scaling layer (constants of the reference implementation).
 SHIFT = (-0.030, -0.088, -0.188)
@@ -49,7 +52,11 @@ class LPIPS(nn.Module):
         self.lins = nn.ModuleList(nn.Conv2d(c, 1, 1, bias=False) for c, *_ in ALEXNET)
         self.register_buffer("shift", torch.tensor(SHIFT).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("scale", torch.tensor(SCALE).view(1, 3, 1, 1), persistent=False)
-        self.load_state_dict(_read_npz(Path(weights)))
+        state = _read_npz(Path(weights))
+        try:
+            self.load_state_dict(state)
+        except RuntimeError as err:  # a missing key or another shape: the file is not these weights
+            raise MmtokError(f"{weights}: not the LPIPS AlexNet weights ({brief(err)})") from None
         self.requires_grad_(False)
         self.eval()
 
@@ -78,8 +85,17 @@ def _unit(feat: torch.Tensor) -> torch.Tensor:
 def _read_npz(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise FileNotFoundError(f"LPIPS weights missing: {path} (package data of mmtok; reinstall mmtok)")
-    with np.load(path, allow_pickle=False) as arrays:
-        return {key: torch.from_numpy(arrays[key].copy()) for key in arrays.files if not key.startswith("_")}
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            state = {key: torch.from_numpy(arrays[key].copy()) for key in arrays.files if not key.startswith("_")}
+    except Exception as err:  # zipfile.BadZipFile, ValueError (a pickled array), EOFError for a damaged file
+        raise MmtokError(f"{path}: not a readable .npz of LPIPS weights ({type(err).__name__}: {brief(err)}); "
+                         "reinstall mmtok") from None
+    for key, tensor in state.items():
+        if tensor.dtype != torch.float32:
+            raise MmtokError(f"{path}: array {key!r} is {tensor.dtype}, expected float32; reinstall mmtok")
+    refuse_non_finite(state, path)
+    return state
 
 
 def uint8_to_model(pixels: np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:

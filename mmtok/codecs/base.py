@@ -18,6 +18,7 @@ import importlib
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -64,6 +65,29 @@ def refuse_low_precision(dtype: str, codec: str) -> None:
             "0.5% for TF32), so the tokens would not match the corpus made with this codec's contract. "
             "Use float32 (the default)."
         )
+
+
+def refuse_non_finite(state: Mapping[str, torch.Tensor], source, name: Callable[[str], str] = str) -> None:
+    """MmtokError naming the first floating-point tensor of `state` (read from `source`) that holds NaN or
+    Inf. A loader calls it before the weights reach the model: one NaN weight turns every latent into NaN,
+    and the argmax over NaN logits is code 0 for every input -- a whole corpus of wrong tokens, exit 0."""
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise MmtokError(f"{source}: tensor {name(key)!r} holds {bad:,} non-finite values (NaN or Inf) of "
+                             f"{tensor.numel():,}; every code would be wrong -- the checkpoint is damaged (copy "
+                             "it again from its source)")
+
+
+def finite_latents(latents: torch.Tensor, codec: str) -> torch.Tensor:
+    """`latents` when every value is finite; MmtokError otherwise, before any code is chosen from them, so
+    nothing of the batch is committed (finite weights can still overflow on extreme inputs or weights)."""
+    if not bool(torch.isfinite(latents).all()):
+        bad = int((~torch.isfinite(latents)).sum())
+        raise MmtokError(f"{codec}: the encoder gave {bad:,} non-finite values (NaN or Inf) of {latents.numel():,} "
+                         "for this batch, so its codes would be meaningless; nothing of it was committed. The "
+                         "checkpoint's weights overflow float32 (check it against its source)")
+    return latents
 
 
 # ----------------------------------------------------------------------------------------------

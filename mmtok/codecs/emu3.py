@@ -47,8 +47,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mmtok.codecs.base import Codec, Conv2d, Conv3d, PrecisionContract, checkpoint_fingerprint, row_blocks
-from mmtok.errors import MmtokError
+from mmtok.codecs.base import (Codec, Conv2d, Conv3d, PrecisionContract, checkpoint_fingerprint, finite_latents,
+                               refuse_non_finite, row_blocks)
+from mmtok.errors import MmtokError, brief
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -83,10 +84,37 @@ class Emu3Config:
     dropout: float = 0.0
 
     @classmethod
-    def from_json(cls, data: dict) -> "Emu3Config":
-        known = {f.name for f in fields(cls)}
-        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+    def from_json(cls, data: dict, path: Path | str = CONFIG_FILE) -> "Emu3Config":
+        """The fields of config.json `data` this network uses, each checked for its type; MmtokError naming
+        the file and the key otherwise (the file comes from a stranger)."""
+        if not isinstance(data, dict):
+            raise MmtokError(f"emu3: {path}: expected a JSON object, got {type(data).__name__}")
+        values = {}
+        for field in fields(cls):
+            if field.name not in data:
+                continue
+            value, default = data[field.name], field.default
+            if isinstance(value, list):
+                value = tuple(value)
+            if not _same_kind(value, default):
+                raise MmtokError(f"emu3: {path}: {field.name} must be {_kind_name(default)}, got {brief(repr(value))}")
+            values[field.name] = value
         return cls(**values)
+
+
+def _same_kind(value, default) -> bool:
+    if isinstance(default, tuple):
+        return isinstance(value, tuple) and all(_same_kind(item, default[0]) for item in value)
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and value > 0
+    return isinstance(value, (int, float))  # dropout
+
+
+def _kind_name(default) -> str:
+    return ("a list of positive integers" if isinstance(default, tuple) else "true or false"
+            if isinstance(default, bool) else "a positive integer" if isinstance(default, int) else "a number")
 
 
 # The default of write_random_checkpoint: 4 levels (8x downsampling), 32 channels (GroupNorm needs
@@ -428,7 +456,7 @@ class Emu3VisionTokenizer(Codec):
 
     def latents(self, clip: torch.Tensor) -> torch.Tensor:
         """Encoder output [B, z, t, h, w] -> quantizer input [B, t, c, h, w] (after quant_conv)."""
-        return self.quant_conv(clip).permute(0, 2, 1, 3, 4)
+        return finite_latents(self.quant_conv(clip), "emu3").permute(0, 2, 1, 3, 4)
 
     def _quantize(self, clip: torch.Tensor) -> torch.Tensor:
         latents = self.latents(clip)
@@ -481,17 +509,48 @@ def load(checkpoint_dir: Path, device: torch.device | str = "cpu") -> Emu3Vision
         if not path.is_file():
             raise MmtokError(f"emu3: {path} not found (expected the official Hugging Face files "
                              f"{CONFIG_FILE} and {WEIGHTS_FILE})")
-    raw = json.loads(config_path.read_text())
     preprocessor_path = checkpoint_dir / PREPROCESSOR_FILE
-    preprocessor = json.loads(preprocessor_path.read_text()) if preprocessor_path.is_file() else None
-    model = Emu3VisionTokenizer(Emu3Config.from_json(raw), preprocessor)
-    state = load_file(str(weights_path))
+    preprocessor = _read_json(preprocessor_path) if preprocessor_path.is_file() else None
+    _check_preprocessor(preprocessor, preprocessor_path)
+    config = Emu3Config.from_json(_read_json(config_path), config_path)
+    try:
+        model = Emu3VisionTokenizer(config, preprocessor)
+    except (ValueError, RuntimeError, IndexError, ZeroDivisionError) as err:
+        raise MmtokError(f"emu3: {config_path}: describes no network this codec builds ({brief(err)})") from None
+    try:
+        state = load_file(str(weights_path))
+    except Exception as err:  # safetensors raises its own SafetensorError (and others) for a damaged file
+        raise MmtokError(f"emu3: {weights_path}: not a readable safetensors file ({brief(err)}); it is truncated "
+                         "or corrupt -- copy it again from its source") from None
+    expected = model.state_dict()
+    for key, tensor in state.items():  # an integer weight would load as its float value, silently
+        if key in expected and tensor.is_floating_point() != expected[key].is_floating_point():
+            raise MmtokError(f"emu3: {weights_path}: tensor {key!r} is {tensor.dtype}, expected {expected[key].dtype}")
+    refuse_non_finite(state, f"emu3: {weights_path}")
     try:
         model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     except RuntimeError as err:
-        raise MmtokError(f"emu3: {weights_path} does not match {config_path}: {err}") from None
+        raise MmtokError(f"emu3: {weights_path} does not match {config_path}: {brief(err)}") from None
     model.checkpoint_sha256 = checkpoint_fingerprint([config_path, weights_path])
     return model.to(device).eval()
+
+
+def _check_preprocessor(preprocessor, path: Path) -> None:
+    if preprocessor is None:
+        return
+    if not isinstance(preprocessor, dict):
+        raise MmtokError(f"emu3: {path}: expected a JSON object, got {type(preprocessor).__name__}")
+    for key in ("spatial_factor", "min_pixels", "max_pixels"):
+        value = preprocessor.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise MmtokError(f"emu3: {path}: {key} must be a positive integer, got {brief(repr(value))}")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise MmtokError(f"emu3: {path}: not valid JSON ({brief(err)})") from None
 
 
 def write_random_checkpoint(directory: str | Path, config: dict | None = None, seed: int = 0) -> Path:

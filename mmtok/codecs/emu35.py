@@ -26,9 +26,9 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from mmtok.codecs.base import (Codec, Conv2d, PrecisionContract, checkpoint_fingerprint, refuse_low_precision,
-                               row_blocks)
-from mmtok.errors import MmtokError
+from mmtok.codecs.base import (Codec, Conv2d, PrecisionContract, checkpoint_fingerprint, finite_latents,
+                               refuse_low_precision, refuse_non_finite, row_blocks)
+from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import atomic_writer
 
 NAME = "emu3.5"
@@ -383,7 +383,7 @@ class Emu35Codec(Codec):
     def latents(self, pixels: torch.Tensor) -> torch.Tensor:
         """The quantizer's input (quant_conv output), float32 [B, embed_dim, H/16, W/16]."""
         self._refuse_reduced_precision()
-        return self.quant_conv(self.encoder(self.normalize(pixels)))
+        return finite_latents(self.quant_conv(self.encoder(self.normalize(pixels))), NAME)
 
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -426,6 +426,7 @@ def load(checkpoint_dir: Path, device: str | torch.device = "cpu", dtype: str = 
     with torch.device("meta"):  # no random init, no double allocation: weights come from the file
         codec = Emu35Codec(config)
     check_state_dict(codec.state_dict(), state, checkpoint_path, config_path)
+    refuse_non_finite(state, checkpoint_path)
     codec = codec.to_empty(device=torch.device(device))
     codec.load_state_dict(state, strict=True)
     codec.checkpoint_sha256 = checkpoint_fingerprint([config_path, checkpoint_path])
@@ -439,7 +440,7 @@ def read_config(path: Path) -> dict:
     try:
         config = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise MmtokError(f"{path}: not valid YAML ({err})") from None
+        raise MmtokError(f"{path}: not valid YAML ({brief(err)})") from None
     return validate_config(config, path)
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmtok.codecs.base import Codec, PrecisionContract, checkpoint_fingerprint, refuse_low_precision
+from mmtok.codecs.base import (Codec, PrecisionContract, checkpoint_fingerprint, finite_latents, refuse_low_precision,
+                               refuse_non_finite)
 from mmtok.codecs.wavtokenizer_modules import (
     DIMENSION,
     Codebook,
@@ -36,7 +37,7 @@ from mmtok.codecs.wavtokenizer_modules import (
     SEANetEncoder,
     VocosBackbone,
 )
-from mmtok.errors import MmtokError, Skip
+from mmtok.errors import MmtokError, Skip, brief
 
 NAME = "wavtokenizer"
 SAMPLE_RATE = 24_000
@@ -214,11 +215,19 @@ def _load_ckpt(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
         reason = str(err).split("WeightsUnpickler error:")[-1].strip().splitlines()[0].split(" Please use")[0]
-    except (RuntimeError, OSError, EOFError) as err:
-        raise MmtokError(f"{path}: not a readable PyTorch checkpoint: {err}") from None
+    except Exception as err:  # a damaged file, or an allowlisted global called with bad arguments
+        raise _unreadable(path, err) from None
     logging.getLogger(__name__).warning(f"wavtokenizer: {path.name}: weights_only loading refused ({reason}); "
                                         "reading it again with non-tensor training objects as inert placeholders")
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_INERT_PICKLE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True, pickle_module=_INERT_PICKLE)
+    except Exception as err:  # e.g. an inert placeholder called, or an allowlisted global given bad arguments
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: Exception) -> MmtokError:
+    return MmtokError(f"{path}: not a readable PyTorch checkpoint ({type(err).__name__}: {brief(err)}); it is "
+                      "damaged or holds objects other than a Lightning checkpoint's -- copy it again from its source")
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -229,7 +238,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         try:
             return load_file(str(path))
         except Exception as err:  # safetensors raises its own SafetensorError
-            raise MmtokError(f"{path}: not a readable safetensors file: {err}") from None
+            raise MmtokError(f"{path}: not a readable safetensors file ({brief(err)})") from None
     checkpoint = _load_ckpt(path)
     state = checkpoint.get("state_dict", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -255,10 +264,16 @@ def fold_weight_norm(state: dict[str, torch.Tensor], where: str) -> dict[str, to
     return folded
 
 
-def relevant_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The entries the official loader keeps, less those WavTokenizer never runs, as float32."""
-    return {key: value.float() for key, value in state.items()
+def relevant_state(state: dict[str, torch.Tensor], where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """The entries the official loader keeps, less those WavTokenizer never runs, as float32; MmtokError for
+    one that is not a finite floating-point tensor."""
+    kept = {key: value for key, value in state.items()
             if key.startswith(MODEL_ROOTS) and not key.startswith(UNUSED_KEYS)}
+    for key, value in kept.items():
+        if not value.is_floating_point():
+            raise MmtokError(f"{where}: tensor {key!r} is {value.dtype}, expected floating point")
+    refuse_non_finite(kept, where)
+    return {key: value.float() for key, value in kept.items()}
 
 
 def model_state(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
@@ -348,7 +363,7 @@ class WavTokenizer(Codec):
         with torch.inference_mode():
             positions = torch.arange(wave.shape[1], device=wave.device)
             wave = wave.masked_fill(positions[None, :] >= lengths[:, None], 0.0)
-            codes = self.codebook.nearest(self.encoder(wave.unsqueeze(1)))
+            codes = self.codebook.nearest(finite_latents(self.encoder(wave.unsqueeze(1)), NAME))
         return codes.to(torch.int32), -(-lengths // HOP)
 
     def encode_clips(self, clips: Sequence[np.ndarray], sample_rate: int) -> list[np.ndarray]:
@@ -406,7 +421,9 @@ def build(config: WavTokenizerConfig) -> WavTokenizer:
 def load_weights(codec: WavTokenizer, state: dict[str, torch.Tensor], where: str) -> None:
     """Strictly load the official state dict into `codec`: every needed key present with its shape,
     no unexpected key under the model prefixes; raises MmtokError naming the first mismatch."""
-    provided = model_state(fold_weight_norm(relevant_state(state), where), where)
+    folded = fold_weight_norm(relevant_state(state, where), where)
+    refuse_non_finite(folded, where)  # a zero weight-norm direction folds to NaN
+    provided = model_state(folded, where)
     expected = codec.state_dict()
     for name, tensor in expected.items():
         if name not in provided:

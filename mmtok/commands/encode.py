@@ -103,6 +103,7 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str
         lines = (_sft_lines if stats.get("mode") == "sft" else _document_lines)(rank, world_size, stats, out)
         lines.append(f"{stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
                      f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
+        lines += _uniform_lines(stats["counts"], "image")
     return lines + [f"job view (every rank): mmtok status {out}"]
 
 
@@ -203,4 +204,14 @@ def audio_summary_lines(summary: dict, out: str) -> list[str]:
             f"{plural(summary['clips'], 'clip')}: {summary['clips'] - lost:,} encoded, {lost:,} skipped"
             f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
             f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)",
+            *_uniform_lines(summary, "clip"),
             f"job view (every shard): mmtok status {out}"]
+
+
+def _uniform_lines(counts: dict, item: str) -> list[str]:
+    """The warning for batches whose every code was one value (`encode.loop.uniform_codes`)."""
+    from mmtok.encode.loop import UNIFORM_CODES
+
+    batches = counts.get(UNIFORM_CODES, 0)
+    return [f"warning: {plural(batches, 'batch', 'batches')} gave every {item} one code ({UNIFORM_CODES}): a "
+            "damaged checkpoint or blank inputs? Look at the tokens with `mmtok inspect`"] if batches else []

@@ -39,7 +39,7 @@ from mmtok.encode.audio_batches import Batching, make_batches
 from mmtok.ranks import assign_shards
 from mmtok.vocab import check_ids_in_range
 from mmtok.text import tokenizer_difference
-from mmtok.encode.loop import Meter, run_device
+from mmtok.encode.loop import UNIFORM_CODES, Meter, run_device, uniform_codes
 from mmtok.formats.parts import timing_stats
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
@@ -391,6 +391,7 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
     bar = progress_bar(total=sum(len(r.positions) for r in requests), unit="clip", desc="encode audio",
                        enabled=progress)
     meter, skipped, stats = Meter(bar, item="clip"), Counter(), {"num_workers": num_workers}
+    flagged, warned = Counter(), [False]
 
     def encode(batch: dict) -> list:
         results = encode_batch(codec, batch, device, trim, context.builder.layout)
@@ -399,7 +400,9 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
 
     def commit(batch: dict, results: list) -> None:
         w = by_shard[batch["shard"]]
-        w.open().commit(batch["unit"], [], [], meter.committed(len(results), 0),
+        flag = uniform_codes([ids for _, _, ids in results], f"shard {w.shard.index} batch {batch['unit']}", warned)
+        flagged.update(flag)
+        w.open().commit(batch["unit"], [], [], {**meter.committed(len(results), 0), **flag},
                         carry=pack_carry((position, 0, reason, ids) for position, reason, ids in results))
         if batch["unit"] == w.num_batches - 1:
             assemble_part(w, context, stats, meter)
@@ -413,7 +416,8 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
         bar.close()
         release_parts(work)
     wall = time.perf_counter() - meter.started
-    return {"batches": len(requests), "clips": meter.items, "skipped": dict(sorted(skipped.items())), "wall_s": wall,
+    return {"batches": len(requests), "clips": meter.items, "skipped": dict(sorted(skipped.items())),
+            UNIFORM_CODES: flagged[UNIFORM_CODES], "wall_s": wall,
             "device_busy_s": meter.busy, "loader_wait_s": meter.waited, "first_batch_s": meter.fill_seconds}
 
 

@@ -33,7 +33,7 @@ from mmtok.documents import DocumentError, DocumentBuilder, Template, pack_templ
 from mmtok.encode.loader import BatchLoader, PreparedBatch
 from mmtok.encode.work import RankWork, load_rank_work
 from mmtok.errors import MmtokError, Skip
-from mmtok.encode.loop import Meter, run_device
+from mmtok.encode.loop import Meter, run_device, uniform_codes
 from mmtok.formats.parts import timing_stats
 from mmtok.formats import skips
 from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, part_dir
@@ -125,9 +125,13 @@ class Assembler:
         self.work = work
         self.builder = builder
         self.consecutive_failures = 0
+        self.warned = [False]  # uniform_codes warns once per rank
 
     def add(self, prepared: PreparedBatch, codes: np.ndarray | None, max_failures: int) -> Commit:
         rows, commit = self.work.rows, Commit()
+        if codes is not None:
+            kept = [codes[slot] for slot, failure in enumerate(prepared.failures) if not failure]
+            commit.counts.update(uniform_codes(kept, f"batch {prepared.batch} of rank {self.work.rank}", self.warned))
         for slot, row in enumerate(range(prepared.rows.start, prepared.rows.stop)):
             failure = prepared.failures[slot]
             self._count_failure(failure, row, max_failures)

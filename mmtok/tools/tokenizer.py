@@ -39,7 +39,8 @@ from mmtok.errors import MmtokError, brief
 from mmtok.formats import interleave, megatron, merged
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required
 from mmtok.text import (CHAT_TEMPLATE_FILE, CONFIG_JSON, TekkenTokenizer, TextTokenizer,
-                        load_text_tokenizer, read_chat_template, tokenizer_difference, tokenizer_file)
+                        check_contiguous, load_text_tokenizer, read_chat_template, tokenizer_difference,
+                        tokenizer_file)
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -122,10 +123,7 @@ def load_base(spec: str) -> Base:
 
 def _check_base(base: Base, spec: str) -> None:
     vocab = base.tokenizer.get_vocab(with_added_tokens=True)
-    if len(vocab) != base.text.vocab_size or max(vocab.values()) != len(vocab) - 1:
-        raise MmtokError(f"text tokenizer {spec}: its ids are not contiguous ({len(vocab):,} tokens, highest id "
-                         f"{max(vocab.values()):,}); mmtok's layout needs ids 0 … N-1 -- use the tokenizer the data "
-                         "was made with")
+    check_contiguous(vocab.values(), base.text.vocab_size, spec)  # a tekken base: what its conversion made
     taken = [name for name in [*OMNI_SPECIAL_TOKENS, *TOKEN_ALIASES, IMAGE_CODE_TOKEN.format(i=0),
                                AUDIO_CODE_TOKEN.format(i=0)] if name in vocab]
     if taken:
