@@ -10,6 +10,7 @@ every image code is checked against the image range before a commit.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -204,3 +205,36 @@ def test_item_records_that_point_past_the_stored_ids_are_refused_naming_the_file
     (tmp_path / commitlog.ITEM_IDS).write_bytes(np.arange(4, dtype=np.int32).tobytes())
     with pytest.raises(MmtokError, match=r"items.jsonl: its records need 10 ids but .*items.ids holds 4"):
         ImageIndex([tmp_path])
+
+
+def test_latents_that_overflow_are_refused_before_a_commit(kit, tmp_path, capsys):
+    """Finite weights whose sums overflow float32: the encoder's NaN/Inf never become codes (argmax over NaN is
+    code 0 for every image); the encode stops in one line with nothing of the batch committed."""
+    tar = _pack(tmp_path / "data" / "conv-0.tar", PHOTOS)
+    _scan_plan(kit, tmp_path, tar)
+    checkpoint = tmp_path / "overflowing"
+    shutil.copytree(kit[1], checkpoint)
+    saved = torch.load(checkpoint / "model.ckpt", weights_only=True)
+    saved.get("state_dict", saved)["encoder.conv_in.weight"].fill_(3e38)
+    torch.save(saved, checkpoint / "model.ckpt")
+    capsys.readouterr()
+    assert main(["encode", "--plan", str(tmp_path / "plan"), "--checkpoint", str(checkpoint),
+                 "--out", str(tmp_path / "images"), "--device", "cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "non-finite values" in err and "nothing of it was committed" in err, err
+    assert commitlog.read_commits(commitlog.part_dir(tmp_path / "images", 0)) == ([], 0)
+
+
+def test_a_batch_whose_every_code_is_one_value_is_flagged(kit, tmp_path, monkeypatch, capsys):
+    """A checkpoint that maps everything to one code (damaged weights that still load): counted as
+    flagged:uniform_codes in the part and its summary, with one warning line -- not silence."""
+    tar = _pack(tmp_path / "data" / "conv-0.tar", PHOTOS)
+    _scan_plan(kit, tmp_path, tar)
+    encode = emu35.Emu35Codec.encode
+    monkeypatch.setattr(emu35.Emu35Codec, "encode", lambda self, pixels: encode(self, pixels) * 0 + 7)
+    capsys.readouterr()
+    assert _encode(kit, tmp_path) == 0
+    err = capsys.readouterr().err
+    assert "all 2 items got the one code 7" in err and "warning: 1 batch gave every image one code" in err, err
+    stats = json.loads((commitlog.part_dir(tmp_path / "images", 0) / "stats.json").read_text())
+    assert stats["counts"]["flagged:uniform_codes"] == 1
