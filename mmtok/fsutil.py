@@ -217,6 +217,21 @@ def outside(path: str | os.PathLike, root: str | os.PathLike) -> str | None:
     return None if real == top or real.startswith(top.rstrip("/") + "/") else real
 
 
+def own_file(path: Path, what: str) -> Path:
+    """`path`, a file of a directory someone handed over whole (a tokenizer, a checkpoint), when its real path
+    stays in that directory; MmtokError naming where it leads otherwise: such a directory comes from strangers,
+    and a link in it to /etc/passwd must not become a chat template or a copied file. The one link that may
+    leave is the Hugging Face hub cache's own: `REPO/snapshots/REV/NAME` -> `REPO/blobs/HASH`."""
+    real = outside(path, path.parent)
+    if real is None:
+        return path
+    directory = Path(os.path.realpath(path.parent))
+    if directory.parent.name == "snapshots" and Path(real).parent == directory.parent.parent / "blobs":
+        return path
+    raise MmtokError(f"{what} {path} resolves to {real}, outside its directory {path.parent}; its files must lie "
+                     "in its directory (copy them there)")
+
+
 def copy_file_into(source: str | os.PathLike, handle: IO) -> None:
     """Append the bytes of file `source` to the open binary file `handle`.
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from mmtok.errors import MmtokError, brief
-from mmtok.fsutil import outside, read_json_object, read_regular_file
+from mmtok.fsutil import own_file, read_json_object, read_regular_file
 
 BUILTIN_TEKKEN = "tekken"
 CONFIG_JSON = "tokenizer_config.json"  # beside an HF tokenizer.json: roles, chat template
@@ -276,18 +275,8 @@ def load_text_tokenizer(spec: str = BUILTIN_TEKKEN) -> TextTokenizer:
 
 def tokenizer_file(path: Path) -> Path:
     """`path`, a file of a tokenizer directory (tokenizer.json, tokenizer_config.json, chat_template.jinja, ...),
-    when its real path stays in that directory; MmtokError otherwise. A tokenizer comes from strangers: a link
-    to /etc/passwd as its chat template would become the text of every training sequence. The one link that
-    may leave is the Hugging Face hub cache's own: `REPO/snapshots/REV/NAME` -> `REPO/blobs/HASH`."""
-    real = outside(path, path.parent)
-    if real is None or _hub_cache_blob(Path(real), Path(os.path.realpath(path.parent))):
-        return path
-    raise MmtokError(f"text tokenizer file {path} resolves to {real}, outside its directory {path.parent}; "
-                     "a tokenizer's files must lie in its directory (copy them there)")
-
-
-def _hub_cache_blob(real: Path, directory: Path) -> bool:
-    return directory.parent.name == "snapshots" and real.parent == directory.parent.parent / "blobs"
+    when it lies in that directory (`fsutil.own_file`); MmtokError otherwise."""
+    return own_file(path, "text tokenizer file")
 
 
 def read_chat_template(path: Path) -> str | None:

@@ -312,3 +312,32 @@ def test_a_text_id_outside_the_vocabulary_is_never_returned(tmp_path):
         tokenizer.encode("hello there")
     with pytest.raises(MmtokError, match="outside its 10 text ids"):
         tokenizer.encode_many(["hello there"])
+
+
+# -- 4. checkpoint files that leave their directory ----------------------------------------------------
+FILES = {"emu3.5": "config.yaml", "emu3": "config.json", "wavtokenizer": "model.ckpt"}
+
+
+@pytest.mark.parametrize("codec", sorted(FILES))
+def test_a_checkpoint_file_that_links_outside_its_directory_is_refused(checkpoints, tmp_path, capsys, codec):
+    linked = tmp_path / "linked"
+    shutil.copytree(checkpoints[codec], linked)
+    name = next(p.name for p in linked.iterdir() if p.name == FILES[codec] or p.suffix == Path(FILES[codec]).suffix)
+    (tmp_path / "elsewhere").mkdir()
+    shutil.move(linked / name, tmp_path / "elsewhere" / name)
+    (linked / name).symlink_to(tmp_path / "elsewhere" / name)
+    assert _codec_encode(codec, linked, tmp_path) == 2
+    line = _one_line(capsys)
+    assert f"checkpoint file {linked / name} resolves to {tmp_path / 'elsewhere' / name}, outside its directory" in line
+
+
+def test_a_checkpoint_in_the_hub_cache_layout_loads(checkpoints, tmp_path):
+    repo = tmp_path / "models--org--emu3"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for number, file in enumerate(sorted(checkpoints["emu3"].iterdir())):
+        shutil.copy(file, blobs / f"blob{number}")
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{number}")
+    loaded, direct = emu3.load(snapshot), emu3.load(checkpoints["emu3"])
+    assert all(torch.equal(value, direct.state_dict()[key]) for key, value in loaded.state_dict().items())

@@ -50,6 +50,7 @@ from torch.nn import functional as F
 from mmtok.codecs.base import (Codec, Conv2d, Conv3d, PrecisionContract, checkpoint_fingerprint, finite_latents,
                                refuse_non_finite, row_blocks)
 from mmtok.errors import MmtokError, brief
+from mmtok.fsutil import own_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -504,12 +505,12 @@ def load(checkpoint_dir: Path, device: torch.device | str = "cpu") -> Emu3Vision
     from safetensors.torch import load_file
 
     checkpoint_dir = Path(checkpoint_dir)
-    config_path, weights_path = checkpoint_dir / CONFIG_FILE, checkpoint_dir / WEIGHTS_FILE
+    config_path, weights_path, preprocessor_path = (own_file(checkpoint_dir / name, "emu3 checkpoint file")
+                                                    for name in (CONFIG_FILE, WEIGHTS_FILE, PREPROCESSOR_FILE))
     for path in (config_path, weights_path):
         if not path.is_file():
             raise MmtokError(f"emu3: {path} not found (expected the official Hugging Face files "
                              f"{CONFIG_FILE} and {WEIGHTS_FILE})")
-    preprocessor_path = checkpoint_dir / PREPROCESSOR_FILE
     preprocessor = _read_json(preprocessor_path) if preprocessor_path.is_file() else None
     _check_preprocessor(preprocessor, preprocessor_path)
     config = Emu3Config.from_json(_read_json(config_path), config_path)

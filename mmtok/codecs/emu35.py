@@ -29,7 +29,7 @@ from torch import nn
 from mmtok.codecs.base import (Codec, Conv2d, PrecisionContract, checkpoint_fingerprint, finite_latents,
                                refuse_low_precision, refuse_non_finite, row_blocks)
 from mmtok.errors import MmtokError, brief
-from mmtok.fsutil import atomic_writer
+from mmtok.fsutil import atomic_writer, own_file
 
 NAME = "emu3.5"
 CONFIG_FILE = "config.yaml"
@@ -420,7 +420,8 @@ def load(checkpoint_dir: Path, device: str | torch.device = "cpu", dtype: str = 
     if str(dtype).replace("torch.", "") not in ("float32", "fp32"):
         raise MmtokError(f"{NAME}: dtype {dtype} is not supported; the codec runs in float32")
     directory = Path(checkpoint_dir)
-    config_path, checkpoint_path = directory / CONFIG_FILE, directory / CHECKPOINT_FILE
+    config_path, checkpoint_path = (own_file(directory / name, f"{NAME} checkpoint file")
+                                    for name in (CONFIG_FILE, CHECKPOINT_FILE))
     config = read_config(config_path)
     state = read_state_dict(checkpoint_path)
     with torch.device("meta"):  # no random init, no double allocation: weights come from the file

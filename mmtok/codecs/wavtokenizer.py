@@ -38,6 +38,7 @@ from mmtok.codecs.wavtokenizer_modules import (
     VocosBackbone,
 )
 from mmtok.errors import MmtokError, Skip, brief
+from mmtok.fsutil import own_file
 
 NAME = "wavtokenizer"
 SAMPLE_RATE = 24_000
@@ -169,7 +170,7 @@ def checkpoint_files(directory: Path) -> tuple[Path, Path]:
         if len(found) != 1:
             names = ", ".join(p.name for p in found) or "none"
             raise MmtokError(f"{directory}: expected exactly one {what}, found {names}")
-    return configs[0], weights[0]
+    return own_file(configs[0], f"{NAME} checkpoint file"), own_file(weights[0], f"{NAME} checkpoint file")
 
 
 class _Inert(dict):
