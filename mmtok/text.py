@@ -102,6 +102,12 @@ class HFTokenizer(TextTokenizer):
         config = read_json_object(tokenizer_file(path.with_name(CONFIG_JSON))) or {}
         self._tok = Tokenizer.from_file(str(path))
         template = read_chat_template(path.with_name(CHAT_TEMPLATE_FILE))
+        chat_template = config.get("chat_template") if template is None else template
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        check_contiguous(ids, self._tok.get_vocab_size(with_added_tokens=True), str(path))
+        promoted = _structure_tokens(self._tok, chat_template, config)
+        if promoted:  # made special in memory only: the fingerprint is of the files as they are
+            self._tok = Tokenizer.from_str(_with_special(self._tok.to_str(), promoted))
         self._tok.no_padding()
         self._tok.no_truncation()
         self._tok.encode_special_tokens = True  # special tokens' names in text stay text (see TextTokenizer)
@@ -111,9 +117,9 @@ class HFTokenizer(TextTokenizer):
             vocab_size=self._tok.get_vocab_size(with_added_tokens=True),
             bos_id=self._lookup(_token_name(config.get("bos_token"), "<s>")),
             eos_id=self._lookup(_token_name(config.get("eos_token"), "</s>")),
-            chat_template=config.get("chat_template") if template is None else template,
+            chat_template=chat_template,
         )
-        check_contiguous(self._tok.get_vocab(with_added_tokens=True).values(), self.vocab_size, self.name)
+        self.promoted_controls = sorted(promoted)
 
     def _lookup(self, name: str) -> int:
         token_id = self._tok.token_to_id(name)
@@ -197,6 +203,32 @@ def check_contiguous(ids, vocab_size: int, name: str) -> None:
         raise MmtokError(f"text tokenizer {name}: its ids are not contiguous ({len(ids):,} tokens, highest id "
                          f"{max(ids):,}); mmtok's layout needs ids 0 … N-1 (text ids past N would land among the "
                          "image and audio codes) -- use the tokenizer the model was trained with")
+
+
+def _structure_tokens(tokenizer, chat_template, config: dict) -> set[str]:
+    """The added tokens flagged `"special": false` that are structure all the same: named in the chat template's
+    text, or by tokenizer_config.json's role keys (bos, eos, ...), or tokens mmtok emits itself. Real releases
+    ship some control tokens unflagged; left so, a user's message could type its way into a turn marker or a
+    reasoning span. Whitespace-bearing tokens (indentation runs) are text, whatever the template holds."""
+    from mmtok.vocab import OMNI_SPECIAL_TOKENS, TOKEN_ALIASES
+
+    templates = [chat_template] if isinstance(chat_template, str) else \
+        [t.get("template") for t in chat_template or [] if isinstance(t, dict)]
+    source = "\n".join(t for t in templates if isinstance(t, str))
+    named = {_token_name(config.get(role), "") for role in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    named |= {*OMNI_SPECIAL_TOKENS, *TOKEN_ALIASES}
+    return {token.content for token in tokenizer.get_added_tokens_decoder().values()
+            if not token.special and token.content and not any(c.isspace() for c in token.content)
+            and (token.content in named or token.content in source)}
+
+
+def _with_special(serialized: str, names: set[str]) -> str:
+    """A tokenizer.json text with the added tokens `names` flagged special (ids and everything else unchanged)."""
+    state = json.loads(serialized)
+    for token in state.get("added_tokens", []):
+        if token.get("content") in names:
+            token["special"] = True
+    return json.dumps(state)
 
 
 def hf_fingerprint(path: Path) -> str:
