@@ -307,6 +307,7 @@ def shown_path(path: str | os.PathLike) -> str:
 
 
 DUPLICATE_INPUT = "duplicate_input"  # the reason of an input that is a file given already, under another path
+OUTSIDE_ROOT = "outside_root"  # the skip reason of a file or reference whose real path leaves its roots
 
 
 def same_file_as(paths: Iterable[str | os.PathLike]) -> list[int | None]:

@@ -289,3 +289,27 @@ def test_sft_resolves_media_with_the_same_roots(tmp_path, monkeypatch):
     assert main(["sft", str(data / "convs.jsonl"), "--text-tokenizer", "tekken", "--out", str(tmp_path / "sft"),
                  "--media-root", str(elsewhere), "--rank", "0", "--world-size", "1", "--no-progress"]) == 0
     assert seen["media_roots"] == [elsewhere]
+
+
+def test_a_symlink_out_of_an_audio_directory_is_outside_root_and_never_read(tmp_path):
+    """`mmtok audio convert DIR`: a file link and a directory link inside DIR that lead elsewhere are
+    `outside_root`, each named in the drop list; a link that stays inside DIR is read."""
+    source, elsewhere = tmp_path / "in", tmp_path / "elsewhere"
+    (source / "sub").mkdir(parents=True)
+    (elsewhere / "private").mkdir(parents=True)
+    (source / "one.wav").write_bytes(digit("1").read_bytes())
+    (source / "sub" / "two.wav").write_bytes(digit("2").read_bytes())
+    (source / "inside.wav").symlink_to("sub/two.wav")
+    (elsewhere / "recording.wav").write_bytes(digit("3").read_bytes())
+    (elsewhere / "private" / "call.wav").write_bytes(digit("4").read_bytes())
+    (source / "linked.wav").symlink_to(elsewhere / "recording.wav")
+    (source / "linked-dir").symlink_to(elsewhere / "private")
+    out = tmp_path / "out"
+    assert main(["audio", "convert", str(source), "--out", str(out), "--workers", "1", "--no-progress"]) == 0
+    assert sorted(cut.id for cut in load_cuts(out)) == ["inside", "one", "sub/two"]
+    counts = report(out)["counts"]
+    assert counts["skipped:outside_root"] == 2
+    assert_counts_add_up(counts)
+    dropped = {record["key"]: record for record in dropped_records(out) if record["reason"] == "outside_root"}
+    assert sorted(dropped) == ["linked-dir", "linked.wav"]  # a linked directory is named, never walked
+    assert str(elsewhere / "recording.wav") in dropped["linked.wav"]["detail"]

@@ -51,7 +51,7 @@ from mmtok.formats.shar import source_digest
 from mmtok.formats.tar import NON_UTF8_NAME, Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import DUPLICATE_INPUT, not_a_regular_file, same_file_as, shown_path
+from mmtok.fsutil import DUPLICATE_INPUT, OUTSIDE_ROOT, not_a_regular_file, outside, same_file_as, shown_path
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -287,27 +287,31 @@ def extension_of(name: str) -> str:
 
 
 def scan_directory(root: Path, named: set[str], skip: Path | None,
-                   exclude: Path | None = None) -> tuple[list[str], Counter]:
-    """(audio files under `root` as sorted relative paths, other files counted by extension).
+                   exclude: Path | None = None) -> tuple[list[str], Counter, dict[str, str]]:
+    """(audio files under `root` as sorted relative paths, other files counted by extension, the files and
+    linked directories whose real path leaves `root` -- a symlink elsewhere -- as relative path -> real path).
 
     A file the transcript table names is audio whatever its content (its decoder decides); `skip`
     (the table itself) is neither; nothing under `exclude` (the conversion's own output, when it lies
-    inside the input) is looked at -- opening its `.lock` would drop the writer lock.
+    inside the input) is looked at -- opening its `.lock` would drop the writer lock. A file that leaves
+    `root` is never opened: it is `outside_root`, as a conversation's reference to it is.
     """
-    audio, ignored = [], Counter()
+    audio, ignored, escaped = [], Counter(), {}
     skip = skip.resolve() if skip else None
     exclude = exclude.resolve() if exclude else None
     for path in root.rglob("*"):
         if exclude is not None and path.resolve().is_relative_to(exclude):
             continue
-        if not path.is_file():
+        rel, real = path.relative_to(root).as_posix(), outside(path, root)
+        if real is not None and (path.is_file() or path.is_symlink()):  # rglob does not descend a linked directory
+            escaped[rel] = real
+        elif not path.is_file():
             continue
-        rel = path.relative_to(root).as_posix()
-        if rel in named or is_audio_file(path):
+        elif rel in named or is_audio_file(path):
             audio.append(rel)
         elif skip is None or path.resolve() != skip:
             ignored[shown_path(extension_of(rel))] += 1
-    return sorted(audio), ignored
+    return sorted(audio), ignored, escaped
 
 
 def directory_units(root: Path, table: Path | None,
@@ -324,7 +328,11 @@ def directory_units(root: Path, table: Path | None,
     for row in rows:
         rel = _relative_to(Path(row["path"]), root)
         by_file.setdefault(rel, []).append(row)
-    files, ignored = scan_directory(root, set(by_file), table, exclude)
+    files, ignored, escaped = scan_directory(root, set(by_file), table, exclude)
+    for rel, real in sorted(escaped.items()):  # named once per file, whatever the table says of it
+        dropped.append(skip_record(shown_path(rel), shown_path(rel), OUTSIDE_ROOT, f"resolves to {shown_path(real)}, "
+                                   f"outside the input directory {shown_path(root)}: a symlink out of it is never read"))
+        by_file.pop(rel, None)
     for rel in files:  # a clip id is text: a name that is not UTF-8 is refused as in a tar (shown escaped)
         if shown_path(rel) != rel:
             dropped.append(skip_record(shown_path(rel), shown_path(rel), NON_UTF8_NAME, "a file name that is not "

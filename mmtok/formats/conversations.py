@@ -55,8 +55,8 @@ from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversat
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import (DUPLICATE_INPUT, atomic_write_json, not_a_regular_file, open_regular_file, read_json_object,
-                          read_regular_file, required, same_file_as, shown_path)
+from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, atomic_write_json, not_a_regular_file, open_regular_file,
+                          read_json_object, read_regular_file, required, same_file_as, shown_path)
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -473,7 +473,7 @@ def _located_file(conversation: Conversation, source: str, what: str) -> Located
             raise Skip("not_a_file", f"{what}: {source[:200]!r} is {kind}; mmtok opens only regular files")
         return Located("file", str(Path(candidate)), real)
     if outside is not None:
-        raise Skip("outside_root", f"{what}: {source[:200]!r} resolves to {outside[:200]}, outside "
+        raise Skip(OUTSIDE_ROOT, f"{what}: {source[:200]!r} resolves to {outside[:200]}, outside "
                    f"{' and '.join(roots)}; a medium must lie in the input's directory or a --media-root DIR")
     what_not = f"neither a member of sample {conversation.origin} nor a file" if conversation.tar else "not a file"
     raise Skip("missing_media", f"{what}: {source!r} is {what_not} (looked in {' and '.join(roots)})")
