@@ -26,27 +26,48 @@ def resolve_rank(rank: int | None, world_size: int | None, default_world_size: i
                          "say rank 0 of 1 in every task; pass --rank \"$SLURM_ARRAY_TASK_ID\" --world-size N (the "
                          "array's size, e.g. --array=0-6399%800 -> 6400), or --rank 0 --world-size 1 for one process that "
                          "does the whole job (a final assembly scan)")
+    rank_from = world_from = None
     if rank is None:
-        rank = _env_int(("RANK", "SLURM_PROCID"), 0)
+        rank, rank_from = _env_int(("RANK", "SLURM_PROCID"), 0)
     if world_size is None:
-        world_size = _env_int(("WORLD_SIZE", "SLURM_NTASKS"), default_world_size)
+        world_size, world_from = _env_int(("WORLD_SIZE", "SLURM_NTASKS"), default_world_size)
     if world_size < 1:
-        raise MmtokError(f"world size {world_size}: it must be at least 1")
+        raise MmtokError(f"world size {world_size}{_source(world_from)}: it must be at least 1")
     if not 0 <= rank < world_size:
-        raise MmtokError(f"rank {rank} is outside 0..{world_size - 1} (world size {world_size})")
+        raise MmtokError(f"rank {rank}{_source(rank_from)} is outside 0..{world_size - 1} (world size "
+                         f"{world_size}{_source(world_from)})")
     return rank, world_size
 
 
-def _env_int(names: tuple[str, ...], default: int) -> int:
-    """The first of `names` set in the environment, as an integer (else `default`)."""
+def _env_int(names: tuple[str, ...], default: int) -> tuple[int, str | None]:
+    """The first of `names` set in the environment, as an integer, and its name (else `default`, None)."""
     for name in names:
         if name in os.environ:
             try:
-                return int(os.environ[name])
+                return int(os.environ[name]), name
             except ValueError:
-                raise MmtokError(f"{name}={os.environ[name]!r} is not an integer; fix the launcher environment "
-                                 "or pass --rank/--world-size") from None
-    return default
+                raise MmtokError(f"{name}={brief(repr(os.environ[name]), 60)} is not an integer; fix the launcher "
+                                 "environment or pass --rank/--world-size") from None
+    return default, None
+
+
+def _source(name: str | None) -> str:
+    """Where a value came from, for messages: ' (from NAME=value)', or '' for a flag or a default."""
+    return "" if name is None else f" (from {name}={brief(os.environ[name], 40)})"
+
+
+def _local_rank(name: str) -> int | None:
+    """The GPU index a launcher variable names: None when it is unset or -1 (what some launchers export for
+    "not distributed": the next rule picks the device), MmtokError naming it for any other negative value."""
+    if name not in os.environ:
+        return None
+    value, _ = _env_int((name,), 0)
+    if value == -1:
+        return None
+    if value < 0:
+        raise MmtokError(f"{name}={value}: a local rank is 0 or more (-1 means not distributed); fix the launcher "
+                         "environment or pass --device")
+    return value
 
 
 def resolve_device(requested: str | None = None):
@@ -56,18 +77,19 @@ def resolve_device(requested: str | None = None):
     context on this GPU, not a stray one on cuda:0 (one per process on a multi-GPU node)."""
     import torch
 
+    source = ""  # where the index came from, when a launcher variable named it
     if requested:
         device = torch.device(parse_device(requested))
     elif not torch.cuda.is_available():
         device = torch.device("cpu")
-    elif "LOCAL_RANK" in os.environ:
-        device = torch.device("cuda", _env_int(("LOCAL_RANK",), 0))
-    elif "SLURM_LOCALID" in os.environ:
-        device = torch.device("cuda", _env_int(("SLURM_LOCALID",), 0) % torch.cuda.device_count())
+    elif (local := _local_rank("LOCAL_RANK")) is not None:
+        device, source = torch.device("cuda", local), _source("LOCAL_RANK")
+    elif (local := _local_rank("SLURM_LOCALID")) is not None:
+        device = torch.device("cuda", local % max(torch.cuda.device_count(), 1))
     else:
         device = torch.device("cuda", 0)
     if device.type == "cuda":
-        _check_visible(device)
+        _check_visible(device, source)
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
@@ -83,12 +105,13 @@ def parse_device(text: str) -> str:
     return text.strip()
 
 
-def _check_visible(device) -> None:
+def _check_visible(device, source: str = "") -> None:
     """A CUDA device this process can see (CUDA_VISIBLE_DEVICES renumbers them from 0)."""
     import torch
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not count:
-        raise MmtokError(f"device {device}: this process sees no CUDA device; pass --device cpu, or run where a GPU is")
+        raise MmtokError(f"device {device}{source}: this process sees no CUDA device; pass --device cpu, or run where "
+                         "a GPU is")
     if device.index is not None and device.index >= count:
-        raise MmtokError(f"device {device}: this process sees {count} CUDA device(s), cuda:0 … cuda:{count - 1}")
+        raise MmtokError(f"device {device}{source}: this process sees {count} CUDA device(s), cuda:0 … cuda:{count - 1}")

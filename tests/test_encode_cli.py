@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mmtok.cli import build_parser
@@ -92,11 +94,17 @@ def test_the_cuda_device_is_made_current_before_anything_allocates(monkeypatch, 
 
 
 @pytest.mark.parametrize("env, message", [({"RANK": "abc"}, "RANK='abc' is not an integer"),
-                                          ({"WORLD_SIZE": "0"}, "world size 0: it must be at least 1")])
-def test_a_bad_launcher_environment_is_one_clear_error(monkeypatch, env, message):
+                                          ({"WORLD_SIZE": "0"}, r"world size 0 \(from WORLD_SIZE=0\): it must be"),
+                                          ({"SLURM_NTASKS": "-3"}, r"world size -3 \(from SLURM_NTASKS=-3\)"),
+                                          ({"RANK": "-1", "WORLD_SIZE": "4"}, r"rank -1 \(from RANK=-1\) is outside 0..3"),
+                                          ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2"},
+                                           r"rank 5 \(from SLURM_PROCID=5\) is outside 0..1 \(world size 2 \(from "
+                                           r"SLURM_NTASKS=2\)\)")])
+def test_a_bad_launcher_environment_is_one_clear_error(clean_env, env, message):
     from mmtok.errors import MmtokError
     from mmtok.launch import resolve_rank
 
+    monkeypatch = clean_env
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(MmtokError, match=message):
@@ -115,3 +123,57 @@ def test_a_damaged_plan_or_tokenizer_file_is_one_line(tmp_path, capsys):
                  "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "not a text tokenizer this tool can read" in err and "Traceback" not in err
+
+
+def _cuda_mocked(monkeypatch, count: int = 4) -> list:
+    import torch
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    return made_current
+
+
+@pytest.mark.parametrize("env", [{"LOCAL_RANK": "-1"}, {"SLURM_LOCALID": "-1"}, {"LOCAL_RANK": "-1", "SLURM_LOCALID": "2"}])
+def test_a_local_rank_of_minus_one_means_not_distributed(clean_env, env):
+    """-1 is what some launchers export for "not distributed": the next rule picks the device."""
+    import torch
+
+    from mmtok.launch import resolve_device
+
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    made_current = _cuda_mocked(clean_env)
+    expected = torch.device("cuda", int(env.get("SLURM_LOCALID", "0")) if env.get("SLURM_LOCALID") != "-1" else 0)
+    assert resolve_device(None) == expected and made_current == [expected]
+
+
+@pytest.mark.parametrize("env, message", [({"LOCAL_RANK": "-7"}, "LOCAL_RANK=-7: a local rank is 0 or more"),
+                                          ({"SLURM_LOCALID": "-2"}, "SLURM_LOCALID=-2: a local rank is 0 or more"),
+                                          ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not an integer"),
+                                          ({"LOCAL_RANK": "9"}, r"device cuda:9 \(from LOCAL_RANK=9\): this process sees 4")])
+def test_a_local_rank_out_of_range_is_one_line_through_the_cli(clean_env, tmp_path, capsys, env, message):
+    """On a CUDA machine (mocked) a bad LOCAL_RANK or SLURM_LOCALID ended in a traceback from torch.device."""
+    from mmtok.cli import main
+    from mmtok.codecs import emu35
+
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    checkpoint = emu35.write_random_checkpoint(tmp_path / "ckpt")
+    _cuda_mocked(clean_env)
+    assert main(["codec", "encode", "--codec", "emu3.5", "--checkpoint", str(checkpoint), str(tmp_path / "x.png"),
+                 "--out", str(tmp_path / "codes.npy")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert re.search(message, line), line
+
+
+def test_a_rank_out_of_range_is_one_line_before_any_work(clean_env, tmp_path, capsys):
+    from mmtok.cli import main
+
+    clean_env.setenv("RANK", "-1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    assert main(["encode", "--modality", "audio", "--shar", str(tmp_path / "shar"), "--checkpoint",
+                 str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "rank -1 (from RANK=-1) is outside 0..1" in line, line
