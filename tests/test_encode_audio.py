@@ -264,7 +264,7 @@ def test_a_clip_too_long_to_encode_is_a_named_skip_and_the_rank_finishes(shar, c
 def test_a_rerun_with_other_settings_is_refused_even_when_every_part_is_finished(shar, codec, one_rank):
     from mmtok.errors import MmtokError
 
-    with pytest.raises(MmtokError, match=r"refusing to resume: sequences \(recorded 'auto', now 'both'\)"):
+    with pytest.raises(MmtokError, match=r"a part of another run: sequences \(recorded 'auto', now 'both'\)"):
         encode_rank(shar, one_rank, codec, rank=0, world_size=1, batching=BATCHING, sequences="both",
                     num_workers=0, progress=False)
 

@@ -184,6 +184,13 @@ def load_codec(name: str, checkpoint: str | os.PathLike, device: str | torch.dev
     return codec.eval()
 
 
+def checkpoint_sha256(name: str, checkpoint: str | os.PathLike) -> str | None:
+    """The `checkpoint_sha256` codec `name` will record for `checkpoint` once loaded, computed without loading
+    it (so a run can be compared with an earlier one first); None when a file is missing (the load says so)."""
+    paths = codec_module(name).checkpoint_paths(Path(checkpoint))
+    return checkpoint_fingerprint(paths) if all(path.is_file() for path in paths) else None
+
+
 def checkpoint_fingerprint(paths: list[Path]) -> str:
     """sha256 over the given checkpoint files (name + bytes), in the given order."""
     digest = hashlib.sha256()

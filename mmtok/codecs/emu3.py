@@ -505,8 +505,8 @@ def load(checkpoint_dir: Path, device: torch.device | str = "cpu") -> Emu3Vision
     from safetensors.torch import load_file
 
     checkpoint_dir = Path(checkpoint_dir)
-    config_path, weights_path, preprocessor_path = (own_file(checkpoint_dir / name, "emu3 checkpoint file")
-                                                    for name in (CONFIG_FILE, WEIGHTS_FILE, PREPROCESSOR_FILE))
+    config_path, weights_path = checkpoint_paths(checkpoint_dir)
+    preprocessor_path = own_file(checkpoint_dir / PREPROCESSOR_FILE, "emu3 checkpoint file")
     for path in (config_path, weights_path):
         if not path.is_file():
             raise MmtokError(f"emu3: {path} not found (expected the official Hugging Face files "
@@ -534,6 +534,11 @@ def load(checkpoint_dir: Path, device: torch.device | str = "cpu") -> Emu3Vision
         raise MmtokError(f"emu3: {weights_path} does not match {config_path}: {brief(err)}") from None
     model.checkpoint_sha256 = checkpoint_fingerprint([config_path, weights_path])
     return model.to(device).eval()
+
+
+def checkpoint_paths(directory: Path) -> list[Path]:
+    """The files whose bytes are the checkpoint's identity (config, weights), each inside `directory`."""
+    return [own_file(Path(directory) / name, "emu3 checkpoint file") for name in (CONFIG_FILE, WEIGHTS_FILE)]
 
 
 def _check_preprocessor(preprocessor, path: Path) -> None:

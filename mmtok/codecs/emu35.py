@@ -420,8 +420,7 @@ def load(checkpoint_dir: Path, device: str | torch.device = "cpu", dtype: str = 
     if str(dtype).replace("torch.", "") not in ("float32", "fp32"):
         raise MmtokError(f"{NAME}: dtype {dtype} is not supported; the codec runs in float32")
     directory = Path(checkpoint_dir)
-    config_path, checkpoint_path = (own_file(directory / name, f"{NAME} checkpoint file")
-                                    for name in (CONFIG_FILE, CHECKPOINT_FILE))
+    config_path, checkpoint_path = checkpoint_paths(directory)
     config = read_config(config_path)
     state = read_state_dict(checkpoint_path)
     with torch.device("meta"):  # no random init, no double allocation: weights come from the file
@@ -432,6 +431,11 @@ def load(checkpoint_dir: Path, device: str | torch.device = "cpu", dtype: str = 
     codec.load_state_dict(state, strict=True)
     codec.checkpoint_sha256 = checkpoint_fingerprint([config_path, checkpoint_path])
     return codec.eval()
+
+
+def checkpoint_paths(directory: Path) -> list[Path]:
+    """The files whose bytes are the checkpoint's identity (config, weights), each inside `directory`."""
+    return [own_file(Path(directory) / name, f"{NAME} checkpoint file") for name in (CONFIG_FILE, CHECKPOINT_FILE)]
 
 
 def read_config(path: Path) -> dict:

@@ -159,6 +159,11 @@ def check_config(config: WavTokenizerConfig, where: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def checkpoint_paths(directory: Path) -> list[Path]:
+    """The files whose bytes are the checkpoint's identity (config, weights), each inside `directory`."""
+    return list(checkpoint_files(Path(directory)))
+
+
 def checkpoint_files(directory: Path) -> tuple[Path, Path]:
     """(config YAML, weights file) of a checkpoint directory; exactly one of each is expected."""
     if not directory.is_dir():

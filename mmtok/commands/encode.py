@@ -83,6 +83,8 @@ def run_images(args) -> int:
                       f"contiguous cost-balanced ranges for {plural(world_size, 'rank')} (the merged output does "
                       "not depend on the world size)")
     check_part_free(part_dir(args.out, rank))  # a duplicate job stops here, before it loads the model
+    refuse_other_run(args.out, "image", args.codec or "emu3.5", args.checkpoint, num_parts=world_size,
+                     plan_fingerprint=meta["fingerprint"])
     device = resolve_device(args.device)
     codec = load_codec(args.codec or "emu3.5", args.checkpoint, device)
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
@@ -91,6 +93,23 @@ def run_images(args) -> int:
     print_report("encode", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     return 0
+
+
+def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **known) -> None:
+    """Before the codec loads: an --out that holds parts of another run -- another plan, world size, codec or
+    checkpoint (hashed only when parts are there) -- is refused naming what differs. The rank checks its
+    whole identity again once the codec is loaded, before its first batch."""
+    from mmtok.codecs.base import checkpoint_sha256
+    from mmtok.formats import parts
+    from mmtok.formats.commitlog import part_directories
+
+    if not part_directories(out):
+        return
+    described = {"name": codec}
+    sha256 = checkpoint_sha256(codec, checkpoint) if Path(checkpoint).is_dir() else None
+    if sha256 is not None:
+        described["checkpoint_sha256"] = sha256
+    parts.refuse_other_run(out, {"modality": modality, "codec": described, **known})
 
 
 def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
@@ -183,6 +202,7 @@ def run_audio(args) -> int:
     shards, _ = discover_shards(Path(args.shar))
     for index in assign_shards([s.duration for s in shards], world_size)[rank]:
         check_part_free(part_dir(args.out, shards[index].index))  # a duplicate job stops before loading the model
+    refuse_other_run(args.out, "audio", args.codec or "wavtokenizer", args.checkpoint, num_parts=len(shards))
     codec = load_codec(args.codec or "wavtokenizer", args.checkpoint, resolve_device(args.device))
     if codec.modality != "audio":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")

@@ -40,7 +40,7 @@ from mmtok.ranks import assign_shards
 from mmtok.vocab import check_ids_in_range
 from mmtok.text import tokenizer_difference
 from mmtok.encode.loop import UNIFORM_CODES, Meter, run_device, uniform_codes
-from mmtok.formats.parts import timing_stats
+from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
@@ -364,6 +364,7 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
     mine = assign_shards([s.duration for s in shards], world_size)[rank]
     context = build_context(out, codec, load_text_tokenizer(text_tokenizer), sequences, batching, report)
     context.cache_metadata["num_parts"] = len(shards)
+    refuse_other_run(out, {**context.identity, "num_parts": len(shards)})
     work = open_parts([shards[i] for i in mine], context, batching, len(shards), trim_of(codec) * int(codec.hop))
     summary = run_parts(work, codec, context, num_workers=num_workers, progress=progress)
     summary.update(rank=rank, world_size=world_size, shards=mine, shards_to_do=len(work))
@@ -391,7 +392,7 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
     bar = progress_bar(total=sum(len(r.positions) for r in requests), unit="clip", desc="encode audio",
                        enabled=progress)
     meter, skipped, stats = Meter(bar, item="clip"), Counter(), {"num_workers": num_workers}
-    flagged, warned = Counter(), [False]
+    flagged = Counter()
 
     def encode(batch: dict) -> list:
         results = encode_batch(codec, batch, device, trim, context.builder.layout)
@@ -400,7 +401,7 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
 
     def commit(batch: dict, results: list) -> None:
         w = by_shard[batch["shard"]]
-        flag = uniform_codes([ids for _, _, ids in results], f"shard {w.shard.index} batch {batch['unit']}", warned)
+        flag = uniform_codes([ids for _, _, ids in results])
         flagged.update(flag)
         w.open().commit(batch["unit"], [], [], {**meter.committed(len(results), 0), **flag},
                         carry=pack_carry((position, 0, reason, ids) for position, reason, ids in results))

@@ -12,7 +12,6 @@ turns those counters into the stats every part records.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Callable, Iterable, TypeVar
@@ -104,15 +103,12 @@ def run_device(batches: Iterable[Batch], encode: Callable[[Batch], Result], comm
 _END = object()
 
 
-def uniform_codes(codes: Iterable[np.ndarray | None], what: str, warned: list[bool]) -> dict[str, int]:
+def uniform_codes(codes: Iterable[np.ndarray | None]) -> dict[str, int]:
     """{UNIFORM_CODES: 1} when two or more items of a batch got one code throughout, else {}: the sign of a
     checkpoint that maps everything to one code (damaged weights that load) or of blank inputs -- flagged,
-    not refused, since a batch of black frames or silences is legitimate. Warns once per rank (`warned`)."""
+    not refused, since a batch of black frames or silences is legitimate. The count reaches the part, the
+    rank's summary (a warning line) and merged.json."""
     items = [c.ravel() for c in codes if c is not None and c.size]
     if len(items) < 2 or any((item != items[0][0]).any() for item in items):
         return {}
-    if not warned[0]:
-        warned[0] = True
-        print(f"warning: {what}: all {len(items)} items got the one code {int(items[0][0])}; a damaged checkpoint "
-              f"or blank inputs? Counted as {UNIFORM_CODES} (see `mmtok inspect`)", file=sys.stderr, flush=True)
     return {UNIFORM_CODES: 1}

@@ -34,7 +34,7 @@ from mmtok.encode.loader import BatchLoader, PreparedBatch
 from mmtok.encode.work import RankWork, load_rank_work
 from mmtok.errors import MmtokError, Skip
 from mmtok.encode.loop import Meter, run_device, uniform_codes
-from mmtok.formats.parts import timing_stats
+from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats import skips
 from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, part_dir
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
@@ -125,13 +125,12 @@ class Assembler:
         self.work = work
         self.builder = builder
         self.consecutive_failures = 0
-        self.warned = [False]  # uniform_codes warns once per rank
 
     def add(self, prepared: PreparedBatch, codes: np.ndarray | None, max_failures: int) -> Commit:
         rows, commit = self.work.rows, Commit()
         if codes is not None:
             kept = [codes[slot] for slot, failure in enumerate(prepared.failures) if not failure]
-            commit.counts.update(uniform_codes(kept, f"batch {prepared.batch} of rank {self.work.rank}", self.warned))
+            commit.counts.update(uniform_codes(kept))
         for slot, row in enumerate(range(prepared.rows.start, prepared.rows.stop)):
             failure = prepared.failures[slot]
             self._count_failure(failure, row, max_failures)
@@ -230,7 +229,9 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(work.mode, tokenizer, layout)
     check_codec(work, codec, builder)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
-    with PartWriter(part_dir(out, rank), part_identity(work, codec, tokenizer, layout)) as part:
+    identity = part_identity(work, codec, tokenizer, layout)
+    refuse_other_run(out, identity)  # every key now the codec is loaded (its checkpoint, the tokenizer, ...)
+    with PartWriter(part_dir(out, rank), identity) as part:
         if part.done:
             return {"already_done": True, **_summary_counts(part)}
         start = max(work.batch_range[0], part.next_unit)

@@ -160,7 +160,7 @@ def identity_difference(recorded: Any, current: Any, path: str = "") -> str | No
     return None
 
 
-def _normalize(obj: Any) -> Any:
+def normalized(obj: Any) -> Any:
     """JSON round trip: tuples become lists, keys strings, so identities compare as stored."""
     return json.loads(json.dumps(obj, sort_keys=True))
 
@@ -226,7 +226,7 @@ def check_identity(directory: str | os.PathLike, identity: dict) -> None:
         recorded = json.loads((directory / IDENTITY).read_text("utf-8"))
     except (OSError, ValueError) as err:
         raise MmtokError(f"{directory / IDENTITY}: unreadable ({err}); delete {directory} to re-encode this part") from None
-    difference = identity_difference(recorded, _normalize({**identity, "format": PART_FORMAT}))
+    difference = identity_difference(recorded, normalized({**identity, "format": PART_FORMAT}))
     if difference:
         raise MmtokError(
             f"{directory}: refusing to resume: {difference}. This part was started with different "
@@ -322,7 +322,7 @@ class PartWriter:
             raise
 
     def _open(self, identity: dict) -> None:
-        self.identity = _normalize({**identity, "format": PART_FORMAT})
+        self.identity = normalized({**identity, "format": PART_FORMAT})
         self._check_identity()
         self._identity_crc = _crc_of(self.directory / IDENTITY)
         self.done = is_done(self.directory)

@@ -71,6 +71,29 @@ def _check_same_run(parts: list[Part]) -> None:
             raise MmtokError(f"{part.directory}: does not belong to the same encode run as part 0: {difference}")
 
 
+def refuse_other_run(out: str | Path, identity: dict, command: str = "mmtok encode") -> None:
+    """MmtokError when `out` already holds a part of another run: one whose shared identity differs from
+    `identity` in a key `identity` names (nested objects key by key, so a caller may check what it knows before
+    it loads a codec, and again after). Called before any work, so ranks of another plan, codec, checkpoint or
+    world size are refused at start-up, not by merge after the GPU time is spent."""
+    wanted = commitlog.normalized(shared_identity(identity))
+    for _, directory in commitlog.part_directories(out):
+        if not (directory / commitlog.IDENTITY).is_file():
+            continue  # a part killed before its identity was written: its own rank resumes or refuses it
+        recorded = read_part_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
+        difference = commitlog.identity_difference(_named_by(recorded, wanted), wanted)
+        if difference:
+            raise MmtokError(f"{out} holds {directory.name}, a part of another run: {difference}; use one --out per "
+                             f"run (or delete the other run's parts) -- nothing was encoded ({command})")
+
+
+def _named_by(recorded, wanted):
+    """`recorded` cut to the keys `wanted` has, at every level."""
+    if isinstance(recorded, dict) and isinstance(wanted, dict):
+        return {key: _named_by(recorded[key], wanted[key]) for key in wanted if key in recorded}
+    return recorded
+
+
 def read_part_json(path: Path, reader, directory: Path):
     """`reader(directory)`, with a damaged or unreadable file reported as one line naming it (and, for a
     file of the wrong shape, the key)."""
