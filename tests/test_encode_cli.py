@@ -177,3 +177,68 @@ def test_a_rank_out_of_range_is_one_line_before_any_work(clean_env, tmp_path, ca
                  str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "rank -1 (from RANK=-1) is outside 0..1" in line, line
+
+
+# -- issue 48.4: an --out that holds another run's parts is refused at start-up --------------------------
+@pytest.fixture(scope="module")
+def one_part(tmp_path_factory):
+    """Rank 0 of 2 encoded into OUT (caption corpus, tiny codec): (env, plan, out)."""
+    from encodekit import caption_env, one_torch_thread, plan
+
+    from mmtok.cli import main
+
+    env = caption_env(tmp_path_factory.mktemp("run"))
+    planned = plan(env, "plan", "--world-size", "2")
+    out = env.root / "out"
+    with one_torch_thread():
+        assert main(["encode", "--plan", str(planned), "--checkpoint", str(env.checkpoint), "--out", str(out),
+                     "--rank", "0", "--world-size", "2", "--device", "cpu", "--no-progress"]) == 0
+    return env, planned, out
+
+
+@pytest.mark.parametrize("change, message", [
+    ("world-size", "num_parts (recorded 2, now 3)"),
+    ("plan", "plan_fingerprint (recorded"),
+    ("codec", "codec.checkpoint_sha256 (recorded"),  # the first key that differs; codec.name too
+    ("checkpoint", "codec.checkpoint_sha256 (recorded"),
+])
+def test_a_rank_of_another_run_is_refused_before_its_codec_loads(one_part, clean_env, capsys, change, message):
+    from encodekit import plan
+
+    from mmtok.cli import main
+    from mmtok.codecs import base, emu3, emu35
+
+    env, planned, out = one_part
+    checkpoint, codec, world = env.checkpoint, "emu3.5", "2"
+    if change == "world-size":
+        world = "3"
+    elif change == "plan":
+        planned = plan(env, "plan-other", "--world-size", "2", "--token-budget", "45")
+    elif change == "codec":
+        codec, checkpoint = "emu3", emu3.write_random_checkpoint(env.root / "emu3")
+    else:
+        checkpoint = emu35.write_random_checkpoint(env.root / "other-ckpt", seed=5)
+    clean_env.setattr(base, "load_codec", lambda *a, **k: pytest.fail("the codec was loaded"))
+    capsys.readouterr()
+    assert main(["encode", "--plan", str(planned), "--codec", codec, "--checkpoint", str(checkpoint),
+                 "--out", str(out), "--rank", "1", "--world-size", world, "--device", "cpu", "--no-progress"]) == 2
+    *notes, line = capsys.readouterr().err.splitlines()  # a world size other than the plan's has a note first
+    assert f"{out} holds part-00000, a part of another run: {message}" in line and len(notes) <= 1, line
+    assert not (out / "parts" / "part-00001").exists()
+
+
+def test_the_same_run_s_other_rank_is_encoded(one_part, clean_env, tmp_path):
+    """The refusal compares runs, not ranks: rank 1 of the same run encodes beside rank 0 (into a copy)."""
+    import shutil
+
+    from encodekit import one_torch_thread
+
+    from mmtok.cli import main
+
+    env, planned, out = one_part
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    with one_torch_thread():
+        assert main(["encode", "--plan", str(planned), "--checkpoint", str(env.checkpoint), "--out", str(copy),
+                     "--rank", "1", "--world-size", "2", "--device", "cpu", "--no-progress"]) == 0
+    assert main(["merge", str(copy)]) == 0
