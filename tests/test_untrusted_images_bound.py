@@ -238,3 +238,25 @@ def test_a_batch_whose_every_code_is_one_value_is_flagged(kit, tmp_path, monkeyp
     assert "warning: 1 batch gave every image one code (flagged:uniform_codes)" in err, err
     stats = json.loads((commitlog.part_dir(tmp_path / "images", 0) / "stats.json").read_text())
     assert stats["counts"]["flagged:uniform_codes"] == 1
+
+
+@pytest.mark.parametrize("layout", ["members-repeated", "key-repeated"])
+def test_two_samples_with_one_key_are_duplicate_key(kit, tmp_path, capsys, layout):
+    """Issue 48.5: a key that names two samples (or one sample holding a member twice) was skipped as the
+    misleading `placeholder_mismatch` (the scan files both samples' images under the key) and its repeat as
+    `duplicate_conversation`; every such sample is `duplicate_key` now, named in the skip list."""
+    images = real_images()
+    photo = images["chelsea.png"].read_bytes()
+    one, two = (json.dumps(_conversation(q)).encode() for q in ("first?", "second?"))
+    other = [("m.json", json.dumps(_conversation("other?")).encode()), ("m.0.png", photo)]
+    first, second = [("k.json", one), ("k.0.png", photo)], [("k.json", two), ("k.0.png", photo)]
+    members = [*first, *second, *other] if layout == "members-repeated" else [*first, *other, *second]
+    tar = write_tar(tmp_path / "data" / "dup.tar", members)
+    _scan_plan(kit, tmp_path, tar)
+    assert _encode(kit, tmp_path) == 0
+    assert _sft(kit, tmp_path, tar, "sft") == 0
+    assert "duplicate_key" in capsys.readouterr().err
+    skipped = [json.loads(line) for line in
+               (commitlog.part_dir(tmp_path / "sft", 0) / "skipped.jsonl").read_text().splitlines()]
+    expected = ["dup/k"] if layout == "members-repeated" else ["dup/k", "dup/k (repeat 2)"]
+    assert sorted(r["key"] for r in skipped) == expected and {r["reason"] for r in skipped} == {"duplicate_key"}

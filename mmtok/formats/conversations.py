@@ -46,6 +46,7 @@ import io
 import json
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -65,6 +66,7 @@ KIND_SUFFIXES = {"audio": AUDIO_SUFFIXES, "image": IMAGE_SUFFIXES}
 INPUT_KINDS = ("tar", "jsonl", "parquet")
 TRUNCATED_MEMBER = KIND_REASONS[TRUNCATED]
 NO_SAMPLES = "no_samples"  # a tar without one member named KEY.EXT
+DUPLICATE_KEY = "duplicate_key"  # a key that names more than one sample of a tar
 
 
 @dataclass(frozen=True)
@@ -283,23 +285,49 @@ def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
     orphans: list[Damage] = []  # damage before the first sample: the file's reason if no sample follows
     sampled = False
     try:
-        for key, members, damage in _tar_samples(path):
-            if key is None and not sampled:
-                orphans.append(damage)
-                continue
-            if not sampled:
-                sampled = True
-                yield from (_damage_record(path, stem, number, orphan) for orphan in orphans)
-            if key is None:
-                yield _damage_record(path, stem, number, damage)
-            else:
-                yield _tar_sample(path, stem, number, key, members, damage)
+        samples = list(_tar_samples(path))  # headers only: which keys repeat is known before any sample is used
     except OSError as err:
         raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
+    repeated = _repeated_keys(samples)
+    seen: Counter = Counter()
+    for key, members, damage in samples:
+        if key is None and not sampled:
+            orphans.append(damage)
+            continue
+        if not sampled:
+            sampled = True
+            yield from (_damage_record(path, stem, number, orphan) for orphan in orphans)
+        if key is None:
+            yield _damage_record(path, stem, number, damage)
+        elif key in repeated:
+            seen[key] += 1
+            yield _duplicate_key(path, stem, number, key, seen[key], repeated[key])
+        else:
+            yield _tar_sample(path, stem, number, key, members, damage)
     if not sampled:
         skip = (Skip(orphans[0].reason, orphans[0].describe()) if orphans else
                 Skip(NO_SAMPLES, "no member is named KEY.EXT (a WebDataset sample's member)"))
         yield Conversation(path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
+
+
+def _repeated_keys(samples: list[tuple[str | None, list[Member], Damage | None]]) -> dict[str, str]:
+    """The keys that name more than one sample of a tar (or one sample that holds a member name twice), with
+    how: which of the samples' members are whose is then unknowable (the scan and encode file the media of a
+    key together), so every sample of such a key is `duplicate_key`, never another sample's tokens."""
+    counts = Counter(key for key, _, _ in samples if key is not None)
+    repeated = {key: f"{count} samples of this tar are named {key!r}" for key, count in counts.items() if count > 1}
+    for key, members, _ in samples:
+        names = Counter(member.name for member in members)
+        twice = sorted(name for name, count in names.items() if count > 1)
+        if key is not None and twice and key not in repeated:
+            repeated[key] = f"sample {key!r} holds member {twice[0]} {names[twice[0]]} times"
+    return repeated
+
+
+def _duplicate_key(path: Path, stem: str, number: int, key: str, occurrence: int, how: str) -> Conversation:
+    ident = f"{stem}/{key}" if occurrence == 1 else f"{stem}/{key} (repeat {occurrence})"  # ids stay unique
+    return Conversation(ident, f"{path}:{key}", number, error=Skip(DUPLICATE_KEY, f"{how}: a WebDataset key names "
+                        "one sample; rename or drop the repeats"), tar=str(path), key=key)
 
 
 def _damage_record(path: Path, stem: str, number: int, damage: Damage) -> Conversation:
