@@ -39,7 +39,11 @@ when no clip gives a sequence at all, the command fails and writes nothing.
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("audio", help="audio conversion and speech/text interleaving")
+    parser = sub.add_parser("audio", help="audio conversion and speech/text interleaving",
+                            description="Audio before and after the GPU: `convert` turns directories, tars, Lhotse "
+                            "manifests or Parquet into Lhotse Shar (24 kHz, text token ids) for `mmtok encode "
+                            "--modality audio`; `interleave` builds speech/text sequences from its per-clip token "
+                            "cache. `mmtok audio SUBCOMMAND --help` for each; docs/audio.md for all of it.")
     audio_sub = parser.add_subparsers(dest="audio_command", required=True, metavar="SUBCOMMAND")
     convert = audio_sub.add_parser("convert", help="audio sources -> Lhotse Shar (24 kHz + text token ids)",
                                    description=CONVERT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -23,7 +23,10 @@ from mmtok.commands.report import plural, print_summary
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("bench", help="tokenizer benchmarks")
+    parser = sub.add_parser("bench", help="tokenizer benchmarks",
+                            description="Compare codecs on your own data: `reconstruct` encodes and decodes a sample "
+                            "of a manifest with each codec and scores the reconstructions per category (PSNR, SSIM, "
+                            "LPIPS; audio: mel L1, STOI, PESQ). `mmtok bench reconstruct --help`; docs/benchmarks.md.")
     bench_sub = parser.add_subparsers(dest="bench_command", required=True, metavar="SUBCOMMAND")
     child = bench_sub.add_parser("reconstruct", help="score tokenizer reconstructions per category",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,11 +9,12 @@ def add_parser(sub) -> None:
     parser = sub.add_parser(
         "demo", help="run the whole flow on bundled real media",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run scan -> plan -> encode (2 ranks) -> merge on bundled photos with captions, and "
-        "audio convert -> encode -> merge -> interleave on bundled speech, then omni SFT on a conversation tar "
-        "built from both (scan -> plan --mode sft -> encode -> audio convert --kind conversations -> encode "
-        "--modality audio -> sft -> merge --strip-reasoning -> inspect), printing each command as it runs.\n"
-        "Without checkpoints the codecs are tiny random-weight checkpoints in the official formats "
+        description="Run the whole flow once on bundled real media, printing each command as it runs:\n"
+        "  images: scan -> plan -> encode (2 ranks) -> merge -> inspect, on photos with captions;\n"
+        "  audio:  audio convert -> encode -> merge -> interleave, on speech clips;\n"
+        "  SFT:    a conversation tar built from both -> scan -> plan --mode sft -> encode -> audio convert\n"
+        "          --kind conversations -> encode --modality audio -> sft -> merge --strip-reasoning -> inspect.\n"
+        "Without checkpoints the codecs are tiny random-weight checkpoints in the official formats\n"
         "(real files, meaningless tokens).")
     parser.add_argument("--out", default="mmtok-demo", help="output directory (default ./mmtok-demo): new, empty or "
                         "an earlier demo's, whose own files are replaced (others are left alone); it may not hold "

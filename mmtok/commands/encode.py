@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
                        "batch (pinned on CUDA; default 4)")
     group.add_argument("--max-consecutive-failures", type=int, default=64,
                        help="stop the rank after this many undecodable images in a row (default 64)")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (images and audio)")
     parser.add_argument("--json", action="store_true",
                         help="also print the rank's summary as one JSON object on stdout (the human one stays on stderr)")
     add_audio_arguments(parser)

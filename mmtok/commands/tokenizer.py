@@ -32,7 +32,11 @@ flags. Prints one line per problem or difference and exits 1, or one success lin
 
 
 def add_parser(sub) -> None:
-    parser = sub.add_parser("tokenizer", help="build the omnimodal HF tokenizer for training; check it against data")
+    parser = sub.add_parser("tokenizer", help="build the omnimodal HF tokenizer for training; check it against data",
+                            description="The tokenizer a training run needs: `build` writes a Hugging Face tokenizer "
+                            "directory whose ids are mmtok's vocabulary layout for a text tokenizer; `check` verifies "
+                            "it against merged datasets (and, with --against, key by key against a released one). "
+                            "`mmtok tokenizer SUBCOMMAND --help`; docs/training.md.")
     tokenizer_sub = parser.add_subparsers(dest="tokenizer_command", required=True, metavar="SUBCOMMAND")
     build = tokenizer_sub.add_parser("build", help="write the omnimodal tokenizer directory for a text tokenizer",
                                      description=BUILD_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
