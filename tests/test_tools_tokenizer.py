@@ -422,9 +422,41 @@ def test_check_against_compares_the_chat_template_file(chat_omni, tmp_path, caps
             (directory / "chat_template.jinja").write_text(f"{{{{ bos_token }}}}{name}")
     assert main(["tokenizer", "check", str(ours), "--against", str(release)]) == 1
     line = capsys.readouterr().err.splitlines()[0].removeprefix("mmtok tokenizer check: ")
-    assert line == {"release": "chat_template.jinja: only in release (22 characters)",
-                    "ours": "chat_template.jinja: only in ours (19 characters)",
-                    "both": "chat_template.jinja: differs (19 characters in ours, 22 in release)"}[where]
+    config = "1,603 in {} (tokenizer_config.json chat_template)"  # the built tokenizer's template key
+    assert line == {
+        "release": "chat template: differs (1,603 characters in ours (tokenizer_config.json chat_template), 22 in "
+                   "release (chat_template.jinja))",
+        "ours": "chat template: differs (19 characters in ours (chat_template.jinja), " + config.format("release") + ")",
+        "both": "chat template: differs (19 characters in ours (chat_template.jinja), 22 in release "
+                "(chat_template.jinja))"}[where]
+
+
+def test_a_template_in_the_config_or_in_chat_template_jinja_is_the_same_template(chat_omni, tmp_path, capsys):
+    ours, release = (shutil.copytree(chat_omni, tmp_path / name) for name in ("ours", "release"))
+    config = json.loads((release / "tokenizer_config.json").read_text())
+    (release / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (release / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(["tokenizer", "check", str(ours), "--against", str(release)]) == 0
+    assert "equals" in capsys.readouterr().err
+
+
+def test_check_against_a_release_config_alone_compares_its_keys(chat_omni, tmp_path, capsys):
+    """Users compare against the release's tokenizer_config.json: a directory holding only that is a reference."""
+    release = tmp_path / "release"
+    release.mkdir()
+    shutil.copy(chat_omni / "tokenizer_config.json", release)
+    assert main(["tokenizer", "check", str(chat_omni), "--against", str(release)]) == 0
+    assert "holds no tokenizer.json: tokenizer_config.json, the chat template compared, no token ids" in \
+        capsys.readouterr().err
+    config = json.loads((release / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|assistant_end|>"
+    (release / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(["tokenizer", "check", str(chat_omni), "--against", str(release)]) == 1
+    lines = [line.removeprefix("mmtok tokenizer check: ") for line in capsys.readouterr().err.splitlines()]
+    assert 'tokenizer_config.json eos_token: "</s>" in omni-chat-small, "<|assistant_end|>" in release' in lines
+    (release / "tokenizer_config.json").unlink()
+    assert main(["tokenizer", "check", str(chat_omni), "--against", str(release)]) == 2
+    assert "has no tokenizer.json" in capsys.readouterr().err
 
 
 def test_check_against_another_layout_counts_every_shifted_id_in_a_bounded_report(tekken_dir, small_base_dir, capsys):

@@ -25,9 +25,10 @@ Check a tokenizer directory against datasets written by `mmtok merge` (OUT/merge
 or `mmtok audio interleave` (OUT/stage, OUT/long-context): the same layout as the dataset's metadata
 (OUT/merged.json or OUT/interleave.json), every structure token and BOS/EOS at the id the data uses, the
 same base text tokenizer and codec, and every id on disk inside the tokenizer's vocabulary. With
---against REF, also compare it with another tokenizer directory (a released one): the chat_template.jinja,
-every tokenizer_config.json and special_tokens_map.json key, every token name's id and every added token's
-flags. Prints one line per problem or difference and exits 1, or one success line and exits 0.
+--against REF, also compare it with another tokenizer directory (a released one, or one holding only its
+tokenizer_config.json): the chat template, every tokenizer_config.json and special_tokens_map.json key, every
+token name's id and every added token's flags. Prints one line per problem or difference and exits 1, or one
+success line and exits 0.
 """
 
 
@@ -80,7 +81,7 @@ def run_check(args) -> int:
     if not args.data and not args.against:
         raise MmtokError("tokenizer check needs --data PREFIX (a dataset) or --against REF (a tokenizer directory)")
     problems, summaries = check_tokenizer(args.directory, args.data) if args.data else ([], [])
-    differences, count = compare_tokenizers(args.directory, args.against) if args.against else ([], 0)
+    differences, count, compared = compare_tokenizers(args.directory, args.against) if args.against else ([], 0, "")
     for line in [*problems, *differences]:
         print_summary("tokenizer check", line)
     verdicts = []
@@ -95,5 +96,5 @@ def run_check(args) -> int:
     for summary in summaries:
         print_summary("tokenizer check", f"ok: {args.directory} fits {summary}")
     if args.against:
-        print_summary("tokenizer check", f"ok: {args.directory} equals {args.against}, key by key and id by id")
+        print_summary("tokenizer check", f"ok: {args.directory} equals {args.against}, {compared}")
     return 0

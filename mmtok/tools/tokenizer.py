@@ -471,20 +471,29 @@ def _number(value) -> str:
 
 
 # -- check against another tokenizer ---------------------------------------------------------------
-def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[list[str], int]:
-    """Every difference between two tokenizer directories, one line each: their chat_template.jinja, the
-    tokenizer_config.json and special_tokens_map.json keys (nested keys by their path,
-    `omnimodal_config.modalities[0].offset`), every token name's id, and every added token's flags
-    (ADDED_TOKEN_FLAGS). The token lines of each kind stop after
-    DIFFERENCES_SHOWN with one line counting the rest. Returns (lines, how many differences there are): ([], 0)
-    when the two are equal."""
-    here, there = _tokenizer_files(directory), _tokenizer_files(reference)
+def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[list[str], int, str]:
+    """Every difference between two tokenizer directories, one line each: their chat templates (the one
+    transformers renders with: chat_template.jinja where there is one, else tokenizer_config.json's
+    `chat_template`), the other tokenizer_config.json and special_tokens_map.json keys (nested keys by their
+    path, `omnimodal_config.modalities[0].offset`), every token name's id, and every added token's flags
+    (ADDED_TOKEN_FLAGS). A reference with a tokenizer_config.json and no tokenizer.json (a release's config,
+    what users compare keys against) is compared by its files alone. The token lines of each kind stop after
+    DIFFERENCES_SHOWN with one line counting the rest. Returns (lines, how many differences there are, what was
+    compared): ([], 0, ...) when the two are equal."""
+    here, there = _tokenizer_files(directory), _tokenizer_files(reference, config_alone=True)
     names = (Path(directory).name, Path(reference).name)
     if names[0] == names[1] or not all(names):
         names = (str(directory), str(reference))
-    lines = _template_difference(here[CHAT_TEMPLATE_FILE], there[CHAT_TEMPLATE_FILE], names)
+    partial = there["vocab"] is None  # a release's config alone: what it does not hold is not compared
+    lines = [] if partial and there["template"] is None else _template_difference(here, there, names)
     for file in (CONFIG_JSON, SPECIAL_MAP_JSON):
-        lines += [f"{file} {key}: {what}" for key, what in value_differences(here[file], there[file], names)]
+        if partial and file not in there["present"]:
+            continue
+        ours, theirs = ({k: v for k, v in files[file].items() if k != "chat_template"} for files in (here, there))
+        lines += [f"{file} {key}: {what}" for key, what in value_differences(ours, theirs, names)]
+    if partial:
+        compared = ", ".join([*sorted(there["present"]), *(["the chat template"] if there["template"] else [])])
+        return lines, len(lines), f"key by key ({names[1]} holds no {TOKENIZER_JSON}: {compared} compared, no token ids)"
     vocab, ref_vocab = here["vocab"], there["vocab"]
     added, ref_added = here["added"], there["added"]
 
@@ -495,7 +504,8 @@ def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[li
            for name in in_id_order(vocab.keys() | ref_vocab.keys()) if vocab.get(name) != ref_vocab.get(name)]
     flags = [f"added token {brief(repr(name))}: {_flag_difference(added.get(name), ref_added.get(name), names)}"
              for name in in_id_order(added.keys() | ref_added.keys()) if added.get(name) != ref_added.get(name)]
-    return [*lines, *_shown("token ids", ids), *_shown("added tokens", flags)], len(lines) + len(ids) + len(flags)
+    return ([*lines, *_shown("token ids", ids), *_shown("added tokens", flags)], len(lines) + len(ids) + len(flags),
+            "key by key and id by id")
 
 
 def value_differences(ours, theirs, names: tuple[str, str], key: str = "") -> list[tuple[str, str]]:
@@ -520,15 +530,23 @@ def value_differences(ours, theirs, names: tuple[str, str], key: str = "") -> li
     return [(key, f"{shown[0]} in {names[0]}, {shown[1]} in {names[1]}")]
 
 
-def _tokenizer_files(directory: str | Path) -> dict:
+def _tokenizer_files(directory: str | Path, config_alone: bool = False) -> dict:
     """Of any Hugging Face tokenizer directory: `vocab` (every token name -> id, added tokens included) and
     `added` (added token name -> its flags) from tokenizer.json, read as JSON (loading a `tokenizers.Tokenizer`
     of 135,368 added tokens takes seconds); its tokenizer_config.json and special_tokens_map.json ({} when absent)
-    and chat_template.jinja (None when absent)."""
+    and its chat template (`template`: the text and the file it came from, or None). With `config_alone`, a
+    directory with a tokenizer_config.json and no tokenizer.json is read too (`vocab` and `added` None)."""
     directory = Path(directory)
-    if not tokenizer_file(directory / TOKENIZER_JSON).is_file():
-        raise MmtokError(_no_tokenizer(directory, "a Hugging Face tokenizer directory"))
-    path = directory / TOKENIZER_JSON
+    path = tokenizer_file(directory / TOKENIZER_JSON)
+    config = tokenizer_file(directory / CONFIG_JSON)
+    files = {CONFIG_JSON: _read_json(config), SPECIAL_MAP_JSON: _read_json(directory / SPECIAL_MAP_JSON),
+             "template": _chat_template(directory), "vocab": None, "added": None,
+             "present": {name for name in (CONFIG_JSON, SPECIAL_MAP_JSON) if (directory / name).is_file()}}
+    if not path.is_file():
+        if config_alone and config.is_file():
+            return files
+        raise MmtokError(_no_tokenizer(directory, "a Hugging Face tokenizer directory" +
+                                       (f" (or one holding its {CONFIG_JSON})" if config_alone else "")))
     state = read_json_object(path)
     model = required(state, "model", dict, path)
     pieces = model.get("vocab")
@@ -539,21 +557,31 @@ def _tokenizer_files(directory: str | Path) -> dict:
     added = [entry for entry in required(state, "added_tokens", list, path, default=[])
              if isinstance(entry, dict) and isinstance(entry.get("content"), str) and isinstance(entry.get("id"), int)]
     pieces = {name: i for name, i in pieces.items() if isinstance(i, int)}  # ids compared and sorted as numbers
-    return {"vocab": {**pieces, **{entry["content"]: entry["id"] for entry in added}},
-            "added": {entry["content"]: {flag: entry.get(flag) for flag in ADDED_TOKEN_FLAGS} for entry in added},
-            CONFIG_JSON: _read_json(directory / CONFIG_JSON), SPECIAL_MAP_JSON: _read_json(directory / SPECIAL_MAP_JSON),
-            CHAT_TEMPLATE_FILE: read_chat_template(directory / CHAT_TEMPLATE_FILE)}
+    return {**files, "vocab": {**pieces, **{entry["content"]: entry["id"] for entry in added}},
+            "added": {entry["content"]: {flag: entry.get(flag) for flag in ADDED_TOKEN_FLAGS} for entry in added}}
 
 
-def _template_difference(ours: str | None, theirs: str | None, names: tuple[str, str]) -> list[str]:
-    """The line naming how two chat_template.jinja differ (transformers renders with the file where there is
-    one, over tokenizer_config.json's `chat_template`), or none."""
-    if ours == theirs:
+def _chat_template(directory: Path) -> tuple[str, str] | None:
+    """(the chat template transformers renders with, where it is): chat_template.jinja where there is one,
+    else tokenizer_config.json's `chat_template` when it is a string; None when there is neither."""
+    template = read_chat_template(directory / CHAT_TEMPLATE_FILE)
+    if template is not None:
+        return template, CHAT_TEMPLATE_FILE
+    value = _read_json(directory / CONFIG_JSON).get("chat_template")
+    return (value, f"{CONFIG_JSON} chat_template") if isinstance(value, str) else None
+
+
+def _template_difference(here: dict, there: dict, names: tuple[str, str]) -> list[str]:
+    """The line naming how two tokenizers' chat templates differ, or none: the same text is the same
+    template whether it is a chat_template.jinja or a tokenizer_config.json key."""
+    ours, theirs = here["template"], there["template"]
+    if (ours and ours[0]) == (theirs and theirs[0]):
         return []
     if ours is None or theirs is None:
-        where, text = (names[0], ours) if theirs is None else (names[1], theirs)
-        return [f"{CHAT_TEMPLATE_FILE}: only in {where} ({len(text):,} characters)"]
-    return [f"{CHAT_TEMPLATE_FILE}: differs ({len(ours):,} characters in {names[0]}, {len(theirs):,} in {names[1]})"]
+        (text, source), where = (ours, names[0]) if theirs is None else (theirs, names[1])
+        return [f"chat template: only in {where} ({len(text):,} characters, {source})"]
+    return [f"chat template: differs ({len(ours[0]):,} characters in {names[0]} ({ours[1]}), {len(theirs[0]):,} in "
+            f"{names[1]} ({theirs[1]}))"]
 
 
 def _id_in(vocab: dict[str, int], name: str, where: str) -> str:
