@@ -15,8 +15,9 @@ def add_parser(sub) -> None:
                         "datasets only with --megatron)")
     parser.add_argument("--limit", type=int, default=3, help="documents (or rows) to show (default 3)")
     parser.add_argument("--text-tokenizer", default=None,
-                        help="text tokenizer used for the dataset (default: the one its merged.json records when "
-                        "that file is still there, else tekken, the built-in Mistral-NeMo one)")
+                        help="text tokenizer used for the dataset (default: the one its merged.json -- or, for a "
+                        "part's tokens, the part's identity.json -- records, when it still loads unchanged, else "
+                        "tekken, the built-in Mistral-NeMo one; the view says which it used)")
     parser.add_argument("--text-vocab-size", type=int, default=None,
                         help="text vocabulary size of the layout (default: the tokenizer's size)")
     parser.add_argument("--render", metavar="DIR", default=None, help="decode shown blocks into DIR (needs --codec)")

@@ -45,20 +45,29 @@ def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str | None = None
     raise MmtokError(f"{path}: not a manifest dir, plan dir, encode output dir or Megatron dataset (.bin/.idx)")
 
 
-def recorded_tokenizer(prefix: Path) -> str | None:
-    """The text tokenizer a merge output's merged.json records, when it still loads with the same checksum.
-    A merged.json of the wrong shape is a DamagedFile naming it and the key."""
-    from mmtok.text import load_text_tokenizer
+def recorded_tokenizer(prefix: Path) -> tuple[str, Path] | None:
+    """The text tokenizer the dataset at `prefix` was made with, as its metadata records it -- a merge output's
+    merged.json, or the identity.json of the part whose tokens it is -- with the file that records it, when it
+    still loads with the recorded checksum. A file of the wrong shape is a DamagedFile naming it and the key."""
+    from mmtok.text import BUILTIN_TEKKEN, builtin_tekken_path, load_text_tokenizer
 
-    path = merged.SUMMARY_FILE.path(prefix.parent)
-    identity = required(merged.SUMMARY_FILE.read(prefix.parent) or {}, "identity", dict, path, default={})
+    summary = merged.SUMMARY_FILE.path(prefix.parent)
+    if summary.is_file():
+        path = summary
+        identity = required(merged.SUMMARY_FILE.read(prefix.parent) or {}, "identity", dict, path, default={})
+    elif (prefix.parent / commitlog.IDENTITY).is_file() and prefix.name == commitlog.part_prefix(prefix.parent).name:
+        path, identity = prefix.parent / commitlog.IDENTITY, commitlog.read_identity(prefix.parent)
+    else:
+        return None
     recorded = required(identity, "text_tokenizer", dict, path, default={})
     name, sha256 = (required(recorded, key, str, path, default=None) for key in ("name", "sha256"))
     if name is None:
         return None
+    if name == builtin_tekken_path().name:
+        name = BUILTIN_TEKKEN  # a tekken tokenizer records its file's name: the built-in one's is known
     try:
-        return name if load_text_tokenizer(name).fingerprint == sha256 else None
-    except (OSError, MmtokError):  # moved or changed since the merge: the caller falls back
+        return (name, path) if load_text_tokenizer(name).fingerprint == sha256 else None
+    except (OSError, MmtokError):  # moved or changed since it was recorded: the caller falls back
         return None
 
 
@@ -127,11 +136,15 @@ def describe_dataset(prefix: Path, *, limit: int, text_tokenizer: str, text_voca
                      render_dir: str | None, codec) -> str:
     from mmtok.text import load_text_tokenizer
 
-    tokenizer = load_text_tokenizer(text_tokenizer or recorded_tokenizer(prefix) or "tekken")
+    recorded = None if text_tokenizer else recorded_tokenizer(prefix)
+    tokenizer = load_text_tokenizer(text_tokenizer or (recorded[0] if recorded else "tekken"))
+    source = ("--text-tokenizer" if text_tokenizer else f"recorded in {recorded[1]}" if recorded else
+              "the default: no loadable tokenizer recorded; pass --text-tokenizer")
     layout = VocabLayout(text_vocab_size or tokenizer.vocab_size)
     dtype, lengths, _, _ = megatron.read_index(prefix)
     lines = [f"dataset {prefix}: {len(lengths)} sequences, {int(lengths.sum())} tokens, dtype {dtype.name}, "
-             f"text vocabulary {layout.text_size}"]
+             f"text vocabulary {layout.text_size}",
+             f"text tokenizer: {tokenizer.name} ({source})"]
     if len(lengths):
         lines.append(f"sequence length: min {int(lengths.min())}, mean {lengths.mean():.1f}, max {int(lengths.max())}")
     for number, tokens in enumerate(megatron.read_sequences(prefix)):
