@@ -23,7 +23,7 @@ from mmtok.formats.manifest import Manifest
 from mmtok.formats.shar import index_members
 from mmtok.formats.tar import Damage, read_members
 from mmtok.scan.scanner import ScanOptions, describe, run_scan
-from tarkit import archive, multi_volume, old_gnu_sparse, pax_sparse, regular
+from tarkit import archive, header, multi_volume, old_gnu_sparse, pax_records, pax_sparse, regular
 
 UNSUPPORTED = "unsupported_member"
 # (offset, data) chunks of a sparse file with holes: 4 in an old-GNU header, 6 in its one extension block.
@@ -91,6 +91,23 @@ def test_sparse_audio_in_a_tar_is_never_decoded(tmp_path, kind):
     assert [cut.id for cut in load_cuts(tmp_path / "out")] == ["calls/one", "calls/three"]
     assert [(d["key"], d["reason"]) for d in dropped_records(tmp_path / "out")] == [("calls/two", UNSUPPORTED)]
     assert report(tmp_path / "out")["counts"]["skipped:" + UNSUPPORTED] == 1
+
+
+def test_a_sparse_map_in_a_global_pax_header_makes_the_next_members_unsupported(tmp_path):
+    """Issue 34.1(b): GNU.sparse.* records in a global (`g`) pax header apply to the members after it (Python's
+    tarfile reads them as sparse); taken as plain members their stored bytes -- the file with its holes cut
+    out -- became a shorter clip, with no reason."""
+    flac = encoded(digit("3"))
+    records = pax_records([("GNU.sparse.numblocks", "1"), ("GNU.sparse.map", f"0,{len(flac)}"),
+                           ("GNU.sparse.size", str(len(flac) + 4096))])
+    global_header = header(b"./GlobalHead.0", len(records), b"g") + records + bytes(-len(records) % 512)
+    tar = tmp_path / "calls.tar"
+    tar.write_bytes(archive(regular("one.flac", encoded(digit("1"))), global_header, regular("two.flac", flac)))
+    assert [(e.name, e.reason) for e in read_members(tar)] == [("one.flac", ""), ("two.flac", UNSUPPORTED)]
+    assert cli(["audio", "convert", "--kind", "tar", str(tar), "--out", str(tmp_path / "out"), "--workers", "1",
+                 "--no-progress"]) == 0
+    assert [cut.id for cut in load_cuts(tmp_path / "out")] == ["calls/one"]
+    assert [(d["key"], d["reason"]) for d in dropped_records(tmp_path / "out")] == [("calls/two", UNSUPPORTED)]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -203,7 +203,8 @@ class TarWalker:
                     kind = SPECIAL
                 bad_record = None
                 if pax or pax_global:
-                    if kind == REGULAR and any(key.startswith(_SPARSE_PAX) for key in pax):
+                    # A sparse map in a global header marks every later member sparse (what tarfile reads)
+                    if kind == REGULAR and any(key.startswith(_SPARSE_PAX) for key in [*pax, *pax_global]):
                         kind = UNSUPPORTED
                     name, size, bad_record = _apply_pax(name, size, pax_global, pax)
                     pax = {}
