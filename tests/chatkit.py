@@ -35,8 +35,9 @@ class ImageStore:
     def images_of(self, tar: str, key: str) -> int:
         return self.counts.get((tar, key), sum(entry[:2] == (tar, key) for entry in self.blocks if len(entry) == 3))
 
-    def block(self, tar: str, member: str) -> np.ndarray:
-        """By (tar, member) when the store names the member, else member KEY.N.ext as (tar, KEY, N)."""
+    def block(self, tar: str, member: str, source=None) -> np.ndarray:
+        """By (tar, member) when the store names the member, else member KEY.N.ext as (tar, KEY, N); `source`
+        (where its bytes are now) is not checked: this store has no bytes."""
         if (tar, member) in self.blocks:
             return _stored(self.blocks, (tar, member))
         key, number, _ = member.split(".", 2)
@@ -200,7 +201,7 @@ def sft_job(root: Path, tokenizer_dir: Path) -> list[str]:
     from mmtok.formats import audio_cache
     from mmtok.formats.commitlog import PartWriter, part_dir
     from mmtok.formats.conversations import audio_clip_id
-    from mmtok.formats.items import CONTAINERS, image_item
+    from mmtok.formats.items import CONTAINERS, image_item, media_digest
     from mmtok.formats.manifest import container_identity
     from mmtok.text import load_text_tokenizer
 
@@ -219,7 +220,8 @@ def sft_job(root: Path, tokenizer_dir: Path) -> list[str]:
             record = {"messages": [{"role": "user", "content": content},
                                    {"role": "assistant", "content": f"It is sample {number}, seen and heard."}]}
             members.append((f"{key}.json", json.dumps(record).encode()))
-            members += [(f"{key}.{i}.jpg", rng.bytes(8)) for i in range(images)]
+            photos = [rng.bytes(8) for _ in range(images)]
+            members += [(f"{key}.{i}.jpg", photo) for i, photo in enumerate(photos)]
             members += [(f"{key}.0.wav", rng.bytes(8))] * audio
             for i in range(images):
                 if (stem, number, i) == ("beta", 4, 1):
@@ -228,7 +230,7 @@ def sft_job(root: Path, tokenizer_dir: Path) -> list[str]:
                 sample = {"key": key, "source": tar, "container": "tar", "member": f"{key}.{i}.jpg",
                           "manifest_row": len(items[0]) + len(items[1]), "document": number, "image_index": i}
                 block = None if failure else image_block(tokenizer, int(rng.integers(1 << 30)), (2, 2 + i))
-                items[number % 2].append(image_item(sample, failure, block))
+                items[number % 2].append(image_item(sample, failure, block, media_digest(photos[i])))
             if audio and (stem, number) != ("alpha", 3):  # alpha/s03's clip is missing
                 codes = rng.integers(0, layout.audio_codebook, 6 + number)
                 cut = audio_clip_id(f"{stem}/{key}", 0)

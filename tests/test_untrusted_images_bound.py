@@ -260,3 +260,28 @@ def test_two_samples_with_one_key_are_duplicate_key(kit, tmp_path, capsys, layou
                (commitlog.part_dir(tmp_path / "sft", 0) / "skipped.jsonl").read_text().splitlines()]
     expected = ["dup/k"] if layout == "members-repeated" else ["dup/k", "dup/k (repeat 2)"]
     assert sorted(r["key"] for r in skipped) == expected and {r["reason"] for r in skipped} == {"duplicate_key"}
+
+
+def test_an_image_changed_in_a_tar_that_keeps_its_identity_is_stale_media(encoded, kit, capsys):
+    """Issue 34.1(a): a tar whose size, mtime and first 8 KiB are unchanged (tar pads to 10 KiB records, `touch -r`
+    restores a time) but whose later image bytes differ: sft compares each image's bytes with the digest its
+    encode recorded, so the conversation is skipped as stale_media, never given the old image's tokens."""
+    import os
+
+    from mmtok.formats.tar import read_members
+
+    work, tar = encoded
+    member = next(m for m in read_members(tar) if m.name == "c001.0.png")
+    assert member.offset > 8192  # past the head the tar's identity digests
+    stat = tar.stat()
+    data = bytearray(tar.read_bytes())
+    data[member.offset + member.size // 2] ^= 0xFF
+    tar.write_bytes(bytes(data))
+    os.utime(tar, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert tar.stat().st_size == stat.st_size
+    capsys.readouterr()
+    assert _sft(kit, work, tar, "sft") == 0
+    skipped = [json.loads(line) for line in
+               (commitlog.part_dir(work / "sft", 0) / "skipped.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["reason"]) for r in skipped] == [("conv-0/c001", "stale_media")]
+    assert "its bytes are not those `mmtok encode` decoded" in skipped[0]["detail"]

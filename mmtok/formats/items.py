@@ -41,6 +41,18 @@ def media_digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+DIGEST_BYTES = 16  # of media_digest
+
+
+def _digest_bytes(digest) -> bytes:
+    """A recorded media_digest as its 16 bytes; zeros where there is none (or it is not one)."""
+    try:
+        raw = bytes.fromhex(digest) if isinstance(digest, str) else b""
+    except ValueError:
+        raw = b""
+    return raw if len(raw) == DIGEST_BYTES else bytes(DIGEST_BYTES)
+
+
 def image_item(sample: dict, failure: Skip | None, block: np.ndarray | None,
                digest: str | None = None) -> tuple[dict, np.ndarray]:
     """The (record, ids) of one image for `PartWriter.commit(items=...)`: its block, or why it failed."""
@@ -62,21 +74,22 @@ class ImageItem:
     offset: int  # into that part's item ids
     length: int
     skip: Skip | None  # why the image did not encode; None when it did
+    digest: str | None = None  # media_digest of the bytes it was decoded from (None: the encode recorded none)
 
 
 class ImageIndex:
     """The image items of the parts `directories`, by (tar, member); tars are compared by resolved path.
 
-    Kept as NumPy columns, 41 bytes an item and 20 a sample (`nbytes`), not as records: an item's key is the
-    digest of its tar and member (`mmtok.formats.keys`), and the record of an image that failed is re-read from
-    its part when its skip is asked for. Of two items of one member the later (in part, then line order) is kept."""
+    Kept as NumPy columns, 57 bytes an item (its media digest included) and 20 a sample (`nbytes`), not as
+    records: an item's key is the digest of its tar and member (`mmtok.formats.keys`), and the record of an image
+    that failed is re-read from its part when its skip is asked for. Of two items of one member the later (in part, then line order) is kept."""
 
     def __init__(self, directories: list[Path]):
         self._ids: list[np.ndarray] = []
         self._records = [commitlog.ItemRecords(directory) for directory in directories]
         self._containers: dict[str, dict] = {}  # resolved tar path -> the scan's identity of it
         self._stale: dict[str, str | None] = {}
-        members, samples, self._tars = bytearray(), bytearray(), set()
+        members, samples, digests, self._tars = bytearray(), bytearray(), bytearray(), set()
         columns = {name: array(code) for name, code in ITEM_COLUMNS.items()}
         parts, offsets, lengths, has_skip, lines = (column.append for column in columns.values())
         for number, directory in enumerate(directories):
@@ -89,6 +102,7 @@ class ImageIndex:
                 tar = _real(record["source"])
                 self._tars.add(tar)
                 members += key_digest(f"{tar}\0{record['member']}")
+                digests += _digest_bytes(record.get("digest"))
                 samples += key_digest(f"{tar}\0{record['key']}")
                 parts(number)
                 offsets(record["offset"])
@@ -103,13 +117,15 @@ class ImageIndex:
             self._ids.append(ids)
         self._members, kept = KeyTable.of(members, keep="last")
         self._columns = {name: np.frombuffer(column, column.typecode)[kept] for name, column in columns.items()}
+        self._digests = np.frombuffer(bytes(digests), np.uint8).reshape(-1, DIGEST_BYTES)[kept]
         self._samples = KeyTable.of(samples, count=True)[0]  # its counts: images per (tar, sample key)
         self.tars = sorted(self._tars)  # resolved paths of the tars the images come from
 
     @property
     def nbytes(self) -> int:
         """Bytes the index keeps for its items and samples (the item ids are memory-mapped, not counted)."""
-        return self._members.nbytes + sum(column.nbytes for column in self._columns.values()) + self._samples.nbytes
+        return (self._members.nbytes + sum(column.nbytes for column in self._columns.values()) + self._samples.nbytes
+                + self._digests.nbytes)
 
     def images_of(self, tar: str, key: str) -> int:
         """How many images sample `key` of `tar` has."""
@@ -138,7 +154,8 @@ class ImageIndex:
         if failed:
             record = self._records[part].at(line)
             skip = Skip(record["skip"], record.get("detail", ""))
-        return ImageItem(part, offset, length, skip)
+        digest = self._digests[found].tobytes()
+        return ImageItem(part, offset, length, skip, digest.hex() if any(digest) else None)
 
     def ids(self, item: ImageItem) -> np.ndarray:
         """The image block of an item that encoded."""

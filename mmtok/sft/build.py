@@ -52,7 +52,7 @@ from mmtok.formats.conversations import (COUNT_FILE, Conversation, Located, audi
 from mmtok.errors import DamagedFile, MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
-from mmtok.formats.items import ImageIndex
+from mmtok.formats.items import ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
 from mmtok.fsutil import required
@@ -94,8 +94,9 @@ class ImageItems:
         if stale is not None:  # its items were made from other bytes at this path: never lend them
             raise Skip("stale_media", stale)
 
-    def block(self, tar: str, member: str) -> np.ndarray:
-        """The image block of tar member `member`; Skip if it did not encode (or the tar changed since)."""
+    def block(self, tar: str, member: str, source: Located) -> np.ndarray:
+        """The image block of tar member `member`, whose bytes are now at `source`; Skip if it did not encode, or
+        if the tar (or those bytes) changed since."""
         self._check_current(tar)
         found = self._index.find(tar, member)
         if found is None and not self._index.holds_tar(tar):
@@ -108,7 +109,22 @@ class ImageItems:
                        "the plan: see `mmtok plan --explain` and the plan's dropped.parquet)")
         if found.skip is not None:
             raise Skip(f"media_skipped:{found.skip.reason}", f"image {member}: {found.skip.detail}")
+        self._check_bytes(tar, member, found, source)
         return self._index.ids(found)
+
+    @staticmethod
+    def _check_bytes(tar: str, member: str, found, source: Located) -> None:
+        """Skip `stale_media` unless the member's bytes are those the encode decoded: a tar re-packed with its
+        size, mtime and first 8 KiB kept (tar pads to 10 KiB records; `touch -r` restores a time) passes the
+        tar's identity check with another image inside."""
+        try:
+            digest = media_digest(source.read())
+        except OSError as err:
+            raise Skip("missing_media", f"image {member}: cannot read {source.where} ({err})") from None
+        if digest != found.digest:
+            recorded = "no digest" if found.digest is None else f"digest {found.digest[:12]}..."
+            raise Skip("stale_media", f"image {member} of {tar}: its bytes are not those `mmtok encode` decoded "
+                       f"(digest {digest[:12]}..., encoded: {recorded}); re-run scan, plan and encode on this tar")
 
 
 def _check_image_run(out: Path, identity: dict, path: Path, layout: VocabLayout, tokenizer: TextTokenizer) -> None:
@@ -312,7 +328,7 @@ class ConversationBuilder:
             where = "no --images was given" if self.images is None else \
                 "images are encoded from tar members only: `mmtok pack` the conversations into tars first"
             raise Skip("missing_media", f"image {slot.index} ({located.where}): {where}")
-        return self.images.block(conversation.tar, located.member), located.where
+        return self.images.block(conversation.tar, located.member, located), located.where
 
 
 def _image_of(conversation: Conversation, media: list, slot: MediaSlot) -> str | MediaSlot:
