@@ -18,6 +18,7 @@ the Apertus 1.5 layout, written for this demo:
       tool outputs in <|tool_output_start|>..<|tool_output_end|>; OpenAI `reasoning_content`,
       `tool_calls` and `tool` messages map onto the same tokens
   <|assistant_end|>                                   (not while a tool call awaits its output)
+  <|assistant_start|>                                 with add_generation_prompt (as the release's template)
 
 The same inputs give the same files byte for byte; rerun after changing the demo's conversations (the demo
 test checks that the bundled files are what this script makes).
@@ -140,6 +141,7 @@ CHAT_TEMPLATE = r"""
 {%- if state.output -%}{{- '<|tool_output_end|>' -}}{%- endif -%}
 {%- if state.thinking -%}{{- '<|inner_suffix|>' -}}{%- endif -%}
 {%- if state.assistant and not state.awaiting -%}{{- '<|assistant_end|>' -}}{%- endif -%}
+{%- if add_generation_prompt -%}{{- '<|assistant_start|>' -}}{%- endif -%}
 """
 
 

@@ -115,3 +115,16 @@ def test_a_name_the_demo_writes_but_did_not_write_is_never_deleted(tmp_path, cap
     [line] = capsys.readouterr().err.splitlines()
     assert f"{out} holds plan, which no earlier demo wrote there" in line
     assert (out / "plan" / "mine.txt").is_file() if planted == "directory" else (out / "plan").is_symlink()
+
+
+def test_the_demo_template_opens_an_assistant_turn_for_generation_as_the_release_does():
+    """Issue 34.5: with add_generation_prompt the release's template ends in <|assistant_start|>; so does the
+    demo's (mmtok renders training data without it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(CHAT_TOKENIZER))
+    messages = [{"role": "user", "content": "Hello."}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    training = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert prompt == training + "<|assistant_start|>" and prompt.startswith("<s>")
+    assert tokenizer("Hello.")["input_ids"][0] != tokenizer.bos_token_id  # the template owns BOS, as the release's
