@@ -254,13 +254,9 @@ def _sft_flow(out: Path, world_size: int, image_checkpoint: str, audio_checkpoin
 
 
 def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:
-    lines = [f"done in {summary['seconds']} s"]
-    for name, merged in summary.items():
-        if not isinstance(merged, dict):
-            continue
-        counts = merged.get("counts", merged)
-        shown = {k: v for k, v in sorted(counts.items()) if isinstance(v, (int, float))}
-        lines.append(f"{name}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+    lines = [f"done in {summary['seconds']} s", _images_line(summary["images"])]
+    if "audio" in summary:
+        lines += [_audio_line(summary["audio"]), _sft_line(summary["sft"])]
     lines.append(f"image dataset: {out / 'encoded' / 'merged'}.bin/.idx  (Megatron --data-path "
                  f"{out / 'encoded' / 'merged'})")
     if "audio" in summary:
@@ -275,3 +271,31 @@ def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:
                      "--image-checkpoint / --audio-checkpoint with the official Emu3.5 and WavTokenizer files for "
                      "real tokens.")
     print_summary("demo", lines)
+
+
+def _skipped(counts: dict, unit: str) -> str:
+    """`skipped N UNIT(s): reason n, ...` of a merge's counts, or `none skipped`."""
+    reasons = {k.removeprefix("skipped:"): v for k, v in sorted(counts.items()) if k.startswith("skipped:")}
+    total = sum(reasons.values())
+    if not total:
+        return f"no {unit} skipped"
+    return f"{total} {unit}{'s' if total != 1 else ''} skipped ({', '.join(f'{k} {v}' for k, v in reasons.items())})"
+
+
+def _images_line(merged: dict) -> str:
+    counts = merged["counts"]
+    return (f"images: {counts.get('images_written', 0)} images in {counts.get('documents_written', 0)} caption "
+            f"documents, {merged['tokens']:,} tokens; {_skipped(counts, 'image')}")
+
+
+def _audio_line(merged: dict) -> str:
+    counts = merged["counts"]
+    return (f"audio: {counts.get('encoded', 0)} of {counts.get('clips', 0)} clips encoded, {merged['sequences']} "
+            f"sequences, {merged['tokens']:,} tokens; {_skipped(counts, 'clip')}")
+
+
+def _sft_line(merged: dict) -> str:
+    counts = merged["counts"]
+    return (f"sft: {counts.get('documents_written', 0)} of {counts.get('conversations', 0)} conversations written "
+            f"({counts.get('images_written', 0)} images, {counts.get('audio_written', 0)} audio clips), "
+            f"{merged['tokens']:,} tokens; {_skipped(counts, 'conversation')}")
