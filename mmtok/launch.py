@@ -39,7 +39,7 @@ def resolve_rank(rank: int | None, world_size: int | None, default_world_size: i
     return rank, world_size
 
 
-def _env_int(names: tuple[str, ...], default: int) -> tuple[int, str | None]:
+def _env_int(names: tuple[str, ...], default: int, flags: str = "--rank/--world-size") -> tuple[int, str | None]:
     """The first of `names` set in the environment, as an integer, and its name (else `default`, None)."""
     for name in names:
         if name in os.environ:
@@ -47,7 +47,7 @@ def _env_int(names: tuple[str, ...], default: int) -> tuple[int, str | None]:
                 return int(os.environ[name]), name
             except ValueError:
                 raise MmtokError(f"{name}={brief(repr(os.environ[name]), 60)} is not an integer; fix the launcher "
-                                 "environment or pass --rank/--world-size") from None
+                                 f"environment or pass {flags}") from None
     return default, None
 
 
@@ -61,7 +61,7 @@ def _local_rank(name: str) -> int | None:
     "not distributed": the next rule picks the device), MmtokError naming it for any other negative value."""
     if name not in os.environ:
         return None
-    value, _ = _env_int((name,), 0)
+    value, _ = _env_int((name,), 0, "--device")
     if value == -1:
         return None
     if value < 0:

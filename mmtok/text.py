@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -209,7 +210,7 @@ def _structure_tokens(tokenizer, chat_template, config: dict) -> set[str]:
     """The added tokens flagged `"special": false` that are structure all the same: named in the chat template's
     text, or by tokenizer_config.json's role keys (bos, eos, ...), or tokens mmtok emits itself. Real releases
     ship some control tokens unflagged; left so, a user's message could type its way into a turn marker or a
-    reasoning span. Whitespace-bearing tokens (indentation runs) are text, whatever the template holds."""
+    reasoning span. From the template, only marker-shaped tokens count (_MARKER)."""
     from mmtok.vocab import OMNI_SPECIAL_TOKENS, TOKEN_ALIASES
 
     templates = [chat_template] if isinstance(chat_template, str) else \
@@ -218,8 +219,13 @@ def _structure_tokens(tokenizer, chat_template, config: dict) -> set[str]:
     named = {_token_name(config.get(role), "") for role in ("bos_token", "eos_token", "unk_token", "pad_token")}
     named |= {*OMNI_SPECIAL_TOKENS, *TOKEN_ALIASES}
     return {token.content for token in tokenizer.get_added_tokens_decoder().values()
-            if not token.special and token.content and not any(c.isspace() for c in token.content)
-            and (token.content in named or token.content in source)}
+            if not token.special and (token.content in named or
+                                      (_MARKER.fullmatch(token.content) and token.content in source))}
+
+
+# A control marker's shape (`<|user_end|>`, `<think>`, `[INST]`): a plain word the template's code happens to hold
+# (`role`, `Capabilities`) stays text, tokenized as the library does.
+_MARKER = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")
 
 
 def _with_special(serialized: str, names: set[str]) -> str:

@@ -357,3 +357,64 @@ def test_audio_parts_of_another_checkpoint_are_refused_before_the_codec_loads(ch
     capsys.readouterr()
     assert main([*command, "--checkpoint", str(other)]) == 2
     assert "holds part-00000, a part of another run: codec.checkpoint_sha256" in _one_line(capsys)
+
+
+def test_a_float64_weight_that_overflows_float32_is_refused_at_load(checkpoints, tmp_path, capsys):
+    """1e300 is finite in float64 and Inf in the float32 the codec runs in: checked as the model holds it."""
+    key = "quantize.embedding.weight"
+
+    def big(state):
+        state[key] = state[key].double()
+        state[key][0, 0] = 1e300
+
+    bad = _edited(checkpoints["emu3"], tmp_path / "bad", big)
+    assert _codec_encode("emu3", bad, tmp_path) == 2
+    assert f"tensor {key!r} holds 1 non-finite values" in _one_line(capsys)
+
+
+def test_the_inert_unpickler_sets_no_state_on_a_class_of_the_running_process():
+    """GLOBAL collections.Counter, then BUILD with a (None, slots) state: the standard unpickler sets a class
+    attribute in this process; the fallback loader refuses it (torch's weights-only loader does too)."""
+    import io
+    import pickle
+
+    crafted = b"\x80\x02ccollections\nCounter\nN}X\x08\x00\x00\x00tamperedX\x03\x00\x00\x00yess\x86b."
+    pickle.loads(crafted)  # what the standard unpickler does with it: sets a class attribute of this process
+    assert collections.Counter.tampered == "yes"
+    del collections.Counter.tampered
+    with pytest.raises(pickle.UnpicklingError, match="state set on type Counter"):
+        wt._InertUnpickler(io.BytesIO(crafted)).load()
+    assert not hasattr(collections.Counter, "tampered")
+
+
+def test_only_marker_shaped_template_tokens_become_controls(tmp_path):
+    """Issue 48.1, kept narrow: an added word the template's code holds (`role`) stays text, tokenized as the
+    tokenizers library does; a marker it writes (`<|user_end|>`) unflagged is a control."""
+    from tokenizers import Tokenizer
+
+    directory = chat_tokenizer(tmp_path / "tok")
+    state = json.loads((directory / "tokenizer.json").read_text())
+    for token in state["added_tokens"]:
+        if token["content"] == "<|user_end|>":
+            token["special"] = False
+    (directory / "tokenizer.json").write_text(json.dumps(state))
+    library = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    library.add_tokens(["role"])
+    library.save(str(directory / "tokenizer.json"))
+    tokenizer = load_text_tokenizer(str(directory))
+    assert tokenizer.promoted_controls == ["<|user_end|>"]
+    text = "Say your role."
+    assert tokenizer.encode(text) == library.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("codes, flagged", [
+    ([np.full((3, 3), 7)], True),                     # one image, every code one value
+    ([np.full((2, 2), 7), np.full((1, 4), 7)], True),  # two images, the same value
+    ([np.full((2, 2), 7), np.full((1, 4), 8)], False),
+    ([np.array([7])], False),                          # one code says nothing
+    ([None, np.full((2, 2), 3)], True),                # a failed image (no codes) beside a uniform one
+])
+def test_uniform_codes_flags_a_batch_of_one_value_whatever_its_size(codes, flagged):
+    from mmtok.encode.loop import UNIFORM_CODES, uniform_codes
+
+    assert uniform_codes(codes) == ({UNIFORM_CODES: 1} if flagged else {})

@@ -313,3 +313,18 @@ def test_a_symlink_out_of_an_audio_directory_is_outside_root_and_never_read(tmp_
     dropped = {record["key"]: record for record in dropped_records(out) if record["reason"] == "outside_root"}
     assert sorted(dropped) == ["linked-dir", "linked.wav"]  # a linked directory is named, never walked
     assert str(elsewhere / "recording.wav") in dropped["linked.wav"]["detail"]
+
+
+def test_transcript_rows_naming_files_outside_the_directory_are_outside_root(tmp_path):
+    source, elsewhere = tmp_path / "in", tmp_path / "elsewhere"
+    source.mkdir()
+    elsewhere.mkdir()
+    (source / "one.wav").write_bytes(digit("1").read_bytes())
+    (elsewhere / "x.wav").write_bytes(digit("2").read_bytes())
+    table = tmp_path / "rows.tsv"
+    table.write_text(f"path\ttext\none.wav\tone\n../elsewhere/x.wav\ttwo\n{elsewhere / 'x.wav'}\ttwo again\n")
+    out = tmp_path / "out"
+    assert main(["audio", "convert", str(source), "--transcripts", str(table), "--out", str(out), "--workers", "1",
+                 "--no-progress"]) == 0
+    assert [cut.id for cut in load_cuts(out)] == ["one"]
+    assert {record["reason"] for record in dropped_records(out)} == {"outside_root"}

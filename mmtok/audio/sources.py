@@ -353,7 +353,10 @@ def directory_units(root: Path, table: Path | None,
     for rel in sorted(set(owners)):
         mine = [(r, n) for r, n, o in zip(records, numbers, owners) if o == rel]
         if rel not in present:
-            dropped.extend(skip_record(str(r["id"]), f"{table}:{r['_line']}", "missing_file", rel) for r, _ in mine)
+            real = outside(root / rel, root)  # a row naming a file outside DIR (`..`, an absolute path, a link)
+            reason, detail = (OUTSIDE_ROOT, f"{rel} resolves to {shown_path(real)}, outside the input directory "
+                              f"{shown_path(root)}") if real is not None else ("missing_file", rel)
+            dropped.extend(skip_record(str(r["id"]), f"{table}:{r['_line']}", reason, detail) for r, _ in mine)
             continue
         clips = [_spec(r, n, f"{rel}" + (f" ({table.name}:{r['_line']})" if "_line" in r else ""), cut_segment=True)
                  for r, n in mine]

@@ -69,10 +69,13 @@ def refuse_low_precision(dtype: str, codec: str) -> None:
 
 def refuse_non_finite(state: Mapping[str, torch.Tensor], source, name: Callable[[str], str] = str) -> None:
     """MmtokError naming the first floating-point tensor of `state` (read from `source`) that holds NaN or
-    Inf. A loader calls it before the weights reach the model: one NaN weight turns every latent into NaN,
+    Inf once in float32, the dtype every codec runs in. A loader calls it before the weights reach the model: one NaN weight turns every latent into NaN,
     and the argmax over NaN logits is code 0 for every input -- a whole corpus of wrong tokens, exit 0."""
     for key, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not tensor.is_floating_point():
+            continue
+        tensor = tensor.float()  # as the model holds it: a float64 1e300 is finite, and Inf in float32
+        if not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise MmtokError(f"{source}: tensor {name(key)!r} holds {bad:,} non-finite values (NaN or Inf) of "
                              f"{tensor.numel():,}; every code would be wrong -- the checkpoint is damaged (copy "

@@ -87,13 +87,16 @@ class WavTokenizerConfig:
 
 def _section(model_args: dict, name: str, expected_class: str, path: Path) -> dict:
     node = model_args.get(name)
-    if not isinstance(node, dict) or "class_path" not in node:
+    if not isinstance(node, dict) or not isinstance(node.get("class_path"), str):
         raise MmtokError(f"{path}: missing model.init_args.{name}.class_path (expected the Lightning CLI layout "
                          "of the official wavtokenizer_*_frame40_* configs)")
     if node["class_path"].rsplit(".", 1)[-1] != expected_class:
-        raise MmtokError(f"{path}: model.init_args.{name} is {node['class_path']}; this codec implements "
+        raise MmtokError(f"{path}: model.init_args.{name} is {brief(node['class_path'])}; this codec implements "
                          f"{expected_class} only")
-    return node.get("init_args") or {}
+    args = node.get("init_args") or {}
+    if not isinstance(args, dict):
+        raise MmtokError(f"{path}: model.init_args.{name}.init_args must be a mapping, got {type(args).__name__}")
+    return args
 
 
 def read_config(path: Path) -> WavTokenizerConfig:
@@ -103,8 +106,9 @@ def read_config(path: Path) -> WavTokenizerConfig:
     try:
         document = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as err:
-        raise MmtokError(f"{path}: cannot read the WavTokenizer config: {err}") from None
-    model_args = ((document or {}).get("model") or {}).get("init_args")
+        raise MmtokError(f"{path}: cannot read the WavTokenizer config: {brief(err)}") from None
+    model = document.get("model") if isinstance(document, dict) else None
+    model_args = model.get("init_args") if isinstance(model, dict) else None
     if not isinstance(model_args, dict):
         raise MmtokError(f"{path}: no model.init_args section (expected the Lightning CLI layout of the official "
                          "wavtokenizer_*_frame40_* configs)")
@@ -125,6 +129,8 @@ def read_config(path: Path) -> WavTokenizerConfig:
         )
     except KeyError as err:
         raise MmtokError(f"{path}: missing required entry {err.args[0]!r} in model.init_args") from None
+    except (TypeError, ValueError, AttributeError) as err:  # a list where a number is, a mapping where a list is
+        raise MmtokError(f"{path}: an entry of model.init_args has the wrong type ({brief(err)})") from None
     check_config(config, str(path))
     return config
 
@@ -197,14 +203,29 @@ class _Inert(dict):
         pass
 
 
-class _InertUnpickler(pickle.Unpickler):
-    """Resolves only the globals torch's weights_only loader allows; everything else becomes _Inert."""
+class _InertUnpickler(pickle._Unpickler):
+    """Resolves only the globals torch's weights_only loader allows; everything else becomes _Inert. BUILD
+    (which sets an object's state) applies only to instances the file made -- placeholders, tensors, dicts --
+    as torch's own weights-only loader allows: on an allowed class or function it would change the running
+    process (`collections.Counter.x = ...`). The pure-Python unpickler, because only it lets one opcode be
+    replaced; it reads training metadata of a few kilobytes (the tensors' bytes come from the zip)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
         from torch import _weights_only_unpickler
 
         allowed = _weights_only_unpickler._get_allowed_globals()
         return allowed.get(f"{module}.{name}", _Inert)
+
+    def _build(self) -> None:
+        target = self.stack[-2]
+        if not isinstance(target, (_Inert, torch.Tensor, dict)):
+            raise pickle.UnpicklingError(f"state set on {type(target).__name__} {getattr(target, '__name__', '')}"
+                                         " (only an object the file made may take a state)")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.BUILD[0]] = _build
 
 
 _INERT_PICKLE = types.ModuleType("mmtok_inert_pickle")
@@ -452,7 +473,10 @@ def load(checkpoint_dir: Path, device: str | torch.device = "cpu", dtype: str = 
     """Load the official config + weights onto `device` in eval mode (float32 only; bf16/fp16 refused)."""
     refuse_low_precision(dtype, NAME)
     config_path, weights_path = checkpoint_files(Path(checkpoint_dir))
-    codec = build(read_config(config_path))
+    try:
+        codec = build(read_config(config_path))
+    except (RuntimeError, MemoryError, ValueError) as err:  # sizes no memory holds (vq_bins: 10^11)
+        raise MmtokError(f"{config_path}: describes no codec this machine can build ({brief(err)})") from None
     load_weights(codec, read_state_dict(weights_path), str(weights_path))
     codec.checkpoint_sha256 = checkpoint_fingerprint([config_path, weights_path])
     codec.requires_grad_(False)

@@ -104,11 +104,11 @@ _END = object()
 
 
 def uniform_codes(codes: Iterable[np.ndarray | None]) -> dict[str, int]:
-    """{UNIFORM_CODES: 1} when two or more items of a batch got one code throughout, else {}: the sign of a
-    checkpoint that maps everything to one code (damaged weights that load) or of blank inputs -- flagged,
-    not refused, since a batch of black frames or silences is legitimate. The count reaches the part, the
-    rank's summary (a warning line) and merged.json."""
+    """{UNIFORM_CODES: 1} when a batch's codes (two or more, of one item or several) are all one value, else {}:
+    the sign of a checkpoint that maps everything to one code (damaged weights that load) or of blank inputs --
+    flagged, not refused, since black frames or silences are legitimate. The count reaches the part, the rank's
+    summary (a warning line) and merged.json."""
     items = [c.ravel() for c in codes if c is not None and c.size]
-    if len(items) < 2 or any((item != items[0][0]).any() for item in items):
+    if sum(item.size for item in items) < 2 or any((item != items[0][0]).any() for item in items):
         return {}
     return {UNIFORM_CODES: 1}
