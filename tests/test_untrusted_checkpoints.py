@@ -222,10 +222,12 @@ def _truncate(path: Path) -> None:
                                                           "ch": 33})), "describes no network this codec builds"),
     (lambda d: (d / "preprocessor_config.json").write_text(json.dumps({"min_pixels": "many"})),
      "min_pixels must be a positive integer"),
+    (lambda d: (d / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 10 ** 18, "max_pixels": 1})),
+     "min_pixels 1,000,000,000,000,000,000 is above max_pixels 1"),
     (lambda d: _edit_safetensors(d, lambda s: s.update({"encoder.conv_in.weight": s["encoder.conv_in.weight"].int()})),
      "tensor 'encoder.conv_in.weight' is torch.int32, expected torch.float32"),
 ], ids=["truncated", "bad-json", "not-an-object", "mistyped-key", "wrong-shape", "no-network", "bad-preprocessor",
-     "int-weight"])
+     "pixels-crossed", "int-weight"])
 def test_a_damaged_emu3_checkpoint_is_one_line(checkpoints, tmp_path, capsys, damage, expected):
     bad = tmp_path / "bad"
     shutil.copytree(checkpoints["emu3"], bad)

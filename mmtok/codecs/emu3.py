@@ -550,6 +550,9 @@ def _check_preprocessor(preprocessor, path: Path) -> None:
         value = preprocessor.get(key, 1)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise MmtokError(f"emu3: {path}: {key} must be a positive integer, got {brief(repr(value))}")
+    low, high = preprocessor.get("min_pixels", OFFICIAL_MIN_PIXELS), preprocessor.get("max_pixels", OFFICIAL_MAX_PIXELS)
+    if low > high:
+        raise MmtokError(f"emu3: {path}: min_pixels {low:,} is above max_pixels {high:,}")
 
 
 def _read_json(path: Path):
