@@ -220,14 +220,16 @@ def _truncate(path: Path) -> None:
                                                           "ch": 64})), "does not match"),
     (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
                                                           "ch": 33})), "describes no network this codec builds"),
+    (lambda d: (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()),
+                                                          "codebook_size": 10 ** 12})), "does not match"),  # no 16 TB
     (lambda d: (d / "preprocessor_config.json").write_text(json.dumps({"min_pixels": "many"})),
      "min_pixels must be a positive integer"),
     (lambda d: (d / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 10 ** 18, "max_pixels": 1})),
      "min_pixels 1,000,000,000,000,000,000 is above max_pixels 1"),
     (lambda d: _edit_safetensors(d, lambda s: s.update({"encoder.conv_in.weight": s["encoder.conv_in.weight"].int()})),
      "tensor 'encoder.conv_in.weight' is torch.int32, expected torch.float32"),
-], ids=["truncated", "bad-json", "not-an-object", "mistyped-key", "wrong-shape", "no-network", "bad-preprocessor",
-     "pixels-crossed", "int-weight"])
+], ids=["truncated", "bad-json", "not-an-object", "mistyped-key", "wrong-shape", "no-network", "huge-codebook",
+     "bad-preprocessor", "pixels-crossed", "int-weight"])
 def test_a_damaged_emu3_checkpoint_is_one_line(checkpoints, tmp_path, capsys, damage, expected):
     bad = tmp_path / "bad"
     shutil.copytree(checkpoints["emu3"], bad)
