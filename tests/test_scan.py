@@ -451,3 +451,34 @@ def test_reading_an_incomplete_manifest_names_the_fix(tmp_path, shards):
     (out / "manifest.json").unlink()
     with pytest.raises(MmtokError, match="run `mmtok scan"):
         Manifest.open(out).read()
+
+
+def test_img2dataset_sidecars_a_glob_picks_up_are_skipped_and_a_stray_file_is_named(tmp_path, capsys):
+    """Issue 49.5: `mmtok scan out/*` over img2dataset's output (NNNNN.tar, NNNNN.parquet of metadata,
+    NNNNN_stats.json) and a urls.csv: the sidecars are skipped with a count, the csv is `not_a_tar` saying
+    what it is (was `truncated_tar` with an empty detail)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from encodekit import real_images, write_tar
+
+    from mmtok.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    photo = real_images()["chelsea.png"].read_bytes()
+    write_tar(out / "00000.tar", [("000000000.png", photo), ("000000000.txt", b"a cat"),
+                                  ("000000000.json", b'{"key": "000000000"}')])
+    pq.write_table(pa.table({"key": ["000000000"], "url": ["http://example.org/a.png"], "status": ["success"]}),
+                   out / "00000.parquet")
+    (out / "00000_stats.json").write_text(json.dumps({"count": 1, "successes": 1}))
+    (tmp_path / "urls.csv").write_text("url,caption\nhttp://example.org/a.png,a cat\n")
+    assert main(["scan", str(out / "*"), str(tmp_path / "urls.csv"), "--out", str(tmp_path / "m"), "--workers", "1",
+                 "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 2 sidecar files a producer writes beside its shards" in err and "00000_stats.json" in err
+    meta = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert meta["images_ok"] == 1 and meta["reasons"] == {"not_a_tar": 1}
+    [error] = meta["shard_errors"]
+    assert error["path"].endswith("urls.csv") and error["detail"].startswith("text, not a tar (it begins 'url,caption')")

@@ -81,7 +81,7 @@ def expand_inputs(patterns: list[str], shard_list: Path | None) -> list[str]:
 
 def run(args) -> int:
     from mmtok.launch import resolve_rank
-    from mmtok.scan.scanner import ScanOptions, describe, run_scan, scan_share
+    from mmtok.scan.scanner import ScanOptions, describe, run_scan, scan_share, split_sidecars
 
     if args.source is not None:
         from mmtok.commands.sources import apply_source, load_source
@@ -89,7 +89,13 @@ def run(args) -> int:
         args.shards = list(args.shards) + apply_source(args, args.parser, load_source(args.source, args.root), "image")
     if args.workers < 1:
         raise MmtokError(f"--workers must be at least 1, got {args.workers}")
-    paths = expand_inputs(args.shards, args.shard_list)
+    paths, sidecars = split_sidecars(expand_inputs(args.shards, args.shard_list))
+    if sidecars:
+        names = ", ".join(os.path.basename(path) for path in sidecars[:3]) + (" ..." if len(sidecars) > 3 else "")
+        print_summary("scan", f"skipped {plural(len(sidecars), 'sidecar file')} a producer writes beside its shards "
+                              f"(img2dataset's NNNNN_stats.json and NNNNN.parquet metadata): {names}")
+    if not paths:
+        raise MmtokError("no input left once the producer's sidecar files are set aside; pass the .tar shards")
     refuse_out_overlapping(args.out, [*paths, args.shard_list, args.source])
     sources = [describe(p) for p in paths]
     options = ScanOptions(image_column=args.image_column, text_column=args.text_column)

@@ -25,6 +25,7 @@ from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.fsutil import DUPLICATE_INPUT, LockHeld, WriterLock, same_file_as, shown_path
 from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard
 from mmtok.formats.conversations import IMAGE_SUFFIXES
+from mmtok.errors import brief
 from mmtok.formats.manifest import container_identity
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NON_UTF8_NAME, REGULAR, TRUNCATED,
@@ -32,7 +33,8 @@ from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NO
 
 # Bump when rows for the same input change; invalidates caches. 5: GNU sparse and multi-volume members
 # are `unsupported_member` (pax sparse ones were rows of garbage bytes), a file given twice is `duplicate_input`.
-SCAN_VERSION = 5
+# 6: a file too short for one tar header is `not_a_tar` saying what it is (was `truncated_tar`, no detail).
+SCAN_VERSION = 6
 CACHE_DIR = ".scan-cache"
 NON_UTF8_PATH = "non_utf8_path"  # an input path that is not UTF-8 (the tar reader's non_utf8_name, for a file)
 # One read at a sample's first header usually holds its small sidecars, the next image's header and
@@ -138,7 +140,10 @@ def scan_tar(path: str) -> tuple[ShardRows, dict]:
                 break
             bad = walker.bad_offset
             if bad is None:
-                if walker.end_reason:
+                if start == 0 and walker.end_offset == 0 and file_size < BLOCK:  # no room for one header
+                    out.restore(snap)
+                    out.shard_error("not_a_tar", detail=_not_a_tar(walker))
+                elif walker.end_reason:
                     out.shard_error(walker.end_reason, walker.end_offset)
                 break
             reason, member, detail = walker.end_reason, walker.bad_name, walker.bad_detail
@@ -157,9 +162,16 @@ def scan_tar(path: str) -> tuple[ShardRows, dict]:
 
 def _not_a_tar(walker: TarWalker) -> str:
     """What a file without a single valid tar header is, as far as its first bytes tell."""
-    fmt = sniff(walker.read(0, 12))
+    head = walker.read(0, 64)
+    fmt = sniff(head[:12])
     if fmt:
         return f"a {fmt} image, not a container: pack images into tar shards (WebDataset) and scan those"
+    if head.startswith(b"PAR1"):
+        return "a Parquet file (give Parquet inputs a .parquet name)"
+    text = head.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+    if text and text.isprintable():
+        kind = "JSON" if text[:1] in "{[" else "text"
+        return f"{kind}, not a tar (it begins {brief(repr(text), 60)}): a file a glob picked up beside the shards?"
     return "no valid tar header anywhere in the file"
 
 
@@ -453,6 +465,16 @@ def _row_counts(table) -> dict:
 
 
 # ----------------------------------------------------------------------------------- the whole run
+def split_sidecars(paths: list[str]) -> tuple[list[str], list[str]]:
+    """(the inputs to scan, the producers' sidecar files among them, which are skipped and counted): what
+    img2dataset writes beside each shard -- `NNNNN_stats.json`, and `NNNNN.parquet` (its samples' metadata,
+    no image) beside `NNNNN.tar` -- which a shell glob such as `out/*` picks up."""
+    tars = {os.path.splitext(path)[0] for path in paths if path.endswith(".tar")}
+    sidecars = [path for path in paths if path.endswith("_stats.json")
+                or (path.endswith(".parquet") and os.path.splitext(path)[0] in tars)]
+    return [path for path in paths if path not in sidecars], sidecars
+
+
 
 
 def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers: int, progress: bool = True) -> dict:
