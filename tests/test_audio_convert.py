@@ -518,3 +518,27 @@ def test_an_output_inside_the_input_is_not_read_as_input_and_keeps_its_lock(tmp_
                          "--no-progress"]) == 0
     assert probed and not [p for p in probed if "out" in p.relative_to(source).parts]
     assert not report(source / "out")["counts"].get("ignored:(no extension)")
+
+
+def test_a_conversion_that_writes_no_clip_exits_2_with_its_counts(tmp_path, capsys):
+    """Issue 49.3: as scan and interleave do, a stage that writes nothing usable from its inputs fails."""
+    from mmtok.cli import main
+
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "silence.wav").write_bytes(encoded_silence())
+    assert main(["audio", "convert", str(source), "--out", str(tmp_path / "out"), "--workers", "1",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "in 1: 0 clips" in err and "skipped 1" in err and "no clip was written" in err
+
+
+def encoded_silence() -> bytes:
+    import io
+
+    import numpy as np
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(24_000, np.float32), 24_000, format="WAV")
+    return buffer.getvalue()
