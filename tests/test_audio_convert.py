@@ -542,3 +542,14 @@ def encoded_silence() -> bytes:
     buffer = io.BytesIO()
     soundfile.write(buffer, np.zeros(24_000, np.float32), 24_000, format="WAV")
     return buffer.getvalue()
+
+
+def test_a_shar_directory_given_to_convert_points_to_encode(tmp_path, capsys):
+    """Issue 49.2: a Shar (what lhotse's CutSet.to_shar or an earlier convert wrote) is encoded directly."""
+    from mmtok.cli import main
+
+    shar = tmp_path / "shar"
+    shar.mkdir()
+    (shar / "cuts.000000.jsonl.gz").write_bytes(b"")
+    assert main(["audio", "convert", str(shar), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert f"encode it directly with `mmtok encode --modality audio --shar {shar}`" in capsys.readouterr().err

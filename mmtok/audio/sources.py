@@ -47,7 +47,7 @@ from mmtok.media.audio import AudioReason, to_mono
 from mmtok.formats.chat import ConversationError
 from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, json_value, locate,
                                          read_conversations, sample_key)
-from mmtok.formats.shar import source_digest
+from mmtok.formats.shar import CUTS_GLOB, source_digest
 from mmtok.formats.tar import NON_UTF8_NAME, Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
@@ -797,6 +797,9 @@ def _conversation_clips(conversation: Conversation) -> Iterator[tuple[_LocatedLo
 def detect_kind(path: Path) -> str:
     """dir / tar / parquet / lhotse from what the input is."""
     if path.is_dir():
+        if any(path.glob(CUTS_GLOB)):  # converting a Shar again would give 0 clips: its audio is in tars
+            raise MmtokError(f"{path}: a Lhotse Shar directory ({CUTS_GLOB} + recording tars), which is what `audio "
+                             f"convert` writes: encode it directly with `mmtok encode --modality audio --shar {path}`")
         return "dir"
     name = path.name.lower()
     if name.endswith(".tar"):
