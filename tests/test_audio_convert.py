@@ -553,3 +553,33 @@ def test_a_shar_directory_given_to_convert_points_to_encode(tmp_path, capsys):
     (shar / "cuts.000000.jsonl.gz").write_bytes(b"")
     assert main(["audio", "convert", str(shar), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     assert f"encode it directly with `mmtok encode --modality audio --shar {shar}`" in capsys.readouterr().err
+
+
+def test_hugging_face_audio_cells_that_hold_only_a_path_are_read_inside_the_directory(tmp_path, capsys):
+    """Issue 49.1: `Dataset.to_parquet()` of audio loaded from local files stores {bytes: null, path} cells
+    (the `Audio` feature's struct, written here with pyarrow); they were `no_audio_bytes` with no detail. A path
+    inside the Parquet file's directory is read; one that leaves it is outside_root."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from audio_corpus import digit
+    from convertkit import dropped_records, load_cuts
+
+    from mmtok.cli import main
+
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    (data / "clips").mkdir(parents=True)
+    elsewhere.mkdir()
+    (data / "clips" / "one.wav").write_bytes(digit("1").read_bytes())
+    (elsewhere / "two.wav").write_bytes(digit("2").read_bytes())
+    cells = [{"bytes": None, "path": "clips/one.wav"}, {"bytes": None, "path": str(elsewhere / "two.wav")},
+             {"bytes": None, "path": None}]
+    audio = pa.array(cells, pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    pq.write_table(pa.table({"audio": audio, "text": ["one", "two", "none"]}), data / "train.parquet")
+    out = tmp_path / "out"
+    assert main(["audio", "convert", str(data / "train.parquet"), "--out", str(out), "--workers", "1",
+                 "--no-progress"]) == 0
+    assert len(load_cuts(out)) == 1
+    reasons = sorted((record["reason"], record["detail"][:40]) for record in dropped_records(out))
+    assert [reason for reason, _ in reasons] == ["no_audio_bytes", "outside_root"]
+    assert reasons[0][1] == "the cell holds neither bytes nor a path"

@@ -482,3 +482,24 @@ def test_img2dataset_sidecars_a_glob_picks_up_are_skipped_and_a_stray_file_is_na
     assert meta["images_ok"] == 1 and meta["reasons"] == {"not_a_tar": 1}
     [error] = meta["shard_errors"]
     assert error["path"].endswith("urls.csv") and error["detail"].startswith("text, not a tar (it begins 'url,caption')")
+
+
+def test_image_cells_that_hold_only_a_path_are_named_path_only_cell(tmp_path, capsys):
+    """Issue 49.1: Hugging Face's `Dataset.to_parquet()` of images loaded from local files keeps {bytes: null,
+    path} cells (the `Image` feature's struct, written here with pyarrow): named `path_only_cell` (docs/scan.md
+    says how to embed the bytes), not the silent `missing_image`."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmtok.cli import main
+
+    cells = pa.array([{"bytes": None, "path": "photos/a.jpg"}, {"bytes": None, "path": None}],
+                     pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    pq.write_table(pa.table({"image": cells, "text": ["a", "b"]}), tmp_path / "train.parquet")
+    assert main(["scan", str(tmp_path / "train.parquet"), "--out", str(tmp_path / "m"), "--workers", "1",
+                 "--no-progress"]) == 2
+    assert "path_only_cell 1" in capsys.readouterr().err
+    assert json.loads((tmp_path / "m" / "manifest.json").read_text())["reasons"] == {"missing_image": 1,
+                                                                                     "path_only_cell": 1}

@@ -51,7 +51,8 @@ from mmtok.formats.shar import CUTS_GLOB, source_digest
 from mmtok.formats.tar import NON_UTF8_NAME, Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import DUPLICATE_INPUT, OUTSIDE_ROOT, not_a_regular_file, outside, same_file_as, shown_path
+from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, not_a_regular_file, outside, read_regular_file,
+                          same_file_as, shown_path)
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -681,10 +682,35 @@ class ParquetUnit(Unit):
                 yield clip
                 continue
             data = value.get("bytes") if isinstance(value, dict) else value  # HF `Audio` struct or raw bytes
+            path = value.get("path") if isinstance(value, dict) else None
+            if not data and isinstance(path, str) and path:  # {bytes: null, path}: HF to_parquet() of local files
+                yield _cell_file(path, Path(self.path).parent, clip)
+                continue
             if not data:
-                yield skip_record(clip.id, clip.origin, "no_audio_bytes")
+                yield skip_record(clip.id, clip.origin, "no_audio_bytes", "the cell holds neither bytes nor a path")
                 continue
             yield (lambda d=data, o=clip.origin: decode_audio(d, o)), [clip]
+
+
+def _cell_file(path: str, directory: Path, clip: ClipSpec):
+    """The payload of a cell that names a file instead of holding its bytes (what Hugging Face's
+    Dataset.to_parquet() writes for audio loaded from local files): the file, when its real path lies in the
+    Parquet file's directory (the root rule of every input), read as a regular file; else its skip record."""
+    candidate = Path(path) if os.path.isabs(path) else directory / path
+    real = outside(candidate, directory)
+    if real is not None:
+        return skip_record(clip.id, clip.origin, OUTSIDE_ROOT, f"the cell's path {shown_path(path)} resolves to "
+                           f"{shown_path(real)}, outside {shown_path(directory)}, the Parquet file's directory")
+
+    def load():
+        try:
+            data = read_regular_file(candidate)
+        except OSError as err:
+            raise AudioReason("missing_file", f"{clip.origin}: the cell's path {shown_path(path)}: "
+                              f"{err.strerror or err}") from None
+        return decode_audio(data, clip.origin)
+
+    return load, [clip]
 
 
 def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list[Unit], list[SkipRecord]]:

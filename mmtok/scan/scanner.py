@@ -33,8 +33,10 @@ from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NO
 
 # Bump when rows for the same input change; invalidates caches. 5: GNU sparse and multi-volume members
 # are `unsupported_member` (pax sparse ones were rows of garbage bytes), a file given twice is `duplicate_input`.
-# 6: a file too short for one tar header is `not_a_tar` saying what it is (was `truncated_tar`, no detail).
+# 6: a file too short for one tar header is `not_a_tar` saying what it is (was `truncated_tar`, no detail); an
+# image cell holding only a path is `path_only_cell` (was `missing_image`).
 SCAN_VERSION = 6
+PATH_ONLY_CELL = "path_only_cell"  # an image cell with a file path and no bytes (docs/scan.md says how to embed them)
 CACHE_DIR = ".scan-cache"
 NON_UTF8_PATH = "non_utf8_path"  # an input path that is not UTF-8 (the tar reader's non_utf8_name, for a file)
 # One read at a sample's first header usually holds its small sidecars, the next image's header and
@@ -361,11 +363,12 @@ def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[Shard
     for batch in iter_batches(path, file_format, columns):
         values = image_values(batch.column(0))
         texts = batch.column(text).to_pylist() if text else None
-        keys = batch.column(key_column).to_pylist() if key_column else struct_paths(batch.column(0))
+        paths = struct_paths(batch.column(0))
+        keys = batch.column(key_column).to_pylist() if key_column else paths
         for i, value in enumerate(values):
             key = keys[i] if keys is not None and keys[i] is not None else str(row)
             text_span = (row, len(texts[i].encode("utf-8"))) if texts is not None and texts[i] is not None else (-1, -1)
-            entry = _value_entry(image, row, value)
+            entry = _value_entry(image, row, value, paths is not None and bool(paths[i]))
             read += entry[2]
             out.rows.append((key, out.documents, 0) + entry + text_span + (-1, -1))
             out.documents += 1
@@ -373,9 +376,9 @@ def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[Shard
     return out, {"bytes_read": read, "reads": row}
 
 
-def _value_entry(column: str, row: int, value: bytes | None) -> tuple:
-    if value is None:
-        return column, row, 0, 0, 0, "", 1, "error", "missing_image"
+def _value_entry(column: str, row: int, value: bytes | None, has_path: bool = False) -> tuple:
+    if value is None:  # a {bytes: null, path} cell: Hugging Face's Dataset.to_parquet() of images from local files
+        return column, row, 0, 0, 0, "", 1, "error", PATH_ONLY_CELL if has_path else "missing_image"
     if not value:
         return column, row, 0, 0, 0, "", 1, "error", "zero_size"
     return _probed(column, row, len(value), value, 0, len(value), None)
