@@ -120,8 +120,10 @@ def run(args) -> int:
                          media_roots=args.media_root)
         print_summary("audio convert", convert_line(report))
         if not report["counts"].get("written", 0):  # as scan and interleave: nothing usable is a failure
+            from mmtok.formats.shar import SKIPPED_DIR
+
             raise MmtokError(f"no clip was written from {args.out}'s inputs ({plural(report['counts'].get('in', 0), 'input')}"
-                             f" found; each skip is named in {Path(args.out) / 'dropped'}): check the inputs and "
+                             f" found; each skip is named in {Path(args.out) / SKIPPED_DIR}): check the inputs and "
                              "the options above")
         return 0
     from mmtok.audio.interleave import interleave

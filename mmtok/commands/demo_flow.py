@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mmtok.commands.report import print_summary
 from mmtok.errors import MmtokError
+from mmtok.formats import skips
 from mmtok.formats.merged import SUMMARY_FILE as MERGE_SUMMARY
 from mmtok.fsutil import atomic_write_json, read_json_object, read_regular_file, refuse_out_overlapping
 
@@ -275,7 +276,7 @@ def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:
 
 def _skipped(counts: dict, unit: str) -> str:
     """`skipped N UNIT(s): reason n, ...` of a merge's counts, or `none skipped`."""
-    reasons = {k.removeprefix("skipped:"): v for k, v in sorted(counts.items()) if k.startswith("skipped:")}
+    reasons = dict(sorted(skips.by_reason(counts).items()))
     total = sum(reasons.values())
     if not total:
         return f"no {unit} skipped"
