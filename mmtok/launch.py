@@ -114,4 +114,5 @@ def _check_visible(device, source: str = "") -> None:
         raise MmtokError(f"device {device}{source}: this process sees no CUDA device; pass --device cpu, or run where "
                          "a GPU is")
     if device.index is not None and device.index >= count:
-        raise MmtokError(f"device {device}{source}: this process sees {count} CUDA device(s), cuda:0 … cuda:{count - 1}")
+        raise MmtokError(f"device {device}{source}: this process sees {count} CUDA device(s), "
+                         f"cuda:0 … cuda:{count - 1}")

@@ -60,8 +60,9 @@ class TextTokenizer:
         """`ids` when each is a text id (< vocab_size), the last guard before they reach a commit of any stage;
         MmtokError otherwise (ids are checked contiguous at load, so this means a tokenizer that lied)."""
         if ids and (max(ids) >= self.vocab_size or min(ids) < 0):
-            raise MmtokError(f"text tokenizer {self.name} gave id {max(ids) if max(ids) >= self.vocab_size else min(ids)}"
-                             f", outside its {self.vocab_size:,} text ids; nothing with it was written")
+            bad = max(ids) if max(ids) >= self.vocab_size else min(ids)
+            raise MmtokError(f"text tokenizer {self.name} gave id {bad}, outside its {self.vocab_size:,} text ids; "
+                             "nothing with it was written")
         return ids
 
     def control_tokens(self) -> dict[str, "ControlToken"]:

@@ -331,8 +331,8 @@ def directory_units(root: Path, table: Path | None,
         by_file.setdefault(rel, []).append(row)
     files, ignored, escaped = scan_directory(root, set(by_file), table, exclude)
     for rel, real in sorted(escaped.items()):  # named once per file, whatever the table says of it
-        dropped.append(skip_record(shown_path(rel), shown_path(rel), OUTSIDE_ROOT, f"resolves to {shown_path(real)}, "
-                                   f"outside the input directory {shown_path(root)}: a symlink out of it is never read"))
+        detail = f"resolves to {shown_path(real)}, outside the input directory {shown_path(root)}: never read"
+        dropped.append(skip_record(shown_path(rel), shown_path(rel), OUTSIDE_ROOT, detail))
         by_file.pop(rel, None)
     for rel in files:  # a clip id is text: a name that is not UTF-8 is refused as in a tar (shown escaped)
         if shown_path(rel) != rel:

@@ -69,8 +69,9 @@ def refuse_low_precision(dtype: str, codec: str) -> None:
 
 def refuse_non_finite(state: Mapping[str, torch.Tensor], source, name: Callable[[str], str] = str) -> None:
     """MmtokError naming the first floating-point tensor of `state` (read from `source`) that holds NaN or
-    Inf once in float32, the dtype every codec runs in. A loader calls it before the weights reach the model: one NaN weight turns every latent into NaN,
-    and the argmax over NaN logits is code 0 for every input -- a whole corpus of wrong tokens, exit 0."""
+    Inf once in float32, the dtype every codec runs in. A loader calls it before the weights reach the model:
+    one NaN weight turns every latent into NaN, and the argmax over NaN logits is code 0 for every input -- a
+    whole corpus of wrong tokens, exit 0."""
     for key, tensor in state.items():
         if not tensor.is_floating_point():
             continue

@@ -122,9 +122,9 @@ def run(args) -> int:
         if not report["counts"].get("written", 0):  # as scan and interleave: nothing usable is a failure
             from mmtok.formats.shar import SKIPPED_DIR
 
-            raise MmtokError(f"no clip was written from {args.out}'s inputs ({plural(report['counts'].get('in', 0), 'input')}"
-                             f" found; each skip is named in {Path(args.out) / SKIPPED_DIR}): check the inputs and "
-                             "the options above")
+            found = plural(report["counts"].get("in", 0), "input")
+            raise MmtokError(f"no clip was written from {args.out}'s inputs ({found} found; each skip is named in "
+                             f"{Path(args.out) / SKIPPED_DIR}): check the inputs and the options above")
         return 0
     from mmtok.audio.interleave import interleave
 

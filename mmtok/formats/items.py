@@ -82,7 +82,8 @@ class ImageIndex:
 
     Kept as NumPy columns, 57 bytes an item (its media digest included) and 20 a sample (`nbytes`), not as
     records: an item's key is the digest of its tar and member (`mmtok.formats.keys`), and the record of an image
-    that failed is re-read from its part when its skip is asked for. Of two items of one member the later (in part, then line order) is kept."""
+    that failed is re-read from its part when its skip is asked for. Of two items of one member the later (in
+    part, then line order) is kept."""
 
     def __init__(self, directories: list[Path]):
         self._ids: list[np.ndarray] = []

@@ -493,7 +493,8 @@ def compare_tokenizers(directory: str | Path, reference: str | Path) -> tuple[li
         lines += [f"{file} {key}: {what}" for key, what in value_differences(ours, theirs, names)]
     if partial:
         compared = ", ".join([*sorted(there["present"]), *(["the chat template"] if there["template"] else [])])
-        return lines, len(lines), f"key by key ({names[1]} holds no {TOKENIZER_JSON}: {compared} compared, no token ids)"
+        return lines, len(lines), (f"key by key ({names[1]} holds no {TOKENIZER_JSON}: {compared} compared, no "
+                                   "token ids)")
     vocab, ref_vocab = here["vocab"], there["vocab"]
     added, ref_added = here["added"], there["added"]
 
