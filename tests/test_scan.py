@@ -503,3 +503,23 @@ def test_image_cells_that_hold_only_a_path_are_named_path_only_cell(tmp_path, ca
     assert "path_only_cell 1" in capsys.readouterr().err
     assert json.loads((tmp_path / "m" / "manifest.json").read_text())["reasons"] == {"missing_image": 1,
                                                                                      "path_only_cell": 1}
+
+
+def test_keys_with_dots_that_merge_samples_are_a_counted_warning(tmp_path, capsys):
+    """Issue 49.4: `laion.v2.000001.jpg` is sample `laion` (WebDataset's rule: the key ends at the first dot),
+    so two images and two captions become one sample; the second caption was counted as an ignored `txt`
+    with no word. It is its own counted entry now, and the summary warns with the likely cause."""
+    import json
+
+    from encodekit import real_images, write_tar
+
+    from mmtok.cli import main
+
+    photo = real_images()["chelsea.png"].read_bytes()
+    tar = write_tar(tmp_path / "dots.tar", [("laion.v2.000001.png", photo), ("laion.v2.000001.txt", b"a cat"),
+                                            ("laion.v2.000002.png", photo), ("laion.v2.000002.txt", b"the cat")])
+    assert main(["scan", str(tar), "--out", str(tmp_path / "m"), "--workers", "1", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 caption beyond a sample's first went unused" in err and "sample `laion`" in err
+    meta = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert meta["documents"] == 1 and meta["ignored_members"] == {"(second caption of one sample)": 1}

@@ -110,8 +110,20 @@ def run(args) -> int:
             return 0
     if not meta["images_ok"]:
         raise MmtokError(no_image_message(meta, args.out))
-    print_summary("scan", summary_line(meta, args.out))
+    print_summary("scan", [summary_line(meta, args.out), *warning_lines(meta)])
     return 0
+
+
+def warning_lines(meta: dict) -> list[str]:
+    """What a user should look at although nothing failed: samples that held more than one caption."""
+    from mmtok.scan.scanner import EXTRA_CAPTION
+
+    extra = meta["ignored_members"].get(EXTRA_CAPTION, 0)
+    if not extra:
+        return []
+    return [f"warning: {plural(extra, 'caption')} beyond a sample's first went unused (a sample held two): a "
+            "WebDataset sample key is a member's name up to its first dot, so `laion.v2.000001.jpg` and "
+            "`laion.v2.000002.jpg` are both sample `laion` -- rename such members (docs/scan.md)"]
 
 
 def share_line(share: dict) -> str:

@@ -36,6 +36,7 @@ from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NO
 # 6: a file too short for one tar header is `not_a_tar` saying what it is (was `truncated_tar`, no detail); an
 # image cell holding only a path is `path_only_cell` (was `missing_image`).
 SCAN_VERSION = 6
+EXTRA_CAPTION = "(second caption of one sample)"  # an ignored_members entry: the command warns about it
 PATH_ONLY_CELL = "path_only_cell"  # an image cell with a file path and no bytes (docs/scan.md says how to embed them)
 CACHE_DIR = ".scan-cache"
 NON_UTF8_PATH = "non_utf8_path"  # an input path that is not UTF-8 (the tar reader's non_utf8_name, for a file)
@@ -227,6 +228,8 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
             out.shard_error(KIND_REASONS[kind], offset, raw.decode("utf-8", "backslashreplace"))
         elif suffix == b"txt" and kind == REGULAR and text[0] < 0:
             text = (offset, size)
+        elif suffix == b"txt" and kind == REGULAR:  # one sample, two captions: most often keys with dots
+            ignored[EXTRA_CAPTION] += 1
         elif suffix == b"json" and kind == REGULAR and json_sidecar[0] < 0:
             json_sidecar = (offset, size)
         else:
