@@ -213,8 +213,13 @@ def refuse_out_overlapping(out: str | os.PathLike, inputs: Iterable[str | os.Pat
 def outside(path: str | os.PathLike, root: str | os.PathLike) -> str | None:
     """The real path of `path` (symlinks and `..` resolved) when it lies outside the real path of the directory
     `root`, else None: the one rule for what a directory given to mmtok may hand it."""
-    real, top = os.path.realpath(path), os.path.realpath(root)
-    return None if real == top or real.startswith(top.rstrip("/") + "/") else real
+    real = os.path.realpath(path)
+    return None if inside(real, os.path.realpath(root)) else real
+
+
+def inside(real: str, root: str) -> bool:
+    """Whether the real path `real` is the real directory `root` or lies under it (both already resolved)."""
+    return real == root or real.startswith(root.rstrip("/") + "/")
 
 
 def own_file(path: Path, what: str) -> Path:

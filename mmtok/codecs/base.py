@@ -83,6 +83,25 @@ def refuse_non_finite(state: Mapping[str, torch.Tensor], source, name: Callable[
                              "it again from its source)")
 
 
+def check_state_dict(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
+                     checkpoint_path: Path, config_path: Path) -> None:
+    """Raise MmtokError naming the first missing key, unexpected key, or shape mismatch (compared before any
+    weight is copied: a model built on the meta device costs no memory)."""
+    missing = [key for key in expected if key not in state]
+    if missing:
+        raise MmtokError(f"{checkpoint_path}: key {missing[0]!r}, required by the architecture in {config_path}, "
+                         f"is missing ({len(missing)} missing in all); the checkpoint does not match the config")
+    unexpected = [key for key in state if key not in expected]
+    if unexpected:
+        raise MmtokError(f"{checkpoint_path}: key {unexpected[0]!r} is not used by the architecture in "
+                         f"{config_path} ({len(unexpected)} unused in all); the checkpoint does not match the config")
+    for key, tensor in expected.items():
+        if tuple(state[key].shape) != tuple(tensor.shape):
+            raise MmtokError(f"{checkpoint_path}: {key!r} has shape {list(state[key].shape)} in the checkpoint "
+                             f"but {list(tensor.shape)} in the architecture from {config_path}; the checkpoint does "
+                             "not match the config")
+
+
 def finite_latents(latents: torch.Tensor, codec: str) -> torch.Tensor:
     """`latents` when every value is finite; MmtokError otherwise, before any code is chosen from them, so
     nothing of the batch is committed (finite weights can still overflow on extreme inputs or weights)."""

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mmtok.codecs.base import (Codec, Conv2d, Conv3d, PrecisionContract, checkpoint_fingerprint, finite_latents,
-                               refuse_non_finite, row_blocks)
+from mmtok.codecs.base import (Codec, Conv2d, Conv3d, PrecisionContract, check_state_dict, checkpoint_fingerprint,
+                               finite_latents, refuse_non_finite, row_blocks)
 from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import own_file
 
@@ -528,26 +528,12 @@ def load(checkpoint_dir: Path, device: torch.device | str = "cpu") -> Emu3Vision
     for key, tensor in state.items():  # an integer weight would load as its float value, silently
         if key in expected and tensor.is_floating_point() != expected[key].is_floating_point():
             raise MmtokError(f"emu3: {weights_path}: tensor {key!r} is {tensor.dtype}, expected {expected[key].dtype}")
-    _check_shapes(expected, state, weights_path, config_path)
+    check_state_dict(expected, state, weights_path, config_path)
     refuse_non_finite(state, f"emu3: {weights_path}")
     model = model.to_empty(device="cpu")  # the model holds no buffer outside its state dict: all of it is loaded
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     model.checkpoint_sha256 = checkpoint_fingerprint([config_path, weights_path])
     return model.to(device).eval()
-
-
-def _check_shapes(expected: dict, state: dict, weights_path: Path, config_path: Path) -> None:
-    """MmtokError naming the first key missing from, unused by, or shaped otherwise in the file than the
-    architecture `config_path` describes."""
-    missing = [key for key in expected if key not in state]
-    unused = [key for key in state if key not in expected]
-    shaped = [key for key in expected if key in state and tuple(state[key].shape) != tuple(expected[key].shape)]
-    if missing or unused or shaped:
-        what = (f"key {missing[0]!r} is missing ({len(missing)} in all)" if missing else
-                f"key {unused[0]!r} is not used ({len(unused)} in all)" if unused else
-                f"{shaped[0]!r} has shape {list(state[shaped[0]].shape)}, the config implies "
-                f"{list(expected[shaped[0]].shape)}")
-        raise MmtokError(f"emu3: {weights_path} does not match {config_path}: {what}")
 
 
 def checkpoint_paths(directory: Path) -> list[Path]:

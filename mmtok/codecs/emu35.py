@@ -26,8 +26,8 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from mmtok.codecs.base import (Codec, Conv2d, PrecisionContract, checkpoint_fingerprint, finite_latents,
-                               refuse_low_precision, refuse_non_finite, row_blocks)
+from mmtok.codecs.base import (Codec, Conv2d, PrecisionContract, check_state_dict, checkpoint_fingerprint,
+                               finite_latents, refuse_low_precision, refuse_non_finite, row_blocks)
 from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import atomic_writer, own_file
 
@@ -520,23 +520,6 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
             raise MmtokError(f"{path}: entry {key!r} is {kind}, expected a floating-point tensor")
     return dict(state)
-
-
-def check_state_dict(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor],
-                     checkpoint_path: Path, config_path: Path) -> None:
-    """Raise MmtokError naming the first missing key, unexpected key, or shape mismatch."""
-    missing = [key for key in expected if key not in state]
-    if missing:
-        raise MmtokError(f"{checkpoint_path}: key {missing[0]!r}, required by the architecture in {config_path}, "
-                         f"is missing ({len(missing)} missing in all); the checkpoint does not match the config")
-    unexpected = [key for key in state if key not in expected]
-    if unexpected:
-        raise MmtokError(f"{checkpoint_path}: key {unexpected[0]!r} is not used by the architecture in "
-                         f"{config_path} ({len(unexpected)} unused in all); the checkpoint does not match the config")
-    for key, tensor in expected.items():
-        if tuple(state[key].shape) != tuple(tensor.shape):
-            raise MmtokError(f"{checkpoint_path}: {key!r} has shape {list(state[key].shape)} in the checkpoint "
-                             f"but {list(tensor.shape)} in the architecture from {config_path}")
 
 
 def random_codec(config: Mapping | None = None, seed: int = 0) -> Emu35Codec:

@@ -56,8 +56,8 @@ from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversat
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, atomic_write_json, not_a_regular_file, open_regular_file,
-                          read_json_object, read_regular_file, required, same_file_as, shown_path)
+from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, atomic_write_json, inside, not_a_regular_file,
+                          open_regular_file, read_json_object, read_regular_file, required, same_file_as, shown_path)
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -489,7 +489,7 @@ def _located_file(conversation: Conversation, source: str, what: str) -> Located
     for candidate in [reference] if os.path.isabs(reference) else [os.path.join(base, reference) for base in bases]:
         try:
             real = os.path.realpath(candidate)
-            if not any(real == root or real.startswith(root.rstrip("/") + "/") for root in roots):
+            if not any(inside(real, root) for root in roots):
                 outside = outside or real
                 continue
             kind = not_a_regular_file(real)

@@ -478,7 +478,8 @@ def split_sidecars(paths: list[str]) -> tuple[list[str], list[str]]:
     tars = {os.path.splitext(path)[0] for path in paths if path.endswith(".tar")}
     sidecars = [path for path in paths if path.endswith("_stats.json")
                 or (path.endswith(".parquet") and os.path.splitext(path)[0] in tars)]
-    return [path for path in paths if path not in sidecars], sidecars
+    skipped = set(sidecars)
+    return [path for path in paths if path not in skipped], sidecars
 
 
 
