@@ -33,7 +33,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     photos = mate_photos()[: args.photos]
-    tar = write_tar(Path(tempfile.mkdtemp()) / "photos.tar", [(f"{i}.jpg", p.read_bytes()) for i, p in enumerate(photos)])
+    members = [(f"{i}.jpg", photo.read_bytes()) for i, photo in enumerate(photos)]
+    tar = write_tar(Path(tempfile.mkdtemp()) / "photos.tar", members)
     sources = [Located("member", m.name, path=str(tar), offset=m.offset, size=m.size) for m in read_members(tar)]
 
     def check() -> None:
