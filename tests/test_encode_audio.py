@@ -242,6 +242,63 @@ def test_foreign_shar_text_is_tokenized_and_silent_clips_are_skipped(codec, tmp_
     assert cache_path(tmp_path / "out", 0).is_file()
 
 
+def lhotse_recipe_shar(root: Path) -> Path:
+    """What a lhotse recipe writes: one long recording (three story sentences and a spoken digit with
+    silence between them), its supervisions, `trim_to_supervisions`, then `CutSet.to_shar` -- in reverse
+    cut order, so that only start times give the clip order. The digit's cut holds two supervisions."""
+    import soundfile
+    from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
+
+    (root / "in").mkdir(parents=True)
+    pieces, texts = [], []
+    for name, text in write_story(root / "in", 3):
+        wave, rate = soundfile.read(root / "in" / name, dtype="float32")
+        pieces += [wave, np.zeros(rate // 4, np.float32)]
+        texts.append(text)
+    long = np.concatenate(pieces)
+    soundfile.write(root / "long.wav", long, rate, subtype="PCM_16")
+    recording = Recording.from_file(root / "long.wav", recording_id="talk")
+    sups, start = [], 0.0
+    for index, (piece, text) in enumerate(zip(pieces[::2], texts)):
+        sups.append(SupervisionSegment(f"talk-{index}", "talk", start, piece.size / rate, text=text, language="en"))
+        start += (piece.size + rate // 4) / rate
+    cuts = CutSet.from_manifests(RecordingSet.from_recordings([recording]),
+                                 SupervisionSet.from_segments(sups)).trim_to_supervisions(keep_overlapping=False)
+    cuts = CutSet.from_cuts(reversed(list(cuts)))
+    (root / "shar").mkdir()
+    cuts.to_shar(root / "shar", fields={"recording": "flac"}, shard_size=10)
+    return root / "shar"
+
+
+def test_a_lhotse_recipe_shar_keeps_recording_identity_and_interleaves_in_time_order(codec, tmp_path):
+    # lhotse's own to_shar output: the clips are the recording's (not one source per cut), numbered by
+    # start time, so interleave builds the story's run as it does for mmtok's own Shar.
+    import pyarrow.parquet as pq
+
+    shar = lhotse_recipe_shar(tmp_path)
+    encode_rank(shar, tmp_path / "enc", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
+                progress=False)
+    rows = pq.read_table(cache_path(tmp_path / "enc", 0)).to_pylist()
+    assert [(r["source_id"], r["clip"]) for r in rows] == [("talk", 2), ("talk", 1), ("talk", 0)]  # cut order
+    assert [r["cut_id"] for r in sorted(rows, key=lambda r: r["clip"])][0].startswith("talk-0")
+    summary = interleave(tmp_path / "enc", tmp_path / "il", progress=False)
+    assert summary["counts"]["runs_of_3+"] == 1
+    assert sum(SPECIAL["<|stt_continue|>"] in s.tolist() for s in read_sequences(tmp_path / "il" / STAGE)) == 2
+
+
+def test_a_cut_with_two_supervisions_joins_their_texts_in_start_order():
+    from lhotse import MonoCut, SupervisionSegment
+
+    from mmtok.encode.audio import clip_text
+    from mmtok.text import load_text_tokenizer
+
+    tokenizer = load_text_tokenizer()
+    sups = [SupervisionSegment("b", "r", 1.0, 1.0, text="world", language="de"),
+            SupervisionSegment("a", "r", 0.0, 1.0, text="hello", language="en")]
+    ids, language, _ = clip_text(MonoCut("c", 0.0, 2.0, 0, supervisions=sups), tokenizer)
+    assert ids.tolist() == tokenizer.encode("hello world") and language == "en"
+
+
 def test_a_clip_too_long_to_encode_is_a_named_skip_and_the_rank_finishes(shar, codec, one_rank, tmp_path):
     # The memory bound: a clip over --max-clip-duration is never loaded or encoded (a 2-hour recording
     # would need ~22 GB); it is counted, named in the merged skip list, and every other clip is written.

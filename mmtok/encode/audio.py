@@ -150,10 +150,39 @@ def clip_text(cut, tokenizer) -> tuple[np.ndarray | None, str | None, str | None
     if "text_tokens" in custom:
         ids = custom["text_tokens"]
     else:
-        texts = [s.text for s in cut.supervisions if s.text]
-        language = language or (cut.supervisions[0].language if cut.supervisions else None)
+        # The join rule (docs/audio.md): a cut's supervisions in start order, texts joined by one space;
+        # the first supervision's language is the clip's.
+        supervisions = sorted(cut.supervisions, key=lambda s: (s.start, s.id))
+        texts = [s.text for s in supervisions if s.text]
+        language = language or (supervisions[0].language if supervisions else None)
         ids = tokenizer.encode(" ".join(texts)) if texts else []
     return (np.asarray(ids, np.int32) if len(ids) else None), language, target
+
+
+FOREIGN_CLIP_BASE = 10**9  # a foreign cut's clip number: shard index * FOREIGN_CLIP_BASE + its rank in the shard
+
+
+def clip_numbers(cuts, shard_index: int) -> list[tuple[str, int]]:
+    """(source id, clip number) of each cut, in cut order. mmtok's own cuts carry both in `custom`. A cut
+    another producer wrote (lhotse's `to_shar` of trimmed cuts) belongs to its recording, and its number is
+    its rank by start time among that recording's cuts in this shard (skipped cuts included, so they
+    leave a gap), after `shard_index * FOREIGN_CLIP_BASE`: clips of one recording interleave in time
+    order, and a run ends where the recording crosses into another shard (cuts in two shards cannot be
+    ordered without reading both)."""
+    numbers: list[tuple[str, int] | None] = []
+    foreign: dict[str, list[tuple[float, str, int]]] = {}
+    for position, cut in enumerate(cuts):
+        custom = cut.custom or {}
+        if "source_id" in custom:
+            numbers.append((str(custom["source_id"]), int(custom.get("clip", 0))))
+            continue
+        numbers.append(None)
+        recording = getattr(cut, "recording_id", None) or cut.id
+        foreign.setdefault(str(recording), []).append((float(cut.start), cut.id, position))
+    for recording, members in foreign.items():
+        for rank, (_, _, position) in enumerate(sorted(members)):
+            numbers[position] = (recording, shard_index * FOREIGN_CLIP_BASE + rank)
+    return numbers
 
 
 def sequences_for(mode: str, builder: SequenceBuilder, audio_ids: np.ndarray, text_ids: np.ndarray | None,
@@ -195,6 +224,7 @@ def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) ->
         skipped.append(SkipRecord.of(skip, stage="encode", key=cut.id, source=str(shard.recording_path),
                                      container="shar", member=cut.id, position=position))
 
+    numbers = clip_numbers(cuts, shard.index)
     for position, cut in enumerate(cuts):
         reason, audio_ids = carried[position]
         if reason:
@@ -213,8 +243,8 @@ def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) ->
                                "audio_tokens": int(audio_ids.size),
                                "text_tokens": None if text_ids is None else int(text_ids.size)})
             counts[f"sequences:{kind}"] = counts.get(f"sequences:{kind}", 0) + 1
-        rows.append({"cut_id": cut.id, "source_id": str(custom.get("source_id", cut.id)),
-                     "clip": int(custom.get("clip", 0)), "part": shard.index, "position": position,
+        source_id, clip = numbers[position]
+        rows.append({"cut_id": cut.id, "source_id": source_id, "clip": clip, "part": shard.index, "position": position,
                      "duration": float(cut.duration), "language": language, "target_language": target,
                      "audio_ids": audio_ids, "text_ids": text_ids, "source_sha256": custom.get(SOURCE_DIGEST)})
     write_cache(cache_path(context.out, shard.index), rows, {**context.cache_metadata, "part": shard.index})
