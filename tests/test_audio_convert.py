@@ -583,3 +583,46 @@ def test_hugging_face_audio_cells_that_hold_only_a_path_are_read_inside_the_dire
     reasons = sorted((record["reason"], record["detail"][:40]) for record in dropped_records(out))
     assert [reason for reason, _ in reasons] == ["no_audio_bytes", "outside_root"]
     assert reasons[0][1] == "the cell holds neither bytes nor a path"
+
+
+def test_a_lhotse_cutset_manifest_converts_one_clip_per_cut(tmp_path, tokenizer, capsys):
+    """Issue 49.2: lhotse users often have only `cuts.jsonl.gz` (`CutSet.to_file` of trimmed cuts, each with its
+    recording inside). Each MonoCut is one clip cut out of its recording, numbered by start time; a cut with
+    two supervisions joins their texts in start order; a MixedCut is a named bad_manifest_row."""
+    from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
+
+    from mmtok.cli import main
+
+    pieces = [read(tmp_path / name)[0] for name, _ in write_story(tmp_path, 3)]
+    rate, gap = 22_050, np.zeros(22_050 // 4, np.float32)
+    soundfile.write(tmp_path / "talk.wav", np.concatenate([pieces[0], gap, pieces[1], gap, pieces[2]]), rate,
+                    subtype="FLOAT")
+    sups, start = [], 0.0
+    for index, piece in enumerate(pieces):
+        sups.append(SupervisionSegment(f"s{index}", "talk", start, len(piece) / rate, text=STORY[index],
+                                       language="en"))
+        start += (len(piece) + len(gap)) / rate
+    recording = Recording.from_file(tmp_path / "talk.wav", recording_id="talk")
+    cuts = CutSet.from_manifests(RecordingSet.from_recordings([recording]),
+                                 SupervisionSet.from_segments(sups)).trim_to_supervisions(keep_overlapping=False)
+    cuts = list(cuts)
+    two = cuts[1].append(cuts[2])  # a MixedCut
+    merged = cuts[0].truncate(duration=cuts[0].duration)  # a MonoCut that also holds the next supervision:
+    merged = merged.with_id("s0+s1")  # same start as s0: ordered after it by id
+    merged.duration = sups[1].end - merged.start
+    merged.supervisions = [sups[1].with_offset(-merged.start), sups[0].with_offset(-merged.start)]
+    CutSet.from_cuts(list(reversed(cuts)) + [two, merged]).to_file(tmp_path / "cuts.jsonl.gz")
+    out = tmp_path / "out"
+    assert main(["audio", "convert", str(tmp_path / "cuts.jsonl.gz"), "--out", str(out), "--workers", "0",
+                 "--no-progress"]) == 0
+    written = load_cuts(out)
+    by_id = {c.custom["clip"]: c for c in written}
+    assert [by_id[n].id for n in sorted(by_id)] == [cuts[0].id, "s0+s1", cuts[1].id, cuts[2].id]
+    assert {c.custom["source_id"] for c in written} == {"talk"}
+    assert by_id[1].custom["text_tokens"] == tokenizer.encode(f"{STORY[0]} {STORY[1]}")
+    for cut, index in ((by_id[0], 0), (by_id[2], 1), (by_id[3], 2)):
+        assert cut.custom["text_tokens"] == tokenizer.encode(STORY[index])
+        assert_same_audio(cut.load_audio()[0], expected_wave(tmp_path / "talk.wav", sups[index].start,
+                                                             sups[index].end))
+    (mixed,) = dropped_records(out)
+    assert mixed["reason"] == "bad_manifest_row" and "MixedCut" in mixed["detail"]

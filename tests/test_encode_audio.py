@@ -243,9 +243,9 @@ def test_foreign_shar_text_is_tokenized_and_silent_clips_are_skipped(codec, tmp_
 
 
 def lhotse_recipe_shar(root: Path) -> Path:
-    """What a lhotse recipe writes: one long recording (three story sentences and a spoken digit with
-    silence between them), its supervisions, `trim_to_supervisions`, then `CutSet.to_shar` -- in reverse
-    cut order, so that only start times give the clip order. The digit's cut holds two supervisions."""
+    """What a lhotse recipe writes: one long recording (three story sentences with silence between them),
+    its supervisions, `trim_to_supervisions`, then `CutSet.to_shar` (which stores each cut's own audio with
+    start 0). The supervision ids sort against time order, so an order by id would show."""
     import soundfile
     from lhotse import CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
@@ -260,29 +260,36 @@ def lhotse_recipe_shar(root: Path) -> Path:
     recording = Recording.from_file(root / "long.wav", recording_id="talk")
     sups, start = [], 0.0
     for index, (piece, text) in enumerate(zip(pieces[::2], texts)):
-        sups.append(SupervisionSegment(f"talk-{index}", "talk", start, piece.size / rate, text=text, language="en"))
+        sups.append(SupervisionSegment(f"talk-{'cba'[index]}", "talk", start, piece.size / rate, text=text,
+                                       language="en"))
         start += (piece.size + rate // 4) / rate
     cuts = CutSet.from_manifests(RecordingSet.from_recordings([recording]),
                                  SupervisionSet.from_segments(sups)).trim_to_supervisions(keep_overlapping=False)
-    cuts = CutSet.from_cuts(reversed(list(cuts)))
     (root / "shar").mkdir()
     cuts.to_shar(root / "shar", fields={"recording": "flac"}, shard_size=10)
     return root / "shar"
 
 
 def test_a_lhotse_recipe_shar_keeps_recording_identity_and_interleaves_in_time_order(codec, tmp_path):
-    # lhotse's own to_shar output: the clips are the recording's (not one source per cut), numbered by
-    # start time, so interleave builds the story's run as it does for mmtok's own Shar.
+    # lhotse's own to_shar output: the clips are the recording's (not one source per cut), numbered in
+    # the recipe's cut order (to_shar sets every start to 0), so interleave builds the story's run as it
+    # does for mmtok's own Shar. A Shar's cuts manifest given to `audio convert` points to encode --shar.
+    from mmtok.cli import main
     import pyarrow.parquet as pq
 
     shar = lhotse_recipe_shar(tmp_path)
     encode_rank(shar, tmp_path / "enc", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
                 progress=False)
     rows = pq.read_table(cache_path(tmp_path / "enc", 0)).to_pylist()
-    assert [(r["source_id"], r["clip"]) for r in rows] == [("talk", 2), ("talk", 1), ("talk", 0)]  # cut order
-    assert [r["cut_id"] for r in sorted(rows, key=lambda r: r["clip"])][0].startswith("talk-0")
+    assert [(r["cut_id"], r["source_id"], r["clip"]) for r in rows] == [("talk-c", "talk", 0), ("talk-b", "talk", 1),
+                                                                         ("talk-a", "talk", 2)]
     summary = interleave(tmp_path / "enc", tmp_path / "il", progress=False)
     assert summary["counts"]["runs_of_3+"] == 1
+    out = tmp_path / "converted"
+    assert main(["audio", "convert", str(shar / "cuts.000000.jsonl.gz"), "--out", str(out), "--no-progress"]) == 2
+    details = [json.loads(line)["detail"] for path in (out / "dropped").iterdir() for line in path.open()]
+    assert len(details) == 3 and all("encode the Shar directory with `mmtok encode --modality audio --shar" in d
+                                     for d in details)
     assert sum(SPECIAL["<|stt_continue|>"] in s.tolist() for s in read_sequences(tmp_path / "il" / STAGE)) == 2
 
 

@@ -519,22 +519,27 @@ SOURCE_TYPES = ("file", "command", "url", "memory", "shar")  # lhotse.audio.Audi
 UNSAFE_SOURCE_TYPES = ("command", "url")  # a shell command run as the user; a fetch over the network
 RECORDING_KEYS = {"id": str, "sources": list, "sampling_rate": int, "num_samples": int, "duration": (int, float)}
 SUPERVISION_KEYS = {"id": str, "recording_id": str, "start": (int, float), "duration": (int, float)}
+CUT_KEYS = {"id": str, "start": (int, float), "duration": (int, float), "recording": dict}
+ROW_KEYS = {"recording": RECORDING_KEYS, "supervision": SUPERVISION_KEYS}
 
 
 def lhotse_units(manifests: list[Path], allow_command_sources: bool = False) -> tuple[list[Unit], list[SkipRecord]]:
-    """One unit per recording (manifest order); its supervisions (sorted by start) are its clips.
+    """One unit per recording (manifest order); its supervisions (sorted by start) are its clips. The
+    cuts of a CutSet manifest (`cuts.jsonl.gz`, MonoCuts with their recording inside) are clips too: one
+    unit per recording they cut (order of first cut), each cut one clip (see `_cut_clips`).
 
     A recording without supervisions is one clip without text; a supervision whose recording is
-    in none of the manifests is skipped (`missing_recording`). A manifest line that is no recording or
-    supervision (not a JSON object, a missing key, a value of the wrong type) is `bad_manifest_row`
-    naming the file and line. Every clip of a recording read by a `command` or `url` source is
-    `unsafe_source` unless `allow_command_sources`, and of one whose `file` source is a FIFO, device,
-    socket or directory `not_a_file`: such a source is never run, fetched or opened.
+    in none of the manifests is skipped (`missing_recording`). A manifest line that is no recording,
+    supervision or MonoCut (not a JSON object, a missing key, a value of the wrong type) is
+    `bad_manifest_row` naming the file and line. Every clip of a recording read by a `command` or `url`
+    source is `unsafe_source` unless `allow_command_sources`, and of one whose `file` source is a FIFO,
+    device, socket or directory `not_a_file`: such a source is never run, fetched or opened.
     """
-    recordings, supervisions, dropped = _manifest_rows(manifests)
-    if not recordings:
-        raise MmtokError(f"no Lhotse recordings found in {', '.join(map(str, manifests))}: pass the recordings "
-                         "manifest (JSONL with `sources`) together with the supervisions manifest")
+    recordings, supervisions, cuts, dropped = _manifest_rows(manifests)
+    if not recordings and not cuts and not dropped:  # bad rows: the run ends naming each (no clip written)
+        raise MmtokError(f"no Lhotse recordings or cuts found in {', '.join(map(str, manifests))}: pass the "
+                         "recordings manifest (JSONL with `sources`) together with the supervisions manifest, "
+                         "or a CutSet manifest")
     by_recording: dict[str, list[dict]] = {}
     for sup in supervisions:
         by_recording.setdefault(sup["recording_id"], []).append(sup)
@@ -552,26 +557,78 @@ def lhotse_units(manifests: list[Path], allow_command_sources: bool = False) -> 
             dropped += [skip_record(clip.id, clip.origin, *refusal) for clip in clips]
             continue
         units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
+    for rec, clips in _cut_clips(cuts):
+        refusal = _source_refusal(rec, allow_command_sources)
+        if refusal is not None:
+            dropped += [skip_record(clip.id, clip.origin, *refusal) for clip in clips]
+        else:
+            units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
     return units, dropped
 
 
-def _manifest_rows(manifests: list[Path]) -> tuple[list[dict], list[dict], list[SkipRecord]]:
-    """(recordings, supervisions, bad_manifest_row records) of the manifests' lines: a row with `sources`
-    (or a `sampling_rate`, which no supervision has) is a recording, any other a supervision; each checked
-    to hold the keys mmtok and lhotse need."""
-    recordings, supervisions, dropped = [], [], []
+def _cut_clips(cuts: list[dict]) -> list[tuple[dict, list[ClipSpec]]]:
+    """(recording, its clips) of a CutSet manifest's MonoCuts, recordings in order of their first cut. A cut
+    is one clip, its segment [start, start + duration) of its recording; its clips are numbered by start
+    time. Its text is its supervisions' texts in start order joined by one space, its language and
+    target language the first supervision's (the rule `encode --shar` applies to a Shar's cuts)."""
+    by_recording: dict[str, tuple[dict, list[dict]]] = {}
+    for cut in cuts:
+        by_recording.setdefault(cut["recording"]["id"], (cut["recording"], []))[1].append(cut)
+    out = []
+    for rec, members in by_recording.values():
+        clips = []
+        for number, cut in enumerate(sorted(members, key=lambda c: (c["start"], c["id"]))):
+            sups = sorted((s for s in cut.get("supervisions") or [] if isinstance(s, dict)),
+                          key=lambda s: (_float_or_none(s.get("start")) or 0.0, str(s.get("id"))))
+            texts = [t for t in (_text_or_none(s.get("text")) for s in sups) if t]
+            first = sups[0] if sups else {}
+            channel = cut.get("channel")
+            clips.append(ClipSpec(
+                id=cut["id"], source_id=rec["id"], clip=number, origin=f"cut {cut['id']}",
+                text=" ".join(texts) or None, language=_text_or_none(first.get("language")),
+                target_language=_text_or_none((first.get("custom") or {}).get("target_language")),
+                start=float(cut["start"]), end=float(cut["start"]) + float(cut["duration"]),
+                channel=channel if isinstance(channel, int) and not isinstance(channel, bool) else None))
+        out.append((rec, clips))
+    return out
+
+
+def _manifest_rows(manifests: list[Path]) -> tuple[list[dict], list[dict], list[dict], list[SkipRecord]]:
+    """(recordings, supervisions, cuts, bad_manifest_row records) of the manifests' lines: a row with a
+    `type` ending in "Cut" (or a `recording` object) is a cut, one with `sources` (or a `sampling_rate`,
+    which no supervision has) a recording, any other a supervision; each checked to hold the keys mmtok and
+    lhotse need."""
+    rows: dict[str, list[dict]] = {"recording": [], "supervision": [], "cut": []}
+    dropped = []
     for path in manifests:
         for line, row in _jsonl_rows(path):
-            is_recording = isinstance(row, dict) and ("sources" in row or "sampling_rate" in row)
-            problem = _row_problem(row, RECORDING_KEYS if is_recording else SUPERVISION_KEYS)
-            if problem is None and is_recording:
-                problem = next(filter(None, map(_source_problem, row["sources"])), None)
+            kind = _row_kind(row)
+            problem = _cut_problem(row) if kind == "cut" else _row_problem(row, ROW_KEYS[kind], kind)
+            if problem is None and kind in ("recording", "cut"):
+                recording = row if kind == "recording" else row["recording"]
+                problem = next(filter(None, map(_source_problem, recording["sources"])), None)
             if problem is not None:
                 dropped.append(skip_record(f"{path.name}:{line}", f"{path}:{line}", "bad_manifest_row",
                                            f"{problem}; fix or remove line {line}"))
             else:
-                (recordings if is_recording else supervisions).append(row)
-    return recordings, supervisions, dropped
+                rows[kind].append(row)
+    return rows["recording"], rows["supervision"], rows["cut"], dropped
+
+
+def _row_kind(row) -> str:
+    if not isinstance(row, dict):
+        return "supervision"  # _row_problem names what it is instead
+    if str(row.get("type", "")).endswith("Cut") or isinstance(row.get("recording"), dict):
+        return "cut"
+    return "recording" if "sources" in row or "sampling_rate" in row else "supervision"
+
+
+def _cut_problem(cut: dict) -> str | None:
+    """Why a cut row is no MonoCut mmtok can cut its clip from (None when it is one)."""
+    if cut.get("type", "MonoCut") != "MonoCut":
+        return (f"a {_shown(cut.get('type'))} (a mix or padding of several cuts); mmtok converts MonoCuts: "
+                "convert the cuts before mixing them")
+    return _row_problem(cut, CUT_KEYS, "cut") or _row_problem(cut["recording"], RECORDING_KEYS, "recording")
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
@@ -589,14 +646,13 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
         raise MmtokError(f"{path}: cannot read the Lhotse manifest ({err})") from None
 
 
-_KIND_NAMES = {str: "a non-empty string", list: "a non-empty list", int: "an integer"}
+_KIND_NAMES = {str: "a non-empty string", list: "a non-empty list", int: "an integer", dict: "a JSON object"}
 
 
-def _row_problem(row, keys: dict[str, type | tuple]) -> str | None:
+def _row_problem(row, keys: dict[str, type | tuple], noun: str) -> str | None:
     """Why `row` is not a row with `keys` of their types (None when it is)."""
     if isinstance(row, ValueError):
         return str(row)
-    noun = "recording" if "sources" in keys else "supervision"
     if not isinstance(row, dict):
         return f"not a JSON object but {type(row).__name__}"
     for key, kind in keys.items():
@@ -618,6 +674,9 @@ def _source_problem(source) -> str | None:
         return f"source `type`={_shown(source.get('type'))} is none of {', '.join(SOURCE_TYPES)}"
     if not isinstance(source.get("source"), str) or not isinstance(source.get("channels"), list):
         return "a source without a `source` string and a `channels` list"
+    if source["type"] == "shar":
+        return ("a cut of a Lhotse Shar, whose audio is in the recording tar beside its manifest: encode the Shar "
+                "directory with `mmtok encode --modality audio --shar DIR`")
     return None
 
 

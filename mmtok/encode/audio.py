@@ -165,12 +165,12 @@ FOREIGN_CLIP_BASE = 10**9  # a foreign cut's clip number: shard index * FOREIGN_
 def clip_numbers(cuts, shard_index: int) -> list[tuple[str, int]]:
     """(source id, clip number) of each cut, in cut order. mmtok's own cuts carry both in `custom`. A cut
     another producer wrote (lhotse's `to_shar` of trimmed cuts) belongs to its recording, and its number is
-    its rank by start time among that recording's cuts in this shard (skipped cuts included, so they
-    leave a gap), after `shard_index * FOREIGN_CLIP_BASE`: clips of one recording interleave in time
-    order, and a run ends where the recording crosses into another shard (cuts in two shards cannot be
-    ordered without reading both)."""
+    its rank by (start, position in the shard) among that recording's cuts in this shard (skipped cuts
+    included, so they leave a gap), after `shard_index * FOREIGN_CLIP_BASE`. `to_shar` stores each cut's
+    own audio and sets its start to 0, so there the recipe's cut order decides; a run ends where the
+    recording crosses into another shard (cuts in two shards cannot be ordered without reading both)."""
     numbers: list[tuple[str, int] | None] = []
-    foreign: dict[str, list[tuple[float, str, int]]] = {}
+    foreign: dict[str, list[tuple[float, int]]] = {}
     for position, cut in enumerate(cuts):
         custom = cut.custom or {}
         if "source_id" in custom:
@@ -178,9 +178,9 @@ def clip_numbers(cuts, shard_index: int) -> list[tuple[str, int]]:
             continue
         numbers.append(None)
         recording = getattr(cut, "recording_id", None) or cut.id
-        foreign.setdefault(str(recording), []).append((float(cut.start), cut.id, position))
+        foreign.setdefault(str(recording), []).append((float(cut.start), position))
     for recording, members in foreign.items():
-        for rank, (_, _, position) in enumerate(sorted(members)):
+        for rank, (_, position) in enumerate(sorted(members)):
             numbers[position] = (recording, shard_index * FOREIGN_CLIP_BASE + rank)
     return numbers
 
