@@ -392,7 +392,8 @@ class TarUnit(Unit):
                               ", ".join(m[0] for m in members))
                 continue
             for extra in audio_members[1:]:
-                yield skip_record(f"{tar_id}/{key}", f"{self.path}:{key}.{extra[0]}", "extra_audio_member")
+                yield skip_record(f"{tar_id}/{key}", f"{self.path}:{extra[5]}", "extra_audio_member",
+                                  f"sample {key} holds {len(audio_members)} audio members; {KEY_RULE}")
             meta, problem = _sidecar_metadata(members)
             problem = _refusal(audio_members[0], members) or problem
             records.append({**meta, "id": meta.get("id") or f"{tar_id}/{key}",
@@ -400,8 +401,8 @@ class TarUnit(Unit):
             audio.append(audio_members[0])
             problems.append(problem)
         numbers = number_clips(records)  # before dropping bad sidecars: a dropped clip leaves a gap
-        for record, number, (ext, offset, size, *_), problem in zip(records, numbers, audio, problems):
-            origin = f"{self.path}:{record['id']}.{ext}"
+        for record, number, (_, offset, size, _, _, name), problem in zip(records, numbers, audio, problems):
+            origin = f"{self.path}:{name}"
             if problem is not None:
                 yield skip_record(str(record["id"]), origin, *problem)
                 continue
@@ -425,8 +426,9 @@ class _ByteRangeLoader:
 
 
 def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecord]]:
-    """Group tar members by WebDataset key -> [(ext, data offset, size, sidecar bytes or None, refusal)], in
-    tar order; `refusal` is (reason, detail) for a member the tar reader refuses (`mmtok.formats.tar.Member`).
+    """Group tar members by WebDataset key -> [(suffix, data offset, size, sidecar bytes or None, refusal, member
+    name)], in tar order; `refusal` is (reason, detail) for a member the tar reader refuses
+    (`mmtok.formats.tar.Member`); `suffix` per `member_suffix`.
 
     Audio data is not read here (only its byte range); txt/json sidecars are. A damaged tar keeps the
     members the reader finds and reports each damage with its reason (`truncated_tar`, `corrupt_header`, ...).
@@ -441,15 +443,26 @@ def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecord]]:
             named = sample_key(entry.name)
             if named is None:
                 continue
-            key, ext = named[0], named[1].lower()
+            key, ext = named[0], member_suffix(named[1])
             refusal = (entry.reason, f"member {entry.name}") if entry.reason else None
             body = None
             if ext in ("txt", "json") and refusal is None:
                 body = read_member(path, entry.offset, entry.size)
-            samples.setdefault(key, []).append((ext, entry.offset, entry.size, body, refusal))
+            samples.setdefault(key, []).append((ext, entry.offset, entry.size, body, refusal, entry.name))
     except OSError as err:
         errors.append(skip_record(Path(path).name, path, "truncated_tar", str(err)))
     return samples, errors
+
+
+def member_suffix(ext: str) -> str:
+    """What a member is, from its extension after the key (scan's rule for images): `flac` of `x.flac`, and the
+    last part of a dotted one (`wav` of `laion.v2.000001.wav`, whose key is `laion`)."""
+    ext = ext.lower()
+    return ext if ext in AUDIO_SUFFIXES or ext in ("txt", "json") else ext.rpartition(".")[2]
+
+
+KEY_RULE = ("a WebDataset sample key ends at the first dot of a member's name, so `laion.v2.000001.wav` and "
+            "`laion.v2.000002.wav` are both sample `laion`: rename such members (docs/audio.md)")
 
 
 def _refusal(audio_member: tuple, members: list[tuple]) -> tuple[str, str] | None:
@@ -466,7 +479,7 @@ def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | Non
     then holds what could be read, so the clip still takes its number.
     """
     meta: dict = {}
-    for ext, _, _, body, _ in members:
+    for ext, _, _, body, *_ in members:
         if ext == "json" and body is not None:
             try:
                 loaded = _json_row(body.decode("utf-8"))
@@ -479,7 +492,7 @@ def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | Non
                 meta.update(clean_metadata(picked))
             except ValueError as err:
                 return {}, ("bad_metadata", f"json sidecar: {err}")
-    for ext, _, _, body, _ in members:
+    for ext, _, _, body, *_ in members:
         if ext == "txt" and body is not None and not meta.get("text"):
             try:
                 meta["text"] = body.decode("utf-8").strip()
