@@ -521,5 +521,7 @@ def test_keys_with_dots_that_merge_samples_are_a_counted_warning(tmp_path, capsy
     assert main(["scan", str(tar), "--out", str(tmp_path / "m"), "--workers", "1", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert "warning: 1 caption beyond a sample's first went unused" in err and "sample `laion`" in err
+    assert "1 sample holds several images named past the key's first dot (first: sample `laion` with " \
+           "laion.v2.000001.png, laion.v2.000002.png)" in err
     meta = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert meta["documents"] == 1 and meta["ignored_members"] == {"(second caption of one sample)": 1}

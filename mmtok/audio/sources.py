@@ -740,10 +740,10 @@ class ParquetUnit(Unit):
     clips: list[ClipSpec | SkipRecord] = field(default_factory=list)  # one per row; a skip record: bad metadata
 
     def payloads(self):
-        import pyarrow.parquet as pq
+        from mmtok.formats.tables import read_group
 
         try:
-            table = pq.ParquetFile(self.path).read_row_group(self.row_group, columns=[self.audio_column])
+            table = read_group(self.path, self.row_group, [self.audio_column])
         except Exception as err:  # pyarrow raises several types for damaged files
             for clip in self.clips:
                 unreadable = skip_record(clip.id, clip.origin, "unreadable_row_group", str(err))
@@ -786,20 +786,21 @@ def _cell_file(path: str, directory: Path, clip: ClipSpec):
 
 
 def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list[Unit], list[SkipRecord]]:
-    """One unit per row group; metadata columns (by their standard names) are read here to number clips."""
-    import pyarrow.parquet as pq
+    """One unit per row group (an Arrow file's record batch: Hugging Face `save_to_disk`); metadata columns (by
+    their standard names) are read here to number clips."""
+    from mmtok.formats.tables import group_sizes, read_columns, read_schema, sniff_format
 
     try:
-        handle = pq.ParquetFile(path)
-    except Exception as err:
+        names = set(read_schema(str(path), sniff_format(str(path))).names)
+        sizes = group_sizes(str(path))
+    except Exception as err:  # pyarrow raises several types for damaged files
         return [], [skip_record(path.name, str(path), "unreadable_parquet", str(err))]
-    names = set(handle.schema_arrow.names)
     if audio_column not in names:
         raise MmtokError(f"{path}: no audio column {audio_column!r} (columns: {sorted(names)}); pass --audio-column")
     wanted = {key: (text_column if key == "text" else key) for key in META_KEYS}
     columns = [c for c in wanted.values() if c in names]
-    meta = handle.read(columns=columns).to_pylist() if columns else [{} for _ in range(handle.metadata.num_rows)]
-    stem = path.name.removesuffix(".parquet")
+    meta = read_columns(str(path), columns).to_pylist() if columns else [{} for _ in range(sum(sizes))]
+    stem = path.name.removesuffix(".parquet").removesuffix(".arrow")
     records, problems = [], []
     for row_index, row in enumerate(meta):
         try:
@@ -812,8 +813,7 @@ def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list
         problems.append(problem)
     numbers = number_clips(records)
     units, first = [], 0
-    for group in range(handle.num_row_groups):
-        count = handle.metadata.row_group(group).num_rows
+    for group, count in enumerate(sizes):
         clips = [_spec(records[i], numbers[i], f"{path}:row {i}", cut_segment=False) if problems[i] is None
                  else skip_record(str(records[i]["id"]), f"{path}:row {i}", "bad_metadata", problems[i])
                  for i in range(first, first + count)]
@@ -821,6 +821,20 @@ def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list
                                  first_row=first, audio_column=audio_column, clips=clips))
         first += count
     return units, []
+
+
+def table_units(path: Path, audio_column: str, text_column: str) -> tuple[list[Unit], list[SkipRecord]]:
+    """`parquet_units` of a table file, or of each Arrow file of a `save_to_disk` directory in its order."""
+    from mmtok.formats.tables import saved_dataset_files
+
+    files = saved_dataset_files(path) if path.is_dir() else None
+    units: list[Unit] = []
+    dropped: list[SkipRecord] = []
+    for file in files or [path]:
+        found = parquet_units(file, audio_column, text_column)
+        units += found[0]
+        dropped += found[1]
+    return units, dropped
 
 
 # --- (e) SFT conversations --------------------------------------------------------------------------
@@ -893,7 +907,12 @@ def _conversation_clips(conversation: Conversation) -> Iterator[tuple[_LocatedLo
 # --- all inputs ----------------------------------------------------------------------------------
 
 def detect_kind(path: Path) -> str:
-    """dir / tar / parquet / lhotse from what the input is."""
+    """dir / tar / parquet / lhotse from what the input is (an Arrow file, or a Hugging Face `save_to_disk`
+    directory of them, is a table like Parquet)."""
+    from mmtok.formats.tables import saved_dataset_files
+
+    if path.is_dir() and saved_dataset_files(path) is not None:
+        return "parquet"
     if path.is_dir():
         if any(path.glob(CUTS_GLOB)):  # converting a Shar again would give 0 clips: its audio is in tars
             raise MmtokError(f"{path}: a Lhotse Shar directory ({CUTS_GLOB} + recording tars), which is what `audio "
@@ -902,7 +921,7 @@ def detect_kind(path: Path) -> str:
     name = path.name.lower()
     if name.endswith(".tar"):
         return "tar"
-    if name.endswith(".parquet"):
+    if name.endswith((".parquet", ".arrow")):
         return "parquet"
     if name.endswith((".jsonl", ".jsonl.gz")):
         return "lhotse"
@@ -953,7 +972,7 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
         elif this_kind == "tar":
             found = ([TarUnit(origin=str(path), path=str(path))], [])
         elif this_kind == "parquet":
-            found = parquet_units(path, audio_column, text_column)
+            found = table_units(path, audio_column, text_column)
         elif this_kind in READ_TOGETHER:
             if position != kinds.index(this_kind):
                 continue  # read with the first input of its kind

@@ -110,20 +110,27 @@ def run(args) -> int:
             return 0
     if not meta["images_ok"]:
         raise MmtokError(no_image_message(meta, args.out))
-    print_summary("scan", [summary_line(meta, args.out), *warning_lines(meta)])
+    print_summary("scan", [summary_line(meta, args.out), *warning_lines(meta, args.out)])
     return 0
 
 
-def warning_lines(meta: dict) -> list[str]:
-    """What a user should look at although nothing failed: samples that held more than one caption."""
+def warning_lines(meta: dict, out: str) -> list[str]:
+    """What a user should look at although nothing failed: samples that held more than one caption, or images
+    named past the key's first dot (both most often separate samples a producer named with dots)."""
+    from mmtok.formats.manifest import Manifest
     from mmtok.scan.scanner import EXTRA_CAPTION
 
     extra = meta["ignored_members"].get(EXTRA_CAPTION, 0)
-    if not extra:
+    merged, key, members = Manifest.open(out).merged_by_dots()
+    if not extra and not merged:
         return []
-    return [f"warning: {plural(extra, 'caption')} beyond a sample's first went unused (a sample held two): a "
-            "WebDataset sample key is a member's name up to its first dot, so `laion.v2.000001.jpg` and "
-            "`laion.v2.000002.jpg` are both sample `laion` -- rename such members (docs/scan.md)"]
+    found = [f"{plural(extra, 'caption')} beyond a sample's first went unused"] if extra else []
+    if merged:
+        found.append(f"{plural(merged, 'sample')} {'holds' if merged == 1 else 'hold'} several images named past the key's first dot (first: "
+                     f"sample `{key}` with {', '.join(members[:3])}{' ...' if len(members) > 3 else ''})")
+    return [f"warning: {'; '.join(found)}: a WebDataset sample key is a member's name up to its first dot, so "
+            "`laion.v2.000001.jpg` and `laion.v2.000002.jpg` are both sample `laion` -- rename such members "
+            "(docs/scan.md)"]
 
 
 def share_line(share: dict) -> str:

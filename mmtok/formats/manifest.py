@@ -180,6 +180,26 @@ class Manifest:
         parquet = self._parquet(columns, read_dictionary=list(dictionary))
         return parquet.iter_batches(batch_size=batch_size, columns=columns)
 
+    def merged_by_dots(self) -> tuple[int, str | None, list[str]]:
+        """(documents, first one's key, its first members) of tar samples that hold several images whose names
+        continue past the key's first dot (`laion.v2.000001.jpg` + `laion.v2.000002.jpg` = sample `laion`,
+        WebDataset's key rule): most often separate samples a producer named with dots. `KEY.jpg` and
+        `KEY.N.jpg` (a multi-image document's own naming) are not counted."""
+        import pyarrow.compute as pc
+
+        documents: set[int] = set()
+        first: tuple[str | None, list[str]] = (None, [])
+        for batch in self.batches(["container", "key", "member", "image_index", "document"]):
+            later = pc.and_(pc.equal(batch.column("container"), "tar"), pc.greater(batch.column("image_index"), 0))
+            plain = pc.match_substring_regex(batch.column("member"), r"(^|/)[^/.]*\.([0-9]+\.)?[^/.]*$")
+            picked = batch.filter(pc.and_(later, pc.invert(plain)))
+            if picked.num_rows and first[0] is None:
+                doc = picked.column("document")[0]
+                same = batch.filter(pc.equal(batch.column("document"), doc))
+                first = (picked.column("key")[0].as_py(), same.column("member").to_pylist()[:4])
+            documents.update(picked.column("document").to_pylist())
+        return len(documents), first[0], first[1]
+
     def read_rows(self, rows: np.ndarray, columns: Iterable[str]) -> dict[str, np.ndarray]:
         """The given rows (any order), reading only the row groups that hold them.
 

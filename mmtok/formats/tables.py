@@ -20,7 +20,7 @@ from mmtok.errors import Skip
 PARQUET_MAGIC = b"PAR1"
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # continuation marker opening an IPC stream message
-KEY_COLUMN = "__key__"  # WebDataset-to-Parquet exports keep the sample key here
+KEY_COLUMNS = ("__key__", "key")  # a sample key column: WebDataset-to-Parquet exports; img2dataset's Parquet output
 PREFERRED_IMAGE_COLUMN = "image"
 
 
@@ -55,19 +55,31 @@ def choose_columns(schema: pa.Schema, image_column: str | None, text_column: str
     names = schema.names
     if image_column is not None:
         if image_column not in names or not _is_image_type(schema.field(image_column).type):
-            raise ColumnError("missing_column", f"no binary or {{bytes, path}} column {image_column!r} (columns: {names})")
+            raise ColumnError("missing_column", f"no binary or {{bytes, path}} column {image_column!r} (columns: "
+                              f"{names}){_image_lists(schema)}")
     else:
         candidates = [n for n in names if _is_image_type(schema.field(n).type)]
         if not candidates:
-            raise ColumnError("no_image_column", f"no binary or {{bytes, path}} column among {names}; pass --image-column")
+            raise ColumnError("no_image_column", f"no binary or {{bytes, path}} column among {names}"
+                              f"{_image_lists(schema) or '; pass --image-column'}")
         image_column = PREFERRED_IMAGE_COLUMN if PREFERRED_IMAGE_COLUMN in candidates else candidates[0]
     if text_column is not None:
         kind = schema.field(text_column).type if text_column in names else None
         if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise ColumnError("missing_column", f"no string column {text_column!r} (columns: {names})")
-    key = KEY_COLUMN if KEY_COLUMN in names and pa.types.is_string(schema.field(KEY_COLUMN).type) else None
+    key = next((k for k in KEY_COLUMNS if k in names and pa.types.is_string(schema.field(k).type)), None)
     return image_column, text_column, key
 
+
+def _image_lists(schema: pa.Schema) -> str:
+    """What to say about columns that hold a list of images per row (Hugging Face `Sequence(Image())`)."""
+    lists = [n for n in schema.names if (pa.types.is_list(schema.field(n).type) or pa.types.is_large_list(
+        schema.field(n).type)) and _is_image_type(schema.field(n).type.value_type)]
+    if not lists:
+        return ""
+    return (f"; {', '.join(repr(n) for n in lists)} holds a list of images per row (Hugging Face Sequence(Image())), "
+            "which mmtok does not read as one document: flatten it to one image per row, or write WebDataset tars "
+            "whose samples hold the images as KEY.0.jpg, KEY.1.jpg, ... (one document each)")
 
 def _read_arrow(path: str) -> pa.Table:
     source = pa.memory_map(path)
@@ -84,6 +96,56 @@ def read_schema(path: str, file_format: str) -> pa.Schema:
     if file_format == "parquet":
         return pq.ParquetFile(path).schema_arrow
     return _read_arrow(path).schema
+
+
+def group_sizes(path: str) -> list[int]:
+    """Rows per read unit of a table file: its Parquet row groups, or its Arrow record batches as written."""
+    import pyarrow.parquet as pq
+
+    if sniff_format(path) == "parquet":
+        meta = pq.ParquetFile(path).metadata
+        return [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
+    return [batch.num_rows for batch in _read_arrow(path).to_batches()]
+
+
+def read_group(path: str, group: int, columns: list[str]) -> pa.Table:
+    """Read unit `group` (see `group_sizes`) of a table file, `columns` only."""
+    import pyarrow.parquet as pq
+
+    if sniff_format(path) == "parquet":
+        return pq.ParquetFile(path, memory_map=True).read_row_group(group, columns=columns)
+    return pa.Table.from_batches([_read_arrow(path).select(columns).to_batches()[group]])
+
+
+def read_columns(path: str, columns: list[str]) -> pa.Table:
+    """Every row of a table file, `columns` only (small metadata columns: the media stay on disk)."""
+    import pyarrow.parquet as pq
+
+    if sniff_format(path) == "parquet":
+        return pq.ParquetFile(path, memory_map=True).read(columns=columns)
+    return _read_arrow(path).select(columns)
+
+
+SAVED_STATE = "state.json"  # Hugging Face `Dataset.save_to_disk`: state.json + dataset_info.json + data-*.arrow
+
+
+def saved_dataset_files(directory: Path) -> list[Path] | None:
+    """The Arrow files of a `Dataset.save_to_disk` directory in its own order (state.json's `_data_files`),
+    or None when `directory` is not one. A listed name that is not a plain file name in the directory is an
+    MmtokError (the state file is input too: it never points elsewhere)."""
+    from mmtok.errors import MmtokError
+    from mmtok.fsutil import read_json_object
+
+    state = directory / SAVED_STATE
+    if not state.is_file() or not (directory / "dataset_info.json").is_file():
+        return None
+    listed = (read_json_object(state) or {}).get("_data_files")
+    names = [entry.get("filename") for entry in listed] if isinstance(listed, list) and all(
+        isinstance(entry, dict) for entry in listed) else None
+    if not names or not all(isinstance(n, str) and n and "/" not in n and n not in (".", "..") for n in names):
+        raise MmtokError(f"{state}: no list of plain data file names in `_data_files` (a damaged or foreign "
+                         "save_to_disk directory)")
+    return [directory / name for name in names]
 
 
 def iter_batches(path: str, file_format: str, columns: list[str], batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:

@@ -35,7 +35,8 @@ from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NO
 # are `unsupported_member` (pax sparse ones were rows of garbage bytes), a file given twice is `duplicate_input`.
 # 6: a file too short for one tar header is `not_a_tar` saying what it is (was `truncated_tar`, no detail); an
 # image cell holding only a path is `path_only_cell` (was `missing_image`).
-SCAN_VERSION = 6
+# 7: a Parquet/Arrow `key` column (img2dataset's) is the sample key (was the row number).
+SCAN_VERSION = 7
 EXTRA_CAPTION = "(second caption of one sample)"  # an ignored_members entry: the command warns about it
 PATH_ONLY_CELL = "path_only_cell"  # an image cell with a file path and no bytes (docs/scan.md says how to embed them)
 CACHE_DIR = ".scan-cache"
