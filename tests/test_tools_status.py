@@ -322,3 +322,67 @@ def test_a_finished_job_shows_no_tail(tmp_path, capsys):
     write_part(tmp_path, image_identity(0, 1, (0, 2)), range(2), finish=True)
     assert main(["status", str(tmp_path)]) == 0 and "tail:" not in capsys.readouterr().out
     assert job_status(tmp_path)["tail"]["actions"] == []
+
+
+def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, capsys):
+    """Issue 49.7: one table per input that adds up -- scan errors, plan drops, encode skips (by reason),
+    written and pending -- instead of reconciling three files by hand. Checked mid-job (a rank not run:
+    pending) and at the end, against the scan's, plan's and parts' own counts."""
+    from encodekit import PLAN_FLAGS, caption_corpus, chat_tokenizer, write_tar
+
+    from mmtok.codecs import emu35
+
+    shards = caption_corpus(tmp_path / "captions", corrupt=True)
+    photo = (tmp_path / "captions" / "shard-0.tar").read_bytes()[:3000]  # cut inside its first image
+    shards.append(tmp_path / "captions" / "shard-3.tar")
+    shards[-1].write_bytes(photo)
+    checkpoint = emu35.write_random_checkpoint(tmp_path / "ckpt")
+    assert main(["scan", *map(str, shards), "--out", str(tmp_path / "m"), "--workers", "1", "--no-progress"]) == 0
+    plan_dir = tmp_path / "plan"
+    assert main(["plan", str(tmp_path / "m"), "--out", str(plan_dir), "--quiet", *PLAN_FLAGS, "--text-tokenizer",
+                 str(chat_tokenizer(tmp_path / "tok")), "--mode", "image", "--world-size", "2",
+                 "--min-source-pixels", "40000"]) == 0
+    meta = json.loads((plan_dir / "plan.json").read_text())
+    out = tmp_path / "out"
+
+    def table() -> list[dict]:
+        capsys.readouterr()
+        assert main(["status", str(out), "--plan", str(plan_dir), "--inputs", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["inputs"]
+
+    def adds_up(rows: list[dict]) -> None:
+        for row in rows:
+            assert row["rows"] == (sum(row["scan"].values()) + sum(row["plan"].values()) + sum(row["encode"].values())
+                                   + row["written"] + row["pending"]), row
+
+    def encode_rank(rank: int) -> None:
+        with one_torch_thread():
+            assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(checkpoint), "--out", str(out),
+                         "--rank", str(rank), "--world-size", "2", "--loader-threads", "1", "--device", "cpu",
+                         "--no-progress"]) == 0
+
+    encode_rank(0)
+    mid = table()
+    adds_up(mid)
+    assert sum(r["pending"] for r in mid) > 0
+    encode_rank(1)
+    rows = table()
+    adds_up(rows)
+    assert [Path(r["input"]).name for r in rows] == [p.name for p in shards]
+    assert sum(r["rows"] for r in rows) == meta["totals"]["manifest_rows"]
+    assert sum(r["pending"] for r in rows) == 0
+    assert sum(r["written"] for r in rows) == job_status(out, plan=plan_dir)["totals"]["written"]
+    assert rows[3]["scan"] == {"truncated_member": 1} and rows[2]["encode"] == {"decode_error": 2}
+    assert sum(sum(r["plan"].values()) for r in rows) > 0
+    dropped = {k: v for k, v in meta["dropped_by_reason"].items() if not k.startswith("scan:")}
+    assert sum(sum(r["plan"].values()) for r in rows) == sum(dropped.values())
+    assert main(["status", str(out), "--plan", str(plan_dir), "--inputs"]) == 0
+    human = capsys.readouterr().out
+    assert "rows = scan errors + plan drops + encode skips + written + pending" in human
+    assert "encode decode_error 2" in human and human.rstrip().splitlines()[-1].lstrip().startswith("total")
+    # merge drops the other image of the document whose image failed (its item record, not a part skip)
+    assert main(["merge", str(out)]) == 0
+    rows, counts = table(), json.loads((out / "merged.json").read_text())["counts"]
+    adds_up(rows)
+    assert rows[2]["encode"] == {"decode_error": 3, "document_image_failed": 1}
+    assert sum(r["written"] for r in rows) == counts["images_written"]

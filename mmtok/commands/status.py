@@ -41,6 +41,10 @@ def add_parser(sub) -> None:
     parser.add_argument("--plan", metavar="PLAN", default=None,
                         help="images: the plan the job encodes; adds the modeled imbalance and per-rank cost shares, "
                         "and weights ETAs by the plan's batch costs")
+    parser.add_argument("--inputs", action="store_true",
+                        help="images, with --plan: one line per input (tar or table file) saying where each of its "
+                        "manifest rows went -- scan errors, plan drops, encode skips (by reason), written, pending -- "
+                        "adding up to its rows")
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object instead")
     parser.set_defaults(func=run)
 
@@ -48,9 +52,14 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import json
 
-    from mmtok.tools.status import job_status
+    from mmtok.errors import MmtokError
+    from mmtok.tools.status import input_table, job_status
 
+    if args.inputs and args.plan is None:
+        raise MmtokError("--inputs needs --plan: the plan the job encodes (its manifest lists the inputs)")
     status = job_status(args.out, plan=args.plan)
+    if args.inputs:
+        status["inputs"] = input_table(status, args.plan)
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0
 
@@ -63,7 +72,37 @@ def render(status: dict) -> str:
     lines += [f"  warning: {w}" for w in status["warnings"]]
     lines += _table(status)
     lines += _summary(status)
+    if "inputs" in status:
+        lines += _inputs(status["inputs"])
     return "\n".join(lines)
+
+
+INPUT_STAGES = ("scan", "plan", "encode")
+
+
+def _inputs(table: list[dict]) -> list[str]:
+    """The per-input lines of `--inputs` (every input: the user reconciles each one), then their total."""
+    total = {"input": "total", "rows": sum(t["rows"] for t in table), "written": sum(t["written"] for t in table),
+             "pending": sum(t["pending"] for t in table)}
+    for stage in INPUT_STAGES:
+        total[stage] = dict(sum((Counter(t[stage]) for t in table), Counter()))
+    import os
+
+    folder = os.path.commonpath([os.path.dirname(t["input"]) for t in table]) if table else ""
+    shown = {t["input"]: os.path.relpath(t["input"], folder) if folder else t["input"] for t in table}
+    shown["total"] = "total"
+    width = max(len(name) for name in shown.values())
+    lines = [f"inputs: {plural(len(table), 'input')}{f' under {folder}' if folder else ''}, images per input: rows "
+             "= scan errors + plan drops + encode skips + written + pending",
+             f"  {'input':<{width}} {'rows':>9} {'scan':>7} {'plan':>7} {'encode':>7} {'written':>9} {'pending':>9}"
+             "  reasons"]
+    for entry in [*table, total]:
+        numbers = " ".join(f"{sum(entry[s].values()):>7,}" for s in INPUT_STAGES)
+        reasons = "; ".join(f"{stage} {reason} {n:,}" for stage in INPUT_STAGES
+                            for reason, n in sorted(entry[stage].items()))
+        lines.append(f"  {shown[entry['input']]:<{width}} {entry['rows']:>9,} {numbers} {entry['written']:>9,} "
+                     f"{entry['pending']:>9,}  {reasons or '-'}")
+    return lines
 
 
 def _table(status: dict) -> list[str]:

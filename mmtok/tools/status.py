@@ -327,3 +327,66 @@ def _imbalance(parts: list[dict], modality: str | None, model: dict | None, num_
     measured = imbalance(np.array([p["wall_s"] for p in parts])) if finished and modality != "audio" else None
     return {"measured": measured, "modeled": model["imbalance"] if model else None, "world_size": num_parts,
             "plan_world_size": model["plan_world_size"] if model else None}
+
+
+# -- per input: where every manifest row went --------------------------------------------------------
+def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
+    """One row per input of the plan's manifest (input order): the manifest rows it gave and where each
+    went, so that `rows = scan + plan + encode + written + pending` holds for every input:
+
+      scan     rows the scan recorded as errors (plan's dropped.parquet, reasons `scan:<reason>`)
+      plan     rows the plan dropped for its own reasons (dropped.parquet)
+      encode   kept rows the encode skipped (the parts' skip records: `position` is the manifest row)
+      written  kept rows of finished parts that were not skipped
+      pending  kept rows of unfinished parts not skipped so far
+
+    Each of scan/plan/encode is a {reason: count} mapping; `status` is `job_status(out, plan)`'s result (its
+    parts' states and count). Reads only."""
+    from mmtok.formats.plan import BATCHES_FILE, DROPPED_FILE, IMAGES_FILE
+
+    opened = _open_plan(plan)
+    tars = opened.manifest().read(["tar"]).column(0).combine_chunks().dictionary_encode()
+    codes, names = tars.indices.to_numpy(zero_copy_only=False), tars.dictionary.to_pylist()
+    table = [{"input": name, "rows": 0, "scan": {}, "plan": {}, "encode": {}, "written": 0, "pending": 0}
+             for name in names]
+    for index, count in enumerate(np.bincount(codes, minlength=len(names))):
+        table[index]["rows"] = int(count)
+    dropped = opened.table(DROPPED_FILE, ["manifest_row", "reason"]).to_pydict()
+    for row, reason in zip(dropped["manifest_row"], dropped["reason"]):
+        stage, name = ("scan", reason[5:]) if reason.startswith("scan:") else ("plan", reason)
+        _count(table[codes[row]][stage], name)
+    kept = opened.table(IMAGES_FILE, ["manifest_row"]).column(0).to_numpy()
+    plan_row = opened.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
+    bounds = np.append(plan_row, len(kept))
+    out = Path(status["out"])
+    for part, (start, end) in zip(status["parts"], opened.ranges(status["num_parts"])):
+        rows = kept[bounds[start]:bounds[end]]
+        skipped = [r for r in commitlog.read_skipped(commitlog.part_dir(out, part["part"]))
+                   if r.position is not None and 0 <= r.position < len(codes)]
+        column = "written" if part["state"] == "done" else "pending"
+        for index, count in enumerate(np.bincount(codes[rows], minlength=len(names))):
+            table[index][column] += int(count)
+        for record in skipped:
+            entry = table[codes[record.position]]
+            _count(entry["encode"], record.reason)
+            entry[column] -= 1
+    for record in _merge_skips(out, len(codes)):  # good images of documents merge dropped for a failed one
+        entry = table[codes[record.position]]
+        _count(entry["encode"], record.reason)
+        entry["written"] -= 1
+    return table
+
+
+def _merge_skips(out: Path, rows: int) -> list:
+    """The skip records merge added (`document_image_failed`: an image of a document another image of which
+    failed), once `OUT/merged.skipped.jsonl` exists; the parts' own records are in it too and not taken again."""
+    from mmtok.formats.merged import MERGED, SKIPPED_SUFFIX
+
+    path = out / (MERGED + SKIPPED_SUFFIX)
+    if not path.is_file():
+        return []
+    return [r for r in skips.read(path) if r.stage == "merge" and r.position is not None and 0 <= r.position < rows]
+
+
+def _count(counts: dict, reason: str) -> None:
+    counts[reason] = counts.get(reason, 0) + 1
