@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from mmtok.commands.options import add_device_argument
-from mmtok.commands.report import plural, print_report, print_summary
+from mmtok.commands.report import plural, print_report, print_summary, refuse_nothing_usable
 from mmtok.errors import MmtokError
 
 DESCRIPTION = """\
@@ -92,6 +92,13 @@ def run_images(args) -> int:
     stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
     print_report("encode", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
+    from mmtok.formats import skips
+
+    counts = stats["counts"]  # the part's own counters: the same verdict when a rerun finds it finished
+    failed = skips.items_failed_by_reason(counts)
+    refuse_nothing_usable(f"rank {rank}/{world_size}", counts.get("images_written", 0) + counts.get(
+        "images_deferred", 0) - sum(failed.values()), counts,
+        f"{stats['part_dir']}/skipped.jsonl" + (" and items.jsonl" if failed else ""), extra=failed)
     return 0
 
 
@@ -211,7 +218,23 @@ def run_audio(args) -> int:
                           batching=batching, sequences=args.sequences, num_workers=args.num_workers,
                           text_tokenizer=args.text_tokenizer, progress=not args.no_progress)
     print_report("encode (audio)", audio_summary_lines(summary, args.out), summary if args.json else None)
+    counts = parts_counts(args.out, [shards[i].index for i in summary["shards"]])  # now or in an earlier run
+    refuse_nothing_usable(f"rank {rank}/{world_size}", sum(n for key, n in counts.items() if key.startswith(
+        "sequences:")), counts, f"the parts' skipped.jsonl under {Path(args.out) / 'parts'}")
     return 0
+
+
+def parts_counts(out: str, parts: list[int]) -> dict[str, int]:
+    """The counters of `parts` of OUT summed, from their commit logs (a part finished by an earlier run too)."""
+    from collections import Counter
+
+    from mmtok.formats.commitlog import part_dir, read_commits
+
+    total: Counter = Counter()
+    for part in parts:
+        records, _ = read_commits(part_dir(out, part))
+        total.update(records[-1]["counts"] if records else {})
+    return dict(total)
 
 
 def audio_summary_lines(summary: dict, out: str) -> list[str]:

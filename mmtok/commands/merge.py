@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from mmtok.commands.report import plural, print_report, reasons
+from mmtok.commands.report import plural, print_report, reasons, refuse_nothing_usable
 from mmtok.formats import skips
 from mmtok.formats.megatron import MMTOK_READER
 
@@ -39,6 +40,10 @@ def run(args) -> int:
     seconds = time.perf_counter() - started
     print_report("merge", summary_lines(summary, args.out, seconds),
                  {**summary, "out": args.out, "seconds": round(seconds, 3)} if args.json else None)
+    if not summary["dataset"]:
+        from mmtok.formats.merged import MERGED, SKIPPED_SUFFIX
+
+        refuse_nothing_usable(args.out, 0, summary["counts"], Path(args.out) / (MERGED + SKIPPED_SUFFIX))
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import files_skipped, plural, print_summary, reasons
+from mmtok.commands.report import files_skipped, plural, print_summary, reasons, refuse_nothing_usable
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 
@@ -48,6 +48,9 @@ def run(args) -> int:
     report = pack(args.inputs, args.out, samples_per_tar=args.samples_per_tar, max_media_bytes=args.max_media_bytes,
                   progress=not args.no_progress, media_roots=args.media_root)
     print_summary("pack", summary_lines(report, args.out))
+    from mmtok.sft.pack import SKIPPED
+
+    refuse_nothing_usable(str(args.out), report["counts"].get("packed", 0), report["counts"], Path(args.out) / SKIPPED)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +46,21 @@ def _plain(value):
 def reasons(by_reason: dict[str, int]) -> str:
     """`decode_error 2, missing_caption 1`: counts by reason, in reason order, as every summary lists them."""
     return ", ".join(f"{reason} {count:,}" for reason, count in sorted(by_reason.items()))
+
+
+def refuse_nothing_usable(what: str, written: int, counts: dict[str, int], listed: Path | str,
+                          extra: dict[str, int] | None = None) -> None:
+    """The rule of every stage: a non-empty input (something skipped) from which nothing usable was written
+    exits 2 with the counts by reason, after the stage printed its summary and kept its files (MmtokError).
+    `counts` holds the stage's skip counters; `extra` more {reason: count} (e.g. failed items)."""
+    from mmtok.errors import MmtokError
+
+    lost = Counter(skips.by_reason(counts)) + Counter(extra or {})
+    lost.update({f"{reason} (whole file)": n for reason, n in skips.files_by_reason(counts).items()})
+    if written or not lost:
+        return
+    raise MmtokError(f"{what}: nothing usable was written -- every input was skipped ({reasons(lost)}; each named "
+                     f"in {listed}): check the inputs and the options above")
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:

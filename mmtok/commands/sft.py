@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import files_skipped, plural, print_report, reasons
+from mmtok.commands.report import files_skipped, plural, print_report, reasons, refuse_nothing_usable
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 
@@ -72,6 +72,8 @@ def run(args) -> int:
                           options=options, media_roots=args.media_root)
     print_report("sft", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
+    refuse_nothing_usable(f"rank {rank}/{world_size}", stats["counts"].get("documents_written", 0), stats["counts"],
+                          f"{stats['part_dir']}/skipped.jsonl")
     return 0
 
 
