@@ -42,15 +42,15 @@ clip, RSS at the peak of the image index's build, and the indexes' own `nbytes`;
 the corpus above of M conversations: a first run, then a rerun of the lost part into the same --out (where the
 count is kept): wall seconds and the process's peak RSS.
 
-    python benchmarks/bench_sft.py --ranks 10000000 [...] [--world-size 800] [--media-share 0.1]   # ~12 min here
+    python benchmarks/bench_sft.py --ranks 10000000 [...] [--world-size 800] [--media-share 0.1] [--baseline DIR]
 
 The rank mode measures what one rank of a cluster job costs: N of the smallest realistic conversations (a
 system prompt, a user turn, an answer; --media-share of them with one image placeholder) in chunks of 10,000
 (a JSONL file of the text-only ones with `id`s, then a tar of those with an image and its items in IMG), then
-`mmtok sft` as rank 0 of --world-size (first to start: it counts), as the last rank into the same OUT (it finds
-the count and reads every conversation before its range once) and as the last rank alone in a fresh OUT
-(counting first), each a process of its own: wall and CPU seconds, peak RSS (VmHWM), conversations read and
-rendered.
+`mmtok sft` as rank 0 of --world-size (first to start: it makes the conversation index), as the last rank into
+the same OUT (it finds the index and reads only its range) and as the last rank alone in a fresh OUT (making
+the index first), each a process of its own, for this checkout and, side by side, the --baseline tree: wall
+and CPU seconds, peak RSS (VmHWM), conversations read (counted in the child) and rendered.
 """
 
 from __future__ import annotations
@@ -436,12 +436,24 @@ print(json.dumps({"nbytes": nbytes, "image_s": image_s, "image_kept": image_rss 
 """
 PASS_CHILD = r"""
 import json, resource, sys
+import mmtok.formats.conversations as conversations
 from mmtok.cli import main
 
+read = [-1]  # records read, where the tree reads them through input_records (not before the conversation index)
+if hasattr(conversations, "input_records"):
+    import mmtok.formats.conversation_index as index
+    read, plain = [0], conversations.input_records
+
+    def counted(*args, **kwargs):
+        for found in plain(*args, **kwargs):
+            read[0] += 1
+            yield found
+
+    conversations.input_records = index.input_records = counted
 code = main(sys.argv[1:])
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"peak": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024,
-                  "cpu": usage.ru_utime + usage.ru_stime}))
+                  "cpu": usage.ru_utime + usage.ru_stime, "read": read[0]}))
 sys.exit(code)
 """
 SCALE_TEXT_SIZE = 32_768
@@ -608,43 +620,49 @@ def write_rank_corpus(work: Path, conversations: int, media_share: float, seed: 
     return {"inputs": inputs, "tok": tok, "images": ordinal}
 
 
-def rank_runs(work: Path, conversations: int, world_size: int, media_share: float) -> list[dict]:
-    """`mmtok sft` as rank 0 (it counts: a read pass of its own, then its range), then as the last rank into
-    the same OUT (it finds the count: one read up to the end of its range, all of the inputs), then the last
-    rank alone into a fresh OUT (counting first), each a process of its own."""
+def rank_runs(work: Path, conversations: int, world_size: int, media_share: float,
+              trees: dict[str, Path]) -> list[dict]:
+    """For each tree: `mmtok sft` as rank 0 (first to start: it makes the conversation index -- the baseline
+    counted -- then its range), then as the last rank into the same OUT (it finds the index), then the last rank
+    alone into a fresh OUT (making it first), each a process of its own. Records read are counted where the tree
+    reads them through `input_records` (else the baseline's own rule: its count pass, then every record up to
+    the end of its range)."""
     corpus_dir = work / f"ranks-{conversations}"
     started = time.perf_counter()
     corpus = write_rank_corpus(corpus_dir, conversations, media_share)
     print(f"(corpus of {conversations:,} conversations, {corpus['images']:,} with an image, written in "
           f"{time.perf_counter() - started:.0f} s)", file=sys.stderr)
     rows, final = [], world_size - 1
-    for rank, out, counted in ((0, "sft", False), (final, "sft", True), (final, "sft-alone", False)):
-        argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["inputs"]), "--text-tokenizer",
-                str(corpus["tok"]), "--images", str(corpus_dir / "img"), "--out", str(corpus_dir / out),
-                "--rank", str(rank), "--world-size", str(world_size), "--no-progress"]
-        wall, said = measured(argv, REPO)
-        stats = json.loads((part_dir(corpus_dir / out, rank) / "stats.json").read_text())
-        begin, end = (min(unit * mmtok.sft.build.CONVERSATIONS_PER_UNIT, conversations) for unit in stats["units"])
-        rows.append({"conversations": conversations, "world_size": world_size, "rank": rank, "wall": wall,
-                     "count": "found in OUT" if counted else "counted", "media": corpus["images"],
-                     "read": (0 if counted else conversations) + end, "rendered": end - begin,
-                     "written": stats["counts"], **json.loads(said)})
-        print(f"(rank {rank}: {wall:.0f} s)", file=sys.stderr)
+    for name, tree in trees.items():
+        for rank, out, found in ((0, "sft", False), (final, "sft", True), (final, "sft-alone", False)):
+            argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["inputs"]), "--text-tokenizer",
+                    str(corpus["tok"]), "--images", str(corpus_dir / "img"), "--out", str(corpus_dir / f"{name}-{out}"),
+                    "--rank", str(rank), "--world-size", str(world_size), "--no-progress"]
+            wall, said = measured(argv, tree)
+            stats = json.loads((part_dir(corpus_dir / f"{name}-{out}", rank) / "stats.json").read_text())
+            begin, end = (min(unit * mmtok.sft.build.CONVERSATIONS_PER_UNIT, conversations) for unit in stats["units"])
+            child = json.loads(said)
+            if child["read"] < 0:
+                child["read"] = (0 if found else conversations) + end
+            rows.append({"tree": name, "conversations": conversations, "world_size": world_size, "rank": rank,
+                         "wall": wall, "index": "found in OUT" if found else "made", "media": corpus["images"],
+                         "rendered": end - begin, "written": stats["counts"], **child})
+            print(f"({name} rank {rank}: {wall:.0f} s)", file=sys.stderr)
     shutil.rmtree(corpus_dir, ignore_errors=True)
     return rows
 
 
-def ranks(work: Path, conversations: list[int], world_size: int, media_share: float) -> None:
-    rows = [row for count in conversations for row in rank_runs(work, count, world_size, media_share)]
-    print("| conversations | with an image | world size | rank | count | wall s | CPU s | peak MiB | conversations "
-          "read | rendered | us/conversation read |\n|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+def ranks(work: Path, conversations: list[int], world_size: int, media_share: float, baseline: Path | None) -> None:
+    trees = {"before": baseline, "after": REPO} if baseline else {"after": REPO}
+    rows = [row for count in conversations for row in rank_runs(work, count, world_size, media_share, trees)]
+    print("| tree | conversations | with an image | world size | rank | index (count) | wall s | CPU s | peak MiB | "
+          "conversations read | rendered |\n|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['conversations']:,} | {row['media']:,} | {row['world_size']} | {row['rank']} | {row['count']} "
-              "| "
-              f"{row['wall']:.1f} | {row['cpu']:.1f} | {row['peak'] / 2**20:,.0f} | {row['read']:,} | "
-              f"{row['rendered']:,} | {1e6 * row['wall'] / row['read']:.1f} |")
+        print(f"| {row['tree']} | {row['conversations']:,} | {row['media']:,} | {row['world_size']} | {row['rank']} | "
+              f"{row['index']} | {row['wall']:.1f} | {row['cpu']:.1f} | {row['peak'] / 2**20:,.0f} | "
+              f"{row['read']:,} | {row['rendered']:,} |")
     for row in rows:
-        print(f"rank {row['rank']} ({row['count']}): {row['written']}", file=sys.stderr)
+        print(f"{row['tree']} rank {row['rank']} ({row['index']}): {row['written']}", file=sys.stderr)
 
 
 def main() -> None:
@@ -667,7 +685,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-sft-", dir=args.dir))
     try:
         if args.ranks:
-            ranks(work, args.ranks, args.world_size, args.media_share)
+            ranks(work, args.ranks, args.world_size, args.media_share, args.baseline)
         elif args.scale:
             scale(work, args.scale_media, args.scale_conversations, args.baseline)
         else:

@@ -1,6 +1,7 @@
 """`mmtok sft` at scale: every output file of a small job (one rank and three ranks, a rank rerun from the
-count kept in OUT, then merged) hashes to what the two-pass, dict-indexed `mmtok sft` wrote; a rank that finds
-the count reads the inputs once."""
+conversation index kept in OUT, then merged) hashes to what the two-pass, dict-indexed `mmtok sft` wrote; the
+merged bytes are the same for 1, 5 and 20 ranks; a rank reads only its own range; an index of inputs that
+changed since is refused."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import mmtok.sft.build
 from chatkit import sft_job
 from encodekit import chat_tokenizer
 from mmtok.cli import main
-from mmtok.formats.conversations import COUNT_FILE, cached_count, input_fingerprint, read_conversations
+from mmtok.formats import conversation_index
+from mmtok.formats.conversation_index import ARRAYS_FILE, META_FILE
+from mmtok.formats.conversations import input_records, read_conversations
 
 # What differs between two runs of one job: wall times, and the CRCs of the records that hold them or its directory.
 VARYING = rb'"(wall_ms|wall_s|stats_crc|identity_crc)": ?[\d.]+|\t[0-9a-f]{8}(?=\n)'
@@ -27,7 +30,7 @@ UNIT = 4  # conversations a unit: 19 conversations are 5 units, split 1/2/2 over
 def _hashes(out: Path, root: Path) -> dict[str, str]:
     """sha256 of every file under `out`, the run's own directory and the wall times left out."""
     hashes = {}
-    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name not in (".lock", COUNT_FILE)):
+    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name not in (".lock", META_FILE, ARRAYS_FILE)):
         data = path.read_bytes().replace(os.fsencode(os.path.realpath(root)), b"ROOT")
         hashes[path.relative_to(out).as_posix()] = hashlib.sha256(re.sub(VARYING, b"", data)).hexdigest()
     return hashes
@@ -64,41 +67,68 @@ def test_every_output_file_is_the_bytes_the_two_pass_sft_wrote(job, monkeypatch,
     assert _digest(hashes) == RECORDED[world_size], hashes
 
 
-def test_a_rank_rerun_reads_the_inputs_once_and_writes_the_same_bytes(job, monkeypatch):
+def test_a_rank_rerun_reads_only_its_range_and_writes_the_same_bytes(job, monkeypatch):
     root, argv = job
     _sft(job, monkeypatch, "rerun", 3)
-    fingerprint = input_fingerprint([Path(a) for a in argv[1:4]])
-    assert cached_count(root / "rerun", fingerprint) == 19
+    index = json.loads((root / "rerun" / META_FILE).read_text())
+    assert index["conversations"] == 19 and index["duplicates"] == 1  # gamma's second g1
     reads = []
 
     def counted(*args, **kwargs):
-        reads.append(args)
-        return read_conversations(*args, **kwargs)
+        for found in input_records(*args, **kwargs):
+            reads.append(found[2].id)
+            yield found
 
-    shutil.rmtree(root / "rerun" / "parts" / "part-00001")  # a lost rank, run again
-    monkeypatch.setattr(mmtok.sft.build, "read_conversations", counted)
+    shutil.rmtree(root / "rerun" / "parts" / "part-00001")  # a lost rank, run again: units 1-2, ordinals 4-11
+    monkeypatch.setattr(conversation_index, "input_records", counted)
     assert main([*argv, "--out", "rerun", "--rank", "1", "--world-size", "3"]) == 0
-    assert len(reads) == 1
+    expected = [c.id for c in read_conversations([root / a for a in argv[1:4]])][4:12]
+    assert reads == expected  # nothing before its range is read, nothing after it
     assert main(["merge", "rerun", "--no-progress"]) == 0
     assert _digest(_hashes(root / "rerun", root)) == RECORDED[3]
 
 
-def test_a_count_of_inputs_that_changed_since_is_not_used(tmp_path):
-    talk = tmp_path / "talk.jsonl"
-    talk.write_text('{"messages": [{"role": "user", "content": "Hi."}]}\n')
-    mmtok.formats.conversations.write_count(tmp_path / "out", input_fingerprint([talk]), 1)
-    assert cached_count(tmp_path / "out", input_fingerprint([talk])) == 1
-    talk.write_text(talk.read_text() * 2)
-    assert cached_count(tmp_path / "out", input_fingerprint([talk])) is None
+def test_the_merged_bytes_are_the_same_for_1_5_and_20_ranks(job, monkeypatch):
+    # 19 conversations in 5 units: 20 ranks leave 15 idle; units start inside a tar and at a .jsonl line
+    # after a repeated id, which the rank reading it marks from the index
+    root, _ = job
+    merged = {}
+    for world_size in (1, 5, 20):
+        _sft(job, monkeypatch, f"w{world_size}", world_size)
+        merged[world_size] = {name: (root / f"w{world_size}" / name).read_bytes()
+                              for name in ("merged.bin", "merged.idx", "merged.skipped.jsonl")}
+    assert merged[1] == merged[5] == merged[20]
+    assert b"duplicate_conversation" in merged[1]["merged.skipped.jsonl"]
 
 
-@pytest.mark.parametrize("kept", [2, -3])
-def test_a_count_below_what_the_inputs_hold_is_refused_not_written_short(job, monkeypatch, capsys, kept):
-    # OUT/conversations.json edited, or inputs rewritten keeping size and mtime: the last rank must not stop short.
+def test_an_index_of_inputs_that_changed_since_is_refused(job, monkeypatch, capsys):
     root, argv = job
     monkeypatch.chdir(root)
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
-    fingerprint = input_fingerprint([Path(a) for a in argv[1:4]])
-    mmtok.formats.conversations.write_count(root / f"short{kept}", fingerprint, kept)
-    assert main([*argv, "--out", f"short{kept}"]) == 2
-    assert "the inputs hold more conversations than the" in capsys.readouterr().err
+    shutil.copytree(root / "convs", root / "convs2")
+    other = [a.replace("convs/", "convs2/") for a in argv]
+    assert main([*other, "--out", "changed", "--rank", "0", "--world-size", "2"]) == 0
+    jsonl = root / "convs2" / "gamma.jsonl"
+    jsonl.write_text(jsonl.read_text().replace("g2", "G2"))  # same size; another mtime and other first bytes
+    capsys.readouterr()
+    assert main([*other, "--out", "changed", "--rank", "1", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "gamma.jsonl changed since the conversation index in" in err and "its offsets are not this file's" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_damaged_index_is_refused_not_read_short(job, monkeypatch, capsys):
+    # OUT/conversations.json edited, or its arrays damaged: refused, never a rank that stops short.
+    root, argv = job
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
+    assert main([*argv, "--out", "damaged", "--rank", "0", "--world-size", "2"]) == 0
+    meta = json.loads((root / "damaged" / META_FILE).read_text())
+    (root / "damaged" / META_FILE).write_text(json.dumps({**meta, "conversations": 9}))
+    assert main([*argv, "--out", "damaged", "--rank", "1", "--world-size", "2"]) == 2
+    assert "9 conversations do not fit its 5 unit starts" in capsys.readouterr().err
+    arrays = root / "damaged" / ARRAYS_FILE
+    arrays.write_bytes(arrays.read_bytes()[:-1] + b"!")
+    (root / "damaged" / META_FILE).write_text(json.dumps(meta))
+    assert main([*argv, "--out", "damaged", "--rank", "1", "--world-size", "2"]) == 2
+    assert "its bytes do not match the sha256" in capsys.readouterr().err

@@ -100,7 +100,7 @@ def test_a_tar_repacked_after_its_encode_is_stale_media_not_another_photos_token
     assert _sft(kit, work, tar, "before") == 0
     assert _counts(work / "before")["documents_written"] == 2
     _repack_swapped(tar)
-    assert _sft(kit, work, tar, "after") == 0
+    assert _sft(kit, work, tar, "after") == 2  # every conversation skipped: nothing usable, exit 2 (issue 49.3)
     counts = _counts(work / "after")
     assert counts.get("documents_written", 0) == 0 and counts["skipped:stale_media"] == 2, counts
     records = _skips(work / "after")
@@ -123,11 +123,11 @@ def test_a_tar_changed_between_scan_and_encode_is_stale_media_and_never_decoded(
     _scan_plan(kit, tmp_path, tar)
     _repack_swapped(tar)
     monkeypatch.setattr(loader, "decode_rgb", lambda data: pytest.fail("a stale tar's bytes were decoded"))
-    assert _encode(kit, tmp_path) == 0
+    assert _encode(kit, tmp_path) == 2  # every image stale: nothing usable, exit 2
     records, ids = commitlog.read_items(commitlog.part_dir(tmp_path / "images", 0))
     assert [r["skip"] for r in records] == ["stale_media"] * 2 and ids.size == 0
     assert all(str(tar) in r["detail"] and "digest" not in r for r in records)
-    assert _sft(kit, tmp_path, tar, "sft") == 0
+    assert _sft(kit, tmp_path, tar, "sft") == 2
     assert _counts(tmp_path / "sft")["skipped:stale_media"] == 2
 
 

@@ -119,7 +119,7 @@ def test_pack_skips_a_medium_above_max_media_bytes_as_media_too_large(tmp_path, 
     inputs = _conversations(tmp_path, lines=1)
     size = (tmp_path / "images" / "horse.png").stat().st_size
     out = tmp_path / "out"
-    assert main(["pack", str(inputs), "--out", str(out), "--max-media-bytes", str(size - 1), "--no-progress"]) == 0
+    assert main(["pack", str(inputs), "--out", str(out), "--max-media-bytes", str(size - 1), "--no-progress"]) == 2
     report = json.loads((out / "pack.json").read_text())
     assert report["counts"].get("skipped:media_too_large") == 1 and not report["counts"].get("packed")
     (record,) = [json.loads(line) for line in (out / "skipped.jsonl").read_text().splitlines()]

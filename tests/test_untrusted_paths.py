@@ -182,8 +182,10 @@ def _hostile_corpus(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _pack(inputs: list[Path], out: Path, *flags) -> dict:
-    assert main(["pack", *map(str, inputs), "--out", str(out), "--no-progress", *map(str, flags)]) == 0
-    return json.loads((out / "pack.json").read_text())
+    code = main(["pack", *map(str, inputs), "--out", str(out), "--no-progress", *map(str, flags)])
+    report = json.loads((out / "pack.json").read_text())
+    assert code == (0 if report["counts"].get("packed") else 2)  # nothing packed: exit 2 (issue 49.3)
+    return report
 
 
 def _packed_bytes(out: Path) -> bytes:

@@ -218,9 +218,11 @@ def run_audio(args) -> int:
                           batching=batching, sequences=args.sequences, num_workers=args.num_workers,
                           text_tokenizer=args.text_tokenizer, progress=not args.no_progress)
     print_report("encode (audio)", audio_summary_lines(summary, args.out), summary if args.json else None)
+    from mmtok.formats.commitlog import parts_root
+
     counts = parts_counts(args.out, [shards[i].index for i in summary["shards"]])  # now or in an earlier run
     refuse_nothing_usable(f"rank {rank}/{world_size}", sum(n for key, n in counts.items() if key.startswith(
-        "sequences:")), counts, f"the parts' skipped.jsonl under {Path(args.out) / 'parts'}")
+        "sequences:")), counts, f"the parts' skipped.jsonl under {parts_root(args.out)}")
     return 0
 
 

@@ -43,6 +43,7 @@ import base64
 import binascii
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -56,8 +57,8 @@ from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversat
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, atomic_write_json, inside, not_a_regular_file,
-                          open_regular_file, read_json_object, read_regular_file, required, same_file_as, shown_path)
+from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, inside, not_a_regular_file, open_regular_file,
+                          read_regular_file, same_file_as, shown_path)
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
@@ -85,6 +86,7 @@ class Conversation:
     base: str = "."  # directory that relative paths are relative to: the input's own, the first root
     media_roots: tuple[str, ...] = ()  # the further roots a file path may resolve into (real paths)
     whole_file: bool = False  # the record of an input without a conversation (an empty tar): counted as no conversation
+    seek: tuple[int, int] = (-1, 0)  # a .jsonl record: (byte offset of its line, lines before it), where a reader may start
 
     def media(self) -> list[MediaRef]:
         """The media its messages reference, in order (ConversationError when they cannot be listed)."""
@@ -214,20 +216,54 @@ def check_inputs(inputs: list[Path]) -> None:
 
 def _conversations(inputs: list[Path], media_roots: tuple[str, ...]) -> Iterator[Conversation]:
     seen: set[str] = set()
-    for number, (path, first) in enumerate(zip(inputs, same_file_as(inputs))):
+    for _, _, conversation in input_records(inputs, media_roots):
+        if is_checked_for_repeats(conversation):
+            if conversation.id in seen:
+                conversation = duplicate(conversation)
+            seen.add(conversation.id)
+        yield conversation
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a reader starts in one input: its record number `record` (records before it are not yielded); for
+    a .jsonl input also the byte offset of that record's line and the lines before it (`Conversation.seek`)."""
+
+    record: int = 0
+    offset: int = -1
+    line: int = 0
+
+
+def input_records(inputs: list[Path], media_roots: tuple[str, ...] = (), first_input: int = 0,
+            start: Start = Start()) -> Iterator[tuple[int, int, Conversation]]:
+    """(input number, record number in that input, record) of every record of `inputs` from input `first_input`
+    at `start`, in input order, before any repeat of an id is marked (`_conversations` and the conversation
+    index mark them). A file given under two paths is one `duplicate_input` record at its second path."""
+    earlier = same_file_as(inputs)
+    for number in range(first_input, len(inputs)):
+        path, first = inputs[number], earlier[number]
         if first is not None:  # its conversations would repeat under the ids of another stem
-            yield Conversation(path.name, str(path), number, whole_file=True, error=Skip(
-                DUPLICATE_INPUT, f"the same file as {inputs[first]} (one device and inode: a link or a mount)"))
+            if number > first_input or start.record == 0:
+                yield number, 0, Conversation(path.name, str(path), number, whole_file=True, error=Skip(
+                    DUPLICATE_INPUT, f"the same file as {inputs[first]} (one device and inode: a link or a mount)"))
             continue
-        for conversation in _READERS[input_kind(path)](path, number):
+        at = start if number == first_input else Start()
+        for record, conversation in enumerate(_READERS[input_kind(path)](path, number, at), at.record):
             if media_roots:
                 conversation = replace(conversation, media_roots=media_roots)
-            if conversation.id in seen:
-                conversation = Conversation(conversation.id, conversation.origin, number,
-                                            error=Skip("duplicate_conversation", f"id {conversation.id!r} was "
-                                                       "used by an earlier conversation"))
-            seen.add(conversation.id)
-            yield conversation
+            yield number, record, conversation
+
+
+def is_checked_for_repeats(conversation: Conversation) -> bool:
+    """Every record but the `duplicate_input` one of a file read under another path has an id no other may use."""
+    return not (conversation.whole_file and conversation.error is not None
+                and conversation.error.reason == DUPLICATE_INPUT)
+
+
+def duplicate(conversation: Conversation) -> Conversation:
+    """The record of a conversation whose id an earlier record of the inputs has."""
+    return Conversation(conversation.id, conversation.origin, conversation.input, error=Skip(
+        "duplicate_conversation", f"id {conversation.id!r} was used by an earlier conversation"))
 
 
 def sample_key(member: str) -> tuple[str, str] | None:
@@ -273,7 +309,13 @@ def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
     return value, None
 
 
-def _tar_conversations(path: Path, number: int) -> Iterator[Conversation]:
+def _tar_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
+    """`_tar_records` from record `start.record` on (the records before it are made and dropped: a tar's
+    records depend on its whole header list, which is read first anyway)."""
+    return itertools.islice(_tar_records(path, number), start.record, None)
+
+
+def _tar_records(path: Path, number: int) -> Iterator[Conversation]:
     """Samples of a WebDataset tar that have a KEY.json member (one sample's members are consecutive).
 
     Where the tar is damaged, the sample being read may have lost members: it is one record of the damage's
@@ -397,22 +439,28 @@ def _tar_samples(path: Path) -> Iterator[tuple[str | None, list[Member], Damage 
         yield key, members + held, None
 
 
-def _jsonl_conversations(path: Path, number: int) -> Iterator[Conversation]:
+def _jsonl_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
+    """One record per non-blank line; from `start.offset` (the line `start.line` + 1) when given."""
     stem = input_stem(path)
     try:
         handle = open(path, "rb")
     except OSError as err:
         raise MmtokError(f"{path}: cannot read ({err.strerror})") from None
     with handle:
-        for line_number, line in enumerate(handle, 1):
+        offset = max(start.offset, 0)
+        handle.seek(offset)
+        for line_number, line in enumerate(handle, start.line + 1 if start.offset >= 0 else 1):
+            at, offset = offset, offset + len(line)
             if not line.strip():
                 continue  # a blank line holds no record
             record, error = _parsed(line, f"line {line_number}")
             ident = _record_id(record, stem, f"line-{line_number}")
-            yield Conversation(ident, f"{path}:line {line_number}", number, record, error, base=str(path.parent))
+            yield Conversation(ident, f"{path}:line {line_number}", number, record, error, base=str(path.parent),
+                               seek=(at, line_number - 1))
 
 
-def _parquet_conversations(path: Path, number: int) -> Iterator[Conversation]:
+def _parquet_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
+    """One record per row, from row `start.record` (row groups before it are not read)."""
     import pyarrow.parquet as pq
 
     stem = input_stem(path)
@@ -424,11 +472,17 @@ def _parquet_conversations(path: Path, number: int) -> Iterator[Conversation]:
         raise MmtokError(f"{path}: no `messages` column (columns: {handle.schema_arrow.names})")
     row = 0
     for group in range(handle.num_row_groups):
+        rows = handle.metadata.row_group(group).num_rows
+        if row + rows <= start.record:
+            row += rows
+            continue
         try:
             records = handle.read_row_group(group).to_pylist()
         except Exception as err:  # pyarrow raises several types for damaged pages
             raise MmtokError(f"{path}: row group {group} is unreadable ({err}); check the file") from None
-        for record in records:
+        skipped = max(start.record - row, 0)
+        row += skipped
+        for record in records[skipped:]:
             messages = record.get("messages")
             error = None
             if isinstance(messages, (str, bytes)):  # a JSON column: the list of messages as text
@@ -583,22 +637,3 @@ def input_fingerprint(inputs: list[Path]) -> list[dict]:
         stat = os.stat(path)
         out.append({"path": shown_path(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
     return out
-
-
-# -- the conversation count of a run's inputs, kept in its output ------------------------------------------
-COUNT_FILE = "conversations.json"  # OUT/conversations.json, beside OUT/parts/
-
-
-def cached_count(out: Path, fingerprint: list[dict]) -> int | None:
-    """How many conversations inputs of `fingerprint` (`input_fingerprint`) hold, as counted into `out` by an
-    earlier rank or run (`write_count`); None when nothing was counted for these inputs (or they changed since)."""
-    recorded = read_json_object(Path(out) / COUNT_FILE)
-    if recorded is None or recorded.get("inputs") != fingerprint:
-        return None
-    return required(recorded, "conversations", int, Path(out) / COUNT_FILE)
-
-
-def write_count(out: Path, fingerprint: list[dict], conversations: int) -> None:
-    """Record that inputs of `fingerprint` hold `conversations` conversations (atomic: ranks may race to it)."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(Path(out) / COUNT_FILE, {"inputs": fingerprint, "conversations": conversations})

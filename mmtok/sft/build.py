@@ -28,7 +28,9 @@ text, and the conversation counts as `control_literals`.
 
 Ranks: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT; rank r of N
 takes a contiguous range of units into OUT/parts/part-r and commits after every unit (resumable, see
-`mmtok.formats.commitlog.PartWriter`). A sequence depends only on its conversation and the encoded media,
+`mmtok.formats.commitlog.PartWriter`). It reads only that range: the first rank to start makes the
+conversation index (`mmtok.formats.conversation_index`: where each unit starts, which ids repeat) in OUT,
+and every rank seeks to its first unit from there. A sequence depends only on its conversation and the encoded media,
 so `mmtok merge OUT` gives the same bytes for any world size of this stage or of the encodes before it.
 """
 
@@ -46,9 +48,9 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats.conversations import (COUNT_FILE, Conversation, Located, audio_clip_id, cached_count,
-                                         check_media_roots, input_fingerprint, locate, read_conversations,
-                                         write_count)
+from mmtok.formats import conversation_index
+from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
+                                         locate)
 from mmtok.errors import DamagedFile, MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
@@ -351,17 +353,6 @@ def _kinds(slots: list[MediaSlot]) -> str:
 
 
 # -- the rank ---------------------------------------------------------------------------------------
-def count_conversations(inputs: list[Path], out: Path) -> int:
-    """How many conversations `inputs` hold (every rank needs it to find its units): read from OUT where an
-    earlier rank or run of these inputs counted them, else counted (a read pass of its own) and kept there."""
-    fingerprint = input_fingerprint(inputs)
-    total = cached_count(out, fingerprint)
-    if total is None:
-        total = sum(1 for _ in read_conversations(inputs))
-        write_count(out, fingerprint, total)
-    return total
-
-
 def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
                   audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
                   options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> dict:
@@ -375,7 +366,8 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
     clips = AudioClips([Path(a) for a in audio], [Path(c) for c in converted], layout)
     builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
     _refuse_other_parts(part_dir(out, rank))
-    total = count_conversations(inputs, out)
+    index = conversation_index.load_or_build(inputs, out, CONVERSATIONS_PER_UNIT)  # made by the first rank
+    total = index.total
     units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
     identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
     if media_roots:  # they decide which file references resolve: a resume must use the same
@@ -386,17 +378,10 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
         first = max(units[0], part.next_unit) * CONVERSATIONS_PER_UNIT
         last = min(units[1] * CONVERSATIONS_PER_UNIT, total)
         bar = progress_bar(total=last - first, desc=f"sft rank {rank}", unit="conv", enabled=options.progress)
-        pending, ordinal = _Unit(first // CONVERSATIONS_PER_UNIT), -1
+        pending = _Unit(first // CONVERSATIONS_PER_UNIT)
+        roots = check_media_roots(media_roots)
         try:
-            for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
-                if ordinal >= total:  # past the count: the rank owning the tail would silently drop the rest
-                    raise MmtokError(f"the inputs hold more conversations than the {total:,} counted in "
-                                     f"{Path(out) / COUNT_FILE} (edited, or inputs rewritten keeping their size "
-                                     "and mtime); delete that file and the parts, then rerun")
-                if ordinal < first:
-                    continue
-                if ordinal >= last:
-                    break
+            for ordinal, conversation in index.read(inputs, first, last, roots):  # only this rank's range
                 if ordinal // CONVERSATIONS_PER_UNIT != pending.unit:
                     pending.commit(part)
                     pending = _Unit(ordinal // CONVERSATIONS_PER_UNIT)
@@ -404,9 +389,6 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
                 bar.update(1)
             if pending.conversations:
                 pending.commit(part)
-            if first < last and ordinal < last - 1:  # a second read that ends early: the inputs changed meanwhile
-                raise MmtokError(f"the inputs hold fewer conversations now ({ordinal + 1}) than when this rank counted "
-                                 f"them ({total}); were they changed while mmtok sft ran? rerun it")
         finally:
             bar.close()
         part.finish({"tool_version": __version__, "rank": rank, "world_size": world_size, "units": list(units),
