@@ -626,3 +626,34 @@ def test_a_lhotse_cutset_manifest_converts_one_clip_per_cut(tmp_path, tokenizer,
                                                              sups[index].end))
     (mixed,) = dropped_records(out)
     assert mixed["reason"] == "bad_manifest_row" and "MixedCut" in mixed["detail"]
+
+
+def test_cutset_rows_with_odd_supervisions_or_a_reused_recording_id_are_named(tmp_path):
+    """A cut whose supervisions are no list of typed objects, or that holds another recording under an id an
+    earlier cut used (its audio would be the first one's), is a named bad_manifest_row; the others convert."""
+    from lhotse import MonoCut, Recording, SupervisionSegment
+
+    from mmtok.cli import main
+
+    def cut(ident: str, key: str, recording_id: str = "r1") -> dict:
+        recording = Recording.from_file(digit(key), recording_id=recording_id)
+        sup = SupervisionSegment(ident, recording_id, 0.0, recording.duration, text=DIGITS[key])
+        return MonoCut(ident, 0.0, recording.duration, 0, recording=recording, supervisions=[sup]).to_dict()
+
+    good, other = cut("good", "1"), cut("other", "2")  # `other` holds digit 2's file under r1
+    rows = [good, other, {**cut("ints", "3", "r3"), "supervisions": 5}]
+    bad_start = cut("start", "4", "r4")
+    bad_start["supervisions"][0]["start"] = "zz"
+    bad_custom = cut("custom", "5", "r5")
+    bad_custom["supervisions"][0]["custom"] = "x"
+    write_jsonl(tmp_path / "cuts.jsonl", rows + [bad_start, bad_custom])
+    out = tmp_path / "out"
+    assert main(["audio", "convert", str(tmp_path / "cuts.jsonl"), "--out", str(out), "--workers", "0",
+                 "--no-progress"]) == 0
+    assert [c.id for c in load_cuts(out)] == ["good"]
+    details = sorted(r["detail"] for r in dropped_records(out))
+    assert [r["reason"] for r in dropped_records(out)] == ["bad_manifest_row"] * 4
+    assert any("`supervisions`=5 is not a list" in d for d in details)
+    assert any("`start`='zz' is not a finite number" in d for d in details)
+    assert any("`custom`='x' is not a JSON object" in d for d in details)
+    assert any("differs from the one an earlier cut holds under that id" in d for d in details)

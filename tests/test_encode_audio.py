@@ -360,3 +360,14 @@ def test_another_text_tokenizer_than_the_conversions_is_refused_naming_both(shar
                                          r"tekken_240718\.json \(sha256 \w{12}\.\.\.\), not .*chat/tokenizer\.json"):
         encode_rank(shar, tmp_path / "out", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
                     text_tokenizer=str(other), progress=False)
+
+
+def test_odd_custom_clip_fields_of_a_foreign_shar_are_numbered_as_foreign_cuts():
+    from lhotse import MonoCut
+
+    from mmtok.encode.audio import FOREIGN_CLIP_BASE, clip_numbers
+
+    cuts = [MonoCut("a", 0.0, 1.0, 0, custom={"source_id": "s", "clip": 3}),
+            MonoCut("b", 0.0, 1.0, 0, custom={"source_id": "s", "clip": "abc"}),
+            MonoCut("c", 1.0, 1.0, 0, custom={"source_id": 7, "clip": None})]
+    assert clip_numbers(cuts, 2) == [("s", 3), ("b", 2 * FOREIGN_CLIP_BASE), ("c", 2 * FOREIGN_CLIP_BASE)]

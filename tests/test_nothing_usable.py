@@ -84,3 +84,14 @@ def test_sft_and_pack_of_conversations_that_are_all_skipped_exit_2(tmp_path, tok
     assert "invalid_json 1" in err and "skipped.jsonl" in err
     code, err = run(capsys, "pack", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "pack"), "--no-progress")
     assert code == 2 and "invalid_json 1" in err and (tmp_path / "pack" / "skipped.jsonl").is_file()
+
+
+def test_a_rank_of_several_that_writes_nothing_warns_and_merge_gives_the_verdict(tmp_path, tokenizer, capsys):
+    # under torchrun or srun a rank's non-zero exit would stop the other ranks: the job's verdict is merge's
+    (tmp_path / "bad.jsonl").write_text("not json\n" * 300)
+    for rank in range(2):
+        code, err = run(capsys, "sft", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "sft"), "--text-tokenizer",
+                        str(tokenizer), "--rank", str(rank), "--world-size", "2", "--no-progress")
+        assert code == 0 and "warning: rank" in err and "the other ranks go on" in err
+    code, err = run(capsys, "merge", str(tmp_path / "sft"), "--no-progress")
+    assert code == 2 and "invalid_json 300" in err

@@ -124,4 +124,46 @@ def test_hugging_face_audio_datasets_convert(tmp_path):
     assert main(["audio", "convert", str(tmp_path / "train.parquet"), "--out", str(out), "--workers", "0",
                  "--no-progress"]) == 0
     assert [c.custom["text_tokens"] for c in load_cuts(out)] == [c.custom["text_tokens"] for c in cuts]
-    assert [c.custom["source_id"] for c in cuts] == ["data-00000-of-00001/00000000", "data-00000-of-00001/00000001"]
+    assert [c.custom["source_id"] for c in cuts] == ["saved/data-00000-of-00001/00000000",
+                                                     "saved/data-00000-of-00001/00000001"]
+
+
+def test_dotted_audio_keys_take_the_first_sidecar_and_dataset_dict_splits_keep_their_rows(tmp_path):
+    """The first clip of a sample merged by dots takes the first json sidecar's text (was the last one's); the
+    splits of a `DatasetDict.save_to_disk` share their Arrow file names, so clip ids keep the split's folder (the
+    second split was `duplicate_id`); a FIFO named .arrow is `not_a_file`, never opened (it would block)."""
+    import os
+    import tarfile
+    import io
+
+    from datasets import Audio, Dataset, DatasetDict
+
+    from mmtok.text import load_text_tokenizer
+
+    with tarfile.open(tmp_path / "dotted.tar", "w") as tar:
+        for key, text in (("1", "one"), ("2", "two")):
+            for name, data in ((f"laion.v2.{key}.wav", digit(key).read_bytes()),
+                               (f"laion.v2.{key}.json", json.dumps({"text": text}).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert main(["audio", "convert", str(tmp_path / "dotted.tar"), "--out", str(tmp_path / "o1"), "--workers", "0",
+                 "--no-progress"]) == 0
+    (clip,) = load_cuts(tmp_path / "o1")
+    assert clip.custom["text_tokens"] == load_text_tokenizer().encode("one")
+
+    paths = [str(digit(k)) for k in "123"]
+    ds = Dataset.from_dict({"audio": paths, "text": ["one", "two", "three"]}).cast_column("audio", Audio())
+    DatasetDict({"train": ds.select([0, 1]), "test": ds.select([2])}).save_to_disk(tmp_path / "dd")
+    out = tmp_path / "o2"
+    assert main(["audio", "convert", str(tmp_path / "dd" / "train"), str(tmp_path / "dd" / "test"), "--out", str(out),
+                 "--workers", "0", "--no-progress"]) == 0
+    assert sorted(c.id for c in load_cuts(out)) == ["test/data-00000-of-00001/00000000",
+                                                     "train/data-00000-of-00001/00000000",
+                                                     "train/data-00000-of-00001/00000001"]
+
+    os.mkfifo(tmp_path / "f.arrow")
+    assert main(["audio", "convert", str(tmp_path / "f.arrow"), "--out", str(tmp_path / "o3"), "--workers", "0",
+                 "--no-progress"]) == 2
+    (record,) = dropped_records(tmp_path / "o3")
+    assert record["reason"] == "not_a_file" and "FIFO" in record["detail"]

@@ -479,8 +479,9 @@ def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | Non
     then holds what could be read, so the clip still takes its number.
     """
     meta: dict = {}
-    for ext, _, _, body, *_ in members:
-        if ext == "json" and body is not None:
+    sidecars = [m for m in members if m[0] == "json"][:1]  # the first, as for txt (a dotted key's others: its samples')
+    for ext, _, _, body, *_ in sidecars:
+        if body is not None:
             try:
                 loaded = _json_row(body.decode("utf-8"))
             except UnicodeDecodeError as err:
@@ -570,6 +571,8 @@ def lhotse_units(manifests: list[Path], allow_command_sources: bool = False) -> 
             dropped += [skip_record(clip.id, clip.origin, *refusal) for clip in clips]
             continue
         units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
+    cuts, conflicting = _one_recording_per_id(cuts, {r["id"] for r in recordings})
+    dropped += conflicting
     for rec, clips in _cut_clips(cuts):
         refusal = _source_refusal(rec, allow_command_sources)
         if refusal is not None:
@@ -577,6 +580,26 @@ def lhotse_units(manifests: list[Path], allow_command_sources: bool = False) -> 
         else:
             units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
     return units, dropped
+
+
+def _one_recording_per_id(cuts: list[dict], listed: set[str]) -> tuple[list[dict], list[SkipRecord]]:
+    """The cuts whose recording is the one their recording id first named, and a `bad_manifest_row` for each other:
+    a cut holding another recording under that id (other sources), or one of a recording the recordings manifest
+    also lists (its clips would be numbered twice)."""
+    first: dict[str, dict] = {}
+    kept, dropped = [], []
+    for cut in cuts:
+        rec = cut["recording"]
+        problem = None
+        if rec["id"] in listed:
+            problem = f"recording {rec['id']!r} is also in a recordings manifest: pass the cuts or the manifests"
+        elif first.setdefault(rec["id"], rec) != rec:
+            problem = f"recording {rec['id']!r} differs from the one an earlier cut holds under that id"
+        if problem:
+            dropped.append(skip_record(cut["id"], f"cut {cut['id']}", "bad_manifest_row", problem))
+        else:
+            kept.append(cut)
+    return kept, dropped
 
 
 def _cut_clips(cuts: list[dict]) -> list[tuple[dict, list[ClipSpec]]]:
@@ -641,7 +664,29 @@ def _cut_problem(cut: dict) -> str | None:
     if cut.get("type", "MonoCut") != "MonoCut":
         return (f"a {_shown(cut.get('type'))} (a mix or padding of several cuts); mmtok converts MonoCuts: "
                 "convert the cuts before mixing them")
-    return _row_problem(cut, CUT_KEYS, "cut") or _row_problem(cut["recording"], RECORDING_KEYS, "recording")
+    return (_row_problem(cut, CUT_KEYS, "cut") or _row_problem(cut["recording"], RECORDING_KEYS, "recording")
+            or _supervisions_problem(cut.get("supervisions")))
+
+
+def _supervisions_problem(supervisions) -> str | None:
+    """Why a cut's `supervisions` are not a list of supervision objects whose fields mmtok reads are typed
+    (None when they are; absent or null is no supervision)."""
+    if supervisions is None:
+        return None
+    if not isinstance(supervisions, list):
+        return f"cut `supervisions`={_shown(supervisions)} is not a list"
+    for sup in supervisions:
+        if not isinstance(sup, dict):
+            return f"a cut supervision that is not a JSON object but {type(sup).__name__}"
+        start, custom = sup.get("start", 0), sup.get("custom")
+        if isinstance(start, bool) or not isinstance(start, (int, float)) or not math.isfinite(start):
+            return f"cut supervision `start`={_shown(start)} is not a finite number"
+        if custom is not None and not isinstance(custom, dict):
+            return f"cut supervision `custom`={_shown(custom)} is not a JSON object"
+        for key in ("text", "language"):
+            if sup.get(key) is not None and not isinstance(sup[key], str):
+                return f"cut supervision `{key}`={_shown(sup[key])} is not a string"
+    return None
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
@@ -785,11 +830,15 @@ def _cell_file(path: str, directory: Path, clip: ClipSpec):
     return load, [clip]
 
 
-def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list[Unit], list[SkipRecord]]:
+def parquet_units(path: Path, audio_column: str, text_column: str, stem: str | None = None
+                  ) -> tuple[list[Unit], list[SkipRecord]]:
     """One unit per row group (an Arrow file's record batch: Hugging Face `save_to_disk`); metadata columns (by
     their standard names) are read here to number clips."""
     from mmtok.formats.tables import group_sizes, read_columns, read_schema, sniff_format
 
+    what = not_a_regular_file(path) if path.exists() else None
+    if what is not None:  # a FIFO would block the open
+        return [], [skip_record(path.name, str(path), "not_a_file", f"{shown_path(path)} is {what}")]
     try:
         names = set(read_schema(str(path), sniff_format(str(path))).names)
         sizes = group_sizes(str(path))
@@ -800,7 +849,7 @@ def parquet_units(path: Path, audio_column: str, text_column: str) -> tuple[list
     wanted = {key: (text_column if key == "text" else key) for key in META_KEYS}
     columns = [c for c in wanted.values() if c in names]
     meta = read_columns(str(path), columns).to_pylist() if columns else [{} for _ in range(sum(sizes))]
-    stem = path.name.removesuffix(".parquet").removesuffix(".arrow")
+    stem = stem or path.name.removesuffix(".parquet").removesuffix(".arrow")
     records, problems = [], []
     for row_index, row in enumerate(meta):
         try:
@@ -831,7 +880,13 @@ def table_units(path: Path, audio_column: str, text_column: str) -> tuple[list[U
     units: list[Unit] = []
     dropped: list[SkipRecord] = []
     for file in files or [path]:
-        found = parquet_units(file, audio_column, text_column)
+        stem = f"{path.name}/{file.name.removesuffix('.arrow')}" if files else None  # splits share file names
+        real = outside(file, path) if files else None
+        if real is not None:
+            dropped.append(skip_record(file.name, str(file), OUTSIDE_ROOT, f"leads to {shown_path(real)}, outside "
+                                       f"{shown_path(path)}"))
+            continue
+        found = parquet_units(file, audio_column, text_column, stem)
         units += found[0]
         dropped += found[1]
     return units, dropped

@@ -98,7 +98,8 @@ def run_images(args) -> int:
     failed = skips.items_failed_by_reason(counts)
     refuse_nothing_usable(f"rank {rank}/{world_size}", counts.get("images_written", 0) + counts.get(
         "images_deferred", 0) - sum(failed.values()), counts,
-        f"{stats['part_dir']}/skipped.jsonl" + (" and items.jsonl" if failed else ""), extra=failed)
+        f"{stats['part_dir']}/skipped.jsonl" + (" and items.jsonl" if failed else ""), extra=failed,
+        rank_of=("encode", world_size))
     return 0
 
 
@@ -222,7 +223,8 @@ def run_audio(args) -> int:
 
     counts = parts_counts(args.out, [shards[i].index for i in summary["shards"]])  # now or in an earlier run
     refuse_nothing_usable(f"rank {rank}/{world_size}", sum(n for key, n in counts.items() if key.startswith(
-        "sequences:")), counts, f"the parts' skipped.jsonl under {parts_root(args.out)}")
+        "sequences:")), counts, f"the parts' skipped.jsonl under {parts_root(args.out)}",
+        rank_of=("encode (audio)", world_size))
     return 0
 
 

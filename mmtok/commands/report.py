@@ -49,18 +49,25 @@ def reasons(by_reason: dict[str, int]) -> str:
 
 
 def refuse_nothing_usable(what: str, written: int, counts: dict[str, int], listed: Path | str,
-                          extra: dict[str, int] | None = None) -> None:
+                          extra: dict[str, int] | None = None, *, rank_of: tuple[str, int] | None = None) -> None:
     """The rule of every stage: a non-empty input (something skipped) from which nothing usable was written
     exits 2 with the counts by reason, after the stage printed its summary and kept its files (MmtokError).
-    `counts` holds the stage's skip counters; `extra` more {reason: count} (e.g. failed items)."""
+    `counts` holds the stage's skip counters; `extra` more {reason: count} (e.g. failed items). A rank of a job of
+    several (`rank_of` = (command, world size > 1)) only warns: under torchrun or srun its exit would stop the
+    other ranks, and the job's verdict is merge's, which exits 2 when no rank wrote anything."""
     from mmtok.errors import MmtokError
 
     lost = Counter(skips.by_reason(counts)) + Counter(extra or {})
     lost.update({f"{reason} (whole file)": n for reason, n in skips.files_by_reason(counts).items()})
     if written or not lost:
         return
-    raise MmtokError(f"{what}: nothing usable was written -- every input was skipped ({reasons(lost)}; each named "
-                     f"in {listed}): check the inputs and the options above")
+    message = (f"{what}: nothing usable was written -- every input was skipped ({reasons(lost)}; each named in "
+               f"{listed})")
+    if rank_of is not None and rank_of[1] > 1:
+        print_summary(rank_of[0], f"warning: {message}; the other ranks go on (`mmtok merge` exits 2 if none wrote "
+                                  "anything)")
+        return
+    raise MmtokError(f"{message}: check the inputs and the options above")
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:

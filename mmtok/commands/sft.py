@@ -73,7 +73,7 @@ def run(args) -> int:
     print_report("sft", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     refuse_nothing_usable(f"rank {rank}/{world_size}", stats["counts"].get("documents_written", 0), stats["counts"],
-                          f"{stats['part_dir']}/skipped.jsonl")
+                          f"{stats['part_dir']}/skipped.jsonl", rank_of=("sft", world_size))
     return 0
 
 

@@ -56,7 +56,8 @@ def run(args) -> int:
     from mmtok.tools.status import input_table, job_status
 
     if args.inputs and args.plan is None:
-        raise MmtokError("--inputs needs --plan: the plan the job encodes (its manifest lists the inputs)")
+        raise MmtokError("--inputs needs --plan: the plan the image job encodes (its manifest lists the inputs; an "
+                         "audio output has none: its skips are in the parts' skipped.jsonl)")
     status = job_status(args.out, plan=args.plan)
     if args.inputs:
         status["inputs"] = input_table(status, args.plan)

@@ -172,10 +172,11 @@ def clip_numbers(cuts, shard_index: int) -> list[tuple[str, int]]:
     numbers: list[tuple[str, int] | None] = []
     foreign: dict[str, list[tuple[float, int]]] = {}
     for position, cut in enumerate(cuts):
-        custom = cut.custom or {}
-        if "source_id" in custom:
-            numbers.append((str(custom["source_id"]), int(custom.get("clip", 0))))
-            continue
+        custom = cut.custom if isinstance(cut.custom, dict) else {}
+        clip = custom.get("clip", 0)
+        if isinstance(custom.get("source_id"), str) and isinstance(clip, int) and not isinstance(clip, bool):
+            numbers.append((custom["source_id"], clip))
+            continue  # else (a foreign Shar's odd custom fields) numbered as another producer's cut
         numbers.append(None)
         recording = getattr(cut, "recording_id", None) or cut.id
         foreign.setdefault(str(recording), []).append((float(cut.start), position))
