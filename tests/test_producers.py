@@ -161,6 +161,11 @@ def test_dotted_audio_keys_take_the_first_sidecar_and_dataset_dict_splits_keep_t
     assert sorted(c.id for c in load_cuts(out)) == ["test/data-00000-of-00001/00000000",
                                                      "train/data-00000-of-00001/00000000",
                                                      "train/data-00000-of-00001/00000001"]
+    out = tmp_path / "o2-whole"  # the DatasetDict's own folder: its splits in dataset_dict.json's order
+    assert main(["audio", "convert", str(tmp_path / "dd"), "--out", str(out), "--workers", "0", "--no-progress"]) == 0
+    assert [c.id for c in load_cuts(out)] == ["dd/train/data-00000-of-00001/00000000",
+                                              "dd/train/data-00000-of-00001/00000001",
+                                              "dd/test/data-00000-of-00001/00000000"]
 
     os.mkfifo(tmp_path / "f.arrow")
     assert main(["audio", "convert", str(tmp_path / "f.arrow"), "--out", str(tmp_path / "o3"), "--workers", "0",

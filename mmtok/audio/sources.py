@@ -880,7 +880,8 @@ def table_units(path: Path, audio_column: str, text_column: str) -> tuple[list[U
     units: list[Unit] = []
     dropped: list[SkipRecord] = []
     for file in files or [path]:
-        stem = f"{path.name}/{file.name.removesuffix('.arrow')}" if files else None  # splits share file names
+        # splits share file names: an id keeps the folders, from the one given (`train/data-00000-of-00001`)
+        stem = f"{path.name}/{file.relative_to(path).as_posix().removesuffix('.arrow')}" if files else None
         real = outside(file, path) if files else None
         if real is not None:
             dropped.append(skip_record(file.name, str(file), OUTSIDE_ROOT, f"leads to {shown_path(real)}, outside "

@@ -129,23 +129,45 @@ def read_columns(path: str, columns: list[str]) -> pa.Table:
 SAVED_STATE = "state.json"  # Hugging Face `Dataset.save_to_disk`: state.json + dataset_info.json + data-*.arrow
 
 
+SAVED_SPLITS = "dataset_dict.json"  # `DatasetDict.save_to_disk`: {"splits": [...]} + one save_to_disk folder each
+
+
 def saved_dataset_files(directory: Path) -> list[Path] | None:
-    """The Arrow files of a `Dataset.save_to_disk` directory in its own order (state.json's `_data_files`),
-    or None when `directory` is not one. A listed name that is not a plain file name in the directory is an
-    MmtokError (the state file is input too: it never points elsewhere)."""
+    """The Arrow files of a `Dataset.save_to_disk` directory in its own order (state.json's `_data_files`), or of
+    each split of a `DatasetDict.save_to_disk` directory in its `splits` order; None when `directory` is neither.
+    A listed name that is not a plain name in its directory is an MmtokError (the state files are input too:
+    they never point elsewhere)."""
     from mmtok.errors import MmtokError
     from mmtok.fsutil import read_json_object
 
+    splits_file = directory / SAVED_SPLITS
+    if splits_file.is_file():
+        splits = (read_json_object(splits_file) or {}).get("splits")
+        if not isinstance(splits, list) or not splits or not all(_plain_name(n) for n in splits):
+            raise MmtokError(f"{splits_file}: no list of plain split names in `splits` (a damaged or foreign "
+                             "DatasetDict.save_to_disk directory)")
+        files = []
+        for split in splits:
+            found = saved_dataset_files(directory / split) if (directory / split / SAVED_STATE).is_file() else None
+            if found is None:
+                raise MmtokError(f"{directory / split}: split {split!r} of {splits_file} is no save_to_disk folder "
+                                 f"(no {SAVED_STATE})")
+            files += found
+        return files
     state = directory / SAVED_STATE
     if not state.is_file() or not (directory / "dataset_info.json").is_file():
         return None
     listed = (read_json_object(state) or {}).get("_data_files")
     names = [entry.get("filename") for entry in listed] if isinstance(listed, list) and all(
         isinstance(entry, dict) for entry in listed) else None
-    if not names or not all(isinstance(n, str) and n and "/" not in n and n not in (".", "..") for n in names):
+    if not names or not all(_plain_name(n) for n in names):
         raise MmtokError(f"{state}: no list of plain data file names in `_data_files` (a damaged or foreign "
                          "save_to_disk directory)")
     return [directory / name for name in names]
+
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
 
 
 def iter_batches(path: str, file_format: str, columns: list[str], batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
