@@ -21,6 +21,8 @@ from mmtok.cli import main
 from mmtok.formats import conversation_index
 from mmtok.formats.conversation_index import ARRAYS_FILE, META_FILE
 from mmtok.formats.conversations import input_records, read_conversations
+from mmtok.formats.items import KEPT_DIR
+from mmtok.sft.build import CLIPS_DIR
 
 # What differs between two runs of one job: wall times, and the CRCs of the records that hold them or its directory.
 VARYING = rb'"(wall_ms|wall_s|stats_crc|identity_crc)": ?[\d.]+|\t[0-9a-f]{8}(?=\n)'
@@ -30,7 +32,8 @@ UNIT = 4  # conversations a unit: 19 conversations are 5 units, split 1/2/2 over
 def _hashes(out: Path, root: Path) -> dict[str, str]:
     """sha256 of every file under `out`, the run's own directory and the wall times left out."""
     hashes = {}
-    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name not in (".lock", META_FILE, ARRAYS_FILE)):
+    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name not in (".lock", META_FILE, ARRAYS_FILE)
+                       and not {KEPT_DIR, CLIPS_DIR} & set(p.relative_to(out).parts)):  # kept for the ranks
         data = path.read_bytes().replace(os.fsencode(os.path.realpath(root)), b"ROOT")
         hashes[path.relative_to(out).as_posix()] = hashlib.sha256(re.sub(VARYING, b"", data)).hexdigest()
     return hashes
@@ -132,3 +135,42 @@ def test_a_damaged_index_is_refused_not_read_short(job, monkeypatch, capsys):
     (root / "damaged" / META_FILE).write_text(json.dumps(meta))
     assert main([*argv, "--out", "damaged", "--rank", "1", "--world-size", "2"]) == 2
     assert "its bytes do not match the sha256" in capsys.readouterr().err
+
+
+def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_stale_or_damaged_one(job, monkeypatch):
+    # the image items are parsed (one json record each) and the clips' cut ids read by the first rank only; the
+    # others memory-map the arrays it kept in OUT/image-index and OUT/clip-index, unless the parts changed since
+    # or an array does not match its sha256
+    from mmtok.formats import audio_cache, commitlog
+
+    root, argv = job
+    _sft(job, monkeypatch, "kept", 3)
+    parsed, plain = [], commitlog.iter_items
+
+    def counted(directory):
+        if Path(directory).parts[0] == "img":  # the image encode's parts (merge reads the sft parts' own items)
+            parsed.append(directory)
+        return plain(directory)
+
+    monkeypatch.setattr(commitlog, "iter_items", counted)  # items.py reaches it as commitlog.iter_items
+    indexed, read_index = [], audio_cache.read_index
+    monkeypatch.setattr(audio_cache, "read_index", lambda path: indexed.append(path) or read_index(path))
+
+    def rerun_rank_1() -> None:
+        shutil.rmtree(root / "kept" / "parts" / "part-00001")
+        assert main([*argv, "--out", "kept", "--rank", "1", "--world-size", "3"]) == 0
+        assert main(["merge", "kept", "--no-progress"]) == 0
+        assert _digest(_hashes(root / "kept", root)) == RECORDED[3]
+
+    rerun_rank_1()
+    assert parsed == [] and indexed == []
+    array = next((root / "kept" / KEPT_DIR).glob("members_high.npy"))
+    array.write_bytes(array.read_bytes()[:-1] + b"\x01")  # damaged: rebuilt from the parts, never trusted
+    rerun_rank_1()
+    assert len(parsed) == 2
+    parsed.clear()
+    rerun_rank_1()  # the rebuilt index was kept again
+    assert parsed == []
+    os.utime(root / "img" / "parts" / "part-00000" / commitlog.ITEMS)  # a part rewritten since: rebuilt
+    rerun_rank_1()
+    assert len(parsed) == 2

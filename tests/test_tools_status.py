@@ -328,7 +328,7 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
     """Issue 49.7: one table per input that adds up -- scan errors, plan drops, encode skips (by reason),
     written and pending -- instead of reconciling three files by hand. Checked mid-job (a rank not run:
     pending) and at the end, against the scan's, plan's and parts' own counts."""
-    from encodekit import PLAN_FLAGS, caption_corpus, chat_tokenizer, write_tar
+    from encodekit import PLAN_FLAGS, caption_corpus, chat_tokenizer
 
     from mmtok.codecs import emu35
 

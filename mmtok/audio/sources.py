@@ -480,7 +480,7 @@ def _sidecar_metadata(members: list[tuple]) -> tuple[dict, tuple[str, str] | Non
     """
     meta: dict = {}
     sidecars = [m for m in members if m[0] == "json"][:1]  # the first, as for txt (a dotted key's others: its samples')
-    for ext, _, _, body, *_ in sidecars:
+    for _, _, _, body, *_ in sidecars:
         if body is not None:
             try:
                 loaded = _json_row(body.decode("utf-8"))

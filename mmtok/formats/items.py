@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError, Skip
-from mmtok.formats import commitlog
+from mmtok.formats import commitlog, kept
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.manifest import identity_change, stale_detail
 
@@ -85,9 +85,13 @@ class ImageIndex:
     that failed is re-read from its part when its skip is asked for. Of two items of one member the later (in
     part, then line order) is kept."""
 
-    def __init__(self, directories: list[Path]):
-        self._ids: list[np.ndarray] = []
+    def __init__(self, directories: list[Path], restored: dict | None = None):
+        """Built from the parts' items.jsonl (one json record an item), or from a kept index (see `cached`)."""
         self._records = [commitlog.ItemRecords(directory) for directory in directories]
+        if restored is not None:
+            self._restore(directories, restored)
+            return
+        self._ids: list[np.ndarray] = []
         self._containers: dict[str, dict] = {}  # resolved tar path -> the scan's identity of it
         self._stale: dict[str, str | None] = {}
         members, samples, digests, self._tars = bytearray(), bytearray(), bytearray(), set()
@@ -110,17 +114,45 @@ class ImageIndex:
                 lengths(record["length"])
                 has_skip("skip" in record)
                 lines(line)
-            ids = np.asarray(commitlog.read_item_ids(directory, end))
-            if end > ids.size:  # records that point past the ids: never lend a cut block
-                raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
-                                 f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "
-                                 f"delete {directory} and re-encode this part")
-            self._ids.append(ids)
-        self._members, kept = KeyTable.of(members, keep="last")
-        self._columns = {name: np.frombuffer(column, column.typecode)[kept] for name, column in columns.items()}
-        self._digests = np.frombuffer(bytes(digests), np.uint8).reshape(-1, DIGEST_BYTES)[kept]
+            self._ids.append(_item_ids(directory, end))
+        self._ends = [int(ids.size) for ids in self._ids]
+        self._members, chosen = KeyTable.of(members, keep="last")
+        self._columns = {name: np.frombuffer(column, column.typecode)[chosen] for name, column in columns.items()}
+        self._digests = np.frombuffer(bytes(digests), np.uint8).reshape(-1, DIGEST_BYTES)[chosen]
         self._samples = KeyTable.of(samples, count=True)[0]  # its counts: images per (tar, sample key)
         self.tars = sorted(self._tars)  # resolved paths of the tars the images come from
+
+    # -- kept between the ranks of one `mmtok sft` output: built once, memory-mapped by every other rank ----------
+    @classmethod
+    def cached(cls, directories: list[Path], folder: Path) -> ImageIndex:
+        """The index of the parts `directories`, from `folder` when a rank kept it there for these very part files
+        (`mmtok.formats.kept`: their paths, sizes and mtimes; each array checked against its sha256), else built
+        and kept there. The arrays are memory-mapped, so a rank reads the pages of the items it looks up, not the
+        index of every item of the corpus."""
+        made_of = kept.files_of([Path(d) / name for d in directories for name in (commitlog.ITEMS, commitlog.ITEM_IDS)])
+        found = kept.load(folder, made_of, KEPT_FORMAT)
+        if found is not None:
+            return cls(directories, {"arrays": found[0], **found[1]})
+        index = cls(directories)
+        samples_high, samples_low = index._samples.halves()
+        members_high, members_low = index._members.halves()
+        arrays = {"members_high": members_high, "members_low": members_low, "samples_high": samples_high,
+                  "samples_low": samples_low, "samples_counts": index._samples.counts, "digests": index._digests,
+                  **{f"column_{name}": column for name, column in index._columns.items()}}
+        kept.keep(folder, made_of, arrays, {"ends": index._ends, "tars": index.tars, "containers": index._containers},
+                  KEPT_FORMAT)
+        return index
+
+    def _restore(self, directories: list[Path], restored: dict) -> None:
+        arrays = restored["arrays"]
+        self._ends = restored["ends"]
+        self._ids = [_item_ids(directory, end) for directory, end in zip(directories, self._ends)]
+        self._containers, self._stale, self._tars = restored["containers"], {}, set(restored["tars"])
+        self._members = KeyTable(arrays["members_high"], arrays["members_low"], None)
+        self._samples = KeyTable(arrays["samples_high"], arrays["samples_low"], arrays["samples_counts"])
+        self._columns = {name: arrays[f"column_{name}"] for name in ITEM_COLUMNS}
+        self._digests = arrays["digests"]
+        self.tars = sorted(self._tars)
 
     @property
     def nbytes(self) -> int:
@@ -161,6 +193,20 @@ class ImageIndex:
     def ids(self, item: ImageItem) -> np.ndarray:
         """The image block of an item that encoded."""
         return self._ids[item.part][item.offset:item.offset + item.length]
+
+
+KEPT_FORMAT = "mmtok-image-index/1"
+KEPT_DIR = "image-index"  # `mmtok sft` OUT/image-index/: the index one rank built, for the others
+
+
+def _item_ids(directory: Path, end: int) -> np.ndarray:
+    """A part's item ids (memory-mapped), refused when its records need more than the file holds."""
+    ids = np.asarray(commitlog.read_item_ids(directory, end))
+    if end > ids.size:  # records that point past the ids: never lend a cut block
+        raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
+                         f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "
+                         f"delete {directory} and re-encode this part")
+    return ids
 
 
 def part_containers(directory: Path) -> dict[str, dict]:

@@ -46,6 +46,10 @@ class KeyTable:
     def __len__(self) -> int:
         return self._high.size
 
+    def halves(self) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted digests' two 64-bit halves (what `KeyTable(high, low, counts)` takes back)."""
+        return self._high, self._low
+
     @property
     def nbytes(self) -> int:
         """Bytes the table keeps: the sorted digests and the counts."""

@@ -10,6 +10,7 @@ format is sniffed from the first bytes wherever it matters.
 from __future__ import annotations
 
 import bisect
+from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa

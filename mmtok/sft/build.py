@@ -52,9 +52,9 @@ from mmtok.formats import conversation_index
 from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
                                          locate)
 from mmtok.errors import DamagedFile, MmtokError, Skip
-from mmtok.formats import audio_cache, commitlog, shar, skips
+from mmtok.formats import audio_cache, commitlog, kept, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
-from mmtok.formats.items import ImageIndex, media_digest
+from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
 from mmtok.fsutil import required
@@ -62,6 +62,8 @@ from mmtok.ranks import unit_ranges
 from mmtok.text import TextTokenizer, load_text_tokenizer, tokenizer_difference
 from mmtok.vocab import VocabLayout
 
+CLIPS_FORMAT = "mmtok-clip-index/1"
+CLIPS_DIR = "clip-index"  # OUT/clip-index/: the audio clips' index one rank built, for the others (formats/kept.py)
 CONVERSATIONS_PER_UNIT = 256  # one commit per unit: a kill loses at most this many conversations' work
 DEFAULT_MAX_TOKENS = 1 << 20
 # A data-quality count: written conversations whose text held control-token names (tokenized as text).
@@ -79,12 +81,14 @@ class ImageItems:
     """The image items of a finished image encode output (a `--mode sft` plan), by (tar, member): the block's
     ids, or why the image failed. Every part is checked against its checksums first."""
 
-    def __init__(self, out: Path, layout: VocabLayout, tokenizer: TextTokenizer):
+    def __init__(self, out: Path, layout: VocabLayout, tokenizer: TextTokenizer, kept: Path | None = None):
+        """`kept`: where the index is kept for the other ranks (`ImageIndex.cached`); None: built here only."""
         self.out = out
         parts = find_parts(out)
         self.identity, self.identity_file = parts[0].identity, parts[0].directory / commitlog.IDENTITY
         _check_image_run(out, self.identity, self.identity_file, layout, tokenizer)
-        self._index = ImageIndex([part.directory for part in parts])
+        directories = [part.directory for part in parts]
+        self._index = ImageIndex.cached(directories, kept) if kept is not None else ImageIndex(directories)
 
     def images_of(self, tar: str, key: str) -> int:
         """How many images sample `key` of `tar` has; Skip `stale_media` when the tar changed since its encode."""
@@ -148,13 +152,13 @@ class AudioClips:
     """The clips of audio token caches (`mmtok encode --modality audio` outputs) by cut id, and why clips
     their encodes skipped or their conversions (`converted`) dropped are missing."""
 
-    def __init__(self, outs: list[Path], converted: list[Path], layout: VocabLayout):
+    def __init__(self, outs: list[Path], converted: list[Path], layout: VocabLayout, kept_in: Path | None = None):
+        """`kept_in`: where the clip index is kept for the other ranks (`mmtok.formats.kept`); None: built here."""
         self.layout = layout
         self._paths: list[Path] = []
         self._why: dict[str, Skip] = {}  # the clips that were dropped or failed: few
         self._loaded: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.describe = []
-        keys, digests, parts, rows = bytearray(), bytearray(), array("i"), array("i")
         for out in outs:
             paths = audio_cache.find_parts(out)
             metadata = audio_cache.read_metadata(paths[0])
@@ -164,25 +168,37 @@ class AudioClips:
                                  "sft tokenizer")
             self.describe.append({"out": os.path.realpath(out), "codec": metadata["codec"], "trim": metadata["trim"],
                                   "num_parts": metadata["num_parts"]})
-            for path in paths:
-                index = audio_cache.read_index(path)
-                for row, (cut_id, digest) in enumerate(zip(index.column("cut_id").to_pylist(),
-                                                           index.column("source_sha256").to_pylist())):
-                    keys += key_digest(cut_id)
-                    digests += _source_digest(digest, path)
-                    parts.append(len(self._paths))
-                    rows.append(row)
-                self._paths.append(path)
+            self._paths += paths
             for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
                     self._why.setdefault(record.key, record.skip())
-        # By cut id, 56 bytes a clip: the first cache (in --audio order, then part order) that holds a clip gives it.
-        self._clips, kept = KeyTable.of(keys)
-        self._part, self._row = np.frombuffer(parts, np.int32)[kept], np.frombuffer(rows, np.int32)[kept]
-        self._digests = np.frombuffer(digests, np.uint8).reshape(-1, SHA256_BYTES)[kept]  # zeros: none recorded
+        made_of = kept.files_of(self._paths)
+        found = kept.load(kept_in, made_of, CLIPS_FORMAT) if kept_in is not None else None
+        arrays = found[0] if found is not None else self._index()
+        if found is None and kept_in is not None:
+            kept.keep(kept_in, made_of, arrays, {}, CLIPS_FORMAT)
+        self._clips = KeyTable(arrays["clips_high"], arrays["clips_low"], None)
+        self._part, self._row, self._digests = arrays["part"], arrays["row"], arrays["digests"]
         self.converted = [os.path.realpath(c) for c in converted]  # named in the identity: a resume needs the same
         for conversion in converted:
             self._read_dropped(Path(conversion))
+
+    def _index(self) -> dict[str, np.ndarray]:
+        """By cut id, 56 bytes a clip: the first cache (in --audio order, then part order) that holds a clip gives it."""
+        keys, digests, parts, rows = bytearray(), bytearray(), array("i"), array("i")
+        for number, path in enumerate(self._paths):
+            index = audio_cache.read_index(path)
+            for row, (cut_id, digest) in enumerate(zip(index.column("cut_id").to_pylist(),
+                                                       index.column("source_sha256").to_pylist())):
+                keys += key_digest(cut_id)
+                digests += _source_digest(digest, path)
+                parts.append(number)
+                rows.append(row)
+        clips, chosen = KeyTable.of(keys)
+        high, low = clips.halves()
+        return {"clips_high": high, "clips_low": low, "part": np.frombuffer(parts, np.int32)[chosen],
+                "row": np.frombuffer(rows, np.int32)[chosen],
+                "digests": np.frombuffer(digests, np.uint8).reshape(-1, SHA256_BYTES)[chosen]}  # zeros: none recorded
 
     def _read_dropped(self, conversion: Path) -> None:
         for path in shar.skip_lists(conversion):
@@ -362,8 +378,10 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
 
     tokenizer = load_text_tokenizer(text_tokenizer)
     layout = VocabLayout(text_size=tokenizer.vocab_size)
-    image_items = ImageItems(Path(images), layout, tokenizer) if images is not None else None
-    clips = AudioClips([Path(a) for a in audio], [Path(c) for c in converted], layout)
+    image_items = (ImageItems(Path(images), layout, tokenizer, kept=Path(out) / KEPT_DIR) if images is not None
+                   else None)
+    clips = AudioClips([Path(a) for a in audio], [Path(c) for c in converted], layout,
+                       kept_in=Path(out) / CLIPS_DIR if audio else None)
     builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
     _refuse_other_parts(part_dir(out, rank))
     index = conversation_index.load_or_build(inputs, out, CONVERSATIONS_PER_UNIT)  # made by the first rank
