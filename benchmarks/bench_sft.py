@@ -84,7 +84,7 @@ from mmtok.formats.conversations import Conversation, audio_clip_id, read_conver
 from mmtok.documents import DocumentBuilder  # noqa: E402
 from mmtok.formats import audio_cache  # noqa: E402
 from mmtok.formats.commitlog import PartWriter, part_dir  # noqa: E402
-from mmtok.formats.items import CONTAINERS  # noqa: E402
+from mmtok.formats.items import CONTAINERS, media_digest  # noqa: E402
 from mmtok.formats.manifest import container_identity  # noqa: E402
 from mmtok.text import HFTokenizer, load_text_tokenizer  # noqa: E402
 from mmtok.vocab import VocabLayout  # noqa: E402
@@ -181,14 +181,16 @@ def write_corpus(work: Path, conversations: int, tars: int, seed: int = 0) -> di
             key = f"{index:08d}"
             images, audio = int(rng.integers(1, 3)), bool(rng.random() < 0.5)
             members.append((f"{key}.json", json.dumps(conversation(text, rng, key, images, audio)).encode()))
-            members += [(f"{key}.{i}.jpg", rng.bytes(16)) for i in range(images)]
+            photos = [rng.bytes(16) for _ in range(images)]
+            members += [(f"{key}.{i}.jpg", photo) for i, photo in enumerate(photos)]
             members += [(f"{key}.0.wav", rng.bytes(16))] if audio else []
             for i in range(images):
                 height, width = IMAGE_SHAPES[int(rng.integers(len(IMAGE_SHAPES)))]
                 block = builder.image_block(rng.integers(0, layout.image_codebook, (height, width)))
                 items[int(rng.integers(IMAGE_PARTS))].append((
                     {"kind": "image", "key": key, "source": str(path), "container": "tar", "member": f"{key}.{i}.jpg",
-                     "manifest_row": int(built["images"]), "document": index, "image_index": i}, block))
+                     "manifest_row": int(built["images"]), "document": index, "image_index": i,
+                     "digest": media_digest(photos[i])}, block))  # what sft checks the member's bytes against
                 built.update(images=1, image_tokens=block.size)
             if audio:
                 codes = rng.integers(0, layout.audio_codebook, int(rng.integers(AUDIO_CODES[0], AUDIO_CODES[1] + 1)))
@@ -312,12 +314,12 @@ class Timers:
 
 
 SHARES = {
-    "render": "ChatRenderer.render (jinja2)",
+    "render": "ChatRenderer.render_pieces (jinja2, split at the media slots)",
     "tokenize": "tokenizer.encode of the text pieces",
     "image lookup": "ImageItems.block (image item ids)",
     "audio lookup": "AudioClips.block (cache row -> audio block; cache parts read)",
-    "references": "media references: list, split_media, locate",
-    "read": "reading the conversations (tar headers + json), both passes",
+    "references": "media references: list, locate",
+    "read": "reading the conversations (tar headers + json): the index pass and the rank's range",
     "load": "loading the media indexes (image parts verified, cache index read)",
     "commit": "PartWriter commits + finish (durable writes)",
 }
@@ -327,16 +329,16 @@ def profile_sft(work: Path, corpus: dict) -> tuple[tuple[float, float], Timers]:
     """One instrumented `mmtok sft`: ((its wall, its CPU seconds), the seconds inside each SHARES entry)."""
     timers = Timers()
     wrap = timers.wrap
-    patches = [(ChatRenderer, "render", wrap("render", ChatRenderer.render)),
+    patches = [(ChatRenderer, "render_pieces", wrap("render", ChatRenderer.render_pieces)),
                (HFTokenizer, "encode", wrap("tokenize", HFTokenizer.encode)),
                (mmtok.sft.build.ImageItems, "block", wrap("image lookup", mmtok.sft.build.ImageItems.block)),
                (mmtok.sft.build.AudioClips, "block", wrap("audio lookup", mmtok.sft.build.AudioClips.block)),
                (mmtok.sft.build.ImageItems, "__init__", wrap("load", mmtok.sft.build.ImageItems.__init__)),
                (mmtok.sft.build.AudioClips, "__init__", wrap("load", mmtok.sft.build.AudioClips.__init__)),
                (Conversation, "media", wrap("references", Conversation.media)),
-               (mmtok.sft.build, "split_media", wrap("references", mmtok.sft.build.split_media)),
                (mmtok.sft.build, "locate", wrap("references", mmtok.sft.build.locate)),
-               (mmtok.sft.build, "read_conversations", timers.wrap_iterator("read", mmtok.sft.build.read_conversations)),
+               (mmtok.formats.conversation_index, "input_records",
+                timers.wrap_iterator("read", mmtok.formats.conversation_index.input_records)),
                (PartWriter, "commit", wrap("commit", PartWriter.commit)),
                (PartWriter, "finish", wrap("commit", PartWriter.finish))]
     with contextlib.ExitStack() as stack:
@@ -612,7 +614,8 @@ def write_rank_corpus(work: Path, conversations: int, media_share: float, seed: 
                     tar.addfile(info, io.BytesIO(data))
                 items[ordinal % IMAGE_PARTS].append((
                     {"kind": "image", "key": key, "source": str(path), "container": "tar", "member": f"{key}.0.jpg",
-                     "manifest_row": ordinal, "document": ordinal, "image_index": 0}, block))
+                     "manifest_row": ordinal, "document": ordinal, "image_index": 0,
+                     "digest": media_digest(b"\xff" * 16)}, block))
                 ordinal += 1
         inputs.append(path)
     write_image_items(work / "img", items, tokenizer, layout, None,

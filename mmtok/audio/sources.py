@@ -560,25 +560,28 @@ def lhotse_units(manifests: list[Path], allow_command_sources: bool = False) -> 
     known = {r["id"] for r in recordings}
     dropped += [skip_record(s["id"], f"supervision {s['id']}", "missing_recording", s["recording_id"])
                 for s in supervisions if s["recording_id"] not in known]
-    units: list[Unit] = []
+    clipped = []
     for rec in recordings:
         sups = sorted(by_recording.get(rec["id"], []), key=lambda s: (s["start"], s["id"]))
         clips = [_supervision_clip(rec["id"], s, n) for n, s in enumerate(sups)]
         if not sups:
             clips = [ClipSpec(id=rec["id"], source_id=rec["id"], clip=0, origin=f"recording {rec['id']}")]
+        clipped.append((rec, clips))
+    units: list[Unit] = []
+
+    def add(rec: dict, clips: list[ClipSpec]) -> None:
         refusal = _source_refusal(rec, allow_command_sources)
         if refusal is not None:
-            dropped += [skip_record(clip.id, clip.origin, *refusal) for clip in clips]
-            continue
-        units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
+            dropped.extend(skip_record(clip.id, clip.origin, *refusal) for clip in clips)
+        else:
+            units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
+
+    for rec, clips in clipped:
+        add(rec, clips)
     cuts, conflicting = _one_recording_per_id(cuts, {r["id"] for r in recordings})
     dropped += conflicting
     for rec, clips in _cut_clips(cuts):
-        refusal = _source_refusal(rec, allow_command_sources)
-        if refusal is not None:
-            dropped += [skip_record(clip.id, clip.origin, *refusal) for clip in clips]
-        else:
-            units.append(RecordingUnit(origin=f"recording {rec['id']}", recording=rec, clips=clips))
+        add(rec, clips)
     return units, dropped
 
 
@@ -783,12 +786,13 @@ class ParquetUnit(Unit):
     first_row: int = 0
     audio_column: str = "audio"
     clips: list[ClipSpec | SkipRecord] = field(default_factory=list)  # one per row; a skip record: bad metadata
+    file_format: str = "parquet"  # or "arrow" (`mmtok.formats.tables.sniff_format`)
 
     def payloads(self):
         from mmtok.formats.tables import read_group
 
         try:
-            table = read_group(self.path, self.row_group, [self.audio_column])
+            table = read_group(self.path, self.file_format, self.row_group, [self.audio_column])
         except Exception as err:  # pyarrow raises several types for damaged files
             for clip in self.clips:
                 unreadable = skip_record(clip.id, clip.origin, "unreadable_row_group", str(err))
@@ -840,15 +844,16 @@ def parquet_units(path: Path, audio_column: str, text_column: str, stem: str | N
     if what is not None:  # a FIFO would block the open
         return [], [skip_record(path.name, str(path), "not_a_file", f"{shown_path(path)} is {what}")]
     try:
-        names = set(read_schema(str(path), sniff_format(str(path))).names)
-        sizes = group_sizes(str(path))
+        file_format = sniff_format(str(path))
+        names = set(read_schema(str(path), file_format).names)
+        sizes = group_sizes(str(path), file_format)
     except Exception as err:  # pyarrow raises several types for damaged files
         return [], [skip_record(path.name, str(path), "unreadable_parquet", str(err))]
     if audio_column not in names:
         raise MmtokError(f"{path}: no audio column {audio_column!r} (columns: {sorted(names)}); pass --audio-column")
     wanted = {key: (text_column if key == "text" else key) for key in META_KEYS}
     columns = [c for c in wanted.values() if c in names]
-    meta = read_columns(str(path), columns).to_pylist() if columns else [{} for _ in range(sum(sizes))]
+    meta = read_columns(str(path), file_format, columns).to_pylist() if columns else [{} for _ in range(sum(sizes))]
     stem = stem or path.name.removesuffix(".parquet").removesuffix(".arrow")
     records, problems = [], []
     for row_index, row in enumerate(meta):
@@ -867,7 +872,7 @@ def parquet_units(path: Path, audio_column: str, text_column: str, stem: str | N
                  else skip_record(str(records[i]["id"]), f"{path}:row {i}", "bad_metadata", problems[i])
                  for i in range(first, first + count)]
         units.append(ParquetUnit(origin=f"{path}:row group {group}", path=str(path), row_group=group,
-                                 first_row=first, audio_column=audio_column, clips=clips))
+                                 first_row=first, audio_column=audio_column, clips=clips, file_format=file_format))
         first += count
     return units, []
 

@@ -39,13 +39,13 @@ from mmtok.errors import DamagedFile, MmtokError
 from mmtok.formats.conversations import (Conversation, Start, duplicate, input_records, is_checked_for_repeats,
                                          check_inputs)
 from mmtok.formats.commitlog import parts_root
+from mmtok.formats.keys import key_digest, repeated_positions
 from mmtok.formats.manifest import container_identity
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required, shown_path
 
 INDEX_FORMAT = "mmtok-conversation-index/1"
 META_FILE = "conversations.json"
 ARRAYS_FILE = "conversations.index.npz"
-DIGEST_BYTES = 16  # blake2b digest of an id: collisions among 10^9 ids have probability ~10^-21
 REFRESH = "delete {meta} and {arrays} and the parts under {parts}, then rerun"
 
 
@@ -93,27 +93,12 @@ def build(inputs: list[Path], unit_size: int) -> ConversationIndex:
         if total % unit_size == 0:
             starts.append((number, record, *conversation.seek))
         if is_checked_for_repeats(conversation):
-            digests += hashlib.blake2b(conversation.id.encode("utf-8", "surrogatepass"),
-                                       digest_size=DIGEST_BYTES).digest()
+            digests += key_digest(conversation.id)
             checked.append(total)
         total += 1
-    repeats = _repeats(np.frombuffer(bytes(digests), dtype="<u8").reshape(-1, 2))
+    repeats = repeated_positions(bytes(digests))
     return ConversationIndex(total, unit_size, np.asarray(starts, np.int64).reshape(-1, 4),
                              np.sort(np.asarray(checked, np.int64)[repeats]))
-
-
-def _repeats(keys: np.ndarray) -> np.ndarray:
-    """Positions of the rows of `keys` ([n, 2] uint64 digests) equal to an earlier row. One stable sort on the
-    first word finds the few rows that share it; only those are sorted on both words (and position)."""
-    order = np.argsort(keys[:, 0], kind="stable")
-    same = keys[order[1:], 0] == keys[order[:-1], 0]
-    shared = np.zeros(len(order), bool)
-    shared[1:] |= same
-    shared[:-1] |= same
-    candidates = order[shared]
-    ranked = candidates[np.lexsort((candidates, keys[candidates, 1], keys[candidates, 0]))]
-    equal = np.all(keys[ranked[1:]] == keys[ranked[:-1]], axis=1)
-    return ranked[1:][equal]
 
 
 def load_or_build(inputs: list[Path], out: Path, unit_size: int) -> ConversationIndex:

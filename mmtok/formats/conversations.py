@@ -48,8 +48,9 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -310,13 +311,14 @@ def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
 
 
 def _tar_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
-    """`_tar_records` from record `start.record` on (the records before it are made and dropped: a tar's
-    records depend on its whole header list, which is read first anyway)."""
-    return itertools.islice(_tar_records(path, number), start.record, None)
+    """`_tar_records` from record `start.record` on: a tar's records follow from its whole header list (read
+    first anyway), and only those from `start.record` on are made (their json read)."""
+    return (make() for make in itertools.islice(_tar_records(path, number), start.record, None))
 
 
-def _tar_records(path: Path, number: int) -> Iterator[Conversation]:
-    """Samples of a WebDataset tar that have a KEY.json member (one sample's members are consecutive).
+def _tar_records(path: Path, number: int) -> Iterator[Callable[[], Conversation]]:
+    """What makes each record, in order: samples of a WebDataset tar that have a KEY.json member (one sample's
+    members are consecutive).
 
     Where the tar is damaged, the sample being read may have lost members: it is one record of the damage's
     reason (a member the file ends inside: `truncated_member`, as the scan says). Damage where no sample is
@@ -338,18 +340,18 @@ def _tar_records(path: Path, number: int) -> Iterator[Conversation]:
             continue
         if not sampled:
             sampled = True
-            yield from (_damage_record(path, stem, number, orphan) for orphan in orphans)
+            yield from (partial(_damage_record, path, stem, number, orphan) for orphan in orphans)
         if key is None:
-            yield _damage_record(path, stem, number, damage)
+            yield partial(_damage_record, path, stem, number, damage)
         elif key in repeated:
             seen[key] += 1
-            yield _duplicate_key(path, stem, number, key, seen[key], repeated[key])
+            yield partial(_duplicate_key, path, stem, number, key, seen[key], repeated[key])
         else:
-            yield _tar_sample(path, stem, number, key, members, damage)
+            yield partial(_tar_sample, path, stem, number, key, members, damage)
     if not sampled:
         skip = (Skip(orphans[0].reason, orphans[0].describe()) if orphans else
                 Skip(NO_SAMPLES, "no member is named KEY.EXT (a WebDataset sample's member)"))
-        yield Conversation(path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
+        yield partial(Conversation, path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
 
 
 def _repeated_keys(samples: list[tuple[str | None, list[Member], Damage | None]]) -> dict[str, str]:

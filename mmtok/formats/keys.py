@@ -64,3 +64,19 @@ class KeyTable:
                 return position
             position += 1
         return -1
+
+
+def repeated_positions(digests: bytes | bytearray) -> np.ndarray:
+    """Positions of the `key_digest`s (concatenated) equal to an earlier one, unsorted. One stable sort on the
+    first half finds the few digests that share it; only those are sorted on both halves (and position) --
+    faster than `KeyTable.of` when few repeat, the common case."""
+    keys = np.frombuffer(digests, dtype="<u8").reshape(-1, 2)
+    order = np.argsort(keys[:, 0], kind="stable")
+    same = keys[order[1:], 0] == keys[order[:-1], 0]
+    shared = np.zeros(len(order), bool)
+    shared[1:] |= same
+    shared[:-1] |= same
+    candidates = order[shared]
+    ranked = candidates[np.lexsort((candidates, keys[candidates, 1], keys[candidates, 0]))]
+    equal = np.all(keys[ranked[1:]] == keys[ranked[:-1]], axis=1)
+    return ranked[1:][equal]

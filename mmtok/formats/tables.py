@@ -99,30 +99,31 @@ def read_schema(path: str, file_format: str) -> pa.Schema:
     return _read_arrow(path).schema
 
 
-def group_sizes(path: str) -> list[int]:
-    """Rows per read unit of a table file: its Parquet row groups, or its Arrow record batches as written."""
+def group_sizes(path: str, file_format: str) -> list[int]:
+    """Rows per read unit of a table file (`file_format` as `sniff_format` says): its Parquet row groups, or its
+    Arrow record batches as written."""
     import pyarrow.parquet as pq
 
-    if sniff_format(path) == "parquet":
+    if file_format == "parquet":
         meta = pq.ParquetFile(path).metadata
         return [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
     return [batch.num_rows for batch in _read_arrow(path).to_batches()]
 
 
-def read_group(path: str, group: int, columns: list[str]) -> pa.Table:
+def read_group(path: str, file_format: str, group: int, columns: list[str]) -> pa.Table:
     """Read unit `group` (see `group_sizes`) of a table file, `columns` only."""
     import pyarrow.parquet as pq
 
-    if sniff_format(path) == "parquet":
+    if file_format == "parquet":
         return pq.ParquetFile(path, memory_map=True).read_row_group(group, columns=columns)
     return pa.Table.from_batches([_read_arrow(path).select(columns).to_batches()[group]])
 
 
-def read_columns(path: str, columns: list[str]) -> pa.Table:
+def read_columns(path: str, file_format: str, columns: list[str]) -> pa.Table:
     """Every row of a table file, `columns` only (small metadata columns: the media stay on disk)."""
     import pyarrow.parquet as pq
 
-    if sniff_format(path) == "parquet":
+    if file_format == "parquet":
         return pq.ParquetFile(path, memory_map=True).read(columns=columns)
     return _read_arrow(path).select(columns)
 

@@ -388,8 +388,9 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
     total = index.total
     units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
     identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
-    if media_roots:  # they decide which file references resolve: a resume must use the same
-        identity["media_roots"] = list(check_media_roots(media_roots))
+    roots = check_media_roots(media_roots)
+    if roots:  # they decide which file references resolve: a resume must use the same
+        identity["media_roots"] = list(roots)
     with PartWriter(part_dir(out, rank), identity) as part:
         if part.done:
             return {"already_done": True, "counts": dict(part.counts), "part_dir": str(part.directory)}
@@ -397,7 +398,6 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
         last = min(units[1] * CONVERSATIONS_PER_UNIT, total)
         bar = progress_bar(total=last - first, desc=f"sft rank {rank}", unit="conv", enabled=options.progress)
         pending = _Unit(first // CONVERSATIONS_PER_UNIT)
-        roots = check_media_roots(media_roots)
         try:
             for ordinal, conversation in index.read(inputs, first, last, roots):  # only this rank's range
                 if ordinal // CONVERSATIONS_PER_UNIT != pending.unit:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -347,14 +348,14 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
     opened = _open_plan(plan)
     tars = opened.manifest().read(["tar"]).column(0).combine_chunks().dictionary_encode()
     codes, names = tars.indices.to_numpy(zero_copy_only=False), tars.dictionary.to_pylist()
-    table = [{"input": name, "rows": 0, "scan": {}, "plan": {}, "encode": {}, "written": 0, "pending": 0}
-             for name in names]
+    table = [{"input": name, "rows": 0, "scan": Counter(), "plan": Counter(), "encode": Counter(), "written": 0,
+              "pending": 0} for name in names]
     for index, count in enumerate(np.bincount(codes, minlength=len(names))):
         table[index]["rows"] = int(count)
     dropped = opened.table(DROPPED_FILE, ["manifest_row", "reason"]).to_pydict()
     for row, reason in zip(dropped["manifest_row"], dropped["reason"]):
         stage, name = ("scan", reason[5:]) if reason.startswith("scan:") else ("plan", reason)
-        _count(table[codes[row]][stage], name)
+        table[codes[row]][stage][name] += 1
     kept = opened.table(IMAGES_FILE, ["manifest_row"]).column(0).to_numpy()
     plan_row = opened.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
     bounds = np.append(plan_row, len(kept))
@@ -368,11 +369,11 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
             table[index][column] += int(count)
         for record in skipped:
             entry = table[codes[record.position]]
-            _count(entry["encode"], record.reason)
+            entry["encode"][record.reason] += 1
             entry[column] -= 1
     for record in _merge_skips(out, len(codes)):  # good images of documents merge dropped for a failed one
         entry = table[codes[record.position]]
-        _count(entry["encode"], record.reason)
+        entry["encode"][record.reason] += 1
         entry["written"] -= 1
     return table
 
@@ -386,7 +387,3 @@ def _merge_skips(out: Path, rows: int) -> list:
     if not path.is_file():
         return []
     return [r for r in skips.read(path) if r.stage == "merge" and r.position is not None and 0 <= r.position < rows]
-
-
-def _count(counts: dict, reason: str) -> None:
-    counts[reason] = counts.get(reason, 0) + 1
