@@ -50,7 +50,9 @@ system prompt, a user turn, an answer; --media-share of them with one image plac
 `mmtok sft` as rank 0 of --world-size (first to start: it makes the conversation index), as the last rank into
 the same OUT (it finds the index and reads only its range) and as the last rank alone in a fresh OUT (making
 the index first), each a process of its own, for this checkout and, side by side, the --baseline tree: wall
-and CPU seconds, peak RSS (VmHWM), conversations read (counted in the child) and rendered.
+and CPU seconds, peak RSS (VmHWM) and, sampled every 5 ms, its anonymous part and its mapped files' pages
+(RssAnon, RssFile: an index memory-mapped from OUT is page cache, shared and reclaimable), conversations read
+(counted in the child) and rendered.
 """
 
 from __future__ import annotations
@@ -437,9 +439,23 @@ print(json.dumps({"nbytes": nbytes, "image_s": image_s, "image_kept": image_rss 
                   "peak": rss("VmHWM:")}))
 """
 PASS_CHILD = r"""
-import json, resource, sys
+import json, resource, sys, threading, time
 import mmtok.formats.conversations as conversations
 from mmtok.cli import main
+
+peaks = {"RssAnon:": 0, "RssFile:": 0}  # sampled every 5 ms: the process's own memory apart from mapped files' pages
+
+
+def sample():
+    while True:
+        for line in open("/proc/self/status"):
+            if line.startswith(tuple(peaks)):
+                field, kib = line.split()[:2]
+                peaks[field] = max(peaks[field], int(kib) * 1024)
+        time.sleep(0.005)
+
+
+threading.Thread(target=sample, daemon=True).start()
 
 read = [-1]  # records read, where the tree reads them through input_records (not before the conversation index)
 if hasattr(conversations, "input_records"):
@@ -455,7 +471,8 @@ if hasattr(conversations, "input_records"):
 code = main(sys.argv[1:])
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"peak": int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]) * 1024,
-                  "cpu": usage.ru_utime + usage.ru_stime, "read": read[0]}))
+                  "cpu": usage.ru_utime + usage.ru_stime, "read": read[0], "anon": peaks["RssAnon:"],
+                  "file": peaks["RssFile:"]}))
 sys.exit(code)
 """
 SCALE_TEXT_SIZE = 32_768
@@ -659,11 +676,12 @@ def ranks(work: Path, conversations: list[int], world_size: int, media_share: fl
     trees = {"before": baseline, "after": REPO} if baseline else {"after": REPO}
     rows = [row for count in conversations for row in rank_runs(work, count, world_size, media_share, trees)]
     print("| tree | conversations | with an image | world size | rank | index (count) | wall s | CPU s | peak MiB | "
-          "conversations read | rendered |\n|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+          "anon peak MiB | file pages peak MiB | conversations read | rendered |\n"
+          "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['tree']} | {row['conversations']:,} | {row['media']:,} | {row['world_size']} | {row['rank']} | "
               f"{row['index']} | {row['wall']:.1f} | {row['cpu']:.1f} | {row['peak'] / 2**20:,.0f} | "
-              f"{row['read']:,} | {row['rendered']:,} |")
+              f"{row['anon'] / 2**20:,.0f} | {row['file'] / 2**20:,.0f} | {row['read']:,} | {row['rendered']:,} |")
     for row in rows:
         print(f"{row['tree']} rank {row['rank']} ({row['index']}): {row['written']}", file=sys.stderr)
 

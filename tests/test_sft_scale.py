@@ -138,13 +138,17 @@ def test_a_damaged_index_is_refused_not_read_short(job, monkeypatch, capsys):
 
 
 def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_stale_or_damaged_one(job, monkeypatch):
-    # the image items are parsed (one json record each) and the clips' cut ids read by the first rank only; the
-    # others memory-map the arrays it kept in OUT/image-index and OUT/clip-index, unless the parts changed since
-    # or an array does not match its sha256
+    # the image items are parsed (one json record each), the clips' cut ids read and every media part checked
+    # against its checksums by the first rank only; the others memory-map the arrays it kept in OUT/image-index
+    # and OUT/clip-index, unless the parts changed since or an array file is not the one its writer recorded
     from mmtok.formats import audio_cache, commitlog
 
     root, argv = job
     _sft(job, monkeypatch, "kept", 3)
+    checked, verify_part, verify_cache = [], commitlog.verify_part, audio_cache.verify
+    monkeypatch.setattr(commitlog, "verify_part", lambda directory, *more: checked.append(Path(directory).parts[0])
+                        or verify_part(directory, *more))
+    monkeypatch.setattr(audio_cache, "verify", lambda path: checked.append("audio") or verify_cache(path))
     parsed, plain = [], commitlog.iter_items
 
     def counted(directory):
@@ -163,14 +167,33 @@ def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_sta
         assert _digest(_hashes(root / "kept", root)) == RECORDED[3]
 
     rerun_rank_1()
-    assert parsed == [] and indexed == []
+    assert parsed == [] and indexed == [] and "img" not in checked and "audio" not in checked
     array = next((root / "kept" / KEPT_DIR).glob("members_high.npy"))
-    array.write_bytes(array.read_bytes()[:-1] + b"\x01")  # damaged: rebuilt from the parts, never trusted
+    array.write_bytes(array.read_bytes()[:-1] + b"\x01")  # rewritten: rebuilt from the parts, never trusted
     rerun_rank_1()
-    assert len(parsed) == 2
+    assert len(parsed) == 2 and checked.count("img") == 2  # the parts checked again before the rebuild
     parsed.clear()
     rerun_rank_1()  # the rebuilt index was kept again
     assert parsed == []
     os.utime(root / "img" / "parts" / "part-00000" / commitlog.ITEMS)  # a part rewritten since: rebuilt
     rerun_rank_1()
     assert len(parsed) == 2
+
+
+def test_a_media_part_damaged_after_the_index_was_kept_is_named_not_trusted(job, monkeypatch, capsys):
+    # a later rank relies on the first rank's check of the image parts only while their files are those it checked
+    from mmtok.formats import commitlog
+
+    root, argv = job
+    _sft(job, monkeypatch, "rotted", 2)
+    tokens = root / "img" / "parts" / "part-00000" / commitlog.ITEM_IDS  # an sft-mode part: its blocks
+    data = tokens.read_bytes()
+    try:
+        tokens.write_bytes(data[:8] + bytes([data[8] ^ 1]) + data[9:])  # bit rot: same size, a new mtime
+        shutil.rmtree(root / "rotted" / "parts" / "part-00001")
+        capsys.readouterr()
+        assert main([*argv, "--out", "rotted", "--rank", "1", "--world-size", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "do not match their checksum" in err and str(tokens.name) in err and len(err.splitlines()) == 1
+    finally:
+        tokens.write_bytes(data)

@@ -65,6 +65,11 @@ def _schema(metadata: dict):
     return pa.schema(fields, metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True).encode()})
 
 
+def verified_files(path: Path) -> list[Path]:
+    """The files `verify` reads: cache part `path` and its checksum file."""
+    return [path, checksum_path(path)]
+
+
 def checksum_path(path: Path) -> Path:
     """The file holding the sha256 of cache part `path` (`sha256sum` format)."""
     return path.with_name(path.name + CHECKSUM_SUFFIX)
@@ -164,14 +169,16 @@ def read_tokens(path: Path, layout: VocabLayout | None = None) -> tuple[list[np.
     return audio, text
 
 
-def find_parts(out: str | os.PathLike) -> list[Path]:
-    """All cache parts 0..num_parts-1 of an encode output, each verified against its checksum file;
-    refuses a missing or damaged part or disagreeing metadata."""
+def find_parts(out: str | os.PathLike, check_bytes: bool = True) -> list[Path]:
+    """All cache parts 0..num_parts-1 of an encode output, each verified against its checksum file (unless
+    `check_bytes` is False: for a caller that verifies them itself, or holds a record of these very files having been
+    verified -- `mmtok sft`'s kept clip index); refuses a missing or damaged part or disagreeing metadata."""
     folder = Path(out) / CACHE_DIR
     paths = sorted(folder.glob("part-*.parquet"))
     if not paths:
         raise MmtokError(f"{folder}: no audio token cache; run `mmtok encode --modality audio --out {out}` first")
-    verify(paths[0])
+    check = verify if check_bytes else (lambda path: None)
+    check(paths[0])
     first = read_metadata(paths[0])
     expected = [cache_path(out, part) for part in range(first["num_parts"])]
     missing = [p.name for p in expected if not p.is_file()]
@@ -180,7 +187,7 @@ def find_parts(out: str | os.PathLike) -> list[Path]:
                          f"{', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}; finish every rank first")
     shared = {k: v for k, v in first.items() if k != "part"}
     for path in expected[1:]:
-        verify(path)
+        check(path)
         other = {k: v for k, v in read_metadata(path).items() if k != "part"}
         if other != shared:
             raise MmtokError(f"{path}: made with different settings than {expected[0].name} "

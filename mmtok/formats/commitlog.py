@@ -270,6 +270,14 @@ def verify_part(directory: str | os.PathLike, records: list[dict] | None = None)
     return records
 
 
+def verified_files(directory: str | os.PathLike) -> list[Path]:
+    """The files `verify_part` checks: a record of their paths, sizes and mtimes taken before a verification
+    stands for it while they are unchanged (`mmtok sft`'s kept image index)."""
+    directory = Path(directory)
+    return [directory / name for name in (IDENTITY, COMMITS, DONE, STATS, *APPENDED)] + [
+        idx_path(part_prefix(directory))]
+
+
 def _crc_of(path: Path) -> int:
     try:
         return zlib.crc32(path.read_bytes())

@@ -126,13 +126,21 @@ class ImageIndex:
     @classmethod
     def cached(cls, directories: list[Path], folder: Path) -> ImageIndex:
         """The index of the parts `directories`, from `folder` when a rank kept it there for these very part files
-        (`mmtok.formats.kept`: their paths, sizes and mtimes; each array checked against its sha256), else built
-        and kept there. The arrays are memory-mapped, so a rank reads the pages of the items it looks up, not the
-        index of every item of the corpus."""
-        made_of = kept.files_of([Path(d) / name for d in directories for name in (commitlog.ITEMS, commitlog.ITEM_IDS)])
+        (`mmtok.formats.kept`: their paths, sizes, mtimes and inodes; each array the file its writer recorded),
+        else built and kept there. The arrays are memory-mapped, so a rank reads the pages of the items it looks
+        up, not the index of every item of the corpus.
+
+        The rank that builds it first checks every part against its checksums (`commitlog.verify_part`), and the
+        index records the part files as they were before that check (`commitlog.verified_files`): a rank that
+        finds it for the same files relies on that check instead of reading every part's bytes again, so what a
+        rank reads does not grow with the corpus. A part file changed since makes the index be built (and the
+        parts checked) again."""
+        made_of = kept.files_of([file for directory in directories for file in commitlog.verified_files(directory)])
         found = kept.load(folder, made_of, KEPT_FORMAT)
         if found is not None:
             return cls(directories, {"arrays": found[0], **found[1]})
+        for directory in directories:
+            commitlog.verify_part(directory)
         index = cls(directories)
         samples_high, samples_low = index._samples.halves()
         members_high, members_low = index._members.halves()
@@ -195,7 +203,7 @@ class ImageIndex:
         return self._ids[item.part][item.offset:item.offset + item.length]
 
 
-KEPT_FORMAT = "mmtok-image-index/1"
+KEPT_FORMAT = "mmtok-image-index/2"
 KEPT_DIR = "image-index"  # `mmtok sft` OUT/image-index/: the index one rank built, for the others
 
 

@@ -3,19 +3,21 @@ that the other ranks memory-map it instead of building it again (writer and read
 
 ```
 OUT/<name>/<array>.npy     one NumPy array each (np.save, no pickle)
-OUT/<name>/index.json      format, `made_of` (what the index was built from: paths, sizes, mtimes), the
-                           caller's own fields, and the sha256 of every array; written last
+OUT/<name>/index.json      format, `made_of` (what the index was built from: paths, sizes, mtimes, inodes), the
+                           caller's own fields, and each array file's identity as written; written last
 ```
 
 A kept index is a cache, the other stage's files stay the record: it is used only when it was made of exactly the
-same files (`made_of` equal) and every array matches its sha256; anything else -- another format, a changed or
-damaged file, a missing array -- makes the caller build the index again (and keep it again). Writes are atomic
-(arrays first, the JSON naming them last), so ranks may race to keep one.
+same files (`made_of` equal) and every array file is the one its writer recorded (path, size, mtime, inode);
+anything else -- another format, a changed or replaced file, a missing array -- makes the caller build the index
+again (and keep it again). The arrays are checked by identity, not hashed: hashing them would make every rank read
+the whole index (O(corpus), from a shared file system), where memory-mapping reads only the pages a rank looks up.
+Writes are atomic (arrays first, the JSON naming them last), so ranks may race to keep one; a JSON that names
+arrays another rank replaced since only makes the next reader build it again.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from pathlib import Path
@@ -23,18 +25,19 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, sha256_file
+from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object
 
 META = "index.json"
 
 
 def files_of(paths: list[Path]) -> list[dict]:
-    """What identifies the files an index is built from: real path, size and mtime of each (None: not there)."""
+    """What identifies files: real path, size, mtime and inode of each (size None: not there)."""
     described = []
     for path in paths:
         try:
             stat = os.stat(path)
-            described.append({"path": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+            described.append({"path": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                              "inode": stat.st_ino})
         except FileNotFoundError:
             described.append({"path": os.path.realpath(path), "size": None})
     return described
@@ -42,31 +45,32 @@ def files_of(paths: list[Path]) -> list[dict]:
 
 def keep(folder: Path, made_of: list[dict], arrays: dict[str, np.ndarray], fields: dict, fmt: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    sums = {}
     for name, values in arrays.items():
         buffer = io.BytesIO()
         np.save(buffer, np.ascontiguousarray(values), allow_pickle=False)
-        data = buffer.getvalue()
-        atomic_write_bytes(folder / f"{name}.npy", data)
-        sums[name] = hashlib.sha256(data).hexdigest()
-    atomic_write_json(folder / META, {"format": fmt, "made_of": made_of, **fields, "sha256": sums})
+        atomic_write_bytes(folder / f"{name}.npy", buffer.getvalue())
+    written = dict(zip(arrays, files_of([folder / f"{name}.npy" for name in arrays]), strict=True))
+    atomic_write_json(folder / META, {"format": fmt, "made_of": made_of, **fields, "array_files": written})
 
 
 def load(folder: Path, made_of: list[dict], fmt: str) -> tuple[dict[str, np.ndarray], dict] | None:
     """(the arrays, memory-mapped, and the JSON's fields) of the index kept in `folder` for exactly `made_of`;
-    None when there is none, or it is of another format, other files, or an array does not match its sha256."""
+    None when there is none, or it is of another format, other files, or an array file is not the one written."""
     try:
         meta = read_json_object(folder / META)
     except MmtokError:
         return None
     if meta is None or meta.get("format") != fmt or meta.get("made_of") != made_of:
         return None
+    recorded = meta.get("array_files")
+    if not isinstance(recorded, dict):
+        return None
     arrays = {}
-    for name, digest in (meta.get("sha256") or {}).items():
+    for name, identity in recorded.items():
         path = folder / f"{name}.npy"
+        if files_of([path]) != [identity]:
+            return None
         try:
-            if sha256_file(path) != digest:
-                return None
             arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError):
             return None

@@ -25,8 +25,12 @@ class Part:
     records: tuple = ()  # its commit records, checked against the part's bytes (commitlog.verify_part)
 
 
-def find_parts(out: Path, progress: bool = False) -> list[Part]:
-    """The finished parts of `out`, in part order; refuses missing/unfinished or inconsistent parts."""
+def find_parts(out: Path, progress: bool = False, check_bytes: bool = True) -> list[Part]:
+    """The finished parts of `out`, in part order; refuses missing/unfinished or inconsistent parts.
+
+    `check_bytes=False` lists them without reading their bytes (`records` left empty): only for a caller that verifies
+    them itself before use, or that holds a record of these very files having been verified (`mmtok sft`'s kept
+    image index, made by the rank that verified them: `ImageIndex.cached`)."""
     found = {}
     for _, directory in commitlog.part_directories(out):
         if not (directory / commitlog.IDENTITY).is_file():
@@ -52,8 +56,9 @@ def find_parts(out: Path, progress: bool = False) -> list[Part]:
     from mmtok.progress import progress as progress_bar
 
     parts = []  # each checked against its checksums: damage is named before it can pass for another run's part
-    for n in progress_bar(range(num_parts), desc="merge: check parts", unit="part", enabled=progress):
-        parts.append(Part(n, found[n].directory, found[n].identity, tuple(commitlog.verify_part(found[n].directory))))
+    for n in progress_bar(range(num_parts), desc="merge: check parts", unit="part", enabled=progress and check_bytes):
+        records = tuple(commitlog.verify_part(found[n].directory)) if check_bytes else ()
+        parts.append(Part(n, found[n].directory, found[n].identity, records))
     _check_same_run(parts)
     return parts
 

@@ -56,13 +56,13 @@ from mmtok.formats import audio_cache, commitlog, kept, shar, skips
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
-from mmtok.formats.parts import find_parts  # the finished, checksum-verified parts of one run
+from mmtok.formats.parts import find_parts  # the finished parts of one run
 from mmtok.fsutil import required
 from mmtok.ranks import unit_ranges
 from mmtok.text import TextTokenizer, load_text_tokenizer, tokenizer_difference
 from mmtok.vocab import VocabLayout
 
-CLIPS_FORMAT = "mmtok-clip-index/1"
+CLIPS_FORMAT = "mmtok-clip-index/2"
 CLIPS_DIR = "clip-index"  # OUT/clip-index/: the audio clips' index one rank built, for the others (formats/kept.py)
 CONVERSATIONS_PER_UNIT = 256  # one commit per unit: a kill loses at most this many conversations' work
 DEFAULT_MAX_TOKENS = 1 << 20
@@ -79,12 +79,13 @@ class SftOptions:
 # -- encoded images ---------------------------------------------------------------------------------
 class ImageItems:
     """The image items of a finished image encode output (a `--mode sft` plan), by (tar, member): the block's
-    ids, or why the image failed. Every part is checked against its checksums first."""
+    ids, or why the image failed. Every part is checked against its checksums first (here, or by the rank that
+    kept the index: `ImageIndex.cached`)."""
 
     def __init__(self, out: Path, layout: VocabLayout, tokenizer: TextTokenizer, kept: Path | None = None):
         """`kept`: where the index is kept for the other ranks (`ImageIndex.cached`); None: built here only."""
         self.out = out
-        parts = find_parts(out)
+        parts = find_parts(out, check_bytes=kept is None)  # else checked by the rank that keeps the index (`cached`)
         self.identity, self.identity_file = parts[0].identity, parts[0].directory / commitlog.IDENTITY
         _check_image_run(out, self.identity, self.identity_file, layout, tokenizer)
         directories = [part.directory for part in parts]
@@ -160,7 +161,7 @@ class AudioClips:
         self._loaded: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.describe = []
         for out in outs:
-            paths = audio_cache.find_parts(out)
+            paths = audio_cache.find_parts(out, check_bytes=kept_in is None)  # else checked where the index is made
             metadata = audio_cache.read_metadata(paths[0])
             if metadata["vocab"] != layout.to_dict():
                 raise MmtokError(f"{out}: its audio ids were made for vocabulary {metadata['vocab']}, not this "
@@ -172,8 +173,13 @@ class AudioClips:
             for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
                     self._why.setdefault(record.key, record.skip())
-        made_of = kept.files_of(self._paths)
+        # As for the image index (`ImageIndex.cached`): the rank that makes the clip index checks every cache part
+        # against its checksum file first; a rank that finds it kept for the same files relies on that check.
+        made_of = kept.files_of([file for path in self._paths for file in audio_cache.verified_files(path)])
         found = kept.load(kept_in, made_of, CLIPS_FORMAT) if kept_in is not None else None
+        if found is None and kept_in is not None:
+            for path in self._paths:
+                audio_cache.verify(path)
         arrays = found[0] if found is not None else self._index()
         if found is None and kept_in is not None:
             kept.keep(kept_in, made_of, arrays, {}, CLIPS_FORMAT)
