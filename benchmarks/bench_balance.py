@@ -51,7 +51,7 @@ from standin import StandInCodec  # noqa: E402
 from mmtok.plan import calibrate as cal  # noqa: E402
 from mmtok.cli import main as cli  # noqa: E402
 from mmtok.codecs import emu35  # noqa: E402
-from mmtok.codecs.base import load_codec  # noqa: E402
+from mmtok.codecs.registry import load_codec  # noqa: E402
 from mmtok.encode.runner import EncodeOptions, encode_rank  # noqa: E402
 from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
 from mmtok.formats.presets import CostModel  # noqa: E402

@@ -781,7 +781,7 @@ def context_probe(work: Path) -> None:
 
     import torch
 
-    from mmtok.codecs.base import load_codec
+    from mmtok.codecs.registry import load_codec
     from mmtok.encode.loader import HostRing
     from mmtok.launch import resolve_device
 

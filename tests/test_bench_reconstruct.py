@@ -278,7 +278,7 @@ def test_parquet_containers_are_read_by_row(tmp_path):
 
 
 def test_resize_rules_come_from_checkpoint_plan_preset_or_options(tmp_path, checkpoints):
-    from mmtok.codecs.base import load_codec
+    from mmtok.codecs.registry import load_codec
     from mmtok.formats.presets import PlanParameters
 
     codecs = {name: load_codec(name, path) for name, path in checkpoints.items()}

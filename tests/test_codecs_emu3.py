@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from mmtok.codecs import emu3
-from mmtok.codecs.base import load_codec
+from mmtok.codecs.registry import load_codec
 from mmtok.errors import MmtokError
 from mmtok.media.images import resize_rgb
 from mmtok.media.resize import target_shape

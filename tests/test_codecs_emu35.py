@@ -13,7 +13,8 @@ from torch.utils._pytree import tree_leaves
 
 from mmtok.cli import main
 from mmtok.codecs import emu35
-from mmtok.codecs.base import PrecisionContract, checkpoint_fingerprint, load_codec
+from mmtok.codecs.base import PrecisionContract, checkpoint_fingerprint
+from mmtok.codecs.registry import load_codec
 from mmtok.errors import MmtokError
 from mmtok.media.images import load_rgb_file, resize_rgb
 from realmedia import skimage_images

@@ -16,7 +16,8 @@ from realmedia import ALSA_DIR, ASTERISK_DIR, alsa_sounds, asterisk_prompts
 from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.cli import main
 from mmtok.codecs import wavtokenizer as wt
-from mmtok.codecs.base import PrecisionContract, load_codec
+from mmtok.codecs.base import PrecisionContract
+from mmtok.codecs.registry import load_codec
 from mmtok.errors import MmtokError, Skip
 
 REFERENCE_LOOKAHEAD = 2877  # measured on the official code by perturbing single samples (golden README)

@@ -22,7 +22,7 @@ from mmtok.encode.audio import encode_rank, load_clip
 from mmtok.audio.interleave import LONG, STAGE, interleave
 from mmtok.encode.audio_batches import Batching
 from mmtok.ranks import assign_shards
-from mmtok.codecs.base import load_codec
+from mmtok.codecs.registry import load_codec
 from mmtok.formats.audio_cache import cache_path, read_tokens
 from mmtok.formats.megatron import read_sequences
 from mmtok.formats.shar import discover_shards, index_members

@@ -206,7 +206,7 @@ def test_a_rank_of_another_run_is_refused_before_its_codec_loads(one_part, clean
     from encodekit import plan
 
     from mmtok.cli import main
-    from mmtok.codecs import base, emu3, emu35
+    from mmtok.codecs import emu3, emu35, registry
 
     env, planned, out = one_part
     checkpoint, codec, world = env.checkpoint, "emu3.5", "2"
@@ -218,7 +218,7 @@ def test_a_rank_of_another_run_is_refused_before_its_codec_loads(one_part, clean
         codec, checkpoint = "emu3", emu3.write_random_checkpoint(env.root / "emu3")
     else:
         checkpoint = emu35.write_random_checkpoint(env.root / "other-ckpt", seed=5)
-    clean_env.setattr(base, "load_codec", lambda *a, **k: pytest.fail("the codec was loaded"))
+    clean_env.setattr(registry, "load_codec", lambda *a, **k: pytest.fail("the codec was loaded"))
     capsys.readouterr()
     assert main(["encode", "--plan", str(planned), "--codec", codec, "--checkpoint", str(checkpoint),
                  "--out", str(out), "--rank", "1", "--world-size", world, "--device", "cpu", "--no-progress"]) == 2

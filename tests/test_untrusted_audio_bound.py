@@ -21,7 +21,7 @@ from audio_corpus import digit
 from encodekit import chat_tokenizer
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.cli import main
-from mmtok.codecs.base import load_codec
+from mmtok.codecs.registry import load_codec
 from mmtok.encode.audio import encode_rank
 from mmtok.encode.audio_batches import Batching
 from mmtok.errors import MmtokError

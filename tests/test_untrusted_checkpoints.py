@@ -350,14 +350,14 @@ def test_a_checkpoint_in_the_hub_cache_layout_loads(checkpoints, tmp_path):
 def test_audio_parts_of_another_checkpoint_are_refused_before_the_codec_loads(checkpoints, tmp_path, monkeypatch,
                                                                                capsys):
     """Issue 48.4, audio: the shards' parts are the run; a rank with another checkpoint stops at start-up."""
-    from mmtok.codecs import base
+    from mmtok.codecs import registry
 
     shar = _speech_shar(tmp_path, clips=2)
     command = ["encode", "--modality", "audio", "--shar", str(shar), "--out", str(tmp_path / "audio"),
                "--num-workers", "0", "--no-progress", "--device", "cpu"]
     assert main([*command, "--checkpoint", str(checkpoints["wavtokenizer"])]) == 0
     other = wt.write_random_checkpoint(tmp_path / "other", seed=3)
-    monkeypatch.setattr(base, "load_codec", lambda *a, **k: pytest.fail("the codec was loaded"))
+    monkeypatch.setattr(registry, "load_codec", lambda *a, **k: pytest.fail("the codec was loaded"))
     capsys.readouterr()
     assert main([*command, "--checkpoint", str(other)]) == 2
     assert "holds part-00000, a part of another run: codec.checkpoint_sha256" in _one_line(capsys)

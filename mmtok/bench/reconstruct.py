@@ -218,7 +218,7 @@ def run(options: RunOptions) -> dict:
 
 
 def _load_tokenizers(options: RunOptions, device: torch.device) -> list[Loaded]:
-    from mmtok.codecs.base import load_codec
+    from mmtok.codecs.registry import load_codec
 
     if not options.tokenizers:
         raise MmtokError("give at least one --tokenizer NAME=CHECKPOINT")

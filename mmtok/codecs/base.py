@@ -1,24 +1,21 @@
-"""What every codec shares: the precision contract, the common interface, and the registry.
+"""What every codec shares: the precision contract, the contract a codec meets (`CodecPlugin`, `Codec`), and
+the helpers for it (strict loading, batch invariance).
 
-A codec module (emu35.py, emu3.py, wavtokenizer.py) provides:
-  load(checkpoint_dir, device) -> Codec          strict loading of the official files
-  write_random_checkpoint(directory, config=None, seed=0) -> Path
-                                                  a random-weight checkpoint in the official format
-                                                  (tiny documented config by default; for tests)
-Image codecs encode uint8 [B, H, W, 3] (or [B, 3, H, W]) -> int32 codes [B, H/p, W/p] and decode
-codes -> float32 [B, 3, H, W] in the model's [-1, 1] scale, unclamped. Audio codecs encode
-float32 [B, T] at their sample rate plus valid lengths -> int32 codes [B, ceil(T/hop)] and decode
-codes -> float32 [B, T].
+A codec is a plugin: a module registered in the `mmtok.codecs` entry-point group (mmtok/codecs/registry.py, the
+built-in emu35.py, emu3.py and wavtokenizer.py included) that provides what `CodecPlugin` declares; its `load`
+returns a `Codec`. Image codecs encode uint8 [B, H, W, 3] (or [B, 3, H, W]) -> int32 codes [B, H/p, W/p] and
+decode codes -> float32 [B, 3, H, W] in the model's [-1, 1] scale, unclamped. Audio codecs encode float32 [B, T]
+at their sample rate plus valid lengths -> (int32 codes [B, ceil(T/hop)], valid code counts [B]) and decode
+codes -> float32 [B, T]. docs/write-a-codec.md shows a whole plugin.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import os
+import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -165,13 +162,38 @@ def row_blocks(rows: torch.Tensor, block: int, device_block: int | None = None):
 
 
 class Codec(torch.nn.Module):
-    """Base class: subclasses set the attributes below and implement encode/decode."""
+    """What a loaded codec is: subclasses set the attributes below and implement `encode` and `decode`.
 
-    name: str = ""
+    Every stage relies on these and nothing else (`check_codec` checks them when a codec is loaded)."""
+
+    name: str = ""  # the registered name; recorded in every output and compared on resume
     modality: str = ""  # "image" or "audio"
-    codebook_size: int = 0
-    precision: PrecisionContract
-    checkpoint_sha256: str = ""
+    codebook_size: int = 0  # codes lie in [0, codebook_size); at most the vocabulary's block for the modality
+    precision: PrecisionContract  # applied before encoding, recorded in outputs
+    checkpoint_sha256: str = ""  # `checkpoint_fingerprint` of the plugin's `checkpoint_paths`; set by `load`
+    # image codecs
+    pixels_per_code: int = 0  # side of the square of pixels one code stands for (the plan's --factor)
+    resize_defaults: dict | None = None  # the codec's own resize rule, where it has one (bench reconstruct)
+    # audio codecs
+    sample_rate: int = 0  # Hz of the waveforms `encode` takes and `decode` gives
+    hop: int = 0  # samples per code
+
+    @property
+    def device(self) -> torch.device:
+        """Where the codec's weights are, and so where `encode` and `decode` run."""
+        for tensor in itertools.chain(self.parameters(), self.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+
+    def encode(self, *batch: Any) -> Any:
+        """Image: uint8 pixels [B, H, W, 3] or [B, 3, H, W] (H, W multiples of `pixels_per_code`) -> int32 codes
+        [B, H/p, W/p]. Audio: float32 waves [B, T] and their valid lengths [B] -> (int32 codes [B, ceil(T/hop)],
+        valid code counts [B]). A code never depends on the rest of its batch (docs/codecs.md)."""
+        raise NotImplementedError
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes as `encode` gives them -> float32 pixels [B, 3, H, W] in [-1, 1], or waves [B, T]."""
+        raise NotImplementedError
 
     def describe(self) -> dict:
         """Identity recorded in output metadata and compared on resume."""
@@ -184,34 +206,63 @@ class Codec(torch.nn.Module):
         }
 
 
-# name -> module implementing load()/write_random_checkpoint()
-CODEC_MODULES = {
-    "emu3.5": "mmtok.codecs.emu35",
-    "emu3": "mmtok.codecs.emu3",
-    "wavtokenizer": "mmtok.codecs.wavtokenizer",
-}
+class CodecPlugin(Protocol):
+    """What the object a `mmtok.codecs` entry point names provides (a module, usually). Read before any
+    checkpoint is loaded: `MODALITY` and `TOKENIZER_TYPE` by `mmtok tokenizer build`, `checkpoint_paths` to
+    fingerprint a checkpoint before a resume loads it."""
+
+    MODALITY: str  # "image" or "audio"
+    TOKENIZER_TYPE: str  # the codec's `type` in tokenizer_config.json (`mmtok tokenizer build`)
+
+    def load(self, checkpoint_dir: Path, device: torch.device) -> Codec:
+        """The codec of a checkpoint directory, on `device`; MmtokError naming the file on anything wrong."""
+
+    def checkpoint_paths(self, checkpoint_dir: Path) -> list[Path]:
+        """The files whose bytes the codes depend on (fingerprinted into `checkpoint_sha256`)."""
+
+    def write_random_checkpoint(self, directory: Path, config: Mapping | None = None, seed: int = 0) -> Path:
+        """A checkpoint with random weights in the codec's own format (tests, the demo, benchmarks)."""
 
 
-def codec_module(name: str):
-    if name not in CODEC_MODULES:
-        raise MmtokError(f"unknown codec {name!r}; known codecs: {', '.join(CODEC_MODULES)}")
-    return importlib.import_module(CODEC_MODULES[name])
+MODALITIES = ("image", "audio")
+PLUGIN_FUNCTIONS = ("load", "checkpoint_paths", "write_random_checkpoint")
 
 
-def load_codec(name: str, checkpoint: str | os.PathLike, device: str | torch.device = "cpu") -> Codec:
-    """Load codec `name` from its official checkpoint directory onto `device`, in eval mode."""
-    path = Path(checkpoint)
-    if not path.exists():
-        raise MmtokError(f"{name}: checkpoint not found: {path}")
-    codec = codec_module(name).load(path, torch.device(device))
-    return codec.eval()
+def check_plugin(plugin: object, where: str) -> None:
+    """MmtokError naming `where` unless `plugin` provides what `CodecPlugin` declares."""
+    missing = [name for name in PLUGIN_FUNCTIONS if not callable(getattr(plugin, name, None))]
+    if missing:
+        raise MmtokError(f"{where} does not meet the codec contract: it has no function {', '.join(missing)} "
+                         "(mmtok.codecs.base.CodecPlugin; docs/write-a-codec.md)")
+    if getattr(plugin, "MODALITY", None) not in MODALITIES:
+        raise MmtokError(f"{where} does not meet the codec contract: MODALITY must be one of {', '.join(MODALITIES)}, "
+                         f"not {getattr(plugin, 'MODALITY', None)!r}")
+    if not isinstance(getattr(plugin, "TOKENIZER_TYPE", None), str) or not plugin.TOKENIZER_TYPE:
+        raise MmtokError(f"{where} does not meet the codec contract: TOKENIZER_TYPE must be a non-empty string")
 
 
-def checkpoint_sha256(name: str, checkpoint: str | os.PathLike) -> str | None:
-    """The `checkpoint_sha256` codec `name` will record for `checkpoint` once loaded, computed without loading
-    it (so a run can be compared with an earlier one first); None when a file is missing (the load says so)."""
-    paths = codec_module(name).checkpoint_paths(Path(checkpoint))
-    return checkpoint_fingerprint(paths) if all(path.is_file() for path in paths) else None
+def check_codec(codec: object, plugin: CodecPlugin, where: str) -> None:
+    """MmtokError naming `where` unless what its `load` returned is a `Codec` with the attributes its modality
+    needs, codes that fit the vocabulary's block for it, and its plugin's modality."""
+    from mmtok.vocab import AUDIO_CODEBOOK, IMAGE_CODEBOOK
+
+    if not isinstance(codec, Codec):
+        raise MmtokError(f"{where}: load() returned a {type(codec).__name__}, not a mmtok.codecs.base.Codec")
+    problems = []
+    if codec.modality != plugin.MODALITY:
+        problems.append(f"modality {codec.modality!r} is not the plugin's MODALITY {plugin.MODALITY!r}")
+    if not isinstance(getattr(codec, "precision", None), PrecisionContract):
+        problems.append("precision is not a PrecisionContract")
+    room = IMAGE_CODEBOOK if plugin.MODALITY == "image" else AUDIO_CODEBOOK
+    if not isinstance(codec.codebook_size, int) or not 0 < codec.codebook_size <= room:
+        problems.append(f"codebook_size {codec.codebook_size!r} is not in 1..{room} (the vocabulary's "
+                        f"{plugin.MODALITY} block)")
+    needed = ("pixels_per_code",) if plugin.MODALITY == "image" else ("sample_rate", "hop")
+    problems += [f"{name} must be a positive int, not {getattr(codec, name, None)!r}" for name in needed
+                 if not isinstance(getattr(codec, name, None), int) or getattr(codec, name) <= 0]
+    if problems:
+        raise MmtokError(f"{where} does not meet the codec contract: {'; '.join(problems)} "
+                         "(mmtok.codecs.base.Codec; docs/write-a-codec.md)")
 
 
 def checkpoint_fingerprint(paths: list[Path]) -> str:

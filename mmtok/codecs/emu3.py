@@ -53,6 +53,9 @@ from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import own_file
 
 CONFIG_FILE = "config.json"
+# The codec contract (mmtok.codecs.base.CodecPlugin; registered in pyproject.toml's mmtok.codecs entry points)
+MODALITY = "image"
+TOKENIZER_TYPE = "Emu3"  # the `type` upstream spells in tokenizer_config.json
 WEIGHTS_FILE = "model.safetensors"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 PRECISION = PrecisionContract(tf32_matmul=False, tf32_conv=False, dtype="float32", deterministic=True)

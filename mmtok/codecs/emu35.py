@@ -32,6 +32,9 @@ from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import atomic_writer, own_file
 
 NAME = "emu3.5"
+# The codec contract (mmtok.codecs.base.CodecPlugin; registered in pyproject.toml's mmtok.codecs entry points)
+MODALITY = "image"
+TOKENIZER_TYPE = "Emu3.5"  # the `type` upstream spells in tokenizer_config.json
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_FILE = "model.ckpt"
 

@@ -41,6 +41,9 @@ from mmtok.errors import MmtokError, Skip, brief
 from mmtok.fsutil import own_file
 
 NAME = "wavtokenizer"
+# The codec contract (mmtok.codecs.base.CodecPlugin; registered in pyproject.toml's mmtok.codecs entry points)
+MODALITY = "audio"
+TOKENIZER_TYPE = "wavtokenizer"  # the `type` upstream spells in tokenizer_config.json
 SAMPLE_RATE = 24_000
 HOP = 600  # 40 codes per second
 TRIM = 5  # = ceil(lookahead / HOP): codes whose receptive field can reach past the clip's end

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     for name, text in (("encode", "INPUT (image/audio file or .npy) -> codes .npy"),
                        ("decode", "codes .npy -> image (.png/.npy) or audio (.wav/.npy)")):
         child = codec_sub.add_parser(name, help=text, description=text)
-        child.add_argument("--codec", required=True, help="codec name: emu3.5, emu3 or wavtokenizer")
+        child.add_argument("--codec", required=True, help="a registered codec: emu3.5, emu3, wavtokenizer, or a plugin's (docs/write-a-codec.md)")
         child.add_argument("--checkpoint", required=True, help="directory with the official checkpoint files")
         add_device_argument(child)
         child.add_argument("input", help="input file")
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from mmtok.codecs.base import load_codec
+    from mmtok.codecs.registry import load_codec
     from mmtok.fsutil import refuse_out_overlapping
     from mmtok.launch import resolve_device
 
@@ -65,7 +65,7 @@ def run(args) -> int:
 def _encode(codec, args) -> np.ndarray:
     import torch
 
-    device = next(codec.parameters()).device
+    device = codec.device
     if codec.modality == "image":
         pixels = _image_input(args.input, codec.pixels_per_code, args.min_pixels, args.max_pixels)
         batch = torch.tensor(pixels[None], device=device)  # a copy: PIL-backed arrays are read-only
@@ -115,7 +115,7 @@ def _audio_input(path: str, sample_rate: int) -> np.ndarray:
 def _decode(codec, codes: np.ndarray, out: Path) -> None:
     import torch
 
-    device = next(codec.parameters()).device
+    device = codec.device
     decoded = codec.decode(torch.from_numpy(codes.astype(np.int64)[None]).to(device)).float().cpu().numpy()
     if out.suffix == ".npy":
         np.save(out, decoded)

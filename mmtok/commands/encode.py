@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--modality", choices=("image", "audio"), default="image",
                         help="what to encode (default image)")
     parser.add_argument("--plan", help="images: the plan directory (`mmtok plan --out`)")
-    parser.add_argument("--codec", default=None, help="codec name (default: emu3.5 for images, wavtokenizer for audio)")
+    parser.add_argument("--codec", default=None, help="a registered codec (default: emu3.5 for images, wavtokenizer for audio; plugins: docs/write-a-codec.md)")
     parser.add_argument("--checkpoint", required=True, help="directory with the codec's official checkpoint files")
     parser.add_argument("--out", required=True, help="output directory (parts go to OUT/parts/)")
     parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
@@ -58,17 +58,23 @@ def add_parser(sub) -> None:
     parser.set_defaults(func=run)
 
 
+DEFAULT_CODECS = {"image": "emu3.5", "audio": "wavtokenizer"}
+
+
 def run(args) -> int:
+    from mmtok.codecs.registry import of_modality
     from mmtok.fsutil import refuse_out_overlapping
 
     refuse_out_overlapping(args.out, [args.plan, args.checkpoint, args.shar, args.text_tokenizer])
+    args.codec = args.codec or DEFAULT_CODECS[args.modality]
+    of_modality(args.codec, args.modality)  # a codec of the other modality, or a broken plugin: before any work
     if args.modality == "audio":
         return run_audio(args)
     return run_images(args)
 
 
 def run_images(args) -> int:
-    from mmtok.codecs.base import load_codec
+    from mmtok.codecs.registry import load_codec
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.launch import resolve_device, resolve_rank
     from mmtok.encode.runner import EncodeOptions, encode_rank
@@ -83,10 +89,10 @@ def run_images(args) -> int:
                       f"contiguous cost-balanced ranges for {plural(world_size, 'rank')} (the merged output does "
                       "not depend on the world size)")
     check_part_free(part_dir(args.out, rank))  # a duplicate job stops here, before it loads the model
-    refuse_other_run(args.out, "image", args.codec or "emu3.5", args.checkpoint, num_parts=world_size,
+    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=world_size,
                      plan_fingerprint=meta["fingerprint"])
     device = resolve_device(args.device)
-    codec = load_codec(args.codec or "emu3.5", args.checkpoint, device)
+    codec = load_codec(args.codec, args.checkpoint, device, modality="image")
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
                             max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress)
     stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
@@ -107,7 +113,7 @@ def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **kno
     """Before the codec loads: an --out that holds parts of another run -- another plan, world size, codec or
     checkpoint (hashed only when parts are there) -- is refused naming what differs. The rank checks its
     whole identity again once the codec is loaded, before its first batch."""
-    from mmtok.codecs.base import checkpoint_sha256
+    from mmtok.codecs.registry import checkpoint_sha256
     from mmtok.formats import parts
     from mmtok.formats.commitlog import part_directories
 
@@ -201,7 +207,7 @@ def run_audio(args) -> int:
     from mmtok.ranks import assign_shards
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.formats.shar import discover_shards
-    from mmtok.codecs.base import load_codec
+    from mmtok.codecs.registry import load_codec
     from mmtok.launch import resolve_device, resolve_rank
 
     if args.shar is None:
@@ -210,8 +216,8 @@ def run_audio(args) -> int:
     shards, _ = discover_shards(Path(args.shar))
     for index in assign_shards([s.duration for s in shards], world_size)[rank]:
         check_part_free(part_dir(args.out, shards[index].index))  # a duplicate job stops before loading the model
-    refuse_other_run(args.out, "audio", args.codec or "wavtokenizer", args.checkpoint, num_parts=len(shards))
-    codec = load_codec(args.codec or "wavtokenizer", args.checkpoint, resolve_device(args.device))
+    refuse_other_run(args.out, "audio", args.codec, args.checkpoint, num_parts=len(shards))
+    codec = load_codec(args.codec, args.checkpoint, resolve_device(args.device), modality="audio")
     if codec.modality != "audio":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
     batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)

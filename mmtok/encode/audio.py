@@ -412,7 +412,7 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
     trim = trim_of(codec)
     requests = [r for w in work for r in w.requests]
     by_shard = {w.shard.index: w for w in work}
-    device = torch.device(getattr(codec, "device", "cpu"))
+    device = codec.device
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before pinning: the pinned buffers' context belongs on this GPU
     loader = torch.utils.data.DataLoader(

@@ -206,7 +206,7 @@ def render_blocks(tokens: np.ndarray, layout: VocabLayout, codec, out_dir: Path,
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    device = next(codec.parameters()).device
+    device = codec.device
     blocks = [s for s in layout.split_sequence(tokens) if s[0] == codec.modality]
     for index, block in enumerate(blocks):
         codes = torch.from_numpy(np.asarray(block[1], np.int64)[None]).to(device)

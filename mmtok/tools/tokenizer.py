@@ -49,10 +49,7 @@ IMAGE_CODE_TOKEN = "<|visual token {i}|>"
 AUDIO_CODE_TOKEN = "<|audio token {i}|>"
 RESERVED_TOKEN = "<|omni_reserved_{i}|>"
 ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
-IMAGE_CODECS = ("emu3.5", "emu3")
-AUDIO_CODECS = ("wavtokenizer",)
 CODEC_SECTIONS = {"image": "vision_tokenizer", "audio": "audio_tokenizer"}  # tokenizer_config.json keys
-CODEC_TYPES = {"emu3.5": "Emu3.5", "emu3": "Emu3", "wavtokenizer": "wavtokenizer"}  # the `type` upstream spells
 # Keys of the released Apertus 1.5 tokenizer_config.json (tests/data/apertus_1p5_tokenizer) that no base
 # decides, with the release's values; a base's own value wins.
 RELEASE_DEFAULTS = {"add_prefix_space": False, "clean_up_tokenization_spaces": False, "extra_special_tokens": {},
@@ -196,9 +193,10 @@ def build_tokenizer(text_spec: str, out: str | Path, *, image_codec: str = "emu3
     """
     from tokenizers import AddedToken
 
-    if image_codec not in IMAGE_CODECS or audio_codec not in AUDIO_CODECS:
-        raise MmtokError(f"--image-codec must be one of {', '.join(IMAGE_CODECS)} and --audio-codec one of "
-                         f"{', '.join(AUDIO_CODECS)} (got {image_codec}, {audio_codec})")
+    from mmtok.codecs import registry
+
+    types = {"image": registry.of_modality(image_codec, "image", "--image-codec").TOKENIZER_TYPE,
+             "audio": registry.of_modality(audio_codec, "audio", "--audio-codec").TOKENIZER_TYPE}
     started = time.monotonic()
     out = Path(out)
     base = load_base(text_spec)
@@ -217,7 +215,7 @@ def build_tokenizer(text_spec: str, out: str | Path, *, image_codec: str = "emu3
     atomic_write_bytes(out / TOKENIZER_JSON, data)
     atomic_write_json(out / SPECIAL_MAP_JSON, base.special_tokens_map)
     _copy_chat_template(base.chat_template_file, out)
-    atomic_write_json(out / CONFIG_JSON, tokenizer_config(base, base_vocab, layout, image_codec, audio_codec))
+    atomic_write_json(out / CONFIG_JSON, tokenizer_config(base, base_vocab, layout, types))
     return {"out": str(out), "text_tokenizer": base.text.name, "text_size": layout.text_size,
             "total_size": layout.total_size, "tokenizer_json_bytes": len(data),
             "seconds": round(time.monotonic() - started, 2)}
@@ -252,14 +250,13 @@ def verify_ids(tokenizer, base_vocab: dict[str, int], layout: VocabLayout, spec:
                          "tokens this build does not expect; please report it with the base tokenizer attached")
 
 
-def tokenizer_config(base: Base, base_vocab: dict[str, int], layout: VocabLayout, image_codec: str,
-                     audio_codec: str) -> dict:
+def tokenizer_config(base: Base, base_vocab: dict[str, int], layout: VocabLayout, types: dict[str, str]) -> dict:
     """tokenizer_config.json: every key of the released Apertus 1.5 one (docs/training.md lists them), the base's
     own keys (roles, chat template), and mmtok's additions (structure_token_ids, the `mmtok` provenance).
 
     From a base with the release's text vocabulary the release's keys get the release's values: the roles come
     from the base, the SFT sequences are the ids of the base's Apertus chat tokens (absent from a base without
-    them), everything else follows from the layout.
+    them), everything else follows from the layout. `types`: the image and audio codecs' TOKENIZER_TYPE.
     """
     # added_tokens_decoder would list the base's added tokens only; tokenizer.json holds them all
     config = {key: value for key, value in base.config.items() if key != "added_tokens_decoder"}
@@ -272,8 +269,8 @@ def tokenizer_config(base: Base, base_vocab: dict[str, int], layout: VocabLayout
         **{key: [base_vocab[name]] for key, name in SFT_SEQUENCES.items() if name in base_vocab},
         **{key: [layout.special_id(name)] for key, name in SPAN_TOKENS.items()},
         **layout.omnimodal_config(structure=True),
-        CODEC_SECTIONS["image"]: {"type": CODEC_TYPES[image_codec], "codebook_size": layout.image_codebook},
-        CODEC_SECTIONS["audio"]: {"type": CODEC_TYPES[audio_codec], "codebook_size": layout.audio_codebook},
+        CODEC_SECTIONS["image"]: {"type": types["image"], "codebook_size": layout.image_codebook},
+        CODEC_SECTIONS["audio"]: {"type": types["audio"], "codebook_size": layout.audio_codebook},
         "mmtok": {"version": __version__, "base_tokenizer": base.text.describe(),
                   "content_tokens": {"vision": IMAGE_CODE_TOKEN, "audio": AUDIO_CODE_TOKEN},
                   "reserved_token": RESERVED_TOKEN, "aliases": dict(TOKEN_ALIASES)},
