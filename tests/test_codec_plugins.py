@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 from encodekit import PLAN_FLAGS, caption_corpus, chat_tokenizer
 
 from mmtok.cli import main

@@ -31,6 +31,7 @@ from mmtok.errors import MmtokError
 GROUP = "mmtok.codecs"
 # The built-in codecs as pyproject.toml registers them (the same module paths; see the module docstring).
 BUILT_IN = {"emu3.5": "mmtok.codecs.emu35", "emu3": "mmtok.codecs.emu3", "wavtokenizer": "mmtok.codecs.wavtokenizer"}
+DEFAULTS = {"image": "emu3.5", "audio": "wavtokenizer"}  # the codec a stage uses when none is named
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ def plugin(name: str) -> CodecPlugin:
         for part in filter(None, attribute.strip().split(".")):
             found = getattr(found, part)
     except Exception as err:  # a stranger's import can raise anything; it must not become a traceback
-        raise MmtokError(f"{where} failed to import: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                         ) from None
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise MmtokError(f"{where} failed to import: {type(err).__name__}: {message}") from None
     check_plugin(found, where)
     return found
 

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
         "to the timings, report its per-batch error on the timed and on held-out shapes next to the model it "
         "replaces, and write a YAML file for `mmtok plan --cost-model FILE`. Run it on the GPU type that will "
         "encode (`mmtok calibrate --checkpoint DIR --out cost.yaml`).")
-    parser.add_argument("--codec", default="emu3.5", help="a registered image codec: emu3.5 (default), emu3, or a plugin's (docs/write-a-codec.md)")
+    parser.add_argument("--codec", help="a registered image codec: emu3.5 (default), emu3, or a plugin's "
+                        "(docs/write-a-codec.md)")
     parser.add_argument("--checkpoint", required=True, metavar="DIR", help="directory with the official checkpoint files")
     add_device_argument(parser)
     source = parser.add_mutually_exclusive_group()
@@ -50,7 +51,7 @@ def batch_sizes(text: str) -> list[int]:
 
 def run(args) -> int:
     from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid, write_calibration
-    from mmtok.codecs.registry import load_codec
+    from mmtok.codecs.registry import DEFAULTS, load_codec
     from mmtok.fsutil import refuse_out_overlapping
     from mmtok.launch import resolve_device
 
@@ -61,7 +62,7 @@ def run(args) -> int:
     grid = plan_grid(args.plan, args.max_shapes) if args.plan else preset_grid(args.preset or DEFAULT_PRESET,
                                                                               args.max_shapes)
     device = resolve_device(args.device)
-    codec = load_codec(args.codec, args.checkpoint, device, modality="image")
+    codec = load_codec(args.codec or DEFAULTS["image"], args.checkpoint, device, modality="image")
     result = calibrate(codec, device, grid, batch_sizes=sizes, max_images=args.max_images, repeats=args.repeats,
                        progress=not args.no_progress)
     write_calibration(args.out, result)

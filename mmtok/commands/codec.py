@@ -26,7 +26,8 @@ def add_parser(sub) -> None:
     for name, text in (("encode", "INPUT (image/audio file or .npy) -> codes .npy"),
                        ("decode", "codes .npy -> image (.png/.npy) or audio (.wav/.npy)")):
         child = codec_sub.add_parser(name, help=text, description=text)
-        child.add_argument("--codec", required=True, help="a registered codec: emu3.5, emu3, wavtokenizer, or a plugin's (docs/write-a-codec.md)")
+        child.add_argument("--codec", required=True,
+                           help="a registered codec: emu3.5, emu3, wavtokenizer, or a plugin's (docs/write-a-codec.md)")
         child.add_argument("--checkpoint", required=True, help="directory with the official checkpoint files")
         add_device_argument(child)
         child.add_argument("input", help="input file")

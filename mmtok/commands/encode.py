@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--modality", choices=("image", "audio"), default="image",
                         help="what to encode (default image)")
     parser.add_argument("--plan", help="images: the plan directory (`mmtok plan --out`)")
-    parser.add_argument("--codec", default=None, help="a registered codec (default: emu3.5 for images, wavtokenizer for audio; plugins: docs/write-a-codec.md)")
+    parser.add_argument("--codec", default=None, help="a registered codec (default: emu3.5 for images, wavtokenizer "
+                        "for audio; plugins: docs/write-a-codec.md)")
     parser.add_argument("--checkpoint", required=True, help="directory with the codec's official checkpoint files")
     parser.add_argument("--out", required=True, help="output directory (parts go to OUT/parts/)")
     parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
@@ -58,15 +59,12 @@ def add_parser(sub) -> None:
     parser.set_defaults(func=run)
 
 
-DEFAULT_CODECS = {"image": "emu3.5", "audio": "wavtokenizer"}
-
-
 def run(args) -> int:
-    from mmtok.codecs.registry import of_modality
+    from mmtok.codecs.registry import DEFAULTS, of_modality
     from mmtok.fsutil import refuse_out_overlapping
 
     refuse_out_overlapping(args.out, [args.plan, args.checkpoint, args.shar, args.text_tokenizer])
-    args.codec = args.codec or DEFAULT_CODECS[args.modality]
+    args.codec = args.codec or DEFAULTS[args.modality]
     of_modality(args.codec, args.modality)  # a codec of the other modality, or a broken plugin: before any work
     if args.modality == "audio":
         return run_audio(args)

@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--text-vocab-size", type=int, default=None,
                         help="text vocabulary size of the layout (default: the tokenizer's size)")
     parser.add_argument("--render", metavar="DIR", default=None, help="decode shown blocks into DIR (needs --codec)")
-    parser.add_argument("--codec", default=None, help="codec name for --render (a registered codec: emu3.5, emu3, wavtokenizer, a plugin's)")
+    parser.add_argument("--codec", default=None, help="codec name for --render (a registered codec: emu3.5, emu3, "
+                        "wavtokenizer, a plugin's)")
     parser.add_argument("--checkpoint", default=None, help="codec checkpoint directory for --render")
     parser.add_argument("--megatron", action="store_true",
                         help="print the Megatron-LM arguments for the datasets: --data-path, --split, tokenizer, vocab "

@@ -45,12 +45,13 @@ def add_parser(sub) -> None:
                        help="`tekken` (built in), a tekken JSON, an HF tokenizer.json or its directory: the one the "
                        "data was tokenized with")
     build.add_argument("--out", required=True, metavar="DIR", help="tokenizer directory to write (created if needed)")
-    build.add_argument("--image-codec", default="emu3.5", metavar="NAME",
+    build.add_argument("--image-codec", metavar="NAME",
                        help="image codec of the data, recorded in tokenizer_config.json and compared by `check` "
-                       "(a registered image codec: emu3.5, emu3 or a plugin's; default emu3.5); its codes use the 131,072 image ids")
-    build.add_argument("--audio-codec", default="wavtokenizer", metavar="NAME",
-                       help="audio codec of the data, recorded like --image-codec (default wavtokenizer); its codes use the 4,096 "
-                       "audio ids")
+                       "(a registered image codec: emu3.5, emu3 or a plugin's; default emu3.5); its codes use the "
+                       "131,072 image ids")
+    build.add_argument("--audio-codec", metavar="NAME",
+                       help="audio codec of the data, recorded like --image-codec (default wavtokenizer); its codes "
+                       "use the 4,096 audio ids")
     build.set_defaults(func=run_build)
     check = tokenizer_sub.add_parser("check", help="verify a tokenizer directory against datasets",
                                      description=CHECK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -183,8 +183,8 @@ def byte_level_chars() -> list[str]:
 
 
 # -- build -----------------------------------------------------------------------------------------
-def build_tokenizer(text_spec: str, out: str | Path, *, image_codec: str = "emu3.5",
-                    audio_codec: str = "wavtokenizer") -> dict:
+def build_tokenizer(text_spec: str, out: str | Path, *, image_codec: str | None = None,
+                    audio_codec: str | None = None) -> dict:
     """Write the omnimodal tokenizer of `text_spec` into `out`; returns a summary.
 
     Checked before any file is written: every base token keeps its id, every omni token has its
@@ -195,8 +195,8 @@ def build_tokenizer(text_spec: str, out: str | Path, *, image_codec: str = "emu3
 
     from mmtok.codecs import registry
 
-    types = {"image": registry.of_modality(image_codec, "image", "--image-codec").TOKENIZER_TYPE,
-             "audio": registry.of_modality(audio_codec, "audio", "--audio-codec").TOKENIZER_TYPE}
+    chosen = {"image": image_codec or registry.DEFAULTS["image"], "audio": audio_codec or registry.DEFAULTS["audio"]}
+    types = {kind: registry.of_modality(name, kind, f"--{kind}-codec").TOKENIZER_TYPE for kind, name in chosen.items()}
     started = time.monotonic()
     out = Path(out)
     base = load_base(text_spec)

@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mmtok.codecs.base import Codec, PrecisionContract, checkpoint_fingerprint, refuse_non_finite
+from mmtok.codecs.base import (
+    Codec,
+    PrecisionContract,
+    checkpoint_fingerprint,
+    refuse_non_finite,
+)
 from mmtok.errors import MmtokError
 
 # What mmtok reads from the module before loading anything (mmtok.codecs.base.CodecPlugin).
