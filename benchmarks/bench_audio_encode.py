@@ -147,7 +147,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/mmtok-bench-audio-encode"))
     parser.add_argument("--rtf", type=float, nargs="+", default=[100.0, 300.0, 1000.0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--copies", type=int, default=3, help="copies of the prompt set (more audio amortizes start-up)")
+    parser.add_argument("--copies", type=int, default=3,
+                        help="copies of the prompt set (more audio amortizes start-up)")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     shar = make_shar(args.workdir, args.copies)

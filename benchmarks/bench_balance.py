@@ -23,9 +23,10 @@ Reported per rank: wall and device-busy seconds, pipeline fill (the device waiti
 batch), images, and the shares of wall, device-busy and modeled cost. Per job: the imbalance
 max/mean - 1 measured from wall seconds (what `mmtok status` reports), from wall minus fill, and
 from device-busy seconds (the codec alone, without host noise) and, for the real codec, from the
-thread CPU seconds inside its `encode` (without the other processes' share of the cores), beside the plan's modeled imbalance
-and the imbalance the same ranges have under the codec's own cost (the stand-in: exactly pixels;
-the tiny codec: its calibrated model), which separates cost-model error from run-to-run noise.
+thread CPU seconds inside its `encode` (without the other processes' share of the cores), beside the
+plan's modeled imbalance and the imbalance the same ranges have under the codec's own cost (the
+stand-in: exactly pixels; the tiny codec: its calibrated model), which separates cost-model error from
+run-to-run noise.
 Markdown on stdout and in --out (default /tmp/results-balance.md); progress on stderr. About 8 minutes
 on 2 shared cores.
 """
@@ -46,17 +47,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_encode import build_corpus, web_jpegs  # noqa: E402 (also puts tests/ on sys.path)
-from standin import StandInCodec  # noqa: E402
-
-from mmtok.plan import calibrate as cal  # noqa: E402
 from mmtok.cli import main as cli  # noqa: E402
 from mmtok.codecs import emu35  # noqa: E402
 from mmtok.codecs.registry import load_codec  # noqa: E402
 from mmtok.encode.runner import EncodeOptions, encode_rank  # noqa: E402
 from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
 from mmtok.formats.presets import CostModel  # noqa: E402
+from mmtok.plan import calibrate as cal  # noqa: E402
 from mmtok.ranks import imbalance, rank_costs  # noqa: E402
 from mmtok.tools.status import job_status  # noqa: E402
+from standin import StandInCodec  # noqa: E402
 
 WORLD_SIZE = 3
 PLAN_FLAGS = ("--mode", "image-text", "--world-size", str(WORLD_SIZE), "--min-pixels", str(256 * 256),
@@ -119,7 +119,7 @@ def encode_job(plan: Path, out: Path, codec, cpu: bool) -> dict:
                             options=EncodeOptions(loader_threads=1, progress=False))
         added.append({"fill_s": stats["fill_s"], "cpu_s": timed.seconds if cpu else None})
     status = job_status(out, plan)
-    for part, extra in zip(status["parts"], added):
+    for part, extra in zip(status["parts"], added, strict=True):
         part.update(extra)
     return status
 
@@ -179,40 +179,43 @@ def report(jobs: list[dict], calibration: dict | None, corpus: str, seconds: flo
              f"Command: `{' '.join(['python', 'benchmarks/bench_balance.py', *sys.argv[1:]])}`  ",
              f"Machine: {machine()}.  ",
              f"Corpus: {corpus}. Plan: `mmtok plan {' '.join(PLAN_FLAGS)}`.  ",
-             (f"Ranks encoded one after another in one process ({WORLD_SIZE} ranks, 1 loader thread each), so they do "
-              f"not compete for the cores; `job_status(out, plan)` reads the parts. {seconds / 60:.1f} min in all."), ""]
+             (f"Ranks encoded one after another in one process ({WORLD_SIZE} ranks, 1 loader thread each), so they "
+              f"do not compete for the cores; `job_status(out, plan)` reads the parts. {seconds / 60:.1f} min in "
+              "all."), ""]
     if calibration:
         info, model = calibration["calibration"], calibration["cost_model"]
         held = info["errors"]["held_out"]
         held_text = f", {pct(held['median'])} held out" if held else ""
         lines += [(f"Calibration of the tiny codec (`mmtok.plan.calibrate` on the default plan's shapes, CPU seconds, "
                    f"{len(info['timings'])} batches, {info['timing_seconds']:.0f} s): a = {model['a']:.3g}, "
-                   f"b = {model['b']:.3g}, c = {model['c']:.3g}, batch = {model['batch']:.3g} s; per-batch error median "
-                   f"{pct(info['errors']['fitted']['median'])} timed{held_text}."), ""]
-    lines += [("Imbalance = max/mean - 1 over the 3 ranks. *Modeled*: the plan's figure (its cost model). *Codec's own "
-               "cost*: the same rank ranges costed by the codec's real cost (stand-in: exactly pixels; tiny Emu3.5: its "
-               "calibrated model). *Codec CPU*: thread CPU seconds inside `codec.encode` (the real codec only; the "
-               "stand-in sleeps)."), "",
-              ("| configuration | plan cost model | run | measured, wall | measured, wall - fill | measured, device-busy "
-               "| measured, codec CPU | modeled (plan) | codec's own cost |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                   f"b = {model['b']:.3g}, c = {model['c']:.3g}, batch = {model['batch']:.3g} s; per-batch error "
+                   f"median {pct(info['errors']['fitted']['median'])} timed{held_text}."), ""]
+    lines += [("Imbalance = max/mean - 1 over the 3 ranks. *Modeled*: the plan's figure (its cost model). *Codec's "
+               "own cost*: the same rank ranges costed by the codec's real cost (stand-in: exactly pixels; tiny "
+               "Emu3.5: its calibrated model). *Codec CPU*: thread CPU seconds inside `codec.encode` (the real codec "
+               "only; the stand-in sleeps)."), "",
+              ("| configuration | plan cost model | run | measured, wall | measured, wall - fill "
+               "| measured, device-busy | measured, codec CPU | modeled (plan) | codec's own cost |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for job in jobs:
         m = measured(job["status"])
         lines.append(f"| {job['name']} | {job['model']} | {job['run']} | {pct(m['wall'])} | {pct(m['steady'])} | "
                      f"{pct(m['busy'])} | {pct(m['cpu'])} | {pct(job['status']['imbalance']['modeled'])} | "
                      f"{pct(job['own'])} |")
     lines += ["", "Per rank (shares: of the 3 ranks' sum):", "",
-              ("| configuration | plan cost model | run | rank | images | wall s | fill s | device-busy s | busy / wall "
-               "| codec CPU s | wall share | busy share | modeled share | codec's own share |"),
+              ("| configuration | plan cost model | run | rank | images | wall s | fill s | device-busy s "
+               "| busy / wall | codec CPU s | wall share | busy share | modeled share | codec's own share |"),
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for job in jobs:
         parts = job["status"]["parts"]
         busy = sum(p["device_busy_s"] for p in parts)
-        for part, own in zip(parts, job["own_shares"]):
+        for part, own in zip(parts, job["own_shares"], strict=True):
             cpu = "—" if part["cpu_s"] is None else f"{part['cpu_s']:.2f}"
             lines.append(f"| {job['name']} | {job['model']} | {job['run']} | {part['part']} | {part['written']} | "
                          f"{part['wall_s']:.2f} | {part['fill_s']:.2f} | {part['device_busy_s']:.2f} | "
                          f"{part['device_busy_fraction']:.1%} | {cpu} | {part['wall_share']:.1%} | "
-                         f"{part['device_busy_s'] / busy:.1%} | {part['modeled_share']:.1%} | {'—' if own is None else f'{own:.1%}'} |")
+                         f"{part['device_busy_s'] / busy:.1%} | {part['modeled_share']:.1%} | "
+                         f"{'—' if own is None else f'{own:.1%}'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -252,8 +255,8 @@ def main() -> None:
             fitted = CostModel.from_file(root / "cost.yaml")
             calibrated = make_plan(root / "manifest", root / "plan-calibrated", root / "cost.yaml")
             configurations += [Configuration("tiny Emu3.5, CPU", DEFAULT_MODEL, plan, tiny, fitted, cpu=True),
-                               Configuration("tiny Emu3.5, CPU", "calibrated (`--cost-model`)", calibrated, tiny, fitted,
-                                             cpu=True)]
+                               Configuration("tiny Emu3.5, CPU", "calibrated (`--cost-model`)", calibrated, tiny,
+                                             fitted, cpu=True)]
         jobs = []
         for config in configurations:
             own, shares = costs_under(config.plan, config.own_cost) if config.own_cost else (None, [None] * WORLD_SIZE)

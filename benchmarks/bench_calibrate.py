@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmtok.plan import calibrate as cal
 from mmtok.codecs import emu35
 from mmtok.formats.presets import CostModel
+from mmtok.plan import calibrate as cal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_emu35 import MID_CONFIG  # noqa: E402
@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1", help="comma-separated; each shape's capped capacity is added")
     parser.add_argument("--max-images", type=int, default=2, help="cap on images per batch (0: the preset's capacity)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=0, help="warm-up runs per batch (the largest batch always gets one)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="warm-up runs per batch (the largest batch always gets one)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: the process's CPU seconds (a shared CPU; needs --device cpu), wall: wall seconds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +47,8 @@ REFERENCE_TENSORS = 3.2
 MEMORY_MARGIN = 3 << 30  # leave this much of MemAvailable to the rest of the machine
 # Mid-size encoder for the CPU figure: the published layout at half its width and half its depth
 # (ch 128, 2 ResNet blocks per level) with the full 131,072 x 256 codebook.
-MID_CONFIG = {**emu35.FULL_SIZE_CONFIG, "ddconfig": {**emu35.FULL_SIZE_CONFIG["ddconfig"], "ch": 128, "num_res_blocks": 2}}
+MID_CONFIG = {**emu35.FULL_SIZE_CONFIG,
+              "ddconfig": {**emu35.FULL_SIZE_CONFIG["ddconfig"], "ch": 128, "num_res_blocks": 2}}
 STRICT_FP32 = PrecisionContract(tf32_matmul=False, tf32_conv=False)
 
 
@@ -148,7 +150,8 @@ def quantizer_section(grids: tuple[int, ...], batches: tuple[int, ...]) -> str:
                 same = np.array_equal(np.load(Path(tmp, "argmax.npy")), np.load(Path(tmp, "reference.npy")))
                 rows.append(case + [f"{argmax['wall']:.2f} / {argmax['cpu']:.2f}",
                                     f"{reference['wall']:.2f} / {reference['cpu']:.2f}",
-                                    f"{reference['wall'] / argmax['wall']:.1f}x / {reference['cpu'] / argmax['cpu']:.1f}x",
+                                    f"{reference['wall'] / argmax['wall']:.1f}x / "
+                                    f"{reference['cpu'] / argmax['cpu']:.1f}x",
                                     f"{argmax['peak_bytes'] / MIB:.0f}", f"{reference['peak_bytes'] / MIB:.0f}",
                                     f"{reference['peak_bytes'] / max(argmax['peak_bytes'], 1):.0f}x",
                                     "yes" if same else "NO"])
@@ -164,7 +167,8 @@ def quantizer_section(grids: tuple[int, ...], batches: tuple[int, ...]) -> str:
 def encoder_section(sizes: tuple[int, ...], batch: int, repeats: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:  # through the official files, as a user would load it
         codec = emu35.load(emu35.write_random_checkpoint(tmp, MID_CONFIG, seed=0), "cpu")
-    parameters = sum(p.numel() for p in codec.encoder.parameters()) + sum(p.numel() for p in codec.quant_conv.parameters())
+    parameters = (sum(p.numel() for p in codec.encoder.parameters())
+                  + sum(p.numel() for p in codec.quant_conv.parameters()))
     rows = []
     for size in sizes:
         log(f"encoder: {size}x{size}, batch {batch}")
@@ -172,8 +176,8 @@ def encoder_section(sizes: tuple[int, ...], batch: int, repeats: int) -> str:
         same = torch.equal(codec.encode(pixels), codec.encode_reference(pixels))  # also the warm-up
         runs = {"argmax": [], "reference": []}
         for _ in range(repeats):  # interleaved, so both paths see the same load on a shared machine
-            runs["argmax"].append(timed(lambda: codec.encode(pixels)))
-            runs["reference"].append(timed(lambda: codec.encode_reference(pixels)))
+            runs["argmax"].append(timed(partial(codec.encode, pixels)))
+            runs["reference"].append(timed(partial(codec.encode_reference, pixels)))
         (wall, cpu), (ref_wall, ref_cpu) = ([min(r[i] for r in runs[path]) for i in (0, 1)] for path in runs)
         rows.append([f"{size}x{size}", batch, f"{batch / wall:.3f}", f"{batch / ref_wall:.3f}",
                      f"{cpu / batch:.1f}", f"{ref_cpu / batch:.1f}", f"{ref_cpu / cpu:.2f}x",
@@ -214,9 +218,9 @@ def accelerator_section(device: torch.device, config: dict, sizes: tuple[int, ..
             contract.apply()
             log(f"accelerator: {size}x{size} batch {batch} tf32={contract.tf32_matmul}")
             codec.encode(pixels)  # warm-up
-            seconds = best_time(lambda: codec.encode(pixels), iterations, sync)
+            seconds = best_time(partial(codec.encode, pixels), iterations, sync)
             rows.append([f"{size}x{size}", batch, "TF32" if contract.tf32_matmul else "strict fp32",
-                         f"{batch / seconds:.2f}", peak_mib(lambda: codec.encode(pixels))])
+                         f"{batch / seconds:.2f}", peak_mib(partial(codec.encode, pixels))])
     out.append(table(["image", "batch", "precision", "encode images/s", "peak MiB"], rows))
 
     emu35.PRECISION.apply()
@@ -229,8 +233,8 @@ def accelerator_section(device: torch.device, config: dict, sizes: tuple[int, ..
             times, peaks, codes = {}, {}, {}
             for path in ("argmax", "reference"):
                 codes[path] = quantize(quantizer, latents, path)  # warm-up, and the codes compared
-                times[path] = best_time(lambda: quantize(quantizer, latents, path), iterations, sync)
-                peaks[path] = peak_mib(lambda: quantize(quantizer, latents, path))
+                times[path] = best_time(partial(quantize, quantizer, latents, path), iterations, sync)
+                peaks[path] = peak_mib(partial(quantize, quantizer, latents, path))
             rows.append([f"{grid}x{grid}", count, f"{times['argmax'] * 1e3:.1f}", f"{times['reference'] * 1e3:.1f}",
                          f"{times['reference'] / times['argmax']:.2f}x", peaks["argmax"], peaks["reference"],
                          "yes" if torch.equal(codes["argmax"], codes["reference"]) else "NO"])

@@ -46,14 +46,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from encodekit import write_tar  # noqa: E402
-from realmedia import mate_photos, skimage_images  # noqa: E402
-
 from mmtok.cli import main as cli  # noqa: E402
 from mmtok.encode.runner import EncodeOptions, encode_rank  # noqa: E402
-from standin import StandInCodec  # noqa: E402 (benchmarks/standin.py: a simulated device, not a codec)
 from mmtok.formats.commitlog import CommitThread, PartWriter  # noqa: E402
 from mmtok.media.images import decode_rgb, resize_rgb  # noqa: E402
 from mmtok.media.resize import target_shape  # noqa: E402
+from realmedia import mate_photos, skimage_images  # noqa: E402
+from standin import StandInCodec  # noqa: E402 (benchmarks/standin.py: a simulated device, not a codec)
 
 
 def real_jpegs() -> list[Path]:

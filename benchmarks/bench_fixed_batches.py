@@ -22,7 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_plan import PRESET, machine, write_synthetic_manifest  # noqa: E402 -- the same synthetic corpora
-
 from mmtok.formats.presets import load_preset  # noqa: E402
 from mmtok.plan import build_plan  # noqa: E402
 

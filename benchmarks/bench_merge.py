@@ -44,10 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.merge.assemble import assemble_documents
 from mmtok.documents import DocumentBuilder, pack_template
 from mmtok.formats.commitlog import PartWriter, part_dir, part_prefix
 from mmtok.formats.megatron import bin_path, concatenate
+from mmtok.merge.assemble import assemble_documents
 from mmtok.merge.merge import merge
 
 IMAGE_CODES = (32, 32)  # a 512² image under Emu3.5's 16x IBQ
@@ -122,7 +122,7 @@ def write_document_parts(items_out: Path, plain_out: Path, parts: int, documents
             tokens, images, row = tokens + sequence.size, images + count, row + count
         for number in range(parts):
             if sequences[number]:
-                arrays, provenance = zip(*sequences[number])
+                arrays, provenance = zip(*sequences[number], strict=True)
                 plain_parts[number].commit(plain_units[number], list(arrays), list(provenance),
                                            {"written": len(arrays)})
                 plain_units[number] += 1

@@ -103,8 +103,10 @@ def synthetic_chunk(rng: np.random.Generator, sizes: np.ndarray, start: int, n: 
         "format": _constant("jpeg", n), "orientation": np.ones(n, np.int8),
         "text_offset": row * 100_000 + 99_600, "text_size": np.full(n, 80, np.int64),
         "json_offset": np.full(n, -1, np.int64), "json_size": np.full(n, -1, np.int64),
-        "status": pa.DictionaryArray.from_arrays(pa.array(error.astype(np.int32)), pa.array(["ok", "error"])).dictionary_decode(),
-        "reason": pa.DictionaryArray.from_arrays(pa.array(error.astype(np.int32)), pa.array(["", "truncated_member"])).dictionary_decode(),
+        "status": pa.DictionaryArray.from_arrays(pa.array(error.astype(np.int32)),
+                                                 pa.array(["ok", "error"])).dictionary_decode(),
+        "reason": pa.DictionaryArray.from_arrays(pa.array(error.astype(np.int32)),
+                                                 pa.array(["", "truncated_member"])).dictionary_decode(),
     }
     return columns, int(document[-1]) + 1
 
@@ -150,8 +152,8 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc
             writer = pq.ParquetWriter(path, table.schema, compression="zstd")
         writer.write_table(table, row_group_size=1 << 20)
     writer.close()
-    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "rows": rows,
-                                                         "fingerprint": tag}))
+    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
+                                                         "rows": rows, "fingerprint": tag}))
     return directory
 
 
@@ -416,7 +418,8 @@ def _greedy_batches(tokens: np.ndarray, window: np.ndarray, budget: int, cap: in
 
 
 def machine() -> str:
-    return f"2-core x86_64 CPU VM, no GPU ({platform.python_implementation()} {platform.python_version()}, numpy {np.__version__})"
+    return (f"2-core x86_64 CPU VM, no GPU ({platform.python_implementation()} {platform.python_version()}, "
+            f"numpy {np.__version__})")
 
 
 def _pct(value: float, digits: int = 3) -> str:

@@ -108,8 +108,8 @@ def _short(rows: int) -> str:
 
 def report(results: list[dict], command: str, ranks: int) -> str:
     lines = ["## Plan at scale (`benchmarks/bench_scale.py`)", "", f"Command: `{command}`  ",
-             f"Machine: {machine()}, pyarrow {pyarrow.__version__}; each plan in a fresh process pinned to ONE core (2-core AMD EPYC VM shared "
-             "with other jobs: CPU seconds are the figure to compare).", "",
+             f"Machine: {machine()}, pyarrow {pyarrow.__version__}; each plan in a fresh process pinned to ONE core "
+             "(2-core AMD EPYC VM shared with other jobs: CPU seconds are the figure to compare).", "",
              "| rows | ranks | planner | batches | peak GiB | bytes/row | CPU s | wall s | M rows/s (CPU) | "
              "plan files vs old |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:

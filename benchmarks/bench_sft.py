@@ -78,14 +78,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 import encodekit  # noqa: E402 (tests/encodekit.py: the Apertus-format chat tokenizer, the tar writer)
-
 import mmtok.sft.build  # noqa: E402
-from mmtok.formats.chat import ChatRenderer, split_media  # noqa: E402
 from mmtok.cli import main as cli_main  # noqa: E402
-from mmtok.formats.conversations import Conversation, audio_clip_id, read_conversations  # noqa: E402
 from mmtok.documents import DocumentBuilder  # noqa: E402
 from mmtok.formats import audio_cache  # noqa: E402
+from mmtok.formats.chat import ChatRenderer, split_media  # noqa: E402
 from mmtok.formats.commitlog import PartWriter, part_dir  # noqa: E402
+from mmtok.formats.conversations import Conversation, audio_clip_id, read_conversations  # noqa: E402
 from mmtok.formats.items import CONTAINERS, media_digest  # noqa: E402
 from mmtok.formats.manifest import container_identity  # noqa: E402
 from mmtok.text import HFTokenizer, load_text_tokenizer  # noqa: E402
@@ -434,9 +433,9 @@ image_s, image_rss, image_peak = time.perf_counter() - started, rss("VmRSS:"), r
 started = time.perf_counter()
 clips = AudioClips([audio], [], VocabLayout(text_size=text_size))
 nbytes = [getattr(index, "nbytes", None), getattr(clips, "nbytes", None)]  # the code before has none
-print(json.dumps({"nbytes": nbytes, "image_s": image_s, "image_kept": image_rss - start, "image_peak": image_peak - start,
-                  "audio_s": time.perf_counter() - started, "audio_kept": rss("VmRSS:") - image_rss,
-                  "peak": rss("VmHWM:")}))
+print(json.dumps({"nbytes": nbytes, "image_s": image_s, "image_kept": image_rss - start,
+                  "image_peak": image_peak - start, "audio_s": time.perf_counter() - started,
+                  "audio_kept": rss("VmRSS:") - image_rss, "peak": rss("VmHWM:")}))
 """
 PASS_CHILD = r"""
 import json, resource, sys, threading, time
@@ -507,8 +506,9 @@ def write_scale_media(work: Path, images: int, clips: int) -> tuple[Path, Path]:
         with PartWriter(part_dir(work / "img", number), {**identity, "part": number}) as part:
             span = range(number * images // (IMAGE_PARTS * 2), (number + 1) * images // (IMAGE_PARTS * 2))
             for unit, start in enumerate(range(span.start, span.stop, SCALE_ITEMS_PER_COMMIT)):
-                chunk = [({"kind": "image", "key": f"{n // 10:09d}", "source": f"/data/sft/convs-{n // 100_000:05d}.tar",
-                           "container": "tar", "member": f"{n // 10:09d}.{n % 10}.jpg", "manifest_row": n,
+                chunk = [({"kind": "image", "key": f"{n // 10:09d}",
+                           "source": f"/data/sft/convs-{n // 100_000:05d}.tar", "container": "tar",
+                           "member": f"{n // 10:09d}.{n % 10}.jpg", "manifest_row": n,
                            "document": n // 10, "image_index": n % 10}, block)
                          for n in range(start, min(start + SCALE_ITEMS_PER_COMMIT, span.stop))]
                 part.commit(unit, [], [], {"deferred": len(chunk)}, items=chunk)
@@ -550,9 +550,9 @@ def scale_pass(work: Path, conversations: int, trees: dict[str, Path]) -> list[d
     rows = []
     for name, tree in trees.items():
         out = corpus_dir / f"sft-{name}"
-        argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["tars"]), "--text-tokenizer", str(corpus["tok"]),
-                "--images", str(corpus_dir / "img"), "--audio", str(corpus_dir / "aud"), "--out", str(out),
-                "--no-progress"]
+        argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["tars"]),
+                "--text-tokenizer", str(corpus["tok"]), "--images", str(corpus_dir / "img"),
+                "--audio", str(corpus_dir / "aud"), "--out", str(out), "--no-progress"]
         for run in ("first run", "rerun of the part"):
             shutil.rmtree(out / "parts", ignore_errors=True)
             wall, said = measured(argv, tree)
@@ -566,7 +566,8 @@ def scale(work: Path, media: list[int], conversations: list[int], baseline: Path
     trees = {"before": baseline, "after": REPO} if baseline else {"after": REPO}
     index_rows = [row for count in media for row in scale_indexes(work, count, trees)]
     print("| media | code | image items | clips | build s | kept B/image item | kept B/clip | peak of the image "
-          "index B/item | index nbytes B/medium | process peak MiB |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "index B/item | index nbytes B/medium | process peak MiB |\n"
+          "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in index_rows:
         nbytes = "" if row["nbytes"][0] is None else f"{sum(row['nbytes']) / row['media']:.0f}"
         print(f"| {row['media']:,} | {row['tree']} | {row['images']:,} | {row['clips']:,} | "
@@ -693,7 +694,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one)")
     parser.add_argument("--scale", action="store_true",
-                        help="the scale mode: media indexes of --scale-media media, the pass over --scale-conversations")
+                        help="the scale mode: media indexes of --scale-media media, "
+                             "the pass over --scale-conversations")
     parser.add_argument("--scale-media", type=int, nargs="*", default=[1_000_000])
     parser.add_argument("--scale-conversations", type=int, nargs="*", default=[20_000])
     parser.add_argument("--ranks", type=int, nargs="*", default=None, metavar="N",

@@ -18,11 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from encodekit import write_tar  # noqa: E402 (tests/encodekit.py: the tar writer)
-from realmedia import mate_photos  # noqa: E402
-
 from mmtok.formats.conversations import Located  # noqa: E402
 from mmtok.formats.items import media_digest  # noqa: E402
 from mmtok.formats.tar import read_members  # noqa: E402
+from realmedia import mate_photos  # noqa: E402
 
 
 def main() -> None:

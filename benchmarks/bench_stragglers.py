@@ -47,7 +47,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_plan import write_synthetic_manifest  # noqa: E402 (also puts tests/ on sys.path)
-
 from mmtok.cli import main as cli  # noqa: E402
 from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
 from mmtok.ranks import rank_costs  # noqa: E402
@@ -176,8 +175,8 @@ def rank_seconds(plan_dir: Path) -> tuple[np.ndarray, float]:
 
 def plan_for(manifest: Path, out: Path, world_size: int) -> Path:
     if not (out / "plan.json").is_file():
-        assert cli(["plan", str(manifest), "--out", str(out), "--quiet", "--preset", "apertus-stage1", "--mode", "image",
-                    "--world-size", str(world_size)]) == 0
+        assert cli(["plan", str(manifest), "--out", str(out), "--quiet", "--preset", "apertus-stage1",
+                    "--mode", "image", "--world-size", str(world_size)]) == 0
     return out
 
 
@@ -194,7 +193,8 @@ def simulated_table(args, work: Path) -> tuple[list[str], dict]:
     first = args.requeue_s[0]
     cases = [("no faults", Faults()), ("slow node", Faults(slow=slow)),
              (f"2 deaths, requeue {first / 60:.0f} min", Faults(deaths=deaths, requeue_s=first)),
-             *((f"both, requeue {d / 60:.0f} min", Faults(slow=slow, deaths=deaths, requeue_s=d)) for d in args.requeue_s),
+             *((f"both, requeue {d / 60:.0f} min", Faults(slow=slow, deaths=deaths, requeue_s=d))
+               for d in args.requeue_s),
              (f"both, slow node drained at {args.drain_s / 60:.0f} min", Faults(slow=slow, deaths=deaths,
                                                                                 requeue_s=first, drain_s=args.drain_s))]
     lines = ["| policy | R | rank (h) | " + " | ".join(name for name, _ in cases) + " |",
@@ -244,9 +244,8 @@ def real_run(plan_dir: Path, out: Path, world_size: int, workers: int, faults: F
              policy: str) -> tuple[float, float]:
     """Wall seconds of the job run by `workers` threads (encode_rank, 1 loader thread each), under `faults`,
     and the mean seconds a rank session spent outside the device (start sleep, setup, pipeline fill, host waits)."""
-    from standin import StandInCodec
-
     from mmtok.encode.runner import EncodeOptions, encode_rank
+    from standin import StandInCodec
 
     shutil.rmtree(out, ignore_errors=True)
     pending = list(range(world_size))  # array: index order
@@ -377,14 +376,14 @@ def main() -> int:
     real = [] if args.no_real else real_table(args, work)
     command = "python benchmarks/bench_stragglers.py " + " ".join(sys.argv[1:])
     text = "\n".join([
-        f"## Stragglers and dead nodes: wall time / ideal per policy (`benchmarks/bench_stragglers.py`)", "",
+        "## Stragglers and dead nodes: wall time / ideal per policy (`benchmarks/bench_stragglers.py`)", "",
         f"Command: `{command.strip()}`; {time.monotonic() - started:.0f} s on {machine()}.", "",
         f"G = {args.workers:,} workers; ideal = total work / G = {info['ideal_h']:.1f} h (plans of a {args.rows:,}-row "
         f"synthetic manifest, apertus-stage1, mode image, one per R); every rank start costs {args.start_s:.0f} s, "
-        f"a kill loses {args.lost_s:.0f} s. Faults: worker 17 at half speed (\"slow node\"), workers 100 and 500 die at "
-        "30% and 60% of the ideal time (\"2 deaths\"); \"drained\": the slow node is taken out when `mmtok status` "
-        "flags it (its rank resumes from its last commit after the requeue delay, on a node at full speed). "
-        "Figures: simulated wall / ideal.", "", *simulated, "",
+        f"a kill loses {args.lost_s:.0f} s. Faults: worker 17 at half speed (\"slow node\"), workers 100 and 500 "
+        "die at 30% and 60% of the ideal time (\"2 deaths\"); \"drained\": the slow node is taken out when "
+        "`mmtok status` flags it (its rank resumes from its last commit after the requeue delay, on a node at full "
+        "speed). Figures: simulated wall / ideal.", "", *simulated, "",
         *([f"Real run (stand-in codec at {args.real_rate:g} images/s of 512², {args.real_images} real JPEGs, 2 worker "
            f"threads, worker 1 at half speed, worker 0 dies at {args.real_death_s:g} s and is back "
            f"{args.real_requeue_s:g} s later, {args.real_start_s:g} s per rank start) beside the simulation of the "

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from goldenkit import COMPACT_ROOT, expand  # noqa: E402
-from realmedia import alsa_sounds, asterisk_prompts  # noqa: E402
-
-from mmtok.media.audio import load_audio, peak_normalize, resample  # noqa: E402
 from mmtok.codecs import wavtokenizer as wt  # noqa: E402
+from mmtok.media.audio import load_audio, peak_normalize, resample  # noqa: E402
+from realmedia import alsa_sounds, asterisk_prompts  # noqa: E402
 
 SPEECH_ALSA = ("Front_Center", "Front_Left", "Front_Right", "Rear_Center", "Rear_Left", "Rear_Right",
                "Side_Left", "Side_Right")
@@ -132,8 +132,8 @@ def bench_resampling(repeats: int) -> None:
                                ("asterisk 8 kHz", asterisk_prompts()[:60], 8_000)):
         minute = one_minute(paths, rate)
         tensor = torch.from_numpy(minute)
-        soxr_s = timed(lambda: resample(minute, rate), repeats)
-        torchaudio_s = timed(lambda: AF.resample(tensor, rate, wt.SAMPLE_RATE), repeats)
+        soxr_s = timed(partial(resample, minute, rate), repeats)
+        torchaudio_s = timed(partial(AF.resample, tensor, rate, wt.SAMPLE_RATE), repeats)
         ours, theirs = resample(minute, rate), AF.resample(tensor, rate, wt.SAMPLE_RATE).numpy()
         edge, size = wt.SAMPLE_RATE // 10, min(ours.size, theirs.size)  # edges: each library pads differently
         diff = float(np.abs(ours[edge:size - edge] - theirs[edge:size - edge]).max())

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

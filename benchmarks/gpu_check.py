@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import importlib.util
 import json
@@ -53,6 +54,10 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the parent process imports only the standard library (above)
+    import torch
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = ("environment", "emu35", "wavtokenizer", "batch_invariance", "e2e", "status", "calibrate", "cuda_context")
@@ -294,8 +299,9 @@ def step_environment(step: StepRecord, profile: Profile, work: Path) -> None:
         except metadata.PackageNotFoundError:
             packages[name] = None
     step.put("packages", packages)
-    import mmtok
     import torch
+
+    import mmtok
 
     step.put("mmtok", f"{mmtok.__version__} from {Path(mmtok.__file__).parent}")
     step.put("torch", {"version": torch.__version__, "cuda": torch.version.cuda,
@@ -379,7 +385,8 @@ def time_paths(step: StepRecord, torch, device, profile: Profile, paths: dict, c
             continue
         try:
             contract.apply()
-            figures = measure(torch, device, profile, lambda: codes.__setitem__(path, encode(pixels)))
+            figures = measure(torch, device, profile,
+                              lambda path=path, encode=encode: codes.__setitem__(path, encode(pixels)))
         except torch.cuda.OutOfMemoryError as err:
             case["status"] = f"failed: {error_line(err)[:160]}"
         else:
@@ -439,7 +446,7 @@ def step_wavtokenizer(step: StepRecord, profile: Profile, work: Path) -> None:
         if step.left() < profile.case_reserve_s:
             step.append("cases", {**case, "status": "skipped: out of time"})
             continue
-        figures = measure(torch, device, profile, lambda: encode_all(batch))
+        figures = measure(torch, device, profile, functools.partial(encode_all, batch))
         best = figures.pop("best_s")
         step.append("cases", {**case, "wall_s": round(best, 4), "audio_s_per_s": round(case["audio_s"] / best, 1),
                               **figures})
@@ -518,7 +525,7 @@ def mixed_clips(profile: Profile, rate: int) -> list:
     low, high = profile.invariance_clip_s
     waves = synthetic_audio(high, profile.invariance_clips, rate)
     lengths = np.random.default_rng(2).integers(int(low * rate), int(high * rate), len(waves))
-    return [np.ascontiguousarray(wave[:length]) for wave, length in zip(waves, lengths)]
+    return [np.ascontiguousarray(wave[:length]) for wave, length in zip(waves, lengths, strict=True)]
 
 
 def invariance_cases(step: StepRecord, profile: Profile, torch, codec: str, items, encode, gaps, device) -> None:
@@ -539,7 +546,7 @@ def invariance_cases(step: StepRecord, profile: Profile, torch, codec: str, item
         for start in range(0, count, size):
             chosen = [int(i) for i in order[start:start + size]]
             batch = [items[i] for i in chosen] if isinstance(items, list) else items[chosen]
-            for index, codes in zip(chosen, encode(batch)):
+            for index, codes in zip(chosen, encode(batch), strict=True):
                 out[index] = codes
         return out
 
@@ -838,8 +845,8 @@ def contexts_of(pid: int) -> tuple[list[dict] | None, str]:
 
 
 STEP_FUNCTIONS = {"environment": step_environment, "emu35": step_emu35, "wavtokenizer": step_wavtokenizer,
-                  "batch_invariance": step_batch_invariance, "e2e": step_e2e, "status": step_status, "calibrate": step_calibrate,
-                  "cuda_context": step_cuda_context}
+                  "batch_invariance": step_batch_invariance, "e2e": step_e2e, "status": step_status,
+                  "calibrate": step_calibrate, "cuda_context": step_cuda_context}
 
 
 # =============================================================================================

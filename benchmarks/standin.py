@@ -62,7 +62,7 @@ class StandInCodec(Codec):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         codes = torch.as_tensor(codes).to(torch.int64)
         channels = [(codes >> (BITS[1] + BITS[2])) & 63, (codes >> BITS[2]) & 63, codes & 31]
-        rgb = torch.stack([c.float() / ((1 << b) - 1) for c, b in zip(channels, BITS)], dim=1) * 2 - 1
+        rgb = torch.stack([c.float() / ((1 << b) - 1) for c, b in zip(channels, BITS, strict=True)], dim=1) * 2 - 1
         return rgb.repeat_interleave(PATCH, dim=2).repeat_interleave(PATCH, dim=3)
 
     def describe(self) -> dict:

@@ -143,7 +143,7 @@ class DocumentBuilder:
         template: Template = [self._bos]
         run: list[str] = []
         slot = 0
-        for text, image in zip(texts, images):
+        for text, image in zip(texts, images, strict=True):
             if text is not None:
                 if not isinstance(text, str):
                     raise DocumentError("invalid_interleaved_json", f"text entry of type {type(text).__name__}")
@@ -184,11 +184,6 @@ def unpack_template(ids: np.ndarray, layout: list[int]) -> Template:
     return template
 
 
-def _text_edge(template: Template, end: int, token: int) -> bool:
-    """Whether the template's first (end=0) or last (end=-1) token is the text token `token`."""
-    return bool(template) and not isinstance(template[end], int) and template[end][end] == token
-
-
 def _json(sidecars: Sidecars) -> dict:
     if sidecars.json is None:
         raise DocumentError("missing_json")
@@ -217,7 +212,8 @@ class SequenceBuilder:
 
     def audio_block(self, audio_ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(audio_ids, np.int32)
-        return np.concatenate([[self._special("<|audio_start|>")], ids, [self._special("<|audio_end|>")]]).astype(np.int32)
+        return np.concatenate([[self._special("<|audio_start|>")], ids,
+                               [self._special("<|audio_end|>")]]).astype(np.int32)
 
     def audio_only(self, audio_ids: np.ndarray) -> np.ndarray:
         return self._wrap([self.audio_block(audio_ids)])

@@ -24,8 +24,8 @@ def resolve_rank(rank: int | None, world_size: int | None, default_world_size: i
             and not {"RANK", "WORLD_SIZE"} & set(os.environ):
         raise MmtokError(f"this is SLURM array task {os.environ['SLURM_ARRAY_TASK_ID']}: its SLURM_PROCID/SLURM_NTASKS "
                          "say rank 0 of 1 in every task; pass --rank \"$SLURM_ARRAY_TASK_ID\" --world-size N (the "
-                         "array's size, e.g. --array=0-6399%800 -> 6400), or --rank 0 --world-size 1 for one process that "
-                         "does the whole job (a final assembly scan)")
+                         "array's size, e.g. --array=0-6399%800 -> 6400), or --rank 0 --world-size 1 for one process "
+                         "that does the whole job (a final assembly scan)")
     rank_from = world_from = None
     if rank is None:
         rank, rank_from = _env_int(("RANK", "SLURM_PROCID"), 0)

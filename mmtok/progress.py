@@ -51,6 +51,7 @@ def progress(iterable=None, *, total: int | None = None, desc: str = "", unit: s
     if total is None and iterable is not None and hasattr(iterable, "__len__"):
         total = len(iterable)
     line = (f"{{desc}}: {{n_fmt}}/{{total_fmt}} {unit} ({{percentage:.0f}}%), {{rate_fmt}}, elapsed {{elapsed}}, "
-            "ETA {remaining}{postfix}") if total else "{desc}: {n_fmt} " + unit + ", {rate_fmt}, elapsed {elapsed}{postfix}"
+            "ETA {remaining}{postfix}" if total
+            else "{desc}: {n_fmt} " + unit + ", {rate_fmt}, elapsed {elapsed}{postfix}")
     return LogLines(iterable, total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr,
                     mininterval=log_interval(), maxinterval=float("inf"), miniters=1, bar_format=line, **options)

@@ -276,7 +276,8 @@ def _config_only_difference(recorded: dict, current: dict) -> list[str] | None:
     paths = [Path(str(record.get("name"))) for record in (recorded, current)]
     if not all(path.name == "tokenizer.json" and path.is_file() for path in paths):
         return None  # a tekken record names its file only; an HF directory may be gone
-    if any(hf_fingerprint(path) != record.get("sha256") for path, record in zip(paths, (recorded, current))):
+    if any(hf_fingerprint(path) != record.get("sha256")
+           for path, record in zip(paths, (recorded, current), strict=True)):
         return None  # changed since it was recorded: what the run used is no longer on disk
     if read_regular_file(paths[0]) != read_regular_file(paths[1]):
         return None

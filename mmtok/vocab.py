@@ -166,7 +166,8 @@ class VocabLayout:
         if len(row_ends) == 0:
             raise ValueError(f"image block at {start}: no rows")
         width = int(row_ends[0])
-        if len(body) != len(row_ends) * (width + 1) or not np.all(row_ends == np.arange(len(row_ends)) * (width + 1) + width):
+        if (len(body) != len(row_ends) * (width + 1)
+                or not np.all(row_ends == np.arange(len(row_ends)) * (width + 1) + width)):
             raise ValueError(f"image block at {start}: ragged rows")
         codes = body.reshape(len(row_ends), width + 1)[:, :width] - self.image_offset
         if codes.size and (codes.min() < 0 or codes.max() >= self.image_codebook):

@@ -41,7 +41,8 @@ def write_formats(folder: Path) -> dict[str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     texts = {}
     for key, (ext, fmt, subtype) in zip("1234", [("wav", "WAV", "PCM_16"), ("flac", "FLAC", "PCM_16"),
-                                                  ("opus", "OGG", "OPUS"), ("mp3", "MP3", "MPEG_LAYER_III")]):
+                                                  ("opus", "OGG", "OPUS"), ("mp3", "MP3", "MPEG_LAYER_III")],
+                                        strict=True):
         samples, rate = read(digit(key))
         name = f"digit{key}.{ext}"
         soundfile.write(folder / name, samples, rate, format=fmt, subtype=subtype)

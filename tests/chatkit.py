@@ -198,14 +198,13 @@ def sft_job(root: Path, tokenizer_dir: Path) -> list[str]:
     .jsonl in convs/, the finished image items of a `--mode sft` image encode in img/ (one image failed, one
     never encoded), an audio token cache in aud/ (one clip missing); returns the `mmtok sft` arguments before
     --out. Every file has a fixed mtime, so the job's outputs are the same bytes on every run."""
+    from encodekit import write_tar
     from mmtok.formats import audio_cache
     from mmtok.formats.commitlog import PartWriter, part_dir
     from mmtok.formats.conversations import audio_clip_id
     from mmtok.formats.items import CONTAINERS, image_item, media_digest
     from mmtok.formats.manifest import container_identity
     from mmtok.text import load_text_tokenizer
-
-    from encodekit import write_tar
 
     tokenizer = load_text_tokenizer(str(tokenizer_dir))
     layout = VocabLayout(text_size=tokenizer.vocab_size)

@@ -95,7 +95,6 @@ def caption_blend(tmp_path_factory):
     from types import SimpleNamespace
 
     from encodekit import caption_env, encode_all, one_torch_thread, plan
-
     from mmtok.cli import main
 
     root = tmp_path_factory.mktemp("caption-blend")

@@ -13,7 +13,6 @@ from pathlib import Path
 import soundfile
 
 from audio_corpus import read
-
 from mmtok.formats import skips
 
 

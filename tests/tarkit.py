@@ -31,7 +31,8 @@ def _octal(value: int, width: int) -> bytes:
     return b"%0*o\x00" % (width - 1, value)
 
 
-def header(name: bytes, size: int, flag: bytes, magic: bytes = POSIX_MAGIC, extra: dict[int, bytes] | None = None) -> bytes:
+def header(name: bytes, size: int, flag: bytes, magic: bytes = POSIX_MAGIC,
+           extra: dict[int, bytes] | None = None) -> bytes:
     """One checksummed header block; `extra` puts bytes at header offsets (a sparse map, a volume offset)."""
     block = bytearray(BLOCK)
     block[0:len(name)] = name
@@ -104,8 +105,8 @@ def pax_sparse(name: str, chunks: list[tuple[int, bytes]], realsize: int, versio
         member = f"./GNUSparseFile.0/{name}"
     else:
         records = [("GNU.sparse.size", str(realsize)), ("GNU.sparse.numblocks", str(len(chunks)))]
-        records += [(key, n) for pair in zip(numbers[::2], numbers[1::2])
-                    for key, n in zip(("GNU.sparse.offset", "GNU.sparse.numbytes"), pair)]
+        records += [(key, n) for pair in zip(numbers[::2], numbers[1::2], strict=True)
+                    for key, n in zip(("GNU.sparse.offset", "GNU.sparse.numbytes"), pair, strict=True)]
         member = name
     pax = pax_records(records)
     return (header(b"./PaxHeaders.0/" + name.encode(), len(pax), b"x") + _padded(pax)

@@ -12,17 +12,25 @@ import numpy as np
 import pytest
 import soundfile
 
-from audio_corpus import (DIGITS, PLANTED, STORY, build_directory_corpus, digit, read, write_audio_by_content,
-                          write_jsonl, write_story)
-from convertkit import (assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report,
-                        stored_bytes)
-from summaries import summary_lines
+from audio_corpus import (
+    DIGITS,
+    PLANTED,
+    STORY,
+    build_directory_corpus,
+    digit,
+    read,
+    write_audio_by_content,
+    write_jsonl,
+    write_story,
+)
+from convertkit import assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report, stored_bytes
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
-from mmtok.media.audio import resample, to_mono
 from mmtok.audio.sources import number_clips
 from mmtok.cli import main as cli_main
+from mmtok.media.audio import resample, to_mono
 from mmtok.text import load_text_tokenizer
+from summaries import summary_lines
 
 LSB24 = 2.0**-23  # one step of 24-bit PCM
 
@@ -197,7 +205,7 @@ def test_lhotse_manifests_cut_supervised_segments_in_start_order(tmp_path, token
     audio = np.concatenate([pieces[0], gap, pieces[1], gap, gap, pieces[2], gap, pieces[3]])
     soundfile.write(tmp_path / "story.wav", audio, rate, subtype="FLOAT")
     starts, position = [], 0
-    for piece, after in zip(pieces, [1, 2, 1, 0]):
+    for piece, after in zip(pieces, [1, 2, 1, 0], strict=True):
         starts.append((position / rate, (position + len(piece)) / rate))
         position += len(piece) + after * len(gap)
     silence_start = (len(pieces[0]) + len(gap) + len(pieces[1])) / rate
@@ -215,7 +223,7 @@ def test_lhotse_manifests_cut_supervised_segments_in_start_order(tmp_path, token
     assert [c.id for c in cuts] == ["sup0", "sup1", "sup3", "sup4", "eight"]
     assert [c.custom["clip"] for c in cuts[:4]] == [0, 1, 3, 4]  # the silent clip 2 leaves a gap
     assert {c.custom["source_id"] for c in cuts[:4]} == {"story"}
-    for cut, (start, end, text) in zip(cuts[:4], [segments[i] for i in (0, 1, 3, 4)]):
+    for cut, (start, end, text) in zip(cuts[:4], [segments[i] for i in (0, 1, 3, 4)], strict=True):
         assert cut.custom["text_tokens"] == tokenizer.encode(text)
         assert_same_audio(cut.load_audio()[0], expected_wave(tmp_path / "story.wav", start, end))
     assert report(tmp_path / "out")["counts"] == {"skipped:silent": 1, "written": 5, "in": 6}
@@ -564,7 +572,6 @@ def test_hugging_face_audio_cells_that_hold_only_a_path_are_read_inside_the_dire
 
     from audio_corpus import digit
     from convertkit import dropped_records, load_cuts
-
     from mmtok.cli import main
 
     data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"

@@ -16,8 +16,7 @@ import pytest
 import soundfile
 
 from audio_corpus import digit, write_jsonl
-from convertkit import (assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report,
-                        stored_bytes)
+from convertkit import assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report, stored_bytes
 from mmtok.audio import convert as convert_module
 from mmtok.audio import sources
 from mmtok.audio.convert import ConvertOptions, convert

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -85,7 +86,7 @@ def parse(sequence: np.ndarray) -> list[tuple[str, int]]:
                 run += 1
             segments.append(("text", body[i] - 1000))
             i = run
-    for (kind, value), (next_kind, next_value) in zip(segments, segments[1:]):
+    for (kind, value), (next_kind, _) in pairwise(segments):
         if kind == "sep":
             assert next_kind == ("audio" if value == TTS_CONT else "text")
         elif next_kind != "sep":

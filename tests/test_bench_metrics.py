@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy.ndimage import gaussian_filter
 
-from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.bench import lpips, metrics
+from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.media.images import load_rgb_file, resize_rgb
 from realmedia import alsa_sounds, espeak, mate_photos, skimage_images
 
@@ -140,7 +140,8 @@ def test_conversion_transposes_flax_kernels_into_torch_layout(tmp_path):
     model = lpips.LPIPS(tmp_path / "w.npz")
     kernel = params["AlexNet_0"]["Conv_1"]["kernel"]
     assert np.array_equal(model.convs[1].weight.numpy()[7, 5, 2, 3], kernel[2, 3, 5, 7])
-    assert np.array_equal(model.lins[2].weight.numpy()[0, :, 0, 0], params["NetLinLayer_2"]["Conv_0"]["kernel"][0, 0, :, 0])
+    assert np.array_equal(model.lins[2].weight.numpy()[0, :, 0, 0],
+                          params["NetLinLayer_2"]["Conv_0"]["kernel"][0, 0, :, 0])
 
 
 def test_weight_unpickler_refuses_anything_but_numpy_arrays(tmp_path):

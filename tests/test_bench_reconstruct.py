@@ -28,7 +28,8 @@ SMALL = "max_pixels=4096,min_pixels=1024"  # keeps CPU tests fast: at most 64x64
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {"emu3.5": emu35.write_random_checkpoint(root / "emu35"), "emu3": emu3.write_random_checkpoint(root / "emu3")}
+    return {"emu3.5": emu35.write_random_checkpoint(root / "emu35"),
+            "emu3": emu3.write_random_checkpoint(root / "emu3")}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def image_table(tmp_path_factory) -> Path:
 def bench_args(table: Path, out: Path, checkpoints: dict, seed: int = 1, per_category: int = 2) -> list[str]:
     return ["bench", "reconstruct", "--manifest", str(table), "--category-column", "source", "--per-category",
             str(per_category), "--seed", str(seed), "--out", str(out), "--no-progress", "--keep-per-category", "2",
-            "--tokenizer", f"emu3.5={checkpoints['emu3.5']},{SMALL}", "--tokenizer", f"emu3={checkpoints['emu3']},{SMALL}"]
+            "--tokenizer", f"emu3.5={checkpoints['emu3.5']},{SMALL}",
+            "--tokenizer", f"emu3={checkpoints['emu3']},{SMALL}"]
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +165,8 @@ def test_resume_skips_finished_work_and_redoes_a_torn_tail(first_run, tmp_path, 
     (out / "results.csv").write_text("".join(lines[: 1 + kept_rows]) + lines[1 + kept_rows][:20])
     calls = []
     original = ImageTask.run
-    monkeypatch.setattr(ImageTask, "run", lambda self, entry, *a: calls.append(entry.spec.label) or original(self, entry, *a))
+    monkeypatch.setattr(ImageTask, "run",
+                        lambda self, entry, *a: calls.append(entry.spec.label) or original(self, entry, *a))
     assert cli.main(bench_args(image_table, out, checkpoints)) == 0
     assert len(calls) == 3
     # The recomputed rows equal the first run's: the run is deterministic apart from its timings.
@@ -284,7 +287,8 @@ def test_resize_rules_come_from_checkpoint_plan_preset_or_options(tmp_path, chec
     codecs = {name: load_codec(name, path) for name, path in checkpoints.items()}
     rule = lambda text, name: reconstruct.resize_rule(reconstruct.parse_tokenizer(text), codecs[name])  # noqa: E731
     plan = PlanParameters()
-    assert rule("emu3.5=x", "emu3.5") == reconstruct.ResizeRule(16, plan.min_pixels, plan.max_pixels, plan.max_aspect_ratio)
+    assert rule("emu3.5=x", "emu3.5") == reconstruct.ResizeRule(16, plan.min_pixels, plan.max_pixels,
+                                                                plan.max_aspect_ratio)
     assert rule("emu3=x", "emu3") == reconstruct.ResizeRule(8, 512 * 512, 1024 * 1024, 5.0)  # preprocessor_config.json
     preset = tmp_path / "small.yaml"
     preset.write_text("min_pixels: 4096\nmax_pixels: 16384\nmax_aspect_ratio: 2.5\n")
@@ -315,7 +319,8 @@ def audio_table(tmp_path_factory) -> Path:
     rows = [[str(p), "alsa"] for p in alsa_sounds()[:3]] + [[str(p), "asterisk"] for p in asterisk_prompts()[:3]]
     texts = {"en": ["one two three", "the weather is nice today"], "de": ["eins zwei drei", "das Wetter ist schön"]}
     for voice, lines in texts.items():
-        rows += [[str(espeak(text, folder / f"{voice}{i}.wav", voice)), f"espeak-{voice}"] for i, text in enumerate(lines)]
+        rows += [[str(espeak(text, folder / f"{voice}{i}.wav", voice)), f"espeak-{voice}"]
+                 for i, text in enumerate(lines)]
     path = folder / "clips.csv"
     with open(path, "w", newline="") as handle:
         csv.writer(handle).writerows([["path", "language"]] + rows)

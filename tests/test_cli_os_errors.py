@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from diskkit import fill
 from encodekit import planned_job
-
 from mmtok.cli import main
 from mmtok.formats.commitlog import part_dir, read_commits
 from mmtok.fsutil import sha256_file

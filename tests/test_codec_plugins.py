@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tomllib
-from encodekit import PLAN_FLAGS, caption_corpus, chat_tokenizer
 
+from encodekit import PLAN_FLAGS, caption_corpus, chat_tokenizer
 from mmtok.cli import main
 from mmtok.codecs import registry
 from mmtok.vocab import VocabLayout
@@ -150,7 +150,6 @@ def broken_plugins(tmp_path, on_path):
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_a_broken_plugin_is_one_line_naming_it_and_hides_no_other_codec(broken_plugins, tmp_path, capsys, name):
     from encodekit import real_images
-
     from mmtok.codecs import emu35
 
     image = real_images()["coffee.png"]

@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from realmedia import alsa_sounds, asterisk_prompts, skimage_images
 
 from mmtok.codecs import emu3, emu35
 from mmtok.codecs import wavtokenizer as wt
 from mmtok.codecs.base import Conv1d, Conv2d
 from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.media.images import load_rgb_file, resize_rgb
+from realmedia import alsa_sounds, asterisk_prompts, skimage_images
 
 BATCH_SIZES = (1, 2, 3, 8, 17)
 IMAGES = 17
@@ -127,7 +127,8 @@ def kept_codes(codec, clips: list[np.ndarray], order, size: int) -> dict[int, np
     kept = {}
     for start in range(0, len(order), size):
         group = list(order[start:start + size])
-        for index, codes in zip(group, codec.encode_clips([clips[i] for i in group], sample_rate=wt.SAMPLE_RATE)):
+        encoded = codec.encode_clips([clips[i] for i in group], sample_rate=wt.SAMPLE_RATE)
+        for index, codes in zip(group, encoded, strict=True):
             kept[index] = codes
     return kept
 
@@ -150,7 +151,7 @@ def test_wavtokenizer_clip_padded_alike_has_identical_codes_in_any_batch(wav_cod
     clips = speech_clips(8)
     width = max(clip.size for clip in clips)
     wave = torch.zeros(len(clips), width)
-    for row, clip in zip(wave, clips):
+    for row, clip in zip(wave, clips, strict=True):
         row[: clip.size] = torch.from_numpy(clip)
     lengths = torch.tensor([clip.size for clip in clips])
     codes, _ = wav_codec.encode(wave, lengths)

@@ -311,7 +311,7 @@ def test_golden_vectors_on_cuda_with_strict_fp32(golden_dir, golden_arrays):
             decoded = codec.decode(torch.from_numpy(golden_arrays["codes"][key][None]).cuda()).cpu().numpy()
             assert np.abs(decoded - golden_arrays["decoded"][key]).max() < 1e-4, key
     finally:
-        for flag, value in zip(flags, saved[0]):
+        for flag, value in zip(flags, saved[0], strict=True):
             flag.fp32_precision = value
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[1:]
 
@@ -324,13 +324,15 @@ def test_cli_encodes_npy_and_image_files_like_the_api(golden_dir, golden_codec, 
     array = tmp_path / "astronaut.npy"
     np.save(array, golden_arrays["inputs_uint8"]["astronaut"])
     out = tmp_path / "codes.npy"
-    assert main(["codec", "encode", "--codec", "emu3.5", "--checkpoint", checkpoint, str(array), "--out", str(out)]) == 0
+    assert main(["codec", "encode", "--codec", "emu3.5", "--checkpoint", checkpoint, str(array),
+                 "--out", str(out)]) == 0
     codes = np.load(out)
     assert codes.dtype == np.int32
     np.testing.assert_array_equal(codes, golden_arrays["codes"]["astronaut"])
 
     photo = next(path for path in skimage_images() if path.name == "coffee.png")  # 400 x 600
-    assert main(["codec", "encode", "--codec", "emu3.5", "--checkpoint", checkpoint, str(photo), "--out", str(out)]) == 0
+    assert main(["codec", "encode", "--codec", "emu3.5", "--checkpoint", checkpoint, str(photo),
+                 "--out", str(out)]) == 0
     expected = golden_codec.encode(torch.tensor(resize_rgb(load_rgb_file(str(photo)), 400, 608)[None]))
     np.testing.assert_array_equal(np.load(out), expected[0].numpy())
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from realmedia import ALSA_DIR, ASTERISK_DIR, alsa_sounds, asterisk_prompts
 
-from mmtok.media.audio import load_audio, peak_normalize
 from mmtok.cli import main
 from mmtok.codecs import wavtokenizer as wt
 from mmtok.codecs.base import PrecisionContract
 from mmtok.codecs.registry import load_codec
 from mmtok.errors import MmtokError, Skip
+from mmtok.media.audio import load_audio, peak_normalize
+from realmedia import ALSA_DIR, ASTERISK_DIR, alsa_sounds, asterisk_prompts
 
 REFERENCE_LOOKAHEAD = 2877  # measured on the official code by perturbing single samples (golden README)
 
@@ -52,7 +52,7 @@ def encode_alone(codec, wave: np.ndarray) -> np.ndarray:
 
 def padded_batch(clips: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     batch = np.zeros((len(clips), max(c.size for c in clips)), np.float32)
-    for row, clip in zip(batch, clips):
+    for row, clip in zip(batch, clips, strict=True):
         row[: clip.size] = clip
     return torch.from_numpy(batch), torch.tensor([c.size for c in clips])
 
@@ -188,7 +188,7 @@ def test_kept_codes_do_not_depend_on_the_batch_on_real_speech(codec):
             np.testing.assert_array_equal(counted[:kept], alone[name][:kept], err_msg=f"{name} in {group}")
             worst = max(worst, trailing_differences(alone[name], counted))
     kept_by_helper = codec.encode_clips([clips[n] for n in names[::-1]], sample_rate=24_000)
-    for name, kept_codes in zip(names[::-1], kept_by_helper):
+    for name, kept_codes in zip(names[::-1], kept_by_helper, strict=True):
         np.testing.assert_array_equal(kept_codes, alone[name][: wt.trimmed_count(clips[name].size)])
     # the padding does move the last codes of clips cut mid-speech (so the trim matters), never beyond 5
     assert 1 <= worst <= wt.TRIM

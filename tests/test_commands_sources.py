@@ -2,12 +2,12 @@ import io
 import tarfile
 from pathlib import Path
 
-import pytest
 import pyarrow.parquet as pq
+import pytest
 
 from mmtok.cli import main
-from mmtok.errors import MmtokError
 from mmtok.commands.sources import load_source
+from mmtok.errors import MmtokError
 from realmedia import REPO, skimage_images
 
 

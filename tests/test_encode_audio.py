@@ -18,16 +18,16 @@ import torch
 
 from audio_corpus import DIGITS, digit, write_story
 from mmtok.audio.convert import ConvertOptions, convert
-from mmtok.encode.audio import encode_rank, load_clip
 from mmtok.audio.interleave import LONG, STAGE, interleave
-from mmtok.encode.audio_batches import Batching
-from mmtok.ranks import assign_shards
 from mmtok.codecs.registry import load_codec
+from mmtok.encode.audio import encode_rank, load_clip
+from mmtok.encode.audio_batches import Batching
 from mmtok.formats.audio_cache import cache_path, read_tokens
 from mmtok.formats.megatron import read_sequences
 from mmtok.formats.shar import discover_shards, index_members
 from mmtok.fsutil import sha256_file
 from mmtok.merge.merge import merge
+from mmtok.ranks import assign_shards
 from mmtok.vocab import VocabLayout
 from realmedia import REPO, alsa_sounds, espeak
 from summaries import json_result, summary_lines
@@ -103,7 +103,7 @@ def test_merged_output_does_not_depend_on_batch_composition(shar, codec, one_ran
 
 def sequences_with_provenance(out: Path) -> list[tuple[np.ndarray, dict]]:
     lines = (out / "merged.provenance.jsonl").read_text().splitlines()
-    return list(zip(read_sequences(out / "merged"), map(json.loads, lines)))
+    return list(zip(read_sequences(out / "merged"), map(json.loads, lines), strict=True))
 
 
 def test_sequences_have_the_exact_token_layout_in_cut_order(shar, one_rank):
@@ -151,7 +151,7 @@ def test_token_cache_matches_the_sequences(one_rank):
     for part in sorted((one_rank / "audio-cache").glob("*.parquet")):
         table = pq.read_table(part).to_pylist()
         audio, text = read_tokens(part)
-        for row, audio_ids, text_ids in zip(table, audio, text):
+        for row, audio_ids, text_ids in zip(table, audio, text, strict=True):
             tokens = by_cut[row["cut_id"]].tolist()
             assert tokens[2:2 + audio_ids.size] == audio_ids.tolist()
             if text_ids is not None:
@@ -210,13 +210,12 @@ def test_shards_go_largest_first_to_the_least_loaded_rank():
 
 
 def test_foreign_shar_text_is_tokenized_and_silent_clips_are_skipped(codec, tmp_path):
-    from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
-    from lhotse.audio import AudioSource
-    from lhotse.shar import SharWriter
-
     import io
 
     import soundfile
+    from lhotse import CutSet, MonoCut, Recording, SupervisionSegment
+    from lhotse.audio import AudioSource
+    from lhotse.shar import SharWriter
 
     from mmtok.text import load_text_tokenizer
 
@@ -259,7 +258,7 @@ def lhotse_recipe_shar(root: Path) -> Path:
     soundfile.write(root / "long.wav", long, rate, subtype="PCM_16")
     recording = Recording.from_file(root / "long.wav", recording_id="talk")
     sups, start = [], 0.0
-    for index, (piece, text) in enumerate(zip(pieces[::2], texts)):
+    for index, (piece, text) in enumerate(zip(pieces[::2], texts, strict=True)):
         sups.append(SupervisionSegment(f"talk-{'cba'[index]}", "talk", start, piece.size / rate, text=text,
                                        language="en"))
         start += (piece.size + rate // 4) / rate
@@ -274,8 +273,9 @@ def test_a_lhotse_recipe_shar_keeps_recording_identity_and_interleaves_in_time_o
     # lhotse's own to_shar output: the clips are the recording's (not one source per cut), numbered in
     # the recipe's cut order (to_shar sets every start to 0), so interleave builds the story's run as it
     # does for mmtok's own Shar. A Shar's cuts manifest given to `audio convert` points to encode --shar.
-    from mmtok.cli import main
     import pyarrow.parquet as pq
+
+    from mmtok.cli import main
 
     shar = lhotse_recipe_shar(tmp_path)
     encode_rank(shar, tmp_path / "enc", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
@@ -352,7 +352,6 @@ def test_the_cli_summary_goes_to_stderr_and_json_prints_the_rank_result(shar, ch
 
 def test_another_text_tokenizer_than_the_conversions_is_refused_naming_both(shar, codec, tmp_path):
     from encodekit import chat_tokenizer
-
     from mmtok.errors import MmtokError
 
     other = chat_tokenizer(tmp_path / "chat")

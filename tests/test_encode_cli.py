@@ -7,8 +7,8 @@ import re
 import pytest
 
 from mmtok.cli import build_parser
-from mmtok.launch import resolve_rank
 from mmtok.errors import MmtokError
+from mmtok.launch import resolve_rank
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK", "SLURM_LOCALID",
                       "SLURM_ARRAY_TASK_ID")
@@ -96,7 +96,8 @@ def test_the_cuda_device_is_made_current_before_anything_allocates(monkeypatch, 
 @pytest.mark.parametrize("env, message", [({"RANK": "abc"}, "RANK='abc' is not an integer"),
                                           ({"WORLD_SIZE": "0"}, r"world size 0 \(from WORLD_SIZE=0\): it must be"),
                                           ({"SLURM_NTASKS": "-3"}, r"world size -3 \(from SLURM_NTASKS=-3\)"),
-                                          ({"RANK": "-1", "WORLD_SIZE": "4"}, r"rank -1 \(from RANK=-1\) is outside 0..3"),
+                                          ({"RANK": "-1", "WORLD_SIZE": "4"},
+                                           r"rank -1 \(from RANK=-1\) is outside 0..3"),
                                           ({"SLURM_PROCID": "5", "SLURM_NTASKS": "2"},
                                            r"rank 5 \(from SLURM_PROCID=5\) is outside 0..1 \(world size 2 \(from "
                                            r"SLURM_NTASKS=2\)\)")])
@@ -135,7 +136,8 @@ def _cuda_mocked(monkeypatch, count: int = 4) -> list:
     return made_current
 
 
-@pytest.mark.parametrize("env", [{"LOCAL_RANK": "-1"}, {"SLURM_LOCALID": "-1"}, {"LOCAL_RANK": "-1", "SLURM_LOCALID": "2"}])
+@pytest.mark.parametrize("env", [{"LOCAL_RANK": "-1"}, {"SLURM_LOCALID": "-1"},
+                                 {"LOCAL_RANK": "-1", "SLURM_LOCALID": "2"}])
 def test_a_local_rank_of_minus_one_means_not_distributed(clean_env, env):
     """-1 is what some launchers export for "not distributed": the next rule picks the device."""
     import torch
@@ -152,7 +154,8 @@ def test_a_local_rank_of_minus_one_means_not_distributed(clean_env, env):
 @pytest.mark.parametrize("env, message", [({"LOCAL_RANK": "-7"}, "LOCAL_RANK=-7: a local rank is 0 or more"),
                                           ({"SLURM_LOCALID": "-2"}, "SLURM_LOCALID=-2: a local rank is 0 or more"),
                                           ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not an integer.*pass --device"),
-                                          ({"LOCAL_RANK": "9"}, r"device cuda:9 \(from LOCAL_RANK=9\): this process sees 4")])
+                                          ({"LOCAL_RANK": "9"},
+                                           r"device cuda:9 \(from LOCAL_RANK=9\): this process sees 4")])
 def test_a_local_rank_out_of_range_is_one_line_through_the_cli(clean_env, tmp_path, capsys, env, message):
     """On a CUDA machine (mocked) a bad LOCAL_RANK or SLURM_LOCALID ended in a traceback from torch.device."""
     from mmtok.cli import main
@@ -184,7 +187,6 @@ def test_a_rank_out_of_range_is_one_line_before_any_work(clean_env, tmp_path, ca
 def one_part(tmp_path_factory):
     """Rank 0 of 2 encoded into OUT (caption corpus, tiny codec): (env, plan, out)."""
     from encodekit import caption_env, one_torch_thread, plan
-
     from mmtok.cli import main
 
     env = caption_env(tmp_path_factory.mktemp("run"))
@@ -204,7 +206,6 @@ def one_part(tmp_path_factory):
 ])
 def test_a_rank_of_another_run_is_refused_before_its_codec_loads(one_part, clean_env, capsys, change, message):
     from encodekit import plan
-
     from mmtok.cli import main
     from mmtok.codecs import emu3, emu35, registry
 
@@ -232,7 +233,6 @@ def test_the_same_run_s_other_rank_is_encoded(one_part, clean_env, tmp_path):
     import shutil
 
     from encodekit import one_torch_thread
-
     from mmtok.cli import main
 
     env, planned, out = one_part

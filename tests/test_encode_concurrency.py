@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from encodekit import planned_job
 
+from encodekit import planned_job
 from mmtok.cli import main
 from mmtok.formats.commitlog import is_done, part_dir
 from mmtok.fsutil import WriterLock, sha256_file

@@ -9,10 +9,19 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from encodekit import (PLAN_FLAGS, caption_corpus, caption_env, encode_all, gpt_dataset, interleaved_corpus,
-                       one_torch_thread, parse_block, plan, real_images)
-from summaries import json_result, summary_lines
 
+from encodekit import (
+    PLAN_FLAGS,
+    caption_corpus,
+    caption_env,
+    encode_all,
+    gpt_dataset,
+    interleaved_corpus,
+    one_torch_thread,
+    parse_block,
+    plan,
+    real_images,
+)
 from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.errors import MmtokError
@@ -22,6 +31,7 @@ from mmtok.fsutil import sha256_file
 from mmtok.media.images import ImageDecodeError, decode_rgb, resize_rgb
 from mmtok.text import caption_text, load_text_tokenizer
 from mmtok.vocab import VocabLayout
+from summaries import json_result, summary_lines
 
 MERGED_FILES = ("merged.bin", "merged.idx", "merged.provenance.jsonl")
 
@@ -167,7 +177,7 @@ def test_text_image_and_image_modes_lay_out_documents_per_design(env, tmp_path):
     for mode in ("text-image", "image"):
         out = encode_all(env, plan(env, f"plan-{mode}", "--mode", mode), tmp_path / mode, world_size=1)
         provenance = [json.loads(x) for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
-        for record, tokens in zip(provenance, read_sequences(out / "merged")):
+        for record, tokens in zip(provenance, read_sequences(out / "merged"), strict=True):
             position = 1
             if mode == "text-image":  # BOS caption blocks EOS
                 position = int(np.flatnonzero(tokens == layout.special_id("<|img_start|>"))[0])
@@ -211,7 +221,8 @@ def test_interleaved_documents_follow_the_json_order(env, tmp_path):
     layout = VocabLayout(text_size=env.tokenizer.vocab_size)
     encode = env.tokenizer.encode
     documents = {json.loads(x)["key"]: tokens for x, tokens in
-                 zip((out / "merged.provenance.jsonl").read_text().splitlines(), read_sequences(out / "merged"))}
+                 zip((out / "merged.provenance.jsonl").read_text().splitlines(), read_sequences(out / "merged"),
+                     strict=True)}
     tokens = documents["w000"]  # text, image 0, two texts joined by a blank line, image 1
     assert tokens[0] == env.tokenizer.bos_id
     text = encode("A cat sat on the chair.")
@@ -282,7 +293,7 @@ def test_parquet_inputs_are_read_by_row_with_their_caption_column(env, tmp_path)
     layout = VocabLayout(text_size=env.tokenizer.vocab_size)
     records = [json.loads(x) for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
     assert sorted(r["rows"][0] for r in records) == list(range(len(names)))
-    for record, tokens in zip(records, read_sequences(out / "merged")):
+    for record, tokens in zip(records, read_sequences(out / "merged"), strict=True):
         _, position = parse_block(tokens, 1, layout, env.tokenizer)
         caption = f"the {names[record['rows'][0]].split('.')[0]} picture"
         assert tokens[position:-1].tolist() == env.tokenizer.encode(caption)

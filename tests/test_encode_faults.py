@@ -7,9 +7,9 @@ import random
 import signal
 import sys
 import time
+from functools import partial
 
 from encodekit import ONE_IMAGE_BATCHES, planned_job
-
 from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.formats.commitlog import COMMITS, is_done, part_dir, read_commits
@@ -70,14 +70,14 @@ def test_sigkill_at_startup_between_commits_and_in_flight_then_resume_gives_the_
         if kind.startswith("startup"):
             time.sleep(rng.uniform(0, 0.3))
         elif kind.startswith("device"):
-            _wait_until(lambda: arrived.acquire(timeout=0.01), process, kind)
+            _wait_until(partial(arrived.acquire, timeout=0.01), process, kind)
             time.sleep(rng.uniform(0, 0.02))
         elif kind.startswith("between"):
-            _wait_until(lambda: _safe_records(killed) >= before + allowed, process, kind)
+            _wait_until(lambda before=before, allowed=allowed: _safe_records(killed) >= before + allowed, process, kind)
             time.sleep(rng.uniform(0, 0.02))
         else:  # inflight: the last allowed batch has reached the device
             for _ in range(allowed):
-                _wait_until(lambda: arrived.acquire(timeout=0.01), process, kind)
+                _wait_until(partial(arrived.acquire, timeout=0.01), process, kind)
             time.sleep(rng.uniform(0, 0.03))
         os.kill(process.pid, signal.SIGKILL)
         process.join()
@@ -87,7 +87,7 @@ def test_sigkill_at_startup_between_commits_and_in_flight_then_resume_gives_the_
         if kind.endswith("+tear"):
             _tear_tails(part_dir(killed, 0), rng)  # what a kill in the middle of write() leaves
     assert len(landed) == len(SCHEDULE) == 12 and not is_done(part_dir(killed, 0))
-    for (kind, allowed), (_, before, after) in zip(SCHEDULE, landed):
+    for (kind, allowed), (_, before, after) in zip(SCHEDULE, landed, strict=True):
         if kind.startswith("inflight"):
             assert before <= after <= before + allowed, landed
         else:  # nothing commits at start-up or at the device; `between` lands after exactly `allowed` commits

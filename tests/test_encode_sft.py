@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encodekit import SFT_SAMPLES, chat_tokenizer, parse_block, real_images, sft_corpus, write_tar
 
+from encodekit import SFT_SAMPLES, chat_tokenizer, parse_block, real_images, sft_corpus, write_tar
 from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.formats.megatron import read_sequences
@@ -100,9 +100,10 @@ def sft_run(sft_inputs):
 def test_sft_tokens_equal_the_reference_rendering(sft_run):
     out, tokenizer = sft_run
     layout = VocabLayout(text_size=tokenizer.vocab_size)
-    keys = [json.loads(x)["conversation"].split("/")[-1] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    keys = [json.loads(x)["conversation"].split("/")[-1]
+            for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
     assert keys == [key for key, _, _ in SFT_SAMPLES]  # in input order
-    for key, tokens in zip(keys, read_sequences(out / "merged")):
+    for key, tokens in zip(keys, read_sequences(out / "merged"), strict=True):
         starts = np.flatnonzero(tokens == layout.special_id("<|img_start|>"))
         blocks = []
         for start in starts:
@@ -115,11 +116,12 @@ def test_stripped_copy_has_no_reasoning_and_everything_else_intact(sft_run):
     out, tokenizer = sft_run
     layout = VocabLayout(text_size=tokenizer.vocab_size)
     markers = [tokenizer.token_id("<|inner_prefix|>"), tokenizer.token_id("<|inner_suffix|>")]
-    keys = [json.loads(x)["conversation"].split("/")[-1] for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
+    keys = [json.loads(x)["conversation"].split("/")[-1]
+            for x in (out / "merged.provenance.jsonl").read_text().splitlines()]
     merged = list(read_sequences(out / "merged"))
     stripped = list(read_sequences(out / "merged_no_reasoning"))
     assert len(stripped) == len(merged) == len(SFT_SAMPLES)
-    for key, full, short in zip(keys, merged, stripped):
+    for key, full, short in zip(keys, merged, stripped, strict=True):
         assert not np.isin(short, markers).any()
         starts = np.flatnonzero(full == layout.special_id("<|img_start|>"))
         blocks = [full[s : parse_block(full, int(s), layout, tokenizer)[1]] for s in starts]

@@ -21,13 +21,32 @@ import json
 
 import numpy as np
 import pytest
-from chatkit import (CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL, AudioStore, ImageStore, audio_block, build,
-                     built_skip, image_block, tar_conversation)
-from encodekit import train_chat_tokenizer
 
-from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaRef, MediaSlot, conversation_media, split_media
-from mmtok.formats.conversations import Conversation, audio_clip_id, locate
+from chatkit import (
+    CHAT_TOKENS,
+    DEFAULT_SYSTEM,
+    TEMPLATE,
+    WEATHER_TOOL,
+    AudioStore,
+    ImageStore,
+    audio_block,
+    build,
+    built_skip,
+    image_block,
+    tar_conversation,
+)
+from encodekit import train_chat_tokenizer
 from mmtok.errors import Skip
+from mmtok.formats.chat import (
+    ChatRenderer,
+    Control,
+    ConversationError,
+    MediaRef,
+    MediaSlot,
+    conversation_media,
+    split_media,
+)
+from mmtok.formats.conversations import Conversation, audio_clip_id, locate
 from mmtok.text import load_text_tokenizer
 
 TRAINING_TEXT = [
@@ -96,8 +115,9 @@ REFERENCES = {
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    directory = train_chat_tokenizer(tmp_path_factory.mktemp("omni-tok"), vocab_size=360, special=["<unk>", "<s>", "</s>"],
-                                     added=CHAT_TOKENS, texts=TRAINING_TEXT, template=TEMPLATE)
+    directory = train_chat_tokenizer(tmp_path_factory.mktemp("omni-tok"), vocab_size=360,
+                                     special=["<unk>", "<s>", "</s>"], added=CHAT_TOKENS, texts=TRAINING_TEXT,
+                                     template=TEMPLATE)
     return load_text_tokenizer(str(directory))
 
 

@@ -14,9 +14,20 @@ import numpy as np
 import pytest
 
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import (COMMITS, PartWriter, has_dataset, is_done, part_dir, part_prefix, read_commits,
-                                     read_items, read_provenance, read_skipped, verify_part)
 from mmtok.formats import skips
+from mmtok.formats.commitlog import (
+    COMMITS,
+    PartWriter,
+    has_dataset,
+    is_done,
+    part_dir,
+    part_prefix,
+    read_commits,
+    read_items,
+    read_provenance,
+    read_skipped,
+    verify_part,
+)
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import sha256_file
 

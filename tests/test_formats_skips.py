@@ -81,7 +81,8 @@ def _key_strings(tree: ast.AST):
 
 
 def test_only_the_skips_module_makes_or_parses_skip_counter_keys():
-    found = sorted({f"{path.relative_to(PACKAGE.parent)}:{line}: {text!r}"  # a set: an f-string's literal is walked twice
+    # a set: an f-string's literal is walked twice
+    found = sorted({f"{path.relative_to(PACKAGE.parent)}:{line}: {text!r}"
                     for path in PACKAGE.rglob("*.py") if path != OWNER
                     for line, text in _key_strings(ast.parse(path.read_text("utf-8")))})
     assert not found, "build or read `skipped:<reason>` keys with mmtok.formats.skips:\n" + "\n".join(found)

@@ -15,13 +15,13 @@ import pytest
 from PIL import Image
 
 from mmtok.audio.sources import TarUnit
-from mmtok.formats import skips
-from mmtok.formats.chat import ConversationError
-from mmtok.formats.skips import SkipRecord
 from mmtok.encode.audio import load_clip
 from mmtok.errors import Skip
+from mmtok.formats import skips
+from mmtok.formats.chat import ConversationError
 from mmtok.formats.conversations import locate, read_conversations
 from mmtok.formats.shar import index_members
+from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import CHECK_BATCH, Damage, Member, read_members
 from mmtok.media.audio import AudioReason
 from mmtok.scan.scanner import scan_tar
@@ -215,7 +215,7 @@ def two_clip_chats(tmp_path: Path) -> tuple[Path, bytes, dict[str, int]]:
         members += [(f"{key}.json", record), (f"{key}.0.wav", WAV), (f"{key}.1.wav", WAV)]
     tar = faulty_tar(tmp_path / "chats.tar", members, "none")
     data = tar.read_bytes()
-    return tar, data, dict(zip((name for name, _ in members), _header_offsets(data)))
+    return tar, data, dict(zip((name for name, _ in members), _header_offsets(data), strict=True))
 
 
 def located_reasons(tar: Path) -> dict[str, object]:

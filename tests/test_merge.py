@@ -12,9 +12,9 @@ from mmtok.documents import pack_template
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.megatron import read_sequences
-from mmtok.fsutil import sha256_file
 from mmtok.formats.parts import find_parts
 from mmtok.formats.skips import SkipRecord
+from mmtok.fsutil import sha256_file
 from mmtok.merge.merge import ReasoningIds, merge, strip_sequence
 
 BOS, EOS, PRE, SUF, END = 1, 2, 32, 33, 70
@@ -187,7 +187,8 @@ def test_merge_of_parts_without_tokens_writes_no_dataset_and_says_so(tmp_path):
     for number in range(2):
         shard = PartWriter(part_dir(tmp_path, number), _identity(number, 2))
         shard.commit(0, [], [], {"skipped:decode_error": 1},
-                     skipped=[SkipRecord(key=f"k{number}", source="a.tar", reason="decode_error", detail="x", stage="encode")])
+                     skipped=[SkipRecord(key=f"k{number}", source="a.tar", reason="decode_error", detail="x",
+                                         stage="encode")])
         shard.finish({})
     (tmp_path / "merged.bin").write_bytes(b"stale")  # an earlier merge's output must not survive looking valid
     summary = merge(tmp_path, strip_reasoning=True)
@@ -220,7 +221,8 @@ def test_a_second_merge_of_one_output_is_refused(tmp_path):
 
 def test_inspect_says_why_a_merge_wrote_no_dataset(tmp_path, capsys):
     shard = PartWriter(part_dir(tmp_path, 0), _identity(0, 1))
-    shard.commit(0, [], [], {"skipped:decode_error": 1}, skipped=[SkipRecord(key="k", source="a.tar", reason="decode_error", stage="encode")])
+    shard.commit(0, [], [], {"skipped:decode_error": 1},
+                 skipped=[SkipRecord(key="k", source="a.tar", reason="decode_error", stage="encode")])
     shard.finish({})
     merge(tmp_path)
     assert main(["inspect", str(tmp_path / "merged")]) == 2

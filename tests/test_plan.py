@@ -21,13 +21,13 @@ from mmtok.formats import manifest as manifest_format
 from mmtok.formats import plan as plan_format
 from mmtok.formats.plan import Plan
 from mmtok.formats.presets import CostModel, PlanParameters, available_presets, load_preset
+from mmtok.media.resize import target_shape
 from mmtok.plan import batching, build_plan, core
-from mmtok.text import caption_text
-from mmtok.tools.explain import explain_plan
 from mmtok.plan import rows as plan_rows
 from mmtok.plan.rows import text_tokenizer
 from mmtok.ranks import balance_splits, imbalance, partition_ranks, rank_costs
-from mmtok.media.resize import target_shape
+from mmtok.text import caption_text
+from mmtok.tools.explain import explain_plan
 from mmtok.vocab import VocabLayout
 from realmedia import mate_photos, skimage_images
 
@@ -270,7 +270,7 @@ def test_drop_reasons_are_named_and_documents_drop_whole(tmp_path):
     ]
     meta = plan(write_manifest(tmp_path / "m", rows), tmp_path / "p", PlanParameters())
     dropped = tables(tmp_path / "p")["dropped.parquet"]
-    reasons = dict(zip(dropped["manifest_row"].tolist(), dropped["reason"].tolist()))
+    reasons = dict(zip(dropped["manifest_row"].tolist(), dropped["reason"].tolist(), strict=True))
     assert reasons == {1: "scan:truncated_member", 2: "too_few_pixels", 3: "too_many_pixels", 4: "aspect_ratio",
                        5: "unknown_dimensions", 6: "document_member_dropped", 7: "aspect_ratio",
                        8: "document_member_dropped", 9: "scan:error", 10: "document_member_dropped"}
@@ -299,7 +299,7 @@ def test_batches_are_one_shape_within_budget_and_size_cap(corpus, tmp_path):
     for b in range(meta["num_batches"]):
         rows = slice(start[b], start[b] + batches["num_images"][b])
         assert np.all(images["batch"][rows] == b)
-        assert len(set(zip(images["target_height"][rows], images["target_width"][rows]))) == 1
+        assert len(set(zip(images["target_height"][rows], images["target_width"][rows], strict=True))) == 1
         assert images["target_height"][rows][0] == batches["target_height"][b]
         assert np.all(np.diff(images["manifest_row"][rows]) > 0)  # manifest order inside a batch
         total = images["tokens"][rows].sum()
@@ -333,7 +333,7 @@ def test_document_images_is_the_kept_count_and_documents_lists_multi_image_docum
     assert np.array_equal(images["document_images"], count[inverse]) and count.max() > 1
     assert np.array_equal(docs["document"], documents[count > 1])  # image mode: exactly the multi-image ones
     assert np.array_equal(docs["num_images"], count[count > 1])
-    for d, first, last in zip(docs["document"], docs["first_batch"], docs["last_batch"]):
+    for d, first, last in zip(docs["document"], docs["first_batch"], docs["last_batch"], strict=True):
         batches = images["batch"][images["document"] == d]
         assert batches.min() == first and batches.max() == last
 
@@ -342,7 +342,7 @@ def test_target_shapes_follow_the_resize_rule(corpus, tmp_path):
     plan(corpus, tmp_path / "p")
     manifest = pq.read_table(corpus / "manifest.parquet", columns=["width", "height"]).to_pydict()
     images = tables(tmp_path / "p")["plan.parquet"]
-    for r, h, w in zip(images["manifest_row"], images["target_height"], images["target_width"]):
+    for r, h, w in zip(images["manifest_row"], images["target_height"], images["target_width"], strict=True):
         expected = target_shape(manifest["height"][r], manifest["width"][r], min_pixels=SMALL.min_pixels,
                                 max_pixels=SMALL.max_pixels, factor=16)
         assert (h, w) == expected and h % 16 == 0 and w % 16 == 0
@@ -352,7 +352,7 @@ def test_tokens_are_the_exact_image_block_length(corpus, tmp_path):
     plan(corpus, tmp_path / "p")
     images = tables(tmp_path / "p")["plan.parquet"]
     tokenizer, layout = text_tokenizer("tekken"), VocabLayout(131_072)  # the plan's cached tokenizer
-    for h, w, tokens in set(zip(images["target_height"], images["target_width"], images["tokens"])):
+    for h, w, tokens in set(zip(images["target_height"], images["target_width"], images["tokens"], strict=True)):
         codes = np.zeros((h // 16, w // 16), np.int32)
         block = layout.image_block(codes, tokenizer.encode(f"{h // 16}*{w // 16}"))
         assert len(block) == tokens
@@ -407,7 +407,8 @@ def test_documents_over_max_document_tokens_are_dropped_whole(tmp_path):
     limit = 2 * image + 2  # document 2 is exactly at the limit: kept
     meta = plan(manifest, tmp_path / "p", SMALL.override(max_document_tokens=limit))
     t = tables(tmp_path / "p")
-    reasons = dict(zip(t["dropped.parquet"]["manifest_row"].tolist(), t["dropped.parquet"]["reason"].tolist()))
+    dropped = t["dropped.parquet"]
+    reasons = dict(zip(dropped["manifest_row"].tolist(), dropped["reason"].tolist(), strict=True))
     assert reasons == {**{r: "document_too_long" for r in range(1, 6)}, 8: "aspect_ratio",
                        **{r: "document_member_dropped" for r in range(9, 13)}}
     assert meta["long_documents"] == {"limit": limit, "dropped": 1, "largest_tokens": 5 * image + 2}
@@ -476,7 +477,7 @@ def test_more_ranks_than_images_leaves_idle_ranks_and_says_why(corpus, tmp_path)
     opened = Plan.open(tmp_path / "p")
     whole = opened.table(plan_format.IMAGES_FILE)
     parts = [opened.rank_rows(r) for r in range(n)]
-    assert all(p.num_rows == 0 for p, i in zip(parts, idle) if i)
+    assert all(p.num_rows == 0 for p, i in zip(parts, idle, strict=True) if i)
     assert pa.concat_tables(parts).equals(whole)
 
 
@@ -534,7 +535,7 @@ def test_partition_cuts_nearest_the_even_split_targets():
 
 def test_partition_minimises_the_largest_rank_cost():
     rng = np.random.default_rng(3)
-    for trial in range(40):
+    for _ in range(40):
         n = int(rng.integers(1, 25))
         costs = rng.random(n) * rng.choice([1, 10, 100], n)
         for world in (1, 2, 3, 5, 30):
@@ -651,7 +652,7 @@ def caption_shard(directory: Path, images: list[Path], captions: list[bytes | No
     member offsets taken from the tar itself."""
     tar_path = directory / "shard-000000.tar"
     with tarfile.open(tar_path, "w") as tar:
-        for i, (image, caption) in enumerate(zip(images, captions)):
+        for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
             tar.add(image, arcname=f"{i:06d}{image.suffix}")
             if caption is not None:
                 info = tarfile.TarInfo(f"{i:06d}.txt")
@@ -678,7 +679,8 @@ def test_caption_mode_counts_caption_tokens_exactly(tmp_path):
     manifest = write_manifest(tmp_path / "m", rows)
     meta = plan(manifest, tmp_path / "p", PlanParameters(mode="image-text"))
     t = tables(tmp_path / "p")
-    reasons = dict(zip(t["dropped.parquet"]["manifest_row"].tolist(), t["dropped.parquet"]["reason"].tolist()))
+    dropped = t["dropped.parquet"]
+    reasons = dict(zip(dropped["manifest_row"].tolist(), dropped["reason"].tolist(), strict=True))
     assert reasons == {1: "missing_caption", 2: "caption_not_utf8", 3: "empty_caption"}
     tokenizer = text_tokenizer("tekken")
     docs = t["documents.parquet"]
@@ -716,7 +718,8 @@ def test_fingerprints_in_plan_json(corpus, tmp_path):
     assert meta["manifest_fingerprint"] == manifest_json["fingerprint"]
     images_sha = hashlib.sha256((tmp_path / "p" / "plan.parquet").read_bytes()).hexdigest()
     assert meta["files"]["plan.parquet"]["sha256"] == images_sha
-    assert meta["fingerprint"] == plan_format.plan_fingerprint(images_sha, meta["parameters"], meta["manifest_fingerprint"])
+    assert meta["fingerprint"] == plan_format.plan_fingerprint(images_sha, meta["parameters"],
+                                                               meta["manifest_fingerprint"])
     assert meta["parameters"]["text_vocab_size"] == 131_072 and meta["parameters"]["factor"] == 16
     assert json.loads((tmp_path / "p" / "plan.json").read_text()) == meta
     other = plan(corpus, tmp_path / "q", SMALL.override(token_budget=8192))
@@ -840,18 +843,19 @@ def test_scan_then_plan_real_tar_shards(tmp_path):
     t = tables(out)
     kept, dropped = t["plan.parquet"], t["dropped.parquet"]
     assert sorted(np.concatenate([kept["manifest_row"], dropped["manifest_row"]])) == list(range(len(rows["key"])))
-    reasons = {rows["key"][r]: why for r, why in zip(dropped["manifest_row"], dropped["reason"])}
+    reasons = {rows["key"][r]: why for r, why in zip(dropped["manifest_row"], dropped["reason"], strict=True)}
     assert reasons["a2"].startswith("scan:") and reasons["a4"] == "missing_caption"
-    a3 = [why for r, why in zip(dropped["manifest_row"], dropped["reason"]) if rows["key"][r] == "a3"]
+    a3 = [why for r, why in zip(dropped["manifest_row"], dropped["reason"], strict=True) if rows["key"][r] == "a3"]
     assert len(a3) == 2 and "document_member_dropped" in a3 and any(why.startswith("scan:") for why in a3)
     assert {rows["key"][r] for r in kept["manifest_row"]} == {"a0", "a1"}
-    for r, h, w in zip(kept["manifest_row"], kept["target_height"], kept["target_width"]):
+    for r, h, w in zip(kept["manifest_row"], kept["target_height"], kept["target_width"], strict=True):
         assert (h, w) == target_shape(rows["height"][r], rows["width"][r], min_pixels=256 * 256, max_pixels=512 * 512)
     tokenizer = text_tokenizer("tekken")
     docs = t["documents.parquet"]
     captions = {"a0": b"An astronaut.\n", "a1": b"Two pictures."}
     keys = {rows["document"][r]: rows["key"][r] for r in kept["manifest_row"]}
-    assert [len(tokenizer.encode(caption_text(captions[keys[d]]))) for d in docs["document"]] == docs["text_tokens"].tolist()
+    assert ([len(tokenizer.encode(caption_text(captions[keys[d]]))) for d in docs["document"]]
+            == docs["text_tokens"].tolist())
     two = docs["num_images"] == 2
     assert two.sum() == 1 and sorted(kept["image_index"][kept["document"] == docs["document"][two][0]]) == [0, 1]
 
@@ -869,7 +873,8 @@ def test_captions_of_a_parquet_image_table_are_counted(tmp_path):
     tokenizer = text_tokenizer("tekken")
     expected = [len(tokenizer.encode(captions[i].strip())) for i in (0, 2)]
     assert t["documents.parquet"]["text_tokens"].tolist() == expected
-    assert t["dropped.parquet"]["reason"].tolist() == ["missing_caption"] and meta["totals"]["text_tokens"] == sum(expected)
+    assert t["dropped.parquet"]["reason"].tolist() == ["missing_caption"]
+    assert meta["totals"]["text_tokens"] == sum(expected)
 
 
 # ----------------------------------------------------------------------------- bytes of the whole-table planner
@@ -881,7 +886,8 @@ def test_captions_of_a_parquet_image_table_are_counted(tmp_path):
 # errors, documents dropped whole and as too long, balance splits (64 ranks), small processing groups,
 # and a caption mode reading real tar sidecars. plan.json is hashed without the fields that name the
 # temporary directories (`manifest_dir`, and the fingerprints that depend on the tar paths in the
-# manifest) and without `balance.fixed_batches` (added later; false in every case here). The digests depend on the pyarrow version (Parquet's `created_by`), pinned in constraints.txt.
+# manifest) and without `balance.fixed_batches` (added later; false in every case here). The digests
+# depend on the pyarrow version (Parquet's `created_by`), pinned in constraints.txt.
 
 PATH_FIELDS = ("manifest_dir", "manifest_fingerprint", "fingerprint")
 
@@ -994,7 +1000,8 @@ def test_caption_mode_plan_files_match_the_whole_table_planner(tmp_path):
 def test_window_bounds_read_in_batches_snap_to_the_next_document_start(tmp_path, monkeypatch, read_rows):
     rng = np.random.default_rng(read_rows)
     sizes = [1, 1, 9, 2, 1, 30, 1, 3, 1, 1, 12, 2] + rng.integers(1, 6, 40).tolist()
-    manifest = manifest_format.Manifest.open(write_manifest(tmp_path, documents_of([dict(width=640, height=480)], sizes)))
+    manifest = manifest_format.Manifest.open(write_manifest(tmp_path,
+                                                            documents_of([dict(width=640, height=480)], sizes)))
     monkeypatch.setattr(plan_rows, "READ_ROWS", read_rows)
     document = np.repeat(np.arange(len(sizes)), sizes)
     starts = np.flatnonzero(np.diff(document, prepend=-1))
@@ -1011,7 +1018,8 @@ def test_groups_are_read_one_at_a_time_with_their_rows(corpus, monkeypatch):
     cuts = np.array([0, 3, 4, 20, n])
     groups = list(plan_rows.read_groups(manifest, SMALL, plan_rows.Reasons(), cuts))
     document = manifest.read(["document"]).column(0).to_numpy()
-    assert [(g.start, len(g)) for g in groups] == [(int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:])]
+    assert [(g.start, len(g)) for g in groups] == [(int(a), int(b - a))
+                                                   for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     for g in groups:
         assert np.array_equal(g.document, document[g.start:g.start + len(g)])
     seen = np.concatenate([g.new_shapes for g in groups])

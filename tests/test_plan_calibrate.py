@@ -14,12 +14,12 @@ import pytest
 import torch
 import yaml
 
-from mmtok.plan import calibrate as cal
 from mmtok.cli import main as cli_main
 from mmtok.codecs import emu35, wavtokenizer
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import SCHEMA, write_manifest
 from mmtok.formats.presets import CostModel, PlanParameters, load_preset
+from mmtok.plan import calibrate as cal
 
 TRUTH = CostModel(a=3e-6, b=4e-10, c=2e-4, batch=5e-3, source="truth")
 IDENTITY = {"codec": "emu3.5", "checkpoint_sha256": "ab" * 32, "device": "cpu (2 threads)", "torch": "x",

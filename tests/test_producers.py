@@ -132,9 +132,9 @@ def test_dotted_audio_keys_take_the_first_sidecar_and_dataset_dict_splits_keep_t
     """The first clip of a sample merged by dots takes the first json sidecar's text (was the last one's); the
     splits of a `DatasetDict.save_to_disk` share their Arrow file names, so clip ids keep the split's folder (the
     second split was `duplicate_id`); a FIFO named .arrow is `not_a_file`, never opened (it would block)."""
+    import io
     import os
     import tarfile
-    import io
 
     from datasets import Audio, Dataset, DatasetDict
 

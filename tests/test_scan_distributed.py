@@ -162,7 +162,7 @@ def test_concurrent_ranks_scan_each_shard_once(shards, reference, tmp_path):
     assert sum(scanned) == len(shards), lines
     # Every rank that scanned a shard says what it cost the storage (what the summary of the manifest says too).
     assert all(re.search(r"\d\.\d\d reads and \d+\.\d KB read per image", line)
-               for line, count in zip(lines, scanned) if count)
+               for line, count in zip(lines, scanned, strict=True) if count)
     if not (tmp_path / "manifest.json").exists():  # both finishers saw a shard still claimed: the final step
         assert cli(["scan", *map(str, shards), "--out", str(tmp_path), "--no-progress"]) == 0
     _same_as_one_process(tmp_path, reference)

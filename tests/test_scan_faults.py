@@ -166,7 +166,8 @@ def _read_only_open(path, mode="r", *args, **kwargs):
 
 
 @pytest.mark.parametrize("opener,words", [(_full_disk_open, "No space left on device [ENOSPC]"),
-                                          (_read_only_open, "Read-only file system [EROFS]")], ids=["full", "read-only"])
+                                          (_read_only_open, "Read-only file system [EROFS]")],
+                         ids=["full", "read-only"])
 def test_unwritable_output_stops_the_scan_with_one_line_and_leaves_no_temporary_file(tmp_path, jpg, capsys,
                                                                                       monkeypatch, opener, words):
     shard = tmp_path / "s.tar"

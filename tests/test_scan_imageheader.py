@@ -73,7 +73,8 @@ def variants(name: str, image: Image.Image) -> dict[str, bytes]:
         "jpeg_cmyk": save(rgb.convert("CMYK"), "JPEG"),
         "jpeg_long_exif": save(rgb, "JPEG", exif=exif_bytes(6, maker_note=20_000)),
         "jpeg_big_icc": save(rgb, "JPEG", icc_profile=bytes(range(256)) * 400),  # 100 KB of APP2 before SOF
-        "jpeg_xmp_orientation": save(rgb, "JPEG", xmp=b'<x:xmpmeta><rdf:Description tiff:Orientation="8"/></x:xmpmeta>'),
+        "jpeg_xmp_orientation": save(rgb, "JPEG",
+                                     xmp=b'<x:xmpmeta><rdf:Description tiff:Orientation="8"/></x:xmpmeta>'),
         "png": save(rgb, "PNG", compress_level=1),
         "png_alpha": save(rgba, "PNG", compress_level=1),
         "png_palette": save(palette, "PNG", compress_level=1),

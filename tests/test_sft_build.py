@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from chatkit import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
 from encodekit import chat_tokenizer, write_tar
-
+from mmtok.errors import MmtokError, Skip
 from mmtok.formats.chat import ChatRenderer, MediaSlot, split_media
 from mmtok.formats.conversations import Conversation, audio_clip_id, read_conversations
-from mmtok.errors import MmtokError, Skip
 from mmtok.sft.build import DEFAULT_MAX_TOKENS, ConversationBuilder
 from mmtok.text import load_text_tokenizer
 

@@ -25,13 +25,11 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+
+import mmtok.sft.build
 from audio_corpus import digit
 from chatkit import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
 from encodekit import damaged_jpeg, image_items, real_images, train_chat_tokenizer, write_tar
-from realmedia import alsa_sounds, espeak
-from summaries import json_result, summary_lines
-
-import mmtok.sft.build
 from mmtok.cli import main
 from mmtok.codecs import emu35, wavtokenizer
 from mmtok.formats import audio_cache, commitlog
@@ -40,6 +38,8 @@ from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
+from realmedia import alsa_sounds, espeak
+from summaries import json_result, summary_lines
 
 UNIT = 2  # conversations per sft unit in every run here: 11 conversations are 6 units, 2 per rank of 3
 
@@ -309,7 +309,7 @@ def _cache_ids(*outs: Path) -> dict[str, np.ndarray]:
     for out in outs:
         for path in audio_cache.find_parts(out):
             cut_ids = audio_cache.read_index(path).column("cut_id").to_pylist()
-            found.update(zip(cut_ids, audio_cache.read_tokens(path)[0]))
+            found.update(zip(cut_ids, audio_cache.read_tokens(path)[0], strict=True))
     return found
 
 
@@ -387,11 +387,12 @@ def test_every_audio_block_is_the_pretraining_paths_tokens_of_the_same_file(env)
         pretrain[f"{record['cut_id']}.wav"] = segment[1].tolist()
     assert set(pretrain) == set(SPEECH)
     compared = []
-    for record, tokens in zip(_lines(env.sft / "merged.provenance.jsonl"), read_sequences(env.sft / "merged")):
+    for record, tokens in zip(_lines(env.sft / "merged.provenance.jsonl"), read_sequences(env.sft / "merged"),
+                              strict=True):
         blocks = [s[1].tolist() for s in env.layout.split_sequence(tokens) if s[0] == "audio"]
         files = [p.file for p in env.corpus.conversations[record["conversation"]]["reference"] if isinstance(p, Clip)]
         assert len(blocks) == len(files) == len(record["audio"])
-        for file, codes in zip(files, blocks):
+        for file, codes in zip(files, blocks, strict=True):
             assert codes == pretrain[file], (record["conversation"], file)
             compared.append(file)
     assert sorted(compared) == sorted(SPEECH)  # every file: inline bytes, members, a relative path, a cache clip
@@ -449,7 +450,8 @@ def test_sigkill_between_committed_units_then_resume_gives_the_clean_merged_byte
     built = []
     build = mmtok.sft.build.ConversationBuilder.build
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
-    monkeypatch.setattr(mmtok.sft.build.ConversationBuilder, "build", lambda self, c: built.append(c.id) or build(self, c))
+    monkeypatch.setattr(mmtok.sft.build.ConversationBuilder, "build",
+                        lambda self, c: built.append(c.id) or build(self, c))
     _run(*argv)  # resumes after the third unit
     assert built == list(env.corpus.conversations)[3 * UNIT:]  # every conversation after the third unit, once
     _run("merge", out, "--strip-reasoning")
@@ -462,7 +464,7 @@ def test_stripped_copy_is_the_merged_sequences_without_their_reasoning_spans(env
     stripped = list(read_sequences(env.sft / "merged_no_reasoning"))
     spans = 0
     assert len(merged) == len(stripped) == len(_written(env))
-    for full, short in zip(merged, stripped):
+    for full, short in zip(merged, stripped, strict=True):
         assert not np.isin(short, markers).any()
         keep, inside = [], False
         for token in full.tolist():
@@ -513,7 +515,8 @@ def test_the_sft_summary_goes_to_stderr_and_json_prints_the_rank_result(env, cap
     capsys.readouterr()
     _run(*_sft_argv(env, env.media, env.sft))  # a finished part: nothing to do, the same summary
     lines = summary_lines(capsys.readouterr(), "sft")
-    assert lines[0].startswith("mmtok sft: rank 0/1: ") and f"(part already finished: {part_dir(env.sft, 0)})" in lines[1]
+    assert lines[0].startswith("mmtok sft: rank 0/1: ")
+    assert f"(part already finished: {part_dir(env.sft, 0)})" in lines[1]
     _run(*_sft_argv(env, env.media, env.sft), "--json")
     result = json_result(capsys.readouterr())
     assert (result["rank"], result["world_size"], result["already_done"]) == (0, 1, True)

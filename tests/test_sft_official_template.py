@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chatkit import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
-from encodekit import SPECIAL_TOKENS, TRAINING_TEXT, train_chat_tokenizer
 from transformers import AutoTokenizer
 
+from chatkit import AudioStore, ImageStore, audio_block, build, built_skip, image_block, tar_conversation
+from encodekit import SPECIAL_TOKENS, TRAINING_TEXT, train_chat_tokenizer
 from mmtok.cli import main
 from mmtok.commands.demo_flow import demo_conversations
 from mmtok.errors import MmtokError

@@ -22,19 +22,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from audio_corpus import digit
-from encodekit import chat_tokenizer, image_items, real_images, write_tar
-from summaries import summary_lines
 
 import mmtok.sft.pack
+from audio_corpus import digit
+from encodekit import chat_tokenizer, image_items, real_images, write_tar
 from mmtok.cli import main
 from mmtok.codecs import emu35, wavtokenizer
-from mmtok.formats.conversations import audio_clip_id, content_id, locate, read_conversations
 from mmtok.formats import audio_cache
+from mmtok.formats.conversations import audio_clip_id, content_id, locate, read_conversations
 from mmtok.formats.megatron import read_sequences
 from mmtok.sft.pack import pack_conversation
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
+from summaries import summary_lines
 
 # The media of the corpus: name -> where its bytes come from (real photos, real speech).
 SOURCES = {"chelsea.png": "image", "rocket.jpg": "image", "coffee.png": "image", "astronaut.png": "image",
@@ -393,7 +393,7 @@ def _cache_ids(out: Path) -> dict[str, list[int]]:
     found = {}
     for path in audio_cache.find_parts(out):
         cut_ids = audio_cache.read_index(path).column("cut_id").to_pylist()
-        found.update(zip(cut_ids, (np.asarray(t).tolist() for t in audio_cache.read_tokens(path)[0])))
+        found.update(zip(cut_ids, (np.asarray(t).tolist() for t in audio_cache.read_tokens(path)[0]), strict=True))
     return found
 
 

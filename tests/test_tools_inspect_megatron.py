@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encodekit import chat_tokenizer, gpt_dataset
 from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 from megatron.core.datasets.utils import get_blend_from_list
 from tokenizers import Tokenizer
 
+from encodekit import chat_tokenizer, gpt_dataset
 from mmtok.cli import main
 from mmtok.formats.megatron import read_index
 from mmtok.tools.inspect import advise_seq_length, advise_split
@@ -99,12 +99,14 @@ def one_process_group(directory: Path):
 
 def test_recipe_builds_a_weighted_blend_whose_samples_decode_to_image_blocks(caption_blend, capsys):
     paths = [str(prefix) for prefix in caption_blend.datasets]
-    assert main(["inspect", *paths, "--megatron", "--weights", "0.7", "0.3", "--tokenizer", str(caption_blend.tokenizer)]) == 0
+    assert main(["inspect", *paths, "--megatron", "--weights", "0.7", "0.3",
+                 "--tokenizer", str(caption_blend.tokenizer)]) == 0
     output = capsys.readouterr().out
     args = megatron_arguments(output)
     prefixes, weights = get_blend_from_list(args.data_path)
     assert prefixes == [str(prefix.resolve()) for prefix in caption_blend.datasets] and weights == [0.7, 0.3]
-    assert args.tokenizer_type == "HuggingFaceTokenizer" and Path(args.tokenizer_model) == caption_blend.tokenizer.resolve()
+    assert args.tokenizer_type == "HuggingFaceTokenizer"
+    assert Path(args.tokenizer_model) == caption_blend.tokenizer.resolve()
     tokenizer = OmniTokenizer(Path(args.tokenizer_model))
     multiple = args.make_vocab_size_divisible_by
     assert f"{-(-tokenizer.vocab_size // multiple) * multiple:,} at TP 1" in output
@@ -126,9 +128,10 @@ def test_recipe_builds_a_weighted_blend_whose_samples_decode_to_image_blocks(cap
 
 def test_recipe_refuses_a_tokenizer_built_from_another_text_tokenizer(caption_blend, capsys):
     other = chat_tokenizer(caption_blend.root / "other-text", vocab_size=300)
-    assert main(["tokenizer", "build", "--text-tokenizer", str(other), "--out", str(caption_blend.root / "omni-other")]) == 0
+    omni_other = caption_blend.root / "omni-other"
+    assert main(["tokenizer", "build", "--text-tokenizer", str(other), "--out", str(omni_other)]) == 0
     capsys.readouterr()
-    assert main(["inspect", str(caption_blend.datasets[0]), "--megatron", "--tokenizer", str(caption_blend.root / "omni-other")]) == 2
+    assert main(["inspect", str(caption_blend.datasets[0]), "--megatron", "--tokenizer", str(omni_other)]) == 2
     assert "does not fit the data: layout:" in capsys.readouterr().err
 
 
@@ -136,7 +139,8 @@ def test_recipe_without_a_tokenizer_says_how_to_build_it(caption_blend, capsys):
     assert main(["inspect", str(caption_blend.datasets[0]), "--megatron"]) == 0
     output = capsys.readouterr().out
     assert megatron_arguments(output).tokenizer_model == "TOKENIZER_DIR"
-    assert f"mmtok tokenizer build --text-tokenizer {caption_blend.env.text / 'tokenizer.json'} --out TOKENIZER_DIR" in output
+    text_tokenizer = caption_blend.env.text / "tokenizer.json"
+    assert f"mmtok tokenizer build --text-tokenizer {text_tokenizer} --out TOKENIZER_DIR" in output
 
 
 def test_weights_must_match_the_datasets(caption_blend, capsys):
@@ -204,7 +208,7 @@ def test_train_tokens_give_the_epochs_megatron_core_builds_for_a_weighted_blend(
     assert predicted == [18.44, 7.9]  # 0.7 (0.3) x 157 x 128 / 763
     with one_process_group(caption_blend.root):
         train = built_blend(caption_blend, args, 128, args.train_samples, "epochs")
-    for dataset, epochs in zip(train.datasets, predicted):
+    for dataset, epochs in zip(train.datasets, predicted, strict=True):
         # megatron-core builds whole epochs, for whole samples and its 0.5% surplus: the next whole number or one more
         assert epochs < built_epochs(dataset) < epochs + 2
     assert err.count("is repeated: ") == 2 and "its first pass ends at 5.4% of the run" in err

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from encodekit import caption_env, one_torch_thread, plan
 
+from encodekit import caption_env, one_torch_thread, plan
 from mmtok.cli import main
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import COMMITS, PartWriter, check_part_free, part_dir
@@ -329,7 +329,6 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
     written and pending -- instead of reconciling three files by hand. Checked mid-job (a rank not run:
     pending) and at the end, against the scan's, plan's and parts' own counts."""
     from encodekit import PLAN_FLAGS, caption_corpus, chat_tokenizer
-
     from mmtok.codecs import emu35
 
     shards = caption_corpus(tmp_path / "captions", corrupt=True)

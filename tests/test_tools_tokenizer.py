@@ -8,15 +8,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from encodekit import APERTUS_TEMPLATE, caption_env, chat_tokenizer, encode_all, one_torch_thread, plan
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from encodekit import APERTUS_TEMPLATE, caption_env, chat_tokenizer, encode_all, one_torch_thread, plan
 from mmtok.cli import main
 from mmtok.errors import MmtokError
 from mmtok.formats.megatron import DatasetWriter, bin_path, read_sequences
 from mmtok.text import caption_text, load_text_tokenizer
-from mmtok.tools.tokenizer import (AUDIO_CODE_TOKEN, IMAGE_CODE_TOKEN, RESERVED_TOKEN, build_tokenizer, byte_level_chars,
-                                   omni_token_names, provenance_problems, value_differences)
+from mmtok.tools.tokenizer import (
+    AUDIO_CODE_TOKEN,
+    IMAGE_CODE_TOKEN,
+    RESERVED_TOKEN,
+    build_tokenizer,
+    byte_level_chars,
+    omni_token_names,
+    provenance_problems,
+    value_differences,
+)
 from mmtok.vocab import OMNI_SPECIAL_TOKENS, VocabLayout
 
 RELEASE = Path(__file__).parent / "data" / "apertus_1p5_tokenizer"  # the released tokenizer_config.json
@@ -141,7 +149,8 @@ def test_tekken_build_has_the_apertus_layout(tekken_omni):
     assert tokenizer.token_to_id(IMAGE_CODE_TOKEN.format(i=0)) == 131_272
     assert tokenizer.token_to_id(AUDIO_CODE_TOKEN.format(i=0)) == 262_344
     assert tokenizer.token_to_id(AUDIO_CODE_TOKEN.format(i=4_095)) == 266_439
-    assert tokenizer.id_to_token(131_088) == RESERVED_TOKEN.format(i=16)  # a free slot has a name, so ids are contiguous
+    # a free slot has a name, so ids are contiguous
+    assert tokenizer.id_to_token(131_088) == RESERVED_TOKEN.format(i=16)
     assert RESERVED_TOKEN.format(i=0) == OMNI_SPECIAL_TOKENS[0]  # one naming for every reserved slot
     layout = VocabLayout(131_072)
     assert [tokenizer.id_to_token(i) for i in range(131_072, 266_440)] == omni_token_names(layout)
@@ -185,9 +194,11 @@ def test_tokenizer_config_carries_the_omnimodal_contract(tekken_dir, tekken_omni
     assert [m["name"] for m in omni["modalities"]] == ["vision", "audio"]
     assert [m["offset"] for m in omni["modalities"]] == sorted(m["offset"] for m in omni["modalities"])
     for modality, (start, end, offset, size) in zip(omni["modalities"], [
-            ("<|img_start|>", "<|img_end|>", 131_272, 131_072), ("<|audio_start|>", "<|audio_end|>", 262_344, 4_096)]):
+            ("<|img_start|>", "<|img_end|>", 131_272, 131_072), ("<|audio_start|>", "<|audio_end|>", 262_344, 4_096)],
+            strict=True):
         assert (modality["offset"], modality["vocab_size"]) == (offset, size)
-        assert (modality["start_token"], modality["end_token"]) == (tokenizer.token_to_id(start), tokenizer.token_to_id(end))
+        assert ((modality["start_token"], modality["end_token"])
+                == (tokenizer.token_to_id(start), tokenizer.token_to_id(end)))
         assert modality["structure_token_ids"] == {n: tokenizer.token_to_id(n) for n in modality["structure_token_ids"]}
     structure = {**omni["modalities"][0]["structure_token_ids"], **omni["modalities"][1]["structure_token_ids"]}
     assert set(structure) == set(OMNI_SPECIAL_TOKENS[1:])
@@ -200,7 +211,8 @@ def test_a_tekken_build_has_every_release_key_but_the_sft_sequences_tekken_has_n
     tokenizer, config = tekken_omni
     release = json.loads((RELEASE / "tokenizer_config.json").read_text())
     missing = set(release) - set(config)
-    assert missing == {"backend", "is_local", "sft_user_begin_sequence", "sft_assistant_begin_sequence", "sft_eot_token"}
+    assert missing == {"backend", "is_local", "sft_user_begin_sequence", "sft_assistant_begin_sequence",
+                       "sft_eot_token"}
     assert (config["vision_tokenizer"], config["audio_tokenizer"]) == ({"type": "Emu3.5", "codebook_size": 131_072},
                                                                      release["audio_tokenizer"])
     assert [config[key] for key in ("vision_begin_token", "vision_end_token", "audio_begin_token", "audio_end_token")] \
@@ -261,7 +273,8 @@ def test_an_hf_base_keeps_its_chat_template_roles_and_ids(root):
         assert tokenizer.encode(sentence, add_special_tokens=False).ids == text.encode(sentence)
     # A rendering's control tokens are the template's, by id (text.encode keeps typed names as text).
     turn = tokenizer.encode("<|user_start|>What is in this image?<|user_end|>", add_special_tokens=False).ids
-    assert turn == [text.token_id("<|user_start|>"), *text.encode("What is in this image?"), text.token_id("<|user_end|>")]
+    assert turn == [text.token_id("<|user_start|>"), *text.encode("What is in this image?"),
+                    text.token_id("<|user_end|>")]
     ids = tokenizer.encode("<|user_start|><image> here", add_special_tokens=False).ids
     assert ids == [text.token_id("<|user_start|>"), layout.special_id("<|image|>"), *text.encode(" here")]
 
@@ -291,7 +304,7 @@ def test_decoding_a_merged_caption_sequence_gives_the_caption_and_the_image_mark
     manifest = _manifest_rows(env.manifest)
     records = [json.loads(line) for line in (out / "merged.provenance.jsonl").read_text().splitlines()]
     seen = 0
-    for record, tokens in zip(records, read_sequences(out / "merged")):
+    for record, tokens in zip(records, read_sequences(out / "merged"), strict=True):
         if len(record["rows"]) != 1:
             continue
         entry = manifest[record["rows"][0]]
@@ -426,7 +439,8 @@ def test_check_against_compares_the_chat_template_file(chat_omni, tmp_path, caps
     assert line == {
         "release": "chat template: differs (1,603 characters in ours (tokenizer_config.json chat_template), 22 in "
                    "release (chat_template.jinja))",
-        "ours": "chat template: differs (19 characters in ours (chat_template.jinja), " + config.format("release") + ")",
+        "ours": ("chat template: differs (19 characters in ours (chat_template.jinja), "
+                 + config.format("release") + ")"),
         "both": "chat template: differs (19 characters in ours (chat_template.jinja), 22 in release "
                 "(chat_template.jinja))"}[where]
 

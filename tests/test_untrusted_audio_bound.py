@@ -117,7 +117,7 @@ def test_a_converted_clip_records_the_digest_of_the_bytes_it_came_from(pipeline)
     rows = {}
     for path in audio_cache.find_parts(root / "enc"):
         table = audio_cache.read_index(path).to_pydict()
-        rows.update(zip(table["cut_id"], table["source_sha256"]))
+        rows.update(zip(table["cut_id"], table["source_sha256"], strict=True))
     assert rows == {cut_id: cut.custom["source_sha256"] for cut_id, cut in cuts.items()}
 
 

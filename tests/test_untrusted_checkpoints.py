@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encodekit import chat_tokenizer
 from safetensors.torch import load_file, save_file
 
+from encodekit import chat_tokenizer
 from mmtok.bench.lpips import LPIPS
 from mmtok.cli import main
 from mmtok.codecs import emu3, emu35
@@ -38,7 +38,8 @@ SPEECH = sorted((DEMO_DATA / "audio").glob("*.flac"))[0]
 def checkpoints(tmp_path_factory):
     """A random-weight checkpoint of each codec, in the official formats."""
     root = tmp_path_factory.mktemp("checkpoints")
-    return {"emu3.5": emu35.write_random_checkpoint(root / "emu35"), "emu3": emu3.write_random_checkpoint(root / "emu3"),
+    return {"emu3.5": emu35.write_random_checkpoint(root / "emu35"),
+            "emu3": emu3.write_random_checkpoint(root / "emu3"),
             "wavtokenizer": wt.write_random_checkpoint(root / "wt")}
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from encodekit import chat_tokenizer, real_images, write_tar
 
+from encodekit import chat_tokenizer, real_images, write_tar
 from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.encode import loader
@@ -92,7 +92,7 @@ def _skips(out: Path) -> list[dict]:
 
 def _repack_swapped(tar: Path) -> None:
     """The reported case: the same tar path re-packed, every sample now holding the other's photo."""
-    _pack(tar, dict(zip(PHOTOS, reversed(PHOTOS.values()))))
+    _pack(tar, dict(zip(PHOTOS, reversed(PHOTOS.values()), strict=True)))
 
 
 def test_a_tar_repacked_after_its_encode_is_stale_media_not_another_photos_tokens(kit, encoded):
@@ -104,7 +104,8 @@ def test_a_tar_repacked_after_its_encode_is_stale_media_not_another_photos_token
     counts = _counts(work / "after")
     assert counts.get("documents_written", 0) == 0 and counts["skipped:stale_media"] == 2, counts
     records = _skips(work / "after")
-    assert {r["key"].split("/")[-1] for r in records} == set(PHOTOS) and {r["reason"] for r in records} == {"stale_media"}
+    assert {r["key"].split("/")[-1] for r in records} == set(PHOTOS)
+    assert {r["reason"] for r in records} == {"stale_media"}
     assert all(str(tar) in r["detail"] and "changed since" in r["detail"] for r in records), records
 
 
@@ -179,7 +180,8 @@ def test_check_ids_in_range_names_what_the_range_and_the_offenders():
 
 
 def test_an_image_part_that_predates_tar_identities_is_a_one_line_rerun_refusal(tmp_path):
-    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, "modality": "image", "mode": "sft"}))
+    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, "modality": "image",
+                                                           "mode": "sft"}))
     with pytest.raises(MmtokError, match=r"records no identity of its tars .* re-run `mmtok scan`"):
         part_containers(tmp_path)
 

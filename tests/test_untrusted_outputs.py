@@ -15,8 +15,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from encodekit import caption_corpus, chat_tokenizer, real_images, write_tar
 
+from encodekit import caption_corpus, chat_tokenizer, real_images, write_tar
 from mmtok.cli import main
 from mmtok.fsutil import sha256_file
 

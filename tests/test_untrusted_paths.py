@@ -20,7 +20,6 @@ import pytest
 from audio_corpus import digit, write_jsonl
 from convertkit import assert_counts_add_up, dropped_records, load_cuts, report
 from encodekit import real_images
-
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.cli import main
 from mmtok.errors import Skip
@@ -137,7 +136,8 @@ BAD_ROWS = [  # (row, what its detail names)
       "num_samples": 8000, "duration": 1.0}, "type"),
     ({"id": "r-sources-not-a-list", "sources": "x.wav", "sampling_rate": 8000, "num_samples": 8000,
       "duration": 1.0}, "sources"),
-    ({"id": "r-no-sources", "sampling_rate": 8000, "num_samples": 8000, "duration": 1.0}, "recording without `sources`"),
+    ({"id": "r-no-sources", "sampling_rate": 8000, "num_samples": 8000, "duration": 1.0},
+     "recording without `sources`"),
     (["not", "an", "object"], "object"),
 ]
 
@@ -149,7 +149,7 @@ def test_lhotse_rows_with_missing_keys_are_bad_manifest_rows_naming_the_line(tmp
     counts = _convert(tmp_path, [manifest])
     assert counts == {"in": 1 + len(BAD_ROWS), "written": 1, "skipped:bad_manifest_row": len(BAD_ROWS)}
     dropped = [r for r in dropped_records(tmp_path / "out") if r["reason"] == "bad_manifest_row"]
-    for line, ((_, named), record) in enumerate(zip(BAD_ROWS, dropped), 3):
+    for line, ((_, named), record) in enumerate(zip(BAD_ROWS, dropped, strict=True), 3):
         assert record["source"] == f"{manifest}:{line}", record
         assert named in record["detail"], record
 

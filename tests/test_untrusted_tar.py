@@ -251,7 +251,8 @@ def test_scan_names_a_member_and_an_input_path_that_are_not_utf8_and_writes_the_
     manifest = Manifest.open(out)
     rows = [(r["tar"], r["member"], r["reason"]) for r in manifest.read().to_pylist()]
     shown = str(tmp_path / "caf\\xe9" / "s.tar")
-    assert rows == [(str(good), "a.png", ""), (str(good), "caf\\xe9.png", "non_utf8_name"), (shown, "", "non_utf8_path")]
+    assert rows == [(str(good), "a.png", ""), (str(good), "caf\\xe9.png", "non_utf8_name"),
+                    (shown, "", "non_utf8_path")]
     assert [i["path"] for i in manifest.metadata["inputs"]] == [str(good), shown]
     assert "non_utf8_path 1" in capsys.readouterr().err
 

@@ -13,9 +13,9 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from chatkit import built_skip, tar_conversation
 from encodekit import chat_tokenizer
-
 from mmtok.audio.sources import read_transcript_table
 from mmtok.cli import main
 from mmtok.formats.chat import ChatRenderer, ConversationError
@@ -64,7 +64,8 @@ def test_a_runaway_template_is_a_template_error_after_a_bounded_number_of_steps(
     "{{ 2 ** 1000000000 }}",
     "{{ '{:>999999999}'.format(1) }}",
     "{{ '%999999999d' % 1 }}",
-    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+    "{{ ns.s | length }}",
 ])
 def test_a_template_that_builds_a_huge_value_is_refused_before_it_is_made(template):
     started = time.perf_counter()

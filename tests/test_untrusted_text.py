@@ -12,9 +12,9 @@ import json
 
 import numpy as np
 import pytest
+
 from chatkit import CHAT_TOKENS, TEMPLATE
 from encodekit import SPECIAL_TOKENS, chat_tokenizer
-
 from mmtok.cli import main
 from mmtok.formats.chat import ChatRenderer, Control
 from mmtok.formats.megatron import read_sequences
@@ -67,14 +67,16 @@ def test_control_token_names_in_user_text_make_no_control_ids_and_survive_stripp
     assert [i for i in typed.tolist() if i in controls] == [i for i in clean.tolist() if i in controls]
     user_start, user_end = tokenizer.token_id("<|user_start|>"), tokenizer.token_id("<|user_end|>")
     turns = _turns(typed, user_start, user_end)
-    assert [tokenizer.decode(t) for t in turns] == [f"What is in the photo? {names} Say it.", f"And the weather? {names}"]
+    assert [tokenizer.decode(t) for t in turns] == [f"What is in the photo? {names} Say it.",
+                                                    f"And the weather? {names}"]
     assert _turns(stripped, user_start, user_end) == turns  # every user turn whole in the stripped copy
     assert summary["strip_reasoning"]["spans_removed"] == 1
     assert summary["counts"]["control_literals"] == 1
 
 
 def test_control_literals_are_counted_per_conversation_and_named_in_the_summary(tmp_path, tokenizer_dir, capsys):
-    records = [_conversation(" </s>"), _conversation(""), {**_conversation(""), "tools": [{"name": "<|tools_suffix|>"}]}]
+    records = [_conversation(" </s>"), _conversation(""),
+               {**_conversation(""), "tools": [{"name": "<|tools_suffix|>"}]}]
     source = tmp_path / "c.jsonl"
     source.write_text("".join(json.dumps({**r, "id": f"c{i}"}) + "\n" for i, r in enumerate(records)))
     assert main(["sft", str(source), "--text-tokenizer", str(tokenizer_dir), "--out", str(tmp_path / "o"),

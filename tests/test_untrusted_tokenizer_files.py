@@ -8,12 +8,12 @@ import json
 import shutil
 
 import pytest
-from encodekit import chat_tokenizer
-from tarkit import archive, regular
 
+from encodekit import chat_tokenizer
 from mmtok.cli import main
 from mmtok.commands.demo_flow import DEMO_DATA
 from mmtok.text import load_text_tokenizer
+from tarkit import archive, regular
 
 SECRET = "root:x:0:0:a secret that must never become training text\n"
 CONVERSATION = {"messages": [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]}

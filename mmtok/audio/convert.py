@@ -40,14 +40,14 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from mmtok import __version__
-from mmtok.media.audio import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
 from mmtok.audio.sources import ClipSpec, Collected, Unit, collect_units, pick_channel, skip_record
 from mmtok.errors import MmtokError
-from mmtok.formats.conversations import check_media_roots
 from mmtok.formats import shar as shar_format
 from mmtok.formats import skips
+from mmtok.formats.conversations import check_media_roots
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import WriterLock, atomic_write_bytes, shown_path, with_filename
+from mmtok.media.audio import RESAMPLER, SILENCE_PEAK, TARGET_SAMPLE_RATE, AudioReason, check_finite, resample
 
 STORAGE = {"format": "flac", "subtype": "PCM_24", "sample_rate": TARGET_SAMPLE_RATE, "channels": 1}
 MAX_STORED_PEAK = 1.0 - 2.0**-22  # largest |x| that survives float -> 24-bit PCM without clipping
@@ -86,7 +86,8 @@ def cut_segment(samples: np.ndarray, rate: int, spec: ClipSpec) -> np.ndarray:
     first = int(round((spec.start or 0.0) * rate))
     last = samples.size if spec.end is None else min(samples.size, int(round(spec.end * rate)))
     if first >= samples.size or last <= first:
-        raise AudioReason("segment_out_of_range", f"[{spec.start}, {spec.end}] s of a {samples.size / rate:.3f} s payload")
+        raise AudioReason("segment_out_of_range",
+                          f"[{spec.start}, {spec.end}] s of a {samples.size / rate:.3f} s payload")
     return samples[first:last]
 
 
@@ -339,8 +340,8 @@ class Conversion:
                                  f"settings: {difference}. Rerun with the original inputs/options, or use another "
                                  "--out.")
             return report
-        return {"format": shar_format.REPORT_FORMAT, "identity": identity, "complete": False, "cursor": {"unit": 0, "skip": 0},
-                "shards": [], "counts": {}}
+        return {"format": shar_format.REPORT_FORMAT, "identity": identity, "complete": False,
+                "cursor": {"unit": 0, "skip": 0}, "shards": [], "counts": {}}
 
     @property
     def next_shard(self) -> int:

@@ -40,8 +40,8 @@ from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens, recorded_sha256
-from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.formats.interleave import METADATA_FILE
+from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.vocab import VocabLayout
 
 STAGE, LONG = "stage", "long-context"
@@ -193,9 +193,8 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
     Only sets that receive a sequence are written (see the module docstring); with no sequence at
     all nothing in OUT is touched and MmtokError says why.
     """
-    from mmtok.progress import progress as progress_bar
-
     from mmtok.errors import MmtokError
+    from mmtok.progress import progress as progress_bar
 
     if not 0 < stage_max_tokens <= max_tokens:
         raise MmtokError(f"need 0 < --stage-max-tokens ({stage_max_tokens}) <= --max-tokens ({max_tokens})")

@@ -43,16 +43,31 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from mmtok.media.audio import AudioReason, to_mono
-from mmtok.formats.chat import ConversationError
-from mmtok.formats.conversations import (AUDIO_SUFFIXES, Conversation, Located, audio_clip_id, json_value, locate,
-                                         read_conversations, sample_key)
-from mmtok.formats.shar import CUTS_GLOB, source_digest
-from mmtok.formats.tar import NON_UTF8_NAME, Damage, MemberTruncated, read_member, read_members
 from mmtok.errors import MmtokError, Skip
+from mmtok.formats.chat import ConversationError
+from mmtok.formats.conversations import (
+    AUDIO_SUFFIXES,
+    Conversation,
+    Located,
+    audio_clip_id,
+    json_value,
+    locate,
+    read_conversations,
+    sample_key,
+)
+from mmtok.formats.shar import CUTS_GLOB, source_digest
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, not_a_regular_file, outside, read_regular_file,
-                          same_file_as, shown_path)
+from mmtok.formats.tar import NON_UTF8_NAME, Damage, MemberTruncated, read_member, read_members
+from mmtok.fsutil import (
+    DUPLICATE_INPUT,
+    OUTSIDE_ROOT,
+    not_a_regular_file,
+    outside,
+    read_regular_file,
+    same_file_as,
+    shown_path,
+)
+from mmtok.media.audio import AudioReason, to_mono
 
 KINDS = ("dir", "tar", "lhotse", "parquet", "conversations")
 CONVERSATION_UNIT_CLIPS = 64  # clips per conversation unit: a worker's task, small enough for many tasks
@@ -261,7 +276,7 @@ def _tsv_parser(path: Path, lines: list[tuple[int, str | None]]) -> Callable[[st
         fields = text.split("\t")
         if len(fields) != len(columns):
             raise ValueError(f"{len(fields)} tab-separated fields, the header has {len(columns)}")
-        return dict(zip(columns, fields))
+        return dict(zip(columns, fields, strict=True))
 
     return parse
 
@@ -352,7 +367,7 @@ def directory_units(root: Path, table: Path | None,
     units: list[Unit] = []
     present = set(files)
     for rel in sorted(set(owners)):
-        mine = [(r, n) for r, n, o in zip(records, numbers, owners) if o == rel]
+        mine = [(r, n) for r, n, o in zip(records, numbers, owners, strict=True) if o == rel]
         if rel not in present:
             real = outside(root / rel, root)  # a row naming a file outside DIR (`..`, an absolute path, a link)
             reason, detail = (OUTSIDE_ROOT, f"{rel} resolves to {shown_path(real)}, outside the input directory "
@@ -401,7 +416,8 @@ class TarUnit(Unit):
             audio.append(audio_members[0])
             problems.append(problem)
         numbers = number_clips(records)  # before dropping bad sidecars: a dropped clip leaves a gap
-        for record, number, (_, offset, size, _, _, name), problem in zip(records, numbers, audio, problems):
+        for record, number, (_, offset, size, _, _, name), problem in zip(records, numbers, audio, problems,
+                                                                          strict=True):
             origin = f"{self.path}:{name}"
             if problem is not None:
                 yield skip_record(str(record["id"]), origin, *problem)
@@ -798,7 +814,7 @@ class ParquetUnit(Unit):
                 unreadable = skip_record(clip.id, clip.origin, "unreadable_row_group", str(err))
                 yield clip if isinstance(clip, SkipRecord) else unreadable
             return
-        for clip, value in zip(self.clips, table.column(0).to_pylist()):
+        for clip, value in zip(self.clips, table.column(0).to_pylist(), strict=True):
             if isinstance(clip, SkipRecord):
                 yield clip
                 continue
@@ -1018,15 +1034,15 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
     dropped: list[SkipRecord] = []
     ignored: Counter = Counter()
     earlier = same_file_as(inputs)  # one file (or directory) under two paths is read once
-    for path, first in zip(inputs, earlier):
+    for path, first in zip(inputs, earlier, strict=True):
         if first is not None:
             dropped.append(skip_record(path.name, str(path), DUPLICATE_INPUT, f"the same file as {inputs[first]} "
                                        "(one device and inode: a link or a mount); read once"))
-    inputs = [path for path, first in zip(inputs, earlier) if first is None]
+    inputs = [path for path, first in zip(inputs, earlier, strict=True) if first is None]
     kinds = [detect_kind(p) if kind == "auto" else kind for p in inputs]
     if transcripts is not None and "dir" not in kinds:
         raise MmtokError("--transcripts applies to a directory input; none was given")
-    for position, (path, this_kind) in enumerate(zip(inputs, kinds)):
+    for position, (path, this_kind) in enumerate(zip(inputs, kinds, strict=True)):
         if this_kind == "dir":
             *found, files_ignored = directory_units(path, transcripts, exclude)
             ignored.update(files_ignored)
@@ -1037,7 +1053,7 @@ def collect_units(inputs: list[Path], *, kind: str = "auto", transcripts: Path |
         elif this_kind in READ_TOGETHER:
             if position != kinds.index(this_kind):
                 continue  # read with the first input of its kind
-            together = [p for p, k in zip(inputs, kinds) if k == this_kind]
+            together = [p for p, k in zip(inputs, kinds, strict=True) if k == this_kind]
             found = (lhotse_units(together, allow_command_sources) if this_kind == "lhotse"
                      else conversation_units(together, media_roots))
         else:

@@ -118,7 +118,7 @@ def _manifest_categories(table, parquet: Path, column: str, categories: str | Pa
         return np.array([Path(v).name for v in values], dtype=object) if column == "tar" else values
     side = Path(categories)
     side_table = read_table(side)
-    mapping = dict(zip(_column(side_table, "key", side), _column(side_table, column, side)))
+    mapping = dict(zip(_column(side_table, "key", side), _column(side_table, column, side), strict=True))
     return np.array([mapping.get(k, "") for k in _column(table, "key", parquet)], dtype=object)
 
 
@@ -127,8 +127,8 @@ def _manifest_locations(table, parquet: Path, rows: np.ndarray) -> tuple[list[tu
     offsets = table.column("offset").to_numpy()[rows]
     sizes = table.column("size").to_numpy()[rows]
     locations = [("parquet", t, m, int(o)) if c == "parquet" else ("tar", t, int(o), int(s))
-                 for t, c, m, o, s in zip(tars, containers, members, offsets, sizes)]
-    sources = np.array([f"{t}:{m}" for t, m in zip(tars, members)], dtype=object)
+                 for t, c, m, o, s in zip(tars, containers, members, offsets, sizes, strict=True)]
+    sources = np.array([f"{t}:{m}" for t, m in zip(tars, members, strict=True)], dtype=object)
     return locations, sources
 
 

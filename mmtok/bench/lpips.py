@@ -72,7 +72,7 @@ class LPIPS(nn.Module):
 
     def forward(self, x0: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(x0.shape[0], dtype=torch.float32, device=x0.device)
-        for f0, f1, lin in zip(self.features(x0), self.features(x1), self.lins):
+        for f0, f1, lin in zip(self.features(x0), self.features(x1), self.lins, strict=True):
             diff = (_unit(f0) - _unit(f1)) ** 2
             total = total + lin(diff).mean(dim=(1, 2, 3))
         return total

@@ -136,7 +136,8 @@ class AudioScorer:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # pystoi warns (and returns ~1e-5) on clips shorter than 30 frames
-            return float(pystoi.stoi(reference.astype(np.float64), test.astype(np.float64), self.sample_rate, extended=False))
+            return float(pystoi.stoi(reference.astype(np.float64), test.astype(np.float64), self.sample_rate,
+                                     extended=False))
 
     def pesq(self, reference: np.ndarray, test: np.ndarray) -> tuple[float, str]:
         """(wideband PESQ MOS-LQO, note); NaN with a note such as `pesq:no_utterances` when unscorable."""

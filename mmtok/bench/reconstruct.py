@@ -125,7 +125,7 @@ class ResultsLog:
         new = not self.path.exists() or self.path.stat().st_size == 0
         self._handle = open(self.path, "a", newline="", encoding="utf-8")
         if new:
-            self._write([dict(zip(columns, columns))])
+            self._write([dict(zip(columns, columns, strict=True))])
 
     def _read_existing(self) -> list[dict]:
         if not self.path.exists():
@@ -137,8 +137,8 @@ class ResultsLog:
                 handle.truncate(len(data))
         reader = csv.DictReader(io.StringIO(data.decode("utf-8")))
         if data and tuple(reader.fieldnames or ()) != self.columns:
-            raise MmtokError(f"{self.path}: columns {reader.fieldnames} differ from this modality's {list(self.columns)}; "
-                             "use a new --out folder")
+            raise MmtokError(f"{self.path}: columns {reader.fieldnames} differ from this modality's "
+                             f"{list(self.columns)}; use a new --out folder")
         return list(reader)
 
     def append(self, rows: list[dict]) -> None:
@@ -283,15 +283,15 @@ def _first_difference(old, new, where: str) -> str:
                 return found
         return ""
     if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
-        return next((d for i, (a, b) in enumerate(zip(old, new)) if (d := _first_difference(a, b, f"{where}[{i}]"))), "")
+        return next((d for i, (a, b) in enumerate(zip(old, new, strict=True))
+                     if (d := _first_difference(a, b, f"{where}[{i}]"))), "")
     return "" if old == new else f"{where} ({old!r} before, {new!r} now)"
 
 
 def _loop(options: RunOptions, catalog: inputs.Catalog, sample: np.ndarray, loaded: list[Loaded], task,
           log: ResultsLog) -> dict:
-    from mmtok.progress import progress as progress_bar
-
     from mmtok.bench.report import kept_name
+    from mmtok.progress import progress as progress_bar
 
     reader = inputs.ByteReader()
     keep = _kept_positions(catalog.categories[sample], options.keep_per_category)

@@ -217,7 +217,7 @@ def kept_name(item: str) -> str:
 def _wav_lines(kept: dict, labels: list[str]) -> list[str]:
     lines = []
     for category in sorted(kept):
-        for item_slug, item, files in kept[category]:
+        for _, item, files in kept[category]:
             links = ", ".join(f"[{name}]({path.parent.name}/{path.name})" for name, path in files.items())
             lines.append(f"- {_escape(category)} · `{item}`: {links}")
     return lines or ["- (no clips kept)"]
@@ -235,12 +235,12 @@ def plot_means(path: Path, stats: dict, metrics: tuple[Metric, ...], labels: lis
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6 + 0.08 * len(groups)), squeeze=False)
     width = 0.8 / max(len(labels), 1)
     x = np.arange(len(groups))
-    for axis, metric in zip(axes[0], metrics):
+    for axis, metric in zip(axes[0], metrics, strict=True):
         for i, label in enumerate(labels):
             values = np.array([stats[label].get(g, {}).get(metric.key, math.nan) for g in groups], dtype=float)
             shown = np.where(np.isfinite(values), values, np.nan)  # inf PSNR cannot be drawn; marked below
             bars = axis.bar(x + (i - (len(labels) - 1) / 2) * width, shown, width, label=label)
-            for bar, value in zip(bars, values):
+            for bar, value in zip(bars, values, strict=True):
                 if math.isinf(value):
                     axis.annotate("inf", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", fontsize=7)
         axis.set_title(metric.header)

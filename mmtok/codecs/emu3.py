@@ -47,8 +47,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from mmtok.codecs.base import (Codec, Conv2d, Conv3d, PrecisionContract, check_state_dict, checkpoint_fingerprint,
-                               finite_latents, refuse_non_finite, row_blocks)
+from mmtok.codecs.base import (
+    Codec,
+    Conv2d,
+    Conv3d,
+    PrecisionContract,
+    check_state_dict,
+    checkpoint_fingerprint,
+    finite_latents,
+    refuse_non_finite,
+    row_blocks,
+)
 from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import own_file
 
@@ -316,7 +325,7 @@ class Encoder(nn.Module):
     def spatial(self, x: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] frames -> [N, z, H/8, W/8]."""
         h = self.conv_in(x)
-        for level, down in enumerate(self.down):
+        for down in self.down:
             h = _run_level(down, h, None)
             if hasattr(down, "downsample"):
                 h = down.downsample(h)
@@ -343,7 +352,8 @@ class Decoder(nn.Module):
         levels: list[nn.Module] = []
         for level in reversed(range(len(mult))):
             up = nn.Module()
-            up.block, up.attn = _level_blocks(config, config.num_res_blocks + 1, level, block_in, ch * mult[level], zq_ch)
+            up.block, up.attn = _level_blocks(config, config.num_res_blocks + 1, level, block_in, ch * mult[level],
+                                              zq_ch)
             block_in = ch * mult[level]
             if level != 0:
                 up.upsample = Upsample(block_in)

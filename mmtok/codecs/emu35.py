@@ -26,8 +26,17 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
-from mmtok.codecs.base import (Codec, Conv2d, PrecisionContract, check_state_dict, checkpoint_fingerprint,
-                               finite_latents, refuse_low_precision, refuse_non_finite, row_blocks)
+from mmtok.codecs.base import (
+    Codec,
+    Conv2d,
+    PrecisionContract,
+    check_state_dict,
+    checkpoint_fingerprint,
+    finite_latents,
+    refuse_low_precision,
+    refuse_non_finite,
+    row_blocks,
+)
 from mmtok.errors import MmtokError, brief
 from mmtok.fsutil import atomic_writer, own_file
 

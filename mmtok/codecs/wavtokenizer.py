@@ -28,8 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmtok.codecs.base import (Codec, PrecisionContract, checkpoint_fingerprint, finite_latents, refuse_low_precision,
-                               refuse_non_finite)
+from mmtok.codecs.base import (
+    Codec,
+    PrecisionContract,
+    checkpoint_fingerprint,
+    finite_latents,
+    refuse_low_precision,
+    refuse_non_finite,
+)
 from mmtok.codecs.wavtokenizer_modules import (
     DIMENSION,
     Codebook,
@@ -403,7 +409,7 @@ class WavTokenizer(Codec):
             return []
         kept = [trimmed_count(len(clip)) for clip in clips]  # refuse too-short clips before any compute
         batch = np.zeros((len(clips), max(len(c) for c in clips)), dtype=np.float32)
-        for row, clip in zip(batch, clips):
+        for row, clip in zip(batch, clips, strict=True):
             row[: len(clip)] = clip
         lengths = torch.tensor([len(c) for c in clips])
         codes, _ = self.encode(torch.from_numpy(batch).to(self.device), lengths.to(self.device))

@@ -60,7 +60,8 @@ def add_parser(sub) -> None:
                          choices=("auto", "dir", "tar", "lhotse", "parquet", "conversations"),
                          help="source kind of every input (default: detect per input; conversations is never "
                          "detected)")
-    convert.add_argument("--transcripts", type=Path, help="TSV (with header) or JSONL transcript table for a directory input")
+    convert.add_argument("--transcripts", type=Path,
+                         help="TSV (with header) or JSONL transcript table for a directory input")
     convert.add_argument("--audio-column", default="audio", help="Parquet: column with audio bytes (default audio)")
     convert.add_argument("--text-column", default="text", help="Parquet: column with the text (default text)")
     convert.add_argument("--text-tokenizer", default="tekken", help="tokenizer spec (default: built-in tekken)")
@@ -70,9 +71,11 @@ def add_parser(sub) -> None:
                          "unsafe_source. Only for manifests you trust")
     add_media_root(convert)
     convert.add_argument("--shard-size", type=int, default=5000, help="cuts per Shar shard (default 5000)")
-    convert.add_argument("--min-duration", type=float, default=0.3, help="drop clips shorter than this (s, default 0.3)")
+    convert.add_argument("--min-duration", type=float, default=0.3,
+                         help="drop clips shorter than this (s, default 0.3)")
     convert.add_argument("--max-duration", type=float, default=60.0, help="drop clips longer than this (s, default 60)")
-    convert.add_argument("--min-rms-dbfs", type=float, default=-60.0, help="drop clips quieter than this RMS (default -60)")
+    convert.add_argument("--min-rms-dbfs", type=float, default=-60.0,
+                         help="drop clips quieter than this RMS (default -60)")
     convert.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                          help="decode processes (default: CPU count; 0 = in the main process)")
     convert.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -85,7 +88,8 @@ def add_parser(sub) -> None:
     interleave.add_argument("--stage-max-tokens", type=int, default=8192,
                             help="longest sequence of the stage set (default 8192)")
     interleave.add_argument("--max-tokens", type=int, default=262_144,
-                            help="longest long-context sequence; longer ones are split at clip boundaries (default 262144)")
+                            help="longest long-context sequence; longer ones are split at clip boundaries "
+                            "(default 262144)")
     interleave.add_argument("--no-progress", action="store_true", help="no progress bar")
     interleave.set_defaults(func=run)
 
@@ -146,7 +150,8 @@ def convert_line(report: dict) -> str:
     ignored = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("ignored:")}
     for noun, these in (("skipped", skips.by_reason(counts)), ("ignored non-audio files", ignored)):
         if these:
-            parts.append(f"{noun} {sum(these.values()):,} ({', '.join(f'{k}: {v:,}' for k, v in sorted(these.items()))})")
+            listed = ", ".join(f"{k}: {v:,}" for k, v in sorted(these.items()))
+            parts.append(f"{noun} {sum(these.values()):,} ({listed})")
     return "; ".join(parts)
 
 

@@ -19,7 +19,8 @@ def add_parser(sub) -> None:
         "encode (`mmtok calibrate --checkpoint DIR --out cost.yaml`).")
     parser.add_argument("--codec", help="a registered image codec: emu3.5 (default), emu3, or a plugin's "
                         "(docs/write-a-codec.md)")
-    parser.add_argument("--checkpoint", required=True, metavar="DIR", help="directory with the official checkpoint files")
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="directory with the official checkpoint files")
     add_device_argument(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--plan", metavar="PLAN", help="take the shapes from this plan: the most common ones by image "
@@ -50,10 +51,10 @@ def batch_sizes(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid, write_calibration
     from mmtok.codecs.registry import DEFAULTS, load_codec
     from mmtok.fsutil import refuse_out_overlapping
     from mmtok.launch import resolve_device
+    from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid, write_calibration
 
     refuse_out_overlapping(args.out, [args.plan, args.checkpoint])
     if args.max_shapes < 1:

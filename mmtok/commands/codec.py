@@ -56,7 +56,8 @@ def run(args) -> int:
         if args.codec_command == "encode":
             codes = _encode(codec, args)
             np.save(out, codes)
-            print_summary("codec encode", f"{args.input}: {plural(codes.size, 'code')}, shape {list(codes.shape)} -> {out}")
+            print_summary("codec encode",
+                          f"{args.input}: {plural(codes.size, 'code')}, shape {list(codes.shape)} -> {out}")
         else:
             _decode(codec, np.load(args.input), out)
             print_summary("codec decode", f"{args.input} -> {out}")
@@ -104,7 +105,8 @@ def _audio_input(path: str, sample_rate: int) -> np.ndarray:
     if path.endswith(".npy"):
         wave = np.load(path)
         if wave.dtype != np.float32 or wave.ndim != 1:
-            raise MmtokError(f"{path}: expected a float32 1-D waveform at {sample_rate} Hz, got {wave.dtype} {wave.shape}")
+            raise MmtokError(f"{path}: expected a float32 1-D waveform at {sample_rate} Hz, "
+                             f"got {wave.dtype} {wave.shape}")
         return wave
     try:
         wave, _ = load_audio(path, sample_rate)

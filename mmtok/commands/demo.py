@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="encode ranks to simulate (default 2)")
     parser.add_argument("--image-checkpoint", default=None, help="official Emu3.5 tokenizer directory (optional)")
     parser.add_argument("--audio-checkpoint", default=None, help="official WavTokenizer directory (optional)")
-    parser.add_argument("--no-audio", action="store_true", help="run the image flow only (the SFT flow needs the audio codec)")
+    parser.add_argument("--no-audio", action="store_true",
+                        help="run the image flow only (the SFT flow needs the audio codec)")
     parser.set_defaults(func=run)
 
 

@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
                        help="stop the rank after this many undecodable images in a row (default 64)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (images and audio)")
     parser.add_argument("--json", action="store_true",
-                        help="also print the rank's summary as one JSON object on stdout (the human one stays on stderr)")
+                        help="also print the rank's summary as one JSON object on stdout "
+                        "(the human one stays on stderr)")
     add_audio_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -73,10 +74,10 @@ def run(args) -> int:
 
 def run_images(args) -> int:
     from mmtok.codecs.registry import load_codec
-    from mmtok.formats.commitlog import check_part_free, part_dir
-    from mmtok.launch import resolve_device, resolve_rank
     from mmtok.encode.runner import EncodeOptions, encode_rank
+    from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.formats.plan import Plan
+    from mmtok.launch import resolve_device, resolve_rank
 
     if not args.plan:
         raise MmtokError("--modality image needs --plan (the output directory of `mmtok plan`)")
@@ -183,7 +184,8 @@ def add_audio_arguments(parser) -> None:
                                     "help": "audio: clips longer than this many seconds are skipped as too_long "
                                             "(memory grows with a clip's length: ~3 GB per 1,000 s; default 600)"}),
         (("--num-buckets",), {"type": int, "default": 50,
-                              "help": "audio: duration buckets of the sampler (default 50: < 5%% padding, see the benchmark)"}),
+                              "help": "audio: duration buckets of the sampler "
+                                      "(default 50: < 5%% padding, see the benchmark)"}),
         (("--bucket-seed",), {"type": int, "default": 0, "help": "audio: seed of the bucketing sampler (default 0)"}),
         (("--sequences",), {"choices": SEQUENCE_MODES, "default": "auto",
                             "help": "audio: which sequences to write per clip: auto = transcription (translation "
@@ -200,13 +202,13 @@ def add_audio_arguments(parser) -> None:
 
 
 def run_audio(args) -> int:
+    from mmtok.codecs.registry import load_codec
     from mmtok.encode.audio import encode_rank
     from mmtok.encode.audio_batches import Batching
-    from mmtok.ranks import assign_shards
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.formats.shar import discover_shards
-    from mmtok.codecs.registry import load_codec
     from mmtok.launch import resolve_device, resolve_rank
+    from mmtok.ranks import assign_shards
 
     if args.shar is None:
         raise MmtokError("--modality audio needs --shar (the output directory of `mmtok audio convert`)")

@@ -61,7 +61,8 @@ def summary_lines(summary: dict, out: str, seconds: float) -> list[str]:
     assembled = summary["assembled"]
     if assembled["documents"] or assembled["documents_skipped"]:
         lines.append(f"of which {plural(assembled['documents'], 'document')} with several images assembled from the "
-                     f"parts' items ({plural(assembled['tokens'], 'token')}; {assembled['documents_skipped']:,} skipped)")
+                     f"parts' items ({plural(assembled['tokens'], 'token')}; "
+                     f"{assembled['documents_skipped']:,} skipped)")
     skipped = skips.by_reason(summary["counts"])
     if skipped:
         lines.append(f"skipped {sum(skipped.values()):,} ({reasons(skipped)}), each named in "
@@ -75,7 +76,8 @@ def _stripped_lines(strip: dict | None) -> list[str]:
     if not strip["dataset"]:
         return ["merged_no_reasoning: no sequence left: not written"]
     return [f"merged_no_reasoning: {plural(strip['sequences'], 'sequence')}; "
-            f"{plural(strip['spans_removed'], 'reasoning span')} ({plural(strip['reasoning_tokens_removed'], 'token')}) "
+            f"{plural(strip['spans_removed'], 'reasoning span')} "
+            f"({plural(strip['reasoning_tokens_removed'], 'token')}) "
             f"removed, {plural(strip['orphan_prefixes'], 'orphan prefix', 'orphan prefixes')}, "
             f"{plural(strip['orphan_suffixes'], 'orphan suffix', 'orphan suffixes')}, "
             f"{plural(strip['dropped_empty_sequences'], 'empty sequence')} dropped"]

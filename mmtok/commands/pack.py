@@ -64,6 +64,7 @@ def summary_lines(report: dict, out: Path) -> list[str]:
                                                                                      ("audio", "audio file")))
     return [f"{plural(counts.get('conversations', 0), 'conversation')} -> {plural(len(report['tars']), 'tar')} in "
             f"{out}: {counts.get('packed', 0):,} packed (media: {media}), {sum(skipped.values()):,} skipped"
-            + (f" ({reasons(skipped)}; each named in {out / SKIPPED})" if skipped else "") + files_skipped(counts, out / SKIPPED),
+            + (f" ({reasons(skipped)}; each named in {out / SKIPPED})" if skipped else "")
+            + files_skipped(counts, out / SKIPPED),
             f"next: mmtok scan {out}/conversations-*.tar ..., and the same tars to `mmtok audio convert --kind "
             "conversations` and `mmtok sft`"]

@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
     parser.add_argument("source", help="manifest directory (from `mmtok scan`); with --explain and no --out: a plan")
     parser.add_argument("--out", "-o", help="plan directory to write")
     parser.add_argument("--preset", help="preset name (plans/NAME.yaml) or a YAML file; flags override it")
-    parser.add_argument("--world-size", type=int, default=1, help="number of encode ranks (default 1); on a cluster about 8 per GPU, run as a SLURM array "
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="number of encode ranks (default 1); on a cluster about 8 per GPU, run as a SLURM array "
                         "with a concurrency limit of the GPUs (docs/slurm.md)")
     parser.add_argument("--mode", choices=MODES, help="document layout the encoder will write")
     parser.add_argument("--cost-model", metavar="FILE", help="YAML with a `cost_model:` mapping (from `mmtok "
@@ -63,8 +64,10 @@ def parameters_from_args(args):
     base = load_preset(args.preset) if args.preset else PlanParameters()
     if args.cost_model:
         base = dataclasses.replace(base, cost_model=CostModel.from_file(args.cost_model))
-    overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _, _ in PARAMETER_FLAGS}
-    changed = [f"{name[5:]}={value}" for name, value in overrides.items() if name.startswith("cost_") and value is not None]
+    overrides = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+                 for flag, _, _ in PARAMETER_FLAGS}
+    changed = [f"{name[5:]}={value}" for name, value in overrides.items()
+               if name.startswith("cost_") and value is not None]
     if changed:
         overrides["cost_source"] = f"{base.cost_model.source}; overridden by flags: {', '.join(changed)}"
     return base.override(mode=args.mode, **overrides)

@@ -57,7 +57,8 @@ def expand_inputs(patterns: list[str], shard_list: Path | None) -> list[str]:
             lines = shard_list.read_text(encoding="utf-8").splitlines()
         except OSError as err:
             raise MmtokError(f"cannot read --shard-list {shard_list}: {err}") from None
-        entries += [(line.strip(), shard_list.parent) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        entries += [(line.strip(), shard_list.parent) for line in lines
+                    if line.strip() and not line.lstrip().startswith("#")]
     paths: list[str] = []
     for pattern, base in entries:
         full = os.path.join(base, os.path.expanduser(pattern))
@@ -126,8 +127,9 @@ def warning_lines(meta: dict, out: str) -> list[str]:
         return []
     found = [f"{plural(extra, 'caption')} beyond a sample's first went unused"] if extra else []
     if merged:
-        found.append(f"{plural(merged, 'sample')} {'holds' if merged == 1 else 'hold'} several images named past the key's first dot (first: "
-                     f"sample `{key}` with {', '.join(members[:3])}{' ...' if len(members) > 3 else ''})")
+        found.append(f"{plural(merged, 'sample')} {'holds' if merged == 1 else 'hold'} several images named past "
+                     f"the key's first dot (first: sample `{key}` with "
+                     f"{', '.join(members[:3])}{' ...' if len(members) > 3 else ''})")
     return [f"warning: {'; '.join(found)}: a WebDataset sample key is a member's name up to its first dot, so "
             "`laion.v2.000001.jpg` and `laion.v2.000002.jpg` are both sample `laion` -- rename such members "
             "(docs/scan.md)"]

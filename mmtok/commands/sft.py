@@ -49,15 +49,16 @@ def add_parser(sub) -> None:
     parser.add_argument("--world-size", type=int, default=None, help="number of ranks (default: from the environment)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true",
-                        help="also print the rank's summary as one JSON object on stdout (the human one stays on stderr)")
+                        help="also print the rank's summary as one JSON object on stdout "
+                        "(the human one stays on stderr)")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from mmtok.formats.commitlog import check_part_free, part_dir
-    from mmtok.launch import resolve_rank
     from mmtok.errors import MmtokError
+    from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.fsutil import refuse_out_overlapping
+    from mmtok.launch import resolve_rank
     from mmtok.sft.build import SftOptions, assemble_rank
 
     refuse_out_overlapping(args.out, [*args.inputs, args.images, *args.audio, *args.converted, args.text_tokenizer,

@@ -68,8 +68,8 @@ def run(args) -> int:
 def render(status: dict) -> str:
     """The human view of a `job_status` result: header, part table, totals, balance, ETA."""
     states = ", ".join(f"{n} {state}" for state, n in status["states"].items() if n)
-    lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, {plural(status['num_parts'], 'part')}"
-             + (f": {states}" if states else "")]
+    lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, "
+             f"{plural(status['num_parts'], 'part')}" + (f": {states}" if states else "")]
     lines += [f"  warning: {w}" for w in status["warnings"]]
     lines += _table(status)
     lines += _summary(status)
@@ -147,10 +147,10 @@ def _summary(status: dict) -> list[str]:
     lines = [total]
     if status["item"] == "image":
         measured = _percent(balance["measured"]) if balance["measured"] is not None else "once every part is done"
+        rederived = ("" if balance["world_size"] == balance["plan_world_size"]
+                     else f", re-derived from the plan's {balance['plan_world_size']}")
         modeled = ("" if balance["modeled"] is None else f"; modeled {_percent(balance['modeled'])} (plan cost model, "
-                   f"{balance['world_size']} ranks" + ("" if balance["world_size"] == balance["plan_world_size"]
-                                                       else f", re-derived from the plan's {balance['plan_world_size']}")
-                   + ")")
+                   f"{balance['world_size']} ranks{rederived})")
         lines.append(f"imbalance (max/mean - 1 of wall time): measured {measured}{modeled}")
     if status["slowest"]:
         lines.append("slowest: " + ", ".join(_slow(status, n) for n in status["slowest"]))

@@ -33,20 +33,20 @@ from typing import Iterator
 import numpy as np
 
 from mmtok import __version__
-from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
 from mmtok.documents import SequenceBuilder, is_translation
 from mmtok.encode.audio_batches import Batching, make_batches
-from mmtok.ranks import assign_shards
-from mmtok.vocab import check_ids_in_range
-from mmtok.text import tokenizer_difference
 from mmtok.encode.loop import UNIFORM_CODES, Meter, run_device, uniform_codes
-from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
 from mmtok.formats.commitlog import pack_carry, unpack_carry
-from mmtok.formats.skips import SkipRecord
+from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
+from mmtok.formats.skips import SkipRecord
+from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
+from mmtok.ranks import assign_shards
+from mmtok.text import tokenizer_difference
+from mmtok.vocab import check_ids_in_range
 
 SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
 DEFAULT_TRIM = 5  # codes dropped at the end of every clip (WavTokenizer's look-ahead; the codec reports its own)
@@ -108,14 +108,14 @@ def load_batch(request: BatchRequest) -> dict:
 
     waves, positions, skipped = [], [], []
     with open(request.recording_path, "rb") as handle:
-        for position, member, duration in zip(request.positions, request.members, request.durations):
+        for position, member, duration in zip(request.positions, request.members, request.durations, strict=True):
             try:
                 waves.append(load_clip(handle, member, duration, request))
                 positions.append(position)
             except AudioReason as err:
                 skipped.append((position, str(err)))
     batch = np.zeros((len(waves), max((w.size for w in waves), default=0)), dtype=np.float32)
-    for row, wave in zip(batch, waves):
+    for row, wave in zip(batch, waves, strict=True):
         row[: wave.size] = wave
     return {"shard": request.shard, "unit": request.unit, "wave": torch.from_numpy(batch),
             "lengths": torch.tensor([w.size for w in waves], dtype=torch.int64), "positions": positions,

@@ -26,11 +26,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from mmtok.documents import DocumentError, DocumentBuilder, Sidecars, Template
-from mmtok.formats.items import media_digest
-from mmtok.formats.manifest import MemberReader, ShortRead
+from mmtok.documents import DocumentBuilder, DocumentError, Sidecars, Template
 from mmtok.encode.work import RankWork
 from mmtok.errors import Skip
+from mmtok.formats.items import media_digest
+from mmtok.formats.manifest import MemberReader, ShortRead
 from mmtok.media.images import ImageDecodeError, decode_rgb, resize_rgb
 
 

@@ -27,21 +27,20 @@ import PIL
 import torch
 
 from mmtok import __version__
-from mmtok.formats.chat import recorded_special_ids
 from mmtok.codecs.base import refuse_low_precision
-from mmtok.documents import DocumentError, DocumentBuilder, Template, pack_template
+from mmtok.documents import DocumentBuilder, DocumentError, Template, pack_template
 from mmtok.encode.loader import BatchLoader, PreparedBatch
+from mmtok.encode.loop import Meter, run_device, uniform_codes
 from mmtok.encode.work import RankWork, load_rank_work
 from mmtok.errors import MmtokError, Skip
-from mmtok.encode.loop import Meter, run_device, uniform_codes
-from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats import skips
+from mmtok.formats.chat import recorded_special_ids
 from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, part_dir
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
+from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.skips import SkipRecord
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout, check_ids_in_range
-
 
 
 @dataclass
@@ -74,7 +73,8 @@ def check_codec(work: RankWork, codec, builder: DocumentBuilder) -> None:
                          f"with factor {params['factor']}; re-plan with --factor {codec.pixels_per_code}")
     refuse_low_precision(codec.precision.dtype, codec.name)
     rows = work.rows
-    shapes = {(int(h), int(w)): int(t) for h, w, t in zip(rows["target_height"], rows["target_width"], rows["tokens"])}
+    shapes = {(int(h), int(w)): int(t)
+              for h, w, t in zip(rows["target_height"], rows["target_width"], rows["tokens"], strict=True)}
     factor = codec.pixels_per_code
     for (height, width), tokens in shapes.items():
         have = builder.block_length(height // factor, width // factor)
@@ -157,7 +157,8 @@ class Assembler:
     def _block(self, codes: np.ndarray, row: int) -> np.ndarray:
         r = self.work.rows  # the last guard: no code outside the image codebook reaches a commit
         check_ids_in_range(codes, 0, self.builder.layout.image_codebook,
-                           f"image codes of {r['tar'][row]} member {r['member'][row]} (manifest row {r['manifest_row'][row]})")
+                           f"image codes of {r['tar'][row]} member {r['member'][row]} "
+                           f"(manifest row {r['manifest_row'][row]})")
         block = self.builder.image_block(codes)
         if block.size != self.work.rows["tokens"][row]:
             raise MmtokError(f"image block of manifest row {self.work.rows['manifest_row'][row]} has {block.size} "
@@ -292,7 +293,8 @@ def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions
         "images_deferred": counts.get("images_deferred", 0),  # items: merge (or mmtok sft) assembles their documents
         "items_failed": skips.items_failed_by_reason(counts),
         "skipped": skips.by_reason(counts),
-        **timing, "images_per_s": (counts.get("images_written", 0) + counts.get("images_deferred", 0)) / timing["wall_s"]
+        **timing,
+        "images_per_s": (counts.get("images_written", 0) + counts.get("images_deferred", 0)) / timing["wall_s"]
         if timing["wall_s"] else 0.0,
         "device": str(device), "loader_threads": options.loader_threads,
         "precision": codec.precision.to_dict(),

@@ -275,7 +275,7 @@ def _hidden_literals(literal: re.Pattern | None, edges: "_Edges", record: dict,
         return {}
     used = set(template_chars).union(*map(set, strings))
     free = (chr(c) for c in (*range(0x10FFFD, 0xFFFFF, -1), *range(0xFFFFD, 0xEFFFF, -1)) if chr(c) not in used)
-    markers = dict(zip(found, free))
+    markers = dict(zip(found, free, strict=False))  # one free character each, while they last (checked next)
     if len(markers) < len(found):
         raise ConversationError("unrenderable_text", "the record uses every private-use character: no character "
                                 "is left to keep its control-token names as text")
@@ -581,9 +581,11 @@ def _for_template(message: dict, position: int) -> dict:
         return message
     kinds = [_part_kind(part, position) for part in parts]
     if isinstance(content, list):
-        text = "".join(p["text"] if k == "text" else CANONICAL_PLACEHOLDER[k] for p, k in zip(parts, kinds))
+        text = "".join(p["text"] if k == "text" else CANONICAL_PLACEHOLDER[k]
+                       for p, k in zip(parts, kinds, strict=True))
         return {**message, "content": text}
-    parts = [p if k == "text" else {"type": "text", "text": CANONICAL_PLACEHOLDER[k]} for p, k in zip(parts, kinds)]
+    parts = [p if k == "text" else {"type": "text", "text": CANONICAL_PLACEHOLDER[k]}
+             for p, k in zip(parts, kinds, strict=True)]
     return {**message, "content": {**content, "parts": parts}}
 
 

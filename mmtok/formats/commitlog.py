@@ -32,9 +32,9 @@ is dropped. Everything a unit writes is a deterministic function of the unit, so
 are byte-identical to those of an uninterrupted run.
 
 Checked bytes: each record holds the CRC-32 of the bytes its unit appended to tokens.bin,
-provenance.jsonl, skipped.jsonl, items.ids and items.jsonl, and the CRC-32 of the live carry. `verify_part` re-reads a part
-against its records (on every resume and by merge), so bit rot or a damaged copy is refused naming
-the part and the unit instead of being merged.
+provenance.jsonl, skipped.jsonl, items.ids and items.jsonl, and the CRC-32 of the live carry.
+`verify_part` re-reads a part against its records (on every resume and by merge), so bit rot or a
+damaged copy is refused naming the part and the unit instead of being merged.
 
 This is the only module that knows the layout of a part directory.
 """
@@ -54,12 +54,19 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from mmtok.errors import DamagedFile, MmtokError, Skip, brief
-from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, write_index
-from mmtok.formats.megatron import encode_index, idx_path
 from mmtok.formats import skips
+from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, encode_index, idx_path, write_index
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import (WriterLock, atomic_write_bytes, atomic_write_json, fsync_dir, read_json_object, required, sync,
-                          with_filename)
+from mmtok.fsutil import (
+    WriterLock,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    read_json_object,
+    required,
+    sync,
+    with_filename,
+)
 
 PART_FORMAT = "mmtok-part/3"  # /2: per-unit checksums, skipped.jsonl, no empty dataset; /3: items
 TOKENS = "tokens"  # dataset prefix inside a part directory: tokens.bin / tokens.idx
@@ -225,7 +232,8 @@ def check_identity(directory: str | os.PathLike, identity: dict) -> None:
     try:
         recorded = json.loads((directory / IDENTITY).read_text("utf-8"))
     except (OSError, ValueError) as err:
-        raise MmtokError(f"{directory / IDENTITY}: unreadable ({err}); delete {directory} to re-encode this part") from None
+        raise MmtokError(f"{directory / IDENTITY}: unreadable ({err}); delete {directory} to re-encode this "
+                         "part") from None
     difference = identity_difference(recorded, normalized({**identity, "format": PART_FORMAT}))
     if difference:
         raise MmtokError(
@@ -282,7 +290,8 @@ def _crc_of(path: Path) -> int:
     try:
         return zlib.crc32(path.read_bytes())
     except FileNotFoundError:
-        raise MmtokError(f"{path}: missing; the part is damaged. Delete {path.parent} and re-encode this part.") from None
+        raise MmtokError(f"{path}: missing; the part is damaged. Delete {path.parent} and re-encode this "
+                         "part.") from None
 
 
 def _verify_identity(directory: Path, records: list[dict]) -> None:
@@ -295,7 +304,8 @@ def _verify_identity(directory: Path, records: list[dict]) -> None:
             recorded.append(done["identity_crc"])
             stats_crc = done["stats_crc"]
         except (ValueError, KeyError) as err:
-            raise MmtokError(f"{directory / DONE}: damaged ({err}). Delete {directory} and re-encode this part.") from None
+            raise MmtokError(f"{directory / DONE}: damaged ({err}). Delete {directory} and re-encode this "
+                             "part.") from None
         if stats_crc != _crc_of(directory / STATS):
             raise MmtokError(f"{directory / STATS}: does not match its checksum in DONE (bit rot or a damaged copy). "
                              f"Delete {directory} and re-encode this part.")
@@ -411,7 +421,8 @@ class PartWriter:
         data = {TOKENS_BIN: np.concatenate(arrays).tobytes() if arrays else b"",
                 PROVENANCE: _json_lines(provenance), SKIPPED: skips.to_lines(skipped),
                 ITEM_IDS: np.concatenate(item_arrays).tobytes() if item_arrays else b"",
-                ITEMS: _json_lines([{**record, "length": int(ids.size)} for (record, _), ids in zip(items, item_arrays)])}
+                ITEMS: _json_lines([{**record, "length": int(ids.size)}
+                                    for (record, _), ids in zip(items, item_arrays, strict=True)])}
         for name, size_key in APPENDED.items():
             self._append(name, size_key, data[name])
         self._append(CARRY, "carry_bytes", carry)

@@ -36,9 +36,15 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import DamagedFile, MmtokError
-from mmtok.formats.conversations import (Conversation, Start, duplicate, input_records, is_checked_for_repeats,
-                                         check_inputs)
 from mmtok.formats.commitlog import parts_root
+from mmtok.formats.conversations import (
+    Conversation,
+    Start,
+    check_inputs,
+    duplicate,
+    input_records,
+    is_checked_for_repeats,
+)
 from mmtok.formats.keys import key_digest, repeated_positions
 from mmtok.formats.manifest import container_identity
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required, shown_path
@@ -155,7 +161,7 @@ def _refuse_other_inputs(meta_path: Path, made: list, recorded: list[dict], fix:
         raise MmtokError(f"{meta_path}: the conversation index of other inputs ({len(made)} files, first "
                          f"{made[0].get('path') if made and isinstance(made[0], dict) else '?'}); give each input "
                          f"list its own --out, or {fix}")
-    for was, now in zip(made, recorded):
+    for was, now in zip(made, recorded, strict=True):
         changed = [key for key in ("size", "mtime_ns", "head") if was.get(key) != now[key]]
         if changed:
             raise MmtokError(f"{now['path']} changed since the conversation index in {meta_path.parent} was made "

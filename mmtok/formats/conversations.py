@@ -54,18 +54,25 @@ from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
-from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
-from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
 from mmtok.errors import MmtokError, Skip
+from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import (DUPLICATE_INPUT, OUTSIDE_ROOT, inside, not_a_regular_file, open_regular_file,
-                          read_regular_file, same_file_as, shown_path)
+from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
+from mmtok.fsutil import (
+    DUPLICATE_INPUT,
+    OUTSIDE_ROOT,
+    inside,
+    not_a_regular_file,
+    open_regular_file,
+    read_regular_file,
+    same_file_as,
+    shown_path,
+)
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
 AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 KIND_SUFFIXES = {"audio": AUDIO_SUFFIXES, "image": IMAGE_SUFFIXES}
-INPUT_KINDS = ("tar", "jsonl", "parquet")
 TRUNCATED_MEMBER = KIND_REASONS[TRUNCATED]
 NO_SAMPLES = "no_samples"  # a tar without one member named KEY.EXT
 DUPLICATE_KEY = "duplicate_key"  # a key that names more than one sample of a tar
@@ -86,8 +93,10 @@ class Conversation:
     refused: dict[str, str] = field(default_factory=dict)  # member name -> the tar reader's reason (also in members)
     base: str = "."  # directory that relative paths are relative to: the input's own, the first root
     media_roots: tuple[str, ...] = ()  # the further roots a file path may resolve into (real paths)
-    whole_file: bool = False  # the record of an input without a conversation (an empty tar): counted as no conversation
-    seek: tuple[int, int] = (-1, 0)  # a .jsonl record: (byte offset of its line, lines before it), where a reader may start
+    # the record of an input without a conversation (an empty tar): counted as no conversation
+    whole_file: bool = False
+    # a .jsonl record: (byte offset of its line, lines before it), where a reader may start
+    seek: tuple[int, int] = (-1, 0)
 
     def media(self) -> list[MediaRef]:
         """The media its messages reference, in order (ConversationError when they cannot be listed)."""
@@ -203,7 +212,7 @@ def check_inputs(inputs: list[Path]) -> None:
     """Each input exists, is of a known kind, and no two share a file stem (their ids would collide);
     an input that is an earlier one under another path is read once (`duplicate_input`), not checked."""
     stems: dict[str, Path] = {}
-    for path, first in zip(inputs, same_file_as(inputs)):
+    for path, first in zip(inputs, same_file_as(inputs), strict=True):
         if not path.is_file():
             raise MmtokError(f"conversation input not found (or not a file): {path}")
         if first is not None:

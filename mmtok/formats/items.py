@@ -154,7 +154,7 @@ class ImageIndex:
     def _restore(self, directories: list[Path], restored: dict) -> None:
         arrays = restored["arrays"]
         self._ends = restored["ends"]
-        self._ids = [_item_ids(directory, end) for directory, end in zip(directories, self._ends)]
+        self._ids = [_item_ids(directory, end) for directory, end in zip(directories, self._ends, strict=True)]
         self._containers, self._stale, self._tars = restored["containers"], {}, set(restored["tars"])
         self._members = KeyTable(arrays["members_high"], arrays["members_low"], None)
         self._samples = KeyTable(arrays["samples_high"], arrays["samples_low"], arrays["samples_counts"])

@@ -124,7 +124,8 @@ class Manifest:
             required(meta, "format", str, path)
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise MmtokError(f"{path} is not an mmtok manifest of version {FORMAT_VERSION} "
-                             f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); rerun `mmtok scan`")
+                             f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); "
+                             "rerun `mmtok scan`")
         if not (directory / MANIFEST_FILE).is_file():
             raise MmtokError(f"cannot read manifest {directory / MANIFEST_FILE}: no such file (though {METADATA_FILE} "
                              f"is there); rerun `mmtok scan` into {directory}")
@@ -238,7 +239,8 @@ class Manifest:
                                  f"(rerun `mmtok scan` into {self.directory})")
             return pq.ParquetFile(self.path, **options) if options else parquet
         except (OSError, pa.ArrowException) as err:
-            raise MmtokError(f"cannot read manifest {self.path}: {err}; rerun `mmtok scan` into {self.directory}") from None
+            raise MmtokError(f"cannot read manifest {self.path}: {err}; rerun `mmtok scan` into "
+                             f"{self.directory}") from None
 
 
 def _numpy(column) -> np.ndarray:

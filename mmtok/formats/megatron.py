@@ -144,7 +144,7 @@ def read_sequences(prefix: str | os.PathLike) -> Iterable[np.ndarray]:
     """Yield each sequence of a dataset as an array (for inspect, tests and small tools)."""
     dtype, lengths, pointers, _ = read_index(prefix)
     tokens = np.memmap(bin_path(prefix), dtype=dtype, mode="r") if lengths.sum() else np.zeros(0, dtype)
-    for pointer, length in zip(pointers, lengths):
+    for pointer, length in zip(pointers, lengths, strict=True):
         start = int(pointer) // dtype.itemsize
         yield np.array(tokens[start : start + int(length)])
 
@@ -253,7 +253,7 @@ def verify_merged(prefix: Path, part_prefixes: list[Path]) -> str:
     if not np.array_equal(dataset.document_indices, np.arange(expected.size + 1)):
         problems.append("document index is not one document per sequence")
     start = 0
-    for part_prefix, part_lengths in zip(part_prefixes, lengths):
+    for part_prefix, part_lengths in zip(part_prefixes, lengths, strict=True):
         for local in {0, part_lengths.size - 1} if part_lengths.size else ():
             source = _read_sequence(part_prefix, local)
             if not np.array_equal(dataset[start + local], source):

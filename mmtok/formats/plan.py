@@ -14,9 +14,9 @@ PLAN_DIR/
 Every file is written to a temporary sibling; only when all of them are complete is an existing plan.json
 removed and are they fsynced and renamed, plan.json last, so a directory holds a plan exactly when
 plan.json exists and the sizes it records match the files, and a run that fails before its end (a full
-disk, a plan that keeps no image) leaves the previous plan as it was and no temporary file. Parquet files use fixed options and fixed row-group sizes, so the
-same inputs give byte-identical files (Parquet stores no timestamps; `created_by` names the pyarrow
-version). No pickle anywhere.
+disk, a plan that keeps no image) leaves the previous plan as it was and no temporary file. Parquet
+files use fixed options and fixed row-group sizes, so the same inputs give byte-identical files
+(Parquet stores no timestamps; `created_by` names the pyarrow version). No pickle anywhere.
 
 `PlanWriter` writes a plan; `Plan.open` reads one (plan.json once) and serves its tables, the
 manifest it was made from, and each rank's batch range and rows for any world size.
@@ -84,7 +84,8 @@ SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_F
 _DELTA = "DELTA_BINARY_PACKED"  # sorted or slowly varying integers: small and cheap to write
 _ENCODINGS = {  # (column encodings, compressed columns); fixed options make files byte-reproducible
     IMAGES_FILE: ({"manifest_row": _DELTA, "document": _DELTA, "image_index": _DELTA},
-                  ("batch", "target_height", "target_width", "tokens", "document_images")),  # runs: plain + lz4 is cheapest
+                  # runs: plain + lz4 is cheapest
+                  ("batch", "target_height", "target_width", "tokens", "document_images")),
     BATCHES_FILE: ({"batch": _DELTA, "plan_row": _DELTA, "window": _DELTA}, ("num_images", "target_height",
                    "target_width", "tokens", "cost", "full")),
     DOCUMENTS_FILE: ({name: _DELTA for name in DOCUMENTS_SCHEMA.names}, ()),
@@ -99,7 +100,8 @@ def _parquet_options(name: str) -> dict:
         compression={c: ("lz4" if c in compressed else "none") for c in schema.names},
         use_dictionary=[c for c in schema.names if c not in encodings and pa.types.is_string(schema.field(c).type)],
         column_encoding=encodings,
-        write_statistics=["batch"] if name == IMAGES_FILE else False,  # per-row-group batch range: readers may filter on it
+        # per-row-group batch range: readers may filter on it
+        write_statistics=["batch"] if name == IMAGES_FILE else False,
         write_page_index=False, store_schema=True, version="2.6",
     )
 
@@ -243,7 +245,8 @@ class Plan:
         directory = Path(directory)
         path = directory / META_FILE
         if not path.is_file():
-            raise MmtokError(f"no plan in {directory}: {META_FILE} is missing (run `mmtok plan MANIFEST --out {directory}`)")
+            raise MmtokError(f"no plan in {directory}: {META_FILE} is missing "
+                             f"(run `mmtok plan MANIFEST --out {directory}`)")
         try:
             meta = json.loads(path.read_text("utf-8"))
         except ValueError as err:
@@ -316,7 +319,8 @@ class Plan:
         images = pq.ParquetFile(self.directory / IMAGES_FILE)
         if start == end:
             schema = images.schema_arrow
-            return schema.empty_table() if columns is None else pa.schema([schema.field(c) for c in columns]).empty_table()
+            return (schema.empty_table() if columns is None
+                    else pa.schema([schema.field(c) for c in columns]).empty_table())
         plan_row = self.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
         first = int(plan_row[start])
         stop = int(plan_row[end]) if end < len(plan_row) else images.metadata.num_rows

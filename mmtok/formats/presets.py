@@ -59,7 +59,8 @@ class CostModel:
 
     def latents(self, height: np.ndarray, width: np.ndarray) -> np.ndarray:
         """Latent positions at the attention resolution (float64, exact for any realistic shape)."""
-        return (np.asarray(height, np.int64) // self.stride * (np.asarray(width, np.int64) // self.stride)).astype(np.float64)
+        return (np.asarray(height, np.int64) // self.stride
+                * (np.asarray(width, np.int64) // self.stride)).astype(np.float64)
 
     def image_cost(self, height: np.ndarray, width: np.ndarray) -> np.ndarray:
         """Cost of one image of each (height, width), batch overhead excluded."""
@@ -164,7 +165,8 @@ class PlanParameters:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise MmtokError(f"plan parameter {name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.max_document_tokens, int) or self.max_document_tokens < 0:
-            raise MmtokError(f"plan parameter max_document_tokens must be an integer >= 0, got {self.max_document_tokens!r}")
+            raise MmtokError("plan parameter max_document_tokens must be an integer >= 0, "
+                             f"got {self.max_document_tokens!r}")
         if self.min_source_pixels < 0 or self.min_source_pixels > self.max_source_pixels:
             raise MmtokError(f"min_source_pixels ({self.min_source_pixels}) must be in [0, max_source_pixels]")
         if self.min_pixels > self.max_pixels:

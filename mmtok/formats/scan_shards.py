@@ -28,7 +28,6 @@ import pyarrow as pa
 from mmtok.errors import DamagedFile
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json, sha256_file
 
-
 COMMIT_KEYS = ("rows_bytes", "rows_sha256", "stats", "retry")
 
 

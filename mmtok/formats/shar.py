@@ -145,7 +145,8 @@ def read_cut_dicts(path: Path) -> list[dict]:
     try:
         return [json.loads(line) for line in _manifest_bytes(path).decode("utf-8").split("\n") if line.strip()]
     except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
-        raise MmtokError(f"{path}: not a cuts manifest ({err}); re-run `mmtok audio convert` into a new --out") from None
+        raise MmtokError(f"{path}: not a cuts manifest ({err}); re-run `mmtok audio convert` into a new "
+                         "--out") from None
 
 
 @dataclass(frozen=True)

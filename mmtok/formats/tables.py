@@ -51,7 +51,8 @@ def _is_image_type(kind: pa.DataType) -> bool:
     return _is_binary(kind)
 
 
-def choose_columns(schema: pa.Schema, image_column: str | None, text_column: str | None) -> tuple[str, str | None, str | None]:
+def choose_columns(schema: pa.Schema, image_column: str | None,
+                   text_column: str | None) -> tuple[str, str | None, str | None]:
     """(image column, text column or None, key column or None); raises ColumnError."""
     names = schema.names
     if image_column is not None:

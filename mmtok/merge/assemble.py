@@ -207,7 +207,8 @@ def _template(document: int, index: _Index, start: int, end: int, records: list[
 def _assemble(index: _Index, start: int, end: int, template: dict, ids: list[np.ndarray]) -> np.ndarray:
     """The tokens of the document in rows start:end: its template with each slot replaced by that image's block."""
     pieces = [ids[part][offset:offset + length] for part, offset, length in
-              zip(index.part[start:end].tolist(), index.offset[start:end].tolist(), index.length[start:end].tolist())]
+              zip(index.part[start:end].tolist(), index.offset[start:end].tolist(), index.length[start:end].tolist(),
+                  strict=True)]
     return DocumentBuilder.assemble(unpack_template(pieces[0], template["layout"]), dict(enumerate(pieces[1:])))
 
 
@@ -215,7 +216,7 @@ def _skips(index: _Index, start: int, end: int, template: dict,
            records: list[commitlog.ItemRecords]) -> list[SkipRecord]:
     """A skip record for each image of the failed document in rows start:end, by image index."""
     items = [records[part].at(line) for part, line in
-             zip(index.part[start + 1:end].tolist(), index.line[start + 1:end].tolist())]
+             zip(index.part[start + 1:end].tolist(), index.line[start + 1:end].tolist(), strict=True)]
     failed = {image: item for image, item in enumerate(items) if "skip" in item}
     return [commitlog.image_skip(item, _why(image, failed, template), "merge") for image, item in enumerate(items)]
 

@@ -32,14 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.merge.assemble import assemble_documents
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
-from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX, SUMMARY_FILE
 from mmtok.formats.items import refuse_changed_containers
-from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, verify_merged, write_index
+from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX, SUMMARY_FILE
+from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
 from mmtok.fsutil import WriterLock, atomic_writer, copy_file_into, required
+from mmtok.merge.assemble import assemble_documents
 
 ASSEMBLED = ".assembled"  # the assembled documents' dataset, joined after the parts' sequences, then removed
 REASONING_MARKERS = ("<|inner_prefix|>", "<|inner_suffix|>")
@@ -151,7 +151,8 @@ def reasoning_ids(identity: dict, path: Path) -> ReasoningIds:
     if absent:
         raise MmtokError(f"--strip-reasoning: the text tokenizer of this run ({tokenizer.get('name', '?')}) has no "
                          f"{' / '.join(absent)} token, so its sequences cannot hold reasoning spans")
-    return ReasoningIds(required(special, "<|inner_prefix|>", int, path), required(special, "<|inner_suffix|>", int, path),
+    return ReasoningIds(required(special, "<|inner_prefix|>", int, path),
+                        required(special, "<|inner_suffix|>", int, path),
                         required(special, TURN_END, int, path, default=None), required(tokenizer, "bos_id", int, path),
                         required(tokenizer, "eos_id", int, path))
 

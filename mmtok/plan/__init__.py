@@ -8,7 +8,7 @@ the caption normalisation the encoder shares is `mmtok.text.caption_text`; `mmto
 `mmtok.formats.plan.Plan.rank_range`.
 """
 
-from mmtok.plan.rows import window_bounds
 from mmtok.plan.core import build_plan, rank_summary
+from mmtok.plan.rows import window_bounds
 
 __all__ = ["build_plan", "rank_summary", "window_bounds"]

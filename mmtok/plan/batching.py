@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mmtok.plan.captions import CaptionReader, count_captions
 from mmtok.formats.presets import PlanParameters
+from mmtok.plan.captions import CaptionReader, count_captions
 from mmtok.plan.rows import ManifestRows, Reasons, ShapeTable
 from mmtok.text import TextTokenizer
 
@@ -145,7 +145,8 @@ class GroupPlanner:
         bad_rows = np.flatnonzero(reason)
         if len(bad_rows):
             doc_code = np.zeros(len(doc_start), np.uint16)
-            doc_code[np.searchsorted(doc_start, bad_rows, side="right") - 1] = self.reasons.code("document_member_dropped")
+            doc_code[np.searchsorted(doc_start, bad_rows, side="right") - 1] = self.reasons.code(
+                "document_member_dropped")
             self._drop_documents(reason, doc_start, doc_code)
 
     def _drop_long_documents(self, rows: ManifestRows, doc_start: np.ndarray) -> None:
@@ -220,7 +221,8 @@ class GroupPlanner:
         start, batch_run = self._split(run_start[batch_run] + nth * capacity[batch_run], batch_run)
         count = np.diff(np.append(start, n))
         shape = run_shape[batch_run]
-        window = (kept.window[order[start]] if kept.window is not None else np.zeros(len(start), np.uint16)).astype(np.int64)
+        window = (kept.window[order[start]] if kept.window is not None
+                  else np.zeros(len(start), np.uint16)).astype(np.int64)
         plan.batches = {
             "batch": np.arange(self.next_batch, self.next_batch + len(count)),
             "plan_row": self.next_plan_row + start,

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_bytes
 from mmtok.formats.presets import CostModel, PlanParameters, load_preset
+from mmtok.fsutil import atomic_write_bytes
 
 DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_MAX_SHAPES = 12
@@ -82,7 +82,7 @@ def spread_shapes(params: PlanParameters, count: int) -> tuple[tuple[int, int], 
     area = np.geomspace(params.min_pixels, params.max_pixels, count)
     height, width = target_shapes(np.sqrt(area / aspect), np.sqrt(area * aspect), min_pixels=params.min_pixels,
                                   max_pixels=params.max_pixels, factor=params.factor)
-    return _area_order(zip(height.tolist(), width.tolist()))
+    return _area_order(zip(height.tolist(), width.tolist(), strict=True))
 
 
 def preset_grid(preset: str, max_shapes: int = DEFAULT_MAX_SHAPES) -> Grid:
@@ -137,7 +137,7 @@ def grid_cells(grid: Grid, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
     if any(b < 1 for b in batch_sizes) or (max_images is not None and max_images < 1):
         raise MmtokError(f"batch sizes and --max-images must be >= 1, got {list(batch_sizes)} and {max_images}")
     cells = []
-    for (height, width), capacity in zip(grid.shapes, grid.capacity):
+    for (height, width), capacity in zip(grid.shapes, grid.capacity, strict=True):
         limit = min(capacity, max_images) if max_images else capacity
         cells += [(height, width, count) for count in sorted({b for b in batch_sizes if b <= limit} | {limit})]
     return sorted(cells)

@@ -25,9 +25,9 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.plan import PlanWriter, has_plan
+from mmtok.formats.presets import PlanParameters
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
-from mmtok.formats.presets import PlanParameters
 from mmtok.plan.rows import Reasons, read_groups, text_tokenizer, window_bounds
 from mmtok.ranks import balance_splits, imbalance, partition_ranks, rank_costs
 from mmtok.text import TextTokenizer

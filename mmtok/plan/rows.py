@@ -19,9 +19,9 @@ import pyarrow as pa
 
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
-from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.formats.presets import PlanParameters
 from mmtok.media.resize import target_shapes
+from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
@@ -105,7 +105,7 @@ class ShapeTable:
     def build(cls, packed: np.ndarray, params: PlanParameters, tokenizer: TextTokenizer) -> "ShapeTable":
         hc, wc = unpack(packed)
         # The dimension digits "H*W" are text tokens: tokenised once per unique shape.
-        dims = tokenizer.encode_many([f"{h}*{w}" for h, w in zip(hc.tolist(), wc.tolist())])
+        dims = tokenizer.encode_many([f"{h}*{w}" for h, w in zip(hc.tolist(), wc.tolist(), strict=True)])
         tokens = VocabLayout.image_block_length(hc, wc, np.array([len(d) for d in dims], np.int64))
         height, width = hc * params.factor, wc * params.factor
         lookup = np.zeros(1 << (2 * SHAPE_BITS), np.uint16 if len(packed) <= (1 << 16) else np.uint32)

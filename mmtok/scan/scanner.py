@@ -21,15 +21,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
-from mmtok.formats.chat import ConversationError, conversation_media
-from mmtok.fsutil import DUPLICATE_INPUT, LockHeld, WriterLock, same_file_as, shown_path
-from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard
-from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.errors import brief
+from mmtok.formats.chat import ConversationError, conversation_media
+from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import container_identity
+from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard
+from mmtok.formats.tar import (
+    BAD_SIZE,
+    BLOCK,
+    CORRUPT_HEADER,
+    KIND_REASONS,
+    NON_UTF8_NAME,
+    REGULAR,
+    TRUNCATED,
+    UNSUPPORTED,
+    TarWalker,
+    compressed_detail,
+)
+from mmtok.fsutil import DUPLICATE_INPUT, LockHeld, WriterLock, same_file_as, shown_path
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
-from mmtok.formats.tar import (BAD_SIZE, BLOCK, CORRUPT_HEADER, KIND_REASONS, NON_UTF8_NAME, REGULAR, TRUNCATED,
-                               UNSUPPORTED, TarWalker, compressed_detail)
 
 # Bump when rows for the same input change; invalidates caches. 5: GNU sparse and multi-volume members
 # are `unsupported_member` (pax sparse ones were rows of garbage bytes), a file given twice is `duplicate_input`.
@@ -210,7 +220,8 @@ def _walk(walker: TarWalker, out: ShardRows, start: int, stop: int | None) -> No
             sample, _, ext = raw.partition(b".")
         if sample != key:
             if len(images) == 1:  # `_add_sample`'s first case, inline
-                rows.append((key.decode("utf-8", "backslashreplace"), out.documents, 0) + images[0] + text + json_sidecar)
+                rows.append((key.decode("utf-8", "backslashreplace"), out.documents, 0)
+                            + images[0] + text + json_sidecar)
                 out.documents += 1
             elif images:
                 _add_sample(walker, out, key, images, text, json_sidecar)
@@ -288,7 +299,7 @@ def _add_sample(walker: TarWalker, out: ShardRows, raw_key: bytes, images: list[
     if 0 <= json_sidecar[1] <= MAX_JSON_BYTES:
         names_json = walker.read(json_sidecar[0], json_sidecar[1])
     order = document_order([entry[0] for entry in images], key, names_json, out.ignored)
-    for entry, index in zip(images, order):
+    for entry, index in zip(images, order, strict=True):
         out.rows.append((key, doc, index) + entry + sidecars)
 
 
@@ -358,7 +369,8 @@ def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[Shard
 
     out = ShardRows()
     try:
-        image, text, key_column = choose_columns(read_schema(path, file_format), options.image_column, options.text_column)
+        image, text, key_column = choose_columns(read_schema(path, file_format), options.image_column,
+                                                 options.text_column)
     except ColumnError as err:
         out.shard_error(err.reason, detail=err.detail)
         return out, {"bytes_read": 0, "reads": 0}
@@ -444,8 +456,9 @@ def shard_table(rows: ShardRows):
 
     from mmtok.formats.manifest import SCHEMA
 
-    columns = list(zip(*rows.rows)) if rows.rows else [()] * len(SHARD_COLUMNS)
-    return pa.table({name: pa.array(values, SCHEMA.field(name).type) for name, values in zip(SHARD_COLUMNS, columns)})
+    columns = list(zip(*rows.rows, strict=True)) if rows.rows else [()] * len(SHARD_COLUMNS)
+    return pa.table({name: pa.array(values, SCHEMA.field(name).type)
+                     for name, values in zip(SHARD_COLUMNS, columns, strict=True)})
 
 
 def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> dict:
@@ -467,7 +480,8 @@ def _row_counts(table) -> dict:
 
     ok = pc.equal(table.column("status"), "ok")
     formats = {d["values"]: d["counts"] for d in pc.value_counts(table.column("format").filter(ok)).to_pylist()}
-    reasons = {d["values"]: d["counts"] for d in pc.value_counts(table.column("reason").filter(pc.invert(ok))).to_pylist()}
+    reasons = {d["values"]: d["counts"]
+               for d in pc.value_counts(table.column("reason").filter(pc.invert(ok))).to_pylist()}
     return {"rows": table.num_rows, "images_ok": sum(formats.values()), "formats": formats, "reasons": reasons}
 
 
@@ -678,7 +692,7 @@ def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, opt
     import pyarrow.compute as pc
 
     first_document = 0
-    for source, st in zip(sources, stats):
+    for source, st in zip(sources, stats, strict=True):
         table = st.get("table")
         if table is None:
             table = read_rows(cache_path(out_dir, source, options))
@@ -695,7 +709,7 @@ def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) ->
     """The deterministic part of manifest.json: inputs, counts by reason and format, skipped members."""
     totals: dict[str, Counter] = {"reasons": Counter(), "formats": Counter(), "ignored": Counter()}
     inputs, shard_errors = [], []
-    for source, st in zip(sources, stats):
+    for source, st in zip(sources, stats, strict=True):
         for name in totals:
             totals[name].update(st[name])
         shard_errors += [{"path": source.path, **err} for err in st["shard_errors"]]

@@ -47,13 +47,18 @@ from pathlib import Path
 import numpy as np
 
 from mmtok import __version__
-from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats import conversation_index
-from mmtok.formats.conversations import (Conversation, Located, audio_clip_id, check_media_roots, input_fingerprint,
-                                         locate)
 from mmtok.errors import DamagedFile, MmtokError, Skip
-from mmtok.formats import audio_cache, commitlog, kept, shar, skips
+from mmtok.formats import audio_cache, commitlog, conversation_index, kept, shar, skips
+from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
 from mmtok.formats.commitlog import PartWriter, part_dir
+from mmtok.formats.conversations import (
+    Conversation,
+    Located,
+    audio_clip_id,
+    check_media_roots,
+    input_fingerprint,
+    locate,
+)
 from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.parts import find_parts  # the finished parts of one run
@@ -190,12 +195,13 @@ class AudioClips:
             self._read_dropped(Path(conversion))
 
     def _index(self) -> dict[str, np.ndarray]:
-        """By cut id, 56 bytes a clip: the first cache (in --audio order, then part order) that holds a clip gives it."""
+        """By cut id, 56 bytes a clip: the first cache (in --audio order, then part order) that holds a clip
+        gives it."""
         keys, digests, parts, rows = bytearray(), bytearray(), array("i"), array("i")
         for number, path in enumerate(self._paths):
             index = audio_cache.read_index(path)
             for row, (cut_id, digest) in enumerate(zip(index.column("cut_id").to_pylist(),
-                                                       index.column("source_sha256").to_pylist())):
+                                                       index.column("source_sha256").to_pylist(), strict=True)):
                 keys += key_digest(cut_id)
                 digests += _source_digest(digest, path)
                 parts.append(number)

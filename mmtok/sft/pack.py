@@ -35,11 +35,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from mmtok.formats.chat import ConversationError, with_media_names
-from mmtok.formats.conversations import (KIND_SUFFIXES, Conversation, Located, check_inputs, check_media_roots,
-                                         input_fingerprint, locate, read_conversations)
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
+from mmtok.formats.chat import ConversationError, with_media_names
+from mmtok.formats.conversations import (
+    KIND_SUFFIXES,
+    Conversation,
+    Located,
+    check_inputs,
+    check_media_roots,
+    input_fingerprint,
+    locate,
+    read_conversations,
+)
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, read_json_object, refuse_out_overlapping
 
 SAMPLES_PER_TAR = 1000

@@ -261,7 +261,7 @@ def megatron_recipe(paths: list[str], *, weights: list[float] | None = None, tok
     seq_length, seq_note = (advised, advice) if seq_length is None else (seq_length, f"as given (advised: {advised:,})")
     split, split_note = advise_split([len(part) for part in lengths])
     data = [str(prefix.resolve()) for prefix in prefixes]
-    data_path = " ".join(f"{w:g} {p}" for w, p in zip(weights, data)) if weights else " ".join(data)
+    data_path = " ".join(f"{w:g} {p}" for w, p in zip(weights, data, strict=True)) if weights else " ".join(data)
     arguments = [f"--data-path {data_path}", f"--split {split}", "--tokenizer-type HuggingFaceTokenizer",
                  f"--tokenizer-model {Path(tokenizer).resolve() if tokenizer else 'TOKENIZER_DIR'}",
                  f"--make-vocab-size-divisible-by {VOCAB_DIVISIBLE_BY}", f"--seq-length {seq_length}"]
@@ -313,7 +313,7 @@ def short_dataset_warnings(prefixes: list[Path], tokens: list[int], seq_length: 
                            blended_by_size: bool) -> list[str]:
     """One warning per dataset that holds fewer tokens than one sample (--seq-length + 1)."""
     warnings = []
-    for prefix, count in zip(prefixes, tokens):
+    for prefix, count in zip(prefixes, tokens, strict=True):
         if samples_per_epoch(count, seq_length):
             continue
         what = (f"{prefix} holds {count:,} tokens, fewer than one sample (--seq-length + 1 = {seq_length + 1:,}), "
@@ -350,7 +350,7 @@ def budget_epochs(prefixes: list[Path], tokens: list[int], weights: list[float] 
     notes = [f"# epochs: --train-samples {train_samples:,} of --seq-length {seq_length:,} = {train_tokens:,} train "
              f"tokens{served_note}; each dataset's epochs = its share of the blend x the tokens served / its tokens"]
     warnings = []
-    for prefix, count, share in zip(prefixes, tokens, shares):
+    for prefix, count, share in zip(prefixes, tokens, shares, strict=True):
         epochs = share * served * seq_length / max(count, 1)
         unused = f" -- {1 - epochs:.0%} of its tokens never train" if epochs < 1 else ""
         notes.append(f"#   {prefix}: share {share:.3f}, {count:,} tokens: {epochs:,.2f} epochs{unused}")
@@ -369,15 +369,15 @@ def _recipe_notes(prefixes, metas, lengths, layout: VocabLayout, weights, tokeni
                   split_note: str) -> list[str]:
     padded = ", ".join(f"{_padded(layout.total_size, tp):,} at TP {tp}" for tp in TENSOR_PARALLEL_SIZES)
     notes = [f"# data: {prefix}: {len(part):,} documents, {int(part.sum()):,} tokens, longest {int(part.max()):,}"
-             for prefix, part in zip(prefixes, lengths)]
+             for prefix, part in zip(prefixes, lengths, strict=True)]
     if len(metas) > 1:
         notes.append("# --data-path: weights are normalized by Megatron" if weights else
                      "# --data-path: no weights given, so Megatron blends the datasets by their sizes")
     notes += [
-        f"# vocabulary: {layout.total_size:,} ids = {layout.text_size:,} text + {layout.image_offset - layout.text_size} "
-        f"omni-special + {layout.image_codebook:,} image + {layout.audio_codebook:,} audio; Megatron pads the "
-        f"embedding to a multiple of {VOCAB_DIVISIBLE_BY} x --tensor-model-parallel-size: {padded} "
-        "(the padding ids never occur in the data)",
+        f"# vocabulary: {layout.total_size:,} ids = {layout.text_size:,} text + "
+        f"{layout.image_offset - layout.text_size} omni-special + {layout.image_codebook:,} image + "
+        f"{layout.audio_codebook:,} audio; Megatron pads the embedding to a multiple of {VOCAB_DIVISIBLE_BY} x "
+        f"--tensor-model-parallel-size: {padded} (the padding ids never occur in the data)",
         f"# --seq-length: {seq_note}",
         "# samples: megatron-core's GPTDataset shuffles the documents, concatenates them (each mmtok document ends "
         "with EOS, the tokenizer's eos_token, which Megatron uses as eod) and cuts samples of --seq-length + 1 tokens "

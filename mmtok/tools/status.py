@@ -30,11 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mmtok.formats.parts import timing_stats
 from mmtok.errors import DamagedFile, MmtokError
 from mmtok.formats import commitlog, skips
+from mmtok.formats.parts import shared_identity, timing_stats
 from mmtok.fsutil import WriterLock
-from mmtok.formats.parts import shared_identity
 from mmtok.ranks import imbalance, rank_costs
 
 STATES = ("done", "running", "stopped", "missing", "damaged")
@@ -116,8 +115,9 @@ def _read_part(number: int, directory: Path) -> dict:
     else:
         state, detail = "stopped", RESUME_HINT
     counts = dict(records[-1]["counts"]) if records else {}
-    return {**part, "state": state, "detail": detail, "identity": identity, "part_batches": identity.get("part_batches"),
-            "counts": counts, "units_done": len(records), "silent_s": _silent_s(directory) if holder else None,
+    return {**part, "state": state, "detail": detail, "identity": identity,
+            "part_batches": identity.get("part_batches"), "counts": counts, "units_done": len(records),
+            "silent_s": _silent_s(directory) if holder else None,
             "tokens": sum(n for record in records for n in record["lengths"]) + counts.get("item_tokens", 0)}
 
 
@@ -353,14 +353,14 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
     for index, count in enumerate(np.bincount(codes, minlength=len(names))):
         table[index]["rows"] = int(count)
     dropped = opened.table(DROPPED_FILE, ["manifest_row", "reason"]).to_pydict()
-    for row, reason in zip(dropped["manifest_row"], dropped["reason"]):
+    for row, reason in zip(dropped["manifest_row"], dropped["reason"], strict=True):
         stage, name = ("scan", reason[5:]) if reason.startswith("scan:") else ("plan", reason)
         table[codes[row]][stage][name] += 1
     kept = opened.table(IMAGES_FILE, ["manifest_row"]).column(0).to_numpy()
     plan_row = opened.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
     bounds = np.append(plan_row, len(kept))
     out = Path(status["out"])
-    for part, (start, end) in zip(status["parts"], opened.ranges(status["num_parts"])):
+    for part, (start, end) in zip(status["parts"], opened.ranges(status["num_parts"]), strict=True):
         rows = kept[bounds[start]:bounds[end]]
         skipped = [r for r in commitlog.read_skipped(commitlog.part_dir(out, part["part"]))
                    if r.position is not None and 0 <= r.position < len(codes)]

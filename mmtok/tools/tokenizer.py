@@ -38,9 +38,17 @@ from mmtok import __version__
 from mmtok.errors import MmtokError, brief
 from mmtok.formats import interleave, megatron, merged
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required
-from mmtok.text import (CHAT_TEMPLATE_FILE, CONFIG_JSON, TekkenTokenizer, TextTokenizer,
-                        check_contiguous, load_text_tokenizer, read_chat_template, tokenizer_difference,
-                        tokenizer_file)
+from mmtok.text import (
+    CHAT_TEMPLATE_FILE,
+    CONFIG_JSON,
+    TekkenTokenizer,
+    TextTokenizer,
+    check_contiguous,
+    load_text_tokenizer,
+    read_chat_template,
+    tokenizer_difference,
+    tokenizer_file,
+)
 from mmtok.vocab import OMNI_SPECIAL_BLOCK, OMNI_SPECIAL_TOKENS, TOKEN_ALIASES, VocabLayout
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -239,7 +247,8 @@ def verify_ids(tokenizer, base_vocab: dict[str, int], layout: VocabLayout, spec:
         problem = f"{len(vocab):,} ids instead of {layout.total_size:,}"
     elif moved := next((name for name, i in base_vocab.items() if vocab.get(name) != i), None):
         problem = f"text token {brief(repr(moved))} moved from id {base_vocab[moved]:,} to {vocab.get(moved)}"
-    elif wrong := next((n for i, n in enumerate(omni_token_names(layout), layout.text_size) if vocab.get(n) != i), None):
+    elif wrong := next((n for i, n in enumerate(omni_token_names(layout), layout.text_size) if vocab.get(n) != i),
+                       None):
         problem = f"{wrong!r} got id {vocab.get(wrong)} instead of its layout id"
     else:
         for alias, target in TOKEN_ALIASES.items():
@@ -318,7 +327,8 @@ def read_tokenizer(directory: str | Path) -> tuple[object, dict]:
 
 def dataset_metadata(prefix: str | Path) -> dict:
     """What mmtok recorded about the dataset at `prefix`: `vocab`, `text_tokenizer`, `codec` and, for image
-    data, `text_special_ids` -- from OUT/merged.json (`mmtok merge`) or OUT/interleave.json (`mmtok audio interleave`)."""
+    data, `text_special_ids` -- from OUT/merged.json (`mmtok merge`) or OUT/interleave.json
+    (`mmtok audio interleave`)."""
     prefix = Path(prefix)
     if not (megatron.idx_path(prefix).is_file() and megatron.bin_path(prefix).is_file()):
         raise MmtokError(f"{prefix}: no {prefix.name}.bin/.idx -- pass a dataset prefix such as OUT/merged")
@@ -331,7 +341,8 @@ def dataset_metadata(prefix: str | Path) -> dict:
     vocab = required(meta, "vocab", dict, path)
     required(vocab, "text_size", int, path)
     return {"file": str(path), "vocab": vocab,
-            **{key: required(meta, key, dict, path, default={}) for key in ("text_tokenizer", "codec", "text_special_ids")}}
+            **{key: required(meta, key, dict, path, default={})
+               for key in ("text_tokenizer", "codec", "text_special_ids")}}
 
 
 def _recorded_layout(directory: Path) -> tuple[Path, dict] | None:
@@ -393,7 +404,7 @@ def _config_matches(actual, expected: dict) -> bool:
     required = ("name", "offset", "vocab_size")
     return (isinstance(have, list) and len(have) == len(expected["modalities"])
             and all(isinstance(h, dict) and all(h.get(k) == v for k, v in e.items() if k in h or k in required)
-                    for h, e in zip(have, expected["modalities"])))
+                    for h, e in zip(have, expected["modalities"], strict=True)))
 
 
 def layout_problems(meta: dict, layout: VocabLayout, prefix) -> list[str]:
@@ -454,7 +465,8 @@ def id_problems(prefix, vocab_size: int) -> tuple[list[str], str]:
 
 def id_range(tokens: np.ndarray, chunk: int = 1 << 24) -> tuple[int, int]:
     """(min, max) of `tokens`, read in chunks so a memory-mapped dataset is not loaded whole; (0, -1) when empty."""
-    ranges = [(int(part.min()), int(part.max())) for part in (tokens[i : i + chunk] for i in range(0, len(tokens), chunk))]
+    ranges = [(int(part.min()), int(part.max()))
+              for part in (tokens[i : i + chunk] for i in range(0, len(tokens), chunk))]
     return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else (0, -1)
 
 
@@ -520,7 +532,7 @@ def value_differences(ours, theirs, names: tuple[str, str], key: str = "") -> li
                 found += value_differences(ours[name], theirs[name], names, path)
         return found
     if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
-        return [found for i, (a, b) in enumerate(zip(ours, theirs))
+        return [found for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
                 for found in value_differences(a, b, names, f"{key}[{i}]")]
     if ours == theirs and type(ours) is type(theirs):
         return []
