@@ -332,6 +332,19 @@ def same_file_as(paths: Iterable[str | os.PathLike]) -> list[int | None]:
     return earlier
 
 
+def random_access(array):
+    """`array` (a NumPy memory map) with the kernel's read-ahead off for it (MADV_RANDOM): a lookup faults in
+    its own page, not the 128 KiB around it, so the pages a process holds of a big index it looks a few
+    thousand keys up in stay bounded by its lookups, not by the index's size. Where the platform or the
+    array has no such advice, the array as it is."""
+    import mmap
+
+    mapped = getattr(array, "_mmap", None)  # np.memmap (and np.load's mmap_mode) keep their mmap.mmap there
+    if mapped is not None and hasattr(mmap, "MADV_RANDOM") and hasattr(mapped, "madvise"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return array
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     import hashlib
 

@@ -664,3 +664,19 @@ def test_cutset_rows_with_odd_supervisions_or_a_reused_recording_id_are_named(tm
     assert any("`start`='zz' is not a finite number" in d for d in details)
     assert any("`custom`='x' is not a JSON object" in d for d in details)
     assert any("differs from the one an earlier cut holds under that id" in d for d in details)
+
+
+def test_a_row_group_that_changed_since_its_rows_were_listed_skips_its_clips_by_name(tmp_path):
+    # the rows of a row group are listed when the units are made and read again when they convert: a file
+    # rewritten in between gives every clip of the group a named skip, never a clip paired with another row
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmtok.audio.sources import ClipSpec, ParquetUnit
+
+    path = tmp_path / "clips.parquet"
+    pq.write_table(pa.table({"audio": [b"a", b"b", b"c"]}), path)
+    clips = [ClipSpec(id=f"r{n}", source_id=f"r{n}", clip=0, origin=f"{path}:{n}") for n in range(2)]
+    out = list(ParquetUnit(origin=str(path), path=str(path), clips=clips).payloads())
+    assert [(o.key, o.reason) for o in out] == [("r0", "unreadable_row_group"), ("r1", "unreadable_row_group")]
+    assert "holds 3 rows, 2 when listed" in out[0].detail

@@ -809,6 +809,9 @@ class ParquetUnit(Unit):
 
         try:
             table = read_group(self.path, self.file_format, self.row_group, [self.audio_column])
+            if table.num_rows != len(self.clips):  # the file changed since its rows were listed
+                raise ValueError(f"row group {self.row_group} holds {table.num_rows} rows, {len(self.clips)} when "
+                                 "listed: the file changed during the run")
         except Exception as err:  # pyarrow raises several types for damaged files
             for clip in self.clips:
                 unreadable = skip_record(clip.id, clip.origin, "unreadable_row_group", str(err))

@@ -28,6 +28,7 @@ from mmtok.errors import MmtokError, Skip
 from mmtok.formats import commitlog, kept
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.manifest import identity_change, stale_detail
+from mmtok.fsutil import random_access
 
 IMAGE_KIND = "image"
 TEMPLATE_KIND = "template"
@@ -209,7 +210,7 @@ KEPT_DIR = "image-index"  # `mmtok sft` OUT/image-index/: the index one rank bui
 
 def _item_ids(directory: Path, end: int) -> np.ndarray:
     """A part's item ids (memory-mapped), refused when its records need more than the file holds."""
-    ids = np.asarray(commitlog.read_item_ids(directory, end))
+    ids = np.asarray(random_access(commitlog.read_item_ids(directory, end)))  # sft looks a few blocks up in it
     if end > ids.size:  # records that point past the ids: never lend a cut block
         raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
                          f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "

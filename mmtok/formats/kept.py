@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object
+from mmtok.fsutil import atomic_write_bytes, atomic_write_json, random_access, read_json_object
 
 META = "index.json"
 
@@ -71,7 +71,7 @@ def load(folder: Path, made_of: list[dict], fmt: str) -> tuple[dict[str, np.ndar
         if files_of([path]) != [identity]:
             return None
         try:
-            arrays[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+            arrays[name] = random_access(np.load(path, mmap_mode="r", allow_pickle=False))
         except (OSError, ValueError):
             return None
     return arrays, meta
