@@ -124,6 +124,16 @@ BROKEN = {  # codec name -> the module its distribution registers for it
     "breaks-the-contract": ("from mmtok_toycodec import *\nimport mmtok_toycodec\n\n"
                             "def load(directory, device):\n    codec = mmtok_toycodec.load(directory, device)\n"
                             "    codec.pixels_per_code = 0\n    return codec\n"),
+    "exits-at-import": "import sys\nsys.exit('this plugin ends the process')\n",
+    "load-raises": ("from mmtok_toycodec import MODALITY, TOKENIZER_TYPE, checkpoint_paths, write_random_checkpoint\n\n"
+                    "def load(directory, device):\n    raise ValueError('boom in load')\n"),
+    "another-name": ("from mmtok_toycodec import *\nimport mmtok_toycodec\n\n"
+                     "def load(directory, device):\n    return mmtok_toycodec.load(directory, device)\n"),
+    "codes-out-of-range": ("from mmtok_toycodec import *\nimport mmtok_toycodec\n\n"
+                           "class Wrong(mmtok_toycodec.ToyImageCodec):\n    name = 'codes-out-of-range'\n\n"
+                           "    def encode(self, pixels):\n        return super().encode(pixels) + 1000\n\n"
+                           "def load(directory, device):\n    codec = mmtok_toycodec.load(directory, device)\n"
+                           "    codec.__class__ = Wrong\n    return codec\n"),
 }
 
 
@@ -158,12 +168,23 @@ def test_a_broken_plugin_is_one_line_naming_it_and_hides_no_other_codec(broken_p
                  "--out", str(tmp_path / "codes.npy"), *small]) == 2
     line = _one_line(capsys)
     number = list(BROKEN).index(name)
-    assert f"codec plugin {name!r} (mmtok_broken_{number}, from broken-{number})" in line, line
-    expected = {"fails-to-import": "failed to import: ModuleNotFoundError", "no-functions": "no function",
-                "not-a-codec": "not a mmtok.codecs.base.Codec", "breaks-the-contract": "pixels_per_code must be"}
+    if name != "codes-out-of-range":  # a codec that loaded: its codes are refused, named by the codec
+        assert f"codec plugin {name!r} (mmtok_broken_{number}, from broken-{number})" in line, line
+    else:
+        assert "codec codes-out-of-range: the codes of" in line, line
+    expected = {"fails-to-import": "import failed: ModuleNotFoundError", "no-functions": "no function",
+                "not-a-codec": "not a mmtok.codecs.base.Codec", "breaks-the-contract": "pixels_per_code must be",
+                "exits-at-import": "import failed: SystemExit: this plugin ends the process",
+                "load-raises": "load() failed: ValueError: boom in load",
+                "another-name": "name 'toy-image' is not the name it is registered as ('another-name')",
+                "codes-out-of-range": "outside [0, 64)"}
     assert expected[name] in line, line
-    # every other codec still works, the built-in ones and the toy plugin beside the broken one
+    # every other codec still works, the built-in ones and the toy plugin beside the broken one, and a
+    # mistake about another codec is told without importing any plugin
     assert {"emu3.5", "emu3", "toy-image"} <= set(registry.names("image"))
+    assert main(["encode", "--plan", str(tmp_path / "plan"), "--codec", "wavtokenizer", "--checkpoint",
+                 str(broken_plugins), "--out", str(tmp_path / "encoded"), "--device", "cpu"]) == 2
+    assert "--codec wavtokenizer is an audio codec; this needs an image codec (registered codecs:" in _one_line(capsys)
     for codec, checkpoint in (("emu3.5", emu35.write_random_checkpoint(tmp_path / "emu35")),
                               ("toy-image", broken_plugins)):
         assert main(["codec", "encode", "--codec", codec, "--checkpoint", str(checkpoint), str(image),

@@ -241,14 +241,17 @@ def check_plugin(plugin: object, where: str) -> None:
         raise MmtokError(f"{where} does not meet the codec contract: TOKENIZER_TYPE must be a non-empty string")
 
 
-def check_codec(codec: object, plugin: CodecPlugin, where: str) -> None:
-    """MmtokError naming `where` unless what its `load` returned is a `Codec` with the attributes its modality
-    needs, codes that fit the vocabulary's block for it, and its plugin's modality."""
+def check_codec(codec: object, plugin: CodecPlugin, name: str, where: str) -> None:
+    """MmtokError naming `where` unless what its `load` returned is a `Codec` registered as `name` (the name
+    every output records and a resume compares), with the attributes its modality needs, codes that fit the
+    vocabulary's block for it, and its plugin's modality."""
     from mmtok.vocab import AUDIO_CODEBOOK, IMAGE_CODEBOOK
 
     if not isinstance(codec, Codec):
         raise MmtokError(f"{where}: load() returned a {type(codec).__name__}, not a mmtok.codecs.base.Codec")
     problems = []
+    if codec.name != name:
+        problems.append(f"name {codec.name!r} is not the name it is registered as ({name!r})")
     if codec.modality != plugin.MODALITY:
         problems.append(f"modality {codec.modality!r} is not the plugin's MODALITY {plugin.MODALITY!r}")
     if not isinstance(getattr(codec, "precision", None), PrecisionContract):

@@ -88,15 +88,29 @@ def plugin(name: str) -> CodecPlugin:
     entry = registered[0]
     where = _where(entry)
     module, _, attribute = entry.value.partition(":")
-    try:
-        found = importlib.import_module(module.strip())
-        for part in filter(None, attribute.strip().split(".")):
-            found = getattr(found, part)
-    except Exception as err:  # a stranger's import can raise anything; it must not become a traceback
-        message = str(err).splitlines()[0] if str(err) else ""
-        raise MmtokError(f"{where} failed to import: {type(err).__name__}: {message}") from None
+    found = _calling(where, "import", lambda: _resolve(module.strip(), attribute.strip()))
     check_plugin(found, where)
     return found
+
+
+def _resolve(module: str, attribute: str):
+    found = importlib.import_module(module)
+    for part in filter(None, attribute.split(".")):
+        found = getattr(found, part)
+    return found
+
+
+def _calling(where: str, what: str, call):
+    """`call()`, where it runs a stranger's code: anything it raises but an MmtokError or an OSError (already
+    one line each) becomes one MmtokError naming the plugin -- SystemExit included, so a plugin cannot end the
+    process; only Ctrl-C passes."""
+    try:
+        return call()
+    except (MmtokError, OSError, KeyboardInterrupt):
+        raise
+    except BaseException as err:
+        message = str(err).splitlines()[0] if str(err) else ""
+        raise MmtokError(f"{where}: {what} failed: {type(err).__name__}: {message}") from None
 
 
 def _where(entry: Entry) -> str:
@@ -107,9 +121,9 @@ def _where(entry: Entry) -> str:
 def of_modality(name: str, modality: str, flag: str = "--codec") -> CodecPlugin:
     """The plugin of codec `name`, refused in one line unless it is a `modality` codec."""
     found = plugin(name)
-    if found.MODALITY != modality:
-        raise MmtokError(f"{flag} {name} is an {found.MODALITY} codec; this needs an {modality} codec: "
-                         f"{', '.join(names(modality))}")
+    if found.MODALITY != modality:  # the names from the metadata alone: listing them imports no other plugin
+        raise MmtokError(f"{flag} {name} is an {found.MODALITY} codec; this needs an {modality} codec "
+                         f"(registered codecs: {', '.join(names())})")
     return found
 
 
@@ -122,8 +136,9 @@ def load_codec(name: str, checkpoint: str | os.PathLike, device="cpu", modality:
     path = Path(checkpoint)
     if not path.exists():
         raise MmtokError(f"{name}: checkpoint not found: {path}")
-    codec = found.load(path, torch.device(device))
-    check_codec(codec, found, _where(entries()[name][0]))
+    where = _where(entries()[name][0])
+    codec = _calling(where, "load()", lambda: found.load(path, torch.device(device)))
+    check_codec(codec, found, name, where)
     return codec.eval()
 
 
@@ -132,5 +147,7 @@ def checkpoint_sha256(name: str, checkpoint: str | os.PathLike) -> str | None:
     it (so a run can be compared with an earlier one first); None when a file is missing (the load says so)."""
     from mmtok.codecs.base import checkpoint_fingerprint
 
-    paths = [Path(path) for path in plugin(name).checkpoint_paths(Path(checkpoint))]
+    found = plugin(name)
+    paths = _calling(_where(entries()[name][0]), "checkpoint_paths()",
+                     lambda: [Path(path) for path in found.checkpoint_paths(Path(checkpoint))])
     return checkpoint_fingerprint(paths) if all(path.is_file() for path in paths) else None

@@ -46,6 +46,7 @@ def run(args) -> int:
     from mmtok.codecs.registry import load_codec
     from mmtok.fsutil import refuse_out_overlapping
     from mmtok.launch import resolve_device
+    from mmtok.vocab import check_ids_in_range
 
     refuse_out_overlapping(args.out, [args.input, args.checkpoint])
     codec = load_codec(args.codec, args.checkpoint, resolve_device(args.device))
@@ -55,6 +56,7 @@ def run(args) -> int:
     with torch.inference_mode():
         if args.codec_command == "encode":
             codes = _encode(codec, args)
+            check_ids_in_range(codes, 0, codec.codebook_size, f"codec {codec.name}: the codes of {args.input}")
             np.save(out, codes)
             print_summary("codec encode",
                           f"{args.input}: {plural(codes.size, 'code')}, shape {list(codes.shape)} -> {out}")

@@ -41,18 +41,19 @@ def run_demo(out: Path, *, world_size: int = 2, image_checkpoint: str | None = N
              audio_checkpoint: str | None = None, audio: bool = True) -> dict:
     """Run the demo into `out` (an earlier demo's output there is replaced, nothing else) and return its
     summary."""
-    from mmtok.codecs import emu35, wavtokenizer
+    from mmtok.codecs import registry
 
     started = time.monotonic()
     _prepare(out, [image_checkpoint, audio_checkpoint if audio else None])
     random_weights = not (image_checkpoint and (audio_checkpoint or not audio))
     if image_checkpoint is None:
-        image_checkpoint = str(emu35.write_random_checkpoint(out / "checkpoints" / "emu3.5-tiny-random"))
+        image = registry.plugin("emu3.5")
+        image_checkpoint = str(image.write_random_checkpoint(out / "checkpoints" / "emu3.5-tiny-random"))
     summary = {"images": _image_flow(out, world_size, image_checkpoint)}
     if audio:
         if audio_checkpoint is None:
-            audio_checkpoint = str(wavtokenizer.write_random_checkpoint(out / "checkpoints" /
-                                                                         "wavtokenizer-tiny-random"))
+            sound = registry.plugin("wavtokenizer")
+            audio_checkpoint = str(sound.write_random_checkpoint(out / "checkpoints" / "wavtokenizer-tiny-random"))
         summary["audio"] = _audio_flow(out, world_size, audio_checkpoint)
         summary["sft"] = _sft_flow(out, world_size, image_checkpoint, audio_checkpoint)
     summary["seconds"] = round(time.monotonic() - started, 1)

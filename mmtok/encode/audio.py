@@ -483,5 +483,6 @@ def encode_batch(codec, batch: dict, device, trim: int, layout) -> list[tuple[in
         codes, counts = codes.cpu().numpy(), counts.cpu().numpy()
         for row, position in enumerate(batch["positions"]):
             keep = int(counts[row]) - trim
+            check_ids_in_range(codes[row, :keep], 0, codec.codebook_size, f"codec {codec.name}: the codes of a clip")
             results.append((position, "", layout.audio_ids(codes[row, :keep])))
     return results

@@ -269,7 +269,10 @@ def _encode(codec, prepared: PreparedBatch, device: torch.device) -> np.ndarray 
     if all(prepared.failures):
         return None
     pixels = prepared.pixels.to(device, non_blocking=True)  # async from pinned memory on CUDA
-    return codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
+    codes = codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
+    # a codec's codes lie in its own codebook (a plugin's may be smaller than the vocabulary's image block)
+    check_ids_in_range(codes, 0, codec.codebook_size, f"codec {codec.name}: the codes of a batch")
+    return codes
 
 
 def _commit(part: PartWriter, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
