@@ -121,9 +121,11 @@ class Assembler:
     assembles those (`mmtok.merge.assemble`), so no rank waits for another and any batch boundary is a cut.
     """
 
-    def __init__(self, work: RankWork, builder: DocumentBuilder):
+    def __init__(self, work: RankWork, builder: DocumentBuilder, codebook_size: int):
+        """`codebook_size`: the codec's, within the vocabulary's image block (a plugin's may be smaller)."""
         self.work = work
         self.builder = builder
+        self.codebook_size = codebook_size
         self.consecutive_failures = 0
 
     def add(self, prepared: PreparedBatch, codes: np.ndarray | None, max_failures: int) -> Commit:
@@ -156,7 +158,7 @@ class Assembler:
 
     def _block(self, codes: np.ndarray, row: int) -> np.ndarray:
         r = self.work.rows  # the last guard: no code outside the image codebook reaches a commit
-        check_ids_in_range(codes, 0, self.builder.layout.image_codebook,
+        check_ids_in_range(codes, 0, self.codebook_size,
                            f"image codes of {r['tar'][row]} member {r['member'][row]} "
                            f"(manifest row {r['manifest_row'][row]})")
         block = self.builder.image_block(codes)
@@ -236,7 +238,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
         if part.done:
             return {"already_done": True, **_summary_counts(part)}
         start = max(work.batch_range[0], part.next_unit)
-        assembler = Assembler(work, builder)
+        assembler = Assembler(work, builder, min(codec.codebook_size, builder.layout.image_codebook))
         batches = range(start, work.batch_range[1])
         meter = _run_batches(work, codec, part, assembler, batches, device, options)
         stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
@@ -269,10 +271,7 @@ def _encode(codec, prepared: PreparedBatch, device: torch.device) -> np.ndarray 
     if all(prepared.failures):
         return None
     pixels = prepared.pixels.to(device, non_blocking=True)  # async from pinned memory on CUDA
-    codes = codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
-    # a codec's codes lie in its own codebook (a plugin's may be smaller than the vocabulary's image block)
-    check_ids_in_range(codes, 0, codec.codebook_size, f"codec {codec.name}: the codes of a batch")
-    return codes
+    return codec.encode(pixels).cpu().numpy()  # .cpu() waits for the device
 
 
 def _commit(part: PartWriter, assembler: Assembler, prepared: PreparedBatch, codes: np.ndarray | None,
