@@ -136,21 +136,22 @@ class ImageIndex:
         finds it for the same files relies on that check instead of reading every part's bytes again, so what a
         rank reads does not grow with the corpus. A part file changed since makes the index be built (and the
         parts checked) again."""
-        made_of = kept.files_of([file for directory in directories for file in commitlog.verified_files(directory)])
-        found = kept.load(folder, made_of, KEPT_FORMAT)
-        if found is not None:
-            return cls(directories, {"arrays": found[0], **found[1]})
-        for directory in directories:
-            commitlog.verify_part(directory)
-        index = cls(directories)
-        samples_high, samples_low = index._samples.halves()
-        members_high, members_low = index._members.halves()
+        def check() -> None:
+            for directory in directories:
+                commitlog.verify_part(directory)
+
+        inputs = [file for directory in directories for file in commitlog.verified_files(directory)]
+        arrays, fields = kept.load_or_keep(folder, inputs, KEPT_FORMAT, check, lambda: cls(directories)._kept())
+        return cls(directories, {"arrays": arrays, **fields})
+
+    def _kept(self) -> tuple[dict[str, np.ndarray], dict]:
+        """(arrays, fields) that `_restore` makes this index of again."""
+        samples_high, samples_low = self._samples.halves()
+        members_high, members_low = self._members.halves()
         arrays = {"members_high": members_high, "members_low": members_low, "samples_high": samples_high,
-                  "samples_low": samples_low, "samples_counts": index._samples.counts, "digests": index._digests,
-                  **{f"column_{name}": column for name, column in index._columns.items()}}
-        kept.keep(folder, made_of, arrays, {"ends": index._ends, "tars": index.tars, "containers": index._containers},
-                  KEPT_FORMAT)
-        return index
+                  "samples_low": samples_low, "samples_counts": self._samples.counts, "digests": self._digests,
+                  **{f"column_{name}": column for name, column in self._columns.items()}}
+        return arrays, {"ends": self._ends, "tars": self.tars, "containers": self._containers}
 
     def _restore(self, directories: list[Path], restored: dict) -> None:
         arrays = restored["arrays"]

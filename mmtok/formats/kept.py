@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +76,19 @@ def load(folder: Path, made_of: list[dict], fmt: str) -> tuple[dict[str, np.ndar
         except (OSError, ValueError):
             return None
     return arrays, meta
+
+
+def load_or_keep(folder: Path, inputs: list[Path], fmt: str, check: Callable[[], None],
+                 build: Callable[[], tuple[dict[str, np.ndarray], dict]]) -> tuple[dict[str, np.ndarray], dict]:
+    """(arrays, fields) of the index of `inputs` kept in `folder`; when there is none for exactly these files,
+    `check()` (the inputs against their checksums), then `build()`, kept for the other ranks. The index records
+    the inputs as they were before the check, so a rank that finds it relies on that check: an input changed
+    during or after it makes the next rank check and build again."""
+    made_of = files_of(inputs)
+    found = load(folder, made_of, fmt)
+    if found is not None:
+        return found
+    check()
+    arrays, fields = build()
+    keep(folder, made_of, arrays, fields, fmt)
+    return arrays, fields

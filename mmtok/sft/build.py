@@ -178,16 +178,15 @@ class AudioClips:
             for _, directory in commitlog.part_directories(out):
                 for record in commitlog.read_skipped(directory):
                     self._why.setdefault(record.key, record.skip())
-        # As for the image index (`ImageIndex.cached`): the rank that makes the clip index checks every cache part
-        # against its checksum file first; a rank that finds it kept for the same files relies on that check.
-        made_of = kept.files_of([file for path in self._paths for file in audio_cache.verified_files(path)])
-        found = kept.load(kept_in, made_of, CLIPS_FORMAT) if kept_in is not None else None
-        if found is None and kept_in is not None:
-            for path in self._paths:
-                audio_cache.verify(path)
-        arrays = found[0] if found is not None else self._index()
-        if found is None and kept_in is not None:
-            kept.keep(kept_in, made_of, arrays, {}, CLIPS_FORMAT)
+        if kept_in is None:
+            arrays = self._index()
+        else:  # as the image index (`ImageIndex.cached`): the rank that makes it checks every cache part first
+            def check() -> None:
+                for path in self._paths:
+                    audio_cache.verify(path)
+
+            inputs = [file for path in self._paths for file in audio_cache.verified_files(path)]
+            arrays = kept.load_or_keep(kept_in, inputs, CLIPS_FORMAT, check, lambda: (self._index(), {}))[0]
         self._clips = KeyTable(arrays["clips_high"], arrays["clips_low"], None)
         self._part, self._row, self._digests = arrays["part"], arrays["row"], arrays["digests"]
         self.converted = [os.path.realpath(c) for c in converted]  # named in the identity: a resume needs the same
