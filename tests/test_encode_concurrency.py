@@ -60,11 +60,21 @@ def test_two_encodes_of_one_rank_started_together_give_one_writer_and_one_refusa
     by_pid = {p.pid: p for p in processes}
     deadline = time.monotonic() + 120
     holder = None
+    lock = part_dir(out, 0) / WriterLock.NAME
     while holder is None and time.monotonic() < deadline and all(p.poll() is None for p in processes):
-        holder = _lock_holder(part_dir(out, 0) / WriterLock.NAME, set(by_pid))
+        holder = _lock_holder(lock, set(by_pid))
+        # a holder names itself in the lock file just after taking the lock: freeze it only once it has (else
+        # the refused process reads an empty file, "holder unknown" -- a race this test once lost), and only
+        # while it still holds the lock (its start-up check takes and drops it at once)
+        if holder is not None and f"pid {holder}," in lock.read_text("utf-8", errors="replace"):
+            os.kill(holder, signal.SIGSTOP)  # freeze the writer while it holds the lock
+            if _lock_holder(lock, {holder}) != holder:
+                os.kill(holder, signal.SIGCONT)
+                holder = None
+        else:
+            holder = None
         time.sleep(0.001)
     assert holder is not None, "neither process took the part's lock: " + str([p.communicate() for p in processes])
-    os.kill(holder, signal.SIGSTOP)  # freeze the writer while it holds the lock
     try:
         other = next(p for pid, p in by_pid.items() if pid != holder)
         _, err = other.communicate(timeout=120)
