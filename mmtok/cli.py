@@ -17,8 +17,8 @@ import sys
 from mmtok import __version__
 from mmtok.errors import MmtokError
 
-COMMANDS = ("scan", "plan", "calibrate", "encode", "pack", "sft", "merge", "audio", "bench", "inspect", "codec", "demo",
-            "tokenizer", "status")
+COMMANDS = ("scan", "hash", "plan", "calibrate", "encode", "pack", "sft", "merge", "audio", "bench", "inspect",
+            "codec", "demo", "tokenizer", "status")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mmtok"
 TOP = ("cli", "commands")  # argument parsing and printing: may import anything
-STAGES = ("scan", "plan", "encode", "audio", "sft", "merge")  # each makes one kind of output
+STAGES = ("scan", "curate", "plan", "encode", "audio", "sft", "merge")  # each makes one kind of output
 TOOLS = ("tools", "bench")  # read outputs, write no dataset
 SHARED = ("formats", "codecs", "media")  # files, codecs and media rules: what the rooms share
 ROOT_MODULES = ("documents", "errors", "extras", "fsutil", "launch", "progress", "ranks", "text", "vocab")

@@ -27,6 +27,16 @@ class ImageDecodeError(Skip):
 
 def open_image(data: bytes) -> Image.Image:
     """Decode image bytes fully (first frame), apply EXIF orientation. Raises ImageDecodeError."""
+    image = decode_stored(data)
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception as err:
+        raise ImageDecodeError("exif_error", f"{type(err).__name__}: {err}") from None
+
+
+def decode_stored(data: bytes) -> Image.Image:
+    """Decode image bytes fully (first frame) as stored: no EXIF orientation. Raises ImageDecodeError;
+    an image of more than MAX_DECODE_PIXELS is refused before its pixels are decoded."""
     if not data:
         raise ImageDecodeError("empty_file")
     try:
@@ -43,10 +53,7 @@ def open_image(data: bytes) -> Image.Image:
         raise ImageDecodeError("decompression_bomb", str(err)) from None
     except Exception as err:  # PIL raises many types (OSError, SyntaxError, ValueError...) for bad bytes
         raise ImageDecodeError("decode_error", f"{type(err).__name__}: {err}") from None
-    try:
-        return ImageOps.exif_transpose(image)
-    except Exception as err:
-        raise ImageDecodeError("exif_error", f"{type(err).__name__}: {err}") from None
+    return image
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -1,0 +1,177 @@
+"""`mmtok hash`: the pHash and sha256 of every image of a manifest, in fixed chunks any rank may take.
+
+The manifest's rows are cut into chunks of `chunk_rows` rows (`mmtok hash --chunk-rows`); chunk c belongs
+first to rank c % world_size, and a rank that has finished its own takes over, from the far end, the chunks
+no other process has claimed (a slow or dead rank's). Each chunk is hashed under its claim (a `WriterLock` on
+its own lock file, dropped by the kernel when its holder dies) and committed with a checksum, so a rerun after
+kill -9 redoes only the chunks that were not committed. Whoever finds every chunk committed writes the table,
+from the chunks alone and in chunk order: the bytes depend on the manifest, never on the world size, the
+workers or the kills.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from mmtok.curate.phash import ALGORITHM, image_hashes
+from mmtok.errors import MmtokError, Skip
+from mmtok.formats import hashes as fmt
+from mmtok.formats.manifest import Manifest, MemberReader, ShortRead, identity_change, stale_detail
+from mmtok.formats.scan_shards import read_commit, read_rows, write_shard
+from mmtok.fsutil import LockHeld, WriterLock
+
+READ_COLUMNS = ("key", "tar", "container", "member", "offset", "size", "status")
+
+
+def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank: int, world_size: int,
+                  workers: int, chunk_rows: int, progress: bool = True) -> dict:
+    """Hash this rank's chunks, then any chunk nobody claimed; when every chunk is committed, write the table
+    (`mmtok.formats.hashes`). Returns what this rank did and, under `table`, the table's metadata when it
+    wrote it (None when other ranks still work). Every rank of a job must be given the same `chunk_rows`."""
+    if chunk_rows < 1:
+        raise MmtokError(f"--chunk-rows must be at least 1, got {chunk_rows}")
+    manifest = Manifest.open(Path(manifest_dir).resolve())
+    fingerprint = manifest.verify()
+    cache = fmt.cache_dir(out, f"{ALGORITHM}-{chunk_rows}", fingerprint)
+    cache.mkdir(parents=True, exist_ok=True)
+    count = max(1, -(-manifest.num_rows // chunk_rows))
+    own = [c for c in range(count) if c % world_size == rank]
+    others = [c for c in reversed(range(count)) if c % world_size != rank]
+    # verified: a chunk whose bytes no longer match its commit (a damaged disk, an edit) is hashed again
+    todo = [c for c in own + others if read_commit(fmt.chunk_path(cache, c), verify=True) is None]
+    began = time.perf_counter()
+    done = _hash_chunks(manifest, cache, todo, workers, progress, count, chunk_rows)
+    share = {"rank": rank, "world_size": world_size, "chunks": count, "hashed_chunks": len(done),
+             "taken_over": len(set(done) - set(own)), "images": sum(done.values()),
+             "seconds": time.perf_counter() - began, "workers": workers, "table": None}
+    share["left"] = sum(read_commit(fmt.chunk_path(cache, c), verify=False) is None for c in range(count))
+    if not share["left"]:
+        try:
+            share["table"] = _write_table(manifest, out, cache, count, source or _source_name(manifest))
+        except LockHeld:  # another rank that finished at the same time writes the same bytes
+            pass
+    return share
+
+
+def _source_name(manifest: Manifest) -> str:
+    """The source a manifest is: the name of the `--source` declaration it was scanned from, else its folder."""
+    return str((manifest.metadata.get("source") or {}).get("name") or manifest.directory.name)
+
+
+def _hash_chunks(manifest: Manifest, cache: Path, todo: list[int], workers: int, progress: bool,
+                 count: int, chunk_rows: int) -> dict[int, int]:
+    """Hash and commit the chunks `todo` that no other process claims; returns chunk -> images hashed."""
+    from mmtok.progress import progress as progress_bar
+
+    identities = manifest.identities(_containers(manifest))
+    done: dict[int, int] = {}
+    bar = progress_bar(total=count, initial=count - len(todo), unit="chunk", desc="hash", enabled=progress)
+    with bar:
+        for chunk, images in _run(manifest.directory, cache, todo, identities, workers, chunk_rows):
+            if images is not None:
+                done[chunk] = images
+            bar.update(1)
+            bar.set_postfix(images=sum(done.values()), refresh=False)
+    return done
+
+
+def _containers(manifest: Manifest) -> list[str]:
+    return sorted({entry["path"] for entry in manifest.metadata.get("inputs", ())})
+
+
+def _run(manifest_dir: Path, cache: Path, todo: list[int], identities: dict, workers: int, chunk_rows: int
+         ) -> Iterator[tuple[int, int | None]]:
+    if workers <= 1 or len(todo) <= 1:
+        for chunk in todo:
+            yield chunk, _claimed(str(manifest_dir), cache, chunk, identities, chunk_rows)
+        return
+    with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+        futures = [(chunk, pool.submit(_claimed, str(manifest_dir), cache, chunk, identities, chunk_rows))
+                   for chunk in todo]
+        for chunk, future in futures:  # in submission order: a chunk is short, the bar stays honest
+            yield chunk, future.result()
+
+
+def _claimed(manifest_dir: str, cache: Path, chunk: int, identities: dict, chunk_rows: int) -> int | None:
+    """Hash and commit one chunk under its claim; None when another process holds the claim or committed it."""
+    path = fmt.chunk_path(cache, chunk)
+    try:
+        claim = WriterLock(cache, f"hash chunk {chunk}", name=f".chunk-{chunk:08d}.lock")
+    except LockHeld:
+        return None
+    with claim:
+        if read_commit(path, verify=True) is not None:
+            return None
+        for stale in cache.glob(f".{path.name}.tmp-*"):  # a killed holder's unfinished writes
+            stale.unlink(missing_ok=True)
+        table = hash_chunk(Manifest.open(manifest_dir), chunk * chunk_rows, chunk_rows, identities)
+        write_shard(path, table, {"chunk": chunk, "rows": table.num_rows}, retry=False)
+        return int(sum(1 for reason in table.column("reason").to_pylist() if not reason))
+
+
+def hash_chunk(manifest: Manifest, start: int, chunk_rows: int, identities: dict) -> pa.Table:
+    """The image rows [start, start + chunk_rows) hashed (CHUNK_SCHEMA): a row that cannot be hashed carries its
+    skip instead. The manifest's error rows are left out (the manifest names them)."""
+    stop = min(start + chunk_rows, manifest.num_rows)
+    rows = np.arange(start, stop, dtype=np.int64)
+    r = manifest.read_rows(rows, READ_COLUMNS)
+    stale = {path: identity_change(path, recorded) for path, recorded in identities.items()
+             if path in set(r["tar"].tolist())}
+    reader = MemberReader(max_open=16)
+    out: dict[str, list] = {name: [] for name in fmt.CHUNK_SCHEMA.names}
+    try:
+        for i in np.flatnonzero(r["status"] == "ok"):
+            phash, digest, skip = _hash_row(reader, r, int(i), stale)
+            for name, value in (("manifest_row", int(rows[i])), ("key", r["key"][i]), ("phash", phash),
+                                ("sha256", digest), ("reason", skip.reason if skip else ""),
+                                ("detail", skip.detail if skip else ""), ("source", r["tar"][i]),
+                                ("container", r["container"][i]), ("member", r["member"][i])):
+                out[name].append(value)
+    finally:
+        reader.close()
+    return pa.table(out, schema=fmt.CHUNK_SCHEMA)
+
+
+def _hash_row(reader: MemberReader, r: dict, i: int, stale: dict) -> tuple[int, bytes, Skip | None]:
+    """(pHash, sha256, None) of row i, or (0, 32 zero bytes, the skip)."""
+    try:
+        change = stale.get(r["tar"][i])
+        if change:  # its offsets describe other bytes now: nothing of it is read
+            raise Skip("stale_media", stale_detail(r["tar"][i], change))
+        data = reader.read_member(r["container"][i], r["tar"][i], r["member"][i], int(r["offset"][i]),
+                                  int(r["size"][i]))
+        phash, digest = image_hashes(data)
+        return phash, digest, None
+    except Skip as skip:  # ImageDecodeError included
+        return 0, bytes(32), skip
+    except ShortRead as err:
+        return 0, bytes(32), Skip("short_read", str(err))
+
+
+def _write_table(manifest: Manifest, out: Path, cache: Path, count: int, source: str) -> dict:
+    """Assemble the table from the committed chunks (each verified by its sha256 first)."""
+    with WriterLock(out, f"the hash table in {out}"):
+        paths = [fmt.chunk_path(cache, c) for c in range(count)]
+        for path in paths:
+            if read_commit(path, verify=True) is None:
+                raise MmtokError(f"{path} does not match its commit (changed or damaged since it was written); "
+                                 f"remove it and rerun `mmtok hash` (it hashes that chunk again)")
+        tables = [read_rows(path) for path in paths]
+        reasons: dict[str, int] = {}
+        for table in tables:
+            for reason in table.column("reason").to_pylist():
+                if reason:
+                    reasons[reason] = reasons.get(reason, 0) + 1
+        scanned_errors = manifest.num_rows - sum(t.num_rows for t in tables)
+        meta = {"algorithm": ALGORITHM, "source": source,
+                "manifest": {"directory": str(manifest.directory), "fingerprint": manifest.fingerprint,
+                             "rows": manifest.num_rows},
+                "counts": {"manifest_rows": manifest.num_rows, "scan_errors": scanned_errors,
+                           "skipped": dict(sorted(reasons.items()))}}
+        return fmt.write_hashes(out, tables, meta)

@@ -1,0 +1,168 @@
+"""The hash table of a manifest: `H/hashes.parquet` + `H/skipped.jsonl` + `H/hashes.json` (written by `mmtok hash`).
+
+  hashes.parquet   one row per hashed image, in manifest row order: `manifest_row`, `key` (the sample key),
+                   `phash` (uint64, the first bit of the hash the most significant), `sha256` (32 bytes, of the
+                   image's bytes as stored)
+  skipped.jsonl    one skip record (`mmtok.formats.skips`, stage "hash") per image that could not be hashed
+  hashes.json      written last (its presence means the other two are complete): the algorithm id, the source
+                   name, the manifest's directory, fingerprint and row count, the counts, and the sha256 of
+                   the other two files (`fingerprint`, `skipped_sha256`)
+
+While it runs, `mmtok hash` commits fixed chunks of manifest rows to `H/.hash-cache/<algorithm>-<manifest
+fingerprint>/chunk-NNNNNNNN.arrow` (through `mmtok.formats.scan_shards`: rows, then their checksummed commit),
+CHUNK_SCHEMA: the hash columns plus, for a row that was skipped, its reason, detail and where it lives. The
+table is assembled from the chunks alone, in chunk order, so its bytes depend only on the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from mmtok import __version__
+from mmtok.errors import MmtokError
+from mmtok.formats import skips
+from mmtok.formats.parquet import FixedRowGroups
+from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
+
+HASHES_FILE = "hashes.parquet"
+SKIPPED_FILE = "skipped.jsonl"
+METADATA_FILE = "hashes.json"
+CACHE_DIR = ".hash-cache"
+FORMAT = "mmtok.hashes"
+FORMAT_VERSION = 1
+ROW_GROUP_ROWS = 1 << 20  # fixed, so the file bytes depend only on the rows
+STAGE = "hash"
+
+SCHEMA = pa.schema([("manifest_row", pa.int64()), ("key", pa.string()), ("phash", pa.uint64()),
+                    ("sha256", pa.binary(32))])
+# A chunk's rows: every image row of the chunk; `reason` "" when hashed, else the skip and where it lives.
+CHUNK_SCHEMA = pa.schema([*SCHEMA, ("reason", pa.string()), ("detail", pa.string()), ("source", pa.string()),
+                          ("container", pa.string()), ("member", pa.string())])
+
+
+def cache_dir(directory: str | os.PathLike, algorithm: str, manifest_fingerprint: str) -> Path:
+    """Where the chunks of one (algorithm, manifest) are committed: another manifest never reuses them."""
+    return Path(directory) / CACHE_DIR / f"{algorithm}-{manifest_fingerprint[:16]}"
+
+
+def chunk_path(cache: Path, chunk: int) -> Path:
+    return cache / f"chunk-{chunk:08d}.arrow"
+
+
+def write_hashes(directory: str | os.PathLike, chunks: Iterable[pa.Table], metadata: dict) -> dict:
+    """Write hashes.parquet and skipped.jsonl from the chunk tables (in order), then hashes.json; return the
+    metadata written. The old hashes.json is removed first, so a killed write leaves no complete-looking table."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / METADATA_FILE).unlink(missing_ok=True)
+    with atomic_writer(directory / HASHES_FILE) as handle, atomic_writer(directory / SKIPPED_FILE) as skipped:
+        writer = pq.ParquetWriter(handle, SCHEMA, compression="zstd")
+        groups = FixedRowGroups(writer, SCHEMA, ROW_GROUP_ROWS)
+        for table in chunks:
+            ok = pc.equal(table.column("reason"), "")
+            groups.write(table.filter(ok).select(SCHEMA.names).cast(SCHEMA))
+            skips.append(skipped, _skip_records(table.filter(pc.invert(ok))))
+        rows = groups.finish(empty_group=True)
+        writer.close()
+        for out in (handle, skipped):
+            out.flush()
+        fingerprint, skipped_sha256 = sha256_file(handle.name), sha256_file(skipped.name)
+    meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
+            "hashed": rows, "fingerprint": fingerprint, "skipped_sha256": skipped_sha256}
+    atomic_write_json(directory / METADATA_FILE, meta)
+    fsync_dir(directory)
+    return meta
+
+
+def _skip_records(table: pa.Table) -> Iterable[skips.SkipRecord]:
+    for row in table.to_pylist():
+        yield skips.SkipRecord(key=row["key"], source=row["source"], container=row["container"],
+                               member=row["member"], position=row["manifest_row"], reason=row["reason"],
+                               detail=row["detail"], stage=STAGE)
+
+
+@dataclass(frozen=True)
+class Hashes:
+    """The columns of a hash table, aligned: manifest_row int64, key (an Arrow string array: 10^8 keys as Python
+    strings would cost gigabytes; take the few that are needed), phash uint64, sha256 (n, 32) uint8."""
+
+    manifest_row: np.ndarray
+    key: pa.Array
+    phash: np.ndarray
+    sha256: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.manifest_row)
+
+
+class HashTable:
+    """A complete hash directory, opened once and validated: `HashTable.open` is the only way in."""
+
+    def __init__(self, directory: Path, metadata: dict):
+        self.directory = directory
+        self.metadata = metadata
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> HashTable:
+        """The hash table in `directory`; MmtokError naming the fix when it is absent, incomplete or foreign."""
+        directory = Path(directory)
+        path = directory / METADATA_FILE
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise MmtokError(f"{directory} holds no complete hash table ({METADATA_FILE} not found); run "
+                             f"`mmtok hash MANIFEST --out {directory}`") from None
+        except (OSError, ValueError) as err:
+            raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok hash` into {directory}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise MmtokError(f"{path} is not an mmtok hash table of version {FORMAT_VERSION} (format {found!r}); "
+                             f"rerun `mmtok hash` into {directory}")
+        for key in ("algorithm", "source", "fingerprint"):
+            required(meta, key, str, path)
+        required(meta, "manifest", dict, path)
+        return cls(directory, meta)
+
+    @property
+    def algorithm(self) -> str:
+        return self.metadata["algorithm"]
+
+    @property
+    def source(self) -> str:
+        return self.metadata["source"]
+
+    @property
+    def manifest_fingerprint(self) -> str:
+        return str(self.metadata["manifest"].get("fingerprint"))
+
+    def read(self) -> Hashes:
+        """Every row, after checking the file's sha256 against the one recorded (a changed table is refused)."""
+        import pyarrow.parquet as pq
+
+        path = self.directory / HASHES_FILE
+        try:
+            actual = sha256_file(path)
+        except OSError as err:
+            raise MmtokError(f"cannot read {path}: {err.strerror or err}; rerun `mmtok hash` into "
+                             f"{self.directory}") from None
+        if actual != self.metadata["fingerprint"]:
+            raise MmtokError(f"{path} changed after `mmtok hash` wrote it (sha256 {actual[:12]}... != recorded "
+                             f"{self.metadata['fingerprint'][:12]}...); rerun `mmtok hash` into {self.directory}")
+        table = pq.read_table(path)
+        if table.schema != SCHEMA:
+            raise MmtokError(f"{path}: columns {table.schema.names} are not a hash table's {SCHEMA.names}")
+        digests = table.column("sha256").combine_chunks()
+        sha = np.frombuffer(digests.buffers()[1], np.uint8)[digests.offset * 32:(digests.offset + len(digests)) * 32]
+        return Hashes(manifest_row=table.column("manifest_row").to_numpy(),
+                      key=table.column("key").combine_chunks(),
+                      phash=table.column("phash").to_numpy(), sha256=sha.reshape(-1, 32))
