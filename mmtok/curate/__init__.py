@@ -1,0 +1,1 @@
+"""Curation before the GPUs: perceptual hashes, duplicate groups."""
