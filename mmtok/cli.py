@@ -17,7 +17,7 @@ import sys
 from mmtok import __version__
 from mmtok.errors import MmtokError
 
-COMMANDS = ("scan", "hash", "plan", "calibrate", "encode", "pack", "sft", "merge", "audio", "bench", "inspect",
+COMMANDS = ("scan", "hash", "dedup", "plan", "calibrate", "encode", "pack", "sft", "merge", "audio", "bench", "inspect",
             "codec", "demo", "tokenizer", "status")
 
 

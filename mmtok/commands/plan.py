@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
                         help="never split a batch at a rank target: the batch list, and so every image's batch, is "
                         "the same for every --world-size (merged bytes then do not rely on the device's codes being "
                         "batch-invariant); costs balance only on corpora with few batches per rank")
+    parser.add_argument("--exclude", metavar="DEDUP_DIR",
+                        help="a duplicate list from `mmtok dedup`: its rows of this manifest are dropped (reason "
+                        "`duplicate`, with the keeper in dropped.parquet) and never reach a GPU")
     parser.add_argument("--explain", action="store_true",
                         help="print the shape histogram, token totals, drops by reason and per-rank cost")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -83,9 +86,9 @@ def run(args) -> int:
             raise MmtokError("pass --out PLAN_DIR to write a plan (or --explain PLAN_DIR to describe one)")
         print(explain_plan(args.source))
         return 0
-    refuse_out_overlapping(args.out, [args.source, args.cost_model, args.preset, args.text_tokenizer])
+    refuse_out_overlapping(args.out, [args.source, args.cost_model, args.preset, args.text_tokenizer, args.exclude])
     meta = build_plan(args.source, parameters_from_args(args), args.out, world_size=args.world_size,
-                      progress=not args.quiet, fixed_batches=args.fixed_batches)
+                      progress=not args.quiet, fixed_batches=args.fixed_batches, exclude=args.exclude)
     print_summary("plan", summary(meta, args.out))
     if args.explain:
         print(explain_plan(args.out))

@@ -7,7 +7,7 @@ PLAN_DIR/
   batches.parquet    one row per batch (global order): where its rows start in plan.parquet, shape, cost
   documents.parquet  kept documents with several images or a counted caption: totals, first/last batch
                      (every other kept document is one image: tokens = its image's + 2, batch = its batch)
-  dropped.parquet    one row per dropped manifest row with its reason
+  dropped.parquet    one row per dropped manifest row with its reason (and, for `duplicate`, its keeper)
   plan.json          metadata (parameters, fingerprints, totals, rank ranges); written LAST
 ```
 
@@ -78,7 +78,8 @@ DOCUMENTS_SCHEMA = pa.schema([
     ("first_batch", pa.int64()),
     ("last_batch", pa.int64()),  # the last batch holding one of its images
 ])
-DROPPED_SCHEMA = pa.schema([("manifest_row", pa.int64()), ("reason", pa.string())])
+# keeper: for reason `duplicate`, the kept image ("SOURCE:KEY", from `plan --exclude`); null for other reasons
+DROPPED_SCHEMA = pa.schema([("manifest_row", pa.int64()), ("reason", pa.string()), ("keeper", pa.string())])
 SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_FILE: DOCUMENTS_SCHEMA,
            DROPPED_FILE: DROPPED_SCHEMA}
 _DELTA = "DELTA_BINARY_PACKED"  # sorted or slowly varying integers: small and cheap to write
@@ -193,9 +194,11 @@ class PlanWriter:
     def write_documents(self, columns: Mapping[str, np.ndarray]) -> None:
         self._files[DOCUMENTS_FILE].write(columns)
 
-    def write_dropped(self, manifest_row: np.ndarray, reason_code: np.ndarray, reason_names: list[str]) -> None:
+    def write_dropped(self, manifest_row: np.ndarray, reason_code: np.ndarray, reason_names: list[str],
+                      keeper: np.ndarray) -> None:
         reason = pa.DictionaryArray.from_arrays(pa.array(reason_code, pa.int32()), pa.array(reason_names, pa.string()))
-        self._files[DROPPED_FILE].write({"manifest_row": manifest_row, "reason": reason.dictionary_decode()})
+        self._files[DROPPED_FILE].write({"manifest_row": manifest_row, "reason": reason.dictionary_decode(),
+                                         "keeper": pa.array(keeper, pa.string())})
 
     def finish(self, meta: dict) -> dict:
         """Complete the Parquet files, then replace the old plan: plan.json removed (the old metadata must not

@@ -23,12 +23,13 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
+from mmtok.formats.dedup import DedupList, Exclusion
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.plan import PlanWriter, has_plan
 from mmtok.formats.presets import PlanParameters
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
-from mmtok.plan.rows import Reasons, read_groups, text_tokenizer, window_bounds
+from mmtok.plan.rows import DUPLICATE, Reasons, read_groups, text_tokenizer, window_bounds
 from mmtok.ranks import balance_splits, imbalance, partition_ranks, rank_costs
 from mmtok.text import TextTokenizer
 
@@ -57,7 +58,8 @@ class _BatchLog:
 
 
 def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir: str | os.PathLike,
-               world_size: int = 1, progress: bool = True, fixed_batches: bool = False) -> dict:
+               world_size: int = 1, progress: bool = True, fixed_batches: bool = False,
+               exclude: str | os.PathLike | None = None) -> dict:
     """Plan `manifest_dir` into `out_dir`; returns plan.json's content.
 
     Guarantees: deterministic (same manifest, parameters and world size -> byte-identical files);
@@ -68,34 +70,50 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     modeled imbalance is at most BALANCE_TARGET unless plan.json's `balance.limited_by` says why not.
     A plan that keeps no image is an MmtokError naming the drops and the flag to change: raised before
     anything is written when `out_dir` holds a plan (which stays as it was), else after the plan is written
-    (so dropped.parquet and `--explain` can show the rows).
+    (so dropped.parquet and `--explain` can show the rows). `exclude`: a duplicate list (`mmtok dedup`) whose
+    rows of this manifest are dropped as `duplicate`, each with its keeper in dropped.parquet.
     """
     if world_size < 1:
         raise MmtokError(f"--world-size must be >= 1, got {world_size}")
     manifest = Manifest.open(Path(manifest_dir).resolve())
+    exclusion = _exclusion(exclude, manifest)
     tokenizer = text_tokenizer(params.text_tokenizer)
     reasons = Reasons()
     bounds = window_bounds(manifest, params.window_rows, progress)
     meta, log = _plan_pass(manifest, params, tokenizer, bounds, reasons, out_dir, world_size, {}, progress,
-                           fixed_batches)
+                           fixed_batches, exclusion)
     if world_size > 1 and meta["imbalance"] > SPLIT_ABOVE and not fixed_batches:
         splits = _splits(log, params, world_size)
         if splits:  # the second pass reads and filters the manifest again: no per-row state is kept
             meta, _ = _plan_pass(manifest, params, tokenizer, bounds, reasons, out_dir, world_size, splits, progress,
-                                 fixed_batches)
+                                 fixed_batches, exclusion)
     _refuse_empty(meta, Path(out_dir), written=True)
     return meta
 
 
+def _exclusion(exclude, manifest: Manifest) -> tuple[str, dict, Exclusion] | None:
+    """(directory, what plan.json records of it, the rows) of the duplicate list `exclude`, or None."""
+    if exclude is None:
+        return None
+    listed = DedupList.open(exclude)
+    rows = listed.exclusion(manifest.fingerprint)
+    if len(rows.rows) and rows.rows[-1] >= manifest.num_rows:
+        raise MmtokError(f"{exclude} drops row {rows.rows[-1]} of {manifest.directory}, which has "
+                         f"{manifest.num_rows:,} rows; the list was not made from this manifest")
+    record = {"directory": str(Path(exclude).resolve()), "fingerprint": listed.metadata["fingerprint"],
+              "source": rows.source, "rows": len(rows.rows)}
+    return str(exclude), record, rows
+
+
 def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, bounds: np.ndarray,
                reasons: Reasons, out_dir, world_size: int, splits: dict[int, list[int]],
-               progress: bool, fixed_batches: bool) -> tuple[dict, _BatchLog]:
+               progress: bool, fixed_batches: bool, exclusion) -> tuple[dict, _BatchLog]:
     """Read, filter and plan every group and write the plan files; returns plan.json's content and the
     batch log."""
     from mmtok.progress import progress as progress_bar
 
     groups = window_groups(bounds)
-    group_rows = read_groups(manifest, params, reasons, bounds[groups])
+    group_rows = read_groups(manifest, params, reasons, bounds[groups], exclusion[2].rows if exclusion else None)
     planner = None
     log = _BatchLog()
     dropped: dict[int, int] = {}  # reason code -> rows
@@ -108,7 +126,7 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
                 planner = GroupPlanner(params, reasons, tokenizer, rows.containers, manifest.text_column, splits)
             w0, w1 = int(groups[g]), int(groups[g + 1])
             plan = planner.plan(rows, bounds[w0:w1], w0)
-            _write_group(writer, plan, reasons)
+            _write_group(writer, plan, reasons, exclusion[2] if exclusion else None)
             log.add(plan)
             _add_document_totals(documents, plan)
             for code, count in enumerate(np.bincount(plan.dropped_codes).tolist()):
@@ -122,6 +140,7 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
                                   "dropped": planner.long_documents if planner else 0,
                                   "largest_tokens": planner.largest_document if planner else 0}
         meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
+        meta["exclude"] = exclusion[1] if exclusion else None
         if has_plan(out_dir):
             _refuse_empty(meta, Path(out_dir), written=False)  # a plan of no image must not replace the last plan
         return writer.finish(meta), log
@@ -176,9 +195,13 @@ def _refuse_empty(meta: dict, out_dir: Path, written: bool) -> None:
                      + "".join(f"; {fix}" for fix in fixes))
 
 
-def _write_group(writer: PlanWriter, plan: GroupPlan, reasons: Reasons) -> None:
+def _write_group(writer: PlanWriter, plan: GroupPlan, reasons: Reasons, exclusion: Exclusion | None) -> None:
     if len(plan.dropped_rows):
-        writer.write_dropped(plan.dropped_rows, plan.dropped_codes, reasons.names)
+        keeper = np.full(len(plan.dropped_rows), None, object)
+        duplicate = plan.dropped_codes == reasons.code(DUPLICATE)
+        if exclusion is not None and duplicate.any():
+            keeper[duplicate] = exclusion.keepers_of(plan.dropped_rows[duplicate])
+        writer.write_dropped(plan.dropped_rows, plan.dropped_codes, reasons.names, keeper)
     if plan.images is not None:
         writer.write_images(plan.images)
         writer.write_batches(plan.batches)

@@ -32,6 +32,9 @@ FILTER_ROWS = 1 << 16  # the filter's temporaries stay in cache (fresh large arr
 SHAPE_BITS = 12  # target sides up to 4,095 codes (65,520 px at factor 16); beyond: `target_too_large`
 
 
+DUPLICATE = "duplicate"  # a row a duplicate list (`mmtok dedup`, `plan --exclude`) drops: its keeper is kept
+
+
 class Reasons:
     """Drop-reason names <-> codes (0 = kept). Scan failures appear as `scan:<reason>`."""
 
@@ -245,9 +248,10 @@ def window_bounds(manifest: Manifest, window_rows: int, progress: bool = True) -
 
 
 def read_groups(manifest: Manifest, params: PlanParameters, reasons: Reasons,
-                cuts: np.ndarray) -> Iterator[ManifestRows]:
+                cuts: np.ndarray, excluded: np.ndarray | None = None) -> Iterator[ManifestRows]:
     """Stage 1 over the manifest, READ_ROWS rows at a time: the filtered rows of each group
-    [cuts[i], cuts[i + 1]), in order; only the rows of about one group are held at a time."""
+    [cuts[i], cuts[i + 1]), in order; only the rows of about one group are held at a time. The sorted manifest
+    rows `excluded` (a duplicate list's) are dropped as DUPLICATE, whatever else holds for them."""
     path = manifest.path
     columns = list(BASE_COLUMNS) + (list(CAPTION_COLUMNS) if params.counts_captions else [])
     batches = manifest.batches(columns, READ_ROWS, dictionary=[c for c in ("status", "reason", "tar", "container")
@@ -257,7 +261,7 @@ def read_groups(manifest: Manifest, params: PlanParameters, reasons: Reasons,
     pending: list[ManifestRows] = []  # read, not yet yielded
     have, g = 0, 0
     for batch in batches:
-        pending.append(_filter_batch(batch, cuts[g] + have, params, reasons, containers, path))
+        pending.append(_filter_batch(batch, cuts[g] + have, params, reasons, containers, path, excluded))
         have += batch.num_rows
         while g + 1 < len(cuts) and cuts[g + 1] - cuts[g] <= have:
             size = int(cuts[g + 1] - cuts[g])
@@ -271,7 +275,7 @@ def read_groups(manifest: Manifest, params: PlanParameters, reasons: Reasons,
 
 
 def _filter_batch(batch: pa.RecordBatch, start: int, params: PlanParameters, reasons: Reasons,
-                  containers: "_Containers", path: Path) -> ManifestRows:
+                  containers: "_Containers", path: Path, excluded: np.ndarray | None) -> ManifestRows:
     """One record batch (manifest rows from `start`) read and filtered."""
     n = batch.num_rows
     rows = ManifestRows(start=start, document=_column(batch, "document", np.int64, path, start),
@@ -284,6 +288,9 @@ def _filter_batch(batch: pa.RecordBatch, start: int, params: PlanParameters, rea
     for a in range(0, n, FILTER_ROWS):
         b = min(a + FILTER_ROWS, n)
         rows.reason[a:b], rows.shape[a:b] = filter_rows(width[a:b], height[a:b], scan[a:b], params, reasons)
+    if excluded is not None:
+        mine = excluded[np.searchsorted(excluded, start):np.searchsorted(excluded, start + n)] - start
+        rows.reason[mine], rows.shape[mine] = reasons.code(DUPLICATE), 0
     if params.counts_captions:
         rows.container = containers.encode(batch)
         rows.text_offset = _column(batch, "text_offset", np.int64, path, start)

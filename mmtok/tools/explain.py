@@ -37,9 +37,12 @@ def _header(plan_dir, meta: dict) -> list[str]:
 
 def _dropped(meta: dict) -> list[str]:
     counts = sorted(meta["dropped_by_reason"].items(), key=lambda item: (-item[1], item[0]))
+    excluded = meta.get("exclude")
+    listed = ([f"excluded: the duplicate list {excluded['directory']} drops {excluded['rows']:,} rows of source "
+               f"{excluded['source']!r} (reason duplicate; keepers in dropped.parquet)"] if excluded else [])
     if not counts:
-        return ["dropped: none"]
-    return ["dropped by reason:"] + [f"  {reason:<28} {count:>14,}" for reason, count in counts]
+        return listed + ["dropped: none"]
+    return listed + ["dropped by reason:"] + [f"  {reason:<28} {count:>14,}" for reason, count in counts]
 
 
 def _tokens(meta: dict) -> list[str]:

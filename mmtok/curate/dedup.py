@@ -1,0 +1,273 @@
+"""`mmtok dedup`: duplicate groups over the hash tables of several sources, one keeper each, by sample id.
+
+Two images are duplicates when their bytes are equal (always, whatever the policy), or when their pHashes are
+within the radius both of their sources' rules allow (`exact`: radius 0, `radius`: r, `off`: never by pHash).
+A group is a connected set of such pairs (so a chain a~b~c is one group even where a and c are farther apart).
+Its keeper is the image first in (source priority, source name, sample key, manifest row): a rule on the
+images alone, so the result depends on neither the order of the inputs nor how the hashes were computed.
+
+Everything is sorting in NumPy: equal bytes and equal pHashes are runs of a sort; pHashes within a radius come
+from `mmtok.curate.search.pairs_within` (exact, sub-quadratic); groups are the connected components of the
+pairs (SciPy's csgraph), over the few images that have a duplicate at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mmtok.errors import MmtokError
+
+RULE_RADIUS = {"exact": 0, "off": -1}  # a rule's pHash radius; `radius` takes the policy's `radius: r`
+MAX_RADIUS = 16  # 1/4 of the bits: past this a pHash matches unrelated images, and the search slows down
+POLICY_KEYS = {"rule", "radius", "priority"}
+
+
+@dataclass(frozen=True)
+class SourceRule:
+    """How one source is deduplicated: its pHash radius (-1: off, 0: exact) and its keeper priority (lower wins)."""
+
+    radius: int
+    priority: int
+
+    @property
+    def rule(self) -> str:
+        return {-1: "off", 0: "exact"}.get(self.radius, "radius")
+
+
+def load_policy(path: str | Path) -> dict[str, SourceRule]:
+    """The policy file: `sources:` mapping each source name to {rule: exact|radius|off, radius: r (with rule
+    radius), priority: n (default: its position in the file)}. MmtokError naming the entry for anything else."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise MmtokError(f"cannot read the policy {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict) or set(data) != {"sources"} or not isinstance(data["sources"], dict) \
+            or not data["sources"]:
+        raise MmtokError(f"{path}: a policy is one mapping `sources:` of source name -> {{rule, radius, priority}} "
+                         "(docs/curation.md)")
+    return {str(name): _source_rule(path, str(name), entry, position)
+            for position, (name, entry) in enumerate(data["sources"].items())}
+
+
+def _source_rule(path, name: str, entry, position: int) -> SourceRule:
+    where = f"{path}: source {name!r}"
+    if not isinstance(entry, dict) or not set(entry) <= POLICY_KEYS or "rule" not in entry:
+        raise MmtokError(f"{where}: give a mapping with `rule` (exact, radius or off) and optionally `radius`, "
+                         f"`priority`; got {entry!r}")
+    rule, radius = entry["rule"], entry.get("radius")
+    if rule == "radius":
+        if isinstance(radius, bool) or not isinstance(radius, int) or not 1 <= radius <= MAX_RADIUS:
+            raise MmtokError(f"{where}: rule radius needs `radius:` an integer 1..{MAX_RADIUS}, got {radius!r}")
+    elif rule in RULE_RADIUS:
+        if radius is not None:
+            raise MmtokError(f"{where}: `radius` goes with rule radius, not {rule}")
+        radius = RULE_RADIUS[rule]
+    else:
+        raise MmtokError(f"{where}: unknown rule {rule!r} (known: exact, radius, off)")
+    priority = entry.get("priority", position)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise MmtokError(f"{where}: `priority` must be an integer, got {priority!r}")
+    return SourceRule(radius=radius, priority=priority)
+
+
+@dataclass(frozen=True)
+class Duplicates:
+    """The images that are not keepers, aligned: their index, their keeper's, their group (numbered in keeper
+    order), the rule that makes them the keeper's duplicate (mmtok.formats.dedup.RULES) and the pHash distance."""
+
+    dropped: np.ndarray
+    keeper: np.ndarray
+    group: np.ndarray
+    rule: np.ndarray
+    distance: np.ndarray
+
+
+def find_duplicates(phash: np.ndarray, sha_head: np.ndarray, radius: np.ndarray,
+                    keeper_order: Callable[[np.ndarray], np.ndarray],
+                    same_bytes: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Duplicates:
+    """Duplicate groups of n images: `phash` uint64, `sha_head` the first 8 bytes of each sha256 as uint64,
+    `radius` int8 the pHash radius of each image's source (-1 off). `keeper_order(nodes)` gives, for image
+    indexes, integers that order them as keepers (lower wins, no ties); `same_bytes(a, b)` says which pairs have
+    equal full sha256 (the head only proposes them)."""
+    a, b = _same_bytes_pairs(sha_head, same_bytes)
+    exact = np.flatnonzero(radius >= 0)
+    ea, eb = _equal_runs(phash[exact])
+    near_a, near_b = _near_pairs(phash, radius)
+    first = np.concatenate([a, exact[ea], near_a])
+    second = np.concatenate([b, exact[eb], near_b])
+    return _groups(first, second, phash, keeper_order, same_bytes)
+
+
+def _equal_runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (first of its run, other) of positions with equal values: a star per run of a stable sort, which
+    joins every run into one group with len(run) - 1 pairs."""
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    lengths = np.diff(np.concatenate([starts, [len(values)]]))
+    head = np.repeat(order[starts], lengths)
+    member = np.ones(len(values), bool)
+    member[starts] = False
+    return head[member].astype(np.int64), order[member].astype(np.int64)
+
+
+def _same_bytes_pairs(sha_head: np.ndarray, same_bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs of images with equal sha256: equal heads proposed, full digests confirmed. A run whose heads agree
+    but not every digest does (a 64-bit collision) is compared pair by pair."""
+    head, other = _equal_runs(sha_head)
+    confirmed = same_bytes(head, other)
+    if confirmed.all():
+        return head, other
+    doubtful = np.unique(np.concatenate([head[~confirmed], other[~confirmed]]))
+    mixed = np.isin(head, doubtful) | np.isin(other, doubtful)
+    pairs = [(head[~mixed], other[~mixed])]
+    for value in np.unique(sha_head[doubtful]):
+        run = np.flatnonzero(sha_head == value)
+        i, j = np.triu_indices(len(run), 1)
+        keep = same_bytes(run[i], run[j])
+        pairs.append((run[i][keep], run[j][keep]))
+    return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+
+def _near_pairs(phash: np.ndarray, radius: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs within a radius > 0, one per pair of distinct pHash values: values shared by several images are
+    joined by the exact pass already. A pair counts when it is within the radius of both values' sources (the
+    larger radius among a value's images: those images are one group anyway)."""
+    from mmtok.curate.search import pairs_within
+
+    near = np.flatnonzero(radius > 0)
+    if not len(near):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    values, first, inverse = np.unique(phash[near], return_index=True, return_inverse=True)
+    reach = np.zeros(len(values), np.int8)
+    np.maximum.at(reach, inverse, radius[near])
+    i, j, distance = pairs_within(values, int(reach.max()))
+    keep = distance <= np.minimum(reach[i], reach[j])
+    return near[first[i[keep]]].astype(np.int64), near[first[j[keep]]].astype(np.int64)
+
+
+def _groups(first: np.ndarray, second: np.ndarray, phash: np.ndarray, keeper_order, same_bytes) -> Duplicates:
+    """Connected components of the pairs; in each, the keeper and, for every other image, why it is dropped."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    nodes = np.unique(np.concatenate([first, second]))
+    if not len(nodes):
+        empty = np.zeros(0, np.int64)
+        return Duplicates(empty, empty, empty, np.zeros(0, object), np.zeros(0, np.int8))
+    edges = (np.ones(len(first), np.int8), (np.searchsorted(nodes, first), np.searchsorted(nodes, second)))
+    _, label = connected_components(coo_matrix(edges, shape=(len(nodes), len(nodes))), directed=False)
+    order = keeper_order(nodes)
+    by_group = np.lexsort((order, label))  # each group's keeper first
+    starts = np.flatnonzero(np.concatenate([[True], label[by_group][1:] != label[by_group][:-1]]))
+    keeper_of_group = by_group[starts]
+    rank = np.empty(len(starts), np.int64)
+    rank[np.argsort(order[keeper_of_group], kind="stable")] = np.arange(len(starts))
+    lengths = np.diff(np.concatenate([starts, [len(nodes)]]))
+    keeper = np.repeat(keeper_of_group, lengths)
+    group = np.repeat(rank, lengths)
+    member = np.ones(len(nodes), bool)
+    member[starts] = False
+    dropped, keeper, group = nodes[by_group[member]], nodes[keeper[member]], group[member]
+    distance = np.bitwise_count(phash[dropped] ^ phash[keeper]).astype(np.int8)
+    rule = np.where(distance == 0, "phash_exact", "phash_radius").astype(object)
+    rule[same_bytes(dropped, keeper)] = "sha256"
+    return Duplicates(dropped, keeper, group, rule, distance)
+
+
+def dedup(hash_dirs: list[Path], policy_path: Path, out: Path) -> dict:
+    """Find the duplicates among the hash tables under the policy and write the list (`mmtok.formats.dedup`);
+    returns dedup.json's content. Every check happens before anything is written."""
+    import pyarrow as pa
+
+    from mmtok.formats.dedup import write_dedup
+
+    policy = load_policy(policy_path)
+    tables = _open_tables(hash_dirs, policy, policy_path)
+    columns = [table.read() for table in tables]
+    sizes = np.array([len(c) for c in columns], np.int64)
+    source_of = np.repeat(np.arange(len(tables)), sizes)
+    sha = np.concatenate([c.sha256 for c in columns]) if len(columns) else np.zeros((0, 32), np.uint8)
+    rows = np.concatenate([c.manifest_row for c in columns])
+    keys = pa.chunked_array([c.key for c in columns], pa.string())
+    priority = np.array([policy[t.source].priority for t in tables], np.int64)
+
+    def keeper_order(nodes: np.ndarray) -> np.ndarray:
+        names = np.asarray(keys.take(pa.array(nodes)).to_pylist(), dtype=str)
+        lex = np.lexsort((rows[nodes], names, source_of[nodes], priority[source_of[nodes]]))
+        order = np.empty(len(nodes), np.int64)
+        order[lex] = np.arange(len(nodes))
+        return order
+
+    def same_bytes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.all(sha[a] == sha[b], axis=1)
+
+    found = find_duplicates(np.concatenate([c.phash for c in columns]),
+                            np.ascontiguousarray(sha[:, :8]).view(">u8").ravel().astype(np.uint64),
+                            np.repeat(np.array([policy[t.source].radius for t in tables], np.int8), sizes),
+                            keeper_order, same_bytes)
+    order = np.argsort(found.dropped)  # global index order is (source name, manifest row) order
+    dropped, keeper = found.dropped[order], found.keeper[order]
+    names = np.array([t.source for t in tables], dtype=object)
+    listed = pa.table({"source": names[source_of[dropped]], "manifest_row": rows[dropped],
+                       "key": keys.take(pa.array(dropped)), "group": found.group[order],
+                       "keeper_source": names[source_of[keeper]], "keeper_row": rows[keeper],
+                       "keeper_key": keys.take(pa.array(keeper)), "rule": found.rule[order],
+                       "distance": found.distance[order]})
+    meta = {"algorithm": tables[0].algorithm,
+            "policy": {name: {"rule": r.rule, "radius": max(r.radius, 0), "priority": r.priority}
+                       for name, r in sorted(policy.items())},
+            "inputs": [{"source": t.source, "hashes": str(t.directory.resolve()), "hashes_fingerprint":
+                        t.metadata["fingerprint"], "manifest_directory": t.metadata["manifest"].get("directory"),
+                        "manifest_fingerprint": t.manifest_fingerprint} for t in tables],
+            "groups": int(found.group.max()) + 1 if len(found.group) else 0,
+            "counts": _counts(tables, sizes, source_of[dropped], found.rule[order])}
+    return write_dedup(out, listed, meta)
+
+
+def _counts(tables, sizes: np.ndarray, dropped_source: np.ndarray, rule: np.ndarray) -> dict:
+    """Per source: images hashed = kept + dropped, and the dropped by rule."""
+    from mmtok.formats.dedup import RULES
+
+    counts = {}
+    for s, table in enumerate(tables):
+        mine = rule[dropped_source == s]
+        by_rule = {name: int(np.count_nonzero(mine == name)) for name in RULES}
+        counts[table.source] = {"hashed": int(sizes[s]), "kept": int(sizes[s]) - len(mine), "dropped": len(mine),
+                                "by_rule": by_rule}
+    return counts
+
+
+def _open_tables(hash_dirs: list[Path], policy: dict[str, SourceRule], policy_path: Path) -> list:
+    """The hash tables, sorted by source name, after the checks that make them comparable under the policy."""
+    from mmtok.formats.hashes import HashTable
+
+    tables = sorted((HashTable.open(d) for d in hash_dirs), key=lambda t: t.source)
+    algorithms = {t.algorithm for t in tables}
+    if len(algorithms) > 1:
+        listed = ", ".join(f"{t.directory} ({t.algorithm})" for t in tables)
+        raise MmtokError(f"the hash tables were made by different algorithms, whose hashes cannot be compared: "
+                         f"{listed}; hash every source with the same `mmtok hash`")
+    for attribute, what in (("source", "source name"), ("manifest_fingerprint", "manifest")):
+        seen: dict[str, Path] = {}
+        for table in tables:
+            value = getattr(table, attribute)
+            if value in seen:
+                raise MmtokError(f"{seen[value]} and {table.directory} have the same {what} ({value[:40]}); each "
+                                 "source is given once (name sources with `mmtok hash --source NAME`)")
+            seen[value] = table.directory
+    given = {t.source for t in tables}
+    if set(policy) != given:
+        unknown, missing = sorted(set(policy) - given), sorted(given - set(policy))
+        raise MmtokError(f"{policy_path} does not match the hash tables: "
+                         + "; ".join(part for part in (
+                             f"it names source(s) {unknown} that no hash table is" if unknown else "",
+                             f"it has no rule for source(s) {missing}" if missing else "") if part)
+                         + f" (the tables' sources: {sorted(given)})")
+    return tables

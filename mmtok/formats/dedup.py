@@ -1,0 +1,118 @@
+"""The duplicate list: `D/dropped.parquet` + `D/dedup.json` (written by `mmtok dedup`, read by `mmtok plan --exclude`).
+
+  dropped.parquet  one row per dropped image, sorted by (source, manifest_row): `source`, `manifest_row`, `key`,
+                   `group` (the duplicate group, numbered in keeper order), `keeper_source`, `keeper_row`,
+                   `keeper_key`, `rule` (RULES: why it is the keeper's duplicate) and `distance` (the Hamming
+                   distance of the two pHashes; 0 for equal bytes)
+  dedup.json       written last: the algorithm id, the policy as applied, every input (source, hash table,
+                   its manifest's directory and fingerprint), per-source counts and the sha256 of
+                   dropped.parquet (`fingerprint`)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from mmtok import __version__
+from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
+
+DROPPED_FILE = "dropped.parquet"
+METADATA_FILE = "dedup.json"
+FORMAT = "mmtok.dedup"
+FORMAT_VERSION = 1
+# sha256: the same bytes; phash_exact: equal pHashes; phash_radius: pHashes within the source's radius (or
+# joined to the keeper through such pairs: groups are connected, so the distance may exceed the radius)
+RULES = ("sha256", "phash_exact", "phash_radius")
+
+SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key", pa.string()),
+                    ("group", pa.int64()), ("keeper_source", pa.string()), ("keeper_row", pa.int64()),
+                    ("keeper_key", pa.string()), ("rule", pa.string()), ("distance", pa.int8())])
+
+
+def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict) -> dict:
+    """Write dropped.parquet (rows as SCHEMA, already sorted), then dedup.json; return the metadata written."""
+    import pyarrow.parquet as pq
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / METADATA_FILE).unlink(missing_ok=True)
+    with atomic_writer(directory / DROPPED_FILE) as handle:
+        pq.write_table(dropped.cast(SCHEMA), handle, compression="zstd", row_group_size=1 << 20)
+        handle.flush()
+        fingerprint = sha256_file(handle.name)
+    meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
+            "dropped": dropped.num_rows, "fingerprint": fingerprint}
+    atomic_write_json(directory / METADATA_FILE, meta)
+    fsync_dir(directory)
+    return meta
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """The rows of one manifest that a duplicate list drops: sorted manifest rows and, aligned, their keepers."""
+
+    source: str
+    rows: np.ndarray  # int64, sorted
+    keepers: np.ndarray  # object: "SOURCE:KEY" of each row's keeper
+
+    def keepers_of(self, rows: np.ndarray) -> np.ndarray:
+        """The keeper of each of `rows` (every one of them excluded)."""
+        return self.keepers[np.searchsorted(self.rows, rows)]
+
+
+class DedupList:
+    """A complete duplicate list, opened once and validated: `DedupList.open` is the only way in."""
+
+    def __init__(self, directory: Path, metadata: dict):
+        self.directory = directory
+        self.metadata = metadata
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike) -> DedupList:
+        directory = Path(directory)
+        path = directory / METADATA_FILE
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise MmtokError(f"{directory} holds no complete duplicate list ({METADATA_FILE} not found); run "
+                             f"`mmtok dedup HASHES... --policy POLICY --out {directory}`") from None
+        except (OSError, ValueError) as err:
+            raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok dedup` into {directory}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise MmtokError(f"{path} is not an mmtok duplicate list of version {FORMAT_VERSION} (format {found!r}); "
+                             f"rerun `mmtok dedup` into {directory}")
+        required(meta, "fingerprint", str, path)
+        required(meta, "inputs", list, path)
+        return cls(directory, meta)
+
+    def exclusion(self, manifest_fingerprint: str) -> Exclusion:
+        """The rows this list drops from the manifest of that fingerprint; MmtokError when no input of the list
+        was hashed from it (a list made for other manifests, or before the manifest was scanned again)."""
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        inputs = {entry.get("manifest_fingerprint"): entry.get("source") for entry in self.metadata["inputs"]
+                  if isinstance(entry, dict)}
+        source = inputs.get(manifest_fingerprint)
+        if source is None:
+            raise MmtokError(f"the duplicate list {self.directory} was not made from this manifest (fingerprint "
+                             f"{manifest_fingerprint[:12]}...; its sources: {', '.join(map(str, inputs.values()))}); "
+                             "run `mmtok hash` on this manifest and `mmtok dedup` with its table")
+        path = self.directory / DROPPED_FILE
+        actual = sha256_file(path)
+        if actual != self.metadata["fingerprint"]:
+            raise MmtokError(f"{path} changed after `mmtok dedup` wrote it (sha256 {actual[:12]}... != recorded "
+                             f"{self.metadata['fingerprint'][:12]}...); rerun `mmtok dedup` into {self.directory}")
+        table = pq.read_table(path)
+        table = table.filter(pc.equal(table.column("source"), source))
+        keepers = pc.binary_join_element_wise(table.column("keeper_source"), table.column("keeper_key"), ":")
+        return Exclusion(source=source, rows=table.column("manifest_row").to_numpy(),
+                         keepers=np.asarray(keepers.to_pylist(), dtype=object))

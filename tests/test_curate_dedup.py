@@ -1,0 +1,227 @@
+"""`mmtok dedup` and `mmtok plan --exclude`: the groups brute force finds, keepers by rule (never by input order),
+drops by sample id that reach the plan's dropped table with their keeper, and one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image, ImageEnhance
+
+from encodekit import caption_corpus, real_images, write_tar
+from mmtok.cli import main as cli
+from mmtok.curate.dedup import find_duplicates
+from realmedia import skimage_images
+
+
+# -- the groups, against brute force --------------------------------------------------------------------------------
+def _flip(value: int, bits: list[int]) -> int:
+    for bit in bits:
+        value ^= 1 << bit
+    return value
+
+
+def _synthetic(seed: int = 0):
+    """Three sources (radius 3, exact, off) with planted pairs: near-duplicates at every distance 0..5 inside the
+    radius source and across sources, a chain whose ends are 6 apart, equal bytes across sources (one of them in
+    the `off` source), equal pHashes in the `off` source, and a 64-bit sha256 head shared by different bytes."""
+    rng = np.random.default_rng(seed)
+    n = 1500
+    phash = [int(v) for v in rng.integers(0, 2**63, n, dtype=np.int64).astype(np.uint64) * 2 + rng.integers(0, 2, n)]
+    sha = [bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(n)]
+    radius = [3] * 500 + [0] * 500 + [-1] * 500
+
+    def plant(i: int, j: int, distance: int) -> None:
+        phash[j] = _flip(phash[i], [int(b) for b in rng.choice(64, distance, replace=False)])
+
+    for d in range(6):
+        plant(10 + d, 100 + d, d)  # inside the radius source
+        plant(20 + d, 600 + d, d)  # radius x exact: a pair only at distance 0
+        plant(700 + d, 1100 + d, d)  # exact x off: never by pHash
+    plant(30, 130, 3)
+    phash[230] = _flip(phash[130], [b for b in range(64) if (phash[30] ^ phash[130]) >> b & 1 == 0][:3])  # chain
+    sha[1200], sha[40] = sha[800], sha[800]  # equal bytes in all three sources
+    phash[1300] = phash[1301] = phash[1302]  # equal pHashes where the rule is off
+    sha[900] = sha[901][:8] + bytes(24)  # a head shared by different digests...
+    sha[902] = sha[900]  # ...and a true copy in the same run
+    return np.array(phash, np.uint64), np.frombuffer(b"".join(sha), np.uint8).reshape(n, 32), np.array(radius, np.int8)
+
+
+def _brute_force(phash, sha, radius, order):
+    n = len(phash)
+    parent = list(range(n))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in range(n):
+        distance = np.bitwise_count(phash[i] ^ phash[i + 1:])
+        same = np.all(sha[i + 1:] == sha[i], axis=1)
+        near = (radius[i + 1:] >= 0) & (radius[i] >= 0) & (distance <= np.minimum(radius[i + 1:], radius[i]))
+        for j in np.flatnonzero(same | near) + i + 1:
+            parent[root(int(j))] = root(i)
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(root(i), []).append(i)
+    return {i: min(members, key=lambda m: order[m]) for members in groups.values() if len(members) > 1
+            for i in members if i != min(members, key=lambda m: order[m])}
+
+
+def test_groups_and_keepers_match_brute_force_with_planted_pairs_at_every_distance():
+    phash, sha, radius = _synthetic()
+    order = np.random.default_rng(1).permutation(len(phash))
+    heads = np.ascontiguousarray(sha[:, :8]).view(">u8").ravel().astype(np.uint64)
+    found = find_duplicates(phash, heads, radius, lambda nodes: order[nodes],
+                            lambda a, b: np.all(sha[a] == sha[b], axis=1))
+    expected = _brute_force(phash, sha, radius, order)
+    assert dict(zip(found.dropped.tolist(), found.keeper.tolist(), strict=True)) == expected
+    pairs = {(min(i, k), max(i, k)) for i, k in expected.items()}
+    for d in range(4):
+        assert (10 + d, 100 + d) in pairs  # within radius 3
+    assert (14, 104) not in pairs and (15, 105) not in pairs  # 4 and 5 bits apart
+    assert (20, 600) in pairs and (21, 601) not in pairs  # across radius 3 and exact: equal pHashes only
+    assert (700, 1100) not in pairs  # `off` is joined by equal pHashes to no one...
+    assert expected.get(1200) in (40, 800) or expected.get(40) == 1200 or expected.get(800) == 1200  # ...but bytes
+    assert 1301 not in expected and 1302 not in expected
+    assert {expected.get(230), expected.get(130), expected.get(30)} & {30, 130, 230}  # the chain is one group
+    assert 901 not in expected and expected.get(902, expected.get(900)) in (900, 902)
+    distance = np.bitwise_count(phash[found.dropped] ^ phash[found.keeper])
+    assert (found.distance == distance).all()
+    same = np.all(sha[found.dropped] == sha[found.keeper], axis=1)
+    assert ((found.rule == "sha256") == same).all()
+    assert set(found.rule[~same]) <= {"phash_exact", "phash_radius"}
+    keepers = sorted(set(found.keeper.tolist()), key=lambda k: order[k])
+    assert [keepers[g] for g in found.group] == found.keeper.tolist()  # groups are numbered in keeper order
+
+
+# -- the commands, on real images ------------------------------------------------------------------------------------
+def _encoded(image: Image.Image, fmt: str = "PNG", **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    """Two scanned and hashed sources of real photos: `web` (the caption corpus, which repeats coffee.png) and
+    `frames`, which holds a byte copy of web's astronaut, near copies (cropped by 4 pixels, brightened, re-encoded
+    at JPEG quality 10) of rocket and coffee, and a photo of its own."""
+    root = tmp_path_factory.mktemp("dedup")
+    shards = caption_corpus(root / "web-shards", corrupt=True)
+    images = real_images()
+    rocket = Image.open(images["rocket.jpg"]).convert("RGB")
+    coffee = Image.open(images["coffee.png"]).convert("RGB")
+    w, h = rocket.size
+    members = [("f000.png", images["astronaut.png"].read_bytes()),
+               ("f001.png", _encoded(rocket.crop((4, 4, w - 4, h - 4)))),
+               ("f002.png", _encoded(ImageEnhance.Brightness(rocket).enhance(1.3))),
+               ("f003.jpg", _encoded(coffee, "JPEG", quality=10)),
+               ("f004.png", next(p for p in skimage_images() if p.name == "grass.png").read_bytes())]
+    frames = write_tar(root / "frames-shards" / "frames.tar", members)
+    for name, paths in (("web", shards), ("frames", [frames])):
+        assert cli(["scan", *map(str, paths), "--out", str(root / name), "--no-progress"]) == 0
+        assert cli(["hash", str(root / name), "--out", str(root / f"{name}.h"), "--no-progress", "--workers", "1"]) == 0
+    return root
+
+
+def _policy(root: Path, text: str) -> Path:
+    path = root / "policy.yaml"
+    path.write_text(text)
+    return path
+
+
+POLICY = "sources:\n  web: {rule: exact}\n  frames: {rule: radius, radius: 4, priority: 5}\n"
+
+
+def test_dedup_lists_every_drop_with_its_group_keeper_rule_and_distance(sources, tmp_path, capsys):
+    policy = _policy(tmp_path, POLICY)
+    assert cli(["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy", str(policy),
+                "--out", str(tmp_path / "d")]) == 0
+    summary = capsys.readouterr().err
+    rows = pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist()
+    by_key = {(r["source"], r["key"]): r for r in rows}
+    # frames' byte copy of web's astronaut: web wins on priority (0 < 5), whatever the order of the inputs
+    assert by_key[("frames", "f000")]["keeper_source"] == "web" and by_key[("frames", "f000")]["rule"] == "sha256"
+    # the rocket's near copies are within radius 4 of each other inside frames; web's rocket is exact-only
+    near = by_key.get(("frames", "f002")) or by_key[("frames", "f001")]
+    assert near["rule"] in ("phash_radius", "phash_exact") and near["keeper_source"] == "frames"
+    assert ("frames", "f004") not in by_key
+    counts = json.loads((tmp_path / "d" / "dedup.json").read_text())["counts"]
+    for source, c in counts.items():
+        assert c["hashed"] == c["kept"] + c["dropped"] == json.loads((sources / f"{source}.h" / "hashes.json")
+                                                                     .read_text())["hashed"]
+        assert c["dropped"] == sum(c["by_rule"].values()) == sum(r["source"] == source for r in rows)
+        assert f"{source} (" in summary
+    reordered = tmp_path / "d2"
+    assert cli(["dedup", str(sources / "frames.h"), str(sources / "web.h"), "--policy", str(policy),
+                "--out", str(reordered)]) == 0
+    assert (reordered / "dropped.parquet").read_bytes() == (tmp_path / "d" / "dropped.parquet").read_bytes()
+
+
+def test_plan_exclude_drops_the_listed_rows_with_their_keepers_and_counts_add_up(sources, tmp_path, capsys):
+    policy = _policy(tmp_path, POLICY)
+    assert cli(["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy", str(policy),
+                "--out", str(tmp_path / "d")]) == 0
+    listed = [r for r in pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist() if r["source"] == "frames"]
+    assert cli(["plan", str(sources / "frames"), "--out", str(tmp_path / "p"), "--preset", "demo", "--mode", "image",
+                "--quiet", "--exclude", str(tmp_path / "d")]) == 0
+    assert f"duplicate {len(listed)}" in capsys.readouterr().err
+    dropped = pq.read_table(tmp_path / "p" / "dropped.parquet").to_pylist()
+    duplicates = {r["manifest_row"]: r["keeper"] for r in dropped if r["reason"] == "duplicate"}
+    assert duplicates == {r["manifest_row"]: f"{r['keeper_source']}:{r['keeper_key']}" for r in listed}
+    assert all(r["keeper"] is None for r in dropped if r["reason"] != "duplicate")
+    kept = pq.read_table(tmp_path / "p" / "plan.parquet", columns=["manifest_row"]).column(0).to_pylist()
+    assert not set(kept) & set(duplicates) and len(kept) + len(dropped) == 5
+    meta = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert meta["exclude"]["rows"] == len(listed) == meta["dropped_by_reason"]["duplicate"]
+    assert cli(["plan", "--explain", str(tmp_path / "p")]) == 0
+    assert f"drops {len(listed)} rows of source 'frames'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("unknown_source", "names source(s) ['laion'] that no hash table is"),
+    ("missing_source", "has no rule for source(s) ['frames']"),
+    ("unknown_rule", "unknown rule 'fuzzy'"),
+    ("radius_missing", "rule radius needs `radius:`"),
+    ("not_a_policy", "a policy is one mapping `sources:`"),
+    ("other_algorithm", "different algorithms"),
+    ("same_source_twice", "have the same source name"),
+])
+def test_bad_dedup_input_is_one_line_exit_2_and_nothing_written(sources, tmp_path, capsys, case, fragment):
+    tables = [sources / "web.h", sources / "frames.h"]
+    text = {"unknown_source": POLICY + "  laion: {rule: exact}\n", "missing_source": "sources:\n  web: {rule: exact}\n",
+            "unknown_rule": "sources:\n  web: {rule: exact}\n  frames: {rule: fuzzy}\n",
+            "radius_missing": "sources:\n  web: {rule: exact}\n  frames: {rule: radius}\n",
+            "not_a_policy": "- web\n- frames\n"}.get(case, POLICY)
+    if case in ("other_algorithm", "same_source_twice"):
+        copy = tmp_path / "frames.h"
+        shutil.copytree(sources / "frames.h", copy)
+        meta = json.loads((copy / "hashes.json").read_text())
+        field, value = ("algorithm", "phash-other") if case == "other_algorithm" else ("source", "web")
+        meta[field] = value
+        (copy / "hashes.json").write_text(json.dumps(meta))
+        tables[1] = copy
+    assert cli(["dedup", *map(str, tables), "--policy", str(_policy(tmp_path, text)), "--out",
+                str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmtok dedup: error: ") and err.count("\n") == 1 and fragment in err, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_plan_refuses_a_duplicate_list_of_other_manifests(sources, tmp_path, capsys):
+    policy = _policy(tmp_path, "sources:\n  frames: {rule: exact}\n")
+    assert cli(["dedup", str(sources / "frames.h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    capsys.readouterr()
+    assert cli(["plan", str(sources / "web"), "--out", str(tmp_path / "p"), "--preset", "demo", "--quiet",
+                "--exclude", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was not made from this manifest" in err and "frames" in err, err
+    assert not (tmp_path / "p").exists()
