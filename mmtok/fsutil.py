@@ -129,6 +129,22 @@ def read_json_object(path: str | os.PathLike) -> dict | None:
     return value
 
 
+def read_stage_metadata(path: Path, fmt: str, version: int, what: str, rerun: str) -> dict:
+    """The metadata file `path` a stage writes last (its presence means the output is complete), checked to be
+    `fmt` version `version`: MmtokError naming `what` and the command to `rerun` when it is absent, unreadable
+    or another format."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MmtokError(f"{path.parent} holds no complete {what} ({path.name} not found); run `{rerun}`") from None
+    except (OSError, ValueError, RecursionError) as err:
+        raise MmtokError(f"cannot read {path}: {str(err)[:200]}; rerun `{rerun}`") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt or meta.get("format_version") != version:
+        found = meta.get("format") if isinstance(meta, dict) else _json_name(meta)
+        raise MmtokError(f"{path} is not an mmtok {what} of version {version} (format {found!r}); rerun `{rerun}`")
+    return meta
+
+
 _MISSING = object()
 
 

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ import pyarrow as pa
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
+from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, read_stage_metadata, required, sha256_file
 
 DROPPED_FILE = "dropped.parquet"
 METADATA_FILE = "dedup.json"
@@ -78,17 +77,8 @@ class DedupList:
     def open(cls, directory: str | os.PathLike) -> DedupList:
         directory = Path(directory)
         path = directory / METADATA_FILE
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise MmtokError(f"{directory} holds no complete duplicate list ({METADATA_FILE} not found); run "
-                             f"`mmtok dedup HASHES... --policy POLICY --out {directory}`") from None
-        except (OSError, ValueError) as err:
-            raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok dedup` into {directory}") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-            raise MmtokError(f"{path} is not an mmtok duplicate list of version {FORMAT_VERSION} (format {found!r}); "
-                             f"rerun `mmtok dedup` into {directory}")
+        meta = read_stage_metadata(path, FORMAT, FORMAT_VERSION, "duplicate list",
+                                   f"mmtok dedup HASHES... --policy POLICY --out {directory}")
         required(meta, "fingerprint", str, path)
         required(meta, "inputs", list, path)
         return cls(directory, meta)

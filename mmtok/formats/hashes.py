@@ -16,7 +16,6 @@ table is assembled from the chunks alone, in chunk order, so its bytes depend on
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats import skips
 from mmtok.formats.parquet import FixedRowGroups
-from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
+from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, read_stage_metadata, required, sha256_file
 
 HASHES_FILE = "hashes.parquet"
 SKIPPED_FILE = "skipped.jsonl"
@@ -117,17 +116,7 @@ class HashTable:
         """The hash table in `directory`; MmtokError naming the fix when it is absent, incomplete or foreign."""
         directory = Path(directory)
         path = directory / METADATA_FILE
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise MmtokError(f"{directory} holds no complete hash table ({METADATA_FILE} not found); run "
-                             f"`mmtok hash MANIFEST --out {directory}`") from None
-        except (OSError, ValueError) as err:
-            raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok hash` into {directory}") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-            raise MmtokError(f"{path} is not an mmtok hash table of version {FORMAT_VERSION} (format {found!r}); "
-                             f"rerun `mmtok hash` into {directory}")
+        meta = read_stage_metadata(path, FORMAT, FORMAT_VERSION, "hash table", f"mmtok hash MANIFEST --out {directory}")
         for key in ("algorithm", "source", "fingerprint"):
             required(meta, key, str, path)
         required(meta, "manifest", dict, path)
