@@ -225,3 +225,27 @@ def test_plan_refuses_a_duplicate_list_of_other_manifests(sources, tmp_path, cap
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "was not made from this manifest" in err and "frames" in err, err
     assert not (tmp_path / "p").exists()
+
+
+def test_plan_refuses_a_duplicate_list_whose_rows_are_not_its_manifests(sources, tmp_path, capsys):
+    import hashlib
+
+    import pyarrow as pa
+
+    policy = _policy(tmp_path, POLICY)
+    listed = tmp_path / "d"
+    assert cli(["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy", str(policy),
+                "--out", str(listed)]) == 0
+    table = pq.read_table(listed / "dropped.parquet")
+    rows = table.column("manifest_row").to_numpy().copy()
+    rows[table.column("source").to_numpy(zero_copy_only=False) == "frames"] = -1  # crafted, checksum made to match
+    pq.write_table(table.set_column(1, "manifest_row", pa.array(rows)), listed / "dropped.parquet")
+    meta = json.loads((listed / "dedup.json").read_text())
+    meta["fingerprint"] = hashlib.sha256((listed / "dropped.parquet").read_bytes()).hexdigest()
+    (listed / "dedup.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert cli(["plan", str(sources / "frames"), "--out", str(tmp_path / "p"), "--preset", "demo", "--mode", "image",
+                "--quiet", "--exclude", str(listed)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "are not increasing rows of its manifest's 5" in err, err
+    assert not (tmp_path / "p").exists()

@@ -96,25 +96,30 @@ def find_duplicates(phash: np.ndarray, sha_head: np.ndarray, radius: np.ndarray,
     indexes, integers that order them as keepers (lower wins, no ties); `same_bytes(a, b)` says which pairs have
     equal full sha256 (the head only proposes them)."""
     a, b = _same_bytes_pairs(sha_head, same_bytes)
-    exact = np.flatnonzero(radius >= 0)
-    ea, eb = _equal_runs(phash[exact])
+    if (radius >= 0).all():  # no source is `off`: no subset to copy (10^8 hashes: 1.6 GB saved)
+        ea, eb = _equal_runs(phash)
+    else:
+        exact = np.flatnonzero(radius >= 0)
+        ea, eb = _equal_runs(phash[exact])
+        ea, eb = exact[ea], exact[eb]
     near_a, near_b = _near_pairs(phash, radius)
-    first = np.concatenate([a, exact[ea], near_a])
-    second = np.concatenate([b, exact[eb], near_b])
+    first = np.concatenate([a, ea, near_a])
+    second = np.concatenate([b, eb, near_b])
     return _groups(first, second, phash, keeper_order, same_bytes)
 
 
 def _equal_runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs (first of its run, other) of positions with equal values: a star per run of a stable sort, which
-    joins every run into one group with len(run) - 1 pairs."""
-    order = np.argsort(values, kind="stable")
+    """Pairs (first of its run, other) of positions with equal values: a star per run of a sort, which joins
+    every run into one group with len(run) - 1 pairs. Which member heads a run does not matter (the group is the
+    same), so the sort need not be stable; only the few positions in runs get arrays of their own."""
+    order = np.argsort(values)
     ordered = values[order]
-    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
-    lengths = np.diff(np.concatenate([starts, [len(values)]]))
-    head = np.repeat(order[starts], lengths)
-    member = np.ones(len(values), bool)
-    member[starts] = False
-    return head[member].astype(np.int64), order[member].astype(np.int64)
+    continues = np.flatnonzero(ordered[1:] == ordered[:-1]) + 1  # sorted positions equal to the one before
+    del ordered
+    starts = continues[np.concatenate([[True], continues[1:] != continues[:-1] + 1])] - 1 if len(continues) else \
+        continues
+    head = starts[np.searchsorted(starts, continues, side="right") - 1]
+    return order[head].astype(np.int64), order[continues].astype(np.int64)
 
 
 def _same_bytes_pairs(sha_head: np.ndarray, same_bytes) -> tuple[np.ndarray, np.ndarray]:

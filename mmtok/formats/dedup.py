@@ -83,9 +83,10 @@ class DedupList:
         required(meta, "inputs", list, path)
         return cls(directory, meta)
 
-    def exclusion(self, manifest_fingerprint: str) -> Exclusion:
-        """The rows this list drops from the manifest of that fingerprint; MmtokError when no input of the list
-        was hashed from it (a list made for other manifests, or before the manifest was scanned again)."""
+    def exclusion(self, manifest_fingerprint: str, manifest_rows: int) -> Exclusion:
+        """The rows this list drops from the manifest of that fingerprint (which has `manifest_rows` rows);
+        MmtokError when no input of the list was hashed from it (a list made for other manifests, or before the
+        manifest was scanned again), or when its rows are not increasing rows of that manifest."""
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
@@ -103,6 +104,9 @@ class DedupList:
                              f"{self.metadata['fingerprint'][:12]}...); rerun `mmtok dedup` into {self.directory}")
         table = pq.read_table(path)
         table = table.filter(pc.equal(table.column("source"), source))
+        rows = table.column("manifest_row").to_numpy()
+        if len(rows) and (rows[0] < 0 or rows[-1] >= manifest_rows or (np.diff(rows) <= 0).any()):
+            raise MmtokError(f"{path}: the rows of source {source!r} are not increasing rows of its manifest's "
+                             f"{manifest_rows:,}; the list is damaged -- rerun `mmtok dedup` into {self.directory}")
         keepers = pc.binary_join_element_wise(table.column("keeper_source"), table.column("keeper_key"), ":")
-        return Exclusion(source=source, rows=table.column("manifest_row").to_numpy(),
-                         keepers=np.asarray(keepers.to_pylist(), dtype=object))
+        return Exclusion(source=source, rows=rows, keepers=np.asarray(keepers.to_pylist(), dtype=object))

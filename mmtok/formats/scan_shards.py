@@ -11,6 +11,8 @@ depend on who scanned what. A result is written once, in two atomic steps:
                 again), `sha256` is that of the other four (`_digest`): the stats number the manifest's
                 documents, so they are checked like the rows
 
+`mmtok hash` commits its chunks of hashes the same way (`mmtok.formats.hashes`).
+
 A result without its commit, whose commit does not match its sha256, or whose rows do not match the
 commit's size (cheap check) or sha256 (the check before assembly), is not committed: whoever claims the
 shard next scans it again.

@@ -96,10 +96,7 @@ def _exclusion(exclude, manifest: Manifest) -> tuple[str, dict, Exclusion] | Non
     if exclude is None:
         return None
     listed = DedupList.open(exclude)
-    rows = listed.exclusion(manifest.fingerprint)
-    if len(rows.rows) and rows.rows[-1] >= manifest.num_rows:
-        raise MmtokError(f"{exclude} drops row {rows.rows[-1]} of {manifest.directory}, which has "
-                         f"{manifest.num_rows:,} rows; the list was not made from this manifest")
+    rows = listed.exclusion(manifest.fingerprint, manifest.num_rows)
     record = {"directory": str(Path(exclude).resolve()), "fingerprint": listed.metadata["fingerprint"],
               "source": rows.source, "rows": len(rows.rows)}
     return str(exclude), record, rows
