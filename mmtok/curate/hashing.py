@@ -60,8 +60,8 @@ def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank:
 
 
 def _source_name(manifest: Manifest) -> str:
-    """The source a manifest is: the name of the `--source` declaration it was scanned from, else its folder."""
-    return str((manifest.metadata.get("source") or {}).get("name") or manifest.directory.name)
+    """The source a manifest is when `--source` names none: its folder's name."""
+    return manifest.directory.name
 
 
 def _hash_chunks(manifest: Manifest, cache: Path, todo: list[int], workers: int, progress: bool,
@@ -121,12 +121,13 @@ def hash_chunk(manifest: Manifest, start: int, chunk_rows: int, identities: dict
     stop = min(start + chunk_rows, manifest.num_rows)
     rows = np.arange(start, stop, dtype=np.int64)
     r = manifest.read_rows(rows, READ_COLUMNS)
-    stale = {path: identity_change(path, recorded) for path, recorded in identities.items()
-             if path in set(r["tar"].tolist())}
+    ok = np.flatnonzero(r["status"] == "ok")
+    stale = {path: identity_change(path, identities[path]) if path in identities else "no identity recorded"
+             for path in set(r["tar"][ok].tolist())}
     reader = MemberReader(max_open=16)
     out: dict[str, list] = {name: [] for name in fmt.CHUNK_SCHEMA.names}
     try:
-        for i in np.flatnonzero(r["status"] == "ok"):
+        for i in ok:
             phash, digest, skip = _hash_row(reader, r, int(i), stale)
             for name, value in (("manifest_row", int(rows[i])), ("key", r["key"][i]), ("phash", phash),
                                 ("sha256", digest), ("reason", skip.reason if skip else ""),
