@@ -129,6 +129,16 @@ def read_json_object(path: str | os.PathLike) -> dict | None:
     return value
 
 
+def refuse_foreign_output(out: Path, written: tuple[str, ...], marks: tuple[str, ...], command: str) -> None:
+    """MmtokError, before anything is written, when the directory `out` holds a file of a name `command` writes
+    (`written`) but none of `marks` (what only `command` leaves there: its cache, its lock): that file is someone
+    else's, and mmtok never replaces a file it did not write."""
+    found = [name for name in written if os.path.lexists(out / name)]
+    if found and not any(os.path.lexists(out / mark) for mark in marks):
+        raise MmtokError(f"{out} holds {', '.join(found)}, which `{command}` did not write (no {marks[0]} beside "
+                         "it); pass an --out of its own")
+
+
 def read_stage_metadata(path: Path, fmt: str, version: int, what: str, rerun: str) -> dict:
     """The metadata file `path` a stage writes last (its presence means the output is complete), checked to be
     `fmt` version `version`: MmtokError naming `what` and the command to `rerun` when it is absent, unreadable

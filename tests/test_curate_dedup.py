@@ -249,3 +249,17 @@ def test_plan_refuses_a_duplicate_list_whose_rows_are_not_its_manifests(sources,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "are not increasing rows of its manifest's 5" in err, err
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("command, name", [("hash", "hashes.parquet"), ("hash", "hashes.json"),
+                                           ("dedup", "dropped.parquet"), ("dedup", "dedup.json")])
+def test_an_out_holding_files_mmtok_did_not_write_is_refused_and_left_alone(sources, tmp_path, capsys, command, name):
+    out = tmp_path / "someone-elses"
+    out.mkdir()
+    (out / name).write_text('{"format": "theirs"}')
+    args = ([str(sources / "frames"), "--no-progress"] if command == "hash"
+            else [str(sources / "frames.h"), "--policy", str(_policy(tmp_path, "sources:\n  frames: {rule: exact}\n"))])
+    assert cli([command, *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mmtok {command}: error: ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == '{"format": "theirs"}'

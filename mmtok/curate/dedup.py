@@ -191,8 +191,10 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path) -> dict:
     returns dedup.json's content. Every check happens before anything is written."""
     import pyarrow as pa
 
-    from mmtok.formats.dedup import write_dedup
+    from mmtok.formats.dedup import check_output, write_dedup
+    from mmtok.fsutil import WriterLock
 
+    check_output(out)
     policy = load_policy(policy_path)
     tables = _open_tables(hash_dirs, policy, policy_path)
     columns = [table.read() for table in tables]
@@ -233,7 +235,9 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path) -> dict:
                         "manifest_fingerprint": t.manifest_fingerprint} for t in tables],
             "groups": int(found.group.max()) + 1 if len(found.group) else 0,
             "counts": _counts(tables, sizes, source_of[dropped], found.rule[order])}
-    return write_dedup(out, listed, meta)
+    out.mkdir(parents=True, exist_ok=True)
+    with WriterLock(out, f"the duplicate list in {out}"):
+        return write_dedup(out, listed, meta)
 
 
 def _counts(tables, sizes: np.ndarray, dropped_source: np.ndarray, rule: np.ndarray) -> dict:

@@ -36,6 +36,7 @@ def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank:
     wrote it (None when other ranks still work). Every rank of a job must be given the same `chunk_rows`."""
     if chunk_rows < 1:
         raise MmtokError(f"--chunk-rows must be at least 1, got {chunk_rows}")
+    fmt.check_output(out)
     manifest = Manifest.open(Path(manifest_dir).resolve())
     fingerprint = manifest.verify()
     cache = fmt.cache_dir(out, f"{ALGORITHM}-{chunk_rows}", fingerprint)

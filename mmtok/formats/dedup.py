@@ -20,7 +20,15 @@ import pyarrow as pa
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
-from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, read_stage_metadata, required, sha256_file
+from mmtok.fsutil import (
+    atomic_write_json,
+    atomic_writer,
+    fsync_dir,
+    read_stage_metadata,
+    refuse_foreign_output,
+    required,
+    sha256_file,
+)
 
 DROPPED_FILE = "dropped.parquet"
 METADATA_FILE = "dedup.json"
@@ -33,6 +41,15 @@ RULES = ("sha256", "phash_exact", "phash_radius")
 SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key", pa.string()),
                     ("group", pa.int64()), ("keeper_source", pa.string()), ("keeper_row", pa.int64()),
                     ("keeper_key", pa.string()), ("rule", pa.string()), ("distance", pa.int8())])
+
+
+def check_output(directory: Path) -> None:
+    """Refuse an output directory whose files of our names `mmtok dedup` did not write (before any work). The
+    writer's lock file (`WriterLock`, taken before the first write) marks a directory as `mmtok dedup`'s."""
+    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (".lock",), "mmtok dedup")
+    if (directory / METADATA_FILE).exists():
+        read_stage_metadata(directory / METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list",
+                            f"mmtok dedup HASHES... --policy POLICY --out {directory}")
 
 
 def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict) -> dict:

@@ -28,7 +28,15 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats import skips
 from mmtok.formats.parquet import FixedRowGroups
-from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, read_stage_metadata, required, sha256_file
+from mmtok.fsutil import (
+    atomic_write_json,
+    atomic_writer,
+    fsync_dir,
+    read_stage_metadata,
+    refuse_foreign_output,
+    required,
+    sha256_file,
+)
 
 HASHES_FILE = "hashes.parquet"
 SKIPPED_FILE = "skipped.jsonl"
@@ -53,6 +61,14 @@ def cache_dir(directory: str | os.PathLike, algorithm: str, manifest_fingerprint
 
 def chunk_path(cache: Path, chunk: int) -> Path:
     return cache / f"chunk-{chunk:08d}.arrow"
+
+
+def check_output(directory: Path) -> None:
+    """Refuse an output directory whose files of our names `mmtok hash` did not write (before any work)."""
+    refuse_foreign_output(directory, (HASHES_FILE, SKIPPED_FILE, METADATA_FILE), (CACHE_DIR,), "mmtok hash")
+    if (directory / METADATA_FILE).exists():
+        read_stage_metadata(directory / METADATA_FILE, FORMAT, FORMAT_VERSION, "hash table",
+                            f"mmtok hash MANIFEST --out {directory}")
 
 
 def write_hashes(directory: str | os.PathLike, chunks: Iterable[pa.Table], metadata: dict) -> dict:
