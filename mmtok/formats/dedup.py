@@ -46,10 +46,14 @@ SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key
 def check_output(directory: Path) -> None:
     """Refuse an output directory whose files of our names `mmtok dedup` did not write (before any work). The
     writer's lock file (`WriterLock`, taken before the first write) marks a directory as `mmtok dedup`'s."""
-    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (".lock",), "mmtok dedup")
     if (directory / METADATA_FILE).exists():
-        read_stage_metadata(directory / METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list",
-                            f"mmtok dedup HASHES... --policy POLICY --out {directory}")
+        try:
+            read_stage_metadata(directory / METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list", "")
+        except MmtokError:
+            raise MmtokError(f"{directory / METADATA_FILE} is not a duplicate list `mmtok dedup` wrote; "
+                             "pass an --out of its own") from None
+        return
+    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (".lock",), "mmtok dedup")
 
 
 def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict) -> dict:
