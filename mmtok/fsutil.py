@@ -129,10 +129,19 @@ def read_json_object(path: str | os.PathLike) -> dict | None:
     return value
 
 
-def refuse_foreign_output(out: Path, written: tuple[str, ...], marks: tuple[str, ...], command: str) -> None:
-    """MmtokError, before anything is written, when the directory `out` holds a file of a name `command` writes
-    (`written`) but none of `marks` (what only `command` leaves there: its cache, its lock): that file is someone
-    else's, and mmtok never replaces a file it did not write."""
+def refuse_foreign_output(out: Path, written: tuple[str, ...], marks: tuple[str, ...], command: str,
+                          metadata: tuple[str, str, int, str]) -> None:
+    """MmtokError, before anything is written, when the directory `out` holds files that `command` did not write:
+    its `metadata` file (name, format, version, what) of another format, or a file of a name it writes
+    (`written`) with neither that metadata nor any of `marks` (what only `command` leaves there: its cache, its
+    lock) beside it. mmtok never replaces a file it did not write."""
+    name, fmt, version, what = metadata
+    if (out / name).exists():
+        try:
+            read_stage_metadata(out / name, fmt, version, what, command)
+        except MmtokError:
+            raise MmtokError(f"{out / name} is not a {what} `{command}` wrote; pass an --out of its own") from None
+        return
     found = [name for name in written if os.path.lexists(out / name)]
     if found and not any(os.path.lexists(out / mark) for mark in marks):
         raise MmtokError(f"{out} holds {', '.join(found)}, which `{command}` did not write (no {marks[0]} beside "

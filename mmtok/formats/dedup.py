@@ -46,14 +46,8 @@ SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key
 def check_output(directory: Path) -> None:
     """Refuse an output directory whose files of our names `mmtok dedup` did not write (before any work). The
     writer's lock file (`WriterLock`, taken before the first write) marks a directory as `mmtok dedup`'s."""
-    if (directory / METADATA_FILE).exists():
-        try:
-            read_stage_metadata(directory / METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list", "")
-        except MmtokError:
-            raise MmtokError(f"{directory / METADATA_FILE} is not a duplicate list `mmtok dedup` wrote; "
-                             "pass an --out of its own") from None
-        return
-    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (".lock",), "mmtok dedup")
+    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (".lock",), "mmtok dedup",
+                          (METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list"))
 
 
 def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict) -> dict:

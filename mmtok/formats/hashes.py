@@ -65,14 +65,8 @@ def chunk_path(cache: Path, chunk: int) -> Path:
 
 def check_output(directory: Path) -> None:
     """Refuse an output directory whose files of our names `mmtok hash` did not write (before any work)."""
-    if (directory / METADATA_FILE).exists():
-        try:
-            read_stage_metadata(directory / METADATA_FILE, FORMAT, FORMAT_VERSION, "hash table", "")
-        except MmtokError:
-            raise MmtokError(f"{directory / METADATA_FILE} is not a hash table `mmtok hash` wrote; "
-                             "pass an --out of its own") from None
-        return
-    refuse_foreign_output(directory, (HASHES_FILE, SKIPPED_FILE, METADATA_FILE), (CACHE_DIR,), "mmtok hash")
+    refuse_foreign_output(directory, (HASHES_FILE, SKIPPED_FILE, METADATA_FILE), (CACHE_DIR,), "mmtok hash",
+                          (METADATA_FILE, FORMAT, FORMAT_VERSION, "hash table"))
 
 
 def write_hashes(directory: str | os.PathLike, chunks: Iterable[pa.Table], metadata: dict) -> dict:
