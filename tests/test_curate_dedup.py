@@ -151,8 +151,10 @@ def test_dedup_lists_every_drop_with_its_group_keeper_rule_and_distance(sources,
     # frames' byte copy of web's astronaut: web wins on priority (0 < 5), whatever the order of the inputs
     assert by_key[("frames", "f000")]["keeper_source"] == "web" and by_key[("frames", "f000")]["rule"] == "sha256"
     # the rocket's near copies are within radius 4 of each other inside frames; web's rocket is exact-only
-    near = by_key.get(("frames", "f002")) or by_key[("frames", "f001")]
-    assert near["rule"] in ("phash_radius", "phash_exact") and near["keeper_source"] == "frames"
+    # ...and the keeper is the larger (full-size brightened) copy, though its key sorts after the cropped one's
+    near = by_key[("frames", "f001")]
+    assert near["rule"] == "phash_radius" and (near["keeper_source"], near["keeper_key"]) == ("frames", "f002")
+    assert 0 < near["distance"] <= 4
     assert ("frames", "f004") not in by_key
     counts = json.loads((tmp_path / "d" / "dedup.json").read_text())["counts"]
     for source, c in counts.items():
@@ -176,7 +178,8 @@ def test_plan_exclude_drops_the_listed_rows_with_their_keepers_and_counts_add_up
     assert f"duplicate {len(listed)}" in capsys.readouterr().err
     dropped = pq.read_table(tmp_path / "p" / "dropped.parquet").to_pylist()
     duplicates = {r["manifest_row"]: r["keeper"] for r in dropped if r["reason"] == "duplicate"}
-    assert duplicates == {r["manifest_row"]: f"{r['keeper_source']}:{r['keeper_key']}" for r in listed}
+    assert duplicates == {r["manifest_row"]: f"{r['keeper_source']}:{r['keeper_key']} (row {r['keeper_row']})"
+                          for r in listed}
     assert all(r["keeper"] is None for r in dropped if r["reason"] != "duplicate")
     kept = pq.read_table(tmp_path / "p" / "plan.parquet", columns=["manifest_row"]).column(0).to_pylist()
     assert not set(kept) & set(duplicates) and len(kept) + len(dropped) == 5
@@ -263,3 +266,18 @@ def test_an_out_holding_files_mmtok_did_not_write_is_refused_and_left_alone(sour
     err = capsys.readouterr().err
     assert err.startswith(f"mmtok {command}: error: ") and err.count("\n") == 1, err
     assert sorted(p.name for p in out.iterdir()) == [name] and (out / name).read_text() == '{"format": "theirs"}'
+
+
+def test_plan_warns_when_it_drops_a_keeper_of_its_own_manifest(sources, tmp_path, capsys):
+    policy = _policy(tmp_path, POLICY)
+    assert cli(["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy", str(policy),
+                "--out", str(tmp_path / "d")]) == 0
+    capsys.readouterr()
+    # f002 (427x640) keeps f001 (419x632); a pixel limit between the two drops the keeper itself
+    assert cli(["plan", str(sources / "frames"), "--out", str(tmp_path / "p"), "--preset", "demo", "--mode", "image",
+                "--quiet", "--max-source-pixels", "270000", "--max-pixels", "270000", "--exclude",
+                str(tmp_path / "d")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 duplicate excluded by" in err and "drops 1 keeper (too_many_pixels 1)" in err, err
+    excluded = json.loads((tmp_path / "p" / "plan.json").read_text())["exclude"]
+    assert excluded["keepers_dropped"] == {"too_many_pixels": 1} and excluded["duplicates_without_kept_copy"] == 1

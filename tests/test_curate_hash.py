@@ -190,3 +190,23 @@ def test_bad_input_is_one_line_and_exit_2(corpus, tmp_path, capsys, case):
     err = capsys.readouterr().err
     assert err.startswith("mmtok hash: error: ") and err.count("\n") == 1, err
     assert not (out / "hashes.json").exists()
+
+
+def test_a_failed_read_is_a_named_skip_not_the_end_of_the_run(corpus, tmp_path, monkeypatch):
+    import errno
+
+    from mmtok.curate.hashing import hash_manifest
+    from mmtok.formats.manifest import MemberReader
+
+    read = MemberReader.read_member
+
+    def failing(self, container, path, member, offset, size):
+        if member == "s003.png":
+            raise OSError(errno.EIO, "Input/output error")
+        return read(self, container, path, member, offset, size)
+
+    monkeypatch.setattr(MemberReader, "read_member", failing)
+    share = hash_manifest(corpus, tmp_path, None, 0, 1, 1, 3, progress=False)
+    assert share["table"]["counts"]["skipped"] == {"decode_error": 3, "read_error": 1}
+    failed = [r for r in skips.read(tmp_path / "skipped.jsonl") if r.reason == "read_error"]
+    assert len(failed) == 1 and failed[0].member == "s003.png" and "Input/output error" in failed[0].detail

@@ -12,9 +12,9 @@ def add_parser(sub) -> None:
         "dedup", help="find duplicate images across sources from their hash tables (for `mmtok plan --exclude`)",
         description="Group the images of one or more hash tables (`mmtok hash`, one per source) into duplicates: "
         "equal bytes (sha256) always; equal pHashes, or pHashes within a Hamming radius, as each source's rule in "
-        "the policy says. Each group keeps one image, the first by (source priority, source name, sample key), "
-        "whatever the order of the inputs; every other image is listed in OUT/dropped.parquet with its group, "
-        "keeper, rule and distance. Policy (YAML): `sources: {laion: {rule: exact}, ego4d: {rule: radius, "
+        "the policy says. Each group keeps one image, the first by (source priority, most pixels, source name, "
+        "sample key), whatever the order of the inputs; every other image is listed in OUT/dropped.parquet with "
+        "its group, keeper, rule and distance. Policy (YAML): `sources: {laion: {rule: exact}, ego4d: {rule: radius, "
         "radius: 4}, docvqa: {rule: off}}`, `priority: N` optional (default: the order in the file; lower "
         "wins). See docs/curation.md.")
     parser.add_argument("hashes", nargs="+", type=Path, metavar="HASHES", help="hash table directories (`mmtok hash`)")

@@ -113,6 +113,13 @@ def _warnings(meta: dict) -> list[str]:
     if balance["limited_by"]:
         lines.append(f"warning: modeled imbalance {100 * meta['imbalance']:.2f}% is above the "
                      f"{100 * balance['target']:.1f}% target: {balance['limited_by']}")
+    excluded = meta.get("exclude")
+    if excluded and excluded["duplicates_without_kept_copy"]:
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in excluded["keepers_dropped"].items())
+        lines.append(f"warning: {plural(excluded['duplicates_without_kept_copy'], 'duplicate')} excluded by "
+                     f"{excluded['directory']} have their keeper in this manifest, and this plan drops "
+                     f"{plural(sum(excluded['keepers_dropped'].values()), 'keeper')} ({reasons}): no copy of those "
+                     "images is kept; relax those filters or give `mmtok dedup` a policy that prefers other sources")
     if long["dropped"]:
         lines.append(f"warning: {plural(long['dropped'], 'document')} dropped as document_too_long (over "
                      f"{plural(long['limit'], 'token')}; the largest has {plural(long['largest_tokens'], 'token')}); "

@@ -3,8 +3,9 @@
 Two images are duplicates when their bytes are equal (always, whatever the policy), or when their pHashes are
 within the radius both of their sources' rules allow (`exact`: radius 0, `radius`: r, `off`: never by pHash).
 A group is a connected set of such pairs (so a chain a~b~c is one group even where a and c are farther apart).
-Its keeper is the image first in (source priority, source name, sample key, manifest row): a rule on the
-images alone, so the result depends on neither the order of the inputs nor how the hashes were computed.
+Its keeper is the image first in KEEPER_ORDER (source priority, then the most pixels, source name, sample key,
+manifest row): a rule on the images alone, so the result depends on neither the order of the inputs nor how the
+hashes were computed.
 
 Everything is sorting in NumPy: equal bytes and equal pHashes are runs of a sort; pHashes within a radius come
 from `mmtok.curate.search.pairs_within` (exact, sub-quadratic); groups are the connected components of the
@@ -13,16 +14,23 @@ pairs (SciPy's csgraph), over the few images that have a duplicate at all.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from mmtok.errors import MmtokError
+from mmtok.errors import MmtokError, brief
 
 RULE_RADIUS = {"exact": 0, "off": -1}  # a rule's pHash radius; `radius` takes the policy's `radius: r`
 MAX_RADIUS = 16  # 1/4 of the bits: past this a pHash matches unrelated images, and the search slows down
+MAX_PRIORITY = 10**9  # priorities are sorted as int64
+# The keeper of a group is the image first in this order: the policy's priority, then the largest image (a
+# thumbnail that the plan would drop as too small never wins over its full-size copy), the source name, the
+# sample key (as UTF-8 bytes), the manifest row (images of one sample).
+KEEPER_ORDER = [("priority", "ascending"), ("pixels", "descending"), ("source", "ascending"), ("key", "ascending"),
+                ("row", "ascending")]
 POLICY_KEYS = {"rule", "radius", "priority"}
 
 
@@ -40,40 +48,51 @@ class SourceRule:
 
 def load_policy(path: str | Path) -> dict[str, SourceRule]:
     """The policy file: `sources:` mapping each source name to {rule: exact|radius|off, radius: r (with rule
-    radius), priority: n (default: its position in the file)}. MmtokError naming the entry for anything else."""
+    radius), priority: n (default: its position in the file)}. MmtokError naming the entry for anything else
+    (values are quoted through `reprlib`: a YAML alias bomb must not be expanded into the message)."""
     import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise MmtokError(f"cannot read the policy {path}: {str(err).splitlines()[0]}") from None
-    if not isinstance(data, dict) or set(data) != {"sources"} or not isinstance(data["sources"], dict) \
+        raise MmtokError(f"cannot read the policy {path}: {brief(str(err).splitlines()[0])}") from None
+    if not isinstance(data, dict) or list(data) != ["sources"] or not isinstance(data["sources"], dict) \
             or not data["sources"]:
         raise MmtokError(f"{path}: a policy is one mapping `sources:` of source name -> {{rule, radius, priority}} "
                          "(docs/curation.md)")
-    return {str(name): _source_rule(path, str(name), entry, position)
+    names = [name for name in data["sources"] if not isinstance(name, str) or not name]
+    if names:
+        raise MmtokError(f"{path}: source names are non-empty strings (quote them), got {reprlib.repr(names[0])}")
+    return {name: _source_rule(path, name, entry, position)
             for position, (name, entry) in enumerate(data["sources"].items())}
 
 
 def _source_rule(path, name: str, entry, position: int) -> SourceRule:
-    where = f"{path}: source {name!r}"
-    if not isinstance(entry, dict) or not set(entry) <= POLICY_KEYS or "rule" not in entry:
+    where = f"{path}: source {reprlib.repr(name)}"
+    if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry) or not set(entry) <= POLICY_KEYS \
+            or "rule" not in entry:
         raise MmtokError(f"{where}: give a mapping with `rule` (exact, radius or off) and optionally `radius`, "
-                         f"`priority`; got {entry!r}")
+                         f"`priority`; got {reprlib.repr(entry)}")
     rule, radius = entry["rule"], entry.get("radius")
     if rule == "radius":
-        if isinstance(radius, bool) or not isinstance(radius, int) or not 1 <= radius <= MAX_RADIUS:
-            raise MmtokError(f"{where}: rule radius needs `radius:` an integer 1..{MAX_RADIUS}, got {radius!r}")
-    elif rule in RULE_RADIUS:
+        if not _integer(radius) or not 1 <= radius <= MAX_RADIUS:
+            raise MmtokError(f"{where}: rule radius needs `radius:` an integer 1..{MAX_RADIUS}, got "
+                             f"{reprlib.repr(radius)}")
+    elif isinstance(rule, str) and rule in RULE_RADIUS:
         if radius is not None:
             raise MmtokError(f"{where}: `radius` goes with rule radius, not {rule}")
         radius = RULE_RADIUS[rule]
     else:
-        raise MmtokError(f"{where}: unknown rule {rule!r} (known: exact, radius, off)")
+        raise MmtokError(f"{where}: unknown rule {reprlib.repr(rule)} (known: exact, radius, off)")
     priority = entry.get("priority", position)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise MmtokError(f"{where}: `priority` must be an integer, got {priority!r}")
+    if not _integer(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise MmtokError(f"{where}: `priority` must be an integer in -{MAX_PRIORITY:,}..{MAX_PRIORITY:,}, got "
+                         f"{reprlib.repr(priority)}")
     return SourceRule(radius=radius, priority=priority)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -190,8 +209,9 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path) -> dict:
     """Find the duplicates among the hash tables under the policy and write the list (`mmtok.formats.dedup`);
     returns dedup.json's content. Every check happens before anything is written."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
-    from mmtok.formats.dedup import check_output, write_dedup
+    from mmtok.formats.dedup import LOCK_FILE, check_output, write_dedup
     from mmtok.fsutil import WriterLock
 
     check_output(out)
@@ -204,12 +224,15 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path) -> dict:
     rows = np.concatenate([c.manifest_row for c in columns])
     keys = pa.chunked_array([c.key for c in columns], pa.string())
     priority = np.array([policy[t.source].priority for t in tables], np.int64)
+    pixels = np.concatenate([c.pixels for c in columns])
 
     def keeper_order(nodes: np.ndarray) -> np.ndarray:
-        names = np.asarray(keys.take(pa.array(nodes)).to_pylist(), dtype=str)
-        lex = np.lexsort((rows[nodes], names, source_of[nodes], priority[source_of[nodes]]))
+        """KEEPER_ORDER over the images `nodes`, sorted by Arrow (keys stay Arrow strings, compared as bytes)."""
+        candidates = pa.table({"priority": priority[source_of[nodes]], "pixels": pixels[nodes],
+                               "source": source_of[nodes], "key": keys.take(pa.array(nodes)), "row": rows[nodes]})
+        ranked = pc.sort_indices(candidates, sort_keys=KEEPER_ORDER).to_numpy()
         order = np.empty(len(nodes), np.int64)
-        order[lex] = np.arange(len(nodes))
+        order[ranked] = np.arange(len(nodes))
         return order
 
     def same_bytes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -236,7 +259,7 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path) -> dict:
             "groups": int(found.group.max()) + 1 if len(found.group) else 0,
             "counts": _counts(tables, sizes, source_of[dropped], found.rule[order])}
     out.mkdir(parents=True, exist_ok=True)
-    with WriterLock(out, f"the duplicate list in {out}"):
+    with WriterLock(out, f"the duplicate list in {out}", name=LOCK_FILE):
         return write_dedup(out, listed, meta)
 
 

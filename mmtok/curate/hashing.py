@@ -26,7 +26,7 @@ from mmtok.formats.manifest import Manifest, MemberReader, ShortRead, identity_c
 from mmtok.formats.scan_shards import read_commit, read_rows, write_shard
 from mmtok.fsutil import LockHeld, WriterLock
 
-READ_COLUMNS = ("key", "tar", "container", "member", "offset", "size", "status")
+READ_COLUMNS = ("key", "tar", "container", "member", "offset", "size", "status", "width", "height")
 
 
 def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank: int, world_size: int,
@@ -126,22 +126,23 @@ def hash_chunk(manifest: Manifest, start: int, chunk_rows: int, identities: dict
     stale = {path: identity_change(path, identities[path]) if path in identities else "no identity recorded"
              for path in set(r["tar"][ok].tolist())}
     reader = MemberReader(max_open=16)
-    out: dict[str, list] = {name: [] for name in fmt.CHUNK_SCHEMA.names}
+    hashed = []
     try:
         for i in ok:
             phash, digest, skip = _hash_row(reader, r, int(i), stale)
-            for name, value in (("manifest_row", int(rows[i])), ("key", r["key"][i]), ("phash", phash),
-                                ("sha256", digest), ("reason", skip.reason if skip else ""),
-                                ("detail", skip.detail if skip else ""), ("source", r["tar"][i]),
-                                ("container", r["container"][i]), ("member", r["member"][i])):
-                out[name].append(value)
+            hashed.append((phash, digest, skip.reason if skip else "", skip.detail if skip else ""))
     finally:
         reader.close()
-    return pa.table(out, schema=fmt.CHUNK_SCHEMA)
+    phash, digest, reason, detail = zip(*hashed, strict=True) if hashed else ((), (), (), ())
+    pixels = np.maximum(r["width"][ok].astype(np.int64), 0) * np.maximum(r["height"][ok].astype(np.int64), 0)
+    return pa.table({"manifest_row": rows[ok], "key": r["key"][ok], "phash": list(phash), "sha256": list(digest),
+                     "pixels": pixels, "reason": list(reason), "detail": list(detail), "source": r["tar"][ok],
+                     "container": r["container"][ok], "member": r["member"][ok]}, schema=fmt.CHUNK_SCHEMA)
 
 
 def _hash_row(reader: MemberReader, r: dict, i: int, stale: dict) -> tuple[int, bytes, Skip | None]:
-    """(pHash, sha256, None) of row i, or (0, 32 zero bytes, the skip)."""
+    """(pHash, sha256, None) of row i, or (0, 32 zero bytes, the skip): bad bytes and failed reads cost the row,
+    not the run (a missing input stays an error of the run: its fix is to restore it)."""
     try:
         change = stale.get(r["tar"][i])
         if change:  # its offsets describe other bytes now: nothing of it is read
@@ -154,6 +155,9 @@ def _hash_row(reader: MemberReader, r: dict, i: int, stale: dict) -> tuple[int, 
         return 0, bytes(32), skip
     except ShortRead as err:
         return 0, bytes(32), Skip("short_read", str(err))
+    except (OSError, ValueError) as err:  # EIO from a bad sector, EINVAL from a damaged offset
+        detail = f"{r['tar'][i]}: {r['member'][i]} at offset {int(r['offset'][i])}: {err}"
+        return 0, bytes(32), Skip("read_error", detail)
 
 
 def _write_table(manifest: Manifest, out: Path, cache: Path, count: int, source: str) -> dict:

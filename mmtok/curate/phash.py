@@ -18,7 +18,7 @@ import hashlib
 import numpy as np
 from PIL import Image
 
-from mmtok.media.images import decode_stored
+from mmtok.media.images import ImageDecodeError, decode_stored
 
 ALGORITHM = "phash-imagehash-4.3"  # the id stored with every hash table; see the module docstring
 HASH_SIZE = 8  # 8x8 low-frequency coefficients: 64 bits
@@ -40,7 +40,11 @@ def image_hashes(data: bytes) -> tuple[int, bytes]:
     """(pHash, sha256 digest) of encoded image bytes. Raises ImageDecodeError (a Skip) for bytes that do not
     decode; the sha256 is of the bytes as stored, so equal files are found even where the pHash is off."""
     digest = hashlib.sha256(data).digest()
-    return phash_of_image(decode_stored(data)), digest
+    image = decode_stored(data)
+    try:
+        return phash_of_image(image), digest
+    except Exception as err:  # a mode Pillow decodes but cannot convert to grayscale
+        raise ImageDecodeError("decode_error", f"{type(err).__name__}: {err}") from None
 
 
 def hex64(value: int) -> str:

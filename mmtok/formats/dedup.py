@@ -32,6 +32,7 @@ from mmtok.fsutil import (
 
 DROPPED_FILE = "dropped.parquet"
 METADATA_FILE = "dedup.json"
+LOCK_FILE = ".dedup.lock"  # the writer's lock (`WriterLock`), taken before the first write: it marks the folder as ours
 FORMAT = "mmtok.dedup"
 FORMAT_VERSION = 1
 # sha256: the same bytes; phash_exact: equal pHashes; phash_radius: pHashes within the source's radius (or
@@ -46,7 +47,7 @@ SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key
 def check_output(directory: Path) -> None:
     """Refuse an output directory whose files of our names `mmtok dedup` did not write (before any work). The
     writer's lock file (`WriterLock`, taken before the first write) marks a directory as `mmtok dedup`'s."""
-    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (".lock",), "mmtok dedup",
+    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (LOCK_FILE,), "mmtok dedup",
                           (METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list"))
 
 
@@ -74,11 +75,21 @@ class Exclusion:
 
     source: str
     rows: np.ndarray  # int64, sorted
-    keepers: np.ndarray  # object: "SOURCE:KEY" of each row's keeper
+    keepers: np.ndarray  # object: "SOURCE:KEY (row N)" of each row's keeper
+    keeper_source: np.ndarray  # object: the keeper's source
+    keeper_row: np.ndarray  # int64: the keeper's manifest row (in its source's manifest)
 
     def keepers_of(self, rows: np.ndarray) -> np.ndarray:
         """The keeper of each of `rows` (every one of them excluded)."""
         return self.keepers[np.searchsorted(self.rows, rows)]
+
+    def own_keeper_rows(self) -> np.ndarray:
+        """The sorted rows of this manifest that keep a copy for an excluded row."""
+        return np.unique(self.keeper_row[self.keeper_source == self.source])
+
+    def without_kept_copy(self, dropped_keepers: np.ndarray) -> int:
+        """How many excluded rows have their keeper among `dropped_keepers` (rows of this manifest)."""
+        return int(np.isin(self.keeper_row[self.keeper_source == self.source], dropped_keepers).sum())
 
 
 class DedupList:
@@ -101,27 +112,46 @@ class DedupList:
     def exclusion(self, manifest_fingerprint: str, manifest_rows: int) -> Exclusion:
         """The rows this list drops from the manifest of that fingerprint (which has `manifest_rows` rows);
         MmtokError when no input of the list was hashed from it (a list made for other manifests, or before the
-        manifest was scanned again), or when its rows are not increasing rows of that manifest."""
+        manifest was scanned again), or when the list is damaged (columns, types, rows that are not increasing
+        rows of that manifest)."""
         import pyarrow.compute as pc
-        import pyarrow.parquet as pq
 
         inputs = {entry.get("manifest_fingerprint"): entry.get("source") for entry in self.metadata["inputs"]
-                  if isinstance(entry, dict)}
+                  if isinstance(entry, dict) and isinstance(entry.get("manifest_fingerprint"), str)
+                  and isinstance(entry.get("source"), str)}
         source = inputs.get(manifest_fingerprint)
         if source is None:
             raise MmtokError(f"the duplicate list {self.directory} was not made from this manifest (fingerprint "
-                             f"{manifest_fingerprint[:12]}...; its sources: {', '.join(map(str, inputs.values()))}); "
+                             f"{manifest_fingerprint[:12]}...; its sources: {', '.join(sorted(inputs.values()))}); "
                              "run `mmtok hash` on this manifest and `mmtok dedup` with its table")
+        table = self._table()
+        table = table.filter(pc.equal(table.column("source"), source))
+        rows = table.column("manifest_row").to_numpy()
+        if len(rows) and (rows[0] < 0 or rows[-1] >= manifest_rows or (np.diff(rows) <= 0).any()):
+            raise MmtokError(f"{self.directory / DROPPED_FILE}: the rows of source {source!r} are not increasing rows "
+                             f"of its manifest's {manifest_rows:,}; the list is damaged -- rerun `mmtok dedup` into "
+                             f"{self.directory}")
+        keepers = [f"{keeper_source}:{key} (row {row})" for keeper_source, key, row in zip(
+            *(table.column(name).to_pylist() for name in ("keeper_source", "keeper_key", "keeper_row")), strict=True)]
+        return Exclusion(source=source, rows=rows, keepers=np.asarray(keepers, dtype=object),
+                         keeper_source=np.asarray(table.column("keeper_source").to_pylist(), dtype=object),
+                         keeper_row=table.column("keeper_row").to_numpy())
+
+    def _table(self) -> pa.Table:
+        """dropped.parquet, after checking its sha256 against dedup.json and its columns against SCHEMA."""
+        import pyarrow.parquet as pq
+
         path = self.directory / DROPPED_FILE
-        actual = sha256_file(path)
+        try:
+            actual = sha256_file(path)
+        except OSError as err:
+            raise MmtokError(f"cannot read {path}: {err.strerror or err}; rerun `mmtok dedup` into "
+                             f"{self.directory}") from None
         if actual != self.metadata["fingerprint"]:
             raise MmtokError(f"{path} changed after `mmtok dedup` wrote it (sha256 {actual[:12]}... != recorded "
                              f"{self.metadata['fingerprint'][:12]}...); rerun `mmtok dedup` into {self.directory}")
         table = pq.read_table(path)
-        table = table.filter(pc.equal(table.column("source"), source))
-        rows = table.column("manifest_row").to_numpy()
-        if len(rows) and (rows[0] < 0 or rows[-1] >= manifest_rows or (np.diff(rows) <= 0).any()):
-            raise MmtokError(f"{path}: the rows of source {source!r} are not increasing rows of its manifest's "
-                             f"{manifest_rows:,}; the list is damaged -- rerun `mmtok dedup` into {self.directory}")
-        keepers = pc.binary_join_element_wise(table.column("keeper_source"), table.column("keeper_key"), ":")
-        return Exclusion(source=source, rows=rows, keepers=np.asarray(keepers.to_pylist(), dtype=object))
+        if table.schema.remove_metadata() != SCHEMA:
+            raise MmtokError(f"{path}: columns {table.schema.names} of types {[str(t) for t in table.schema.types]} "
+                             f"are not a duplicate list's; rerun `mmtok dedup` into {self.directory}")
+        return table

@@ -2,7 +2,7 @@
 
   hashes.parquet   one row per hashed image, in manifest row order: `manifest_row`, `key` (the sample key),
                    `phash` (uint64, the first bit of the hash the most significant), `sha256` (32 bytes, of the
-                   image's bytes as stored)
+                   image's bytes as stored), `pixels` (width x height as the scan read it; 0 when unknown)
   skipped.jsonl    one skip record (`mmtok.formats.skips`, stage "hash") per image that could not be hashed
   hashes.json      written last (its presence means the other two are complete): the algorithm id, the source
                    name, the manifest's directory, fingerprint and row count, the counts, and the sha256 of
@@ -48,7 +48,7 @@ ROW_GROUP_ROWS = 1 << 20  # fixed, so the file bytes depend only on the rows
 STAGE = "hash"
 
 SCHEMA = pa.schema([("manifest_row", pa.int64()), ("key", pa.string()), ("phash", pa.uint64()),
-                    ("sha256", pa.binary(32))])
+                    ("sha256", pa.binary(32)), ("pixels", pa.int64())])
 # A chunk's rows: every image row of the chunk; `reason` "" when hashed, else the skip and where it lives.
 CHUNK_SCHEMA = pa.schema([*SCHEMA, ("reason", pa.string()), ("detail", pa.string()), ("source", pa.string()),
                           ("container", pa.string()), ("member", pa.string())])
@@ -107,12 +107,14 @@ def _skip_records(table: pa.Table) -> Iterable[skips.SkipRecord]:
 @dataclass(frozen=True)
 class Hashes:
     """The columns of a hash table, aligned: manifest_row int64, key (an Arrow string array: 10^8 keys as Python
-    strings would cost gigabytes; take the few that are needed), phash uint64, sha256 (n, 32) uint8."""
+    strings would cost gigabytes; take the few that are needed), phash uint64, sha256 (n, 32) uint8, pixels
+    int64."""
 
     manifest_row: np.ndarray
     key: pa.Array
     phash: np.ndarray
     sha256: np.ndarray
+    pixels: np.ndarray
 
     def __len__(self) -> int:
         return len(self.manifest_row)
@@ -168,4 +170,5 @@ class HashTable:
         sha = np.frombuffer(digests.buffers()[1], np.uint8)[digests.offset * 32:(digests.offset + len(digests)) * 32]
         return Hashes(manifest_row=table.column("manifest_row").to_numpy(),
                       key=table.column("key").combine_chunks(),
-                      phash=table.column("phash").to_numpy(), sha256=sha.reshape(-1, 32))
+                      phash=table.column("phash").to_numpy(), sha256=sha.reshape(-1, 32),
+                      pixels=table.column("pixels").to_numpy())

@@ -78,7 +78,7 @@ DOCUMENTS_SCHEMA = pa.schema([
     ("first_batch", pa.int64()),
     ("last_batch", pa.int64()),  # the last batch holding one of its images
 ])
-# keeper: for reason `duplicate`, the kept image ("SOURCE:KEY", from `plan --exclude`); null for other reasons
+# keeper: for reason `duplicate`, the kept image ("SOURCE:KEY (row N)", from `plan --exclude`); null otherwise
 DROPPED_SCHEMA = pa.schema([("manifest_row", pa.int64()), ("reason", pa.string()), ("keeper", pa.string())])
 SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_FILE: DOCUMENTS_SCHEMA,
            DROPPED_FILE: DROPPED_SCHEMA}

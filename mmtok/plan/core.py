@@ -91,15 +91,38 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     return meta
 
 
-def _exclusion(exclude, manifest: Manifest) -> tuple[str, dict, Exclusion] | None:
-    """(directory, what plan.json records of it, the rows) of the duplicate list `exclude`, or None."""
+def _exclusion(exclude, manifest: Manifest) -> tuple[dict, Exclusion] | None:
+    """(what plan.json records of it, the rows) of the duplicate list `exclude`, or None."""
     if exclude is None:
         return None
     listed = DedupList.open(exclude)
     rows = listed.exclusion(manifest.fingerprint, manifest.num_rows)
     record = {"directory": str(Path(exclude).resolve()), "fingerprint": listed.metadata["fingerprint"],
               "source": rows.source, "rows": len(rows.rows)}
-    return str(exclude), record, rows
+    return record, rows
+
+
+class _LostKeepers:
+    """Keepers of this manifest that the plan drops for a reason of its own (too small, a document member
+    dropped...): their excluded duplicates then have no copy kept, which the summary warns about."""
+
+    def __init__(self, exclusion: Exclusion):
+        self.exclusion = exclusion
+        self.own = exclusion.own_keeper_rows()
+        self.rows: list[np.ndarray] = []
+        self.by_reason: dict[str, int] = {}
+
+    def add(self, plan: GroupPlan, reasons: Reasons) -> None:
+        other = plan.dropped_codes != reasons.code(DUPLICATE)
+        hit = np.isin(plan.dropped_rows, self.own) & other
+        self.rows.append(plan.dropped_rows[hit])
+        for code in plan.dropped_codes[hit].tolist():
+            self.by_reason[reasons.names[code]] = self.by_reason.get(reasons.names[code], 0) + 1
+
+    def record(self) -> dict:
+        rows = np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64)
+        return {"keepers_dropped": dict(sorted(self.by_reason.items())),
+                "duplicates_without_kept_copy": self.exclusion.without_kept_copy(rows)}
 
 
 def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, bounds: np.ndarray,
@@ -110,7 +133,8 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
     from mmtok.progress import progress as progress_bar
 
     groups = window_groups(bounds)
-    group_rows = read_groups(manifest, params, reasons, bounds[groups], exclusion[2].rows if exclusion else None)
+    group_rows = read_groups(manifest, params, reasons, bounds[groups], exclusion[1].rows if exclusion else None)
+    lost = _LostKeepers(exclusion[1]) if exclusion else None
     planner = None
     log = _BatchLog()
     dropped: dict[int, int] = {}  # reason code -> rows
@@ -123,7 +147,9 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
                 planner = GroupPlanner(params, reasons, tokenizer, rows.containers, manifest.text_column, splits)
             w0, w1 = int(groups[g]), int(groups[g + 1])
             plan = planner.plan(rows, bounds[w0:w1], w0)
-            _write_group(writer, plan, reasons, exclusion[2] if exclusion else None)
+            _write_group(writer, plan, reasons, exclusion[1] if exclusion else None)
+            if lost is not None:
+                lost.add(plan, reasons)
             log.add(plan)
             _add_document_totals(documents, plan)
             for code, count in enumerate(np.bincount(plan.dropped_codes).tolist()):
@@ -137,7 +163,7 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
                                   "dropped": planner.long_documents if planner else 0,
                                   "largest_tokens": planner.largest_document if planner else 0}
         meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
-        meta["exclude"] = exclusion[1] if exclusion else None
+        meta["exclude"] = {**exclusion[0], **lost.record()} if exclusion else None
         if has_plan(out_dir):
             _refuse_empty(meta, Path(out_dir), written=False)  # a plan of no image must not replace the last plan
         return writer.finish(meta), log
