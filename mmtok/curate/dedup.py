@@ -29,6 +29,9 @@ MAX_PRIORITY = 10**9  # priorities are sorted as int64
 # The keeper of a group is the image first in this order: the policy's priority, then the largest image (a
 # thumbnail that the plan would drop as too small never wins over its full-size copy), the source name, the
 # sample key (as UTF-8 bytes), the manifest row (images of one sample).
+# How policy values are quoted in errors: a few levels and items, so a YAML alias bomb is never expanded.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 60, 60
 KEEPER_ORDER = [("priority", "ascending"), ("pixels", "descending"), ("source", "ascending"), ("key", "ascending"),
                 ("row", "ascending")]
 POLICY_KEYS = {"rule", "radius", "priority"}
@@ -49,7 +52,7 @@ class SourceRule:
 def load_policy(path: str | Path) -> dict[str, SourceRule]:
     """The policy file: `sources:` mapping each source name to {rule: exact|radius|off, radius: r (with rule
     radius), priority: n (default: its position in the file)}. MmtokError naming the entry for anything else
-    (values are quoted through `reprlib`: a YAML alias bomb must not be expanded into the message)."""
+    (values are quoted through `_SHOWN`: a YAML alias bomb must not be expanded into the message)."""
     import yaml
 
     try:
@@ -62,32 +65,32 @@ def load_policy(path: str | Path) -> dict[str, SourceRule]:
                          "(docs/curation.md)")
     names = [name for name in data["sources"] if not isinstance(name, str) or not name]
     if names:
-        raise MmtokError(f"{path}: source names are non-empty strings (quote them), got {reprlib.repr(names[0])}")
+        raise MmtokError(f"{path}: source names are non-empty strings (quote them), got {_SHOWN.repr(names[0])}")
     return {name: _source_rule(path, name, entry, position)
             for position, (name, entry) in enumerate(data["sources"].items())}
 
 
 def _source_rule(path, name: str, entry, position: int) -> SourceRule:
-    where = f"{path}: source {reprlib.repr(name)}"
+    where = f"{path}: source {_SHOWN.repr(name)}"
     if not isinstance(entry, dict) or not all(isinstance(k, str) for k in entry) or not set(entry) <= POLICY_KEYS \
             or "rule" not in entry:
         raise MmtokError(f"{where}: give a mapping with `rule` (exact, radius or off) and optionally `radius`, "
-                         f"`priority`; got {reprlib.repr(entry)}")
+                         f"`priority`; got {_SHOWN.repr(entry)}")
     rule, radius = entry["rule"], entry.get("radius")
     if rule == "radius":
         if not _integer(radius) or not 1 <= radius <= MAX_RADIUS:
             raise MmtokError(f"{where}: rule radius needs `radius:` an integer 1..{MAX_RADIUS}, got "
-                             f"{reprlib.repr(radius)}")
+                             f"{_SHOWN.repr(radius)}")
     elif isinstance(rule, str) and rule in RULE_RADIUS:
         if radius is not None:
             raise MmtokError(f"{where}: `radius` goes with rule radius, not {rule}")
         radius = RULE_RADIUS[rule]
     else:
-        raise MmtokError(f"{where}: unknown rule {reprlib.repr(rule)} (known: exact, radius, off)")
+        raise MmtokError(f"{where}: unknown rule {_SHOWN.repr(rule)} (known: exact, radius, off)")
     priority = entry.get("priority", position)
     if not _integer(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise MmtokError(f"{where}: `priority` must be an integer in -{MAX_PRIORITY:,}..{MAX_PRIORITY:,}, got "
-                         f"{reprlib.repr(priority)}")
+                         f"{_SHOWN.repr(priority)}")
     return SourceRule(radius=radius, priority=priority)
 
 
