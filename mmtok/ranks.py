@@ -2,7 +2,8 @@
 
 Three policies, one per kind of work, each a pure function of (the work's sizes, N), so every rank
 computes the same split on its own:
-* image batches of a plan: contiguous, cost-balanced batch ranges (`partition_ranks`, below);
+* image batches of a plan: contiguous, cost-balanced batch ranges (`partition_ranks`, below), and work
+  items, contiguous batch ranges of a target cost whose number does not depend on N (`item_ranges`);
 * Shar shards of an audio encode: whole shards, longest first to the least-loaded rank (`assign_shards`);
 * conversation units of `mmtok sft`: contiguous, even unit ranges (`unit_ranges`).
 
@@ -23,6 +24,7 @@ holds each target at the image nearest to it bounds every rank's error by about 
 from __future__ import annotations
 
 import heapq
+import math
 from bisect import bisect_left, bisect_right
 
 import numpy as np
@@ -227,6 +229,21 @@ def split_costs(costs: np.ndarray, counts: np.ndarray, overhead: float, splits: 
         at = batch + 1
     out.append(costs[at:])
     return np.concatenate(out)
+
+
+def item_ranges(costs: np.ndarray, target: float) -> np.ndarray:
+    """Work items: contiguous [start, end) batch ranges of about `target` cost each, shape [items, 2].
+
+    ceil(total / target) items (at least 1, at most one per batch), cut at the batch boundary nearest each
+    k * total / items, so their costs are as even as whole batches allow. They depend on the batch costs and
+    the target alone, never on how many workers will take them."""
+    costs = np.asarray(costs, np.float64)
+    if not len(costs):
+        return np.zeros((0, 2), np.int64)
+    at = np.concatenate([[0.0], np.cumsum(costs)])
+    count = int(min(max(math.ceil(at[-1] / target), 1), len(costs)))
+    cuts = np.unique(np.concatenate([[0], _nearest_cuts(at, count), [len(costs)]]))
+    return np.stack([cuts[:-1], cuts[1:]], axis=1).astype(np.int64)
 
 
 def _nearest_cuts(at: np.ndarray, world_size: int) -> np.ndarray:

@@ -891,6 +891,8 @@ def test_captions_of_a_parquet_image_table_are_counted(tmp_path):
 # Re-recorded once since (issue 43): dropped.parquet gained the `keeper` column (null in these plans, which exclude
 # nothing) and plan.json its `exclude` (null) and dropped.parquet's new size; the other three files' digests were
 # unchanged by that commit.
+# plan.json's work items and the parameters that size them (issue 44) are taken out before hashing, checked to be
+# the defaults: the digests did not change with them.
 
 PATH_FIELDS = ("manifest_dir", "manifest_fingerprint", "fingerprint")
 
@@ -905,6 +907,10 @@ def digests(out: Path) -> dict[str, str]:
             for field in PATH_FIELDS:
                 meta.pop(field)
             assert meta["balance"].pop("fixed_batches") is False  # added after 6b0f67a: off in these plans
+            # added with work items (issue 44): the defaults here, and the items derived from the batches
+            assert meta["parameters"].pop("item_seconds") == 180.0
+            assert meta["parameters"]["cost_model"].pop("seconds_per_unit") == 1.0e-5
+            assert meta.pop("work_items")["count"] >= 1
             data = json.dumps(meta, sort_keys=True).encode()
         found[name] = hashlib.sha256(data).hexdigest()[:16]
     return found
@@ -1027,3 +1033,52 @@ def test_groups_are_read_one_at_a_time_with_their_rows(corpus, monkeypatch):
         assert np.array_equal(g.document, document[g.start:g.start + len(g)])
     seen = np.concatenate([g.new_shapes for g in groups])
     assert len(seen) == len(np.unique(seen))  # each shape is announced once, by the first group holding it
+
+
+# ----------------------------------------------------------------------------- work items (issue 44, part 1)
+
+@pytest.mark.parametrize("seed", range(5))
+def test_item_ranges_cover_the_batches_in_order_with_costs_near_the_target(seed):
+    from mmtok.ranks import item_ranges
+
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(0, 1, int(rng.integers(1, 400)))
+    target = float(costs.sum() / rng.uniform(1, 60))
+    items = item_ranges(costs, target)
+    assert items[0, 0] == 0 and items[-1, 1] == len(costs) and (items[1:, 0] == items[:-1, 1]).all()
+    assert (items[:, 1] > items[:, 0]).all()  # no empty item
+    assert len(items) <= min(max(int(np.ceil(costs.sum() / target)), 1), len(costs))
+    per_item = rank_costs(costs, items)
+    assert per_item.max() <= per_item.sum() / len(items) + 2 * costs.max()  # a cut is at most one batch off
+    assert np.array_equal(items, item_ranges(costs, target))
+
+
+def test_work_items_do_not_depend_on_the_world_size_and_explain_names_them(corpus, tmp_path):
+    params = SMALL.override(item_seconds=SMALL.cost_model.seconds_per_unit * 60_000)
+    found = {}
+    for world_size in (1, 3, 64):
+        out = tmp_path / f"w{world_size}"
+        build_plan(corpus, params, out, world_size=world_size, progress=False, fixed_batches=True)
+        plan = Plan.open(out)
+        found[world_size] = plan.work_items()
+        meta = plan.meta["work_items"]
+        assert meta["count"] == len(found[world_size]) > 3 and meta["item_seconds"] == params.item_seconds
+        costs = plan.table(plan_format.BATCHES_FILE, ["cost"]).column(0).to_numpy()
+        assert meta["count"] == min(int(np.ceil(costs.sum() / meta["target_cost"])), len(costs))
+    assert all(np.array_equal(found[1], items) for items in found.values())
+    plan = Plan.open(tmp_path / "w3")
+    ids = [plan.work_item_id(i) for i in range(len(found[3]))]
+    assert len(set(ids)) == len(ids) and ids == [Plan.open(tmp_path / "w3").work_item_id(i) for i in range(len(ids))]
+    text = explain_plan(tmp_path / "w3")
+    assert f"work items: {len(ids)} of about" in text and ids[0] in text and ids[-1] in text
+    assert "their number does not depend on the world size" in text
+
+
+def test_item_seconds_and_seconds_per_unit_are_checked_and_a_fitted_model_counts_seconds():
+    with pytest.raises(MmtokError, match="item_seconds must be a finite number > 0"):
+        PlanParameters(item_seconds=0)
+    with pytest.raises(MmtokError, match="seconds_per_unit must be a finite number > 0"):
+        CostModel(seconds_per_unit=float("nan"))
+    fitted = CostModel.fit(np.array([256, 512, 512]), np.array([256, 512, 256]), np.array([1, 2, 4]),
+                           np.array([0.1, 0.5, 0.6]))
+    assert fitted.seconds_per_unit == 1.0

@@ -24,6 +24,8 @@ PARAMETER_FLAGS = (
     ("--cost-c", float, "cost model: per image"),
     ("--cost-batch", float, "cost model: per batch"),
     ("--cost-stride", int, "cost model: pixels per latent position at the attention resolution"),
+    ("--cost-seconds-per-unit", float, "cost model: GPU seconds per cost unit (1 for a `mmtok calibrate` fit)"),
+    ("--item-seconds", float, "target GPU time of one work item by the cost model (default 180)"),
 )
 
 

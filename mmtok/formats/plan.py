@@ -304,6 +304,24 @@ class Plan:
             self._ranges[world_size] = ranges
         return self._ranges[world_size]
 
+    def work_items(self) -> np.ndarray:
+        """[start, end) batch range of every work item, shape [items, 2] (plan.json's `work_items`)."""
+        items = self.meta.get("work_items")
+        if not isinstance(items, dict) or not isinstance(items.get("batches"), list):
+            raise MmtokError(f"{self.directory / META_FILE} has no work items (a plan of an older mmtok); re-run "
+                             "`mmtok plan`")
+        ranges = np.asarray(items["batches"], np.int64).reshape(-1, 2)
+        if len(ranges) and (ranges[0, 0] != 0 or ranges[-1, 1] != self.meta["num_batches"]
+                            or (ranges[1:, 0] != ranges[:-1, 1]).any() or (ranges[:, 1] <= ranges[:, 0]).any()):
+            raise MmtokError(f"{self.directory / META_FILE}: its work items do not cover its batches in order; "
+                             "re-run `mmtok plan`")
+        return ranges
+
+    def work_item_id(self, item: int) -> str:
+        """The id of work item `item`: from the plan's fingerprint and the item's index, so two plans never share
+        an id and the same plan always gives the same ones."""
+        return hashlib.sha256(f"{self.meta['fingerprint']}/work-item/{item}".encode()).hexdigest()[:16]
+
     def rank_range(self, rank: int, world_size: int | None = None) -> tuple[int, int]:
         """[start, end) global batch range of `rank` of `world_size` (default: the plan's); empty for idle ranks."""
         if world_size is None:

@@ -38,6 +38,9 @@ class CostModel:
     latent position; attention with 512 channels costs ~2e-5 of that per position pair); replace
     them with `mmtok calibrate` (timings of the real codec on the target GPU, fit by `CostModel.fit`).
     `source` says where the numbers came from (one line; plan.json records it, no cost depends on it).
+    `seconds_per_unit` converts a cost to GPU seconds, for sizing work items: 1.0 for a fitted model (its costs
+    are seconds); for the analytic default an estimate: 1e-5 s per unit, i.e. ~11 ms per 512x512 image (1,109
+    units), ~90 images/s on one H100-class GPU -- unmeasured (no GPU yet); `mmtok calibrate` replaces it.
     """
 
     a: float = 1.0
@@ -46,6 +49,7 @@ class CostModel:
     batch: float = 4096.0
     stride: int = 16
     source: str = "analytic default (FLOP estimate of the 16x encoder)"
+    seconds_per_unit: float = 1.0e-5
 
     def __post_init__(self) -> None:
         values = {"a": self.a, "b": self.b, "c": self.c, "batch": self.batch}
@@ -56,6 +60,9 @@ class CostModel:
             raise MmtokError(f"cost_model.stride must be positive, got {self.stride}")
         if not isinstance(self.source, str) or "\n" in self.source:
             raise MmtokError(f"cost_model.source must be a one-line string, got {self.source!r}")
+        unit = self.seconds_per_unit
+        if isinstance(unit, bool) or not isinstance(unit, (int, float)) or not math.isfinite(unit) or unit <= 0:
+            raise MmtokError(f"cost_model.seconds_per_unit must be a finite number > 0, got {unit!r}")
 
     def latents(self, height: np.ndarray, width: np.ndarray) -> np.ndarray:
         """Latent positions at the attention resolution (float64, exact for any realistic shape)."""
@@ -97,7 +104,7 @@ class CostModel:
         scale[scale == 0] = 1.0  # keep nnls well conditioned across the very different column ranges
         coef, _ = nnls(design / scale, target)
         a, b, c, batch = (coef / scale).tolist()
-        return cls(a=a, b=b, c=c, batch=batch, stride=stride, source=source)
+        return cls(a=a, b=b, c=c, batch=batch, stride=stride, source=source, seconds_per_unit=1.0)
 
     @classmethod
     def from_mapping(cls, data: Any, where: str) -> "CostModel":
@@ -155,6 +162,7 @@ class PlanParameters:
     window_rows: int = 262_144  # manifest rows per window before snapping to a document boundary
     max_document_tokens: int = 1 << 20  # drop documents whose image blocks + BOS/EOS exceed this; 0: no limit
     cost_model: CostModel = field(default_factory=CostModel)
+    item_seconds: float = 180.0  # target GPU time of one work item (cost model estimate): the unit encode resumes
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -171,6 +179,10 @@ class PlanParameters:
             raise MmtokError(f"min_source_pixels ({self.min_source_pixels}) must be in [0, max_source_pixels]")
         if self.min_pixels > self.max_pixels:
             raise MmtokError(f"min_pixels ({self.min_pixels}) must not exceed max_pixels ({self.max_pixels})")
+        seconds = self.item_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0 \
+                or not math.isfinite(seconds):
+            raise MmtokError(f"plan parameter item_seconds must be a finite number > 0, got {seconds!r}")
         if self.max_aspect_ratio is not None and not self.max_aspect_ratio >= 1:
             raise MmtokError(f"max_aspect_ratio must be >= 1 or null, got {self.max_aspect_ratio!r}")
 

@@ -18,7 +18,7 @@ def explain_plan(plan_dir: str | os.PathLike, top_shapes: int = 20, rank_lines: 
     batches = plan.table(BATCHES_FILE, columns=["num_images", "target_height", "target_width", "tokens", "cost"])
     columns = {name: batches.column(name).to_numpy() for name in batches.column_names}
     sections = [_header(plan_dir, meta), _dropped(meta), _tokens(meta), _batches(meta),
-                _shape_histogram(columns, top_shapes), _ranks(meta, columns["cost"], rank_lines)]
+                _shape_histogram(columns, top_shapes), _ranks(meta, columns["cost"], rank_lines), _work_items(plan)]
     return "\n".join(line for section in sections for line in section)
 
 
@@ -118,6 +118,27 @@ def _ranks(meta: dict, cost: np.ndarray, rank_lines: int) -> list[str]:
     for r in shown:
         share = f"{100 * (per_rank[r] / mean - 1):+.2f}%" if mean else "-"
         lines.append(f"  {r:>6} {f'[{ranges[r, 0]}, {ranges[r, 1]})':>24} {per_rank[r]:>12.4g} {share:>8}")
+    return lines
+
+
+def _work_items(plan: Plan, shown: int = 4) -> list[str]:
+    """The plan's work items: how many, their size, the first and last few with their ids."""
+    items = plan.meta.get("work_items")
+    if not items:
+        return ["work items: none recorded (a plan of an older mmtok; re-run `mmtok plan`)"]
+    ranges = plan.work_items()
+    cost = items["cost"]
+    seconds = plan.meta["parameters"]["cost_model"]["seconds_per_unit"]
+    lines = [f"work items: {items['count']:,} of about {items['item_seconds']:g} s of GPU time each by the cost model "
+             f"(target cost {items['target_cost']:.4g}; min {cost['min']:.4g} = {cost['min'] * seconds:.3g} s, max "
+             f"{cost['max']:.4g} = {cost['max'] * seconds:.3g} s); their number does not depend on the world size",
+             f"  {'item':>6} {'id':<16} {'batches [start, end)':>24}"]
+    picked = list(range(len(ranges))) if len(ranges) <= 2 * shown else [*range(shown), *range(len(ranges) - shown,
+                                                                                                len(ranges))]
+    for i in picked:
+        if i == len(ranges) - shown and len(ranges) > 2 * shown:
+            lines.append(f"  {'...':>6}")
+        lines.append(f"  {i:>6} {plan.work_item_id(i):<16} {f'[{ranges[i, 0]}, {ranges[i, 1]})':>24}")
     return lines
 
 
