@@ -17,7 +17,8 @@ Configurations, each encoded --repeats times into a fresh output:
                  --plan PLAN --device cpu` does, but timed in CPU seconds like bench_calibrate.py: the
                  machine is shared)
 The three ranks of a job run one after another in this process (`encode_rank`, 1 loader thread), so
-they never compete for the machine's cores; `job_status(out, plan)` then reads the parts' counters.
+they never compete for the machine's cores; each encodes its work items (`Plan.worker_items`, items of
+0.1 s by the cost model), and `job_status(out, plan)` then reads the parts' counters, summed per rank.
 
 Reported per rank: wall and device-busy seconds, pipeline fill (the device waiting for its first
 batch), images, and the shares of wall, device-busy and modeled cost. Per job: the imbalance
@@ -60,7 +61,8 @@ from standin import StandInCodec  # noqa: E402
 
 WORLD_SIZE = 3
 PLAN_FLAGS = ("--mode", "image-text", "--world-size", str(WORLD_SIZE), "--min-pixels", str(256 * 256),
-              "--max-pixels", str(512 * 512), "--token-budget", str(8 * 1100), "--max-batch-images", "8")
+              "--max-pixels", str(512 * 512), "--token-budget", str(8 * 1100), "--max-batch-images", "8",
+              "--item-seconds", "0.1")  # several work items per rank (the unit a rank's parts are made of)
 DEFAULT_MODEL = "analytic default"
 PIXELS = CostModel(a=1.0, b=0.0, c=0.0, batch=0.0, source="time proportional to pixels (the stand-in's own cost)")
 
@@ -98,12 +100,20 @@ def make_plan(manifest: Path, out: Path, cost_model: Path | None = None) -> Path
     return out
 
 
+def worker_ranges(opened: Plan) -> np.ndarray:
+    """[start, end) batches of each of the WORLD_SIZE workers: its work items (`Plan.worker_items`) joined."""
+    items = opened.work_items()
+    shares = [opened.worker_items(w, WORLD_SIZE) for w in range(WORLD_SIZE)]
+    return np.array([[items[r.start][0], items[r.stop - 1][1]] if len(r) else [0, 0] for r in shares], np.int64)
+
+
 def costs_under(plan: Path, model: CostModel) -> tuple[float, np.ndarray]:
-    """Imbalance and per-rank shares of the plan's own rank ranges when its batches cost `model`."""
+    """Imbalance and per-rank shares of the plan's worker ranges (their work items) when its batches cost
+    `model`."""
     opened = Plan.open(plan)
     batches = opened.table(BATCHES_FILE, ["target_height", "target_width", "num_images"])
     height, width, count = (batches.column(i).to_numpy() for i in range(3))
-    per_rank = rank_costs(model.batch_cost(height, width, count), opened.ranges())
+    per_rank = rank_costs(model.batch_cost(height, width, count), worker_ranges(opened))
     return imbalance(per_rank), per_rank / per_rank.sum()
 
 
@@ -118,10 +128,26 @@ def encode_job(plan: Path, out: Path, codec, cpu: bool) -> dict:
         stats = encode_rank(plan, out, timed, rank=rank, world_size=WORLD_SIZE,
                             options=EncodeOptions(loader_threads=1, progress=False))
         added.append({"fill_s": stats["fill_s"], "cpu_s": timed.seconds if cpu else None})
-    status = job_status(out, plan)
-    for part, extra in zip(status["parts"], added, strict=True):
-        part.update(extra)
-    return status
+    return by_worker(job_status(out, plan), Plan.open(plan), added)
+
+
+def by_worker(status: dict, opened: Plan, added: list[dict]) -> dict:
+    """The job view per worker (rank): the parts of its work items summed, with its fill and codec CPU seconds,
+    and the measured and modeled imbalance over the workers."""
+    parts = status["parts"]
+    costs = opened.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+    modeled = rank_costs(costs, worker_ranges(opened))
+    workers = []
+    for w, extra in enumerate(added):
+        mine = [parts[i] for i in opened.worker_items(w, WORLD_SIZE)]
+        wall, busy = sum(p["wall_s"] for p in mine), sum(p["device_busy_s"] for p in mine)
+        workers.append({"part": w, "written": sum(p["written"] for p in mine), "wall_s": wall, "device_busy_s": busy,
+                        "device_busy_fraction": busy / wall if wall else 0.0,
+                        "modeled_share": modeled[w] / modeled.sum(), **extra})
+    walls = np.array([w["wall_s"] for w in workers])
+    for worker in workers:
+        worker["wall_share"] = worker["wall_s"] / walls.sum()
+    return {"parts": workers, "imbalance": {"measured": imbalance(walls), "modeled": imbalance(modeled)}}
 
 
 def measured(status: dict) -> dict:

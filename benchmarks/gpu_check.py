@@ -581,7 +581,6 @@ def e2e_paths(work: Path) -> dict[str, Path]:
 
 def step_e2e(step: StepRecord, profile: Profile, work: Path) -> None:
     torch, device = torch_device(profile)
-    from mmtok.formats.commitlog import part_dir, read_stats
 
     encodekit = benchmarks_module("encodekit")  # tests/encodekit.py: tar writer and the small chat tokenizer
     paths = e2e_paths(work)
@@ -604,14 +603,15 @@ def step_e2e(step: StepRecord, profile: Profile, work: Path) -> None:
     checkpoint = random_checkpoint(work, profile.e2e_codec)
     step.put("codec", f"emu3.5 random weights, {profile.e2e_codec} config, device {device} (LOCAL_RANK=0)")
     run_mmtok(step, "scan", [str(paths["data"] / "*.tar"), "--out", str(paths["manifest"]), "--no-progress"])
+    # small work items, so each of the 2 ranks has several (a rank encodes its items one after another)
     run_mmtok(step, "plan", [str(paths["manifest"]), "--out", str(paths["plan"]), "--quiet", "--world-size", "2",
-                             "--text-tokenizer", str(tokenizer), *profile.e2e_plan_flags])
-    for rank in (0, 1):  # one after the other on the one GPU: each part's figures are its own
-        run_mmtok(step, f"encode rank {rank}", [
+                             "--text-tokenizer", str(tokenizer), *profile.e2e_plan_flags, "--item-seconds", "0.2"])
+    for rank in (0, 1):  # one after the other on the one GPU: each rank's figures are its own (its items summed)
+        result = run_mmtok(step, f"encode rank {rank}", [
             "--plan", str(paths["plan"]), "--checkpoint", str(checkpoint), "--out", str(paths["out"]), "--rank",
-            str(rank), "--world-size", "2", "--loader-threads", str(profile.e2e_loader_threads), "--no-progress"],
-            env={"LOCAL_RANK": "0"}, command="encode")
-        stats = read_stats(part_dir(paths["out"], rank))
+            str(rank), "--world-size", "2", "--loader-threads", str(profile.e2e_loader_threads), "--no-progress",
+            "--json"], env={"LOCAL_RANK": "0"}, command="encode")
+        stats = json.loads(result.stdout.strip().splitlines()[-1]) if result.stdout.strip() else {}
         step.append("parts", {"rank": rank, **{key: stats.get(key) for key in (
             "images_planned", "images_written", "images_per_s", "device_busy_fraction", "wall_s", "device_busy_s",
             "fill_s", "tokens_per_s", "device", "loader_threads")}})

@@ -27,6 +27,7 @@ from mmtok.codecs import emu35
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import part_dir, read_stats
 from mmtok.formats.megatron import read_sequences
+from mmtok.formats.plan import Plan
 from mmtok.fsutil import sha256_file
 from mmtok.media.images import ImageDecodeError, decode_rgb, resize_rgb
 from mmtok.text import caption_text, load_text_tokenizer
@@ -147,21 +148,25 @@ def _check_gpt_dataset(prefix: Path, layout: VocabLayout, eos: int, cache: Path)
         np.testing.assert_array_equal(sample["labels"].numpy(), expected[1:])
 
 
-def test_merged_bytes_do_not_depend_on_world_size(env, tmp_path):
-    plan_dir = plan(env, "plan-ws3", "--mode", "image-text", "--world-size", "3")
-    runs = {n: digests(encode_all(env, plan_dir, tmp_path / f"ws{n}", world_size=n)) for n in (1, 3, 7)}
-    assert runs[1] == runs[3] == runs[7]
-    assert all(read_stats(part_dir(tmp_path / "ws7", r))["ranges_rederived"] for r in range(7))
-    assert not read_stats(part_dir(tmp_path / "ws3", 0))["ranges_rederived"]
+def test_merged_bytes_do_not_depend_on_the_number_of_workers(env, tmp_path):
+    # small work items: many more than workers, so each worker takes several, one after another
+    plan_dir = plan(env, "plan-ws3", "--mode", "image-text", "--world-size", "3", "--item-seconds", "0.0005")
+    items = Plan.open(plan_dir).work_items()
+    assert len(items) > 7
+    runs = {n: encode_all(env, plan_dir, tmp_path / f"ws{n}", world_size=n) for n in (1, 3, 7)}
+    assert digests(runs[1]) == digests(runs[3]) == digests(runs[7])
+    merged = {n: json.loads((out / "merged.json").read_text()) for n, out in runs.items()}
+    assert merged[1]["identity"] == merged[3]["identity"] == merged[7]["identity"]  # the job has the same parts
+    for n in (1, 3, 7):  # one part per work item, holding that item's batches, whoever encoded it
+        assert [read_stats(part_dir(runs[n], i))["batches"] for i in range(len(items))] == items.tolist()
 
 
-def test_ranks_without_batches_finish_empty_parts(env, tmp_path):
+def test_workers_without_items_encode_nothing(env, tmp_path, capsys):
     plan_dir = plan(env, "plan-wide", "--mode", "image", "--token-budget", "200", "--max-batch-images", "8")
-    meta = json.loads((plan_dir / "plan.json").read_text())
-    world_size = meta["num_batches"] + 2
-    wide = digests(encode_all(env, plan_dir, tmp_path / "wide", world_size=world_size))
-    stats = [read_stats(part_dir(tmp_path / "wide", r)) for r in range(world_size)]
-    assert sum(s["images_planned"] == 0 and s["sequences"] == 0 for s in stats) >= 2
+    items = len(Plan.open(plan_dir).work_items())
+    wide = digests(encode_all(env, plan_dir, tmp_path / "wide", world_size=items + 2))
+    assert f"rank {items + 1}/{items + 2}: no work item to encode" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "wide" / "parts").iterdir()) == [f"part-{i:05d}" for i in range(items)]
     assert wide == digests(encode_all(env, plan_dir, tmp_path / "one", world_size=1))
 
 
@@ -373,7 +378,7 @@ def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_pa
                  "--no-progress"]) == 0
     summary_lines(capsys.readouterr(), "scan")
     assert main(["plan", str(tmp_path / "manifest"), "--out", str(tmp_path / "plan"), "--quiet", *PLAN_FLAGS,
-                 "--text-tokenizer", str(env.text), "--world-size", "2"]) == 0
+                 "--text-tokenizer", str(env.text), "--world-size", "2", "--item-seconds", "0.0005"]) == 0
     assert "; 2 ranks, imbalance" in summary_lines(capsys.readouterr(), "plan")[0]
     encode = ["encode", "--plan", str(tmp_path / "plan"), "--checkpoint", str(env.checkpoint), "--out",
               str(tmp_path / "out"), "--world-size", "2", "--device", "cpu", "--loader-threads", "2", "--no-progress"]
@@ -383,8 +388,11 @@ def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_pa
     captured = capsys.readouterr()
     result = json_result(captured)
     assert captured.err.startswith("mmtok encode: rank 1/2 -> ")
-    assert (result["rank"], result["world_size"]) == (1, 2) and result["part_dir"] == str(part_dir(tmp_path / "out", 1))
-    assert result["images_written"] == read_stats(part_dir(tmp_path / "out", 1))["images_written"] > 0
+    first, last = result["items"]
+    assert (result["rank"], result["world_size"]) == (1, 2) and 0 < first < last == result["num_items"]
+    assert result["parts"] == [str(part_dir(tmp_path / "out", i)) for i in range(first, last)]
+    assert result["images_written"] == sum(read_stats(part_dir(tmp_path / "out", i))["images_written"]
+                                           for i in range(first, last)) > 0
     assert main(["merge", str(tmp_path / "out"), "--no-progress"]) == 0
     summary_lines(capsys.readouterr(), "merge")
     assert main(["merge", str(tmp_path / "out"), "--no-progress", "--json"]) == 0

@@ -13,6 +13,7 @@ from encodekit import ONE_IMAGE_BATCHES, planned_job
 from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.formats.commitlog import COMMITS, is_done, part_dir, read_commits
+from mmtok.formats.plan import Plan
 from mmtok.fsutil import sha256_file
 
 
@@ -142,35 +143,42 @@ def _run_workers(forkserver, argv: list[str], world_size: int, shares: list[list
     assert [p.exitcode for p in workers] == [0] * len(workers)
 
 
-def test_merged_bytes_are_the_same_whether_ranks_run_at_once_in_an_array_or_killed_and_rerun(tmp_path, forkserver):
+def test_merged_bytes_are_the_same_for_any_workers_and_after_a_kill_inside_an_item_resumed_by_another_count(
+        tmp_path, forkserver):
     plan_dir, checkpoint = planned_job(tmp_path)
-    plans = {}
-    for world_size in (6, 2):
-        plans[world_size] = tmp_path / f"plan-{world_size}"
-        assert main(["plan", str(tmp_path / "manifest"), "--out", str(plans[world_size]), "--quiet", *ONE_IMAGE_BATCHES,
-                     "--text-tokenizer", str(tmp_path / "tokenizer"), "--world-size", str(world_size)]) == 0
+    whole = Plan.open(plan_dir)  # about a tenth of the job per work item: items of several batches
+    seconds = whole.item_costs().sum() * whole.meta["parameters"]["cost_model"]["seconds_per_unit"] / 10
+    plan = tmp_path / "plan-items"
+    assert main(["plan", str(tmp_path / "manifest"), "--out", str(plan), "--quiet", *ONE_IMAGE_BATCHES,
+                 "--text-tokenizer", str(tmp_path / "tokenizer"), "--world-size", "6", "--item-seconds",
+                 str(seconds)]) == 0
+    opened = Plan.open(plan)
+    assert len(opened.work_items()) >= 8 and (opened.work_items()[:, 1] - opened.work_items()[:, 0] > 1).all()
 
-    def argv(plan, out):
+    def argv(out):
         return ["encode", "--plan", str(plan), "--checkpoint", str(checkpoint), "--out", str(out), "--device", "cpu",
                 "--loader-threads", "1", "--no-progress"]
 
-    at_once, array, two = tmp_path / "at-once", tmp_path / "array", tmp_path / "two"
-    _run_workers(forkserver, argv(plans[6], at_once), 6, [[rank] for rank in range(6)])
-    _run_workers(forkserver, argv(plans[2], two), 2, [[0], [1]])
-    # the array: rank 3's node dies after its first commit; two workers then take the ranks in their own
-    # orders, and rank 3 resumes on one of them
+    at_once, killed, two = tmp_path / "at-once", tmp_path / "killed", tmp_path / "two"
+    _run_workers(forkserver, argv(at_once), 6, [[worker] for worker in range(6)])
+    _run_workers(forkserver, argv(two), 2, [[0], [1]])
+    # worker 3 of 6 dies after the first commit of an item of more than one batch; the job is then resumed by
+    # 4 workers (another count): they skip nothing of it, and whoever takes that item resumes its commit log
+    item = next(i for i in opened.worker_items(3, 6) if opened.work_items()[i, 1] - opened.work_items()[i, 0] > 1)
+    first = opened.worker_items(3, 6).start
     arrived, gate = forkserver.Semaphore(0), forkserver.Semaphore(0)
     dying = forkserver.Process(target=_gated_encode,
-                               args=([*argv(plans[6], array), "--rank", "3", "--world-size", "6"], arrived, gate))
+                               args=([*argv(killed), "--rank", "3", "--world-size", "6"], arrived, gate))
     dying.start()
-    gate.release()
-    _wait_until(lambda: _safe_records(array, 3) >= 1, dying, "the dying rank")
+    for _ in range(sum(int(e - s) for s, e in opened.work_items()[first:item]) + 1):
+        gate.release()  # every batch of the items before it, and the first batch of the item
+    _wait_until(lambda: _safe_records(killed, item) >= 1, dying, "the dying worker")
     os.kill(dying.pid, signal.SIGKILL)
     dying.join()
-    assert dying.exitcode == -signal.SIGKILL and not is_done(part_dir(array, 3))
-    assert 1 <= _records(array, 3) < len(read_commits(part_dir(at_once, 3))[0])
-    _run_workers(forkserver, argv(plans[6], array), 6, [[4, 0, 2], [5, 3, 1]])
-    for out in (at_once, array, two):
+    assert dying.exitcode == -signal.SIGKILL and not is_done(part_dir(killed, item))
+    assert 1 <= _records(killed, item) < len(read_commits(part_dir(at_once, item))[0])
+    _run_workers(forkserver, argv(killed), 4, [[3], [1], [2], [0]])
+    for out in (at_once, killed, two):
         assert main(["merge", str(out)]) == 0
     for name in ("merged.bin", "merged.idx", "merged.provenance.jsonl"):
-        assert sha256_file(array / name) == sha256_file(at_once / name) == sha256_file(two / name), name
+        assert sha256_file(killed / name) == sha256_file(at_once / name) == sha256_file(two / name), name

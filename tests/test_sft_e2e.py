@@ -239,7 +239,8 @@ def _write_corpus(root: Path) -> SimpleNamespace:
 
 # -- the pipeline ------------------------------------------------------------------------------------------
 SMALL_IMAGES = ["--min-pixels", "1024", "--max-pixels", "2304", "--min-source-pixels", "100", "--token-budget", "40",
-                "--max-batch-images", "1"]  # 32-48 px, one image per batch: 5 batches, so each of 3 ranks has one
+                "--max-batch-images", "1", "--item-seconds", "0.00001"]  # 32-48 px, one image per batch: 5 batches,
+# each its own work item, so each of 3 ranks has at least one
 
 
 def _run(*argv) -> None:
@@ -401,7 +402,7 @@ def test_every_audio_block_is_the_pretraining_paths_tokens_of_the_same_file(env)
 def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(env, tmp_path, monkeypatch):
     media = _encode_media(env, tmp_path, 3)
     image_parts = sorted((media.images / "parts").glob("part-*"))
-    assert len(image_parts) == 3 and all(commitlog.read_items(d)[0] for d in image_parts)  # every rank has images
+    assert len(image_parts) == 5 and all(commitlog.read_items(d)[0] for d in image_parts)  # a part per work item
     assert len(audio_cache.find_parts(media.audio)) == 3
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
     _ranks(3, *_sft_argv(env, media, tmp_path / "sft"))

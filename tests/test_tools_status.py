@@ -219,7 +219,7 @@ def test_many_parts_show_only_unfinished_and_slowest_ones(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     env = caption_env(tmp_path_factory.mktemp("status"))
-    return env, plan(env, "plan", "--mode", "image", "--world-size", "3")
+    return env, plan(env, "plan", "--mode", "image", "--world-size", "3", "--item-seconds", "0.0005")
 
 
 def encode(env, plan_dir: Path, out: Path, rank: int) -> int:
@@ -233,19 +233,24 @@ def test_status_follows_a_real_job_to_its_measured_imbalance(job, tmp_path, caps
     env, plan_dir = job
     meta = json.loads((plan_dir / "plan.json").read_text())
     out = tmp_path / "out"
+    opened = Plan.open(plan_dir)
+    items = opened.work_items()
+    last = opened.worker_items(2, 3)  # the items worker 2 of 3 takes: missing until it runs
+    modeled = imbalance(rank_costs(opened.table(BATCHES_FILE, ["cost"]).column(0).to_numpy(), items))
     assert encode(env, plan_dir, out, 0) == 0 and encode(env, plan_dir, out, 1) == 0
     assert f"job view (every rank): mmtok status {out}" in capsys.readouterr().err
     status = job_status(out, plan=plan_dir)
-    assert status["states"] == {"done": 2, "running": 0, "stopped": 0, "missing": 1, "damaged": 0}
-    assert by_part(status)[2]["units_planned"] == meta["rank_batches"][2][1] - meta["rank_batches"][2][0]
-    assert status["imbalance"]["measured"] is None and status["imbalance"]["modeled"] == meta["imbalance"]
+    assert len(last) and status["states"] == {"done": len(items) - len(last), "running": 0, "stopped": 0,
+                                              "missing": len(last), "damaged": 0}
+    assert by_part(status)[last.start]["units_planned"] == items[last.start][1] - items[last.start][0]
+    assert status["imbalance"]["measured"] is None and status["imbalance"]["modeled"] == pytest.approx(modeled)
     assert encode(env, plan_dir, out, 2) == 0
     capsys.readouterr()
     assert main(["status", str(out), "--plan", str(plan_dir)]) == 0
     print(capsys.readouterr().out, file=sys.stderr)  # the human view, for `pytest -s`
     status = job_status(out, plan=plan_dir)
-    assert status["states"]["done"] == 3 and status["eta_s"] == 0.0
-    assert np.isfinite(status["imbalance"]["measured"]) and status["imbalance"]["modeled"] == meta["imbalance"]
+    assert status["states"]["done"] == len(items) and status["eta_s"] == 0.0
+    assert np.isfinite(status["imbalance"]["measured"]) and status["imbalance"]["modeled"] == pytest.approx(modeled)
     assert status["totals"]["units_done"] == status["totals"]["units_planned"] == meta["num_batches"]
     assert status["totals"]["written"] == meta["totals"]["kept_images"]
     assert sum(p["modeled_share"] for p in status["parts"]) == pytest.approx(1.0)
@@ -340,7 +345,7 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
     plan_dir = tmp_path / "plan"
     assert main(["plan", str(tmp_path / "m"), "--out", str(plan_dir), "--quiet", *PLAN_FLAGS, "--text-tokenizer",
                  str(chat_tokenizer(tmp_path / "tok")), "--mode", "image", "--world-size", "2",
-                 "--min-source-pixels", "40000"]) == 0
+                 "--min-source-pixels", "40000", "--item-seconds", "0.0005"]) == 0
     meta = json.loads((plan_dir / "plan.json").read_text())
     out = tmp_path / "out"
 

@@ -18,9 +18,10 @@ Rank and world size come from --rank/--world-size, else RANK/WORLD_SIZE (torchru
 torchrun runs inside srun), else SLURM_PROCID/SLURM_NTASKS (srun). The GPU is --device, else
 cuda:LOCAL_RANK, else cuda:(SLURM_LOCALID mod visible GPUs), else cuda:0 / cpu.
 
-Images (--modality image): the rank takes its contiguous range of the plan's global batches; the
-world size defaults to the plan's. If it differs from the plan's, the plan's cost-balanced ranges
-are re-derived for it (the merged output is the same for every world size).
+Images (--modality image): the plan's batches are cut into work items (`mmtok plan --explain` lists
+them); worker (rank) w of W takes a contiguous cost-balanced range of items and encodes each into its own
+part, OUT/parts/part-<item>. W defaults to the plan's world size, but any W works, also on a resume: finished
+items are skipped, a half-done one resumes from its commit log. The merged output is the same for every W.
 
 Every batch is committed durably, with a checksum; rerunning the same command after a crash or kill
 resumes from the last committed batch (after checking what was committed) and yields byte-identical
@@ -74,21 +75,26 @@ def run(args) -> int:
 
 def run_images(args) -> int:
     from mmtok.codecs.registry import load_codec
-    from mmtok.encode.runner import EncodeOptions, encode_rank
+    from mmtok.encode.runner import EncodeOptions, encode_rank, refuse_empty_plan
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.formats.plan import Plan
     from mmtok.launch import resolve_device, resolve_rank
 
     if not args.plan:
         raise MmtokError("--modality image needs --plan (the output directory of `mmtok plan`)")
-    meta = Plan.open(args.plan).meta
+    plan = Plan.open(args.plan)
+    refuse_empty_plan(plan)
+    meta = plan.meta
     rank, world_size = resolve_rank(args.rank, args.world_size, meta["world_size"])
-    if world_size != meta["world_size"]:
-        print_summary("encode", f"the plan was balanced for {plural(meta['world_size'], 'rank')}; re-deriving its "
-                      f"contiguous cost-balanced ranges for {plural(world_size, 'rank')} (the merged output does "
-                      "not depend on the world size)")
-    check_part_free(part_dir(args.out, rank))  # a duplicate job stops here, before it loads the model
-    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=world_size,
+    items = plan.worker_items(rank, world_size)
+    if not len(items):
+        print_summary("encode", f"rank {rank}/{world_size}: no work item to encode (the plan has "
+                                f"{plural(len(plan.work_items()), 'item')} for {plural(world_size, 'worker')}); "
+                                "nothing to do")
+        return 0
+    for item in items:
+        check_part_free(part_dir(args.out, item))  # a duplicate job stops here, before it loads the model
+    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=len(plan.work_items()),
                      plan_fingerprint=meta["fingerprint"])
     device = resolve_device(args.device)
     codec = load_codec(args.codec, args.checkpoint, device, modality="image")
@@ -99,11 +105,11 @@ def run_images(args) -> int:
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     from mmtok.formats import skips
 
-    counts = stats["counts"]  # the part's own counters: the same verdict when a rerun finds it finished
+    counts = stats["counts"]  # the parts' own counters: the same verdict when a rerun finds them finished
     failed = skips.items_failed_by_reason(counts)
     refuse_nothing_usable(f"rank {rank}/{world_size}", counts.get("images_written", 0) + counts.get(
         "images_deferred", 0) - sum(failed.values()), counts,
-        f"{stats['part_dir']}/skipped.jsonl" + (" and items.jsonl" if failed else ""), extra=failed,
+        f"{_parts_named(stats)}/skipped.jsonl" + (" and items.jsonl" if failed else ""), extra=failed,
         rank_of=("encode", world_size))
     return 0
 
@@ -125,11 +131,21 @@ def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **kno
     parts.refuse_other_run(out, {"modality": modality, "codec": described, **known})
 
 
+def _parts_named(stats: dict) -> str:
+    """The worker's parts: one path, or the first and last as `DIR/part-{00003..00007}`."""
+    parts = stats["parts"]
+    if len(parts) == 1:
+        return parts[0]
+    first, last = Path(parts[0]), Path(parts[-1])
+    return f"{first.parent}/{{{first.name}..{last.name}}}"
+
+
 def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
-    """The human summary of an image rank: what it wrote (or that it was finished), its pace, the job view."""
-    where = stats["part_dir"]
+    """The human summary of an image worker: what it wrote (or that it was finished), its pace, the job view."""
+    where = _parts_named(stats)
+    items = f"{plural(stats['items'][1] - stats['items'][0], 'work item')} of {stats['num_items']:,}"
     if stats.get("already_done"):
-        lines = [f"rank {rank}/{world_size}: {where} is already finished "
+        lines = [f"rank {rank}/{world_size}: {items}, {where}, already finished "
                  f"({plural(stats['sequences'], 'sequence')}); nothing to do"]
     else:
         lines = (_sft_lines if stats.get("mode") == "sft" else _document_lines)(rank, world_size, stats, out)
@@ -141,7 +157,7 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str
 
 def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
     """No documents here: every image is an item for `mmtok sft`."""
-    where = stats["part_dir"]
+    where = _parts_named(stats)
     failed = _reasons(stats["items_failed"])
     return [f"rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
             f"{plural(stats['images_planned'], 'image')} of SFT conversations stored as items, "
@@ -151,7 +167,7 @@ def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
 
 
 def _document_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
-    where = stats["part_dir"]
+    where = _parts_named(stats)
     lines = [f"rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
              f"{plural(stats['images_planned'], 'image')} in {plural(stats['sequences'], 'document')}, "
              f"{plural(stats['counts'].get('tokens', 0), 'token')}; skipped: {_reasons(stats['skipped']) or 'none'}"

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from mmtok.documents import DocumentBuilder, DocumentError, Sidecars, Template
-from mmtok.encode.work import RankWork
+from mmtok.encode.work import ItemWork
 from mmtok.errors import Skip
 from mmtok.formats.items import media_digest
 from mmtok.formats.manifest import MemberReader, ShortRead
@@ -39,7 +39,7 @@ class PreparedBatch:
     """One batch ready for the device."""
 
     batch: int  # global batch id
-    rows: slice  # its rows in the RankWork arrays
+    rows: slice  # its rows in the ItemWork arrays
     pixels: torch.Tensor  # uint8 [B, H, W, 3], a view of the loader's host ring
     failures: list[Skip | None]  # per image: why it was skipped, or None when decoded
     digests: list[str | None]  # per image: the digest of the bytes it was decoded from (None when unread)
@@ -94,7 +94,7 @@ class HostRing:
 class BatchLoader:
     """Iterate `PreparedBatch`es for global batches `batches` of `work`, loaded in the background."""
 
-    def __init__(self, work: RankWork, builder: DocumentBuilder, batches: range, *, threads: int = 4,
+    def __init__(self, work: ItemWork, builder: DocumentBuilder, batches: range, *, threads: int = 4,
                  prefetch: int = 4, pin: bool = False):
         self.work = work
         self.builder = builder

@@ -1,4 +1,10 @@
-"""Images through the rank loop (mmtok.encode.loop): a rank's plan batches, their pixels, their documents.
+"""Images through the rank loop (mmtok.encode.loop): a worker's work items, their pixels, their documents.
+
+A worker (one process per GPU) takes its work items of the plan (`Plan.worker_items`: a contiguous,
+cost-balanced range of items for worker w of W) and encodes each into its own part, OUT/parts/part-<item>,
+one after another with the codec loaded once. An item already finished is skipped; one a killed worker left
+half done resumes from its commit log, whichever worker takes it now, so a job resumes with any number of
+workers.
 
   loader threads  (mmtok.encode.loader)  read, decode, resize and tokenize batch b+1, b+2, ...
   device          (encode.loop)          copies batch b to the device (non-blocking from pinned
@@ -6,8 +12,8 @@
   committer       (encode.loop)          turns batch b-1 into documents and items (`Assembler`)
                                          and makes them durable (PartWriter.commit)
 Every stage handles batches in global order and everything a commit holds is a function of the plan
-alone, so a rank's files are the same for any number of loader threads, after any number of kills
-and resumes, and merge to the same bytes for any world size.
+alone, so an item's files are the same for any number of loader threads and workers, after any number of
+kills and resumes, and merge (in item order) gives the same bytes for any number of workers.
 
 Documents of several images: their images can sit in any batches, on any ranks. Each image is
 committed as an item of the part (its block), the document's text template as another (with the
@@ -31,13 +37,14 @@ from mmtok.codecs.base import refuse_low_precision
 from mmtok.documents import DocumentBuilder, DocumentError, Template, pack_template
 from mmtok.encode.loader import BatchLoader, PreparedBatch
 from mmtok.encode.loop import Meter, run_device, uniform_codes
-from mmtok.encode.work import RankWork, load_rank_work
+from mmtok.encode.work import ItemWork, load_item_work
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.chat import recorded_special_ids
 from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, part_dir
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
 from mmtok.formats.parts import refuse_other_run, timing_stats
+from mmtok.formats.plan import Plan
 from mmtok.formats.skips import SkipRecord
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout, check_ids_in_range
@@ -52,9 +59,9 @@ class EncodeOptions:
 
 
 # -- setup -----------------------------------------------------------------------------------------
-def plan_tokenizer(work: RankWork) -> TextTokenizer:
+def plan_tokenizer(plan_meta: dict) -> TextTokenizer:
     """The plan's text tokenizer, refused if its files changed since planning."""
-    params = work.plan_meta["parameters"]
+    params = plan_meta["parameters"]
     tokenizer = load_text_tokenizer(params["text_tokenizer"])
     if tokenizer.fingerprint != params.get("text_tokenizer_sha256", tokenizer.fingerprint):
         raise MmtokError(f"text tokenizer {params['text_tokenizer']} changed since planning (sha256 "
@@ -63,7 +70,7 @@ def plan_tokenizer(work: RankWork) -> TextTokenizer:
     return tokenizer
 
 
-def check_codec(work: RankWork, codec, builder: DocumentBuilder) -> None:
+def check_codec(work: ItemWork, codec, builder: DocumentBuilder) -> None:
     """The codec must be an image codec with the plan's pixels per code and the plan's block sizes."""
     params = work.plan_meta["parameters"]
     if codec.modality != "image":
@@ -83,12 +90,13 @@ def check_codec(work: RankWork, codec, builder: DocumentBuilder) -> None:
                              f"gives {have}; the plan was made with another tokenizer -- re-run `mmtok plan`")
 
 
-def part_identity(work: RankWork, codec, tokenizer: TextTokenizer, layout: VocabLayout) -> dict:
+def part_identity(work: ItemWork, codec, tokenizer: TextTokenizer, layout: VocabLayout) -> dict:
     """What a part is made from; a resume must match it exactly (see PartWriter)."""
     special = recorded_special_ids(tokenizer)
     return {
-        "part": work.rank, "num_parts": work.world_size, "modality": "image", "mode": work.mode,
+        "part": work.item, "num_parts": work.num_items, "modality": "image", "mode": work.mode,
         "part_batches": list(work.batch_range),
+        "work_items": {"count": work.num_items, "target_cost": work.plan_meta["work_items"]["target_cost"]},
         "plan_fingerprint": work.plan_meta["fingerprint"],
         "manifest_fingerprint": work.plan_meta["manifest_fingerprint"],
         "codec": codec.describe(),
@@ -121,7 +129,7 @@ class Assembler:
     assembles those (`mmtok.merge.assemble`), so no rank waits for another and any batch boundary is a cut.
     """
 
-    def __init__(self, work: RankWork, builder: DocumentBuilder, codebook_size: int):
+    def __init__(self, work: ItemWork, builder: DocumentBuilder, codebook_size: int):
         """`codebook_size`: the codec's, within the vocabulary's image block (a plugin's may be smaller)."""
         self.work = work
         self.builder = builder
@@ -210,33 +218,52 @@ class Assembler:
         return record, ids
 
 
-# -- the rank --------------------------------------------------------------------------------------
+# -- the worker ------------------------------------------------------------------------------------
 def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, world_size: int,
                 device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> dict:
-    """Encode rank `rank` of `world_size` of the plan into OUT/parts/part-<rank>; returns its stats.
+    """Worker `rank` of `world_size`: encode its work items (`Plan.worker_items`) into OUT/parts/part-<item>;
+    returns its stats, summed over its items.
 
-    Creates or resumes the part (refusing a different plan, codec or precision), encodes the batches
-    not yet committed, and finishes the part (tokens.idx, stats.json, DONE). A rank with no batches
-    finishes an empty part.
+    Each part is created or resumed (refusing a different plan, codec or precision), its batches not yet
+    committed are encoded, and it is finished (tokens.idx, stats.json, DONE); a finished part is left as it is.
+    A worker without items (more workers than items) encodes nothing.
     """
     options = options or EncodeOptions()
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the pinned ring: its context belongs on this GPU, not cuda:0
-    work = load_rank_work(plan_dir, rank, world_size)
-    if not work.plan_meta["totals"]["kept_images"]:  # nothing from nothing: say so rather than write empty parts
-        raise MmtokError(f"{plan_dir}: the plan keeps no image (see `mmtok plan --explain` and its dropped.parquet "
-                         "for why); re-plan with other limits -- nothing to encode")
-    tokenizer = plan_tokenizer(work)
+    plan = Plan.open(plan_dir)
+    refuse_empty_plan(plan)
+    items = plan.worker_items(rank, world_size)
+    tokenizer = plan_tokenizer(plan.meta)
     layout = VocabLayout(text_size=tokenizer.vocab_size)
-    builder = DocumentBuilder(work.mode, tokenizer, layout)
-    check_codec(work, codec, builder)
+    builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
-    identity = part_identity(work, codec, tokenizer, layout)
-    refuse_other_run(out, identity)  # every key now the codec is loaded (its checkpoint, the tokenizer, ...)
-    with PartWriter(part_dir(out, rank), identity) as part:
+    done: list[dict] = []
+    for item in items:
+        work = load_item_work(plan, item)
+        check_codec(work, codec, builder)
+        identity = part_identity(work, codec, tokenizer, layout)
+        if not done:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
+            refuse_other_run(out, identity)
+        done.append(_encode_item(work, out, codec, builder, identity, device, options))
+    return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
+            len(plan.work_items()), **_worker_stats(done, plan, items, device, options)}
+
+
+def refuse_empty_plan(plan: Plan) -> None:
+    """Nothing from nothing: a plan that keeps no image is refused rather than encoded into empty parts."""
+    if not plan.meta["totals"]["kept_images"]:
+        raise MmtokError(f"{plan.directory}: the plan keeps no image (see `mmtok plan --explain` and its "
+                         "dropped.parquet for why); re-plan with other limits -- nothing to encode")
+
+
+def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity: dict, device: torch.device,
+                 options: EncodeOptions) -> dict:
+    """Encode (or resume, or find finished) one work item's part; its stats."""
+    with PartWriter(part_dir(out, work.item), identity) as part:
         if part.done:
-            return {"already_done": True, **_summary_counts(part)}
+            return {"already_done": True, "images_planned": work.num_images, **_summary_counts(part)}
         start = max(work.batch_range[0], part.next_unit)
         assembler = Assembler(work, builder, min(codec.codebook_size, builder.layout.image_codebook))
         batches = range(start, work.batch_range[1])
@@ -246,12 +273,34 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     return {**stats, **_summary_counts(part)}
 
 
-def _run_batches(work: RankWork, codec, part: PartWriter, assembler: Assembler, batches: range,
+def _worker_stats(done: list[dict], plan: Plan, items: range, device: torch.device, options: EncodeOptions) -> dict:
+    """A worker's items summed: their counters, sequences and planned images, and the pace of this run."""
+    counts: Counter = Counter()
+    for stats in done:
+        counts.update(stats["counts"])
+    timing = timing_stats(counts)
+    written = counts.get("images_written", 0) + counts.get("images_deferred", 0)
+    ran = [stats for stats in done if not stats.get("already_done")]
+    return {
+        "mode": plan.meta["parameters"]["mode"], "counts": dict(counts),
+        "already_done": bool(done) and not ran, "items_done_before": len(done) - len(ran),
+        "parts": [stats["part_dir"] for stats in done], "dataset": any(stats["dataset"] for stats in done),
+        "sequences": sum(stats["sequences"] for stats in done),
+        "images_planned": sum(stats["images_planned"] for stats in done),
+        "images_written": counts.get("images_written", 0), "images_deferred": counts.get("images_deferred", 0),
+        "items_failed": skips.items_failed_by_reason(counts), "skipped": skips.by_reason(counts), **timing,
+        "images_per_s": written / timing["wall_s"] if timing["wall_s"] else 0.0,
+        "fill_s": sum(stats.get("fill_s", 0.0) for stats in ran),
+        "device": str(device), "loader_threads": options.loader_threads,
+    }
+
+
+def _run_batches(work: ItemWork, codec, part: PartWriter, assembler: Assembler, batches: range,
                  device: torch.device, options: EncodeOptions) -> Meter:
     from mmtok.progress import progress as progress_bar
 
     pin = device.type == "cuda" and torch.cuda.is_available()
-    bar = progress_bar(total=work.num_images, desc=f"encode rank {work.rank}", unit="img", enabled=options.progress,
+    bar = progress_bar(total=work.num_images, desc=f"encode item {work.item}", unit="img", enabled=options.progress,
                        mininterval=1.0)
     meter = Meter(bar, work.images_before(batches.start), item="img")
     loader = BatchLoader(work, assembler.builder, batches, threads=options.loader_threads,
@@ -283,13 +332,12 @@ def _commit(part: PartWriter, assembler: Assembler, prepared: PreparedBatch, cod
                 skipped=commit.skipped, items=commit.items)
 
 
-def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions, work: RankWork) -> dict:
+def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions, work: ItemWork) -> dict:
     counts = part.counts
     timing = timing_stats(counts)
     return {
         "tool_version": __version__,
-        "rank": work.rank, "world_size": work.world_size, "mode": work.mode, "batches": list(work.batch_range),
-        "ranges_rederived": work.rederived,
+        "item": work.item, "num_items": work.num_items, "mode": work.mode, "batches": list(work.batch_range),
         "images_planned": work.num_images,
         "images_written": counts.get("images_written", 0),
         "images_deferred": counts.get("images_deferred", 0),  # items: merge (or mmtok sft) assembles their documents

@@ -1,4 +1,4 @@
-"""What one rank encodes: its batch range of the plan, joined with the manifest columns it needs.
+"""What one part encodes: a work item of the plan (a batch range), joined with the manifest columns it needs.
 
 Everything is NumPy arrays over the rank's plan rows (plan order: batch, then position in batch), so
 the loaders and the writer index them without per-row Python objects. A document's template (its
@@ -8,7 +8,6 @@ it, documents are dropped whole).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,14 +23,14 @@ MANIFEST_COLUMNS = ("key", "document", "image_index", "tar", "container", "membe
 
 
 @dataclass
-class RankWork:
-    """A rank's share of a plan. Row arrays are aligned with the rank's plan rows."""
+class ItemWork:
+    """One work item of a plan (`Plan.work_items`), encoded into its own part. Row arrays are aligned with the
+    item's plan rows."""
 
     plan_meta: dict
-    rank: int
-    world_size: int
+    item: int  # its index: the part's number
+    num_items: int  # the plan's work items: the job's number of parts
     batch_range: tuple[int, int]  # [start, end) global batch ids
-    rederived: bool  # True when the ranges were re-derived for a world size the plan was not made for
     batch_starts: np.ndarray  # row offset of batch start+i (length n_batches + 1)
     rows: dict[str, np.ndarray]  # plan columns + manifest columns, one entry per image
     text_column: str | None  # captions of Parquet/Arrow inputs: the scan's text column
@@ -61,25 +60,24 @@ class RankWork:
         return rows.start + np.flatnonzero(self.rows["image_index"][rows] == 0)
 
     def images_before(self, batch: int) -> int:
-        """Planned images of this rank in batches before `batch` (progress after a resume)."""
+        """Planned images of this item in batches before `batch` (progress after a resume)."""
         return int(self.batch_starts[min(max(batch - self.batch_range[0], 0), self.num_batches)])
 
 
-def load_rank_work(plan_dir: str | os.PathLike, rank: int, world_size: int) -> RankWork:
-    """Read the plan rows of `rank`'s batches and the manifest columns the loaders need."""
-    plan = Plan.open(plan_dir)
-    start, end = plan.rank_range(rank, world_size)
-    table = plan.rank_rows(rank, world_size, columns=PLAN_COLUMNS)
+def load_item_work(plan: Plan, item: int) -> ItemWork:
+    """Read the plan rows of work item `item` and the manifest columns the loaders need."""
+    start, end = (int(x) for x in plan.work_items()[item])
+    table = plan.batch_rows(start, end, columns=PLAN_COLUMNS)
     rows = {name: table.column(name).to_numpy() for name in PLAN_COLUMNS}
     if np.any(np.diff(rows["batch"]) < 0):
-        raise MmtokError(f"{plan_dir}: plan rows are not sorted by batch; re-run `mmtok plan`")
+        raise MmtokError(f"{plan.directory}: plan rows are not sorted by batch; re-run `mmtok plan`")
     manifest = plan.manifest()
     rows.update(manifest.read_rows(rows["manifest_row"], MANIFEST_COLUMNS))
     batch_starts = np.searchsorted(rows["batch"], np.arange(start, end + 1)).astype(np.int64)
     containers = manifest.identities(sorted(set(rows["tar"])))
-    return RankWork(plan_meta=plan.meta, rank=rank, world_size=world_size, batch_range=(start, end),
-                    rederived=world_size != plan.world_size, batch_starts=batch_starts, rows=rows,
-                    text_column=manifest.text_column, containers=containers, stale=stale_containers(containers))
+    return ItemWork(plan_meta=plan.meta, item=item, num_items=len(plan.work_items()), batch_range=(start, end),
+                    batch_starts=batch_starts, rows=rows, text_column=manifest.text_column, containers=containers,
+                    stale=stale_containers(containers))
 
 
 def stale_containers(containers: dict[str, dict]) -> dict[str, str]:

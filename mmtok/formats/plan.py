@@ -38,7 +38,7 @@ from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, sha256_file
-from mmtok.ranks import partition_ranks
+from mmtok.ranks import partition_ranks, rank_costs
 
 FORMAT = "mmtok-plan"
 FORMAT_VERSION = 2  # 2: document_images per image row, no lanes, any batch boundary is a rank cut
@@ -317,6 +317,24 @@ class Plan:
                              "re-run `mmtok plan`")
         return ranges
 
+    def item_costs(self) -> np.ndarray:
+        """The cost-model cost of each work item."""
+        costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+        return rank_costs(costs, self.work_items())
+
+    def worker_items(self, worker: int, workers: int) -> range:
+        """The work items worker `worker` of `workers` takes when nothing is shared between workers (srun,
+        torchrun): a contiguous, cost-balanced range of items (`mmtok.ranks.partition_ranks` over the item
+        costs); with no more items than workers, item w is worker w's. A function of (plan, workers) alone, so
+        every worker computes every worker's share."""
+        if not 0 <= worker < workers:
+            raise MmtokError(f"worker {worker} is outside 0..{workers - 1} ({workers} workers)")
+        costs = self.item_costs()
+        if len(costs) <= workers:
+            return range(worker, worker + 1) if worker < len(costs) else range(0)
+        start, end = partition_ranks(costs, workers)[worker]
+        return range(int(start), int(end))
+
     def work_item_id(self, item: int) -> str:
         """The id of work item `item`: from the plan's fingerprint and the item's index, so two plans never share
         an id and the same plan always gives the same ones."""
@@ -334,9 +352,12 @@ class Plan:
         return int(start), int(end)
 
     def rank_rows(self, rank: int, world_size: int | None = None, columns: list[str] | None = None) -> pa.Table:
-        """The plan.parquet rows of the rank's batches (see `rank_range`), in plan order; reads only
-        the row groups that hold them."""
-        start, end = self.rank_range(rank, world_size)
+        """The plan.parquet rows of the rank's batches (see `rank_range`), in plan order."""
+        return self.batch_rows(*self.rank_range(rank, world_size), columns=columns)
+
+    def batch_rows(self, start: int, end: int, columns: list[str] | None = None) -> pa.Table:
+        """The plan.parquet rows of batches [start, end), in plan order; reads only the row groups that hold
+        them."""
         images = pq.ParquetFile(self.directory / IMAGES_FILE)
         if start == end:
             schema = images.schema_arrow

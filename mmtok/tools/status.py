@@ -68,7 +68,7 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
         _add_figures(part, model)
     _add_shares(parts, model)
     item = {"audio": "clip", "sft": "conversation"}.get(modality, "image")
-    return {"out": str(out), "modality": modality, "item": item,
+    return {"out": str(out), "modality": modality, "item": item, "work_items": _items(identities),
             "num_parts": num_parts, "states": {s: sum(p["state"] == s for p in parts) for s in STATES},
             "totals": _totals(parts, model), "eta_s": _job_eta(parts),
             "slowest": [p["part"] for p in sorted(parts, key=lambda p: -p["projected_s"])[:SLOWEST] if p["wall_s"]],
@@ -179,13 +179,24 @@ def _plan_model(plan, identities: list[dict], num_parts: int) -> dict:
                          f"{plan.meta['fingerprint'][:12]}..., parts {sorted(f[:12] for f in recorded)}); pass the "
                          "--plan given to `mmtok encode`")
     costs = plan.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
-    ranges = plan.ranges(num_parts)
+    ranges = part_ranges(plan, _items(identities), num_parts)
     per_rank = rank_costs(costs, ranges)
-    same = num_parts == plan.world_size
+    same = num_parts == plan.world_size and not _items(identities)
     return {"prefix": np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)]), "ranges": ranges,
             "per_rank": per_rank, "num_batches": int(plan.meta["num_batches"]),
             "imbalance": float(plan.meta["imbalance"]) if same else imbalance(per_rank),
             "plan_world_size": plan.world_size}
+
+
+def part_ranges(plan, items: bool, num_parts: int) -> np.ndarray:
+    """[start, end) batches of each part: the plan's work items for parts that are items (image encode), else
+    the rank ranges of `num_parts` ranks (`mmtok sft`, and parts written before work items)."""
+    return plan.work_items() if items else plan.ranges(num_parts)
+
+
+def _items(identities: list[dict]) -> bool:
+    """Whether the parts are the plan's work items (image encode), not rank ranges."""
+    return any("work_items" in identity for identity in identities)
 
 
 # -- figures -----------------------------------------------------------------------------------------
@@ -360,7 +371,8 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
     plan_row = opened.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
     bounds = np.append(plan_row, len(kept))
     out = Path(status["out"])
-    for part, (start, end) in zip(status["parts"], opened.ranges(status["num_parts"]), strict=True):
+    ranges = part_ranges(opened, status["work_items"], status["num_parts"])
+    for part, (start, end) in zip(status["parts"], ranges, strict=True):
         rows = kept[bounds[start]:bounds[end]]
         skipped = [r for r in commitlog.read_skipped(commitlog.part_dir(out, part["part"]))
                    if r.position is not None and 0 <= r.position < len(codes)]
