@@ -241,9 +241,20 @@ def item_ranges(costs: np.ndarray, target: float) -> np.ndarray:
     if not len(costs):
         return np.zeros((0, 2), np.int64)
     at = np.concatenate([[0.0], np.cumsum(costs)])
-    count = int(min(max(math.ceil(at[-1] / target), 1), len(costs)))
+    ratio = at[-1] / target
+    count = len(costs) if not math.isfinite(ratio) or ratio >= len(costs) else max(math.ceil(ratio), 1)
     cuts = np.unique(np.concatenate([[0], _nearest_cuts(at, count), [len(costs)]]))
     return np.stack([cuts[:-1], cuts[1:]], axis=1).astype(np.int64)
+
+
+def worker_items(item_costs: np.ndarray, workers: int) -> np.ndarray:
+    """[start, end) item ranges of `workers` workers that share nothing: contiguous and cost-balanced
+    (`partition_ranks` over the item costs); with no more items than workers, item w is worker w's."""
+    n = len(item_costs)
+    if n <= workers:
+        w = np.arange(workers)
+        return np.stack([np.minimum(w, n), np.minimum(w + 1, n)], axis=1).astype(np.int64)
+    return partition_ranks(np.asarray(item_costs, np.float64), workers)
 
 
 def _nearest_cuts(at: np.ndarray, world_size: int) -> np.ndarray:

@@ -400,3 +400,13 @@ def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_pa
     assert {k: merged[k] for k in ("sequences", "tokens", "counts")} == \
         {k: v for k, v in json.loads((tmp_path / "out" / "merged.json").read_text()).items()
          if k in ("sequences", "tokens", "counts")}
+
+
+def test_a_worker_without_items_prints_its_json_result(env, tmp_path, capsys):
+    plan_dir = plan(env, "plan-one-item", "--mode", "image")
+    assert len(Plan.open(plan_dir).work_items()) == 1
+    capsys.readouterr()
+    assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(tmp_path),
+                 "--rank", "1", "--world-size", "2", "--device", "cpu", "--no-progress", "--json"]) == 0
+    result = json_result(capsys.readouterr())
+    assert result == {"rank": 1, "world_size": 2, "items": [1, 1], "num_items": 1, "parts": []}

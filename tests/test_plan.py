@@ -1075,10 +1075,37 @@ def test_work_items_do_not_depend_on_the_world_size_and_explain_names_them(corpu
 
 
 def test_item_seconds_and_seconds_per_unit_are_checked_and_a_fitted_model_counts_seconds():
-    with pytest.raises(MmtokError, match="item_seconds must be a finite number > 0"):
+    with pytest.raises(MmtokError, match=r"item_seconds must be a number in \[1e-9, 1e9\]"):
         PlanParameters(item_seconds=0)
-    with pytest.raises(MmtokError, match="seconds_per_unit must be a finite number > 0"):
+    with pytest.raises(MmtokError, match=r"seconds_per_unit must be a number in \[1e-15, 1e6\]"):
         CostModel(seconds_per_unit=float("nan"))
     fitted = CostModel.fit(np.array([256, 512, 512]), np.array([256, 512, 256]), np.array([1, 2, 4]),
                            np.array([0.1, 0.5, 0.6]))
     assert fitted.seconds_per_unit == 1.0
+
+
+@pytest.mark.parametrize("edit", ["shifted", "empty", "odd_length", "floats", "count"])
+def test_work_items_edited_in_plan_json_are_refused(corpus, tmp_path, edit):
+    params = SMALL.override(item_seconds=SMALL.cost_model.seconds_per_unit * 60_000)
+    build_plan(corpus, params, tmp_path, progress=False)
+    meta = json.loads((tmp_path / "plan.json").read_text())
+    items = meta["work_items"]
+    batches = items["batches"]
+    if edit == "shifted":  # still covers every batch in order: only a recomputation can tell
+        batches[0][1] += 1
+        batches[1][0] += 1
+    items["batches"] = {"shifted": batches, "empty": [], "odd_length": sum(batches, [])[:-1],
+                        "floats": [[a + 0.5, b + 0.5] for a, b in batches], "count": batches}[edit]
+    if edit == "count":
+        items["count"] += 1
+    (tmp_path / "plan.json").write_text(json.dumps(meta))
+    with pytest.raises(MmtokError, match="its work items are not those of its batches and target"):
+        Plan.open(tmp_path).work_items()
+
+
+def test_a_tiny_item_target_gives_one_item_per_batch():
+    from mmtok.ranks import item_ranges
+
+    costs = np.array([3.0, 1.0, 2.0])
+    assert item_ranges(costs, 5e-324).tolist() == [[0, 1], [1, 2], [2, 3]]
+    assert item_ranges(costs, 1e300).tolist() == [[0, 3]]

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from mmtok.commands.options import add_device_argument
-from mmtok.commands.report import plural, print_report, print_summary, refuse_nothing_usable
+from mmtok.commands.report import plural, print_report, refuse_nothing_usable
 from mmtok.errors import MmtokError
 
 DESCRIPTION = """\
@@ -88,9 +88,10 @@ def run_images(args) -> int:
     rank, world_size = resolve_rank(args.rank, args.world_size, meta["world_size"])
     items = plan.worker_items(rank, world_size)
     if not len(items):
-        print_summary("encode", f"rank {rank}/{world_size}: no work item to encode (the plan has "
-                                f"{plural(len(plan.work_items()), 'item')} for {plural(world_size, 'worker')}); "
-                                "nothing to do")
+        print_report("encode", f"rank {rank}/{world_size}: no work item to encode (the plan has "
+                               f"{plural(len(plan.work_items()), 'item')} for {plural(world_size, 'worker')}); "
+                               "nothing to do", {"rank": rank, "world_size": world_size, "items": [items.start,
+                               items.stop], "num_items": len(plan.work_items()), "parts": []} if args.json else None)
         return 0
     for item in items:
         check_part_free(part_dir(args.out, item))  # a duplicate job stops here, before it loads the model

@@ -104,8 +104,18 @@ def summary(meta: dict, out) -> list[str]:
             f"{plural(meta['num_batches'], 'batch', 'batches')} ({t['dropped_images']:,} dropped: "
             f"{', '.join(f'{k} {v:,}' for k, v in sorted(meta['dropped_by_reason'].items())) or 'none'}); "
             f"{plural(t['image_tokens'], 'image token')}; {plural(meta['world_size'], 'rank')}, imbalance "
-            f"{100 * meta['imbalance']:.3f}%" + (f"; {plural(over, 'image')} above the budget" if over else "")
+            f"{100 * meta['imbalance']:.3f}%" + _items_part(meta)
+            + (f"; {plural(over, 'image')} above the budget" if over else "")
             + f"; wrote {out}"] + _warnings(meta)
+
+
+def _items_part(meta: dict) -> str:
+    """The work items encode takes, and the imbalance of the plan's ranks sharing them (they are not split)."""
+    items = meta.get("work_items")
+    if not items:
+        return ""
+    return (f"; {plural(items['count'], 'work item')} of ~{items['item_seconds']:g} s (ranks sharing them: "
+            f"imbalance {100 * items['imbalance']:.3f}%)")
 
 
 def _warnings(meta: dict) -> list[str]:

@@ -240,7 +240,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
     done: list[dict] = []
-    for item in items:
+    for item in items:  # an item another process writes stops the worker (LockHeld, naming the holder)
         work = load_item_work(plan, item)
         check_codec(work, codec, builder)
         identity = part_identity(work, codec, tokenizer, layout)

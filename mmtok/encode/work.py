@@ -66,7 +66,8 @@ class ItemWork:
 
 def load_item_work(plan: Plan, item: int) -> ItemWork:
     """Read the plan rows of work item `item` and the manifest columns the loaders need."""
-    start, end = (int(x) for x in plan.work_items()[item])
+    items = plan.work_items()
+    start, end = (int(x) for x in items[item])
     table = plan.batch_rows(start, end, columns=PLAN_COLUMNS)
     rows = {name: table.column(name).to_numpy() for name in PLAN_COLUMNS}
     if np.any(np.diff(rows["batch"]) < 0):
@@ -75,7 +76,7 @@ def load_item_work(plan: Plan, item: int) -> ItemWork:
     rows.update(manifest.read_rows(rows["manifest_row"], MANIFEST_COLUMNS))
     batch_starts = np.searchsorted(rows["batch"], np.arange(start, end + 1)).astype(np.int64)
     containers = manifest.identities(sorted(set(rows["tar"])))
-    return ItemWork(plan_meta=plan.meta, item=item, num_items=len(plan.work_items()), batch_range=(start, end),
+    return ItemWork(plan_meta=plan.meta, item=item, num_items=len(items), batch_range=(start, end),
                     batch_starts=batch_starts, rows=rows, text_column=manifest.text_column, containers=containers,
                     stale=stale_containers(containers))
 

@@ -38,7 +38,7 @@ from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, sha256_file
-from mmtok.ranks import partition_ranks, rank_costs
+from mmtok.ranks import item_ranges, partition_ranks, rank_costs, worker_items
 
 FORMAT = "mmtok-plan"
 FORMAT_VERSION = 2  # 2: document_images per image row, no lanes, any batch boundary is a rank cut
@@ -241,6 +241,9 @@ class Plan:
         self.directory = directory
         self.meta = meta
         self._ranges: dict[int, np.ndarray] = {}
+        self._items: np.ndarray | None = None  # checked once (a worker asks for them per item)
+        self._manifest: Manifest | None = None
+        self._plan_row: np.ndarray | None = None
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> Plan:
@@ -280,8 +283,10 @@ class Plan:
         return pq.read_table(self.directory / name, columns=columns)
 
     def manifest(self) -> Manifest:
-        """The manifest the plan was made from; MmtokError when it was rewritten since."""
-        manifest = Manifest.open(self.meta["manifest_dir"])
+        """The manifest the plan was made from (opened once); MmtokError when it was rewritten since."""
+        if self._manifest is not None:
+            return self._manifest
+        manifest = self._manifest = Manifest.open(self.meta["manifest_dir"])
         planned = self.meta["manifest_fingerprint"]
         if manifest.fingerprint != planned:
             raise MmtokError(f"the manifest in {manifest.directory} was rewritten after planning (fingerprint "
@@ -305,17 +310,22 @@ class Plan:
         return self._ranges[world_size]
 
     def work_items(self) -> np.ndarray:
-        """[start, end) batch range of every work item, shape [items, 2] (plan.json's `work_items`)."""
-        items = self.meta.get("work_items")
-        if not isinstance(items, dict) or not isinstance(items.get("batches"), list):
-            raise MmtokError(f"{self.directory / META_FILE} has no work items (a plan of an older mmtok); re-run "
-                             "`mmtok plan`")
-        ranges = np.asarray(items["batches"], np.int64).reshape(-1, 2)
-        if len(ranges) and (ranges[0, 0] != 0 or ranges[-1, 1] != self.meta["num_batches"]
-                            or (ranges[1:, 0] != ranges[:-1, 1]).any() or (ranges[:, 1] <= ranges[:, 0]).any()):
-            raise MmtokError(f"{self.directory / META_FILE}: its work items do not cover its batches in order; "
-                             "re-run `mmtok plan`")
-        return ranges
+        """[start, end) batch range of every work item, shape [items, 2] (plan.json's `work_items`), checked to be
+        the items its batch costs and target give (`mmtok.ranks.item_ranges`): plan.json's fingerprint does not
+        cover them, and parts of edited items would merge with a gap."""
+        if self._items is None:
+            items = self.meta.get("work_items")
+            if not isinstance(items, dict) or "batches" not in items:
+                raise MmtokError(f"{self.directory / META_FILE} has no work items (a plan of an older mmtok); re-run "
+                                 "`mmtok plan`")
+            costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+            target = items.get("target_cost")
+            expected = item_ranges(costs, target) if isinstance(target, float) and target > 0 else None
+            if expected is None or items["batches"] != expected.tolist() or items.get("count") != len(expected):
+                raise MmtokError(f"{self.directory / META_FILE}: its work items are not those of its batches and "
+                                 "target (edited or damaged); re-run `mmtok plan`")
+            self._items = expected
+        return self._items
 
     def item_costs(self) -> np.ndarray:
         """The cost-model cost of each work item."""
@@ -324,15 +334,11 @@ class Plan:
 
     def worker_items(self, worker: int, workers: int) -> range:
         """The work items worker `worker` of `workers` takes when nothing is shared between workers (srun,
-        torchrun): a contiguous, cost-balanced range of items (`mmtok.ranks.partition_ranks` over the item
-        costs); with no more items than workers, item w is worker w's. A function of (plan, workers) alone, so
-        every worker computes every worker's share."""
+        torchrun): `mmtok.ranks.worker_items`, a function of (plan, workers) alone, so every worker computes
+        every worker's share."""
         if not 0 <= worker < workers:
             raise MmtokError(f"worker {worker} is outside 0..{workers - 1} ({workers} workers)")
-        costs = self.item_costs()
-        if len(costs) <= workers:
-            return range(worker, worker + 1) if worker < len(costs) else range(0)
-        start, end = partition_ranks(costs, workers)[worker]
+        start, end = worker_items(self.item_costs(), workers)[worker]
         return range(int(start), int(end))
 
     def work_item_id(self, item: int) -> str:
@@ -363,7 +369,9 @@ class Plan:
             schema = images.schema_arrow
             return (schema.empty_table() if columns is None
                     else pa.schema([schema.field(c) for c in columns]).empty_table())
-        plan_row = self.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
+        if self._plan_row is None:  # read once: a worker reads the rows of each of its items
+            self._plan_row = self.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
+        plan_row = self._plan_row
         first = int(plan_row[start])
         stop = int(plan_row[end]) if end < len(plan_row) else images.metadata.num_rows
         group_rows = np.array([images.metadata.row_group(i).num_rows for i in range(images.num_row_groups)], np.int64)

@@ -30,7 +30,7 @@ from mmtok.formats.presets import PlanParameters
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
 from mmtok.plan.rows import DUPLICATE, Reasons, read_groups, text_tokenizer, window_bounds
-from mmtok.ranks import balance_splits, imbalance, item_ranges, partition_ranks, rank_costs
+from mmtok.ranks import balance_splits, imbalance, item_ranges, partition_ranks, rank_costs, worker_items
 from mmtok.text import TextTokenizer
 
 BALANCE_TARGET = 0.005  # modeled imbalance (max / mean rank cost - 1) the plan guarantees where the work allows
@@ -263,15 +263,18 @@ def rank_summary(costs: np.ndarray, world_size: int) -> dict:
             "imbalance": imbalance(per_rank)}
 
 
-def work_items(costs: np.ndarray, params: PlanParameters) -> dict:
+def work_items(costs: np.ndarray, params: PlanParameters, world_size: int) -> dict:
     """The plan's work items (`mmtok.ranks.item_ranges`): batch ranges of about `item_seconds` of GPU time each
-    by the cost model, their number independent of any world size."""
+    by the cost model, their number independent of any world size; `imbalance`: the modeled imbalance of
+    `world_size` workers sharing them statically (`mmtok.ranks.worker_items`: items are not split, so it is
+    coarser than the batch-level rank ranges')."""
     target = params.item_seconds / params.cost_model.seconds_per_unit
     ranges = item_ranges(costs, target)
     cost = rank_costs(costs, ranges) if len(ranges) else np.zeros(0)
+    shared = rank_costs(cost, worker_items(cost, world_size)) if len(ranges) else np.zeros(world_size)
     return {"item_seconds": params.item_seconds, "target_cost": target, "count": len(ranges),
             "cost": {"min": float(cost.min()) if len(cost) else 0.0, "max": float(cost.max()) if len(cost) else 0.0},
-            "batches": ranges.tolist()}
+            "imbalance": imbalance(shared), "batches": ranges.tolist()}
 
 
 def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int,
@@ -316,7 +319,7 @@ def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeniz
                                                 fixed_batches)},
         "num_batches": len(costs),
         "num_windows": n_windows,
-        "work_items": work_items(costs, params),
+        "work_items": work_items(costs, params, world_size),
         "totals": {
             "manifest_rows": n_rows, "kept_images": kept_images, "dropped_images": n_rows - kept_images,
             "documents": documents["total"], "kept_documents": documents["kept"],
