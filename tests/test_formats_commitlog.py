@@ -38,12 +38,15 @@ IDENTITY = {"part": 0, "num_parts": 1, "modality": "image", "plan_fingerprint": 
 # kills it with SIGKILL at random instants and restarts it until it finishes. Units 1, 2 (mod 3) also
 # commit items (some of them with no ids, as a failed image has).
 WRITER = r"""
-import sys, numpy as np
+import os, signal, sys, threading, numpy as np
 from mmtok.formats.commitlog import PartWriter
 directory, units, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kill_after, delay = (int(sys.argv[4]), float(sys.argv[5])) if len(sys.argv) > 5 else (None, 0.0)
 shard = PartWriter(directory, {"part": 0, "num_parts": 1, "fingerprint": "f"})
 if not shard.done:
     for unit in range(shard.next_unit, units):
+        if unit - 1 == kill_after:  # SIGKILL itself `delay` s into the next unit's work (data, record, fsyncs)
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         rng = np.random.default_rng(unit)
         seqs = [rng.integers(0, 266440, rng.integers(1, size), dtype=np.int32) for _ in range(3)]
         carry = rng.bytes(1000) if unit % 4 else b""
@@ -382,30 +385,19 @@ def test_one_process_cannot_open_a_part_twice(tmp_path):
     PartWriter(tmp_path / "p", IDENTITY).close()
 
 
-def _run_writer(directory: Path, units: int, size: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(units), str(size)],
+def _run_writer(directory: Path, units: int, size: int, kill: tuple[int, float] | None = None) -> subprocess.Popen:
+    """The writer subprocess; with `kill` = (unit, delay) it SIGKILLs itself `delay` seconds after committing
+    `unit` (from a timer thread, so the kill lands wherever the writer is then, whatever the machine's load)."""
+    extra = [str(kill[0]), repr(kill[1])] if kill else []
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(directory), str(units), str(size), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _kill_after(proc: subprocess.Popen, directory: Path, unit: int, delay: float) -> bool:
-    """SIGKILL the writer `delay` seconds after it committed `unit`; False when it ended first."""
-    while proc.poll() is None:
-        records, _ = read_commits(directory)
-        if records and records[-1]["unit"] >= unit:
-            break
-        time.sleep(0.002)
-    time.sleep(delay)
-    if proc.poll() is not None:
-        return False
-    proc.send_signal(signal.SIGKILL)
-    return True
-
-
 def test_sigkill_at_random_instants_leaves_bytes_identical_to_a_clean_run(tmp_path):
-    # Kills are placed by the writer's progress, not by the clock (a loaded machine only slows it down): 12
-    # increasing units, each killed at a random instant within the next unit's work -- before, during or after
-    # its data, its commit record or its fsyncs. (A kill between a unit's data and its record is made for sure
-    # in test_torn_tails_are_truncated_and_final_bytes_match_clean_run.)
+    # Kills are placed by the writer's progress, not by the clock (a loaded machine only slows it down): the
+    # writer kills itself at 12 increasing units, each at a random instant within the next unit's work --
+    # before, during or after its data, its commit record or its fsyncs. (A kill between a unit's data and its
+    # record is made for sure in test_torn_tails_are_truncated_and_final_bytes_match_clean_run.)
     units, size = 300, 200_000
     started = time.monotonic()
     clean = _run_writer(tmp_path / "clean", units, size)
@@ -413,17 +405,16 @@ def test_sigkill_at_random_instants_leaves_bytes_identical_to_a_clean_run(tmp_pa
     seconds_per_unit = (time.monotonic() - started) / units
     rng = random.Random(1234)
     targets = [20 * k + rng.randrange(10) for k in range(1, 13)]  # units 20..249, at least 10 apart
-    kills, progress = 0, [-1]
-    while not is_done(tmp_path / "killed"):
-        proc = _run_writer(tmp_path / "killed", units, size)
-        if kills < len(targets):
-            kills += _kill_after(proc, tmp_path / "killed", targets[kills], rng.uniform(0, seconds_per_unit))
-        proc.wait()
+    progress = [-1]
+    for target in targets:
+        proc = _run_writer(tmp_path / "killed", units, size, (target, rng.uniform(0, seconds_per_unit)))
+        assert proc.wait() == -signal.SIGKILL, proc.stderr.read().decode()
         records, _ = read_commits(tmp_path / "killed")
         progress.append(records[-1]["unit"] if records else -1)
-        assert proc.returncode in (0, -signal.SIGKILL), proc.stderr.read().decode()
-    assert kills == len(targets), f"only {kills} kills landed before the writer finished: {progress}"
-    assert len(set(progress)) >= len(targets), f"kills did not land at different points: {progress}"
+        assert target <= progress[-1] < units - 1, progress  # killed after its target, before the end
+    proc = _run_writer(tmp_path / "killed", units, size)
+    assert proc.wait() == 0, proc.stderr.read().decode()
+    assert len(set(progress)) > len(targets), f"kills did not land at different points: {progress}"
     for name in ("tokens.bin", "tokens.idx", "provenance.jsonl", "items.ids", "items.jsonl"):
         assert sha256_file(tmp_path / "killed" / name) == sha256_file(tmp_path / "clean" / name), name
     done = [json.loads((tmp_path / run / "DONE").read_text()) for run in ("killed", "clean")]
