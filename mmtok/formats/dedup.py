@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
+from mmtok.formats.parquet import read_recorded
 from mmtok.fsutil import (
     atomic_write_json,
     atomic_writer,
@@ -139,19 +140,5 @@ class DedupList:
 
     def _table(self) -> pa.Table:
         """dropped.parquet, after checking its sha256 against dedup.json and its columns against SCHEMA."""
-        import pyarrow.parquet as pq
-
-        path = self.directory / DROPPED_FILE
-        try:
-            actual = sha256_file(path)
-        except OSError as err:
-            raise MmtokError(f"cannot read {path}: {err.strerror or err}; rerun `mmtok dedup` into "
-                             f"{self.directory}") from None
-        if actual != self.metadata["fingerprint"]:
-            raise MmtokError(f"{path} changed after `mmtok dedup` wrote it (sha256 {actual[:12]}... != recorded "
-                             f"{self.metadata['fingerprint'][:12]}...); rerun `mmtok dedup` into {self.directory}")
-        table = pq.read_table(path)
-        if table.schema.remove_metadata() != SCHEMA:
-            raise MmtokError(f"{path}: columns {table.schema.names} of types {[str(t) for t in table.schema.types]} "
-                             f"are not a duplicate list's; rerun `mmtok dedup` into {self.directory}")
-        return table
+        return read_recorded(self.directory / DROPPED_FILE, self.metadata["fingerprint"], SCHEMA, "a duplicate list",
+                             f"mmtok dedup HASHES... --policy POLICY --out {self.directory}")

@@ -25,9 +25,8 @@ import numpy as np
 import pyarrow as pa
 
 from mmtok import __version__
-from mmtok.errors import MmtokError
 from mmtok.formats import skips
-from mmtok.formats.parquet import FixedRowGroups
+from mmtok.formats.parquet import FixedRowGroups, read_recorded
 from mmtok.fsutil import (
     atomic_write_json,
     atomic_writer,
@@ -152,20 +151,8 @@ class HashTable:
 
     def read(self) -> Hashes:
         """Every row, after checking the file's sha256 against the one recorded (a changed table is refused)."""
-        import pyarrow.parquet as pq
-
-        path = self.directory / HASHES_FILE
-        try:
-            actual = sha256_file(path)
-        except OSError as err:
-            raise MmtokError(f"cannot read {path}: {err.strerror or err}; rerun `mmtok hash` into "
-                             f"{self.directory}") from None
-        if actual != self.metadata["fingerprint"]:
-            raise MmtokError(f"{path} changed after `mmtok hash` wrote it (sha256 {actual[:12]}... != recorded "
-                             f"{self.metadata['fingerprint'][:12]}...); rerun `mmtok hash` into {self.directory}")
-        table = pq.read_table(path)
-        if table.schema != SCHEMA:
-            raise MmtokError(f"{path}: columns {table.schema.names} are not a hash table's {SCHEMA.names}")
+        table = read_recorded(self.directory / HASHES_FILE, self.metadata["fingerprint"], SCHEMA, "a hash table",
+                              f"mmtok hash MANIFEST --out {self.directory}")
         digests = table.column("sha256").combine_chunks()
         sha = np.frombuffer(digests.buffers()[1], np.uint8)[digests.offset * 32:(digests.offset + len(digests)) * 32]
         return Hashes(manifest_row=table.column("manifest_row").to_numpy(),

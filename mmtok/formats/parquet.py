@@ -3,12 +3,18 @@
 pyarrow cuts row groups where the caller's tables end, so the same rows written in different pieces
 would give different files (and fingerprints). `FixedRowGroups` buffers tables and writes row
 groups of exactly `rows_per_group` rows (the last one shorter); the manifest and the plan use it.
+`read_recorded` reads such a file back only when its bytes are the ones its stage recorded.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mmtok.errors import MmtokError
+from mmtok.fsutil import sha256_file
 
 
 class FixedRowGroups:
@@ -40,3 +46,21 @@ class FixedRowGroups:
             self.writer.write_table(table, row_group_size=self.size)
         self._pending, self._pending_rows = [], 0
         return self.rows
+
+
+def read_recorded(path: Path, recorded_sha256: str, schema: pa.Schema, what: str, rerun: str) -> pa.Table:
+    """The Parquet file a stage wrote, after checking its bytes against the sha256 the stage recorded and its
+    columns against `schema`: one MmtokError line naming the file, `what` it should be and the command to
+    `rerun` when it is unreadable, changed since or of other columns."""
+    try:
+        actual = sha256_file(path)
+    except OSError as err:
+        raise MmtokError(f"cannot read {path}: {err.strerror or err}; rerun `{rerun}`") from None
+    if actual != recorded_sha256:
+        raise MmtokError(f"{path} changed after it was written (sha256 {actual[:12]}... != recorded "
+                         f"{recorded_sha256[:12]}...); rerun `{rerun}`")
+    table = pq.read_table(path)
+    if table.schema.remove_metadata() != schema:
+        raise MmtokError(f"{path}: columns {table.schema.names} of types {[str(t) for t in table.schema.types]} "
+                         f"are not {what}'s; rerun `{rerun}`")
+    return table

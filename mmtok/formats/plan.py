@@ -244,6 +244,7 @@ class Plan:
         self._items: np.ndarray | None = None  # checked once (a worker asks for them per item)
         self._manifest: Manifest | None = None
         self._plan_row: np.ndarray | None = None
+        self._costs: np.ndarray | None = None
 
     @classmethod
     def open(cls, directory: str | os.PathLike) -> Plan:
@@ -318,7 +319,7 @@ class Plan:
             if not isinstance(items, dict) or "batches" not in items:
                 raise MmtokError(f"{self.directory / META_FILE} has no work items (a plan of an older mmtok); re-run "
                                  "`mmtok plan`")
-            costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+            costs = self.batch_costs()
             target = items.get("target_cost")
             expected = item_ranges(costs, target) if isinstance(target, float) and target > 0 else None
             if expected is None or items["batches"] != expected.tolist() or items.get("count") != len(expected):
@@ -327,10 +328,15 @@ class Plan:
             self._items = expected
         return self._items
 
+    def batch_costs(self) -> np.ndarray:
+        """The cost-model cost of each batch (read once)."""
+        if self._costs is None:
+            self._costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
+        return self._costs
+
     def item_costs(self) -> np.ndarray:
         """The cost-model cost of each work item."""
-        costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
-        return rank_costs(costs, self.work_items())
+        return rank_costs(self.batch_costs(), self.work_items())
 
     def worker_items(self, worker: int, workers: int) -> range:
         """The work items worker `worker` of `workers` takes when nothing is shared between workers (srun,

@@ -221,8 +221,8 @@ def _refuse_empty(meta: dict, out_dir: Path, written: bool) -> None:
 def _write_group(writer: PlanWriter, plan: GroupPlan, reasons: Reasons, exclusion: Exclusion | None) -> None:
     if len(plan.dropped_rows):
         keeper = np.full(len(plan.dropped_rows), None, object)
-        duplicate = plan.dropped_codes == reasons.code(DUPLICATE)
-        if exclusion is not None and duplicate.any():
+        if exclusion is not None:
+            duplicate = plan.dropped_codes == reasons.code(DUPLICATE)
             keeper[duplicate] = exclusion.keepers_of(plan.dropped_rows[duplicate])
         writer.write_dropped(plan.dropped_rows, plan.dropped_codes, reasons.names, keeper)
     if plan.images is not None:
