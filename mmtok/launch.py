@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import threading
 
 from mmtok.errors import MmtokError, brief
 
+# The exit status of a worker that stopped on request with its work committed (EX_TEMPFAIL, sysexits.h): the
+# printed sbatch script requeues its array task on it (`mmtok.commands.encode.sbatch_script`).
+STOPPED_EXIT = 75
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 DEVICE_FORMS = "cpu, cuda, cuda:N (N = 0, 1, ...: a GPU index) or mps"
 _DEVICE = re.compile(r"cpu|mps|cuda(:[0-9]+)?")
 
@@ -116,3 +122,41 @@ def _check_visible(device, source: str = "") -> None:
     if device.index is not None and device.index >= count:
         raise MmtokError(f"device {device}{source}: this process sees {count} CUDA device(s), "
                          f"cuda:0 … cuda:{count - 1}")
+
+
+class StopRequest:
+    """SIGUSR1 (SLURM's `--signal=B:USR1@120` before the time limit, forwarded by the sbatch script) and SIGTERM
+    (preemption, scancel) ask a worker to stop *cleanly*: it commits the batch in flight, closes its part without
+    finishing it (the lock goes with the process) and exits STOPPED_EXIT; the next run resumes the part from that
+    commit. Without this, the default action kills the process mid-batch, which is safe (the commit log cuts the
+    torn batch) but loses the batches in flight and leaves the tail of the time limit unused.
+
+    A context manager: installs the handlers in the main thread on entry, restores the previous ones on exit.
+    `is_set()` is what the device loop checks before it takes the next batch; `name` says which signal came."""
+
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
+        self.signals = signals
+        self.event = threading.Event()
+        self.name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopRequest":
+        for number in self.signals:
+            self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def _handle(self, number: int, _frame) -> None:
+        first = not self.event.is_set()
+        self.name = self.name or signal.Signals(number).name
+        self.event.set()
+        if first:  # os.write: print() is not safe inside a signal handler (it may interrupt another print)
+            os.write(2, f"mmtok: {signal.Signals(number).name} received: committing the batch in flight, then "
+                        "stopping (a rerun resumes from that commit)\n".encode())
+
+    def is_set(self) -> bool:
+        return self.event.is_set()

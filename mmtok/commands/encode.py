@@ -53,6 +53,12 @@ def add_parser(sub) -> None:
                        "batch (pinned on CUDA; default 4)")
     group.add_argument("--max-consecutive-failures", type=int, default=64,
                        help="stop the rank after this many undecodable images in a row (default 64)")
+    group.add_argument("--print-sbatch", type=int, metavar="GPUS", default=None,
+                       help="print a SLURM batch script that runs this encode as an array, one task per work item "
+                       "(--world-size N: N tasks sharing the items; default one per item, at most "
+                       f"{MAX_ARRAY_TASKS:,}), "
+                       "at most GPUS tasks at once, requeued on preemption and before the time limit; encodes "
+                       "nothing (docs/slurm.md)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (images and audio)")
     parser.add_argument("--json", action="store_true",
                         help="also print the rank's summary as one JSON object on stdout "
@@ -69,6 +75,9 @@ def run(args) -> int:
     args.codec = args.codec or DEFAULTS[args.modality]
     of_modality(args.codec, args.modality)  # a codec of the other modality, or a broken plugin: before any work
     if args.modality == "audio":
+        if args.print_sbatch is not None:
+            raise MmtokError("--print-sbatch writes the array script of an image plan's work items; audio parts are "
+                             "Shar shards: run `srun mmtok encode --modality audio ...` (docs/slurm.md)")
         return run_audio(args)
     return run_images(args)
 
@@ -78,13 +87,16 @@ def run_images(args) -> int:
     from mmtok.encode.runner import EncodeOptions, encode_rank, refuse_empty_plan
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.formats.plan import Plan
-    from mmtok.launch import resolve_device, resolve_rank
+    from mmtok.launch import STOPPED_EXIT, StopRequest, resolve_device, resolve_rank
 
     if not args.plan:
         raise MmtokError("--modality image needs --plan (the output directory of `mmtok plan`)")
     plan = Plan.open(args.plan)
     refuse_empty_plan(plan)
     meta = plan.meta
+    if args.print_sbatch is not None:
+        print(sbatch_script(args, len(plan.work_items())), end="")
+        return 0
     rank, world_size = resolve_rank(args.rank, args.world_size, meta["world_size"])
     items = plan.worker_items(rank, world_size)
     if not len(items):
@@ -97,13 +109,18 @@ def run_images(args) -> int:
         check_part_free(part_dir(args.out, item))  # a duplicate job stops here, before it loads the model
     refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=len(plan.work_items()),
                      plan_fingerprint=meta["fingerprint"])
-    device = resolve_device(args.device)
-    codec = load_codec(args.codec, args.checkpoint, device, modality="image")
-    options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
-                            max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress)
-    stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
+    with StopRequest() as stop:  # from here a signal stops the worker cleanly (exit STOPPED_EXIT), see StopRequest
+        device = resolve_device(args.device)
+        codec = load_codec(args.codec, args.checkpoint, device, modality="image")
+        options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
+                                max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress,
+                                stop=stop)
+        stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device,
+                            options=options)
     print_report("encode", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
+    if stats["stopped"]:
+        return STOPPED_EXIT
     from mmtok.formats import skips
 
     counts = stats["counts"]  # the parts' own counters: the same verdict when a rerun finds them finished
@@ -113,6 +130,70 @@ def run_images(args) -> int:
         f"{_parts_named(stats)}/skipped.jsonl" + (" and items.jsonl" if failed else ""), extra=failed,
         rank_of=("encode", world_size))
     return 0
+
+
+MAX_ARRAY_TASKS = 1000  # SLURM's default MaxArraySize is 1001 (indices 0..1000); sites raise it for larger arrays
+SIGNAL_LEAD_S = 120  # seconds before the time limit SLURM sends USR1: ample to commit a batch and stop
+
+
+def sbatch_script(args, num_items: int) -> str:
+    """The batch script of `--print-sbatch GPUS`: a SLURM array of T tasks (worker t of T: one work item each when
+    T is the item count), GPUS at once, each running this command line. The shell forwards USR1 (sent before
+    the time limit) and TERM (preemption, scancel) to mmtok, which commits the batch in flight and exits
+    STOPPED_EXIT; after USR1 the task requeues itself, so the time limit costs no work."""
+    import shlex
+    import shutil
+
+    from mmtok import __version__
+    from mmtok.launch import STOPPED_EXIT
+
+    if args.print_sbatch < 1:
+        raise MmtokError(f"--print-sbatch {args.print_sbatch}: the number of GPUs the array may use at once must be "
+                         "at least 1")
+    tasks = args.world_size if args.world_size is not None else min(num_items, MAX_ARRAY_TASKS)
+    if tasks < 1:
+        raise MmtokError(f"--world-size {tasks}: an array needs at least one task")
+    command = [shutil.which("mmtok") or "mmtok", "encode", "--plan", os.path.abspath(args.plan), "--codec",
+               args.codec, "--checkpoint", os.path.abspath(args.checkpoint), "--out", os.path.abspath(args.out),
+               "--loader-threads", str(args.loader_threads), "--prefetch", str(args.prefetch),
+               "--max-consecutive-failures", str(args.max_consecutive_failures), "--no-progress"]
+    if args.device:
+        command += ["--device", args.device]
+    share = "one work item each" if tasks == num_items else f"task t takes worker t's share of {num_items:,} items"
+    return f"""#!/bin/bash
+# Written by `mmtok encode --print-sbatch {args.print_sbatch}` (mmtok {__version__}). Submit: sbatch THIS_FILE; once
+# every task is done: mmtok merge {shlex.quote(os.path.abspath(args.out))}
+# {tasks:,} array tasks ({share}), at most {args.print_sbatch:,} at once, one GPU each.
+# SLURM sends USR1 {SIGNAL_LEAD_S} s before the time limit: mmtok commits the batch in flight, stops (exit
+# {STOPPED_EXIT}) and the task requeues itself; the rerun resumes the item from that commit. TERM (preemption,
+# scancel) stops it the same way without a requeue (SLURM requeues a preempted task itself where the
+# partition says so). --requeue puts a task whose node failed back in the queue; any rerun resumes.
+#SBATCH --job-name=mmtok-encode
+#SBATCH --array=0-{tasks - 1}%{args.print_sbatch}
+#SBATCH --gpus=1
+#SBATCH --cpus-per-task={args.loader_threads + 2}
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@{SIGNAL_LEAD_S}
+#SBATCH --open-mode=append
+#SBATCH --output=mmtok-encode-%A_%a.log
+{shlex.join(command)} \
+    --rank "$SLURM_ARRAY_TASK_ID" --world-size {tasks} &
+worker=$!
+requeue=0
+interrupted=0
+trap 'requeue=1; interrupted=1; kill -USR1 "$worker" 2>/dev/null' USR1
+trap 'interrupted=1; kill -TERM "$worker" 2>/dev/null' TERM
+while :; do  # a trapped signal ends `wait` early (status > 128): wait again for the worker's own status
+    interrupted=0
+    wait "$worker"
+    status=$?
+    [ "$interrupted" = 1 ] && [ "$status" -gt 128 ] || break
+done
+if [ "$status" = {STOPPED_EXIT} ] && [ "$requeue" = 1 ]; then
+    scontrol requeue "${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}"
+fi
+exit "$status"
+"""
 
 
 def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **known) -> None:
@@ -145,7 +226,12 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str
     """The human summary of an image worker: what it wrote (or that it was finished), its pace, the job view."""
     where = _parts_named(stats)
     items = f"{plural(stats['items'][1] - stats['items'][0], 'work item')} of {stats['num_items']:,}"
-    if stats.get("already_done"):
+    if stats.get("stopped"):
+        stop, (_, last) = stats["stopped"], stats["items"]
+        lines = [f"rank {rank}/{world_size}: stopped on {stop['signal']} before batch {stop['next_batch']:,} of work "
+                 f"item {stop['item']:,} (everything before it is committed; {plural(last - stop['item'] - 1, 'item')} "
+                 f"after it not started); rerun or requeue this command to resume from there"]
+    elif stats.get("already_done"):
         lines = [f"rank {rank}/{world_size}: {items}, {where}, already finished "
                  f"({plural(stats['sequences'], 'sequence')}); nothing to do"]
     else:

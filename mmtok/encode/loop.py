@@ -69,12 +69,14 @@ class Meter:
 
 
 def run_device(batches: Iterable[Batch], encode: Callable[[Batch], Result], commit: Callable[[Batch, Result], None],
-               meter: Meter, *, release: Callable[[Batch], None] | None = None, depth: int = 2) -> None:
+               meter: Meter, *, release: Callable[[Batch], None] | None = None, depth: int = 2,
+               stop: Callable[[], bool] | None = None) -> None:
     """Encode every batch on this thread and commit it on a committer thread, in order.
 
-    `release(batch)` runs right after encoding (host memory back to the loader). Returns once every
-    commit is durable. The first error wins: a committer failing after the device loop did does not
-    replace the device loop's exception.
+    `release(batch)` runs right after encoding (host memory back to the loader). `stop()` is asked before
+    each batch is taken: once it says True no further batch is encoded (a stop request: the batches already
+    encoded are still committed). Returns once every commit is durable. The first error wins: a committer
+    failing after the device loop did does not replace the device loop's exception.
     """
     import torch
 
@@ -82,7 +84,7 @@ def run_device(batches: Iterable[Batch], encode: Callable[[Batch], Result], comm
     try:
         with torch.inference_mode():
             iterator = iter(batches)
-            while True:
+            while stop is None or not stop():
                 waited = time.perf_counter()
                 batch = next(iterator, _END)
                 started = time.perf_counter()

@@ -46,6 +46,7 @@ from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
 from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.skips import SkipRecord
+from mmtok.launch import StopRequest
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout, check_ids_in_range
 
@@ -56,6 +57,7 @@ class EncodeOptions:
     prefetch: int = 4  # host memory for batches loaded ahead: prefetch x the largest batch (pinned on CUDA)
     max_consecutive_failures: int = 64  # more undecodable images in a row = a systematic problem: stop
     progress: bool = True
+    stop: StopRequest | None = None  # set (a signal came): commit the batch in flight, leave the part unfinished
 
 
 # -- setup -----------------------------------------------------------------------------------------
@@ -226,7 +228,9 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
 
     Each part is created or resumed (refusing a different plan, codec or precision), its batches not yet
     committed are encoded, and it is finished (tokens.idx, stats.json, DONE); a finished part is left as it is.
-    A worker without items (more workers than items) encodes nothing.
+    A worker without items (more workers than items) encodes nothing. Once `options.stop` is set the worker
+    commits the batch in flight and returns with its part unfinished (result `stopped`: the signal, the item
+    and the next batch to encode; None when every item was finished).
     """
     options = options or EncodeOptions()
     device = torch.device(device)
@@ -240,15 +244,26 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
     done: list[dict] = []
+    stopped = None
     for item in items:  # an item another process writes stops the worker (LockHeld, naming the holder)
+        if _stopping(options):
+            stopped = {"signal": options.stop.name, "item": item, "next_batch": int(plan.work_items()[item][0])}
+            break
         work = load_item_work(plan, item)
         check_codec(work, codec, builder)
         identity = part_identity(work, codec, tokenizer, layout)
         if not done:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
             refuse_other_run(out, identity)
         done.append(_encode_item(work, out, codec, builder, identity, device, options))
+        if "next_batch" in done[-1]:  # stopped inside the item: its part stays unfinished
+            stopped = {"signal": options.stop.name, "item": item, "next_batch": done[-1]["next_batch"]}
+            break
     return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
-            len(plan.work_items()), **_worker_stats(done, plan, items, device, options)}
+            len(plan.work_items()), "stopped": stopped, **_worker_stats(done, plan, items, device, options)}
+
+
+def _stopping(options: EncodeOptions) -> bool:
+    return options.stop is not None and options.stop.is_set()
 
 
 def refuse_empty_plan(plan: Plan) -> None:
@@ -268,6 +283,9 @@ def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity:
         assembler = Assembler(work, builder, min(codec.codebook_size, builder.layout.image_codebook))
         batches = range(start, work.batch_range[1])
         meter = _run_batches(work, codec, part, assembler, batches, device, options)
+        if part.next_unit < work.batch_range[1]:  # a stop request: what was encoded is committed, not finished
+            return {"next_batch": part.next_unit, "images_planned": work.num_images, "fill_s": meter.fill_seconds,
+                    **_summary_counts(part)}
         stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
         part.finish(stats)
     return {**stats, **_summary_counts(part)}
@@ -308,7 +326,7 @@ def _run_batches(work: ItemWork, codec, part: PartWriter, assembler: Assembler, 
     try:
         run_device(loader, lambda prepared: _encode(codec, prepared, device),
                    lambda prepared, codes: _commit(part, assembler, prepared, codes, meter, options),
-                   meter, release=loader.release)
+                   meter, release=loader.release, stop=lambda: _stopping(options))
     finally:
         loader.close()
         bar.close()
