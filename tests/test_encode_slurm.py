@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from encodekit import ONE_IMAGE_BATCHES, planned_job
 from mmtok.cli import main
 from mmtok.formats.commitlog import is_done, part_dir, read_commits
