@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -390,3 +391,37 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
     adds_up(rows)
     assert rows[2]["encode"] == {"decode_error": 3, "document_image_failed": 1}
     assert sum(r["written"] for r in rows) == counts["images_written"]
+
+
+def test_work_items_show_done_in_progress_with_last_commit_and_pending_and_an_overdue_item_is_flagged(
+        tmp_path, capsys):
+    items = {"work_items": {"count": 7, "target_cost": 1.0}}  # what image encode records: its parts are items
+    for item in range(4):  # four done items of 2 batches at 1 s a batch: the median pace
+        write_part(tmp_path, image_identity(item, 7, (2 * item, 2 * item + 2), **items), range(2), finish=True)
+    busy = write_part(tmp_path, image_identity(4, 7, (8, 10), **items), range(1))  # half done, committing
+    hung = write_part(tmp_path, image_identity(5, 7, (10, 30), **items), range(1))  # 20 batches: ~20 s expected
+    minute_ago = time.time() - 60  # older than its whole item should take, far below the 10 minutes of a rank
+    for name in (COMMITS, WriterLock.NAME):
+        os.utime(hung / name, (minute_ago, minute_ago))
+    with PartWriter(busy, image_identity(4, 7, (8, 10), **items)), WriterLock(hung, "item 5"):
+        os.utime(hung / WriterLock.NAME, (minute_ago, minute_ago))
+        status = job_status(tmp_path)
+        assert main(["status", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    parts = by_part(status)
+    assert status["work_items"] and parts[5]["expected_s"] == pytest.approx(20.0)
+    assert [(a["action"], a.get("part")) for a in status["tail"]["actions"]] == [("stalled", 5), ("not_started", None)]
+    assert status["tail"]["actions"][0]["limit_s"] == pytest.approx(20.0)
+    stamp = parts[5]["last_commit_at"]
+    assert abs(datetime.fromisoformat(stamp).timestamp() - minute_ago) < 1.5 and parts[6]["last_commit_at"] is None
+    assert shown[0] == f"mmtok status {tmp_path}: image job, 7 work items: 4 done, 2 in progress, 1 pending"
+    assert shown[1].split()[:2] == ["item", "state"]
+    row = next(line for line in shown if line.split()[:3] == ["5", "in", "progress"])
+    assert row.endswith(f"holder: this process (pid {os.getpid()}); last commit {stamp} (1m00s ago)")
+    assert next(line for line in shown if line.split()[0] == "6").split()[1] == "pending"
+    tail = [line for line in shown if line.startswith(("tail:", "action:"))]
+    assert tail[0].startswith("tail: 1 pending, 2 in progress, 4 done; last to finish: item 5 5% at 1.00x the median "
+                              "pace")
+    assert tail[1] == ("action: item 5 has committed nothing for 1m00s (the whole item should take 20.0s at the median "
+                       "pace; its batches take 1.0s): its node may hang; requeue it on another node")
+    assert tail[2].startswith("action: 1 item pending (6): in a SLURM array they start as slots free up")

@@ -30,6 +30,11 @@ job's world size when it differs from the plan's). While parts are unfinished, t
 running parts that finish last (progress, speed against the median pace, ETA) and the action lines say
 what to do: requeue a slow or silent running part on another node, resume stopped parts, and parts not
 started (in a SLURM array they start as slots free up). See docs/status.md.
+
+Image encode writes one part per work item of the plan: there parts are shown as items, `running` as
+"in progress" (with the holder and the time of the last commit) and `missing` as "pending", and an item
+in progress that has shown no life for longer than the whole item should take (its planned work at the
+median pace) is flagged.
 """
 TABLE_LIMIT = 20  # parts shown one per line; above it only unfinished and slowest ones
 
@@ -65,11 +70,25 @@ def run(args) -> int:
     return 0
 
 
+# Image encode writes one part per work item: there a part is called an item, and its states say where the
+# item stands (`running`: in progress, `missing`: pending); JSON keeps the state names.
+ITEM_STATES = {"running": "in progress", "missing": "pending"}
+
+
+def noun(status: dict) -> str:
+    return "item" if status["work_items"] else "part"
+
+
+def state_label(status: dict, state: str) -> str:
+    return ITEM_STATES.get(state, state) if status["work_items"] else state
+
+
 def render(status: dict) -> str:
     """The human view of a `job_status` result: header, part table, totals, balance, ETA."""
-    states = ", ".join(f"{n} {state}" for state, n in status["states"].items() if n)
+    states = ", ".join(f"{n} {state_label(status, state)}" for state, n in status["states"].items() if n)
+    what = "work item" if status["work_items"] else "part"
     lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, "
-             f"{plural(status['num_parts'], 'part')}" + (f": {states}" if states else "")]
+             f"{plural(status['num_parts'], what)}" + (f": {states}" if states else "")]
     lines += [f"  warning: {w}" for w in status["warnings"]]
     lines += _table(status)
     lines += _summary(status)
@@ -114,22 +133,32 @@ def _table(status: dict) -> list[str]:
         shown = [p for p in parts if p["part"] in wanted][:TABLE_LIMIT]
     with_plan = status["imbalance"]["modeled"] is not None
     unit, item, rate = LABELS[status["item"]]
-    header = (f"  {'part':>5} {'state':<8} {unit:>13} {item:>9} {'skipped':>7} {'tokens':>12} {'wall':>8} "
+    header = (f"  {noun(status):>5} {'state':<11} {unit:>13} {item:>9} {'skipped':>7} {'tokens':>12} {'wall':>8} "
               f"{'busy':>5} {rate:>8} {'tok/s':>9} {'eta':>8}" + ("  cost% wall%" if with_plan else ""))
     lines = [header]
     for p in shown:
         planned = "?" if p["units_planned"] is None else f"{p['units_planned']:,}"
-        line = (f"  {p['part']:>5} {p['state']:<8} {p['units_done']:>6,}/{planned:<6} {p['written']:>9,} "
+        state = state_label(status, p["state"])
+        line = (f"  {p['part']:>5} {state:<11} {p['units_done']:>6,}/{planned:<6} {p['written']:>9,} "
                 f"{p['skipped']:>7,} {p['tokens']:>12,} {_duration(p['wall_s']):>8} "
                 f"{100 * p['device_busy_fraction']:>4.0f}% {p['per_s']:>8.1f} {p['tokens_per_s']:>9,.0f} "
                 f"{_duration(p['eta_s']) if p['state'] != 'done' else '-':>8}")
         if with_plan:
             line += f"  {_percent(p['modeled_share']):>5} {_percent(p['wall_share']):>5}"
-        lines.append(line + (f"  {p['detail']}" if p["detail"] else ""))
-    hidden = Counter(p["state"] for p in parts if p not in shown)
+        lines.append(line + (f"  {_detail(p)}" if p["detail"] else ""))
+    hidden = Counter(state_label(status, p["state"]) for p in parts if p not in shown)
     if hidden:
-        lines.append("  not shown: " + ", ".join(f"{n} {s}" for s, n in hidden.items()) + " (--json lists every part)")
+        lines.append("  not shown: " + ", ".join(f"{n} {s}" for s, n in hidden.items()) +
+                     f" (--json lists every {noun(status)})")
     return lines
+
+
+def _detail(part: dict) -> str:
+    """A part's note: why it is in its state; for a running one its holder and when it last committed."""
+    if part["state"] != "running" or not part["last_commit_at"]:
+        return part["detail"]
+    ago = f" ({_duration(part['silent_s'])} ago)" if part["silent_s"] is not None else ""
+    return f"{part['detail']}; last commit {part['last_commit_at']}{ago}"
 
 
 # What a part's units and written inputs are called, per status item (images, audio clips, SFT conversations).
@@ -147,10 +176,14 @@ def _summary(status: dict) -> list[str]:
     lines = [total]
     if status["item"] == "image":
         measured = _percent(balance["measured"]) if balance["measured"] is not None else "once every part is done"
-        rederived = ("" if balance["world_size"] == balance["plan_world_size"]
-                     else f", re-derived from the plan's {balance['plan_world_size']}")
+        if status["work_items"]:
+            over = f"{balance['world_size']} items"
+        else:
+            plan_size = balance["plan_world_size"]
+            over = f"{balance['world_size']} ranks" + ("" if balance["world_size"] == plan_size
+                                                         else f", re-derived from the plan's {plan_size}")
         modeled = ("" if balance["modeled"] is None else f"; modeled {_percent(balance['modeled'])} (plan cost model, "
-                   f"{balance['world_size']} ranks{rederived})")
+                   f"{over})")
         lines.append(f"imbalance (max/mean - 1 of wall time): measured {measured}{modeled}")
     if status["slowest"]:
         lines.append("slowest: " + ", ".join(_slow(status, n) for n in status["slowest"]))
@@ -167,35 +200,41 @@ def _tail(status: dict) -> list[str]:
     tail, states = status["tail"], status["states"]
     if states["done"] == status["num_parts"]:
         return []
-    counts = f"{states['missing']} not started, {states['running']} running, {states['done']} done"
+    if status["work_items"]:
+        counts = f"{states['missing']} pending, {states['running']} in progress, {states['done']} done"
+    else:
+        counts = f"{states['missing']} not started, {states['running']} running, {states['done']} done"
     by_number = {p["part"]: p for p in status["parts"]}
-    shown = [_running(by_number[n]) for n in tail["running"][:TAIL_SHOWN]]
+    shown = [_running(by_number[n], noun(status)) for n in tail["running"][:TAIL_SHOWN]]
     lines = [f"tail: {counts}" + (f"; last to finish: {', '.join(shown)}" if shown else "")]
-    return lines + [f"action: {_action(a)}" for a in tail["actions"]]
+    return lines + [f"action: {_action(a, noun(status))}" for a in tail["actions"]]
 
 
-def _running(part: dict) -> str:
+def _running(part: dict, name: str) -> str:
     progress = "?" if part["progress"] is None else f"{100 * part['progress']:.0f}%"
     speed = "" if part["speed"] is None else f" at {part['speed']:.2f}x the median pace"
-    return f"part {part['part']} {progress}{speed}, eta {_duration(part['eta_s'])}"
+    return f"{name} {part['part']} {progress}{speed}, eta {_duration(part['eta_s'])}"
 
 
-def _action(action: dict) -> str:
+def _action(action: dict, name: str = "part") -> str:
     kind = action["action"]
     if kind == "slow":
-        return (f"part {action['part']} runs at {action['speed']:.2f}x the median pace: requeue it on another node "
+        return (f"{name} {action['part']} runs at {action['speed']:.2f}x the median pace: requeue it on another node "
                 "(cancel its task and exclude the node; the rerun resumes after its last commit)")
     if kind == "stalled":
         pace = ("no batch yet, the others' take " if action.get("first") else "its batches take ") + \
             _duration(action["unit_s"])
-        return (f"part {action['part']} has committed nothing for {_duration(action['silent_s'])} ({pace}): its node "
-                "may hang; requeue it on another node")
-    parts = _numbers(action["parts"])
+        if action.get("expected_s"):
+            pace = f"the whole item should take {_duration(action['expected_s'])} at the median pace; {pace}"
+        return (f"{name} {action['part']} has committed nothing for {_duration(action['silent_s'])} ({pace}): its "
+                "node may hang; requeue it on another node")
+    parts, many = _numbers(action["parts"]), plural(len(action["parts"]), name)
     if kind == "resume":
-        return (f"{plural(len(action['parts']), 'part')} stopped ({parts}): requeue their tasks or rerun the "
-                "same encode command")
-    return (f"{plural(len(action['parts']), 'part')} not started ({parts}): in a SLURM array they start as slots free "
-            "up; otherwise launch their ranks")
+        return f"{many} stopped ({parts}): requeue their tasks or rerun the same encode command"
+    if name == "item":
+        return (f"{many} pending ({parts}): in a SLURM array they start as slots free up; otherwise launch workers "
+                "(any number: each takes its share of the items not finished)")
+    return f"{many} not started ({parts}): in a SLURM array they start as slots free up; otherwise launch their ranks"
 
 
 def _numbers(numbers: list[int], shown: int = 8) -> str:
@@ -206,15 +245,15 @@ def _numbers(numbers: list[int], shown: int = 8) -> str:
 def _slow(status: dict, number: int) -> str:
     part = next(p for p in status["parts"] if p["part"] == number)
     if part["state"] == "done":
-        return f"part {number} {_duration(part['wall_s'])}"
-    return f"part {number} {_duration(part['projected_s'])} projected"
+        return f"{noun(status)} {number} {_duration(part['wall_s'])}"
+    return f"{noun(status)} {number} {_duration(part['projected_s'])} projected"
 
 
 def _eta(status: dict) -> str:
     states = status["states"]
     if status["eta_s"] == 0.0:
         return "none: every part is done (`mmtok merge OUT` next)"
-    stuck = ", ".join(f"{states[s]} {s}" for s in ("stopped", "missing", "damaged") if states[s])
+    stuck = ", ".join(f"{states[s]} {state_label(status, s)}" for s in ("stopped", "missing", "damaged") if states[s])
     stuck = f"; not counted, as they do not finish by themselves: {stuck}" if stuck else ""
     if status["eta_s"] is None:
         why = "no part is running" if not states["running"] else "a running part has committed nothing yet"

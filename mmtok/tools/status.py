@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -72,14 +73,15 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
             "num_parts": num_parts, "states": {s: sum(p["state"] == s for p in parts) for s in STATES},
             "totals": _totals(parts, model), "eta_s": _job_eta(parts),
             "slowest": [p["part"] for p in sorted(parts, key=lambda p: -p["projected_s"])[:SLOWEST] if p["wall_s"]],
-            "imbalance": _imbalance(parts, modality, model, num_parts), "tail": _tail(parts),
+            "imbalance": _imbalance(parts, modality, model, num_parts), "tail": _tail(parts, _items(identities)),
             "warnings": warnings, "parts": parts}
 
 
 # -- reading one part --------------------------------------------------------------------------------
 def _missing(number: int, directory: Path, detail: str = "not started: no part directory") -> dict:
     return {"part": number, "state": "missing", "detail": detail, "directory": str(directory), "counts": {},
-            "units_done": 0, "tokens": 0, "part_batches": None, "silent_s": None}
+            "units_done": 0, "tokens": 0, "part_batches": None, "silent_s": None, "holder": None,
+            "last_commit_at": None}
 
 
 def _damaged(number: int, directory: Path, detail: str) -> dict:
@@ -115,9 +117,10 @@ def _read_part(number: int, directory: Path) -> dict:
     else:
         state, detail = "stopped", RESUME_HINT
     counts = dict(records[-1]["counts"]) if records else {}
-    return {**part, "state": state, "detail": detail, "identity": identity,
+    return {**part, "state": state, "detail": detail, "identity": identity, "holder": holder,
             "part_batches": identity.get("part_batches"), "counts": counts, "units_done": len(records),
             "silent_s": _silent_s(directory) if holder else None,
+            "last_commit_at": _last_commit_at(directory) if records else None,
             "tokens": sum(n for record in records for n in record["lengths"]) + counts.get("item_tokens", 0)}
 
 
@@ -127,6 +130,12 @@ def _silent_s(directory: Path) -> float:
     touched = [(directory / name).stat().st_mtime for name in (commitlog.COMMITS, WriterLock.NAME)
                if (directory / name).is_file()]
     return max(0.0, time.time() - max(touched)) if touched else 0.0
+
+
+def _last_commit_at(directory: Path) -> str:
+    """When the part's last commit was made (the commit log's mtime), as local ISO 8601 time with its offset."""
+    mtime = (directory / commitlog.COMMITS).stat().st_mtime
+    return datetime.fromtimestamp(mtime).astimezone().isoformat(timespec="seconds")
 
 
 def _one_run(found: dict[int, dict]) -> tuple[list[dict], list[str]]:
@@ -213,6 +222,7 @@ def _add_figures(part: dict, model: dict | None) -> None:
     part["eta_s"] = 0.0 if part["state"] == "done" else _eta(part, span, model)
     part["projected_s"] = part["wall_s"] + (part["eta_s"] or 0.0)
     part["progress"], part["pace_s"] = _progress(part, span, model)
+    part["work_done"], part["work_planned"] = _work(part, span, model)
 
 
 def _written(counts: dict) -> int:
@@ -273,15 +283,18 @@ def _pace(wall_s: float, done: float) -> float | None:
     return wall_s / done if wall_s and done else None
 
 
-def _tail(parts: list[dict]) -> dict:
+def _tail(parts: list[dict], items: bool = False) -> dict:
     """The end of the job: each part's speed (the median pace of the parts that made progress over its
-    own, so 0.5 = half as fast), the running parts slowest-to-finish first, and what to do about the
-    tail: move slow or silent running parts to another node, resume stopped ones, and parts not
-    started (in a SLURM array they start as slots free up)."""
+    own, so 0.5 = half as fast) and expected duration (its planned work at the median pace), the running
+    parts slowest-to-finish first, and what to do about the tail: move slow or silent running parts to
+    another node, resume stopped ones, and parts not started (in a SLURM array they start as slots free up).
+    A running work item (`items`) is silent too long once its last sign of life is older than the whole
+    item should take; a rank's part (much longer) once it is older than STALL_UNITS of its batches."""
     paces = [p["pace_s"] for p in parts if p["pace_s"]]
     median = float(np.median(paces)) if paces else None
     for part in parts:
         part["speed"] = median / part["pace_s"] if median and part["pace_s"] else None
+        part["expected_s"] = part["work_planned"] * median if median and part["work_planned"] else None
     running = sorted((p for p in parts if p["state"] == "running"),
                      key=lambda p: -(p["eta_s"] if p["eta_s"] is not None else np.inf))
     units = [p["wall_s"] / p["units_done"] for p in parts if p["units_done"] and p["wall_s"]]
@@ -291,9 +304,11 @@ def _tail(parts: list[dict]) -> dict:
         own = part["wall_s"] / part["units_done"] if part["units_done"] else None
         per_unit = own or typical  # a part that hangs before its first commit is judged by the others' pace
         silent = part["silent_s"]  # None where this process holds the part's lock itself
-        if per_unit and silent is not None and silent > max(STALL_S, STALL_UNITS * per_unit):
+        limit = _silence_limit(part, per_unit, items)
+        if limit is not None and silent is not None and silent > limit:
             actions.append({"action": "stalled", "part": part["part"], "silent_s": part["silent_s"],
-                            "unit_s": per_unit, "first": not part["units_done"]})
+                            "unit_s": per_unit, "first": not part["units_done"], "limit_s": limit,
+                            "expected_s": part["expected_s"] if items else None})
         elif part["speed"] is not None and part["speed"] < SLOW_SPEED:
             actions.append({"action": "slow", "part": part["part"], "speed": part["speed"]})
     for state, action in (("stopped", "resume"), ("missing", "not_started")):
@@ -301,6 +316,17 @@ def _tail(parts: list[dict]) -> dict:
         if numbers:
             actions.append({"action": action, "parts": numbers})
     return {"running": [p["part"] for p in running], "median_pace_s": median, "actions": actions}
+
+
+def _silence_limit(part: dict, per_unit: float | None, items: bool) -> float | None:
+    """Seconds without a sign of life after which a running part may hang: a work item's expected duration
+    (it should have finished by then), at least STALL_UNITS batches; a rank's part, STALL_UNITS batches and
+    STALL_S. None before any part has committed (model loading may be slow)."""
+    if not per_unit:
+        return None
+    if items and part["expected_s"]:
+        return max(part["expected_s"], STALL_UNITS * per_unit)
+    return max(STALL_S, STALL_UNITS * per_unit)
 
 
 def _add_shares(parts: list[dict], model: dict | None) -> None:
