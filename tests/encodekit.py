@@ -339,13 +339,14 @@ def plan(env, name: str, *flags: str, manifest: Path | None = None) -> Path:
 
 
 def encode_all(env, plan_dir: Path, out: Path, world_size: int, threads: int = 2, extra: tuple = ()) -> Path:
-    """Every rank of `plan_dir` encoded on CPU with env's checkpoint into `out`, then merged; returns `out`."""
+    """Every rank of `plan_dir` encoded on CPU with env's checkpoint into `out`, then merged; returns `out`. The
+    ranks run one after another, each on its own items only (--no-take-over: else the first would take them all)."""
     from mmtok.cli import main
 
     for rank in range(world_size):
         assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out),
                      "--rank", str(rank), "--world-size", str(world_size), "--loader-threads", str(threads),
-                     "--device", "cpu", "--no-progress", *extra]) == 0
+                     "--device", "cpu", "--no-progress", "--no-take-over", *extra]) == 0
     assert main(["merge", str(out)]) == 0
     return out
 

@@ -1,8 +1,9 @@
 """One writer per part: two `mmtok encode` processes for the same rank and --out, started together.
 
 What the test proves does not depend on timing: as soon as one process holds the part's lock
-(seen in /proc/locks) it is frozen with SIGSTOP, so the other one necessarily meets a held lock; it
-must refuse with a non-zero exit naming the holder, and only then is the holder let go to finish.
+(seen in /proc/locks) it is frozen with SIGSTOP, so the other one necessarily meets a held lock. With
+--no-take-over it must refuse with a non-zero exit naming the holder; by default (take-over) it leaves the
+item to its holder and ends without writing anything. Only then is the holder let go to finish.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ def job(tmp_path_factory):
     return planned_job(tmp_path_factory.mktemp("concurrency"))
 
 
-def _argv(plan_dir: Path, checkpoint: Path, out: Path) -> list[str]:
+def _argv(plan_dir: Path, checkpoint: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "mmtok", "encode", "--plan", str(plan_dir), "--checkpoint", str(checkpoint),
-            "--out", str(out), "--device", "cpu", "--loader-threads", "1", "--no-progress"]
+            "--out", str(out), "--device", "cpu", "--loader-threads", "1", "--no-progress", *extra]
 
 
 def _lock_holder(lock: Path, pids: set[int]) -> int | None:
@@ -47,15 +48,17 @@ def _lock_holder(lock: Path, pids: set[int]) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("attempt", range(3))
-def test_two_encodes_of_one_rank_started_together_give_one_writer_and_one_refusal(job, tmp_path, attempt):
+@pytest.mark.parametrize("take_over", [False, True], ids=["no-take-over", "take-over"])
+@pytest.mark.parametrize("attempt", range(2))
+def test_two_encodes_of_one_rank_started_together_give_one_writer_and_one_refusal(job, tmp_path, attempt, take_over):
     plan_dir, checkpoint = job
     clean = plan_dir.parent / "clean"
     if not is_done(part_dir(clean, 0)):
         assert main(_argv(plan_dir, checkpoint, clean)[3:]) == 0 and main(["merge", str(clean)]) == 0
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes = [subprocess.Popen(_argv(plan_dir, checkpoint, out), env=env, stdout=subprocess.PIPE,
+    extra = () if take_over else ("--no-take-over",)
+    processes = [subprocess.Popen(_argv(plan_dir, checkpoint, out, *extra), env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
     by_pid = {p.pid: p for p in processes}
     deadline = time.monotonic() + 120
@@ -82,8 +85,13 @@ def test_two_encodes_of_one_rank_started_together_give_one_writer_and_one_refusa
         os.kill(holder, signal.SIGCONT)
     _, holder_err = by_pid[holder].communicate(timeout=300)
     assert by_pid[holder].returncode == 0, holder_err
-    assert other.returncode != 0, err
-    assert f"pid {holder}" in err and "being written by another process" in err and "Traceback" not in err, err
+    if take_over:  # it leaves the held item to its holder, finds nothing else to take, and says so
+        assert other.returncode == 0, err
+        assert "encoded nothing: every work item is finished or held by another worker" in err, err
+        assert "left 1 own item to the workers holding them: 0" in err and "Traceback" not in err, err
+    else:
+        assert other.returncode != 0, err
+        assert f"pid {holder}" in err and "being written by another process" in err and "Traceback" not in err, err
     assert main(["merge", str(out)]) == 0
     for name in MERGED:
         assert sha256_file(out / name) == sha256_file(clean / name), name

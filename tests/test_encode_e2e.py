@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +166,7 @@ def test_workers_without_items_encode_nothing(env, tmp_path, capsys):
     plan_dir = plan(env, "plan-wide", "--mode", "image", "--token-budget", "200", "--max-batch-images", "8")
     items = len(Plan.open(plan_dir).work_items())
     wide = digests(encode_all(env, plan_dir, tmp_path / "wide", world_size=items + 2))
-    assert f"rank {items + 1}/{items + 2}: no work item to encode" in capsys.readouterr().err
+    assert f"rank {items + 1}/{items + 2}: no work item of its own" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "wide" / "parts").iterdir()) == [f"part-{i:05d}" for i in range(items)]
     assert wide == digests(encode_all(env, plan_dir, tmp_path / "one", world_size=1))
 
@@ -381,7 +382,8 @@ def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_pa
                  "--text-tokenizer", str(env.text), "--world-size", "2", "--item-seconds", "0.0005"]) == 0
     assert "; 2 ranks, imbalance" in summary_lines(capsys.readouterr(), "plan")[0]
     encode = ["encode", "--plan", str(tmp_path / "plan"), "--checkpoint", str(env.checkpoint), "--out",
-              str(tmp_path / "out"), "--world-size", "2", "--device", "cpu", "--loader-threads", "2", "--no-progress"]
+              str(tmp_path / "out"), "--world-size", "2", "--device", "cpu", "--loader-threads", "2", "--no-progress",
+              "--no-take-over"]  # each rank its own items: run one after another, the first would take them all
     assert main([*encode, "--rank", "0"]) == 0
     assert summary_lines(capsys.readouterr(), "encode")[0].startswith("rank 0/2 -> ", len("mmtok encode: "))
     assert main([*encode, "--rank", "1", "--json"]) == 0
@@ -402,11 +404,48 @@ def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_pa
          if k in ("sequences", "tokens", "counts")}
 
 
+def test_a_worker_takes_over_the_items_nobody_holds_and_names_a_taken_item_that_fails(env, tmp_path, capsys):
+    """Worker 1 of 2 never comes: worker 0 does its own items, then takes over worker 1's from the far end. One
+    of those is damaged (its files cut short): a warning names it, the worker goes on and exits 0,
+    and the item is left for its owner; once deleted, worker 1 does just that one and the bytes are those of
+    one process doing everything."""
+    plan_dir = plan(env, "plan-take-over", "--mode", "image-text", "--world-size", "2", "--item-seconds", "0.0005")
+    opened = Plan.open(plan_dir)
+    count, own = len(opened.work_items()), opened.worker_items(0, 2)
+    damaged = own.stop  # worker 1's first item: taken over last
+    reference = encode_all(env, plan_dir, tmp_path / "one", world_size=1)
+    out = tmp_path / "out"
+    shutil.copytree(part_dir(reference, damaged), part_dir(out, damaged))  # this run's part, killed and then rotted
+    (part_dir(out, damaged) / "DONE").unlink()
+    for name in ("tokens.bin", "provenance.jsonl", "items.ids", "items.jsonl"):  # shorter than its records say
+        if (part_dir(out, damaged) / name).exists():
+            (part_dir(out, damaged) / name).write_bytes(b"")
+    capsys.readouterr()
+    argv = ["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out), "--world-size",
+            "2", "--device", "cpu", "--loader-threads", "2", "--no-progress"]
+    assert main([*argv, "--rank", "0", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json_result(captured)
+    taken = [item for item in reversed(range(own.stop, count)) if item != damaged]
+    assert result["taken_over"] == taken and list(result["take_over_failed"]) == [str(damaged)]
+    assert f"took over {len(taken)} items of other workers' shares" in captured.err
+    assert f"warning: item {damaged} (another worker's, taken over) failed" in captured.err
+    assert main([*argv, "--rank", "1"]) == 2  # its owner meets the damage: an error naming the part
+    assert f"part-{damaged:05d}" in capsys.readouterr().err
+    shutil.rmtree(part_dir(out, damaged))
+    assert main([*argv, "--rank", "1", "--json"]) == 0
+    result = json_result(capsys.readouterr())
+    assert result["taken_over"] == [] and len(result["parts"]) == count - own.stop
+    assert main(["merge", str(out)]) == 0
+    assert digests(out) == digests(reference)
+
+
 def test_a_worker_without_items_prints_its_json_result(env, tmp_path, capsys):
     plan_dir = plan(env, "plan-one-item", "--mode", "image")
     assert len(Plan.open(plan_dir).work_items()) == 1
     capsys.readouterr()
     assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(tmp_path),
-                 "--rank", "1", "--world-size", "2", "--device", "cpu", "--no-progress", "--json"]) == 0
+                 "--rank", "1", "--world-size", "2", "--device", "cpu", "--no-progress", "--json",
+                 "--no-take-over"]) == 0
     result = json_result(capsys.readouterr())
     assert result == {"rank": 1, "world_size": 2, "items": [1, 1], "num_items": 1, "parts": []}

@@ -25,19 +25,28 @@ from mmtok.launch import STOPPED_EXIT
 # the device, at a known place, whatever the machine's speed.
 GATE = '''
 import os, time
+
+def _wait():
+    open(os.path.join(os.environ["GATE_DIR"], "arrived"), "w").close()
+    while not os.path.exists(os.path.join(os.environ["GATE_DIR"], "release")):
+        time.sleep(0.01)
+
 if os.environ.get("GATE_AT"):
     from mmtok.codecs import emu35
-    _encode, _calls = emu35.Emu35Codec.encode, [0]
+    _encode, _load, _calls = emu35.Emu35Codec.encode, emu35.load, [0]
 
     def _gated(self, pixels):
         _calls[0] += 1
         if _calls[0] == int(os.environ["GATE_AT"]):
-            open(os.path.join(os.environ["GATE_DIR"], "arrived"), "w").close()
-            while not os.path.exists(os.path.join(os.environ["GATE_DIR"], "release")):
-                time.sleep(0.01)
+            _wait()
         return _encode(self, pixels)
 
-    emu35.Emu35Codec.encode = _gated
+    def _gated_load(*args, **kwargs):  # GATE_AT=load: the signal lands while the model loads
+        if os.environ["GATE_AT"] == "load":
+            _wait()
+        return _load(*args, **kwargs)
+
+    emu35.Emu35Codec.encode, emu35.load = _gated, _gated_load
 '''
 
 
@@ -59,37 +68,56 @@ def job(tmp_path_factory):
 
 
 def _script(job, out: Path, capsys, monkeypatch, *extra: str) -> str:
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # the venv's mmtok
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the script names this interpreter, whatever PATH finds
     capsys.readouterr()
     assert main(["encode", *job["common"], "--out", str(out), "--print-sbatch", "2", *extra]) == 0
     return capsys.readouterr().out
 
 
-def test_the_printed_script_is_an_array_of_one_task_per_item_throttled_to_the_gpus(job, tmp_path, capsys,
-                                                                                   monkeypatch):
+def test_the_printed_script_is_an_array_throttled_to_the_gpus_one_task_per_gpu_or_per_item(job, tmp_path, capsys,
+                                                                                          monkeypatch):
     count = len(job["items"])
-    text = _script(job, tmp_path / "out", capsys, monkeypatch)
-    assert f"#SBATCH --array=0-{count - 1}%2\n" in text
+    text = _script(job, tmp_path / "out", capsys, monkeypatch)  # by default one task per GPU: 2
+    assert "#SBATCH --array=0-1%2\n" in text
     for line in ("#SBATCH --requeue", "#SBATCH --signal=B:USR1@120", "#SBATCH --gpus=1", "#SBATCH --cpus-per-task=3"):
         assert line + "\n" in text
-    assert f'--rank "$SLURM_ARRAY_TASK_ID" --world-size {count} &' in text
-    assert f"--out {tmp_path / 'out'} " in text and "--no-progress" in text
+    assert f'{sys.executable} -m mmtok encode --plan {job["plan"]} ' in text  # this mmtok, not the first on PATH
+    assert f"--out {tmp_path / 'out'} " in text and "--no-progress --device cpu \\\n" in text
+    assert '\n    --rank "$SLURM_ARRAY_TASK_ID" --world-size 2 &\n' in text
     (tmp_path / "encode.sbatch").write_text(text)
     subprocess.run(["bash", "-n", str(tmp_path / "encode.sbatch")], check=True)
     assert not (tmp_path / "out").exists()  # printing encodes nothing
-    grouped = _script(job, tmp_path / "out", capsys, monkeypatch, "--world-size", "2")
-    assert "#SBATCH --array=0-1%2\n" in grouped and '--world-size 2 &' in grouped
-    assert main(["encode", *job["common"], "--out", str(tmp_path / "out"), "--print-sbatch", "0"]) == 2
+    per_item = _script(job, tmp_path / "out", capsys, monkeypatch, "--world-size", str(count))
+    assert f"#SBATCH --array=0-{count - 1}%2\n" in per_item and f"--world-size {count} &" in per_item
+    for extra, message in ((("--print-sbatch", "0"), "at least 1"),
+                           (("--print-sbatch", "2", "--rank", "1"), "drop --rank"),
+                           (("--print-sbatch", "2", "--device", "cuda:1"), "drop --device")):
+        assert main(["encode", *job["common"], "--out", str(tmp_path / "out"), *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["encode", *job["common"], "--out", str(tmp_path / "o\ntouch PWNED #"), "--print-sbatch", "2"]) == 2
+    assert "control characters" in capsys.readouterr().err
 
 
-def _run_task(script: Path, task: int, gate: Path | None, log: Path) -> subprocess.Popen:
+def _array(job, tmp_path: Path, out: Path, capsys, monkeypatch) -> Path:
+    """The printed script of one task per item, the gate (sitecustomize) and a stand-in scontrol beside it."""
+    script = tmp_path / "encode.sbatch"
+    script.write_text(_script(job, out, capsys, monkeypatch, "--world-size", str(len(job["items"]))))
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(GATE)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    (tmp_path / "bin" / "scontrol").chmod(0o755)
+    return script
+
+
+def _run_task(script: Path, task: int, gate: Path | None, log: Path, at: str = "2") -> subprocess.Popen:
     """Array task `task` of job 4242, as SLURM's batch step runs it: bash, the SLURM_ARRAY_* variables."""
     env = {**os.environ, "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_JOB_ID": "4242", "SLURM_JOB_ID": "4243",
            "PATH": f"{script.parent / 'bin'}{os.pathsep}{os.environ['PATH']}",
            "SCONTROL_LOG": str(script.parent / "scontrol.log")}
     if gate is not None:
         gate.mkdir(exist_ok=True)
-        env.update(PYTHONPATH=str(script.parent / "site"), GATE_AT="2", GATE_DIR=str(gate))
+        env.update(PYTHONPATH=str(script.parent / "site"), GATE_AT=at, GATE_DIR=str(gate))
     return subprocess.Popen(["bash", str(script)], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
 
@@ -101,11 +129,11 @@ def _wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 
         time.sleep(0.01)
 
 
-def _stop_mid_item(script: Path, task: int, number: signal.Signals, tag: str) -> int:
-    """Run the task until its second batch of this session is on the device, send `number` to the batch shell,
-    let the batch finish; returns the shell's exit status."""
+def _stop_mid_item(script: Path, task: int, number: signal.Signals, tag: str, at: str = "2") -> int:
+    """Run the task until its second batch of this session is on the device (`at`="load": until it loads the
+    model), send `number` to the batch shell, let it go on; returns the shell's exit status."""
     gate, log = script.parent / f"gate-{tag}", script.parent / f"task-{tag}.log"
-    process = _run_task(script, task, gate, log)
+    process = _run_task(script, task, gate, log, at)
     _wait_for((gate / "arrived").exists, process, "the second batch")
     process.send_signal(number)
     _wait_for(lambda: f"{number.name} received" in log.read_text(errors="replace"), process, "the stop request")
@@ -119,13 +147,7 @@ def test_usr1_commits_the_batch_in_flight_and_requeues_the_task_term_stops_witho
     task = int((items[:, 1] - items[:, 0]).argmax())  # one task per item: the item with the most batches
     assert items[task, 1] - items[task, 0] >= 5
     out = tmp_path / "out"
-    script = tmp_path / "encode.sbatch"
-    script.write_text(_script(job, out, capsys, monkeypatch))
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(GATE)
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
-    (tmp_path / "bin" / "scontrol").chmod(0o755)
+    script = _array(job, tmp_path, out, capsys, monkeypatch)
     part = part_dir(out, task)
 
     # before the time limit: 2 batches committed (the one in flight included), part left unfinished and unlocked
@@ -173,3 +195,13 @@ def test_a_stop_during_an_items_last_batch_finishes_that_item_and_starts_no_othe
     stats = encode_rank(job["plan"], out, codec, rank=0, world_size=1, options=options)
     assert stats["stopped"] == {"signal": "SIGUSR1", "item": 1, "next_batch": int(items[1, 0])}
     assert is_done(part_dir(out, 0)) and not part_dir(out, 1).exists() and stats["items_done_before"] == 0
+
+
+def test_a_stop_while_the_model_loads_commits_nothing_and_exits_for_a_requeue(job, tmp_path, capsys, monkeypatch):
+    items, out = job["items"], tmp_path / "out"
+    script = _array(job, tmp_path, out, capsys, monkeypatch)
+    assert _stop_mid_item(script, 1, signal.SIGUSR1, "load", at="load") == STOPPED_EXIT
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242_1\n"
+    log = (tmp_path / "task-load.log").read_text()
+    assert f"stopped on SIGUSR1 before batch {items[1, 0]:,} of work item 1" in log and "Traceback" not in log
+    assert not part_dir(out, 1).exists()

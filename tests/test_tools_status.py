@@ -227,7 +227,7 @@ def encode(env, plan_dir: Path, out: Path, rank: int) -> int:
     with one_torch_thread():
         return main(["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out),
                      "--rank", str(rank), "--world-size", "3", "--loader-threads", "1", "--device", "cpu",
-                     "--no-progress"])
+                     "--no-progress", "--no-take-over"])  # ranks run one after another: each its own items
 
 
 def test_status_follows_a_real_job_to_its_measured_imbalance(job, tmp_path, capsys):
@@ -364,7 +364,7 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
         with one_torch_thread():
             assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(checkpoint), "--out", str(out),
                          "--rank", str(rank), "--world-size", "2", "--loader-threads", "1", "--device", "cpu",
-                         "--no-progress"]) == 0
+                         "--no-progress", "--no-take-over"]) == 0
 
     encode_rank(0)
     mid = table()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from mmtok.commands.options import add_device_argument
@@ -22,6 +23,9 @@ Images (--modality image): the plan's batches are cut into work items (`mmtok pl
 them); worker (rank) w of W takes a contiguous cost-balanced range of items and encodes each into its own
 part, OUT/parts/part-<item>. W defaults to the plan's world size, but any W works, also on a resume: finished
 items are skipped, a half-done one resumes from its commit log. The merged output is the same for every W.
+Then (take-over, unless --no-take-over) it takes every item no process has finished or holds, from the far
+end, so a slow or dead worker costs about one item. SIGUSR1/SIGTERM: commit the batch in flight, stop, exit
+75 (a rerun resumes). --print-sbatch GPUS prints a SLURM array script for this command (docs/slurm.md).
 
 Every batch is committed durably, with a checksum; rerunning the same command after a crash or kill
 resumes from the last committed batch (after checking what was committed) and yields byte-identical
@@ -53,12 +57,17 @@ def add_parser(sub) -> None:
                        "batch (pinned on CUDA; default 4)")
     group.add_argument("--max-consecutive-failures", type=int, default=64,
                        help="stop the rank after this many undecodable images in a row (default 64)")
+    group.add_argument("--no-take-over", action="store_true",
+                       help="encode only this worker's own items; by default a worker that has finished them takes "
+                       "the items no process has finished or holds (a slow or dead worker's), from the far end, and "
+                       "leaves an own item another worker holds to it; without take-over a held item is an error "
+                       "naming the holder, and a duplicate job is refused at start")
     group.add_argument("--print-sbatch", type=int, metavar="GPUS", default=None,
-                       help="print a SLURM batch script that runs this encode as an array, one task per work item "
-                       "(--world-size N: N tasks sharing the items; default one per item, at most "
-                       f"{MAX_ARRAY_TASKS:,}), "
-                       "at most GPUS tasks at once, requeued on preemption and before the time limit; encodes "
-                       "nothing (docs/slurm.md)")
+                       help="print a SLURM batch script that runs this encode as an array of one task per GPU "
+                       "(--world-size N: N tasks; at most the items, and "
+                       f"{MAX_ARRAY_TASKS:,} by default), at most GPUS at once, each taking its share of the items and "
+                       "then the ones nobody finished or holds; requeued before the time limit; encodes nothing "
+                       "(docs/slurm.md)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (images and audio)")
     parser.add_argument("--json", action="store_true",
                         help="also print the rank's summary as one JSON object on stdout "
@@ -83,46 +92,54 @@ def run(args) -> int:
 
 
 def run_images(args) -> int:
-    from mmtok.codecs.registry import load_codec
-    from mmtok.encode.runner import EncodeOptions, encode_rank, refuse_empty_plan
-    from mmtok.formats.commitlog import check_part_free, part_dir
+    from mmtok.encode.runner import refuse_empty_plan
     from mmtok.formats.plan import Plan
-    from mmtok.launch import STOPPED_EXIT, StopRequest, resolve_device, resolve_rank
+    from mmtok.launch import StopRequest
 
     if not args.plan:
         raise MmtokError("--modality image needs --plan (the output directory of `mmtok plan`)")
     plan = Plan.open(args.plan)
     refuse_empty_plan(plan)
-    meta = plan.meta
     if args.print_sbatch is not None:
         print(sbatch_script(args, len(plan.work_items())), end="")
         return 0
-    rank, world_size = resolve_rank(args.rank, args.world_size, meta["world_size"])
-    items = plan.worker_items(rank, world_size)
-    if not len(items):
-        print_report("encode", f"rank {rank}/{world_size}: no work item to encode (the plan has "
-                               f"{plural(len(plan.work_items()), 'item')} for {plural(world_size, 'worker')}); "
-                               "nothing to do", {"rank": rank, "world_size": world_size, "items": [items.start,
-                               items.stop], "num_items": len(plan.work_items()), "parts": []} if args.json else None)
+    with StopRequest() as stop:  # from the start to the end a signal stops the worker cleanly (see StopRequest)
+        return _image_worker(args, plan, stop)
+
+
+def _image_worker(args, plan, stop) -> int:
+    """One image worker under `stop`: its items, then (take-over) the ones nobody finished or holds."""
+    from mmtok.codecs.registry import load_codec
+    from mmtok.encode.runner import EncodeOptions, encode_rank
+    from mmtok.formats import skips
+    from mmtok.formats.commitlog import check_part_free, part_dir
+    from mmtok.launch import STOPPED_EXIT, resolve_device, resolve_rank
+
+    rank, world_size = resolve_rank(args.rank, args.world_size, plan.meta["world_size"])
+    items, count = plan.worker_items(rank, world_size), len(plan.work_items())
+    take_over = not args.no_take_over
+    if not len(items) and (not take_over or all_done(args.out, count)):
+        why = (f"every one of the plan's {plural(count, 'work item')} is finished" if take_over else
+               f"no work item of its own: the plan has {plural(count, 'item')} for {plural(world_size, 'worker')}")
+        print_report("encode", f"rank {rank}/{world_size}: {why}; nothing to do",
+                     {"rank": rank, "world_size": world_size, "items": [items.start, items.stop],
+                      "num_items": count, "parts": []} if args.json else None)
         return 0
-    for item in items:
-        check_part_free(part_dir(args.out, item))  # a duplicate job stops here, before it loads the model
-    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=len(plan.work_items()),
-                     plan_fingerprint=meta["fingerprint"])
-    with StopRequest() as stop:  # from here a signal stops the worker cleanly (exit STOPPED_EXIT), see StopRequest
-        device = resolve_device(args.device)
-        codec = load_codec(args.codec, args.checkpoint, device, modality="image")
-        options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
-                                max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress,
-                                stop=stop)
-        stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device,
-                            options=options)
+    if not take_over:  # a duplicate job stops here, before it loads the model (with take-over it helps instead)
+        for item in items:
+            check_part_free(part_dir(args.out, item))
+    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
+                     plan_fingerprint=plan.meta["fingerprint"])
+    device = resolve_device(args.device)
+    codec = load_codec(args.codec, args.checkpoint, device, modality="image")
+    options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
+                            max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress,
+                            stop=stop, take_over=take_over)
+    stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
     print_report("encode", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     if stats["stopped"]:
         return STOPPED_EXIT
-    from mmtok.formats import skips
-
     counts = stats["counts"]  # the parts' own counters: the same verdict when a rerun finds them finished
     failed = skips.items_failed_by_reason(counts)
     refuse_nothing_usable(f"rank {rank}/{world_size}", counts.get("images_written", 0) + counts.get(
@@ -137,52 +154,66 @@ SIGNAL_LEAD_S = 120  # seconds before the time limit SLURM sends USR1: ample to 
 
 
 def sbatch_script(args, num_items: int) -> str:
-    """The batch script of `--print-sbatch GPUS`: a SLURM array of T tasks (worker t of T: one work item each when
-    T is the item count), GPUS at once, each running this command line. The shell forwards USR1 (sent before
-    the time limit) and TERM (preemption, scancel) to mmtok, which commits the batch in flight and exits
-    STOPPED_EXIT; after USR1 the task requeues itself, so the time limit costs no work."""
+    """The batch script of `--print-sbatch GPUS`: a SLURM array of T tasks, GPUS at once, each worker t of T of this
+    command line (its own items, then take-over). T defaults to one task per GPU: a task keeps its model loaded
+    and, once its own items are done, takes those nobody finished or holds, so a slow or dead node costs about
+    one item; `--world-size T` sets more. The shell forwards USR1 (sent before the time limit) and TERM
+    (preemption, scancel) to mmtok, which commits the batch in flight and exits STOPPED_EXIT; after USR1 (and no
+    TERM) the task requeues itself, so the time limit costs no work."""
     import shlex
-    import shutil
 
     from mmtok import __version__
     from mmtok.launch import STOPPED_EXIT
 
-    if args.print_sbatch < 1:
-        raise MmtokError(f"--print-sbatch {args.print_sbatch}: the number of GPUs the array may use at once must be "
-                         "at least 1")
-    tasks = args.world_size if args.world_size is not None else min(num_items, MAX_ARRAY_TASKS)
+    gpus = args.print_sbatch
+    if gpus < 1:
+        raise MmtokError(f"--print-sbatch {gpus}: the number of GPUs the array may use at once must be at least 1")
+    if args.rank is not None:
+        raise MmtokError("--print-sbatch gives each array task its rank ($SLURM_ARRAY_TASK_ID); drop --rank")
+    if args.device and args.device.strip() not in ("cuda", "cuda:0", "cpu"):
+        raise MmtokError(f"--device {args.device}: each array task sees one GPU (--gpus=1), cuda:0; drop --device")
+    paths = {flag: os.path.abspath(value) for flag, value in
+             (("--plan", args.plan), ("--checkpoint", args.checkpoint), ("--out", args.out))}
+    for flag, path in paths.items():  # a newline in a path would end the command line (and run the rest)
+        if any(ord(c) < 32 or ord(c) == 127 for c in path):
+            raise MmtokError(f"{flag} {path!r}: a path with control characters cannot go into a batch script; "
+                             "rename it")
+    tasks = args.world_size if args.world_size is not None else min(num_items, gpus, MAX_ARRAY_TASKS)
     if tasks < 1:
         raise MmtokError(f"--world-size {tasks}: an array needs at least one task")
-    command = [shutil.which("mmtok") or "mmtok", "encode", "--plan", os.path.abspath(args.plan), "--codec",
-               args.codec, "--checkpoint", os.path.abspath(args.checkpoint), "--out", os.path.abspath(args.out),
-               "--loader-threads", str(args.loader_threads), "--prefetch", str(args.prefetch),
-               "--max-consecutive-failures", str(args.max_consecutive_failures), "--no-progress"]
+    # this interpreter, not whichever `mmtok` comes first on the task's PATH: the version that made the plan
+    command = [sys.executable, "-m", "mmtok", "encode", "--plan", paths["--plan"], "--codec", args.codec,
+               "--checkpoint", paths["--checkpoint"], "--out", paths["--out"], "--loader-threads",
+               str(args.loader_threads), "--prefetch", str(args.prefetch), "--max-consecutive-failures",
+               str(args.max_consecutive_failures), "--no-progress", *(["--no-take-over"] if args.no_take_over else [])]
     if args.device:
-        command += ["--device", args.device]
-    share = "one work item each" if tasks == num_items else f"task t takes worker t's share of {num_items:,} items"
+        command += ["--device", args.device.strip()]
+    share = ("one item each" if tasks == num_items else f"task t starts with worker t's share of the {num_items:,} "
+             "items" + ("" if args.no_take_over else ", then takes any item nobody finished or holds"))
     return f"""#!/bin/bash
-# Written by `mmtok encode --print-sbatch {args.print_sbatch}` (mmtok {__version__}). Submit: sbatch THIS_FILE; once
-# every task is done: mmtok merge {shlex.quote(os.path.abspath(args.out))}
-# {tasks:,} array tasks ({share}), at most {args.print_sbatch:,} at once, one GPU each.
+# Written by `mmtok encode --print-sbatch {gpus}` (mmtok {__version__}). Submit: sbatch THIS_FILE; once every task
+# is done: mmtok merge OUT (OUT: the --out below). {tasks:,} array tasks ({share}), at most {gpus:,} at once,
+# one GPU each.
 # SLURM sends USR1 {SIGNAL_LEAD_S} s before the time limit: mmtok commits the batch in flight, stops (exit
-# {STOPPED_EXIT}) and the task requeues itself; the rerun resumes the item from that commit. TERM (preemption,
-# scancel) stops it the same way without a requeue (SLURM requeues a preempted task itself where the
-# partition says so). --requeue puts a task whose node failed back in the queue; any rerun resumes.
+# {STOPPED_EXIT}) and the task requeues itself; the rerun resumes from that commit. TERM (preemption, scancel)
+# stops it the same way without a requeue (SLURM requeues a preempted task itself where the partition says
+# so). --requeue puts a task whose node failed back in the queue; any rerun resumes. The time limit must leave
+# room for the model load plus some batches beyond the {SIGNAL_LEAD_S} s, or each run stops before its first batch.
 #SBATCH --job-name=mmtok-encode
-#SBATCH --array=0-{tasks - 1}%{args.print_sbatch}
+#SBATCH --array=0-{tasks - 1}%{gpus}
 #SBATCH --gpus=1
 #SBATCH --cpus-per-task={args.loader_threads + 2}
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@{SIGNAL_LEAD_S}
 #SBATCH --open-mode=append
 #SBATCH --output=mmtok-encode-%A_%a.log
-{shlex.join(command)} \
+{shlex.join(command)} \\
     --rank "$SLURM_ARRAY_TASK_ID" --world-size {tasks} &
 worker=$!
 requeue=0
 interrupted=0
 trap 'requeue=1; interrupted=1; kill -USR1 "$worker" 2>/dev/null' USR1
-trap 'interrupted=1; kill -TERM "$worker" 2>/dev/null' TERM
+trap 'requeue=0; trap "" USR1; interrupted=1; kill -TERM "$worker" 2>/dev/null' TERM
 while :; do  # a trapped signal ends `wait` early (status > 128): wait again for the worker's own status
     interrupted=0
     wait "$worker"
@@ -194,6 +225,13 @@ if [ "$status" = {STOPPED_EXIT} ] && [ "$requeue" = 1 ]; then
 fi
 exit "$status"
 """
+
+
+def all_done(out: str, num_items: int) -> bool:
+    """Whether every work item's part is finished (a worker with take-over then has nothing to load a model for)."""
+    from mmtok.formats.commitlog import is_done, part_dir
+
+    return all(is_done(part_dir(out, item)) for item in range(num_items))
 
 
 def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **known) -> None:
@@ -216,6 +254,8 @@ def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **kno
 def _parts_named(stats: dict) -> str:
     """The worker's parts: one path, or the first and last as `DIR/part-{00003..00007}`."""
     parts = stats["parts"]
+    if not parts:
+        return "no part"
     if len(parts) == 1:
         return parts[0]
     first, last = Path(parts[0]), Path(parts[-1])
@@ -227,10 +267,12 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str
     where = _parts_named(stats)
     items = f"{plural(stats['items'][1] - stats['items'][0], 'work item')} of {stats['num_items']:,}"
     if stats.get("stopped"):
-        stop, (_, last) = stats["stopped"], stats["items"]
+        stop = stats["stopped"]
         lines = [f"rank {rank}/{world_size}: stopped on {stop['signal']} before batch {stop['next_batch']:,} of work "
-                 f"item {stop['item']:,} (everything before it is committed; {plural(last - stop['item'] - 1, 'item')} "
-                 f"after it not started); rerun or requeue this command to resume from there"]
+                 f"item {stop['item']:,} (everything before it is committed); rerun or requeue this command to resume "
+                 "from there"]
+    elif not stats["parts"]:
+        lines = [f"rank {rank}/{world_size}: encoded nothing: every work item is finished or held by another worker"]
     elif stats.get("already_done"):
         lines = [f"rank {rank}/{world_size}: {items}, {where}, already finished "
                  f"({plural(stats['sequences'], 'sequence')}); nothing to do"]
@@ -239,7 +281,28 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str
         lines.append(f"{stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
                      f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
         lines += _uniform_lines(stats["counts"], "image")
+    lines += _take_over_lines(stats)
     return lines + [f"job view (every rank): mmtok status {out}"]
+
+
+def _take_over_lines(stats: dict) -> list[str]:
+    """What the worker did beyond its own share: items taken over, own items left to their holder."""
+    lines = []
+    if stats.get("taken_over"):
+        lines.append(f"took over {plural(len(stats['taken_over']), 'item')} of other workers' shares (no process "
+                     f"held them): {_numbers(stats['taken_over'])}")
+    for item, error in sorted(stats.get("take_over_failed", {}).items()):
+        lines.append(f"warning: item {item} (another worker's, taken over) failed and is left unfinished for its "
+                     f"owner or a rerun: {error}")
+    if stats.get("held_by_others"):
+        lines.append(f"left {plural(len(stats['held_by_others']), 'own item')} to the workers holding them: "
+                     f"{_numbers(stats['held_by_others'])}")
+    return lines
+
+
+def _numbers(numbers: list[int], shown: int = 10) -> str:
+    text = ", ".join(map(str, numbers[:shown]))
+    return text + (f" and {len(numbers) - shown:,} more" if len(numbers) > shown else "")
 
 
 def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:

@@ -74,9 +74,10 @@ def run_device(batches: Iterable[Batch], encode: Callable[[Batch], Result], comm
     """Encode every batch on this thread and commit it on a committer thread, in order.
 
     `release(batch)` runs right after encoding (host memory back to the loader). `stop()` is asked before
-    each batch is taken: once it says True no further batch is encoded (a stop request: the batches already
-    encoded are still committed). Returns once every commit is durable. The first error wins: a committer
-    failing after the device loop did does not replace the device loop's exception.
+    each batch is taken and again once it arrives: once it says True no further batch is encoded (a stop
+    request: the batches already encoded are still committed). Returns once every commit is durable. The
+    first error wins: a committer failing after the device loop did does not replace the device loop's
+    exception.
     """
     import torch
 
@@ -90,6 +91,10 @@ def run_device(batches: Iterable[Batch], encode: Callable[[Batch], Result], comm
                 started = time.perf_counter()
                 meter.waited += started - waited
                 if batch is _END:
+                    break
+                if stop is not None and stop():  # it came while the loader worked: this batch is not encoded
+                    if release is not None:
+                        release(batch)
                     break
                 result = encode(batch)
                 meter.device(started, time.perf_counter())

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import PIL
@@ -41,11 +42,12 @@ from mmtok.encode.work import ItemWork, load_item_work
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.chat import recorded_special_ids
-from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, part_dir
+from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, is_done, part_dir, read_commits
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
 from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.skips import SkipRecord
+from mmtok.fsutil import LockHeld, WriterLock
 from mmtok.launch import StopRequest
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout, check_ids_in_range
@@ -58,6 +60,7 @@ class EncodeOptions:
     max_consecutive_failures: int = 64  # more undecodable images in a row = a systematic problem: stop
     progress: bool = True
     stop: StopRequest | None = None  # set (a signal came): commit the batch in flight, leave the part unfinished
+    take_over: bool = True  # once its own items are done, take any item nobody finished or holds (`_items_to_do`)
 
 
 # -- setup -----------------------------------------------------------------------------------------
@@ -228,7 +231,10 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
 
     Each part is created or resumed (refusing a different plan, codec or precision), its batches not yet
     committed are encoded, and it is finished (tokens.idx, stats.json, DONE); a finished part is left as it is.
-    A worker without items (more workers than items) encodes nothing. Once `options.stop` is set the worker
+    Then, with `options.take_over` (the default), it takes the items no process has finished or holds, from the
+    far end (`_items_to_do`): a slow or dead worker's remaining items are done by those that finished, and an
+    own item another worker holds is left to it (result `taken_over`, `held_by_others`); without it, a held
+    item is an error naming the holder. Once `options.stop` is set the worker
     commits the batch in flight and returns with its part unfinished (result `stopped`: the signal, the item
     and the next batch to encode; None when every item was finished).
     """
@@ -244,22 +250,67 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
     done: list[dict] = []
-    stopped = None
-    for item in items:  # an item another process writes stops the worker (LockHeld, naming the holder)
+    stopped, held, taken, failed = None, [], [], {}
+    for item, own in _items_to_do(plan, out, items, options.take_over, failed):
         if _stopping(options):
-            stopped = {"signal": options.stop.name, "item": item, "next_batch": int(plan.work_items()[item][0])}
+            stopped = {"signal": options.stop.name, "item": item, "next_batch": _next_batch(plan, out, item)}
             break
-        work = load_item_work(plan, item)
-        check_codec(work, codec, builder)
-        identity = part_identity(work, codec, tokenizer, layout)
-        if not done:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
-            refuse_other_run(out, identity)
-        done.append(_encode_item(work, out, codec, builder, identity, device, options))
-        if "next_batch" in done[-1]:  # stopped inside the item: its part stays unfinished
-            stopped = {"signal": options.stop.name, "item": item, "next_batch": done[-1]["next_batch"]}
+        try:
+            work = load_item_work(plan, item)
+            check_codec(work, codec, builder)
+            identity = part_identity(work, codec, tokenizer, layout)
+            if not done:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
+                refuse_other_run(out, identity)
+            result = _encode_item(work, out, codec, builder, identity, device, options)
+        except LockHeld:  # another worker took it over (or took it first): theirs; without take-over, an error
+            if not options.take_over:
+                raise
+            held.append(item)
+            continue
+        except MmtokError as err:  # an own item's error is the worker's; another's is left to its owner, named
+            if own:
+                raise
+            failed[item] = str(err)
+            continue
+        done.append(result)
+        if not own and not result.get("already_done"):
+            taken.append(item)
+        if "next_batch" in result:  # stopped inside the item: its part stays unfinished
+            stopped = {"signal": options.stop.name, "item": item, "next_batch": result["next_batch"]}
             break
     return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
-            len(plan.work_items()), "stopped": stopped, **_worker_stats(done, plan, items, device, options)}
+            len(plan.work_items()), "stopped": stopped, "taken_over": taken, "held_by_others": sorted(set(held)),
+            "take_over_failed": failed, **_worker_stats(done, plan, items, device, options)}
+
+
+def _items_to_do(plan: Plan, out, own: range, take_over: bool, failed: dict[int, str]) -> Iterator[tuple[int, bool]]:
+    """(item, whether it is the worker's own) in the order the worker takes them: its own items (`own`), then,
+    with `take_over`, every item that is neither finished nor held by another process, from the far end of the
+    plan down (where the other workers are furthest from), pass after pass until a pass finds none. An item
+    killed half done is such an item: whoever takes it resumes its commit log. Two workers may still reach one
+    item together: the part lock lets one write it, the other moves on (`LockHeld`). An item that `failed` for
+    this worker (read as it grows) is not taken again: a bad item stops its owner, not every worker in turn."""
+    yield from ((item, True) for item in own)
+    while take_over:
+        found = False
+        for item in reversed(range(len(plan.work_items()))):
+            directory = part_dir(out, item)
+            if item in failed or is_done(directory) or WriterLock.holder(directory) is not None:
+                continue
+            found = True
+            yield item, False
+        if not found:
+            return
+
+
+def _next_batch(plan: Plan, out, item: int) -> int:
+    """The first batch of `item` its part has not committed (its first batch when it has no commit)."""
+    start = int(plan.work_items()[item][0])
+    try:
+        records, _ = read_commits(part_dir(out, item))
+    except (MmtokError, OSError):  # unreadable: the resume says why
+        return start
+    return max(start, records[-1]["unit"] + 1) if records else start
 
 
 def _stopping(options: EncodeOptions) -> bool:
