@@ -71,6 +71,27 @@ def publish_file(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
+def claim_directory(source: str | os.PathLike, target: str | os.PathLike) -> bool:
+    """Rename directory `source` to `target` unless `target` exists (the kernel refuses a directory rename onto
+    a non-empty directory, so of writers racing for one name exactly one wins) and make it durable; False when
+    `target` was there already or `source` is gone (another process claimed it first). Everything in `source`
+    must be durable already."""
+    try:
+        os.rename(source, target)
+    except FileNotFoundError as err:
+        if not os.path.exists(source):
+            return False
+        raise with_filename(err, target) from None
+    except OSError as err:
+        if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise with_filename(err, target) from None
+    fsync_dir(Path(target).parent)
+    if Path(source).parent != Path(target).parent:
+        fsync_dir(Path(source).parent)
+    return True
+
+
 def _discard(handle: IO, tmp: Path) -> None:
     try:
         handle.close()  # may fail again (a full disk cannot take the buffered rest)

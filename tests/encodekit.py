@@ -381,3 +381,33 @@ def image_items(images: Path) -> dict:
                 key = (Path(record["source"]).name, record["key"], int(record["image_index"]))
                 items[key] = np.array(ids[record["offset"]:record["offset"] + record["length"]])
     return items
+
+
+# A sitecustomize.py for the `mmtok encode` processes a test starts (PYTHONPATH): the codec's GATE_AT-th encode
+# call of the process (GATE_AT=load: its model load) announces itself (file `arrived` in GATE_DIR) and waits for
+# the file `release`, so a signal or another writer lands at a known place, whatever the machine's speed.
+GATE = '''
+import os, time
+
+def _wait():
+    open(os.path.join(os.environ["GATE_DIR"], "arrived"), "w").close()
+    while not os.path.exists(os.path.join(os.environ["GATE_DIR"], "release")):
+        time.sleep(0.01)
+
+if os.environ.get("GATE_AT"):
+    from mmtok.codecs import emu35
+    _encode, _load, _calls = emu35.Emu35Codec.encode, emu35.load, [0]
+
+    def _gated(self, pixels):
+        _calls[0] += 1
+        if _calls[0] == int(os.environ["GATE_AT"]):
+            _wait()
+        return _encode(self, pixels)
+
+    def _gated_load(*args, **kwargs):  # GATE_AT=load: the signal lands while the model loads
+        if os.environ["GATE_AT"] == "load":
+            _wait()
+        return _load(*args, **kwargs)
+
+    emu35.Emu35Codec.encode, emu35.load = _gated, _gated_load
+'''

@@ -13,41 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from encodekit import ONE_IMAGE_BATCHES, planned_job
+from encodekit import GATE, ONE_IMAGE_BATCHES, planned_job
 from mmtok.cli import main
 from mmtok.formats.commitlog import is_done, part_dir, read_commits
 from mmtok.formats.plan import Plan
 from mmtok.fsutil import WriterLock, sha256_file
 from mmtok.launch import STOPPED_EXIT
-
-# Loaded by every Python the array task starts (PYTHONPATH): the codec's GATE_AT-th encode call of the process
-# announces itself (file `arrived`) and waits for the file `release`, so the signal lands while that batch is on
-# the device, at a known place, whatever the machine's speed.
-GATE = '''
-import os, time
-
-def _wait():
-    open(os.path.join(os.environ["GATE_DIR"], "arrived"), "w").close()
-    while not os.path.exists(os.path.join(os.environ["GATE_DIR"], "release")):
-        time.sleep(0.01)
-
-if os.environ.get("GATE_AT"):
-    from mmtok.codecs import emu35
-    _encode, _load, _calls = emu35.Emu35Codec.encode, emu35.load, [0]
-
-    def _gated(self, pixels):
-        _calls[0] += 1
-        if _calls[0] == int(os.environ["GATE_AT"]):
-            _wait()
-        return _encode(self, pixels)
-
-    def _gated_load(*args, **kwargs):  # GATE_AT=load: the signal lands while the model loads
-        if os.environ["GATE_AT"] == "load":
-            _wait()
-        return _load(*args, **kwargs)
-
-    emu35.Emu35Codec.encode, emu35.load = _gated, _gated_load
-'''
 
 
 @pytest.fixture(scope="module")

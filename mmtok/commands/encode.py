@@ -62,6 +62,11 @@ def add_parser(sub) -> None:
                        "the items no process has finished or holds (a slow or dead worker's), from the far end, and "
                        "leaves an own item another worker holds to it; without take-over a held item is an error "
                        "naming the holder, and a duplicate job is refused at start")
+    group.add_argument("--lock-free", action="store_true",
+                       help="for an output on a file system whose locks are node-local or missing (Lustre -o "
+                       "localflock, NFS nolock): write each item into a private copy (OUT/parts/.private/) and "
+                       "publish it finished by an atomic rename; a copy published second is checked identical and "
+                       "discarded. Implies --no-take-over (docs/encode.md#one-writer-per-part)")
     group.add_argument("--print-sbatch", type=int, metavar="GPUS", default=None,
                        help="print a SLURM batch script that runs this encode as an array of one task per GPU "
                        "(--world-size N: N tasks; at most the items, and "
@@ -117,7 +122,7 @@ def _image_worker(args, plan, stop) -> int:
 
     rank, world_size = resolve_rank(args.rank, args.world_size, plan.meta["world_size"])
     items, count = plan.worker_items(rank, world_size), len(plan.work_items())
-    take_over = not args.no_take_over
+    take_over = not args.no_take_over and not args.lock_free  # take-over needs locks to see who holds an item
     if not len(items) and (not take_over or all_done(args.out, count)):
         why = (f"every one of the plan's {plural(count, 'work item')} is finished" if take_over else
                f"no work item of its own: the plan has {plural(count, 'item')} for {plural(world_size, 'worker')}")
@@ -125,7 +130,7 @@ def _image_worker(args, plan, stop) -> int:
                      {"rank": rank, "world_size": world_size, "items": [items.start, items.stop],
                       "num_items": count, "parts": []} if args.json else None)
         return 0
-    if not take_over:  # a duplicate job stops here, before it loads the model (with take-over it helps instead)
+    if not take_over and not args.lock_free:  # a duplicate job stops here, before it loads the model
         for item in items:
             check_part_free(part_dir(args.out, item))
     refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
@@ -134,7 +139,7 @@ def _image_worker(args, plan, stop) -> int:
     codec = load_codec(args.codec, args.checkpoint, device, modality="image")
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
                             max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress,
-                            stop=stop, take_over=take_over)
+                            stop=stop, take_over=take_over, lock_free=args.lock_free)
     stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
     print_report("encode", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
@@ -185,11 +190,13 @@ def sbatch_script(args, num_items: int) -> str:
     command = [sys.executable, "-m", "mmtok", "encode", "--plan", paths["--plan"], "--codec", args.codec,
                "--checkpoint", paths["--checkpoint"], "--out", paths["--out"], "--loader-threads",
                str(args.loader_threads), "--prefetch", str(args.prefetch), "--max-consecutive-failures",
-               str(args.max_consecutive_failures), "--no-progress", *(["--no-take-over"] if args.no_take_over else [])]
+               str(args.max_consecutive_failures), "--no-progress", *(["--no-take-over"] if args.no_take_over else []),
+               *(["--lock-free"] if args.lock_free else [])]
     if args.device:
         command += ["--device", args.device.strip()]
+    alone = args.no_take_over or args.lock_free
     share = ("one item each" if tasks == num_items else f"task t starts with worker t's share of the {num_items:,} "
-             "items" + ("" if args.no_take_over else ", then takes any item nobody finished or holds"))
+             "items" + ("" if alone else ", then takes any item nobody finished or holds"))
     return f"""#!/bin/bash
 # Written by `mmtok encode --print-sbatch {gpus}` (mmtok {__version__}). Submit: sbatch THIS_FILE; once every task
 # is done: mmtok merge OUT (OUT: the --out below). {tasks:,} array tasks ({share}), at most {gpus:,} at once,
@@ -294,6 +301,9 @@ def _take_over_lines(stats: dict) -> list[str]:
     for item, error in sorted(stats.get("take_over_failed", {}).items()):
         lines.append(f"warning: item {item} (another worker's, taken over) failed and is left unfinished for its "
                      f"owner or a rerun: {error}")
+    if stats.get("discarded_copies"):
+        lines.append(f"{plural(len(stats['discarded_copies']), 'item')} had been published by another writer first: "
+                     f"this worker's copies were identical and are discarded ({_numbers(stats['discarded_copies'])})")
     if stats.get("held_by_others"):
         lines.append(f"left {plural(len(stats['held_by_others']), 'own item')} to the workers holding them: "
                      f"{_numbers(stats['held_by_others'])}")

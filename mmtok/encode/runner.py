@@ -42,7 +42,17 @@ from mmtok.encode.work import ItemWork, load_item_work
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.chat import recorded_special_ids
-from mmtok.formats.commitlog import PartWriter, has_dataset, image_skip, is_done, part_dir, read_commits
+from mmtok.formats.commitlog import (
+    NoLock,
+    PartWriter,
+    adopt_private_part,
+    has_dataset,
+    image_skip,
+    is_done,
+    part_dir,
+    publish_part,
+    read_commits,
+)
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
 from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.plan import Plan
@@ -61,6 +71,7 @@ class EncodeOptions:
     progress: bool = True
     stop: StopRequest | None = None  # set (a signal came): commit the batch in flight, leave the part unfinished
     take_over: bool = True  # once its own items are done, take any item nobody finished or holds (`_items_to_do`)
+    lock_free: bool = False  # write a private copy of each item and publish it by a rename (no file locks)
 
 
 # -- setup -----------------------------------------------------------------------------------------
@@ -250,7 +261,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
     done: list[dict] = []
-    stopped, held, taken, failed = None, [], [], {}
+    stopped, held, taken, failed, discarded = None, [], [], {}, []
     for item, own in _items_to_do(plan, out, items, options.take_over, failed):
         if _stopping(options):
             stopped = {"signal": options.stop.name, "item": item, "next_batch": _next_batch(plan, out, item)}
@@ -275,12 +286,15 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
         done.append(result)
         if not own and not result.get("already_done"):
             taken.append(item)
+        if result.get("discarded"):
+            discarded.append(item)
         if "next_batch" in result:  # stopped inside the item: its part stays unfinished
             stopped = {"signal": options.stop.name, "item": item, "next_batch": result["next_batch"]}
             break
     return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
             len(plan.work_items()), "stopped": stopped, "taken_over": taken, "held_by_others": sorted(set(held)),
-            "take_over_failed": failed, **_worker_stats(done, plan, items, device, options)}
+            "take_over_failed": failed, "discarded_copies": discarded,
+            **_worker_stats(done, plan, items, device, options)}
 
 
 def _items_to_do(plan: Plan, out, own: range, take_over: bool, failed: dict[int, str]) -> Iterator[tuple[int, bool]]:
@@ -326,20 +340,33 @@ def refuse_empty_plan(plan: Plan) -> None:
 
 def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity: dict, device: torch.device,
                  options: EncodeOptions) -> dict:
-    """Encode (or resume, or find finished) one work item's part; its stats."""
-    with PartWriter(part_dir(out, work.item), identity) as part:
-        if part.done:
+    """Encode (or resume, or find finished) one work item's part; its stats. Lock-free (`options.lock_free`): in
+    this writer's private copy, published when finished (`publish_part`; `discarded` when another writer's
+    identical copy was published first)."""
+    final = part_dir(out, work.item)
+    if options.lock_free and is_done(final):  # published already (by another writer, or an earlier run)
+        with PartWriter(final, identity, lock=NoLock()) as part:  # a finished part: read, never written
             return {"already_done": True, "images_planned": work.num_images, **_summary_counts(part)}
-        start = max(work.batch_range[0], part.next_unit)
-        assembler = Assembler(work, builder, min(codec.codebook_size, builder.layout.image_codebook))
-        batches = range(start, work.batch_range[1])
-        meter = _run_batches(work, codec, part, assembler, batches, device, options)
-        if part.next_unit < work.batch_range[1]:  # a stop request: what was encoded is committed, not finished
-            return {"next_batch": part.next_unit, "images_planned": work.num_images, "fill_s": meter.fill_seconds,
-                    **_summary_counts(part)}
-        stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
-        part.finish(stats)
-    return {**stats, **_summary_counts(part)}
+    directory = adopt_private_part(out, work.item) if options.lock_free else final
+    with PartWriter(directory, identity, lock=NoLock() if options.lock_free else None) as part:
+        if part.done and not options.lock_free:
+            return {"already_done": True, "images_planned": work.num_images, **_summary_counts(part)}
+        stats = {}
+        if not part.done:  # (a private copy finished by a writer killed before it published it: publish it)
+            start = max(work.batch_range[0], part.next_unit)
+            assembler = Assembler(work, builder, min(codec.codebook_size, builder.layout.image_codebook))
+            batches = range(start, work.batch_range[1])
+            meter = _run_batches(work, codec, part, assembler, batches, device, options)
+            if part.next_unit < work.batch_range[1]:  # a stop request: what was encoded is committed, not finished
+                return {"next_batch": part.next_unit, "images_planned": work.num_images,
+                        "fill_s": meter.fill_seconds, **_summary_counts(part)}
+            stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
+            part.finish(stats)
+        summary = _summary_counts(part)
+    if options.lock_free:
+        discarded = not publish_part(directory, final)
+        summary.update(part_dir=str(final), dataset=has_dataset(final), discarded=discarded)
+    return {**stats, "images_planned": work.num_images, **summary}
 
 
 def _worker_stats(done: list[dict], plan: Plan, items: range, device: torch.device, options: EncodeOptions) -> dict:

@@ -23,6 +23,11 @@ part = input Shar shard). A part directory contains
   DONE              written last by `finish` (atomic)
   .lock             the writer lock (`mmtok.fsutil.WriterLock`): one process writes a part at a time
 
+Lock-free writing (file systems whose locks are node-local or missing): each writer writes its own copy,
+`OUT/parts/.private/part-00003.<host>.<pid>/` (the same files), and publishes it finished by renaming it to
+`OUT/parts/part-00003` -- atomic, and refused by the kernel once that directory exists -- so a part is whole
+or absent; a copy published second is compared with the part and removed (`publish_part`).
+
 Durability protocol of `commit`: the unit's tokens, provenance, skip and item lines, item ids and
 carry bytes are appended
 and fdatasync'ed, *then* the commit record is appended and fdatasync'ed. A record names the size
@@ -45,6 +50,8 @@ import errno
 import json
 import mmap
 import os
+import shutil
+import socket
 import struct
 import zlib
 from array import array
@@ -61,6 +68,7 @@ from mmtok.fsutil import (
     WriterLock,
     atomic_write_bytes,
     atomic_write_json,
+    claim_directory,
     fsync_dir,
     read_json_object,
     required,
@@ -102,6 +110,80 @@ def part_directories(out: str | os.PathLike) -> list[tuple[int, Path]]:
         if directory.is_dir() and number.isdigit():
             found.append((int(number), directory))
     return sorted(found)
+
+
+# -- lock-free writing: a private copy per writer, published by one atomic rename ------------------------------
+PRIVATE_DIR = ".private"  # OUT/parts/.private/part-00003.<host>.<pid>: a lock-free writer's copy until published
+# what two copies of one part must share, byte for byte (stats.json and commits.log hold timings: they differ)
+PUBLISHED_FILES = (IDENTITY, TOKENS_BIN, idx_path(TOKENS).name, PROVENANCE, SKIPPED, ITEM_IDS, ITEMS)
+
+
+class NoLock:
+    """The lock of a part only one process can know: a lock-free writer's private copy (see `PartWriter`)."""
+
+    def release(self) -> None:
+        pass
+
+
+def private_part_dir(out: str | os.PathLike, part: int, pid: int | None = None) -> Path:
+    """`OUT/parts/.private/part-00003.<host>.<pid>`: where a lock-free writer writes part 3 (nobody else does)."""
+    return parts_root(out) / PRIVATE_DIR / f"{PART_NAME}{part:05d}.{socket.gethostname()}.{pid or os.getpid()}"
+
+
+def adopt_private_part(out: str | os.PathLike, part: int) -> Path:
+    """This process's private directory for `part`. A copy left by a writer on this host that is no longer alive
+    (killed) is taken over by renaming it (of several adopters one wins the rename), so the part resumes from
+    its commit log; a copy on another host cannot be known dead without a lock and is left alone (the part is
+    written again; the first copy published stands)."""
+    mine = private_part_dir(out, part)
+    prefix = f"{PART_NAME}{part:05d}.{socket.gethostname()}."
+    for candidate in sorted((parts_root(out) / PRIVATE_DIR).glob(prefix + "*")):
+        pid = candidate.name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if claim_directory(candidate, mine):  # else another process adopted it first
+            return mine
+    return mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def publish_part(private: str | os.PathLike, final: str | os.PathLike) -> bool:
+    """Publish a finished private copy as `final` by one atomic rename; True when this copy became the part.
+
+    When a finished part is already there (another writer published first), both must hold the same bytes
+    (`PUBLISHED_FILES`): then this copy is removed and False returned; a difference is refused naming the file,
+    keeping this copy for inspection. A part there that is not finished is another kind of writer's (a locked
+    run on the same output): refused."""
+    private, final = Path(private), Path(final)
+    if claim_directory(private, final):
+        return True
+    if not is_done(final):
+        raise MmtokError(f"{final}: a part that is not finished is in the way of this writer's copy ({private}); is "
+                         "a run with locks writing the same output? One kind of run per --out")
+    different = [name for name in PUBLISHED_FILES if _file_bytes(private / name) != _file_bytes(final / name)]
+    if different:
+        raise MmtokError(f"{final} was published by another writer but its {different[0]} differs from this "
+                         f"writer's copy ({private}, kept for inspection): the two ran with different inputs or "
+                         "software; compare them, delete the wrong one and rerun")
+    shutil.rmtree(private)
+    return False
+
+
+def _file_bytes(path: Path) -> bytes | None:
+    """A file's bytes, None when it is not there (a part without a dataset has no tokens.bin/.idx)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def part_prefix(directory: str | os.PathLike) -> Path:
@@ -325,10 +407,11 @@ class PartWriter:
       counts     running totals of the counters passed to `commit` (restored on resume)
       done       True when `finish` completed earlier (nothing more may be committed)
     The lock is taken here and held until `close` (or the end of a `with` block), unless the caller
-    passes a `lock` it already holds for this directory (and releases itself).
+    passes a `lock` it already holds for this directory (and releases itself), or `NoLock()` for a private
+    copy no other process writes (lock-free writing: `private_part_dir`, `publish_part`).
     """
 
-    def __init__(self, directory: str | os.PathLike, identity: dict, lock: WriterLock | None = None):
+    def __init__(self, directory: str | os.PathLike, identity: dict, lock: WriterLock | NoLock | None = None):
         self.directory = Path(directory)
         self._handles: dict[str, Any] = {}
         self._own_lock = lock is None
