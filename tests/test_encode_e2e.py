@@ -406,8 +406,8 @@ def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_pa
 
 def test_a_worker_takes_over_the_items_nobody_holds_and_names_a_taken_item_that_fails(env, tmp_path, capsys):
     """Worker 1 of 2 never comes: worker 0 does its own items, then takes over worker 1's from the far end. One
-    of those is damaged (its files cut short): a warning names it, the worker goes on and exits 0,
-    and the item is left for its owner; once deleted, worker 1 does just that one and the bytes are those of
+    of those is damaged (its files cut short): a warning names it, the worker does all the others, then exits 2
+    naming it (the job is not done); once deleted, worker 1 does just that one and the bytes are those of
     one process doing everything."""
     plan_dir = plan(env, "plan-take-over", "--mode", "image-text", "--world-size", "2", "--item-seconds", "0.0005")
     opened = Plan.open(plan_dir)
@@ -423,13 +423,15 @@ def test_a_worker_takes_over_the_items_nobody_holds_and_names_a_taken_item_that_
     capsys.readouterr()
     argv = ["encode", "--plan", str(plan_dir), "--checkpoint", str(env.checkpoint), "--out", str(out), "--world-size",
             "2", "--device", "cpu", "--loader-threads", "2", "--no-progress"]
-    assert main([*argv, "--rank", "0", "--json"]) == 0
+    assert main([*argv, "--rank", "0", "--json"]) == 2  # it did everything else; the job is not done: exit 2
     captured = capsys.readouterr()
     result = json_result(captured)
     taken = [item for item in reversed(range(own.stop, count)) if item != damaged]
     assert result["taken_over"] == taken and list(result["take_over_failed"]) == [str(damaged)]
+    assert result["unfinished_failed"] == [damaged]
     assert f"took over {len(taken)} items of other workers' shares" in captured.err
     assert f"warning: item {damaged} (another worker's, taken over) failed" in captured.err
+    assert f"error: 1 item this worker took over failed and is not finished: {damaged}" in captured.err
     assert main([*argv, "--rank", "1"]) == 2  # its owner meets the damage: an error naming the part
     assert f"part-{damaged:05d}" in capsys.readouterr().err
     shutil.rmtree(part_dir(out, damaged))

@@ -424,4 +424,4 @@ def test_work_items_show_done_in_progress_with_last_commit_and_pending_and_an_ov
                               "pace")
     assert tail[1] == ("action: item 5 has committed nothing for 1m00s (the whole item should take 20.0s at the median "
                        "pace; its batches take 1.0s): its node may hang; requeue it on another node")
-    assert tail[2].startswith("action: 1 item pending (6): in a SLURM array they start as slots free up")
+    assert tail[2].startswith("action: 1 item pending (6): running workers take them over as they finish their own")

@@ -123,7 +123,9 @@ def _image_worker(args, plan, stop) -> int:
     rank, world_size = resolve_rank(args.rank, args.world_size, plan.meta["world_size"])
     items, count = plan.worker_items(rank, world_size), len(plan.work_items())
     take_over = not args.no_take_over and not args.lock_free  # take-over needs locks to see who holds an item
-    if not len(items) and (not take_over or all_done(args.out, count)):
+    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
+                     plan_fingerprint=plan.meta["fingerprint"])  # before anything is said about OUT's parts
+    if not len(items) and (not take_over or all_done(args.out, count)):  # nothing of its own, nothing to take
         why = (f"every one of the plan's {plural(count, 'work item')} is finished" if take_over else
                f"no work item of its own: the plan has {plural(count, 'item')} for {plural(world_size, 'worker')}")
         print_report("encode", f"rank {rank}/{world_size}: {why}; nothing to do",
@@ -133,8 +135,6 @@ def _image_worker(args, plan, stop) -> int:
     if not take_over and not args.lock_free:  # a duplicate job stops here, before it loads the model
         for item in items:
             check_part_free(part_dir(args.out, item))
-    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
-                     plan_fingerprint=plan.meta["fingerprint"])
     device = resolve_device(args.device)
     codec = load_codec(args.codec, args.checkpoint, device, modality="image")
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
@@ -149,8 +149,13 @@ def _image_worker(args, plan, stop) -> int:
     failed = skips.items_failed_by_reason(counts)
     refuse_nothing_usable(f"rank {rank}/{world_size}", counts.get("images_written", 0) + counts.get(
         "images_deferred", 0) - sum(failed.values()), counts,
-        f"{_parts_named(stats)}/skipped.jsonl" + (" and items.jsonl" if failed else ""), extra=failed,
+        _listed_in(stats, "skipped.jsonl" + (" and items.jsonl" if failed else "")), extra=failed,
         rank_of=("encode", world_size))
+    if stats["unfinished_failed"]:  # the job is not done: say so in the exit status too (a SLURM task FAILED)
+        raise MmtokError(f"{plural(len(stats['unfinished_failed']), 'item')} this worker took over failed and "
+                         f"{'is' if len(stats['unfinished_failed']) == 1 else 'are'} not finished: "
+                         f"{_numbers(stats['unfinished_failed'])} (the warnings above say why); fix the cause, then "
+                         "rerun")
     return 0
 
 
@@ -227,7 +232,8 @@ while :; do  # a trapped signal ends `wait` early (status > 128): wait again for
     status=$?
     [ "$interrupted" = 1 ] && [ "$status" -gt 128 ] || break
 done
-if [ "$status" = {STOPPED_EXIT} ] && [ "$requeue" = 1 ]; then
+# 75: stopped cleanly; 138 (128 + USR1): the signal came before mmtok could catch it (interpreter start-up)
+if [ "$requeue" = 1 ] && {{ [ "$status" = {STOPPED_EXIT} ] || [ "$status" = 138 ]; }}; then
     scontrol requeue "${{SLURM_ARRAY_JOB_ID}}_${{SLURM_ARRAY_TASK_ID}}"
 fi
 exit "$status"
@@ -258,6 +264,12 @@ def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **kno
     parts.refuse_other_run(out, {"modality": modality, "codec": described, **known})
 
 
+def _listed_in(stats: dict, files: str) -> str:
+    """Where a worker's `files` are: `DIR/part-{00003..00007}/FILES`, or `FILES of N parts under DIR`."""
+    where = _parts_named(stats)
+    return f"{files} of {where}" if " parts under " in where else f"{where}/{files}"
+
+
 def _parts_named(stats: dict) -> str:
     """The worker's parts: one path, or the first and last as `DIR/part-{00003..00007}`."""
     parts = stats["parts"]
@@ -266,6 +278,8 @@ def _parts_named(stats: dict) -> str:
     if len(parts) == 1:
         return parts[0]
     first, last = Path(parts[0]), Path(parts[-1])
+    if stats.get("taken_over"):  # not one range: its own, then others' from the far end
+        return f"{len(parts):,} parts under {first.parent}"
     return f"{first.parent}/{{{first.name}..{last.name}}}"
 
 
@@ -279,7 +293,8 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str
                  f"item {stop['item']:,} (everything before it is committed); rerun or requeue this command to resume "
                  "from there"]
     elif not stats["parts"]:
-        lines = [f"rank {rank}/{world_size}: encoded nothing: every work item is finished or held by another worker"]
+        lines = [f"rank {rank}/{world_size}: encoded nothing: every work item is finished or held by another worker"
+                 + (", or failed here (below)" if stats.get("take_over_failed") else "")]
     elif stats.get("already_done"):
         lines = [f"rank {rank}/{world_size}: {items}, {where}, already finished "
                  f"({plural(stats['sequences'], 'sequence')}); nothing to do"]

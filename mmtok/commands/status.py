@@ -232,8 +232,9 @@ def _action(action: dict, name: str = "part") -> str:
     if kind == "resume":
         return f"{many} stopped ({parts}): requeue their tasks or rerun the same encode command"
     if name == "item":
-        return (f"{many} pending ({parts}): in a SLURM array they start as slots free up; otherwise launch workers "
-                "(any number: each takes its share of the items not finished)")
+        return (f"{many} pending ({parts}): running workers take them over as they finish their own (unless run "
+                "with --no-take-over); in a SLURM array more start as slots free up; otherwise launch workers (any "
+                "number)")
     return f"{many} not started ({parts}): in a SLURM array they start as slots free up; otherwise launch their ranks"
 
 
@@ -254,7 +255,9 @@ def _eta(status: dict) -> str:
     if status["eta_s"] == 0.0:
         return "none: every part is done (`mmtok merge OUT` next)"
     stuck = ", ".join(f"{states[s]} {state_label(status, s)}" for s in ("stopped", "missing", "damaged") if states[s])
-    stuck = f"; not counted, as they do not finish by themselves: {stuck}" if stuck else ""
+    why = ("workers taking over items may do them, but their time is not in it" if status["work_items"]
+           else "as they do not finish by themselves")
+    stuck = f"; not counted, {why}: {stuck}" if stuck else ""
     if status["eta_s"] is None:
         why = "no part is running" if not states["running"] else "a running part has committed nothing yet"
         return f"unknown ({why}){stuck}"

@@ -261,8 +261,8 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
     done: list[dict] = []
-    stopped, held, taken, failed, discarded = None, [], [], {}, []
-    for item, own in _items_to_do(plan, out, items, options.take_over, failed):
+    stopped, held, taken, failed, discarded, reached = None, [], [], {}, [], []
+    for item, own in _items_to_do(plan, out, items, options, failed):
         if _stopping(options):
             stopped = {"signal": options.stop.name, "item": item, "next_batch": _next_batch(plan, out, item)}
             break
@@ -284,6 +284,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
             failed[item] = str(err)
             continue
         done.append(result)
+        reached.append(item)
         if not own and not result.get("already_done"):
             taken.append(item)
         if result.get("discarded"):
@@ -292,27 +293,43 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
             stopped = {"signal": options.stop.name, "item": item, "next_batch": result["next_batch"]}
             break
     return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
-            len(plan.work_items()), "stopped": stopped, "taken_over": taken, "held_by_others": sorted(set(held)),
+            len(plan.work_items()), "stopped": stopped, "taken_over": taken,
+            "held_by_others": sorted(set(held) - set(reached)),
+            "unfinished_failed": sorted(i for i in failed if not is_done(part_dir(out, i))),
             "take_over_failed": failed, "discarded_copies": discarded,
             **_worker_stats(done, plan, items, device, options)}
 
 
-def _items_to_do(plan: Plan, out, own: range, take_over: bool, failed: dict[int, str]) -> Iterator[tuple[int, bool]]:
+def _items_to_do(plan: Plan, out, own: range, options: EncodeOptions, failed: dict[int, str]
+                 ) -> Iterator[tuple[int, bool]]:
     """(item, whether it is the worker's own) in the order the worker takes them: its own items (`own`), then,
-    with `take_over`, every item that is neither finished nor held by another process, from the far end of the
+    with take-over, every item that is neither finished nor held by another process, from the far end of the
     plan down (where the other workers are furthest from), pass after pass until a pass finds none. An item
     killed half done is such an item: whoever takes it resumes its commit log. Two workers may still reach one
     item together: the part lock lets one write it, the other moves on (`LockHeld`). An item that `failed` for
-    this worker (read as it grows) is not taken again: a bad item stops its owner, not every worker in turn."""
+    this worker (read as it grows), or whose part directory cannot be looked at, is not taken again. Items seen
+    finished are not looked at again (DONE stays); a stop request ends the scan."""
     yield from ((item, True) for item in own)
-    while take_over:
+    finished: set[int] = set()
+    while options.take_over:
         found = False
         for item in reversed(range(len(plan.work_items()))):
+            if _stopping(options):
+                return
+            if item in failed or item in finished:
+                continue
             directory = part_dir(out, item)
-            if item in failed or is_done(directory) or WriterLock.holder(directory) is not None:
+            try:
+                if is_done(directory):
+                    finished.add(item)
+                    continue
+                if WriterLock.holder(directory) is not None:
+                    continue
+            except OSError as err:  # e.g. a file where the part's directory should be: its owner's error
+                failed[item] = f"{directory}: {err.strerror or err}"
                 continue
             found = True
-            yield item, False
+            yield item, item in own
         if not found:
             return
 
