@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from mmtok.commands.options import add_device_argument
-from mmtok.commands.report import plural, print_report, refuse_nothing_usable
+from mmtok.commands.report import listed, plural, print_report, refuse_nothing_usable
 from mmtok.errors import MmtokError
 
 DESCRIPTION = """\
@@ -154,7 +154,7 @@ def _image_worker(args, plan, stop) -> int:
     if stats["unfinished_failed"]:  # the job is not done: say so in the exit status too (a SLURM task FAILED)
         raise MmtokError(f"{plural(len(stats['unfinished_failed']), 'item')} this worker took over failed and "
                          f"{'is' if len(stats['unfinished_failed']) == 1 else 'are'} not finished: "
-                         f"{_numbers(stats['unfinished_failed'])} (the warnings above say why); fix the cause, then "
+                         f"{listed(stats['unfinished_failed'], 10)} (the warnings above say why); fix the cause, then "
                          "rerun")
     return 0
 
@@ -312,22 +312,17 @@ def _take_over_lines(stats: dict) -> list[str]:
     lines = []
     if stats.get("taken_over"):
         lines.append(f"took over {plural(len(stats['taken_over']), 'item')} of other workers' shares (no process "
-                     f"held them): {_numbers(stats['taken_over'])}")
+                     f"held them): {listed(stats['taken_over'], 10)}")
     for item, error in sorted(stats.get("take_over_failed", {}).items()):
         lines.append(f"warning: item {item} (another worker's, taken over) failed and is left unfinished for its "
                      f"owner or a rerun: {error}")
     if stats.get("discarded_copies"):
         lines.append(f"{plural(len(stats['discarded_copies']), 'item')} had been published by another writer first: "
-                     f"this worker's copies were identical and are discarded ({_numbers(stats['discarded_copies'])})")
+                     f"this worker's copies were identical and are discarded ({listed(stats['discarded_copies'], 10)})")
     if stats.get("held_by_others"):
         lines.append(f"left {plural(len(stats['held_by_others']), 'own item')} to the workers holding them: "
-                     f"{_numbers(stats['held_by_others'])}")
+                     f"{listed(stats['held_by_others'], 10)}")
     return lines
-
-
-def _numbers(numbers: list[int], shown: int = 10) -> str:
-    text = ", ".join(map(str, numbers[:shown]))
-    return text + (f" and {len(numbers) - shown:,} more" if len(numbers) > shown else "")
 
 
 def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:

@@ -83,3 +83,9 @@ def files_skipped(counts: dict[str, int], listed: Path | str) -> str:
     if not files:
         return ""
     return f"; {plural(sum(files.values()), 'input file')} skipped ({reasons(files)}; named in {listed})"
+
+
+def listed(numbers: list[int], shown: int = 8) -> str:
+    """`3, 5, 9 and 12 more`: the first `shown` of `numbers`, then how many more there are."""
+    text = ", ".join(map(str, numbers[:shown]))
+    return text + (f" and {len(numbers) - shown:,} more" if len(numbers) > shown else "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from mmtok.commands.report import plural
+from mmtok.commands.report import listed, plural
 
 DESCRIPTION = """\
 Show where an encode job stands, from OUT/parts alone. Reads only: takes no lock and writes nothing,
@@ -228,7 +228,7 @@ def _action(action: dict, name: str = "part") -> str:
             pace = f"the whole item should take {_duration(action['expected_s'])} at the median pace; {pace}"
         return (f"{name} {action['part']} has committed nothing for {_duration(action['silent_s'])} ({pace}): its "
                 "node may hang; requeue it on another node")
-    parts, many = _numbers(action["parts"]), plural(len(action["parts"]), name)
+    parts, many = listed(action["parts"]), plural(len(action["parts"]), name)
     if kind == "resume":
         return f"{many} stopped ({parts}): requeue their tasks or rerun the same encode command"
     if name == "item":
@@ -236,11 +236,6 @@ def _action(action: dict, name: str = "part") -> str:
                 "with --no-take-over); in a SLURM array more start as slots free up; otherwise launch workers (any "
                 "number)")
     return f"{many} not started ({parts}): in a SLURM array they start as slots free up; otherwise launch their ranks"
-
-
-def _numbers(numbers: list[int], shown: int = 8) -> str:
-    text = ", ".join(map(str, numbers[:shown]))
-    return text + (f" and {len(numbers) - shown} more" if len(numbers) > shown else "")
 
 
 def _slow(status: dict, number: int) -> str:

@@ -261,7 +261,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
     done: list[dict] = []
-    stopped, held, taken, failed, discarded, reached = None, [], [], {}, [], []
+    stopped, held, taken, failed, discarded, reached, checked = None, [], [], {}, [], [], False
     for item, own in _items_to_do(plan, out, items, options, failed):
         if _stopping(options):
             stopped = {"signal": options.stop.name, "item": item, "next_batch": _next_batch(plan, out, item)}
@@ -270,8 +270,9 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
             work = load_item_work(plan, item)
             check_codec(work, codec, builder)
             identity = part_identity(work, codec, tokenizer, layout)
-            if not done:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
+            if not checked:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
                 refuse_other_run(out, identity)
+                checked = True
             result = _encode_item(work, out, codec, builder, identity, device, options)
         except LockHeld:  # another worker took it over (or took it first): theirs; without take-over, an error
             if not options.take_over:
@@ -361,12 +362,10 @@ def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity:
     this writer's private copy, published when finished (`publish_part`; `discarded` when another writer's
     identical copy was published first)."""
     final = part_dir(out, work.item)
-    if options.lock_free and is_done(final):  # published already (by another writer, or an earlier run)
-        with PartWriter(final, identity, lock=NoLock()) as part:  # a finished part: read, never written
-            return {"already_done": True, "images_planned": work.num_images, **_summary_counts(part)}
-    directory = adopt_private_part(out, work.item) if options.lock_free else final
+    private = options.lock_free and not is_done(final)  # lock-free and not published yet: this writer's copy
+    directory = adopt_private_part(out, work.item) if private else final
     with PartWriter(directory, identity, lock=NoLock() if options.lock_free else None) as part:
-        if part.done and not options.lock_free:
+        if part.done and not private:  # a finished part: read, never written
             return {"already_done": True, "images_planned": work.num_images, **_summary_counts(part)}
         stats = {}
         if not part.done:  # (a private copy finished by a writer killed before it published it: publish it)
@@ -380,7 +379,7 @@ def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity:
             stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
             part.finish(stats)
         summary = _summary_counts(part)
-    if options.lock_free:
+    if private:
         discarded = not publish_part(directory, final)
         summary.update(part_dir=str(final), dataset=has_dataset(final), discarded=discarded)
     return {**stats, "images_planned": work.num_images, **summary}

@@ -72,6 +72,7 @@ from mmtok.fsutil import (
     fsync_dir,
     read_json_object,
     required,
+    sha256_file,
     sync,
     with_filename,
 )
@@ -169,7 +170,7 @@ def publish_part(private: str | os.PathLike, final: str | os.PathLike) -> bool:
     if not is_done(final):
         raise MmtokError(f"{final}: a part that is not finished is in the way of this writer's copy ({private}); is "
                          "a run with locks writing the same output? One kind of run per --out")
-    different = [name for name in PUBLISHED_FILES if _file_bytes(private / name) != _file_bytes(final / name)]
+    different = [name for name in PUBLISHED_FILES if _digest(private / name) != _digest(final / name)]
     if different:
         raise MmtokError(f"{final} was published by another writer but its {different[0]} differs from this "
                          f"writer's copy ({private}, kept for inspection): the two ran with different inputs or "
@@ -178,10 +179,11 @@ def publish_part(private: str | os.PathLike, final: str | os.PathLike) -> bool:
     return False
 
 
-def _file_bytes(path: Path) -> bytes | None:
-    """A file's bytes, None when it is not there (a part without a dataset has no tokens.bin/.idx)."""
+def _digest(path: Path) -> str | None:
+    """A file's sha256, streamed (an item's tokens may be large); None when it is not there (a part without a
+    dataset has no tokens.bin/.idx)."""
     try:
-        return path.read_bytes()
+        return sha256_file(path)
     except FileNotFoundError:
         return None
 
