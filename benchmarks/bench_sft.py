@@ -653,24 +653,48 @@ def rank_runs(work: Path, conversations: int, world_size: int, media_share: floa
     corpus = write_rank_corpus(corpus_dir, conversations, media_share)
     print(f"(corpus of {conversations:,} conversations, {corpus['images']:,} with an image, written in "
           f"{time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    rows, final = [], world_size - 1
+    rows = []
     for name, tree in trees.items():
+        items = "UNITS_PER_ITEM" in (tree / "mmtok" / "sft" / "build.py").read_text()  # work items (issue 44)
+        final = _last_worker(conversations, world_size) if items else world_size - 1
         for rank, out, found in ((0, "sft", False), (final, "sft", True), (final, "sft-alone", False)):
             argv = [sys.executable, "-c", PASS_CHILD, "sft", *map(str, corpus["inputs"]), "--text-tokenizer",
                     str(corpus["tok"]), "--images", str(corpus_dir / "img"), "--out", str(corpus_dir / f"{name}-{out}"),
-                    "--rank", str(rank), "--world-size", str(world_size), "--no-progress"]
+                    "--rank", str(rank), "--world-size", str(world_size), "--no-progress",
+                    *(["--no-take-over"] if items else [])]  # the worker's own items only: what one rank costs
             wall, said = measured(argv, tree)
-            stats = json.loads((part_dir(corpus_dir / f"{name}-{out}", rank) / "stats.json").read_text())
-            begin, end = (min(unit * mmtok.sft.build.CONVERSATIONS_PER_UNIT, conversations) for unit in stats["units"])
+            parts = _worker_parts(corpus_dir / f"{name}-{out}", conversations, rank, world_size, items)
+            stats = [json.loads((part / "stats.json").read_text()) for part in parts]
+            begin, end = (min(unit * mmtok.sft.build.CONVERSATIONS_PER_UNIT, conversations)
+                          for unit in (stats[0]["units"][0], stats[-1]["units"][1]))
+            counts = Counter()
+            for one in stats:
+                counts.update(one["counts"])
             child = json.loads(said)
             if child["read"] < 0:
                 child["read"] = (0 if found else conversations) + end
             rows.append({"tree": name, "conversations": conversations, "world_size": world_size, "rank": rank,
                          "wall": wall, "index": "found in OUT" if found else "made", "media": corpus["images"],
-                         "rendered": end - begin, "written": stats["counts"], **child})
+                         "rendered": end - begin, "written": dict(counts), **child})
             print(f"({name} rank {rank}: {wall:.0f} s)", file=sys.stderr)
     shutil.rmtree(corpus_dir, ignore_errors=True)
     return rows
+
+
+def _last_worker(conversations: int, world_size: int) -> int:
+    """The last worker of `world_size` that has a work item of its own (more workers than items leave some idle)."""
+    return min(world_size, len(mmtok.sft.build.work_items(conversations))) - 1
+
+
+def _worker_parts(out: Path, conversations: int, rank: int, world_size: int, items: bool) -> list[Path]:
+    """The parts worker `rank` wrote: those of its own work items (`items`), else the rank's one part."""
+    if not items:
+        return [part_dir(out, rank)]
+    from mmtok.ranks import worker_items
+
+    units = mmtok.sft.build.work_items(conversations)
+    own = worker_items(np.array([b - a for a, b in units], np.float64), world_size)[rank]
+    return [part_dir(out, item) for item in range(int(own[0]), int(own[1]))]
 
 
 def ranks(work: Path, conversations: list[int], world_size: int, media_share: float, baseline: Path | None) -> None:

@@ -134,8 +134,10 @@ class StopRequest:
     A context manager: installs the handlers in the main thread on entry, restores the previous ones on exit.
     `is_set()` is what the device loop checks before it takes the next batch; `name` says which signal came."""
 
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, in_flight: str = "the batch in flight"):
+        """`in_flight`: what the worker commits before it stops, for the notice (`mmtok sft`: its unit)."""
         self.signals = signals
+        self.in_flight = in_flight
         self.event = threading.Event()
         self.name: str | None = None
         self._previous: dict[int, object] = {}
@@ -155,7 +157,7 @@ class StopRequest:
         self.name = self.name or signal.Signals(number).name
         self.event.set()
         if first:  # os.write: print() is not safe inside a signal handler (it may interrupt another print)
-            os.write(2, f"mmtok: {signal.Signals(number).name} received: committing the batch in flight, then "
+            os.write(2, f"mmtok: {signal.Signals(number).name} received: committing {self.in_flight}, then "
                         "stopping (a rerun resumes from that commit)\n".encode())
 
     def is_set(self) -> bool:

@@ -1,11 +1,12 @@
 """Who does what: the one owner of how work is split over N ranks that never communicate.
 
-Three policies, one per kind of work, each a pure function of (the work's sizes, N), so every rank
+Two policies, one per kind of work, each a pure function of (the work's sizes, N), so every rank
 computes the same split on its own:
 * image batches of a plan: contiguous, cost-balanced batch ranges (`partition_ranks`, below), and work
   items, contiguous batch ranges of a target cost whose number does not depend on N (`item_ranges`);
-* Shar shards of an audio encode: whole shards, longest first to the least-loaded rank (`assign_shards`);
-* conversation units of `mmtok sft`: contiguous, even unit ranges (`unit_ranges`).
+* Shar shards of an audio encode: whole shards, longest first to the least-loaded rank (`assign_shards`).
+`mmtok sft` cuts its conversations into work items too (`mmtok.sft.build.work_items`) and gives worker w
+of W its first items by `worker_items`.
 
 Image batch ranges:
 
@@ -341,8 +342,3 @@ def assign_shards(durations: list[float], world_size: int) -> list[list[int]]:
         assigned[rank].append(index)
         heapq.heappush(loads, (load + durations[index], rank))
     return [sorted(indices) for indices in assigned]
-
-
-def unit_ranges(total_units: int, world_size: int) -> list[tuple[int, int]]:
-    """Contiguous unit ranges, one per rank, as even as whole units allow."""
-    return [(r * total_units // world_size, (r + 1) * total_units // world_size) for r in range(world_size)]

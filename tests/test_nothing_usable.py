@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import mmtok.sft.build
 from audio_corpus import digit
 from encodekit import PLAN_FLAGS, chat_tokenizer, damaged_jpeg, damaged_png, one_torch_thread, real_images, write_tar
 from mmtok.cli import main
@@ -86,12 +87,14 @@ def test_sft_and_pack_of_conversations_that_are_all_skipped_exit_2(tmp_path, tok
     assert code == 2 and "invalid_json 1" in err and (tmp_path / "pack" / "skipped.jsonl").is_file()
 
 
-def test_a_rank_of_several_that_writes_nothing_warns_and_merge_gives_the_verdict(tmp_path, tokenizer, capsys):
+def test_a_rank_of_several_that_writes_nothing_warns_and_merge_gives_the_verdict(tmp_path, tokenizer, capsys,
+                                                                                monkeypatch):
     # under torchrun or srun a rank's non-zero exit would stop the other ranks: the job's verdict is merge's
     (tmp_path / "bad.jsonl").write_text("not json\n" * 300)
+    monkeypatch.setattr(mmtok.sft.build, "UNITS_PER_ITEM", 1)  # 2 units of 256 lines: a work item each
     for rank in range(2):
         code, err = run(capsys, "sft", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "sft"), "--text-tokenizer",
-                        str(tokenizer), "--rank", str(rank), "--world-size", "2", "--no-progress")
+                        str(tokenizer), "--rank", str(rank), "--world-size", "2", "--no-progress", "--no-take-over")
         assert code == 0 and "warning: rank" in err and "the other ranks go on" in err
     code, err = run(capsys, "merge", str(tmp_path / "sft"), "--no-progress")
     assert code == 2 and "invalid_json 300" in err

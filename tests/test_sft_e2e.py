@@ -33,7 +33,7 @@ from encodekit import damaged_jpeg, image_items, real_images, train_chat_tokeniz
 from mmtok.cli import main
 from mmtok.codecs import emu35, wavtokenizer
 from mmtok.formats import audio_cache, commitlog
-from mmtok.formats.commitlog import part_dir, read_commits
+from mmtok.formats.commitlog import is_done, part_dir, read_commits
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.text import load_text_tokenizer
@@ -41,7 +41,8 @@ from mmtok.vocab import VocabLayout
 from realmedia import alsa_sounds, espeak
 from summaries import json_result, summary_lines
 
-UNIT = 2  # conversations per sft unit in every run here: 11 conversations are 6 units, 2 per rank of 3
+UNIT = 2  # conversations per sft unit in every run here: 11 conversations are 6 units
+ITEM = 2  # units per sft work item where a test splits the conversations: 6 units are 3 items
 
 # -- the tokenizer: the omni test template plus `reasoning_content` on assistant messages --------------------
 ASSISTANT_CONTENT = ("{%- if message.content is string -%}\n      {{- message.content -}}\n"
@@ -405,9 +406,10 @@ def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(
     assert len(image_parts) == 5 and all(commitlog.read_items(d)[0] for d in image_parts)  # a part per work item
     assert len(audio_cache.find_parts(media.audio)) == 3
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
-    _ranks(3, *_sft_argv(env, media, tmp_path / "sft"))
-    per_rank = [commitlog.read_stats(part_dir(tmp_path / "sft", r))["units"] for r in range(3)]
-    assert per_rank == [[0, 2], [2, 4], [4, 6]]  # the 3 ranks really split the conversations
+    monkeypatch.setattr(mmtok.sft.build, "UNITS_PER_ITEM", ITEM)
+    _ranks(3, *_sft_argv(env, media, tmp_path / "sft"), "--no-take-over")
+    per_item = [commitlog.read_stats(part_dir(tmp_path / "sft", item))["units"] for item in range(3)]
+    assert per_item == [[0, 2], [2, 4], [4, 6]]  # 3 work items, one for each of the 3 workers
     _run("merge", tmp_path / "sft", "--strip-reasoning")
     assert _fingerprint(tmp_path / "sft") == _fingerprint(env.sft)
     for name in ("merged_no_reasoning.bin", "merged_no_reasoning.idx"):
@@ -415,9 +417,11 @@ def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(
 
 
 def _gated_sft(argv: list[str], committed, gate) -> None:
-    """A child `mmtok sft` (UNIT conversations per unit) that waits for one permit from `gate` before each
-    unit's commit and announces each finished commit on `committed`: it commits exactly what is allowed."""
+    """A child `mmtok sft` (UNIT conversations per unit, ITEM units per work item) that waits for one permit from
+    `gate` before each unit's commit and announces each finished commit on `committed`: it commits exactly what is
+    allowed."""
     mmtok.sft.build.CONVERSATIONS_PER_UNIT = UNIT  # this forked child only
+    mmtok.sft.build.UNITS_PER_ITEM = ITEM
     commit = mmtok.sft.build._Unit.commit
 
     def gated(self, part):
@@ -429,11 +433,13 @@ def _gated_sft(argv: list[str], committed, gate) -> None:
     sys.exit(main(argv))
 
 
-def test_sigkill_between_committed_units_then_resume_gives_the_clean_merged_bytes(env, tmp_path, monkeypatch,
-                                                                                 forkserver):
+def test_sigkill_inside_a_work_item_then_resume_with_3_workers_gives_the_clean_merged_bytes(env, tmp_path,
+                                                                                           monkeypatch, forkserver):
+    # one worker killed twice (after 2 committed units: item 0 finished; then after 1 more: inside item 1), the
+    # job finished by 3 workers: each conversation after the last commit is built exactly once
     out = tmp_path / "sft"
     argv = [*map(str, _sft_argv(env, env.media, out))]
-    for allowed, total in ((2, 2), (1, 3)):  # after 2 committed units, then after 1 more
+    for allowed, total in ((2, 2), (1, 3)):
         committed, gate = forkserver.Semaphore(0), forkserver.Semaphore(0)
         process = forkserver.Process(target=_gated_sft, args=(argv, committed, gate))
         process.start()
@@ -447,13 +453,17 @@ def test_sigkill_between_committed_units_then_resume_gives_the_clean_merged_byte
         os.kill(process.pid, signal.SIGKILL)
         process.join()
         assert process.exitcode == -signal.SIGKILL
-        assert [r["unit"] for r in read_commits(part_dir(out, 0))[0]] == list(range(total))
+        units = [r["unit"] for item in range(2) if part_dir(out, item).is_dir()
+                 for r in read_commits(part_dir(out, item))[0]]
+        assert units == list(range(total))
+    assert is_done(part_dir(out, 0)) and not is_done(part_dir(out, 1))
     built = []
     build = mmtok.sft.build.ConversationBuilder.build
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
+    monkeypatch.setattr(mmtok.sft.build, "UNITS_PER_ITEM", ITEM)
     monkeypatch.setattr(mmtok.sft.build.ConversationBuilder, "build",
                         lambda self, c: built.append(c.id) or build(self, c))
-    _run(*argv)  # resumes after the third unit
+    _ranks(3, *argv, "--no-take-over")  # worker 1 resumes item 1 after its first unit, worker 2 does item 2
     assert built == list(env.corpus.conversations)[3 * UNIT:]  # every conversation after the third unit, once
     _run("merge", out, "--strip-reasoning")
     assert _fingerprint(out) == _fingerprint(env.sft)
@@ -516,8 +526,8 @@ def test_the_sft_summary_goes_to_stderr_and_json_prints_the_rank_result(env, cap
     capsys.readouterr()
     _run(*_sft_argv(env, env.media, env.sft))  # a finished part: nothing to do, the same summary
     lines = summary_lines(capsys.readouterr(), "sft")
-    assert lines[0].startswith("mmtok sft: rank 0/1: ")
-    assert f"(part already finished: {part_dir(env.sft, 0)})" in lines[1]
+    assert lines[0] == (f"mmtok sft: rank 0/1: 1 own work item of 1, {part_dir(env.sft, 0)}, already finished "
+                        f"({len(_written(env))} sequences); nothing to do")
     _run(*_sft_argv(env, env.media, env.sft), "--json")
     result = json_result(capsys.readouterr())
     assert (result["rank"], result["world_size"], result["already_done"]) == (0, 1, True)

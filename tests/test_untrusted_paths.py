@@ -286,9 +286,9 @@ def test_sft_resolves_media_with_the_same_roots(tmp_path, monkeypatch):
 
     def assemble(inputs, out, **kwargs):
         seen.update(kwargs)
-        return {"counts": {}, "part_dir": str(out / "parts" / "part-0")}
+        return {"counts": {}, "parts": [], "items": [0, 1], "num_items": 1, "stopped": None, "sequences": 0}
 
-    monkeypatch.setattr(mmtok.sft.build, "assemble_rank", assemble)
+    monkeypatch.setattr(mmtok.sft.build, "assemble_worker", assemble)
     assert main(["sft", str(data / "convs.jsonl"), "--text-tokenizer", "tekken", "--out", str(tmp_path / "sft"),
                  "--media-root", str(elsewhere), "--rank", "0", "--world-size", "1", "--no-progress"]) == 0
     assert seen["media_roots"] == [elsewhere]

@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 
 from mmtok.commands.options import add_device_argument
-from mmtok.commands.report import listed, plural, print_report, refuse_nothing_usable
+from mmtok.commands.report import (
+    idle_worker_line,
+    listed_in,
+    parts_named,
+    plural,
+    print_report,
+    refuse_nothing_usable,
+    refuse_unfinished,
+    take_over_lines,
+)
 from mmtok.errors import MmtokError
 
 DESCRIPTION = """\
@@ -149,13 +158,9 @@ def _image_worker(args, plan, stop) -> int:
     failed = skips.items_failed_by_reason(counts)
     refuse_nothing_usable(f"rank {rank}/{world_size}", counts.get("images_written", 0) + counts.get(
         "images_deferred", 0) - sum(failed.values()), counts,
-        _listed_in(stats, "skipped.jsonl" + (" and items.jsonl" if failed else "")), extra=failed,
+        listed_in(stats, "skipped.jsonl" + (" and items.jsonl" if failed else "")), extra=failed,
         rank_of=("encode", world_size))
-    if stats["unfinished_failed"]:  # the job is not done: say so in the exit status too (a SLURM task FAILED)
-        raise MmtokError(f"{plural(len(stats['unfinished_failed']), 'item')} this worker took over failed and "
-                         f"{'is' if len(stats['unfinished_failed']) == 1 else 'are'} not finished: "
-                         f"{listed(stats['unfinished_failed'], 10)} (the warnings above say why); fix the cause, then "
-                         "rerun")
+    refuse_unfinished(stats)
     return 0
 
 
@@ -264,70 +269,28 @@ def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **kno
     parts.refuse_other_run(out, {"modality": modality, "codec": described, **known})
 
 
-def _listed_in(stats: dict, files: str) -> str:
-    """Where a worker's `files` are: `DIR/part-{00003..00007}/FILES`, or `FILES of N parts under DIR`."""
-    where = _parts_named(stats)
-    return f"{files} of {where}" if " parts under " in where else f"{where}/{files}"
-
-
-def _parts_named(stats: dict) -> str:
-    """The worker's parts: one path, or the first and last as `DIR/part-{00003..00007}`."""
-    parts = stats["parts"]
-    if not parts:
-        return "no part"
-    if len(parts) == 1:
-        return parts[0]
-    first, last = Path(parts[0]), Path(parts[-1])
-    if stats.get("taken_over"):  # not one range: its own, then others' from the far end
-        return f"{len(parts):,} parts under {first.parent}"
-    return f"{first.parent}/{{{first.name}..{last.name}}}"
-
-
 def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
     """The human summary of an image worker: what it wrote (or that it was finished), its pace, the job view."""
-    where = _parts_named(stats)
-    items = f"{plural(stats['items'][1] - stats['items'][0], 'work item')} of {stats['num_items']:,}"
+    idle = idle_worker_line(f"rank {rank}/{world_size}", stats, "encoded")
     if stats.get("stopped"):
         stop = stats["stopped"]
         lines = [f"rank {rank}/{world_size}: stopped on {stop['signal']} before batch {stop['next_batch']:,} of work "
                  f"item {stop['item']:,} (everything before it is committed); rerun or requeue this command to resume "
                  "from there"]
-    elif not stats["parts"]:
-        lines = [f"rank {rank}/{world_size}: encoded nothing: every work item is finished or held by another worker"
-                 + (", or failed here (below)" if stats.get("take_over_failed") else "")]
-    elif stats.get("already_done"):
-        lines = [f"rank {rank}/{world_size}: {items}, {where}, already finished "
-                 f"({plural(stats['sequences'], 'sequence')}); nothing to do"]
+    elif idle:
+        lines = [idle]
     else:
         lines = (_sft_lines if stats.get("mode") == "sft" else _document_lines)(rank, world_size, stats, out)
         lines.append(f"{stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
                      f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
         lines += _uniform_lines(stats["counts"], "image")
-    lines += _take_over_lines(stats)
+    lines += take_over_lines(stats)
     return lines + [f"job view (every rank): mmtok status {out}"]
-
-
-def _take_over_lines(stats: dict) -> list[str]:
-    """What the worker did beyond its own share: items taken over, own items left to their holder."""
-    lines = []
-    if stats.get("taken_over"):
-        lines.append(f"took over {plural(len(stats['taken_over']), 'item')} of other workers' shares (no process "
-                     f"held them): {listed(stats['taken_over'], 10)}")
-    for item, error in sorted(stats.get("take_over_failed", {}).items()):
-        lines.append(f"warning: item {item} (another worker's, taken over) failed and is left unfinished for its "
-                     f"owner or a rerun: {error}")
-    if stats.get("discarded_copies"):
-        lines.append(f"{plural(len(stats['discarded_copies']), 'item')} had been published by another writer first: "
-                     f"this worker's copies were identical and are discarded ({listed(stats['discarded_copies'], 10)})")
-    if stats.get("held_by_others"):
-        lines.append(f"left {plural(len(stats['held_by_others']), 'own item')} to the workers holding them: "
-                     f"{listed(stats['held_by_others'], 10)}")
-    return lines
 
 
 def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
     """No documents here: every image is an item for `mmtok sft`."""
-    where = _parts_named(stats)
+    where = parts_named(stats)
     failed = _reasons(stats["items_failed"])
     return [f"rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
             f"{plural(stats['images_planned'], 'image')} of SFT conversations stored as items, "
@@ -337,7 +300,7 @@ def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
 
 
 def _document_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
-    where = _parts_named(stats)
+    where = parts_named(stats)
     lines = [f"rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
              f"{plural(stats['images_planned'], 'image')} in {plural(stats['sequences'], 'document')}, "
              f"{plural(stats['counts'].get('tokens', 0), 'token')}; skipped: {_reasons(stats['skipped']) or 'none'}"

@@ -89,3 +89,65 @@ def listed(numbers: list[int], shown: int = 8) -> str:
     """`3, 5, 9 and 12 more`: the first `shown` of `numbers`, then how many more there are."""
     text = ", ".join(map(str, numbers[:shown]))
     return text + (f" and {len(numbers) - shown:,} more" if len(numbers) > shown else "")
+
+
+# -- a worker of a job in work items (image encode, sft) -----------------------------------------------
+def listed_in(stats: dict, files: str) -> str:
+    """Where a worker's `files` are: `DIR/part-{00003..00007}/FILES`, or `FILES of N parts under DIR`."""
+    where = parts_named(stats)
+    return f"{files} of {where}" if " parts under " in where else f"{where}/{files}"
+
+
+def parts_named(stats: dict) -> str:
+    """The worker's parts: one path, or the first and last as `DIR/part-{00003..00007}`."""
+    parts = stats["parts"]
+    if not parts:
+        return "no part"
+    if len(parts) == 1:
+        return parts[0]
+    first, last = Path(parts[0]), Path(parts[-1])
+    if stats.get("taken_over"):  # not one range: its own, then others' from the far end
+        return f"{len(parts):,} parts under {first.parent}"
+    return f"{first.parent}/{{{first.name}..{last.name}}}"
+
+
+def take_over_lines(stats: dict) -> list[str]:
+    """What the worker did beyond its own share: items taken over, own items left to their holder."""
+    lines = []
+    if stats.get("taken_over"):
+        lines.append(f"took over {plural(len(stats['taken_over']), 'item')} of other workers' shares (no process "
+                     f"held them): {listed(stats['taken_over'], 10)}")
+    for item, error in sorted(stats.get("take_over_failed", {}).items()):
+        lines.append(f"warning: item {item} (another worker's, taken over) failed and is left unfinished for its "
+                     f"owner or a rerun: {error}")
+    if stats.get("discarded_copies"):
+        lines.append(f"{plural(len(stats['discarded_copies']), 'item')} had been published by another writer first: "
+                     f"this worker's copies were identical and are discarded ({listed(stats['discarded_copies'], 10)})")
+    if stats.get("held_by_others"):
+        lines.append(f"left {plural(len(stats['held_by_others']), 'own item')} to the workers holding them: "
+                     f"{listed(stats['held_by_others'], 10)}")
+    return lines
+
+
+def idle_worker_line(head: str, stats: dict, verb: str) -> str | None:
+    """The headline of a worker that did no new work: none was left for it (`verb`: what it would have done,
+    "encoded"), or its own items were already finished; None when it did work."""
+    if not stats["parts"]:
+        return (f"{head}: {verb} nothing: every work item is finished or held by another worker"
+                + (", or failed here (below)" if stats.get("take_over_failed") else ""))
+    if stats.get("already_done"):
+        return (f"{head}: {plural(stats['items'][1] - stats['items'][0], 'own work item')} of {stats['num_items']:,}, "
+                f"{parts_named(stats)}, already finished ({plural(stats['sequences'], 'sequence')}); nothing to do")
+    return None
+
+
+def refuse_unfinished(stats: dict) -> None:
+    """A worker that took over items that failed and are still unfinished: the job is not done, and its exit
+    status says so too (a SLURM task FAILED), after everything else was done."""
+    from mmtok.errors import MmtokError
+
+    unfinished = stats.get("unfinished_failed")
+    if unfinished:
+        raise MmtokError(f"{plural(len(unfinished), 'item')} this worker took over failed and "
+                         f"{'is' if len(unfinished) == 1 else 'are'} not finished: {listed(unfinished, 10)} (the "
+                         "warnings above say why); fix the cause, then rerun")

@@ -5,7 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmtok.commands.report import files_skipped, plural, print_report, reasons, refuse_nothing_usable
+from mmtok.commands.report import (
+    files_skipped,
+    idle_worker_line,
+    listed_in,
+    parts_named,
+    plural,
+    print_report,
+    reasons,
+    refuse_nothing_usable,
+    refuse_unfinished,
+    take_over_lines,
+)
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 
@@ -20,9 +31,14 @@ per rank into OUT/parts/; then `mmtok merge OUT [--strip-reasoning]`.
 Inputs: WebDataset tars (KEY.json + media members), .jsonl (one conversation per line), .parquet (a
 `messages` column). A conversation is written only when every medium it references encoded; otherwise
 it is named in the part's skipped.jsonl with its reason (missing_media, placeholder_mismatch,
-media_skipped:<reason>, ...). CPU only. Rank and world size: --rank/--world-size, else RANK/WORLD_SIZE,
-else SLURM_PROCID/SLURM_NTASKS; the merged output is the same for every world size. Rerunning the same
-command after a kill resumes from the last committed unit.
+media_skipped:<reason>, ...). CPU only.
+
+Workers: --rank/--world-size, else RANK/WORLD_SIZE, else SLURM_PROCID/SLURM_NTASKS. Worker w of W
+starts with an even, contiguous range of the work items, then takes over every item no process has
+finished or holds (unless --no-take-over), so the slowest worker sets no tail. The parts and the merged
+output are the same for every number of workers; a killed or requeued job resumes with any number of
+workers, each item from its last committed unit. SIGUSR1 or SIGTERM: the unit in hand is committed and
+the worker exits 75 (what `mmtok encode --print-sbatch` requeues on).
 """
 
 
@@ -45,8 +61,11 @@ def add_parser(sub) -> None:
                              "vocabulary entry) is skipped before it is tokenized, and bounds the chat template's "
                              "rendering")
     add_media_root(parser)
-    parser.add_argument("--rank", type=int, default=None, help="this process's rank (default: from the environment)")
-    parser.add_argument("--world-size", type=int, default=None, help="number of ranks (default: from the environment)")
+    parser.add_argument("--rank", type=int, default=None, help="this worker's rank (default: from the environment)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="number of workers (default: from the environment)")
+    parser.add_argument("--no-take-over", action="store_true",
+                        help="do only this worker's own items; an own item another process holds is an error")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true",
                         help="also print the rank's summary as one JSON object on stdout "
@@ -56,41 +75,62 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from mmtok.errors import MmtokError
-    from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.fsutil import refuse_out_overlapping
-    from mmtok.launch import resolve_rank
-    from mmtok.sft.build import SftOptions, assemble_rank
+    from mmtok.launch import StopRequest
 
     refuse_out_overlapping(args.out, [*args.inputs, args.images, *args.audio, *args.converted, args.text_tokenizer,
                                       *args.media_root])
     if args.max_tokens < 1:
         raise MmtokError(f"--max-tokens {args.max_tokens}: it must be at least 1")
+    with StopRequest(in_flight="the unit in hand") as stop:  # a signal stops the worker cleanly (see StopRequest)
+        return _worker(args, stop)
+
+
+def _worker(args, stop) -> int:
+    from mmtok.launch import STOPPED_EXIT, resolve_rank
+    from mmtok.sft.build import SftOptions, assemble_worker
+
     rank, world_size = resolve_rank(args.rank, args.world_size)
-    check_part_free(part_dir(args.out, rank))
-    options = SftOptions(max_tokens=args.max_tokens, progress=not args.no_progress)
-    stats = assemble_rank(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
-                          audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
-                          options=options, media_roots=args.media_root)
+    options = SftOptions(max_tokens=args.max_tokens, progress=not args.no_progress, take_over=not args.no_take_over,
+                         stop=stop)
+    stats = assemble_worker(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
+                            audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
+                            options=options, media_roots=args.media_root)
     print_report("sft", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
+    if stats["stopped"]:
+        return STOPPED_EXIT
     refuse_nothing_usable(f"rank {rank}/{world_size}", stats["counts"].get("documents_written", 0), stats["counts"],
-                          f"{stats['part_dir']}/skipped.jsonl", rank_of=("sft", world_size))
+                          listed_in(stats, "skipped.jsonl"), rank_of=("sft", world_size))
+    refuse_unfinished(stats)
     return 0
 
 
 def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[str]:
-    """What the rank wrote and skipped (naming where the skips are listed), and the next command."""
+    """What the worker wrote and skipped (naming where the skips are listed), what it took over, and the next
+    command."""
     counts = stats["counts"]
     skipped = skips.by_reason(counts)
-    lines = [f"rank {rank}/{world_size}: {plural(counts.get('conversations', 0), 'conversation')}: "
-             f"{counts.get('documents_written', 0):,} written ({plural(counts.get('tokens', 0), 'token')}, "
-             f"{counts.get('images_written', 0):,} image and {plural(counts.get('audio_written', 0), 'audio block')}), "
-             f"{counts.get('documents_skipped', 0):,} skipped" + (f" ({reasons(skipped)}; each named in "
-             f"{stats['part_dir']}/skipped.jsonl)" if skipped else "")
-             + files_skipped(counts, f"{stats['part_dir']}/skipped.jsonl")]
-    if counts.get("control_literals"):
-        lines.append(f"{plural(counts['control_literals'], 'conversation')} held control-token names in their text "
-                     "(tokenized as text, never as control tokens: control_literals)")
-    if stats.get("already_done"):
-        lines.append(f"(part already finished: {stats['part_dir']})")
-    return lines + [f"next, when every rank finished: mmtok merge {out} [--strip-reasoning]"]
+    head = f"rank {rank}/{world_size}"
+    idle = idle_worker_line(head, stats, "assembled")
+    if stats.get("stopped"):
+        lines = [f"{head}: stopped on {stats['stopped']['signal']} in work item {stats['stopped']['item']:,} (every "
+                 "unit it read is committed); rerun or requeue this command to resume from there"]
+    elif idle:
+        lines = [idle]
+    else:
+        listed = listed_in(stats, "skipped.jsonl")
+        items = f"{plural(stats['items'][1] - stats['items'][0], 'own work item')} of {stats['num_items']:,}"
+        lines = [f"{head} ({items}) -> {parts_named(stats)}: {plural(counts.get('conversations', 0), 'conversation')}: "
+                 f"{counts.get('documents_written', 0):,} written ({plural(counts.get('tokens', 0), 'token')}, "
+                 f"{counts.get('images_written', 0):,} image and "
+                 f"{plural(counts.get('audio_written', 0), 'audio block')}), "
+                 f"{counts.get('documents_skipped', 0):,} skipped"
+                 + (f" ({reasons(skipped)}; each named in {listed})" if skipped else "")
+                 + files_skipped(counts, listed)]
+        if counts.get("control_literals"):
+            lines.append(f"{plural(counts['control_literals'], 'conversation')} held control-token names in their "
+                         "text (tokenized as text, never as control tokens: control_literals)")
+    lines += take_over_lines(stats)
+    return lines + [f"job view: mmtok status {out}; when every item is finished: mmtok merge {out} "
+                    "[--strip-reasoning]"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import PIL
@@ -54,10 +53,9 @@ from mmtok.formats.commitlog import (
     read_commits,
 )
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
-from mmtok.formats.parts import refuse_other_run, timing_stats
+from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import LockHeld, WriterLock
 from mmtok.launch import StopRequest
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout, check_ids_in_range
@@ -70,7 +68,7 @@ class EncodeOptions:
     max_consecutive_failures: int = 64  # more undecodable images in a row = a systematic problem: stop
     progress: bool = True
     stop: StopRequest | None = None  # set (a signal came): commit the batch in flight, leave the part unfinished
-    take_over: bool = True  # once its own items are done, take any item nobody finished or holds (`_items_to_do`)
+    take_over: bool = True  # once its own items are done, take any item nobody finished or holds (`items_to_take`)
     lock_free: bool = False  # write a private copy of each item and publish it by a rename (no file locks)
 
 
@@ -243,9 +241,9 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     Each part is created or resumed (refusing a different plan, codec or precision), its batches not yet
     committed are encoded, and it is finished (tokens.idx, stats.json, DONE); a finished part is left as it is.
     Then, with `options.take_over` (the default), it takes the items no process has finished or holds, from the
-    far end (`_items_to_do`): a slow or dead worker's remaining items are done by those that finished, and an
-    own item another worker holds is left to it (result `taken_over`, `held_by_others`); without it, a held
-    item is an error naming the holder. Once `options.stop` is set the worker
+    far end (`mmtok.formats.parts.items_to_take`): a slow or dead worker's remaining items are done by those
+    that finished, and an own item another worker holds is left to it (result `taken_over`, `held_by_others`);
+    without it, a held item is an error naming the holder. Once `options.stop` is set the worker
     commits the batch in flight and returns with its part unfinished (result `stopped`: the signal, the item
     and the next batch to encode; None when every item was finished).
     """
@@ -260,79 +258,29 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     layout = VocabLayout(text_size=tokenizer.vocab_size)
     builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
     codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
-    done: list[dict] = []
-    stopped, held, taken, failed, discarded, reached, checked = None, [], [], {}, [], [], False
-    for item, own in _items_to_do(plan, out, items, options, failed):
-        if _stopping(options):
-            stopped = {"signal": options.stop.name, "item": item, "next_batch": _next_batch(plan, out, item)}
-            break
-        try:
-            work = load_item_work(plan, item)
-            check_codec(work, codec, builder)
-            identity = part_identity(work, codec, tokenizer, layout)
-            if not checked:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
-                refuse_other_run(out, identity)
-                checked = True
-            result = _encode_item(work, out, codec, builder, identity, device, options)
-        except LockHeld:  # another worker took it over (or took it first): theirs; without take-over, an error
-            if not options.take_over:
-                raise
-            held.append(item)
-            continue
-        except MmtokError as err:  # an own item's error is the worker's; another's is left to its owner, named
-            if own:
-                raise
-            failed[item] = str(err)
-            continue
-        done.append(result)
-        reached.append(item)
-        if not own and not result.get("already_done"):
-            taken.append(item)
-        if result.get("discarded"):
-            discarded.append(item)
-        if "next_batch" in result:  # stopped inside the item: its part stays unfinished
-            stopped = {"signal": options.stop.name, "item": item, "next_batch": result["next_batch"]}
-            break
+    checked = False  # whether the run's other parts were compared with this worker's identity (once, when known)
+
+    def encode_item(item: int) -> dict:
+        nonlocal checked
+        work = load_item_work(plan, item)
+        check_codec(work, codec, builder)
+        identity = part_identity(work, codec, tokenizer, layout)
+        if not checked:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
+            refuse_other_run(out, identity)
+            checked = True
+        return _encode_item(work, out, codec, builder, identity, device, options)
+
+    run = take_items(out, len(plan.work_items()), items, options.take_over, lambda: _stopping(options), encode_item,
+                     lambda result: "next_batch" in result)  # stopped inside the item: its part stays unfinished
+    stopped = None
+    if run.stopped is not None:  # inside the item (its result says where), or before it
+        inside = run.reached and run.reached[-1] == run.stopped
+        stopped = {"signal": options.stop.name, "item": run.stopped,
+                   "next_batch": run.done[-1]["next_batch"] if inside else _next_batch(plan, out, run.stopped)}
+    discarded = [item for item, result in zip(run.reached, run.done, strict=True) if result.get("discarded")]
     return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
-            len(plan.work_items()), "stopped": stopped, "taken_over": taken,
-            "held_by_others": sorted(set(held) - set(reached)),
-            "unfinished_failed": sorted(i for i in failed if not is_done(part_dir(out, i))),
-            "take_over_failed": failed, "discarded_copies": discarded,
-            **_worker_stats(done, plan, items, device, options)}
-
-
-def _items_to_do(plan: Plan, out, own: range, options: EncodeOptions, failed: dict[int, str]
-                 ) -> Iterator[tuple[int, bool]]:
-    """(item, whether it is the worker's own) in the order the worker takes them: its own items (`own`), then,
-    with take-over, every item that is neither finished nor held by another process, from the far end of the
-    plan down (where the other workers are furthest from), pass after pass until a pass finds none. An item
-    killed half done is such an item: whoever takes it resumes its commit log. Two workers may still reach one
-    item together: the part lock lets one write it, the other moves on (`LockHeld`). An item that `failed` for
-    this worker (read as it grows), or whose part directory cannot be looked at, is not taken again. Items seen
-    finished are not looked at again (DONE stays); a stop request ends the scan."""
-    yield from ((item, True) for item in own)
-    finished: set[int] = set()
-    while options.take_over:
-        found = False
-        for item in reversed(range(len(plan.work_items()))):
-            if _stopping(options):
-                return
-            if item in failed or item in finished:
-                continue
-            directory = part_dir(out, item)
-            try:
-                if is_done(directory):
-                    finished.add(item)
-                    continue
-                if WriterLock.holder(directory) is not None:
-                    continue
-            except OSError as err:  # e.g. a file where the part's directory should be: its owner's error
-                failed[item] = f"{directory}: {err.strerror or err}"
-                continue
-            found = True
-            yield item, item in own
-        if not found:
-            return
+            len(plan.work_items()), "stopped": stopped, **run.summary(out), "discarded_copies": discarded,
+            **_worker_stats(run.done, plan, items, device, options)}
 
 
 def _next_batch(plan: Plan, out, item: int) -> int:

@@ -10,11 +10,13 @@ turns a part's counters into the figures its stats.json and the summaries report
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmtok.errors import DamagedFile, MmtokError
 from mmtok.formats import commitlog
+from mmtok.fsutil import LockHeld, WriterLock
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,92 @@ def _check_same_run(parts: list[Part]) -> None:
             raise MmtokError(f"{part.directory}: does not belong to the same encode run as part 0: {difference}")
 
 
+def items_to_take(out: Path, count: int, own: range, take_over: bool, stopping: Callable[[], bool],
+                  failed: dict[int, str]) -> Iterator[tuple[int, bool]]:
+    """(item, whether it is the worker's own) in the order a worker of a job in `count` work items (one part
+    each) takes them: its own items (`own`), then, with `take_over`, every item that is neither finished nor
+    held by another process, from the far end down (where the other workers are furthest from), pass after
+    pass until a pass finds none. An item killed half done is such an item: whoever takes it resumes its commit
+    log. Two workers may still reach one item together: the part lock lets one write it, the other moves on
+    (`LockHeld`). An item that `failed` for this worker (read as it grows), or whose part directory cannot be
+    looked at, is not taken again. Items seen finished are not looked at again (DONE stays); `stopping()` ends
+    the scan. Shared by the image encode (`mmtok.encode.runner`) and `mmtok sft` (`mmtok.sft.build`)."""
+    yield from ((item, True) for item in own)
+    finished: set[int] = set()
+    while take_over:
+        found = False
+        for item in reversed(range(count)):
+            if stopping():
+                return
+            if item in failed or item in finished:
+                continue
+            directory = commitlog.part_dir(out, item)
+            try:
+                if commitlog.is_done(directory):
+                    finished.add(item)
+                    continue
+                if WriterLock.holder(directory) is not None:
+                    continue
+            except OSError as err:  # e.g. a file where the part's directory should be: its owner's error
+                failed[item] = f"{directory}: {err.strerror or err}"
+                continue
+            found = True
+            yield item, item in own
+        if not found:
+            return
+
+
+@dataclass
+class ItemRun:
+    """What one worker did with the work items `take_items` gave it."""
+
+    done: list[dict] = field(default_factory=list)  # the result of every item it finished, stopped in or found done
+    reached: list[int] = field(default_factory=list)  # those items, in the same order
+    taken: list[int] = field(default_factory=list)  # other workers' items it worked on
+    held: list[int] = field(default_factory=list)  # items another process held when it came to them
+    failed: dict[int, str] = field(default_factory=dict)  # others' items that failed here, and why
+    stopped: int | None = None  # the item a stop request ended the worker at (before it or inside it)
+
+    def summary(self, out: Path) -> dict:
+        """The take-over figures every worker's result reports (`mmtok.commands.report.take_over_lines`)."""
+        unfinished = [item for item in self.failed if not commitlog.is_done(commitlog.part_dir(out, item))]
+        return {"taken_over": self.taken, "held_by_others": sorted(set(self.held) - set(self.reached)),
+                "unfinished_failed": sorted(unfinished), "take_over_failed": self.failed}
+
+
+def take_items(out: Path, count: int, own: range, take_over: bool, stopping: Callable[[], bool],
+               work: Callable[[int], dict], stopped_in: Callable[[dict], bool]) -> ItemRun:
+    """Run `work(item)` (its result) over the items `items_to_take` gives, until a stop request: before an item,
+    or inside one (`stopped_in(result)`). An item another process holds (`LockHeld`) is left to it with
+    `take_over`, else the error; an own item's MmtokError is the worker's, another's is recorded (`failed`) and
+    the worker goes on."""
+    run = ItemRun()
+    for item, own_item in items_to_take(out, count, own, take_over, stopping, run.failed):
+        if stopping():
+            run.stopped = item
+            break
+        try:
+            result = work(item)
+        except LockHeld:  # another worker took it over (or took it first): theirs; without take-over, an error
+            if not take_over:
+                raise
+            run.held.append(item)
+            continue
+        except MmtokError as err:
+            if own_item:
+                raise
+            run.failed[item] = str(err)
+            continue
+        run.done.append(result)
+        run.reached.append(item)
+        if not own_item and not result.get("already_done"):
+            run.taken.append(item)
+        if stopped_in(result):
+            run.stopped = item
+            break
+    return run
+
+
 def refuse_other_run(out: str | Path, identity: dict, command: str = "mmtok encode") -> None:
     """MmtokError when `out` already holds a part of another run: one whose shared identity differs from
     `identity` in a key `identity` names (nested objects key by key, so a caller may check what it knows before
@@ -89,7 +177,7 @@ def refuse_other_run(out: str | Path, identity: dict, command: str = "mmtok enco
         difference = commitlog.identity_difference(_named_by(recorded, wanted), wanted)
         if difference:
             raise MmtokError(f"{out} holds {directory.name}, a part of another run: {difference}; use one --out per "
-                             f"run (or delete the other run's parts) -- nothing was encoded ({command})")
+                             f"run (or delete the other run's parts) -- nothing was written ({command})")
 
 
 def _named_by(recorded, wanted):

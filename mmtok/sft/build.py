@@ -26,12 +26,17 @@ certainly is -- `TextTokenizer.max_token_bytes` -- before it is tokenized). Only
 control tokens become control ids (`ChatRenderer.render_pieces`): a control-token name in the record is
 text, and the conversation counts as `control_literals`.
 
-Ranks: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT; rank r of N
-takes a contiguous range of units into OUT/parts/part-r and commits after every unit (resumable, see
-`mmtok.formats.commitlog.PartWriter`). It reads only that range: the first rank to start makes the
-conversation index (`mmtok.formats.conversation_index`: where each unit starts, which ids repeat) in OUT,
-and every rank seeks to its first unit from there. A sequence depends only on its conversation and the encoded media,
-so `mmtok merge OUT` gives the same bytes for any world size of this stage or of the encodes before it.
+Work items: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT and the units
+into work items of UNITS_PER_ITEM (`work_items`: the inputs alone decide them, never the number of
+workers). Each item is one part, OUT/parts/part-<item>, committed after every unit (resumable, see
+`mmtok.formats.commitlog.PartWriter`); worker w of W starts with a contiguous, even range of items and then
+takes over any item no process has finished or holds (`mmtok.formats.parts.items_to_take`), so a slow or
+killed worker's items are finished by the others, and a job resumes with any number of workers. A worker
+reads only its items' conversations: the first to start makes the conversation index
+(`mmtok.formats.conversation_index`: where each unit starts, which ids repeat) in OUT, and every item seeks
+to its first unit from there. An item's files depend only on its conversations and the encoded media, so
+the parts, and the bytes `mmtok merge OUT` gives, are the same for any number of workers of this stage or of
+the encodes before it.
 """
 
 from __future__ import annotations
@@ -61,15 +66,19 @@ from mmtok.formats.conversations import (
 )
 from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
-from mmtok.formats.parts import find_parts  # the finished parts of one run
+from mmtok.formats.parts import find_parts, refuse_other_run, take_items
 from mmtok.fsutil import required
-from mmtok.ranks import unit_ranges
+from mmtok.ranks import worker_items
 from mmtok.text import TextTokenizer, load_text_tokenizer, tokenizer_difference
 from mmtok.vocab import VocabLayout
 
 CLIPS_FORMAT = "mmtok-clip-index/2"
 CLIPS_DIR = "clip-index"  # OUT/clip-index/: the audio clips' index one rank built, for the others (formats/kept.py)
 CONVERSATIONS_PER_UNIT = 256  # one commit per unit: a kill loses at most this many conversations' work
+# A work item, one part: 16,384 conversations, about 30 s of one core (benchmarks/RESULTS.md: 458 a second on the
+# 2-core VM); short enough that workers that finish first take over a slow one's tail, long enough that a
+# million conversations are 62 parts, not thousands.
+UNITS_PER_ITEM = 64
 DEFAULT_MAX_TOKENS = 1 << 20
 # A data-quality count: written conversations whose text held control-token names (tokenized as text).
 CONTROL_LITERALS = "control_literals"
@@ -79,6 +88,11 @@ CONTROL_LITERALS = "control_literals"
 class SftOptions:
     max_tokens: int = DEFAULT_MAX_TOKENS
     progress: bool = True
+    take_over: bool = True  # once its own items are done, take any item nobody finished or holds
+    stop: object = None  # a `mmtok.launch.StopRequest` (or any object with is_set() and name); None: never stop
+
+    def stopping(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
 
 
 # -- encoded images ---------------------------------------------------------------------------------
@@ -379,14 +393,23 @@ def _kinds(slots: list[MediaSlot]) -> str:
     return " + ".join(f"{counts[k]} {k}" for k in ("image", "audio")) if slots else "no"
 
 
-# -- the rank ---------------------------------------------------------------------------------------
-def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
-                  audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
-                  options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> dict:
-    """Assemble rank `rank` of `world_size` into OUT/parts/part-<rank>; returns its stats. A medium given as
-    a file path resolves only inside its input's directory or one of `media_roots`."""
-    from mmtok.progress import progress as progress_bar
+# -- the worker -------------------------------------------------------------------------------------
+def work_items(total: int) -> list[tuple[int, int]]:
+    """[start, end) units of every work item of `total` conversations: UNITS_PER_ITEM units each (the last
+    fewer), at least one item (an input of no conversations is one empty part). The inputs alone decide them."""
+    units = -(-total // CONVERSATIONS_PER_UNIT)
+    return [(start, min(start + UNITS_PER_ITEM, units)) for start in range(0, units, UNITS_PER_ITEM)] or [(0, 0)]
 
+
+def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
+                    audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
+                    options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> dict:
+    """Worker `rank` of `world_size`: assemble its work items (a contiguous, even range of `work_items`), each
+    into OUT/parts/part-<item>, then (with `options.take_over`) every item no process has finished or holds
+    (`mmtok.formats.parts.items_to_take`); returns its stats summed over its items. A finished item is left as
+    it is, a half-done one resumes from its commit log, whichever worker started it. Once `options.stop` is
+    set, the unit in hand is committed and the worker returns (`stopped`). A medium given as a file path
+    resolves only inside its input's directory or one of `media_roots`."""
     tokenizer = load_text_tokenizer(text_tokenizer)
     layout = VocabLayout(text_size=tokenizer.vocab_size)
     image_items = (ImageItems(Path(images), layout, tokenizer, kept=Path(out) / KEPT_DIR) if images is not None
@@ -394,36 +417,70 @@ def assemble_rank(inputs: list[Path], out: Path, *, text_tokenizer: str, images:
     clips = AudioClips([Path(a) for a in audio], [Path(c) for c in converted], layout,
                        kept_in=Path(out) / CLIPS_DIR if audio else None)
     builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
-    _refuse_other_parts(part_dir(out, rank))
-    index = conversation_index.load_or_build(inputs, out, CONVERSATIONS_PER_UNIT)  # made by the first rank
-    total = index.total
-    units = unit_ranges(-(-total // CONVERSATIONS_PER_UNIT), world_size)[rank]
-    identity = _identity(inputs, tokenizer, layout, image_items, clips, options, rank, world_size, units)
+    index = conversation_index.load_or_build(inputs, out, CONVERSATIONS_PER_UNIT)  # made by the first worker
+    items = work_items(index.total)
+    own = range(*(int(x) for x in worker_items(np.array([b - a for a, b in items], np.float64), world_size)[rank]))
+    shared = _identity(inputs, tokenizer, layout, image_items, clips, options, items)
     roots = check_media_roots(media_roots)
     if roots:  # they decide which file references resolve: a resume must use the same
-        identity["media_roots"] = list(roots)
-    with PartWriter(part_dir(out, rank), identity) as part:
-        if part.done:
-            return {"already_done": True, "counts": dict(part.counts), "part_dir": str(part.directory)}
-        first = max(units[0], part.next_unit) * CONVERSATIONS_PER_UNIT
-        last = min(units[1] * CONVERSATIONS_PER_UNIT, total)
-        bar = progress_bar(total=last - first, desc=f"sft rank {rank}", unit="conv", enabled=options.progress)
-        pending = _Unit(first // CONVERSATIONS_PER_UNIT)
-        try:
-            for ordinal, conversation in index.read(inputs, first, last, roots):  # only this rank's range
-                if ordinal // CONVERSATIONS_PER_UNIT != pending.unit:
+        shared["media_roots"] = list(roots)
+    refuse_other_run(out, shared, "mmtok sft")
+    work = _Work(inputs, out, index, builder, roots, options)
+    run = take_items(out, len(items), own, options.take_over, options.stopping,
+                     lambda item: work.item(item, items[item], {**shared, "part": item, "part_units": [*items[item]]}),
+                     lambda result: result.get("stopped", False))
+    counts = Counter()
+    for result in run.done:
+        counts.update(result["counts"])
+    stopped = None if run.stopped is None else {"signal": options.stop.name, "item": run.stopped}
+    return {"items": [own.start, own.stop], "num_items": len(items), "counts": dict(counts),
+            "parts": [result["part_dir"] for result in run.done], "sequences": sum(r["sequences"] for r in run.done),
+            "already_done": bool(run.done) and all(r.get("already_done") for r in run.done), "stopped": stopped,
+            **run.summary(out)}
+
+
+@dataclass
+class _Work:
+    """What every item of one worker reads: the inputs and their conversation index, the builder."""
+
+    inputs: list[Path]
+    out: Path
+    index: conversation_index.ConversationIndex
+    builder: ConversationBuilder
+    roots: list[Path]
+    options: SftOptions
+
+    def item(self, item: int, units: tuple[int, int], identity: dict) -> dict:
+        """Assemble (or resume, or find finished) work item `item` (`units`) into its part; its stats."""
+        from mmtok.progress import progress as progress_bar
+
+        _refuse_other_parts(part_dir(self.out, item))
+        with PartWriter(part_dir(self.out, item), identity) as part:
+            result = {"part_dir": str(part.directory), "units": list(units)}
+            if part.done:
+                return {**result, "already_done": True, "counts": dict(part.counts), "sequences": len(part.lengths)}
+            first = max(units[0], part.next_unit) * CONVERSATIONS_PER_UNIT
+            last = min(units[1] * CONVERSATIONS_PER_UNIT, self.index.total)
+            bar = progress_bar(total=last - first, desc=f"sft item {item}", unit="conv",
+                               enabled=self.options.progress)
+            pending = _Unit(first // CONVERSATIONS_PER_UNIT)
+            try:
+                for ordinal, conversation in self.index.read(self.inputs, first, last, self.roots):  # this item only
+                    if ordinal // CONVERSATIONS_PER_UNIT != pending.unit:
+                        pending.commit(part)
+                        if self.options.stopping():  # the unit read is committed; the part stays unfinished
+                            return {**result, "stopped": True, "counts": dict(part.counts),
+                                    "sequences": len(part.lengths)}
+                        pending = _Unit(ordinal // CONVERSATIONS_PER_UNIT)
+                    pending.add(conversation, self.builder)
+                    bar.update(1)
+                if pending.conversations:
                     pending.commit(part)
-                    pending = _Unit(ordinal // CONVERSATIONS_PER_UNIT)
-                pending.add(conversation, builder)
-                bar.update(1)
-            if pending.conversations:
-                pending.commit(part)
-        finally:
-            bar.close()
-        part.finish({"tool_version": __version__, "rank": rank, "world_size": world_size, "units": list(units),
-                     "conversations": total})
-        return {"counts": dict(part.counts), "part_dir": str(part.directory), "units": list(units),
-                "sequences": len(part.lengths)}
+            finally:
+                bar.close()
+            part.finish({"tool_version": __version__, "item": item, "units": list(units),
+                         "conversations": self.index.total})
+            return {**result, "counts": dict(part.counts), "sequences": len(part.lengths)}
 
 
 @dataclass
@@ -464,13 +521,15 @@ class _Unit:
                     skipped=self.skipped)
 
 
-def _identity(inputs, tokenizer, layout, images, clips, options, rank, world_size, units) -> dict:
+def _identity(inputs, tokenizer, layout, images, clips, options, items: list[tuple[int, int]]) -> dict:
+    """What every part (work item) of one run shares; each part adds its `part` and `part_units`."""
     special = recorded_special_ids(tokenizer)
     image_run = None if images is None else {
         "out": os.path.realpath(images.out),
         "plan_fingerprint": required(images.identity, "plan_fingerprint", str, images.identity_file),
         "codec": required(images.identity, "codec", dict, images.identity_file)}
-    return {"part": rank, "num_parts": world_size, "modality": "sft", "mode": "sft", "part_units": list(units),
+    return {"num_parts": len(items), "modality": "sft", "mode": "sft",
+            "work_items": {"count": len(items), "units_per_item": UNITS_PER_ITEM, "units": items[-1][1]},
             "inputs": input_fingerprint(inputs), "conversations_per_unit": CONVERSATIONS_PER_UNIT,
             "max_tokens": options.max_tokens, "text_tokenizer": tokenizer.describe(), "text_special_ids": special,
             "vocab": layout.offsets(), "images": image_run, "audio": clips.describe, "converted": clips.converted}

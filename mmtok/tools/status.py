@@ -63,7 +63,8 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     opened = _open_plan(plan) if plan is not None else None
     num_parts = _num_parts(identities, found, opened)
     model = _plan_model(opened, identities, num_parts) if opened is not None and num_parts else None
-    parts = [found.get(n) or _missing(n, commitlog.part_dir(out, n)) for n in range(num_parts)]
+    parts = [found.get(n) or _missing(n, commitlog.part_dir(out, n), units=_sft_units(n, identities))
+             for n in range(num_parts)]
     parts += [p for n, p in sorted(found.items()) if n >= num_parts]
     for part in parts:
         _add_figures(part, model)
@@ -78,10 +79,20 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
 
 
 # -- reading one part --------------------------------------------------------------------------------
-def _missing(number: int, directory: Path, detail: str = "not started: no part directory") -> dict:
+def _missing(number: int, directory: Path, detail: str = "not started: no part directory", units=None) -> dict:
     return {"part": number, "state": "missing", "detail": detail, "directory": str(directory), "counts": {},
-            "units_done": 0, "tokens": 0, "part_batches": None, "silent_s": None, "holder": None,
+            "units_done": 0, "tokens": 0, "part_batches": units, "silent_s": None, "holder": None,
             "last_commit_at": None}
+
+
+def _sft_units(number: int, identities: list[dict]) -> list[int] | None:
+    """[start, end) units of `mmtok sft` work item `number` (`mmtok.sft.build.work_items`: UNITS_PER_ITEM each, the
+    last fewer), from what the run's parts record; None for other jobs (an image part's batches are the plan's)."""
+    items = identities[0].get("work_items") if identities and identities[0].get("modality") == "sft" else None
+    if not isinstance(items, dict) or not {"units_per_item", "units"} <= items.keys():
+        return None
+    start = number * items["units_per_item"]
+    return [start, min(start + items["units_per_item"], items["units"])]
 
 
 def _damaged(number: int, directory: Path, detail: str) -> dict:
@@ -118,7 +129,8 @@ def _read_part(number: int, directory: Path) -> dict:
         state, detail = "stopped", RESUME_HINT
     counts = dict(records[-1]["counts"]) if records else {}
     return {**part, "state": state, "detail": detail, "identity": identity, "holder": holder,
-            "part_batches": identity.get("part_batches"), "counts": counts, "units_done": len(records),
+            "part_batches": identity.get("part_batches", identity.get("part_units")),  # sft: its units
+            "counts": counts, "units_done": len(records),
             "silent_s": _silent_s(directory) if holder else None,
             "last_commit_at": _last_commit_at(directory) if records else None,
             "tokens": sum(n for record in records for n in record["lengths"]) + counts.get("item_tokens", 0)}
@@ -289,7 +301,8 @@ def _tail(parts: list[dict], items: bool = False) -> dict:
     parts slowest-to-finish first, and what to do about the tail: move slow or silent running parts to
     another node, resume stopped ones, and parts not started (in a SLURM array they start as slots free up).
     A running work item (`items`) is silent too long once its last sign of life is older than the whole
-    item should take; a rank's part (much longer) once it is older than STALL_UNITS of its batches."""
+    item should take; a rank's part (written before work items; much longer) once it is older than STALL_UNITS
+    of its batches."""
     paces = [p["pace_s"] for p in parts if p["pace_s"]]
     median = float(np.median(paces)) if paces else None
     for part in parts:
