@@ -74,7 +74,7 @@ def shar(tmp_path_factory):
 def encode_all(shar: Path, out: Path, codec, world_size: int, batching: Batching = BATCHING) -> Path:
     for rank in range(world_size):
         encode_rank(shar, out, codec, rank=rank, world_size=world_size, batching=batching, num_workers=1,
-                    progress=False)
+                    progress=False, take_over=False)  # each rank its own shards: the split itself is tested
     merge(out)
     return out
 
@@ -337,7 +337,8 @@ def test_the_cli_summary_goes_to_stderr_and_json_prints_the_rank_result(shar, ch
     from mmtok.cli import main
 
     command = ["encode", "--modality", "audio", "--shar", str(shar), "--checkpoint", str(checkpoint), "--out",
-               str(tmp_path), "--device", "cpu", "--world-size", "3", "--num-workers", "0", "--no-progress"]
+               str(tmp_path), "--device", "cpu", "--world-size", "3", "--num-workers", "0", "--no-progress",
+               "--no-take-over"]
     capsys.readouterr()
     assert main([*command, "--rank", "0"]) == 0
     headline, job_view = summary_lines(capsys.readouterr(), "encode (audio)")
@@ -370,3 +371,45 @@ def test_odd_custom_clip_fields_of_a_foreign_shar_are_numbered_as_foreign_cuts()
             MonoCut("b", 0.0, 1.0, 0, custom={"source_id": "s", "clip": "abc"}),
             MonoCut("c", 1.0, 1.0, 0, custom={"source_id": 7, "clip": None})]
     assert clip_numbers(cuts, 2) == [("s", 3), ("b", 2 * FOREIGN_CLIP_BASE), ("c", 2 * FOREIGN_CLIP_BASE)]
+
+
+def test_a_rank_that_finished_its_shards_takes_over_the_others_and_a_stop_commits_and_exits_75(
+        shar, checkpoint, one_rank, tmp_path, capsys, monkeypatch):
+    # the stop is requested by the rank's own first encoded batch (SIGUSR1 to itself, handled on this thread
+    # before the device loop takes the next batch): exactly one batch is committed, on every run
+    import os
+
+    import mmtok.encode.audio
+    from mmtok.cli import main
+    from mmtok.formats.commitlog import is_done, part_dir
+    from mmtok.launch import STOPPED_EXIT
+
+    command = ["encode", "--modality", "audio", "--shar", str(shar), "--checkpoint", str(checkpoint), "--out",
+               str(tmp_path), "--device", "cpu", "--world-size", "3", "--num-workers", "0", "--no-progress",
+               "--max-duration", str(BATCHING.max_duration), "--num-buckets", str(BATCHING.num_buckets),
+               "--bucket-seed", str(BATCHING.seed)]
+    encode_batch, encoded = mmtok.encode.audio.encode_batch, []
+
+    def signalling(*args):
+        encoded.append(1)
+        if len(encoded) == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return encode_batch(*args)
+
+    monkeypatch.setattr(mmtok.encode.audio, "encode_batch", signalling)
+    capsys.readouterr()
+    assert main([*command, "--rank", "1", "--json"]) == STOPPED_EXIT
+    captured = capsys.readouterr()
+    result = json_result(captured)
+    (own,) = result["shards"]
+    assert result["stopped"] == {"signal": "SIGUSR1", "shards": [own]} and len(encoded) == 1
+    assert committed_units(tmp_path) == 1 and not is_done(part_dir(tmp_path, own))
+    assert "stopped on SIGUSR1 with shard(s)" in captured.err
+    monkeypatch.setattr(mmtok.encode.audio, "encode_batch", encode_batch)
+    assert main([*command, "--rank", "0", "--json"]) == 0  # its own shard, then the others from the last
+    result = json_result(capsys.readouterr())
+    others = sorted({0, 1, 2} - set(result["shards"]))
+    assert sorted(result["taken_over"]) == others and result["stopped"] is None
+    assert all(is_done(part_dir(tmp_path, index)) for index in range(3))
+    merge(tmp_path)
+    assert fingerprint(tmp_path) == fingerprint(one_rank)  # the stopped shard resumed from its commit

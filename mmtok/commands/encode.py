@@ -10,6 +10,7 @@ from pathlib import Path
 from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import (
     idle_worker_line,
+    listed,
     listed_in,
     parts_named,
     plural,
@@ -58,6 +59,11 @@ def add_parser(sub) -> None:
     parser.add_argument("--world-size", type=int, default=None,
                         help="number of ranks (default: from the environment, else the plan's)")
     add_device_argument(parser, "see above; cpu without CUDA")
+    parser.add_argument("--no-take-over", action="store_true",
+                        help="encode only this worker's own work items (audio: Shar shards); by default a worker that "
+                        "has finished them takes the items no process has finished or holds (a slow or dead "
+                        "worker's), from the far end, and leaves an own item another worker holds to it; without "
+                        "take-over a held item is an error naming the holder, and a duplicate job is refused at start")
     group = parser.add_argument_group("image options")
     group.add_argument("--loader-threads", type=int, default=min(8, os.cpu_count() or 1),
                        help="threads that read, decode, resize and tokenize ahead of the device (default min(8, CPUs))")
@@ -66,11 +72,6 @@ def add_parser(sub) -> None:
                        "batch (pinned on CUDA; default 4)")
     group.add_argument("--max-consecutive-failures", type=int, default=64,
                        help="stop the rank after this many undecodable images in a row (default 64)")
-    group.add_argument("--no-take-over", action="store_true",
-                       help="encode only this worker's own items; by default a worker that has finished them takes "
-                       "the items no process has finished or holds (a slow or dead worker's), from the far end, and "
-                       "leaves an own item another worker holds to it; without take-over a held item is an error "
-                       "naming the holder, and a duplicate job is refused at start")
     group.add_argument("--lock-free", action="store_true",
                        help="for an output on a file system whose locks are node-local or missing (Lustre -o "
                        "localflock, NFS nolock): write each item into a private copy (OUT/parts/.private/) and "
@@ -351,20 +352,30 @@ def add_audio_arguments(parser) -> None:
 
 
 def run_audio(args) -> int:
-    from mmtok.codecs.registry import load_codec
-    from mmtok.encode.audio import encode_rank
-    from mmtok.encode.audio_batches import Batching
-    from mmtok.formats.commitlog import check_part_free, part_dir
-    from mmtok.formats.shar import discover_shards
-    from mmtok.launch import resolve_device, resolve_rank
-    from mmtok.ranks import assign_shards
+    from mmtok.launch import StopRequest
 
     if args.shar is None:
         raise MmtokError("--modality audio needs --shar (the output directory of `mmtok audio convert`)")
+    with StopRequest() as stop:  # from the start to the end a signal stops the worker cleanly (see StopRequest)
+        return _audio_worker(args, stop)
+
+
+def _audio_worker(args, stop) -> int:
+    """One audio worker under `stop`: its shards (one part each), then (take-over) the ones nobody finished or
+    holds."""
+    from mmtok.codecs.registry import load_codec
+    from mmtok.encode.audio import encode_rank
+    from mmtok.encode.audio_batches import Batching
+    from mmtok.formats.commitlog import check_part_free, part_dir, parts_root
+    from mmtok.formats.shar import discover_shards
+    from mmtok.launch import STOPPED_EXIT, resolve_device, resolve_rank
+    from mmtok.ranks import assign_shards
+
     rank, world_size = resolve_rank(args.rank, args.world_size)
     shards, _ = discover_shards(Path(args.shar))
-    for index in assign_shards([s.duration for s in shards], world_size)[rank]:
-        check_part_free(part_dir(args.out, shards[index].index))  # a duplicate job stops before loading the model
+    if args.no_take_over:
+        for index in assign_shards([s.duration for s in shards], world_size)[rank]:
+            check_part_free(part_dir(args.out, shards[index].index))  # a duplicate job stops before the model loads
     refuse_other_run(args.out, "audio", args.codec, args.checkpoint, num_parts=len(shards))
     codec = load_codec(args.codec, args.checkpoint, resolve_device(args.device), modality="audio")
     if codec.modality != "audio":
@@ -372,14 +383,16 @@ def run_audio(args) -> int:
     batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
     summary = encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
                           batching=batching, sequences=args.sequences, num_workers=args.num_workers,
-                          text_tokenizer=args.text_tokenizer, progress=not args.no_progress)
+                          text_tokenizer=args.text_tokenizer, progress=not args.no_progress,
+                          take_over=not args.no_take_over, stop=stop)
     print_report("encode (audio)", audio_summary_lines(summary, args.out), summary if args.json else None)
-    from mmtok.formats.commitlog import parts_root
-
-    counts = parts_counts(args.out, [shards[i].index for i in summary["shards"]])  # now or in an earlier run
+    if summary["stopped"]:
+        return STOPPED_EXIT
+    counts = parts_counts(args.out, [*summary["shards"], *summary["taken_over"]])  # now or in an earlier run
     refuse_nothing_usable(f"rank {rank}/{world_size}", sum(n for key, n in counts.items() if key.startswith(
         "sequences:")), counts, f"the parts' skipped.jsonl under {parts_root(args.out)}",
         rank_of=("encode (audio)", world_size))
+    refuse_unfinished(summary)
     return 0
 
 
@@ -397,17 +410,24 @@ def parts_counts(out: str, parts: list[int]) -> dict[str, int]:
 
 
 def audio_summary_lines(summary: dict, out: str) -> list[str]:
-    """The human summary of an audio rank: its shards, batches and clips, what it skipped, its pace."""
+    """The human summary of an audio rank: its shards, batches and clips, what it skipped, its pace, what it
+    took over or left, where it stopped."""
     lost = sum(summary["skipped"].values())
     busy = summary["device_busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
     reasons = _reasons(summary["skipped"])
-    return [f"rank {summary['rank']}/{summary['world_size']}: {plural(len(summary['shards']), 'shard')} "
-            f"({summary['shards_to_do']} to do), {plural(summary['batches'], 'batch', 'batches')}, "
-            f"{plural(summary['clips'], 'clip')}: {summary['clips'] - lost:,} encoded, {lost:,} skipped"
-            f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
-            f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)",
-            *_uniform_lines(summary, "clip"),
-            f"job view (every shard): mmtok status {out}"]
+    head = f"rank {summary['rank']}/{summary['world_size']}"
+    lines = [f"{head}: {plural(len(summary['shards']), 'shard')} "
+             f"({summary['shards_to_do']} to do), {plural(summary['batches'], 'batch', 'batches')}, "
+             f"{plural(summary['clips'], 'clip')}: {summary['clips'] - lost:,} encoded, {lost:,} skipped"
+             f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
+             f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)",
+             *_uniform_lines(summary, "clip")]
+    if summary.get("stopped"):
+        stop = summary["stopped"]
+        lines.insert(0, f"{head}: stopped on {stop['signal']} with shard(s) {listed(stop['shards'], 10)} unfinished "
+                        "(every batch encoded is committed); rerun or requeue this command to resume from there")
+    lines += take_over_lines(summary)
+    return lines + [f"job view (every shard): mmtok status {out}"]
 
 
 def _uniform_lines(counts: dict, item: str) -> list[str]:

@@ -39,10 +39,11 @@ from mmtok.encode.loop import UNIFORM_CODES, Meter, run_device, uniform_codes
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
-from mmtok.formats.commitlog import pack_carry, unpack_carry
-from mmtok.formats.parts import refuse_other_run, timing_stats
+from mmtok.formats.commitlog import is_done, pack_carry, part_dir, unpack_carry
+from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 from mmtok.formats.skips import SkipRecord
+from mmtok.fsutil import LockHeld
 from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
 from mmtok.ranks import assign_shards
 from mmtok.text import tokenizer_difference
@@ -123,9 +124,15 @@ def load_batch(request: BatchRequest) -> dict:
 
 
 def _worker_init(_worker_id: int) -> None:
+    import signal
+
     import torch
 
+    from mmtok.launch import STOP_SIGNALS
+
     torch.set_num_threads(1)  # workers decode; the device (or the main process on CPU) computes
+    for number in STOP_SIGNALS:  # a stop is the main process's to handle (scancel signals every process of the step);
+        signal.signal(number, signal.SIG_IGN)  # a loader worker ends with it (PyTorch's watchdog), never mid-batch
 
 
 # --- assembling a part -------------------------------------------------------------------------------
@@ -299,7 +306,7 @@ def open_parts(shards: list[SharShard], context: Context, batching: Batching, nu
                min_samples: int) -> list[PartWork]:
     """Create or resume the part of each shard and list its remaining batches; finished parts are left out.
     Each listed part is locked until `release_parts` (a second process for the same part is refused)."""
-    from mmtok.formats.commitlog import check_identity, is_done, lock_part, part_dir
+    from mmtok.formats.commitlog import check_identity, lock_part
 
     work: list[PartWork] = []
     try:
@@ -383,8 +390,13 @@ def trim_of(codec) -> int:
 
 def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
                 sequences: str = "auto", num_workers: int = 2, text_tokenizer: str = "tekken",
-                progress: bool = True) -> dict:
-    """Encode this rank's shards of `shar` into OUT/parts (+ OUT/audio-cache); returns the rank summary."""
+                progress: bool = True, take_over: bool = True, stop=None) -> dict:
+    """Encode this rank's shards of `shar` (`assign_shards`) into OUT/parts (+ OUT/audio-cache), a part per shard;
+    then, with `take_over`, every shard no process has finished or holds, one after another from the last
+    (`mmtok.formats.parts.take_items`): a shard is a work item. An own shard another process holds is left to
+    it (without take-over: the error naming the holder). Once `stop` (a `mmtok.launch.StopRequest`) is set, the
+    batches on the device are committed and the rank returns with those parts unfinished (`stopped`). Returns
+    the rank summary."""
     from mmtok.text import load_text_tokenizer
 
     if sequences not in SEQUENCE_MODES:
@@ -396,15 +408,57 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
     context = build_context(out, codec, load_text_tokenizer(text_tokenizer), sequences, batching, report)
     context.cache_metadata["num_parts"] = len(shards)
     refuse_other_run(out, {**context.identity, "num_parts": len(shards)})
-    work = open_parts([shards[i] for i in mine], context, batching, len(shards), trim_of(codec) * int(codec.hop))
-    summary = run_parts(work, codec, context, num_workers=num_workers, progress=progress)
-    summary.update(rank=rank, world_size=world_size, shards=mine, shards_to_do=len(work))
+    stopping = (lambda: stop.is_set()) if stop is not None else (lambda: False)
+    min_samples = trim_of(codec) * int(codec.hop)
+
+    def encode_parts(work: list[PartWork]) -> dict:
+        summary = run_parts(work, codec, context, num_workers=num_workers, progress=progress, stop=stopping)
+        unfinished = [w.shard.index for w in work if not is_done(w.directory)]
+        return {**summary, "shards_to_do": len(work), "unfinished": unfinished, "stopped": bool(unfinished)}
+
+    def open_shard(index: int) -> list[PartWork]:
+        return open_parts([shards[index]], context, batching, len(shards), min_samples)
+
+    own, held = [], []
+    try:
+        for index in mine:  # an own shard another process holds is its (take-over), else the error naming it
+            try:
+                own += open_shard(index)
+            except LockHeld:
+                if not take_over:
+                    raise
+                held.append(index)
+    except BaseException:
+        release_parts(own)
+        raise
+    summary = encode_parts(own)
+    run = take_items(out, len(shards), [], take_over and not summary["stopped"], stopping,
+                     lambda index: encode_parts(open_shard(index)), lambda result: result["stopped"])
+    for result in run.done:
+        summary = _add_summaries(summary, result)
+    stopped = None
+    if summary["unfinished"] or run.stopped is not None:
+        stopped = {"signal": stop.name, "shards": sorted({*summary["unfinished"], *([] if run.stopped is None
+                                                                                  else [run.stopped])})}
+    run.held += held
+    summary.update(rank=rank, world_size=world_size, shards=mine, stopped=stopped, **run.summary(out))
     return summary
 
 
-def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int, progress: bool) -> dict:
+def _add_summaries(total: dict, more: dict) -> dict:
+    """Two `run_parts` summaries of one rank as one: counts added, skips by reason added."""
+    added = {key: total[key] + more[key] for key in ("batches", "clips", UNIFORM_CODES, "wall_s", "device_busy_s",
+                                                      "loader_wait_s", "shards_to_do")}
+    skipped = Counter(total["skipped"]) + Counter(more["skipped"])
+    return {**total, **added, "skipped": dict(sorted(skipped.items())), "unfinished": total["unfinished"] +
+            more["unfinished"], "stopped": total["stopped"] or more["stopped"]}
+
+
+def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int, progress: bool,
+              stop=None) -> dict:
     """Every remaining batch of `work` through the rank loop (mmtok.encode.loop): DataLoader workers
-    load, the device encodes, the committer commits each batch's clips and assembles each finished part."""
+    load, the device encodes, the committer commits each batch's clips and assembles each finished part.
+    Once `stop()` says so, no further batch is encoded (those encoded are committed)."""
     import torch
 
     from mmtok.progress import progress as progress_bar
@@ -443,7 +497,7 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
         for w in work:  # parts whose batches were all committed before a kill: assemble right away
             if not w.requests:
                 assemble_part(w, context, stats, meter)
-        run_device(prefetched(batches), encode, commit, meter, depth=4)
+        run_device(prefetched(batches), encode, commit, meter, depth=4, stop=stop)
     finally:
         bar.close()
         release_parts(work)
@@ -457,21 +511,35 @@ def prefetched(batches, depth: int = 2) -> Iterator[dict]:
     """The batches, taken from the DataLoader by a thread (unpickling, shared-memory rebuild and pinning
     overlap the device's work); the loader's exception is re-raised here."""
     ready: queue.Queue = queue.Queue(depth)
+    closed = threading.Event()  # the device loop stopped early (a stop request, an error): stop filling
+
+    def put(item) -> None:
+        while not closed.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def fill() -> None:
         try:
             for batch in batches:
-                ready.put(batch)
+                put(batch)
+                if closed.is_set():
+                    return  # the loader (and its worker processes) can go now
         except BaseException as err:  # handed to the device loop, which re-raises it
-            ready.put(err)
+            put(err)
             return
-        ready.put(None)
+        put(None)
 
     threading.Thread(target=fill, name="mmtok-prefetch", daemon=True).start()
-    while (batch := ready.get()) is not None:
-        if isinstance(batch, BaseException):
-            raise batch
-        yield batch
+    try:
+        while (batch := ready.get()) is not None:
+            if isinstance(batch, BaseException):
+                raise batch
+            yield batch
+    finally:
+        closed.set()
 
 
 def encode_batch(codec, batch: dict, device, trim: int, layout) -> list[tuple[int, str, np.ndarray | None]]:
