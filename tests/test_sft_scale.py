@@ -293,3 +293,23 @@ def test_an_out_of_rank_parts_written_before_work_items_is_refused_in_one_line(j
     assert "a part of another run: num_parts (recorded 2, now 3)" in err and "nothing was written" in err
     assert len(err.splitlines()) == 1
     assert not (root / "old" / "parts" / "part-00001").exists()  # nothing written
+
+
+def test_a_stop_after_the_last_own_item_still_exits_75_naming_the_item_it_would_take_next(job, monkeypatch, capsys):
+    # found by an attack: a stop that ended the take-over scan (not an item) exited 0 with items left undone
+    root, argv = job
+    _small_items(monkeypatch)
+    monkeypatch.chdir(root)
+    commit = mmtok.sft.build._Unit.commit
+
+    def signalling(self, part):
+        commit(self, part)
+        if self.unit == 1:  # the last unit of item 0, worker 0's only own item
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(mmtok.sft.build._Unit, "commit", signalling)
+    capsys.readouterr()
+    assert main([*argv, "--out", "after-own", "--rank", "0", "--world-size", "3", "--json"]) == STOPPED_EXIT
+    result = json_result(capsys.readouterr())
+    assert result["stopped"] == {"signal": "SIGUSR1", "item": 2} and result["taken_over"] == []
+    assert [is_done(part_dir(root / "after-own", item)) for item in range(3)] == [True, False, False]

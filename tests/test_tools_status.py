@@ -74,7 +74,7 @@ def test_states_figures_and_eta_of_done_stopped_and_missing_parts(tmp_path):
     assert parts[0]["state"] == "done" and parts[0]["detail"] is None
     assert (parts[0]["units_done"], parts[0]["units_planned"], parts[0]["written"], parts[0]["tokens"]) == (4, 4, 4, 16)
     assert parts[0]["wall_s"] == 8.0 and parts[0]["device_busy_fraction"] == 0.5 and parts[0]["per_s"] == 0.5
-    assert parts[1]["state"] == "stopped" and "rerun the same encode command" in parts[1]["detail"]
+    assert parts[1]["state"] == "stopped" and "rerun the same mmtok encode command" in parts[1]["detail"]
     assert (parts[1]["units_done"], parts[1]["units_planned"]) == (2, 6)
     assert parts[1]["eta_s"] == pytest.approx(4 * 1.5) and parts[1]["projected_s"] == pytest.approx(9.0)
     assert parts[2]["state"] == "missing" and parts[2]["units_planned"] is None

@@ -99,14 +99,16 @@ def listed_in(stats: dict, files: str) -> str:
 
 
 def parts_named(stats: dict) -> str:
-    """The worker's parts: one path, or the first and last as `DIR/part-{00003..00007}`."""
+    """The worker's parts: one path, the first and last as `DIR/part-{00003..00007}` when they are consecutive,
+    else `N parts under DIR` (taken over from elsewhere, or own items other workers held)."""
     parts = stats["parts"]
     if not parts:
         return "no part"
     if len(parts) == 1:
         return parts[0]
     first, last = Path(parts[0]), Path(parts[-1])
-    if stats.get("taken_over"):  # not one range: its own, then others' from the far end
+    numbers = [int(Path(part).name.rpartition("-")[2]) for part in parts]
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
         return f"{len(parts):,} parts under {first.parent}"
     return f"{first.parent}/{{{first.name}..{last.name}}}"
 

@@ -207,7 +207,10 @@ def _tail(status: dict) -> list[str]:
     by_number = {p["part"]: p for p in status["parts"]}
     shown = [_running(by_number[n], noun(status)) for n in tail["running"][:TAIL_SHOWN]]
     lines = [f"tail: {counts}" + (f"; last to finish: {', '.join(shown)}" if shown else "")]
-    return lines + [f"action: {_action(a, noun(status))}" for a in tail["actions"]]
+    from mmtok.tools.status import stage_command
+
+    command = stage_command(status["modality"])
+    return lines + [f"action: {_action(a, noun(status), command)}" for a in tail["actions"]]
 
 
 def _running(part: dict, name: str) -> str:
@@ -216,7 +219,7 @@ def _running(part: dict, name: str) -> str:
     return f"{name} {part['part']} {progress}{speed}, eta {_duration(part['eta_s'])}"
 
 
-def _action(action: dict, name: str = "part") -> str:
+def _action(action: dict, name: str = "part", command: str = "mmtok encode") -> str:
     kind = action["action"]
     if kind == "slow":
         return (f"{name} {action['part']} runs at {action['speed']:.2f}x the median pace: requeue it on another node "
@@ -230,7 +233,7 @@ def _action(action: dict, name: str = "part") -> str:
                 "node may hang; requeue it on another node")
     parts, many = listed(action["parts"]), plural(len(action["parts"]), name)
     if kind == "resume":
-        return f"{many} stopped ({parts}): requeue their tasks or rerun the same encode command"
+        return f"{many} stopped ({parts}): requeue their tasks or rerun the same {command} command"
     if name == "item":
         return (f"{many} pending ({parts}): running workers take them over as they finish their own (unless run "
                 "with --no-take-over); in a SLURM array more start as slots free up; otherwise launch workers (any "

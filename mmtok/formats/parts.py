@@ -119,8 +119,8 @@ class ItemRun:
 
     done: list[dict] = field(default_factory=list)  # the result of every item it finished, stopped in or found done
     reached: list[int] = field(default_factory=list)  # those items, in the same order
-    taken: list[int] = field(default_factory=list)  # other workers' items it worked on
-    held: list[int] = field(default_factory=list)  # items another process held when it came to them
+    taken: list[int] = field(default_factory=list)  # other workers' items it finished
+    held: list[int] = field(default_factory=list)  # own items another process held when it came to them
     failed: dict[int, str] = field(default_factory=dict)  # others' items that failed here, and why
     stopped: int | None = None  # the item a stop request ended the worker at (before it or inside it)
 
@@ -134,7 +134,8 @@ class ItemRun:
 def take_items(out: Path, count: int, own: range, take_over: bool, stopping: Callable[[], bool],
                work: Callable[[int], dict], stopped_in: Callable[[dict], bool]) -> ItemRun:
     """Run `work(item)` (its result) over the items `items_to_take` gives, until a stop request: before an item,
-    or inside one (`stopped_in(result)`). An item another process holds (`LockHeld`) is left to it with
+    inside one (`stopped_in(result)`), or during the take-over scan (then `stopped` is the next unfinished item,
+    None when none is left). An item another process holds (`LockHeld`) is left to it with
     `take_over`, else the error; an own item's MmtokError is the worker's, another's is recorded (`failed`) and
     the worker goes on."""
     run = ItemRun()
@@ -147,7 +148,8 @@ def take_items(out: Path, count: int, own: range, take_over: bool, stopping: Cal
         except LockHeld:  # another worker took it over (or took it first): theirs; without take-over, an error
             if not take_over:
                 raise
-            run.held.append(item)
+            if own_item:  # (another's item taken first by a third worker is no news)
+                run.held.append(item)
             continue
         except MmtokError as err:
             if own_item:
@@ -156,12 +158,20 @@ def take_items(out: Path, count: int, own: range, take_over: bool, stopping: Cal
             continue
         run.done.append(result)
         run.reached.append(item)
-        if not own_item and not result.get("already_done"):
-            run.taken.append(item)
         if stopped_in(result):
             run.stopped = item
             break
+        if not own_item and not result.get("already_done"):
+            run.taken.append(item)
+    if run.stopped is None and stopping():  # the stop ended the take-over scan: is anything left for a requeue?
+        run.stopped = _next_unfinished(out, range(count) if take_over else own, run.failed)
     return run
+
+
+def _next_unfinished(out: Path, items, failed: dict[int, str]) -> int | None:
+    """The item a worker would have taken next (from the far end): one of `items` not finished and not failed."""
+    return next((item for item in reversed(items) if item not in failed
+                 and not commitlog.is_done(commitlog.part_dir(out, item))), None)
 
 
 def refuse_other_run(out: str | Path, identity: dict, command: str = "mmtok encode") -> None:

@@ -38,7 +38,12 @@ from mmtok.fsutil import WriterLock
 from mmtok.ranks import imbalance, rank_costs
 
 STATES = ("done", "running", "stopped", "missing", "damaged")
-RESUME_HINT = "rerun the same encode command to resume"
+RESUME_HINT = "rerun the same {command} command to resume"
+
+
+def stage_command(modality: str | None) -> str:
+    """The command that writes (and resumes) a job's parts."""
+    return "mmtok sft" if modality == "sft" else "mmtok encode"
 SLOWEST = 5
 SLOW_SPEED = 0.75  # a part progressing below this share of the median pace is worth moving to another node
 STALL_UNITS, STALL_S = 10, 600  # a running part silent for this many of its units (and seconds) may hang
@@ -54,7 +59,7 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     out = Path(out)
     if not commitlog.parts_root(out).is_dir():
         raise MmtokError(f"{out}: no parts directory ({commitlog.parts_root(out)}); run `mmtok encode --out {out}` "
-                         "first")
+                         "(or `mmtok sft`) first")
     found = {number: _read_part(number, directory) for number, directory in commitlog.part_directories(out)}
     identities, warnings = _one_run(found)
     modality = identities[0].get("modality") if identities else None
@@ -126,7 +131,7 @@ def _read_part(number: int, directory: Path) -> dict:
     elif holder:
         state, detail = "running", f"holder: {holder}"
     else:
-        state, detail = "stopped", RESUME_HINT
+        state, detail = "stopped", RESUME_HINT.format(command=stage_command(identity.get("modality")))
     counts = dict(records[-1]["counts"]) if records else {}
     return {**part, "state": state, "detail": detail, "identity": identity, "holder": holder,
             "part_batches": identity.get("part_batches", identity.get("part_units")),  # sft: its units
