@@ -148,3 +148,31 @@ def test_blocks_cover_64_bits_with_enough_blocks(n: int, radius: int) -> None:
     assert sum(widths) == 64
     assert len(widths) >= radius + 1
     assert max(widths) - min(widths) <= 1
+
+
+# -- pairs_across: training hashes against benchmark hashes ----------------------------------------------------------
+@pytest.mark.parametrize("radius", [0, 1, 3, 4, 6, 8])
+def test_pairs_across_matches_brute_force_with_planted_hits_at_every_distance(radius: int, monkeypatch) -> None:
+    rng = np.random.default_rng(radius)
+    queries = rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64)
+    references = rng.integers(0, 2**64 - 1, 400, dtype=np.uint64)
+    for planted in range(120):  # hits at every distance 0..radius+2, some queries near several references
+        value = references[planted % 400]
+        for bit in rng.choice(64, planted % (radius + 3), replace=False):
+            value ^= np.uint64(1 << int(bit))
+        queries[rng.integers(0, 3000)] = value
+    queries[5], references[7] = queries[6], references[8]  # repeated values on both sides
+    monkeypatch.setattr(search, "QUERY_CHUNK", 1000)  # several chunks
+    q, r, d = search.pairs_across(queries, references, radius)
+    distance = np.bitwise_count(queries[:, None] ^ references[None, :])
+    expected_q, expected_r = np.nonzero(distance <= radius)
+    assert q.tolist() == expected_q.tolist() and r.tolist() == expected_r.tolist()  # each pair once, sorted
+    assert (d == distance[expected_q, expected_r]).all() and len(q) >= 40
+
+
+def test_pairs_across_with_an_empty_side_and_wrong_types() -> None:
+    values = np.arange(5, dtype=np.uint64)
+    assert all(len(a) == 0 for a in search.pairs_across(values, np.zeros(0, np.uint64), 3))
+    assert all(len(a) == 0 for a in search.pairs_across(np.zeros(0, np.uint64), values, 3))
+    with pytest.raises(TypeError):
+        search.pairs_across(values.astype(np.int64), values, 2)

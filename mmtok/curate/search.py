@@ -13,6 +13,10 @@ kept only in the table made of the first ``k`` blocks (in block order) it agrees
 without a global de-duplication step.
 
 Memory is a few arrays of length ``n`` per table (tables are processed one after another), plus the pairs found.
+
+`pairs_across` asks the same question between two sets (training hashes against benchmark hashes): the same tables,
+but only the (usually much smaller) reference set is sorted; each query looks its key up by binary search, in
+chunks, so memory is a few arrays of the references plus one chunk of queries.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 
 import numpy as np
 
-__all__ = ["pairs_within"]
+__all__ = ["pairs_across", "pairs_within"]
 
 # A multiplier for Fibonacci hashing (2**64 / golden ratio, odd): it spreads masked keys over the high bits so the
 # key can be packed above the position in one uint64. Colliding keys only add candidates, which are then rejected.
@@ -187,3 +191,76 @@ def pairs_within(values: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarra
     d = _concat([f[2] for f in found], np.uint8)
     order = np.argsort(i * len(values) + j, kind="stable")
     return i[order], j[order], d[order]
+
+
+# A binary-search lookup of one query key in a sorted reference table, in sorting units (see _CANDIDATE_COST).
+_LOOKUP_COST = 4.0
+QUERY_CHUNK = 1 << 22  # queries looked up at a time: a few arrays of this length bound `pairs_across`'s memory
+
+
+def _across_blocks(n: int, m: int, radius: int) -> list[int]:
+    """Block widths with the lowest modelled cost for `n` queries against `m` uniform random references."""
+    if not 0 <= radius < 64:
+        raise ValueError(f"radius must be in 0..63, got {radius}")
+
+    def cost(widths: list[int]) -> float:
+        keep = len(widths) - radius
+        key_bits = sum(sorted(widths)[:keep])
+        tables = math.comb(len(widths), keep)
+        return tables * (m * math.log2(max(m, 2)) + _LOOKUP_COST * n + _CANDIDATE_COST * n * m / 2.0**key_bits)
+
+    choices = [_widths(count) for count in range(radius + 1, min(64, radius + _EXTRA_BLOCKS) + 1)]
+    return min(choices, key=cost)
+
+
+def pairs_across(queries: np.ndarray, references: np.ndarray, radius: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every pair (q, r) of a position in `queries` and one in `references` with ``popcount(queries[q] ^
+    references[r]) <= radius``: ``(q, r, distance)`` as int64, int64, uint8, each pair once, sorted by (q, r).
+    Exact, by the block tables of the module docstring; both arrays 1-D uint64, repeated values allowed."""
+    queries, references = np.asarray(queries), np.asarray(references)
+    for name, values in (("queries", queries), ("references", references)):
+        if values.ndim != 1 or values.dtype != np.uint64:
+            raise TypeError(f"{name} must be a 1-D uint64 array, got {values.dtype} with shape {values.shape}")
+    widths = _across_blocks(len(queries), len(references), radius)
+    if not len(queries) or not len(references):
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.uint8)
+    masks = _block_masks(widths)
+    found = [_across_table(queries, references, radius, masks, chosen)
+             for chosen in itertools.combinations(range(len(widths)), len(widths) - radius)]
+    q, r = _concat([f[0] for f in found], np.int64), _concat([f[1] for f in found], np.int64)
+    d = _concat([f[2] for f in found], np.uint8)
+    order = np.lexsort((r, q))
+    return q[order], r[order], d[order]
+
+
+def _across_table(queries: np.ndarray, references: np.ndarray, radius: int, masks: list[int],
+                  chosen: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs of one table: each query's key (its bits in the `chosen` blocks) looked up among the sorted
+    reference keys; every reference of that run is a candidate, kept within `radius` and when this is the pair's
+    canonical table."""
+    mask = np.uint64(sum(masks[block] for block in chosen))
+    keys = references & mask
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    new_run = np.concatenate([[True], keys[1:] != keys[:-1]])
+    run_of = np.cumsum(new_run) - 1  # each sorted position's run
+    run_end = np.append(np.flatnonzero(new_run)[1:], len(keys))
+    found_q, found_r, found_d = [], [], []
+    for start in range(0, len(queries), QUERY_CHUNK):
+        chunk = queries[start:start + QUERY_CHUNK]
+        wanted = chunk & mask
+        low = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+        hit = np.flatnonzero(keys[low] == wanted)
+        if not len(hit):
+            continue
+        low = low[hit]
+        size = run_end[run_of[low]] - low
+        query = np.repeat(hit, size)
+        reference = order[np.repeat(low - np.cumsum(size) + size, size) + np.arange(int(size.sum()))]
+        diff = chunk[query] ^ references[reference]
+        distance = np.bitwise_count(diff)
+        keep = (distance <= radius) & _first_equal_blocks_ok(diff, masks, chosen)
+        found_q.append(query[keep] + start)
+        found_r.append(reference[keep])
+        found_d.append(distance[keep].astype(np.uint8))
+    return _concat(found_q, np.int64), _concat(found_r, np.int64), _concat(found_d, np.uint8)
