@@ -1,5 +1,8 @@
 """`mmtok dedup` and `mmtok plan --exclude`: the groups brute force finds, keepers by rule (never by input order),
-drops by sample id that reach the plan's dropped table with their keeper, and one-line refusals of bad input."""
+drops by sample id that reach the plan's dropped table with their keeper, and one-line refusals of bad input.
+Decontamination (`--against BENCH`): training images matching a benchmark image dropped by sample id, each named
+with the benchmark image and the distance; suspect matches held back until `--confirm` names them; `plan
+--exclude` drops them as `contaminated`."""
 
 from __future__ import annotations
 
@@ -194,7 +197,7 @@ def test_plan_exclude_drops_the_listed_rows_with_their_keepers_and_counts_add_up
     ("missing_source", "has no rule for source(s) ['frames']"),
     ("unknown_rule", "unknown rule 'fuzzy'"),
     ("radius_missing", "rule radius needs `radius:`"),
-    ("not_a_policy", "a policy is one mapping `sources:`"),
+    ("not_a_policy", "a policy is a mapping `sources:`"),
     ("other_algorithm", "different algorithms"),
     ("same_source_twice", "have the same source name"),
     ("rule_of_wrong_type", "unknown rule ['exact']"),
@@ -291,3 +294,129 @@ def test_plan_warns_when_it_drops_a_keeper_of_its_own_manifest(sources, tmp_path
     assert "warning: 1 duplicate excluded by" in err and "drops 1 keeper (too_many_pixels 1)" in err, err
     excluded = json.loads((tmp_path / "p" / "plan.json").read_text())["exclude"]
     assert excluded["keepers_dropped"] == {"too_many_pixels": 1} and excluded["duplicates_without_kept_copy"] == 1
+
+
+# -- decontamination: --against a benchmark's hash table ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bench(sources, tmp_path_factory) -> Path:
+    """A benchmark `vqa` of three real images: frames' grass photo re-encoded as JPEG quality 30 (a near copy),
+    the coffee photo web repeats (byte copies and a JPEG in frames: one benchmark image, four training images) and
+    the astronaut (a byte copy in web and in frames)."""
+    root = tmp_path_factory.mktemp("bench")
+    images = real_images()
+    grass = Image.open(next(p for p in skimage_images() if p.name == "grass.png")).convert("RGB")
+    members = [("b000.jpg", _encoded(grass, "JPEG", quality=30)), ("b001.png", images["coffee.png"].read_bytes()),
+               ("b002.png", images["astronaut.png"].read_bytes())]
+    tar = write_tar(root / "shards" / "vqa.tar", members)
+    assert cli(["scan", str(tar), "--out", str(root / "manifest"), "--no-progress"]) == 0
+    assert cli(["hash", str(root / "manifest"), "--source", "vqa", "--out", str(root / "vqa.h"), "--no-progress",
+                "--workers", "1"]) == 0
+    return root / "vqa.h"
+
+
+def _dedup(sources: Path, bench: Path, tmp_path: Path, policy: str, *flags: str) -> dict:
+    out = tmp_path / "d"
+    assert cli(["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy",
+                str(_policy(tmp_path, policy)), "--out", str(out), "--against", str(bench), *flags]) == 0
+    return {"dropped": {(r["source"], r["key"]): r for r in pq.read_table(out / "dropped.parquet").to_pylist()},
+            "held": {(r["source"], r["key"]): r for r in pq.read_table(out / "held.parquet").to_pylist()},
+            "meta": json.loads((out / "dedup.json").read_text())}
+
+
+def _matched(row: dict) -> tuple:
+    return row["rule"], row["keeper_source"], row["keeper_key"], row["group"]
+
+
+MANY = POLICY + "decontamination: {max_matches: 2}\n"  # coffee (4 training images) is suspect
+
+
+def test_matches_are_dropped_by_sample_id_named_with_the_benchmark_image_and_a_suspect_one_is_held(
+        sources, bench, tmp_path, capsys):
+    found = _dedup(sources, bench, tmp_path, MANY)
+    dropped, held, meta = found["dropped"], found["held"], found["meta"]
+    assert _matched(dropped[("frames", "f004")]) == ("benchmark", "vqa", "b000", -1)  # the re-encoded grass
+    assert dropped[("frames", "f004")]["distance"] <= 4
+    # the astronaut's byte copies: matches of vqa:b002 (a benchmark match outranks being a duplicate)
+    assert _matched(dropped[("web", "s003")]) == _matched(dropped[("frames", "f000")]) == ("benchmark", "vqa", "b002",
+                                                                                           -1)
+    # coffee matches 4 training images (> max_matches 2): held back; its kept copy c002 stays, listed with why
+    assert list(held) == [("web", "c002")] and held[("web", "c002")]["why"] == "benchmark_image_matches_many"
+    assert (held[("web", "c002")]["bench_source"], held[("web", "c002")]["bench_key"]) == ("vqa", "b001")
+    assert dropped[("web", "s008")]["rule"] == "sha256"  # its byte copies stay dropped as duplicates of c002
+    record = meta["decontamination"]
+    assert record["suspect_images"] == [{"benchmark": "vqa:b001", "row": 1, "matches": 4}]
+    assert (record["contaminated"], record["held"], record["radius"]) == (3, 1, {"frames": 4, "web": 4})
+    for source, counts in meta["counts"].items():
+        assert counts["hashed"] == counts["kept"] + counts["dropped"]
+        assert counts["dropped"] == sum(counts["by_rule"].values()) == sum(s == source for s, _ in dropped)
+    assert meta["counts"]["frames"]["by_rule"]["benchmark"] == 2 and meta["counts"]["web"]["held"] == 1
+    err = capsys.readouterr().err
+    assert "and 3 images matching 1 benchmark among 30 images" in err
+    assert "held back: benchmark image vqa:b001 matches 4 training images" in err and "--confirm vqa:b001" in err
+
+    confirmed = _dedup(sources, bench, tmp_path, MANY, "--confirm", "vqa:b001")
+    assert _matched(confirmed["dropped"][("web", "c002")]) == ("benchmark", "vqa", "b001", -1)
+    assert confirmed["held"] == {} and confirmed["meta"]["decontamination"]["confirmed"] == ["vqa:b001"]
+    assert "confirmed by --confirm: vqa:b001" in capsys.readouterr().err
+
+
+def test_a_source_with_an_unusual_share_flagged_is_held_until_confirmed_and_never_dropped_whole(
+        sources, bench, tmp_path, capsys):
+    share = POLICY + "decontamination: {max_matches: 2, max_share: 0.1, min_flagged: 1}\n"  # coffee held, as above
+    found = _dedup(sources, bench, tmp_path, share)
+    # frames: 2 of its 5 images match (40% > 10%): held back, with why (f000 stays dropped as a byte copy of web's
+    # astronaut, which web -- 1 of 25 flagged -- drops as a match)
+    held = {key: r["why"] for (source, key), r in found["held"].items() if source == "frames"}
+    assert held == {"f004": "source_share"}
+    assert not any(r["rule"] == "benchmark" for (source, _), r in found["dropped"].items() if source == "frames")
+    assert _matched(found["dropped"][("web", "s003")])[:3] == ("benchmark", "vqa", "b002")
+    assert found["dropped"][("frames", "f000")]["rule"] == "sha256"
+    assert found["meta"]["decontamination"]["suspect_sources"] == [{"source": "frames", "flagged": 2, "hashed": 5}]
+    assert "held back: source frames has 2 of 5 images matching benchmarks" in capsys.readouterr().err
+    confirmed = _dedup(sources, bench, tmp_path, share, "--confirm", "frames")
+    assert {key for (source, key), r in confirmed["dropped"].items() if source == "frames"
+            and r["rule"] == "benchmark"} == {"f000", "f004"}  # by sample id: f001..f003 are not touched by it
+
+
+def test_plan_exclude_drops_matches_as_contaminated_with_the_benchmark_image(sources, bench, tmp_path, capsys):
+    _dedup(sources, bench, tmp_path, MANY)
+    assert cli(["plan", str(sources / "frames"), "--out", str(tmp_path / "p"), "--preset", "demo", "--mode", "image",
+                "--quiet", "--exclude", str(tmp_path / "d")]) == 0
+    assert "contaminated 2" in capsys.readouterr().err
+    dropped = {r["manifest_row"]: r for r in pq.read_table(tmp_path / "p" / "dropped.parquet").to_pylist()}
+    assert (dropped[4]["reason"], dropped[4]["keeper"]) == ("contaminated", "vqa:b000 (row 0)")
+    assert (dropped[0]["reason"], dropped[0]["keeper"]) == ("contaminated", "vqa:b002 (row 2)")
+    assert {dropped[row]["reason"] for row in (1, 3)} == {"duplicate"}
+    meta = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert meta["dropped_by_reason"]["contaminated"] == 2 and meta["dropped_by_reason"]["duplicate"] == 2
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("other_algorithm", "was made by phash-other, the training tables by"),
+    ("named_like_a_source", "have the same source name 'frames'; a benchmark is named apart"),
+    ("confirm_typo", "--confirm 'vqa:b01' names neither a training source"),
+    ("confirm_alone", "--confirm confirms benchmark matches: give the benchmarks with --against"),
+    ("bad_radius", "`decontaminate` is a pHash radius 0..16 to benchmark images, or off; got 99"),
+    ("bad_guards", "`decontamination:` wants radius 0..16, max_matches and min_flagged integers >= 0"),
+])
+def test_bad_benchmark_input_is_one_line_exit_2_and_nothing_written(sources, bench, tmp_path, capsys, case,
+                                                                     fragment):
+    policy = {"bad_radius": POLICY.replace("{rule: exact}", "{rule: exact, decontaminate: 99}"),
+              "bad_guards": POLICY + "decontamination: {max_share: 2}\n"}.get(case, POLICY)
+    against = ["--against", str(bench)]
+    flags = {"confirm_typo": ["--confirm", "vqa:b01"], "confirm_alone": ["--confirm", "frames"]}.get(case, [])
+    if case in ("other_algorithm", "named_like_a_source"):
+        copy = tmp_path / "vqa.h"
+        shutil.copytree(bench, copy)
+        meta = json.loads((copy / "hashes.json").read_text())
+        meta.update({"algorithm": "phash-other"} if case == "other_algorithm" else {"source": "frames"})
+        (copy / "hashes.json").write_text(json.dumps(meta))
+        against = ["--against", str(copy)]
+    if case == "confirm_alone":
+        against = []
+    capsys.readouterr()
+    assert cli(["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy",
+                str(_policy(tmp_path, policy)), "--out", str(tmp_path / "d"), *against, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mmtok dedup: error: ") and err.count("\n") == 1 and fragment in err, err[:2000]
+    assert not (tmp_path / "d").exists()

@@ -16,33 +16,76 @@ def add_parser(sub) -> None:
         "sample key), whatever the order of the inputs; every other image is listed in OUT/dropped.parquet with "
         "its group, keeper, rule and distance. Policy (YAML): `sources: {laion: {rule: exact}, ego4d: {rule: radius, "
         "radius: 4}, docvqa: {rule: off}}`, `priority: N` optional (default: the order in the file; lower "
-        "wins). See docs/curation.md.")
+        "wins). Decontamination (--against): every image whose bytes equal a benchmark image's, or whose pHash is "
+        "within its source's `decontaminate: R` (default 4; `off`: bytes only) of one, is dropped by sample id, "
+        "named with the benchmark image and the distance -- except suspect matches (a benchmark image matching "
+        "over `max_matches` images, a source with over `max_share` of its images flagged: low-entropy domains), "
+        "which are held back in OUT/held.parquet until --confirm names them. See docs/curation.md.")
     parser.add_argument("hashes", nargs="+", type=Path, metavar="HASHES", help="hash table directories (`mmtok hash`)")
     parser.add_argument("--policy", type=Path, required=True, metavar="FILE", help="per-source rules (YAML)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    parser.add_argument("--against", type=Path, action="append", default=[], metavar="BENCH",
+                        help="a benchmark's hash table (`mmtok hash BENCH_MANIFEST --source BENCHMARK_NAME`), "
+                        "repeatable: drop the training images that match its images")
+    parser.add_argument("--confirm", action="append", default=[], metavar="NAME",
+                        help="drop the held-back matches of a suspect benchmark image (BENCHMARK:KEY) or of a "
+                        "suspect source (its name), repeatable; the summary names the suspects")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from mmtok.curate.dedup import dedup
+    from mmtok.errors import MmtokError
     from mmtok.fsutil import refuse_out_overlapping
 
-    refuse_out_overlapping(args.out, [*args.hashes, args.policy])
-    meta = dedup(args.hashes, args.policy, args.out)
+    refuse_out_overlapping(args.out, [*args.hashes, args.policy, *args.against])
+    if args.confirm and not args.against:
+        raise MmtokError("--confirm confirms benchmark matches: give the benchmarks with --against")
+    meta = dedup(args.hashes, args.policy, args.out, args.against, args.confirm)
     print_summary("dedup", summary_lines(meta, args.out))
     return 0
 
 
 def summary_lines(meta: dict, out: Path) -> list[str]:
-    """One line per source (hashed = kept + dropped, by rule), then the totals and where the list is."""
+    """One line per source (hashed = kept + dropped, by rule; held matches), the suspects held back, then the
+    totals and where the lists are."""
     lines = []
     for source, counts in meta["counts"].items():
         rules = ", ".join(f"{rule} {n:,}" for rule, n in counts["by_rule"].items() if n)
         rule = meta["policy"][source]
+        held = f"; {plural(counts['held'], 'benchmark match', 'benchmark matches')} held back (kept)" \
+            if counts.get("held") else ""
         lines.append(f"{source} ({rule['rule']}{' ' + str(rule['radius']) if rule['rule'] == 'radius' else ''}, "
                      f"priority {rule['priority']}): {counts['hashed']:,} hashed = {counts['kept']:,} kept + "
-                     f"{counts['dropped']:,} dropped{f' ({rules})' if rules else ''}")
+                     f"{counts['dropped']:,} dropped{f' ({rules})' if rules else ''}{held}")
     total = sum(c["hashed"] for c in meta["counts"].values())
-    head = (f"{plural(meta['dropped'], 'duplicate')} in {plural(meta['groups'], 'group')} among "
-            f"{plural(total, 'image')} of {plural(len(meta['counts']), 'source')}")
-    return [head, *lines, f"wrote {out / 'dropped.parquet'}; drop them with `mmtok plan MANIFEST --exclude {out}`"]
+    decontamination = meta.get("decontamination")
+    matching = decontamination["contaminated"] if decontamination else 0
+    head = (f"{plural(meta['dropped'] - matching, 'duplicate')} in {plural(meta['groups'], 'group')}"
+            + (f" and {plural(matching, 'image')} matching {plural(len(decontamination['against']), 'benchmark')}"
+               if decontamination else "")
+            + f" among {plural(total, 'image')} of {plural(len(meta['counts']), 'source')}")
+    lines = [head, *lines, *(_suspect_lines(decontamination) if decontamination else [])]
+    held = f" and the held-back matches in {out / 'held.parquet'}" if decontamination else ""
+    return lines + [f"wrote {out / 'dropped.parquet'}{held}; drop them with `mmtok plan MANIFEST --exclude {out}`"]
+
+
+def _suspect_lines(decontamination: dict) -> list[str]:
+    """Why matches were held back, each with the flag that drops them."""
+    guards = decontamination["guards"]
+    lines = [f"held back: benchmark image {item['benchmark']} matches {item['matches']:,} training images (more than "
+             f"max_matches {guards['max_matches']}: likely a low-entropy image, not a copy); to drop them anyway: "
+             f"--confirm {item['benchmark']}" for item in decontamination["suspect_images"][:SHOWN]]
+    lines += [f"held back: source {item['source']} has {item['flagged']:,} of {item['hashed']:,} images matching "
+              f"benchmarks (over max_share {guards['max_share']:g}: a low-entropy domain, or a benchmark's own "
+              f"source); to drop them anyway: --confirm {item['source']}"
+              for item in decontamination["suspect_sources"]]
+    more = len(decontamination["suspect_images"]) - SHOWN
+    if more > 0:
+        lines.append(f"... and {plural(more, 'more suspect benchmark image')} (dedup.json `decontamination`)")
+    if decontamination["confirmed"]:
+        lines.append(f"confirmed by --confirm: {', '.join(decontamination['confirmed'])}")
+    return lines
+
+
+SHOWN = 10  # suspect benchmark images named in the summary (all are in dedup.json)

@@ -34,40 +34,46 @@ _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 60, 60
 KEEPER_ORDER = [("priority", "ascending"), ("pixels", "descending"), ("source", "ascending"), ("key", "ascending"),
                 ("row", "ascending")]
-POLICY_KEYS = {"rule", "radius", "priority"}
+POLICY_KEYS = {"rule", "radius", "priority", "decontaminate"}
 
 
 @dataclass(frozen=True)
 class SourceRule:
-    """How one source is deduplicated: its pHash radius (-1: off, 0: exact) and its keeper priority (lower wins)."""
+    """How one source is deduplicated: its pHash radius (-1: off, 0: exact) and its keeper priority (lower wins);
+    and decontaminated (`--against`): its pHash radius to benchmark images (-1: off; None: the policy's default,
+    `mmtok.curate.decontaminate.Guards.radius`)."""
 
     radius: int
     priority: int
+    decontaminate: int | None = None
 
     @property
     def rule(self) -> str:
         return {-1: "off", 0: "exact"}.get(self.radius, "radius")
 
 
-def load_policy(path: str | Path) -> dict[str, SourceRule]:
+def load_policy(path: str | Path) -> tuple[dict[str, SourceRule], dict]:
     """The policy file: `sources:` mapping each source name to {rule: exact|radius|off, radius: r (with rule
-    radius), priority: n (default: its position in the file)}. MmtokError naming the entry for anything else
-    (values are quoted through `_SHOWN`: a YAML alias bomb must not be expanded into the message)."""
+    radius), priority: n (default: its position in the file), decontaminate: r|off (optional)}, and optionally
+    `decontamination:` (the guards of `--against`: `mmtok.curate.decontaminate.Guards`); returns the rules and
+    that mapping as written. MmtokError naming the entry for anything else (values are quoted through `_SHOWN`: a
+    YAML alias bomb must not be expanded into the message)."""
     import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise MmtokError(f"cannot read the policy {path}: {brief(str(err).splitlines()[0])}") from None
-    if not isinstance(data, dict) or list(data) != ["sources"] or not isinstance(data["sources"], dict) \
-            or not data["sources"]:
-        raise MmtokError(f"{path}: a policy is one mapping `sources:` of source name -> {{rule, radius, priority}} "
-                         "(docs/curation.md)")
+    if not isinstance(data, dict) or not {"sources"} <= set(data) <= {"sources", "decontamination"} \
+            or not isinstance(data["sources"], dict) or not data["sources"]:
+        raise MmtokError(f"{path}: a policy is a mapping `sources:` of source name -> {{rule, radius, priority, "
+                         "decontaminate}, and optionally `decontamination:` (docs/curation.md)")
     names = [name for name in data["sources"] if not isinstance(name, str) or not name]
     if names:
         raise MmtokError(f"{path}: source names are non-empty strings (quote them), got {_SHOWN.repr(names[0])}")
-    return {name: _source_rule(path, name, entry, position)
-            for position, (name, entry) in enumerate(data["sources"].items())}
+    rules = {name: _source_rule(path, name, entry, position)
+             for position, (name, entry) in enumerate(data["sources"].items())}
+    return rules, data.get("decontamination") or {}
 
 
 def _source_rule(path, name: str, entry, position: int) -> SourceRule:
@@ -91,7 +97,13 @@ def _source_rule(path, name: str, entry, position: int) -> SourceRule:
     if not _integer(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise MmtokError(f"{where}: `priority` must be an integer in -{MAX_PRIORITY:,}..{MAX_PRIORITY:,}, got "
                          f"{_SHOWN.repr(priority)}")
-    return SourceRule(radius=radius, priority=priority)
+    decontaminate = entry.get("decontaminate")
+    if decontaminate == "off":
+        decontaminate = -1
+    elif decontaminate is not None and (not _integer(decontaminate) or not 0 <= decontaminate <= MAX_RADIUS):
+        raise MmtokError(f"{where}: `decontaminate` is a pHash radius 0..{MAX_RADIUS} to benchmark images, or off; "
+                         f"got {_SHOWN.repr(decontaminate)}")
+    return SourceRule(radius=radius, priority=priority, decontaminate=decontaminate)
 
 
 def _integer(value) -> bool:
@@ -208,75 +220,194 @@ def _groups(first: np.ndarray, second: np.ndarray, phash: np.ndarray, keeper_ord
     return Duplicates(dropped, keeper, group, rule, distance)
 
 
-def dedup(hash_dirs: list[Path], policy_path: Path, out: Path) -> dict:
-    """Find the duplicates among the hash tables under the policy and write the list (`mmtok.formats.dedup`);
-    returns dedup.json's content. Every check happens before anything is written."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Path] = (),
+          confirm: list[str] = ()) -> dict:
+    """Find the duplicates among the hash tables under the policy and, with `against` (benchmark hash tables), the
+    images that match a benchmark image (`mmtok.curate.decontaminate`; `confirm` names suspect benchmark items
+    `BENCH:KEY` or sources whose matches are dropped anyway); write the list (`mmtok.formats.dedup`); returns
+    dedup.json's content. Every check happens before anything is written."""
 
+    from mmtok.curate.decontaminate import Guards
     from mmtok.formats.dedup import LOCK_FILE, check_output, write_dedup
     from mmtok.fsutil import WriterLock
 
     check_output(out)
-    policy = load_policy(policy_path)
+    policy, guards_entry = load_policy(policy_path)
+    guards = Guards.from_policy(policy_path, guards_entry, MAX_RADIUS)
     tables = _open_tables(hash_dirs, policy, policy_path)
-    columns = [table.read() for table in tables]
-    sizes = np.array([len(c) for c in columns], np.int64)
-    source_of = np.repeat(np.arange(len(tables)), sizes)
-    sha = np.concatenate([c.sha256 for c in columns]) if len(columns) else np.zeros((0, 32), np.uint8)
-    rows = np.concatenate([c.manifest_row for c in columns])
-    keys = pa.chunked_array([c.key for c in columns], pa.string())
-    priority = np.array([policy[t.source].priority for t in tables], np.int64)
-    pixels = np.concatenate([c.pixels for c in columns])
-
-    def keeper_order(nodes: np.ndarray) -> np.ndarray:
-        """KEEPER_ORDER over the images `nodes`, sorted by Arrow (keys stay Arrow strings, compared as bytes)."""
-        candidates = pa.table({"priority": priority[source_of[nodes]], "pixels": pixels[nodes],
-                               "source": source_of[nodes], "key": keys.take(pa.array(nodes)), "row": rows[nodes]})
-        ranked = pc.sort_indices(candidates, sort_keys=KEEPER_ORDER).to_numpy()
-        order = np.empty(len(nodes), np.int64)
-        order[ranked] = np.arange(len(nodes))
-        return order
-
-    def same_bytes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return np.all(sha[a] == sha[b], axis=1)
-
-    found = find_duplicates(np.concatenate([c.phash for c in columns]),
-                            np.ascontiguousarray(sha[:, :8]).view(">u8").ravel().astype(np.uint64),
-                            np.repeat(np.array([policy[t.source].radius for t in tables], np.int8), sizes),
-                            keeper_order, same_bytes)
-    order = np.argsort(found.dropped)  # global index order is (source name, manifest row) order
-    dropped, keeper = found.dropped[order], found.keeper[order]
-    names = np.array([t.source for t in tables], dtype=object)
-    listed = pa.table({"source": names[source_of[dropped]], "manifest_row": rows[dropped],
-                       "key": keys.take(pa.array(dropped)), "group": found.group[order],
-                       "keeper_source": names[source_of[keeper]], "keeper_row": rows[keeper],
-                       "keeper_key": keys.take(pa.array(keeper)), "rule": found.rule[order],
-                       "distance": found.distance[order]})
+    benchmarks = _open_benchmarks(against, tables)
+    images = _Images(tables)
+    found = find_duplicates(images.phash, images.sha_head(),
+                            np.repeat(np.array([policy[t.source].radius for t in tables], np.int8), images.sizes),
+                            lambda nodes: images.keeper_order(nodes, policy), images.same_bytes)
+    listed = images.duplicates_table(found)
     meta = {"algorithm": tables[0].algorithm,
             "policy": {name: {"rule": r.rule, "radius": max(r.radius, 0), "priority": r.priority}
                        for name, r in sorted(policy.items())},
             "inputs": [{"source": t.source, "hashes": str(t.directory.resolve()), "hashes_fingerprint":
                         t.metadata["fingerprint"], "manifest_directory": t.metadata["manifest"].get("directory"),
                         "manifest_fingerprint": t.manifest_fingerprint} for t in tables],
-            "groups": int(found.group.max()) + 1 if len(found.group) else 0,
-            "counts": _counts(tables, sizes, source_of[dropped], found.rule[order])}
+            "groups": int(found.group.max()) + 1 if len(found.group) else 0}
+    held = None
+    if benchmarks:
+        radius = np.array([guards.radius if policy[t.source].decontaminate is None else policy[t.source].decontaminate
+                           for t in tables], np.int8)
+        listed, held, meta["decontamination"] = _decontaminate(images, benchmarks, radius, guards, confirm, listed)
+    meta["counts"] = _counts(tables, images.sizes, listed, held)
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, f"the duplicate list in {out}", name=LOCK_FILE):
-        return write_dedup(out, listed, meta)
+        return write_dedup(out, listed, meta, held)
 
 
-def _counts(tables, sizes: np.ndarray, dropped_source: np.ndarray, rule: np.ndarray) -> dict:
-    """Per source: images hashed = kept + dropped, and the dropped by rule."""
+class _Images:
+    """The images of every training table, concatenated in (source name, manifest row) order."""
+
+    def __init__(self, tables: list):
+        import pyarrow as pa
+
+        self.tables = tables
+        columns = [table.read() for table in tables]
+        self.sizes = np.array([len(c) for c in columns], np.int64)
+        self.source_of = np.repeat(np.arange(len(tables)), self.sizes)
+        self.sha = np.concatenate([c.sha256 for c in columns]) if columns else np.zeros((0, 32), np.uint8)
+        self.rows = np.concatenate([c.manifest_row for c in columns])
+        self.keys = pa.chunked_array([c.key for c in columns], pa.string())
+        self.pixels = np.concatenate([c.pixels for c in columns])
+        self.phash = np.concatenate([c.phash for c in columns])
+        self.names = np.array([t.source for t in tables], dtype=object)
+
+    def sha_head(self) -> np.ndarray:
+        return np.ascontiguousarray(self.sha[:, :8]).view(">u8").ravel().astype(np.uint64)
+
+    def same_bytes(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.all(self.sha[a] == self.sha[b], axis=1)
+
+    def keeper_order(self, nodes: np.ndarray, policy: dict[str, SourceRule]) -> np.ndarray:
+        """KEEPER_ORDER over the images `nodes`, sorted by Arrow (keys stay Arrow strings, compared as bytes)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        priority = np.array([policy[t.source].priority for t in self.tables], np.int64)
+        candidates = pa.table({"priority": priority[self.source_of[nodes]], "pixels": self.pixels[nodes],
+                               "source": self.source_of[nodes], "key": self.keys.take(pa.array(nodes)),
+                               "row": self.rows[nodes]})
+        ranked = pc.sort_indices(candidates, sort_keys=KEEPER_ORDER).to_numpy()
+        order = np.empty(len(nodes), np.int64)
+        order[ranked] = np.arange(len(nodes))
+        return order
+
+    def duplicates_table(self, found: Duplicates):
+        """dropped.parquet's rows of the duplicates, in global index (= source name, manifest row) order."""
+        import pyarrow as pa
+
+        order = np.argsort(found.dropped)
+        dropped, keeper = found.dropped[order], found.keeper[order]
+        return pa.table({"index": dropped, "source": self.names[self.source_of[dropped]],
+                         "manifest_row": self.rows[dropped], "key": self.keys.take(pa.array(dropped)),
+                         "group": found.group[order], "keeper_source": self.names[self.source_of[keeper]],
+                         "keeper_row": self.rows[keeper], "keeper_key": self.keys.take(pa.array(keeper)),
+                         "rule": found.rule[order], "distance": found.distance[order]})
+
+
+def _counts(tables, sizes: np.ndarray, listed, held) -> dict:
+    """Per source: images hashed = kept + dropped, the dropped by rule, and the matches held back (kept)."""
     from mmtok.formats.dedup import RULES
 
+    source = np.asarray(listed.column("source").to_pylist(), dtype=object)
+    rule = np.asarray(listed.column("rule").to_pylist(), dtype=object)
+    held_source = np.asarray(held.column("source").to_pylist() if held is not None else [], dtype=object)
     counts = {}
     for s, table in enumerate(tables):
-        mine = rule[dropped_source == s]
+        mine = rule[source == table.source]
         by_rule = {name: int(np.count_nonzero(mine == name)) for name in RULES}
         counts[table.source] = {"hashed": int(sizes[s]), "kept": int(sizes[s]) - len(mine), "dropped": len(mine),
-                                "by_rule": by_rule}
+                                "by_rule": by_rule, "held": int(np.count_nonzero(held_source == table.source))}
     return counts
+
+
+def _open_benchmarks(against: list[Path], tables: list) -> list:
+    """The benchmark hash tables (`mmtok hash --source BENCHMARK` of its images), sorted by name, after the checks
+    that make them comparable with the training tables and name every match unambiguously."""
+    from mmtok.formats.hashes import HashTable
+
+    benchmarks = sorted((HashTable.open(d) for d in against), key=lambda t: t.source)
+    names = {t.source: t.directory for t in tables}
+    for bench in benchmarks:
+        if bench.algorithm != tables[0].algorithm:
+            raise MmtokError(f"the benchmark hash table {bench.directory} was made by {bench.algorithm}, the training "
+                             f"tables by {tables[0].algorithm}: their hashes cannot be compared; hash the benchmark "
+                             "images with this `mmtok hash`")
+        if bench.source in names:
+            raise MmtokError(f"{bench.directory} and {names[bench.source]} have the same source name "
+                             f"{bench.source!r}; a benchmark is named apart from every source (`mmtok hash --source "
+                             "NAME`)")
+        names[bench.source] = bench.directory
+    return benchmarks
+
+
+def _decontaminate(images: _Images, benchmarks: list, radius: np.ndarray, guards, confirm: list[str], listed):
+    """(dropped rows with the contaminated ones, the held matches, what dedup.json records of it)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from mmtok.curate.decontaminate import choose, match_pairs
+
+    bench = _Images(benchmarks)
+    train, matched, distance = match_pairs(images.phash, images.sha, radius[images.source_of], bench.phash, bench.sha)
+    items, sources = _confirmed(confirm, images, bench)
+    found = choose(train, matched, distance, images.source_of, images.sizes, guards, items, sources)
+
+    def rows(chosen: np.ndarray) -> dict:
+        index, other = found.train[chosen], found.bench[chosen]
+        return {"index": index, "source": images.names[images.source_of[index]], "manifest_row": images.rows[index],
+                "key": images.keys.take(pa.array(index)), "bench_source": bench.names[bench.source_of[other]],
+                "bench_row": bench.rows[other], "bench_key": bench.keys.take(pa.array(other)),
+                "distance": found.distance[chosen]}
+
+    hit = rows(found.dropped)
+    contaminated = pa.table({"index": hit["index"], "source": hit["source"], "manifest_row": hit["manifest_row"],
+                             "key": hit["key"], "group": np.full(len(hit["index"]), -1, np.int64),
+                             "keeper_source": hit["bench_source"], "keeper_row": hit["bench_row"],
+                             "keeper_key": hit["bench_key"], "rule": np.full(len(hit["index"]), "benchmark", object),
+                             "distance": hit["distance"]})
+    duplicates = listed.filter(pc.invert(pc.is_in(listed.column("index"), pa.array(hit["index"]))))
+    listed = pa.concat_tables([duplicates, contaminated.cast(duplicates.schema)]).sort_by("index")
+    kept = ~found.dropped & ~np.isin(found.train, listed.column("index").to_numpy())  # held, not a duplicate either
+    held = pa.table({**{k: v for k, v in rows(kept).items() if k != "index"}, "why": found.why[kept]})
+    record = {"against": [{"benchmark": t.source, "hashes": str(t.directory.resolve()),
+                           "hashes_fingerprint": t.metadata["fingerprint"], "images": int(size)}
+                          for t, size in zip(benchmarks, bench.sizes, strict=True)],
+              "guards": {"max_matches": guards.max_matches, "max_share": guards.max_share,
+                         "min_flagged": guards.min_flagged},
+              "radius": {t.source: int(r) if r >= 0 else "off" for t, r in zip(images.tables, radius, strict=True)},
+              "suspect_images": [{"benchmark": f"{bench.names[bench.source_of[b]]}:{bench.keys[b].as_py()}",
+                                  "row": int(bench.rows[b]), "matches": n}
+                                 for b, n in sorted(found.suspect_items.items())],
+              "suspect_sources": [{"source": images.names[s], "flagged": flagged, "hashed": hashed}
+                                  for s, (flagged, hashed) in sorted(found.suspect_sources.items())],
+              "confirmed": sorted(confirm), "contaminated": len(hit["index"]), "held": held.num_rows}
+    return listed, held, record
+
+
+def _confirmed(confirm: list[str], images: _Images, bench: _Images) -> tuple[set[int], set[int]]:
+    """The benchmark images (`BENCH:KEY`: every image of that sample) and training sources `--confirm` names;
+    MmtokError for a name that is neither (a typo must not pass for a confirmation)."""
+    sources = {name: s for s, name in enumerate(images.names)}
+    labels: dict[str, list[int]] = {}
+    if any(name not in sources for name in confirm):
+        for b, (s, key) in enumerate(zip(bench.source_of.tolist(), bench.keys.to_pylist(), strict=True)):
+            labels.setdefault(f"{bench.names[s]}:{key}", []).append(b)
+    items, chosen = set(), set()
+    for name in confirm:
+        if name in sources:
+            chosen.add(sources[name])
+        elif name in labels:
+            items.update(labels[name])
+        else:
+            raise MmtokError(f"--confirm {name[:200]!r} names neither a training source ({', '.join(sources)}) nor a "
+                             "benchmark image as BENCHMARK:KEY; the suspects are named in the summary of a run without "
+                             "it")
+    return items, chosen
 
 
 def _open_tables(hash_dirs: list[Path], policy: dict[str, SourceRule], policy_path: Path) -> list:

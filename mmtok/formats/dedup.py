@@ -1,9 +1,13 @@
 """The duplicate list: `D/dropped.parquet` + `D/dedup.json` (written by `mmtok dedup`, read by `mmtok plan --exclude`).
 
   dropped.parquet  one row per dropped image, sorted by (source, manifest_row): `source`, `manifest_row`, `key`,
-                   `group` (the duplicate group, numbered in keeper order), `keeper_source`, `keeper_row`,
-                   `keeper_key`, `rule` (RULES: why it is the keeper's duplicate) and `distance` (the Hamming
-                   distance of the two pHashes; 0 for equal bytes)
+                   `group` (the duplicate group, numbered in keeper order; -1 for a benchmark match),
+                   `keeper_source`, `keeper_row`, `keeper_key` (the kept copy; for rule `benchmark`, the benchmark
+                   image it matched: the benchmark's name, its row and key), `rule` (RULES: why it is dropped) and
+                   `distance` (the Hamming distance of the two pHashes; 0 for equal bytes)
+  held.parquet     with `--against` only: the benchmark matches held back as suspect (kept, not dropped), sorted
+                   by (source, manifest_row): `source`, `manifest_row`, `key`, `bench_source`, `bench_row`,
+                   `bench_key`, `distance`, `why` (`mmtok.curate.decontaminate`: ITEM_SUSPECT, SOURCE_SUSPECT)
   dedup.json       written last: the algorithm id, the policy as applied, every input (source, hash table,
                    its manifest's directory and fingerprint), per-source counts and the sha256 of
                    dropped.parquet (`fingerprint`)
@@ -38,33 +42,47 @@ FORMAT = "mmtok.dedup"
 FORMAT_VERSION = 1
 # sha256: the same bytes; phash_exact: equal pHashes; phash_radius: pHashes within the source's radius (or
 # joined to the keeper through such pairs: groups are connected, so the distance may exceed the radius)
-RULES = ("sha256", "phash_exact", "phash_radius")
+# benchmark: the image matches a benchmark image (`--against`: equal bytes, or pHashes within the source's radius)
+RULES = ("sha256", "phash_exact", "phash_radius", "benchmark")
+BENCHMARK_RULE = "benchmark"
+HELD_FILE = "held.parquet"
 
 SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key", pa.string()),
                     ("group", pa.int64()), ("keeper_source", pa.string()), ("keeper_row", pa.int64()),
                     ("keeper_key", pa.string()), ("rule", pa.string()), ("distance", pa.int8())])
+HELD_SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key", pa.string()),
+                         ("bench_source", pa.string()), ("bench_row", pa.int64()), ("bench_key", pa.string()),
+                         ("distance", pa.int8()), ("why", pa.string())])
 
 
 def check_output(directory: Path) -> None:
     """Refuse an output directory whose files of our names `mmtok dedup` did not write (before any work). The
     writer's lock file (`WriterLock`, taken before the first write) marks a directory as `mmtok dedup`'s."""
-    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE), (LOCK_FILE,), "mmtok dedup",
+    refuse_foreign_output(directory, (DROPPED_FILE, METADATA_FILE, HELD_FILE), (LOCK_FILE,), "mmtok dedup",
                           (METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list"))
 
 
-def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict) -> dict:
-    """Write dropped.parquet (rows as SCHEMA, already sorted), then dedup.json; return the metadata written."""
+def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict, held: pa.Table | None = None) -> dict:
+    """Write dropped.parquet (rows as SCHEMA, already sorted; other columns are left out) and, when given,
+    held.parquet (HELD_SCHEMA), then dedup.json; return the metadata written."""
     import pyarrow.parquet as pq
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / METADATA_FILE).unlink(missing_ok=True)
     with atomic_writer(directory / DROPPED_FILE) as handle:
-        pq.write_table(dropped.cast(SCHEMA), handle, compression="zstd", row_group_size=1 << 20)
+        pq.write_table(dropped.select(SCHEMA.names).cast(SCHEMA), handle, compression="zstd", row_group_size=1 << 20)
         handle.flush()
         fingerprint = sha256_file(handle.name)
     meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
             "dropped": dropped.num_rows, "fingerprint": fingerprint}
+    if held is not None:
+        with atomic_writer(directory / HELD_FILE) as handle:
+            pq.write_table(held.select(HELD_SCHEMA.names).cast(HELD_SCHEMA), handle, compression="zstd")
+            handle.flush()
+            meta["held_sha256"] = sha256_file(handle.name)
+    else:
+        (directory / HELD_FILE).unlink(missing_ok=True)  # an earlier run's held list (with --against) is stale
     atomic_write_json(directory / METADATA_FILE, meta)
     fsync_dir(directory)
     return meta
@@ -79,6 +97,7 @@ class Exclusion:
     keepers: np.ndarray  # object: "SOURCE:KEY (row N)" of each row's keeper
     keeper_source: np.ndarray  # object: the keeper's source
     keeper_row: np.ndarray  # int64: the keeper's manifest row (in its source's manifest)
+    contaminated: np.ndarray  # bool: the row matches a benchmark image (its "keeper" is that image)
 
     def keepers_of(self, rows: np.ndarray) -> np.ndarray:
         """The keeper of each of `rows` (every one of them excluded)."""
@@ -86,11 +105,12 @@ class Exclusion:
 
     def own_keeper_rows(self) -> np.ndarray:
         """The sorted rows of this manifest that keep a copy for an excluded row."""
-        return np.unique(self.keeper_row[self.keeper_source == self.source])
+        return np.unique(self.keeper_row[(self.keeper_source == self.source) & ~self.contaminated])
 
     def without_kept_copy(self, dropped_keepers: np.ndarray) -> int:
         """How many excluded rows have their keeper among `dropped_keepers` (rows of this manifest)."""
-        return int(np.isin(self.keeper_row[self.keeper_source == self.source], dropped_keepers).sum())
+        own = (self.keeper_source == self.source) & ~self.contaminated
+        return int(np.isin(self.keeper_row[own], dropped_keepers).sum())
 
 
 class DedupList:
@@ -136,7 +156,8 @@ class DedupList:
             *(table.column(name).to_pylist() for name in ("keeper_source", "keeper_key", "keeper_row")), strict=True)]
         return Exclusion(source=source, rows=rows, keepers=np.asarray(keepers, dtype=object),
                          keeper_source=np.asarray(table.column("keeper_source").to_pylist(), dtype=object),
-                         keeper_row=table.column("keeper_row").to_numpy())
+                         keeper_row=table.column("keeper_row").to_numpy(),
+                         contaminated=pc.equal(table.column("rule"), BENCHMARK_RULE).to_numpy(zero_copy_only=False))
 
     def _table(self) -> pa.Table:
         """dropped.parquet, after checking its sha256 against dedup.json and its columns against SCHEMA."""

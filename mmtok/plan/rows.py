@@ -33,6 +33,7 @@ SHAPE_BITS = 12  # target sides up to 4,095 codes (65,520 px at factor 16); beyo
 
 
 DUPLICATE = "duplicate"  # a row a duplicate list (`mmtok dedup`, `plan --exclude`) drops: its keeper is kept
+CONTAMINATED = "contaminated"  # a row the list drops as a benchmark image's match (`mmtok dedup --against`)
 
 
 class Reasons:
@@ -44,6 +45,11 @@ class Reasons:
     def __init__(self) -> None:
         self.names: list[str] = list(self.FIXED)
         self._codes = {name: i for i, name in enumerate(self.names)}
+
+    def registered(self, *names: str) -> list[int]:
+        """The codes of those of `names` that rows were dropped for (registering none: the codes of a plan depend
+        only on the reasons it met)."""
+        return [self._codes[name] for name in names if name in self._codes]
 
     def code(self, name: str) -> int:
         if name not in self._codes:
@@ -248,10 +254,11 @@ def window_bounds(manifest: Manifest, window_rows: int, progress: bool = True) -
 
 
 def read_groups(manifest: Manifest, params: PlanParameters, reasons: Reasons,
-                cuts: np.ndarray, excluded: np.ndarray | None = None) -> Iterator[ManifestRows]:
+                cuts: np.ndarray, excluded: tuple[np.ndarray, np.ndarray] | None = None) -> Iterator[ManifestRows]:
     """Stage 1 over the manifest, READ_ROWS rows at a time: the filtered rows of each group
     [cuts[i], cuts[i + 1]), in order; only the rows of about one group are held at a time. The sorted manifest
-    rows `excluded` (a duplicate list's) are dropped as DUPLICATE, whatever else holds for them."""
+    rows `excluded` (a duplicate list's: rows, and aligned whether each matched a benchmark image) are dropped as
+    DUPLICATE or CONTAMINATED, whatever else holds for them."""
     path = manifest.path
     columns = list(BASE_COLUMNS) + (list(CAPTION_COLUMNS) if params.counts_captions else [])
     batches = manifest.batches(columns, READ_ROWS, dictionary=[c for c in ("status", "reason", "tar", "container")
@@ -275,7 +282,8 @@ def read_groups(manifest: Manifest, params: PlanParameters, reasons: Reasons,
 
 
 def _filter_batch(batch: pa.RecordBatch, start: int, params: PlanParameters, reasons: Reasons,
-                  containers: "_Containers", path: Path, excluded: np.ndarray | None) -> ManifestRows:
+                  containers: "_Containers", path: Path, excluded: tuple[np.ndarray, np.ndarray] | None
+                  ) -> ManifestRows:
     """One record batch (manifest rows from `start`) read and filtered."""
     n = batch.num_rows
     rows = ManifestRows(start=start, document=_column(batch, "document", np.int64, path, start),
@@ -289,8 +297,14 @@ def _filter_batch(batch: pa.RecordBatch, start: int, params: PlanParameters, rea
         b = min(a + FILTER_ROWS, n)
         rows.reason[a:b], rows.shape[a:b] = filter_rows(width[a:b], height[a:b], scan[a:b], params, reasons)
     if excluded is not None:
-        mine = excluded[np.searchsorted(excluded, start):np.searchsorted(excluded, start + n)] - start
-        rows.reason[mine], rows.shape[mine] = reasons.code(DUPLICATE), 0
+        listed, contaminated = excluded
+        first, last = np.searchsorted(listed, start), np.searchsorted(listed, start + n)
+        mine = listed[first:last] - start
+        matched = contaminated[first:last]
+        rows.reason[mine[~matched]] = reasons.code(DUPLICATE)  # (registered as before benchmark matches existed)
+        if matched.any():
+            rows.reason[mine[matched]] = reasons.code(CONTAMINATED)
+        rows.shape[mine] = 0
     if params.counts_captions:
         rows.container = containers.encode(batch)
         rows.text_offset = _column(batch, "text_offset", np.int64, path, start)

@@ -1,0 +1,108 @@
+"""Decontamination (`mmtok dedup --against BENCH`): the training images that match a benchmark image, by sample id.
+
+A training image matches a benchmark image when their bytes are equal (always) or their pHashes are within its
+source's radius (`decontaminate: r` in the policy, default `Guards.radius`; `off`: equal bytes only). An image that
+matches several benchmark images is named with the nearest (then the first by benchmark name and manifest row).
+
+Guards against false positives -- low-entropy domains (satellite tiles, document scans, flat medical images) match
+unrelated images at small radii, and one bad match must never take a dataset with it:
+* a benchmark image that matches more than `max_matches` training images is *suspect*: its matches are held back;
+* a source more than `max_share` of whose hashed images (and at least `min_flagged`) are flagged is *suspect*:
+  every match of that source is held back.
+Held matches are listed (OUT/held.parquet, with why), not dropped, unless `--confirm` names the benchmark item
+(`BENCH:KEY`) or the source. Drops are decided image by image; nothing is ever dropped by dataset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from mmtok.curate.search import pairs_across
+from mmtok.errors import MmtokError
+
+ITEM_SUSPECT = "benchmark_image_matches_many"  # why a match is held: its benchmark image matches too many images
+SOURCE_SUSPECT = "source_share"  # why a match is held: its source has an unusually large share flagged
+
+
+@dataclass(frozen=True)
+class Guards:
+    """The `decontamination:` mapping of a policy (every key optional)."""
+
+    radius: int = 4  # pHash radius to benchmark images of a source without `decontaminate:`
+    max_matches: int = 20  # a benchmark image matching more training images than this is suspect
+    max_share: float = 0.01  # a source with a larger share of its images flagged is suspect...
+    min_flagged: int = 20  # ...once at least this many are (a few hits in a small source are not a pattern)
+
+    @classmethod
+    def from_policy(cls, path: Path, entry, max_radius: int) -> Guards:
+        known = {f.name for f in fields(cls)}
+        if not isinstance(entry, dict) or not set(entry) <= known:
+            raise MmtokError(f"{path}: `decontamination:` is a mapping of {', '.join(sorted(known))} "
+                             f"(docs/curation.md), got {str(entry)[:80]!r}")
+        guards = cls(**entry)
+        integers = ("radius", "max_matches", "min_flagged")
+        if any(not isinstance(getattr(guards, name), int) or isinstance(getattr(guards, name), bool)
+               or getattr(guards, name) < 0 for name in integers) or guards.radius > max_radius \
+                or not isinstance(guards.max_share, (int, float)) or not 0 < guards.max_share <= 1:
+            raise MmtokError(f"{path}: `decontamination:` wants radius 0..{max_radius}, max_matches and min_flagged "
+                             f"integers >= 0, max_share in (0, 1]; got {str(entry)[:120]!r}")
+        return guards
+
+
+@dataclass(frozen=True)
+class Matches:
+    """One entry per training image that matched a benchmark image, sorted by training index: the benchmark
+    image (its index among the benchmarks' rows), the pHash distance, and why it is held back ("" = dropped)."""
+
+    train: np.ndarray
+    bench: np.ndarray
+    distance: np.ndarray
+    why: np.ndarray
+    suspect_items: dict  # bench index -> training images it matches (over max_matches, not confirmed)
+    suspect_sources: dict  # source index -> (flagged, hashed) (over the share, not confirmed)
+
+    @property
+    def dropped(self) -> np.ndarray:
+        return self.why == ""
+
+
+def match_pairs(phash: np.ndarray, sha: np.ndarray, radius: np.ndarray, bench_phash: np.ndarray,
+                bench_sha: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (training image, benchmark image, pHash distance) that matches: equal sha256, or pHashes within the
+    training image's `radius` (-1: off). Each pair once, sorted."""
+    heads = [np.ascontiguousarray(digests[:, :8]).view(">u8").ravel().astype(np.uint64) for digests in (sha, bench_sha)]
+    train, bench, _ = pairs_across(heads[0], heads[1], 0)  # equal heads proposed, full digests confirmed
+    same = np.all(sha[train] == bench_sha[bench], axis=1)
+    found = [(train[same], bench[same])]
+    for r in sorted(set(radius.tolist()) - {-1}):
+        chosen = np.flatnonzero(radius == r)
+        t, b, _ = pairs_across(phash[chosen], bench_phash, int(r))
+        found.append((chosen[t], b))
+    train = np.concatenate([f[0] for f in found])
+    bench = np.concatenate([f[1] for f in found])
+    pairs = np.unique(np.stack([train, bench], axis=1), axis=0) if len(train) else np.zeros((0, 2), np.int64)
+    distance = np.bitwise_count(phash[pairs[:, 0]] ^ bench_phash[pairs[:, 1]]).astype(np.int8)
+    return pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64), distance
+
+
+def choose(train: np.ndarray, bench: np.ndarray, distance: np.ndarray, source_of: np.ndarray, hashed: np.ndarray,
+           guards: Guards, confirmed_items: set[int], confirmed_sources: set[int]) -> Matches:
+    """One match per training image from all pairs, with the guards applied (see the module docstring)."""
+    matched = np.bincount(bench)  # the pairs are distinct: training images per benchmark image
+    suspect = {int(b): int(matched[b]) for b in np.flatnonzero(matched > guards.max_matches)
+               if int(b) not in confirmed_items}
+    trusted = ~np.isin(bench, list(suspect))
+    # the nearest trusted match of each image, else its nearest held one (lexsort: the last key sorts first)
+    order = np.lexsort((bench, distance, ~trusted, train))
+    first = order[np.concatenate([[True], train[order][1:] != train[order][:-1]])] if len(order) else order
+    why = np.where(trusted[first], "", ITEM_SUSPECT).astype(object)
+    images = train[first]
+    flagged = np.bincount(source_of[images[why == ""]], minlength=len(hashed))
+    unusual = (flagged > guards.max_share * hashed) & (flagged >= max(guards.min_flagged, 1))
+    sources = {int(s): (int(flagged[s]), int(hashed[s])) for s in np.flatnonzero(unusual)
+               if int(s) not in confirmed_sources}
+    why[(why == "") & np.isin(source_of[images], list(sources))] = SOURCE_SUSPECT
+    return Matches(images, bench[first], distance[first], why, suspect, sources)
