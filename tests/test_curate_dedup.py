@@ -420,3 +420,60 @@ def test_bad_benchmark_input_is_one_line_exit_2_and_nothing_written(sources, ben
     err = capsys.readouterr().err
     assert err.startswith("mmtok dedup: error: ") and err.count("\n") == 1 and fragment in err, err[:2000]
     assert not (tmp_path / "d").exists()
+
+
+def _tiles(sheet: Path) -> list[list[np.ndarray]]:
+    """The image tiles of a contact sheet (TILE x TILE squares), row by row."""
+    from mmtok.curate.report import LABEL, TILE
+
+    pixels = np.asarray(Image.open(sheet).convert("RGB"), np.int16)
+    rows = (pixels.shape[0] - 8) // (TILE + LABEL + 8)
+    columns = (pixels.shape[1] - 8) // (TILE + 8)
+    return [[pixels[8 + y * (TILE + LABEL + 8):][:TILE, 8 + x * (TILE + 8):][:, :TILE] for x in range(columns)]
+            for y in range(rows)]
+
+
+def _grey(tile: np.ndarray) -> bool:
+    return bool((tile == 128).all(axis=2).mean() > 0.9)  # the placeholder: flat grey under a line of text
+
+
+def test_the_report_shows_sampled_groups_every_match_beside_its_benchmark_image_and_counts_that_add_up(
+        sources, tmp_path, capsys):
+    images = real_images()
+    grass = Image.open(next(p for p in skimage_images() if p.name == "grass.png")).convert("RGB")
+    tar = write_tar(tmp_path / "shards" / "vqa.tar", [("b000.jpg", _encoded(grass, "JPEG", quality=30)),
+                                                       ("b002.png", images["astronaut.png"].read_bytes())])
+    assert cli(["scan", str(tar), "--out", str(tmp_path / "m"), "--no-progress"]) == 0
+    assert cli(["hash", str(tmp_path / "m"), "--source", "vqa", "--out", str(tmp_path / "vqa.h"), "--no-progress",
+                "--workers", "1"]) == 0
+    argv = ["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy", str(_policy(tmp_path, POLICY)),
+            "--out", str(tmp_path / "d"), "--against", str(tmp_path / "vqa.h"), "--report"]
+    capsys.readouterr()
+    assert cli(argv) == 0
+    assert "report: " in capsys.readouterr().err
+    report = tmp_path / "d" / "report"
+    meta = json.loads((tmp_path / "d" / "dedup.json").read_text())
+    index = (report / "index.md").read_text()
+    for source, counts in meta["counts"].items():
+        matches = counts["by_rule"]["benchmark"]
+        assert counts["hashed"] == counts["kept"] + (counts["dropped"] - matches) + matches
+        assert (f"| {source} | {counts['hashed']:,} | {counts['kept']:,} | {counts['dropped'] - matches:,} | "
+                f"{matches:,} | {counts['held']:,} |") in index
+    recorded = json.loads((report / "report.json").read_text())
+    assert recorded["unshown"] == [] and "benchmark-matches.png" in recorded["sheets"]
+    matches = _tiles(report / "benchmark-matches.png")
+    assert len(matches) == meta["decontamination"]["contaminated"] == 3  # web s003, frames f000 and f004
+    assert all(len(row) == 2 and not _grey(row[0]) and not _grey(row[1]) for row in matches)
+    assert "frames:f004 d=" in index and "benchmark vqa:b000" in index
+    duplicates = [name for name in recorded["sheets"] if name.startswith("duplicates-")]
+    assert len(duplicates) == 2 and all(len(_tiles(report / name)) for name in duplicates)
+    assert "keeper web:c002" in index  # coffee's group, keeper first
+
+    with open(tar, "ab") as handle:  # the benchmark's tar changes after its scan: its images are not trusted
+        handle.write(bytes(10240))
+    assert cli(argv) == 0
+    recorded = json.loads((report / "report.json").read_text())
+    assert {u["source"] for u in recorded["unshown"]} == {"vqa"}
+    assert {u["reason"] for u in recorded["unshown"]} == {"stale_media"}
+    assert all(not _grey(row[0]) and _grey(row[1]) for row in _tiles(report / "benchmark-matches.png"))
+    assert "could not be shown" in capsys.readouterr().err and "stale_media" in (report / "index.md").read_text()

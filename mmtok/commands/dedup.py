@@ -30,6 +30,10 @@ def add_parser(sub) -> None:
     parser.add_argument("--confirm", action="append", default=[], metavar="NAME",
                         help="drop the held-back matches of a suspect benchmark image (BENCHMARK:KEY) or of a "
                         "suspect source (its name), repeatable; the summary names the suspects")
+    parser.add_argument("--report", action="store_true",
+                        help="also write OUT/report/: index.md with the per-source counts and PNG contact sheets of "
+                        "sampled duplicate groups (keeper first), every benchmark match beside its benchmark image, "
+                        "and the matches held back")
     parser.set_defaults(func=run)
 
 
@@ -42,7 +46,16 @@ def run(args) -> int:
     if args.confirm and not args.against:
         raise MmtokError("--confirm confirms benchmark matches: give the benchmarks with --against")
     meta = dedup(args.hashes, args.policy, args.out, args.against, args.confirm)
-    print_summary("dedup", summary_lines(meta, args.out))
+    lines = summary_lines(meta, args.out)
+    if args.report:
+        from mmtok.curate.report import REPORT_DIR, write_report
+
+        report = write_report(args.out)
+        unshown = f"; {plural(len(report['unshown']), 'image')} could not be shown (named there)" \
+            if report["unshown"] else ""
+        lines.append(f"report: {args.out / REPORT_DIR / 'index.md'} ({plural(len(report['sheets']), 'contact sheet')}, "
+                     f"{plural(report['shown'], 'image')}{unshown})")
+    print_summary("dedup", lines)
     return 0
 
 

@@ -145,7 +145,7 @@ class DedupList:
             raise MmtokError(f"the duplicate list {self.directory} was not made from this manifest (fingerprint "
                              f"{manifest_fingerprint[:12]}...; its sources: {', '.join(sorted(inputs.values()))}); "
                              "run `mmtok hash` on this manifest and `mmtok dedup` with its table")
-        table = self._table()
+        table = self.table()
         table = table.filter(pc.equal(table.column("source"), source))
         rows = table.column("manifest_row").to_numpy()
         if len(rows) and (rows[0] < 0 or rows[-1] >= manifest_rows or (np.diff(rows) <= 0).any()):
@@ -159,7 +159,15 @@ class DedupList:
                          keeper_row=table.column("keeper_row").to_numpy(),
                          contaminated=pc.equal(table.column("rule"), BENCHMARK_RULE).to_numpy(zero_copy_only=False))
 
-    def _table(self) -> pa.Table:
+    def table(self) -> pa.Table:
         """dropped.parquet, after checking its sha256 against dedup.json and its columns against SCHEMA."""
         return read_recorded(self.directory / DROPPED_FILE, self.metadata["fingerprint"], SCHEMA, "a duplicate list",
                              f"mmtok dedup HASHES... --policy POLICY --out {self.directory}")
+
+    def held_table(self) -> pa.Table | None:
+        """held.parquet (checked the same way), or None for a list made without --against."""
+        if "held_sha256" not in self.metadata:
+            return None
+        return read_recorded(self.directory / HELD_FILE, self.metadata["held_sha256"], HELD_SCHEMA,
+                             "the held-back benchmark matches",
+                             f"mmtok dedup ... --against BENCH --out {self.directory}")

@@ -1,0 +1,242 @@
+"""`mmtok dedup --report`: what a duplicate list drops, for a person to look at before any GPU sees the data.
+
+Written into D/report/ (D the list's directory), report.json last:
+
+  index.md                  the per-source counts (hashed = kept + duplicates + benchmark matches; matches held
+                            back), then each contact sheet with the rows it shows, as text
+  duplicates-<n>.png        per source, up to SAMPLED_GROUPS duplicate groups with a dropped image of that source
+                            (a deterministic sample: evenly spaced over the groups in keeper order), one row each:
+                            the keeper first, then the dropped copies with their rule and distance
+  benchmark-matches.png     every benchmark match (up to MAX_MATCHES) beside the benchmark image it matched
+  held.png                  every match held back as suspect (up to MAX_MATCHES) beside its benchmark image, with why
+  report.json               what was shown, and every image that could not be shown and why
+
+Images are read from the manifests the hash tables name (recorded in dedup.json), checked against the scan's
+identity of their tar first: an image whose tar changed since, that can no longer be read, or that does not
+decode is a grey tile naming why (and listed in report.json `unshown`), never a crash of the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmtok import __version__
+from mmtok.errors import MmtokError, Skip
+from mmtok.formats.dedup import BENCHMARK_RULE, DedupList
+from mmtok.fsutil import atomic_write_json, atomic_writer, refuse_foreign_output
+
+REPORT_DIR = "report"
+REPORT_FILE = "report.json"
+FORMAT = "mmtok.dedup-report"
+FORMAT_VERSION = 1
+SAMPLED_GROUPS = 12  # duplicate groups shown per source
+GROUP_MEMBERS = 6  # images shown per group (the keeper and the first dropped copies)
+MAX_MATCHES = 200  # benchmark matches (and held matches) shown; the rest are counted
+TILE = 160  # pixels: each image fits a TILE x TILE square
+LABEL = 28  # pixels of text under each tile
+READ_COLUMNS = ("tar", "container", "member", "offset", "size", "status")
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One tile: which image (its source and manifest row; None for a benchmark image not available) and the
+    label under it."""
+
+    source: str
+    row: int
+    label: str
+
+
+def write_report(out: Path) -> dict:
+    """Write D/report/ for the duplicate list in `out` (`mmtok.formats.dedup`); returns report.json's content."""
+    import pyarrow.compute as pc
+
+    listed = DedupList.open(out)
+    directory = out / REPORT_DIR
+    refuse_foreign_output(directory, ("index.md",), (REPORT_FILE,), "mmtok dedup --report",
+                          (REPORT_FILE, FORMAT, FORMAT_VERSION, "duplicate-list report"))
+    directory.mkdir(exist_ok=True)
+    (directory / REPORT_FILE).unlink(missing_ok=True)
+    images = _Images(listed.metadata)
+    table, held = listed.table(), listed.held_table()
+    matched = pc.equal(table.column("rule"), BENCHMARK_RULE)
+    duplicates = table.filter(pc.invert(matched))
+    sections, sheets = [], {}
+    for number, source in enumerate(sorted(listed.metadata["counts"])):
+        rows = _sampled_groups(duplicates, source)
+        if rows:
+            name = f"duplicates-{number}.png"
+            sheets[name] = rows
+            sections.append((f"Duplicates of {source}: {len(rows)} of its groups, keeper first", name, rows))
+    for title, name, chosen in (
+            ("Benchmark matches (dropped), beside the benchmark image", "benchmark-matches.png", table.filter(matched)),
+            ("Matches held back as suspect (kept), beside the benchmark image", "held.png", held)):
+        if chosen is not None and chosen.num_rows:
+            rows = [_match_row(r) for r in chosen.slice(0, MAX_MATCHES).to_pylist()]
+            sheets[name] = rows
+            sections.append((f"{title}: {len(rows):,} of {chosen.num_rows:,}", name, rows))
+    for name, rows in sheets.items():
+        _write_sheet(directory / name, rows, images)
+    with atomic_writer(directory / "index.md", "w") as handle:
+        handle.write(_markdown(listed.metadata, sections, images.unshown))
+    record = {"format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
+              "list_fingerprint": listed.metadata["fingerprint"], "sheets": sorted(sheets),
+              "shown": sum(len(row) for rows in sheets.values() for row in rows), "unshown": images.unshown}
+    atomic_write_json(directory / REPORT_FILE, record)
+    return record
+
+
+def _sampled_groups(duplicates, source: str) -> list[list[Shown]]:
+    """Up to SAMPLED_GROUPS groups with a dropped image of `source`, evenly spaced over its groups in keeper order;
+    each the keeper, then its dropped copies (by source and row). Only the chosen groups become Python rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    groups = np.unique(duplicates.filter(pc.equal(duplicates.column("source"), source)).column("group").to_numpy())
+    if not len(groups):
+        return []
+    picked = np.unique(groups[np.linspace(0, len(groups) - 1, min(SAMPLED_GROUPS, len(groups))).astype(np.int64)])
+    members: dict[int, list[dict]] = {}
+    for row in duplicates.filter(pc.is_in(duplicates.column("group"), pa.array(picked))).to_pylist():
+        members.setdefault(row["group"], []).append(row)
+    shown = []
+    for group in picked.tolist():
+        rows = sorted(members[group], key=lambda r: (r["source"], r["manifest_row"]))
+        keeper = rows[0]
+        tiles = [Shown(keeper["keeper_source"], keeper["keeper_row"],
+                       f"keeper {keeper['keeper_source']}:{keeper['keeper_key']}")]
+        tiles += [Shown(m["source"], m["manifest_row"], f"{m['source']}:{m['key']} {m['rule']} d={m['distance']}")
+                  for m in rows[:GROUP_MEMBERS - 1]]
+        shown.append(tiles)
+    return shown
+
+
+def _match_row(row: dict) -> list[Shown]:
+    """A training image beside the benchmark image it matched (dropped.parquet's keeper columns, or held.parquet's
+    bench columns)."""
+    bench = ("keeper_source", "keeper_row", "keeper_key") if "keeper_source" in row else \
+        ("bench_source", "bench_row", "bench_key")
+    why = f" ({row['why']})" if row.get("why") else ""
+    return [Shown(row["source"], row["manifest_row"], f"{row['source']}:{row['key']} d={row['distance']}{why}"),
+            Shown(row[bench[0]], row[bench[1]], f"benchmark {row[bench[0]]}:{row[bench[2]]}")]
+
+
+class _Images:
+    """Thumbnails of manifest rows, read through the manifests the list's hash tables name."""
+
+    def __init__(self, metadata: dict):
+        from mmtok.formats.hashes import HashTable
+
+        self.manifests = {entry["source"]: entry.get("manifest_directory") for entry in metadata["inputs"]}
+        for bench in (metadata.get("decontamination") or {}).get("against", []):
+            try:
+                self.manifests[bench["benchmark"]] = HashTable.open(bench["hashes"]).metadata["manifest"]["directory"]
+            except MmtokError:
+                self.manifests[bench["benchmark"]] = None  # its images are shown as unavailable
+        self._opened: dict[str, object] = {}
+        self.unshown: list[dict] = []
+
+    def thumbnail(self, shown: Shown):
+        """The image, fitted into TILE x TILE; a grey tile naming why it cannot be shown."""
+        try:
+            image = self._decode(shown)
+        except Skip as skip:
+            self.unshown.append({"source": shown.source, "manifest_row": int(shown.row), "reason": skip.reason,
+                                 "detail": skip.detail[:300]})
+            return _placeholder(f"{skip.reason}")
+        image.thumbnail((TILE, TILE))
+        return image
+
+    def _decode(self, shown: Shown):
+        from mmtok.formats.manifest import MemberReader, ShortRead
+        from mmtok.media.images import decode_rgb
+
+        manifest = self._manifest(shown.source)
+        r = manifest.read_rows(np.array([shown.row], np.int64), READ_COLUMNS)
+        path = str(r["tar"][0])
+        change = self._changed(manifest, path)
+        if change:
+            raise Skip("stale_media", f"{path} changed since the scan ({change})")
+        reader = MemberReader(max_open=1)
+        try:
+            data = reader.read_member(str(r["container"][0]), path, str(r["member"][0]), int(r["offset"][0]),
+                                      int(r["size"][0]))
+        except ShortRead as err:
+            raise Skip("short_read", str(err)) from None
+        except OSError as err:
+            raise Skip("read_error", f"{path}: {err}") from None
+        finally:
+            reader.close()
+        return decode_rgb(data)
+
+    def _manifest(self, source: str):
+        from mmtok.formats.manifest import Manifest
+
+        if source not in self._opened:
+            directory = self.manifests.get(source)
+            if directory is None:
+                raise Skip("missing_media", f"no manifest of {source} is recorded")
+            try:
+                self._opened[source] = Manifest.open(Path(directory))
+            except (MmtokError, OSError) as err:
+                raise Skip("missing_media", f"the manifest of {source} ({directory}) cannot be opened: {err}") from None
+        return self._opened[source]
+
+    @staticmethod
+    def _changed(manifest, path: str) -> str | None:
+        from mmtok.formats.manifest import identity_change
+
+        try:
+            return identity_change(path, manifest.identities([path])[path])
+        except MmtokError as err:  # no identity recorded: its bytes cannot be trusted to be the scanned ones
+            return str(err)
+
+
+def _placeholder(text: str):
+    from PIL import Image, ImageDraw
+
+    tile = Image.new("RGB", (TILE, TILE), (128, 128, 128))
+    ImageDraw.Draw(tile).text((6, TILE // 2 - 6), text[:24], fill=(255, 255, 255))
+    return tile
+
+
+def _write_sheet(path: Path, rows: list[list[Shown]], images: _Images) -> None:
+    """One row of tiles per entry, each labelled (PNG, written atomically)."""
+    from PIL import Image, ImageDraw
+
+    width = max(len(row) for row in rows) * (TILE + 8) + 8
+    sheet = Image.new("RGB", (width, len(rows) * (TILE + LABEL + 8) + 8), (255, 255, 255))
+    draw = ImageDraw.Draw(sheet)
+    for y, row in enumerate(rows):
+        for x, shown in enumerate(row):
+            left, top = 8 + x * (TILE + 8), 8 + y * (TILE + LABEL + 8)
+            tile = images.thumbnail(shown)
+            sheet.paste(tile, (left + (TILE - tile.width) // 2, top + (TILE - tile.height) // 2))
+            for line, text in enumerate((shown.label[:26], shown.label[26:52])):
+                draw.text((left, top + TILE + 2 + 12 * line), text, fill=(0, 0, 0))
+    with atomic_writer(path) as handle:
+        sheet.save(handle, "PNG")
+
+
+def _markdown(metadata: dict, sections: list, unshown: list[dict]) -> str:
+    """index.md: the counts table (it adds up), then each sheet and its rows as text."""
+    lines = ["# What the duplicate list drops", "", f"{metadata['dropped']:,} images dropped; list "
+             f"`dropped.parquet` (sha256 {metadata['fingerprint'][:12]}...).", "",
+             "| source | hashed | kept | duplicates | benchmark matches | held back (kept) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for source, counts in sorted(metadata["counts"].items()):
+        matches = counts["by_rule"].get("benchmark", 0)
+        lines.append(f"| {source} | {counts['hashed']:,} | {counts['kept']:,} | {counts['dropped'] - matches:,} | "
+                     f"{matches:,} | {counts.get('held', 0):,} |")
+    lines += ["", "hashed = kept + duplicates + benchmark matches; held-back matches are among the kept.", ""]
+    for title, name, rows in sections:
+        lines += [f"## {title}", "", f"![{title}]({name})", ""]
+        lines += [" | ".join(tile.label for tile in row) for row in rows]
+        lines.append("")
+    if unshown:
+        lines += ["## Images that could not be shown", ""]
+        lines += [f"- {u['source']} row {u['manifest_row']}: {u['reason']} -- {u['detail']}" for u in unshown]
+    return "\n".join(lines) + "\n"
