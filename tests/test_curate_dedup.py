@@ -389,6 +389,15 @@ def test_plan_exclude_drops_matches_as_contaminated_with_the_benchmark_image(sou
     assert {dropped[row]["reason"] for row in (1, 3)} == {"duplicate"}
     meta = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert meta["dropped_by_reason"]["contaminated"] == 2 and meta["dropped_by_reason"]["duplicate"] == 2
+    from mmtok.codecs import emu35
+
+    checkpoint = emu35.write_random_checkpoint(tmp_path / "ckpt")
+    assert cli(["encode", "--plan", str(tmp_path / "p"), "--checkpoint", str(checkpoint), "--out", str(tmp_path / "e"),
+                "--device", "cpu", "--loader-threads", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert cli(["status", str(tmp_path / "e"), "--plan", str(tmp_path / "p")]) == 0  # the job view names them too
+    assert (f"curation: the plan excludes 4 rows of source frames listed by {(tmp_path / 'd').resolve()} "
+            "(duplicate 2, contaminated 2); they never reach a GPU") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("case, fragment", [

@@ -90,6 +90,11 @@ def render(status: dict) -> str:
     lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, "
              f"{plural(status['num_parts'], what)}" + (f": {states}" if states else "")]
     lines += [f"  warning: {w}" for w in status["warnings"]]
+    curation = status.get("curation")
+    if curation:
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in curation["by_reason"].items()) or "none in the plan"
+        lines.append(f"  curation: the plan excludes {plural(curation['rows'], 'row')} of source {curation['source']} "
+                     f"listed by {curation['list']} ({reasons}); they never reach a GPU")
     lines += _table(status)
     lines += _summary(status)
     if "inputs" in status:

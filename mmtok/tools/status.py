@@ -76,6 +76,7 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     _add_shares(parts, model)
     item = {"audio": "clip", "sft": "conversation"}.get(modality, "image")
     return {"out": str(out), "modality": modality, "item": item, "work_items": _items(identities),
+            "curation": _curation(opened) if opened is not None else None,
             "num_parts": num_parts, "states": {s: sum(p["state"] == s for p in parts) for s in STATES},
             "totals": _totals(parts, model), "eta_s": _job_eta(parts),
             "slowest": [p["part"] for p in sorted(parts, key=lambda p: -p["projected_s"])[:SLOWEST] if p["wall_s"]],
@@ -187,6 +188,16 @@ def _num_parts(identities: list[dict], found: dict[int, dict], plan) -> int:
 
 
 # -- the plan's cost model ---------------------------------------------------------------------------
+def _curation(plan) -> dict | None:
+    """What the plan's duplicate list (`plan --exclude`) dropped of its source, by reason; None without one."""
+    exclude = plan.meta.get("exclude")
+    if not exclude:
+        return None
+    by_reason = plan.meta.get("dropped_by_reason", {})
+    listed = {reason: by_reason[reason] for reason in ("duplicate", "contaminated") if by_reason.get(reason)}
+    return {"source": exclude["source"], "list": exclude["directory"], "rows": exclude["rows"], "by_reason": listed}
+
+
 def _open_plan(directory: str | os.PathLike):
     """`Plan.open(directory)`; pyarrow is imported only when a plan is asked for."""
     from mmtok.formats.plan import Plan
