@@ -300,12 +300,13 @@ def test_plan_warns_when_it_drops_a_keeper_of_its_own_manifest(sources, tmp_path
 @pytest.fixture(scope="module")
 def bench(sources, tmp_path_factory) -> Path:
     """A benchmark `vqa` of three real images: frames' grass photo re-encoded as JPEG quality 30 (a near copy),
-    the coffee photo web repeats (byte copies and a JPEG in frames: one benchmark image, four training images) and
-    the astronaut (a byte copy in web and in frames)."""
+    the coffee photo web repeats, re-encoded as JPEG quality 90 (near four training images: web's copies and
+    frames' JPEG; no byte copy) and the astronaut (a byte copy of web's and frames')."""
     root = tmp_path_factory.mktemp("bench")
     images = real_images()
     grass = Image.open(next(p for p in skimage_images() if p.name == "grass.png")).convert("RGB")
-    members = [("b000.jpg", _encoded(grass, "JPEG", quality=30)), ("b001.png", images["coffee.png"].read_bytes()),
+    coffee = Image.open(images["coffee.png"]).convert("RGB")
+    members = [("b000.jpg", _encoded(grass, "JPEG", quality=30)), ("b001.jpg", _encoded(coffee, "JPEG", quality=90)),
                ("b002.png", images["astronaut.png"].read_bytes())]
     tar = write_tar(root / "shards" / "vqa.tar", members)
     assert cli(["scan", str(tar), "--out", str(root / "manifest"), "--no-progress"]) == 0
@@ -364,15 +365,14 @@ def test_a_source_with_an_unusual_share_flagged_is_held_until_confirmed_and_neve
         sources, bench, tmp_path, capsys):
     share = POLICY + "decontamination: {max_matches: 2, max_share: 0.1, min_flagged: 1}\n"  # coffee held, as above
     found = _dedup(sources, bench, tmp_path, share)
-    # frames: 2 of its 5 images match (40% > 10%): held back, with why (f000 stays dropped as a byte copy of web's
-    # astronaut, which web -- 1 of 25 flagged -- drops as a match)
+    # frames: 1 of its 5 images matches by pHash (20% > 10%): held back, with why; its byte copy of the astronaut
+    # is certain (never held, never counted), as is web's
     held = {key: r["why"] for (source, key), r in found["held"].items() if source == "frames"}
     assert held == {"f004": "source_share"}
-    assert not any(r["rule"] == "benchmark" for (source, _), r in found["dropped"].items() if source == "frames")
+    assert _matched(found["dropped"][("frames", "f000")])[:3] == ("benchmark", "vqa", "b002")
     assert _matched(found["dropped"][("web", "s003")])[:3] == ("benchmark", "vqa", "b002")
-    assert found["dropped"][("frames", "f000")]["rule"] == "sha256"
-    assert found["meta"]["decontamination"]["suspect_sources"] == [{"source": "frames", "flagged": 2, "hashed": 5}]
-    assert "held back: source frames has 2 of 5 images matching benchmarks" in capsys.readouterr().err
+    assert found["meta"]["decontamination"]["suspect_sources"] == [{"source": "frames", "flagged": 1, "hashed": 5}]
+    assert "held back: source frames has 1 of 5 images matching benchmarks" in capsys.readouterr().err
     confirmed = _dedup(sources, bench, tmp_path, share, "--confirm", "frames")
     assert {key for (source, key), r in confirmed["dropped"].items() if source == "frames"
             and r["rule"] == "benchmark"} == {"f000", "f004"}  # by sample id: f001..f003 are not touched by it
@@ -405,20 +405,28 @@ def test_plan_exclude_drops_matches_as_contaminated_with_the_benchmark_image(sou
     ("named_like_a_source", "have the same source name 'frames'; a benchmark is named apart"),
     ("confirm_typo", "--confirm 'vqa:b01' names neither a training source"),
     ("confirm_alone", "--confirm confirms benchmark matches: give the benchmarks with --against"),
-    ("bad_radius", "`decontaminate` is a pHash radius 0..16 to benchmark images, or off; got 99"),
-    ("bad_guards", "`decontamination:` wants radius 0..16, max_matches and min_flagged integers >= 0"),
+    ("bad_radius", "`decontaminate` is a pHash radius 0..8 to benchmark images, or off; got 99"),
+    ("bad_guards", "`decontamination: max_share` is a share in (0, 1], got 2"),
+    ("guards_not_a_mapping", "`decontamination:` is a mapping of radius, max_matches, max_share, min_flagged"),
+    ("guards_alias_bomb", "`decontamination: max_matches` is an integer >= 0, got [["),
+    ("benchmark_name_with_colon", "benchmark name 'v:qa' holds ':'"),
 ])
 def test_bad_benchmark_input_is_one_line_exit_2_and_nothing_written(sources, bench, tmp_path, capsys, case,
                                                                      fragment):
+    bomb = "[&a0 [x, x, x, x, x, x, x, x, x, x], " + ", ".join(
+        f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)) + "]"
     policy = {"bad_radius": POLICY.replace("{rule: exact}", "{rule: exact, decontaminate: 99}"),
-              "bad_guards": POLICY + "decontamination: {max_share: 2}\n"}.get(case, POLICY)
+              "bad_guards": POLICY + "decontamination: {max_share: 2}\n",
+              "guards_not_a_mapping": POLICY + "decontamination: false\n",
+              "guards_alias_bomb": POLICY + f"decontamination: {{max_matches: {bomb}}}\n"}.get(case, POLICY)
     against = ["--against", str(bench)]
     flags = {"confirm_typo": ["--confirm", "vqa:b01"], "confirm_alone": ["--confirm", "frames"]}.get(case, [])
-    if case in ("other_algorithm", "named_like_a_source"):
+    if case in ("other_algorithm", "named_like_a_source", "benchmark_name_with_colon"):
         copy = tmp_path / "vqa.h"
         shutil.copytree(bench, copy)
         meta = json.loads((copy / "hashes.json").read_text())
-        meta.update({"algorithm": "phash-other"} if case == "other_algorithm" else {"source": "frames"})
+        meta.update({"other_algorithm": {"algorithm": "phash-other"}, "named_like_a_source": {"source": "frames"},
+                     "benchmark_name_with_colon": {"source": "v:qa"}}[case])
         (copy / "hashes.json").write_text(json.dumps(meta))
         against = ["--against", str(copy)]
     if case == "confirm_alone":
@@ -486,3 +494,31 @@ def test_the_report_shows_sampled_groups_every_match_beside_its_benchmark_image_
     assert {u["reason"] for u in recorded["unshown"]} == {"stale_media"}
     assert all(not _grey(row[0]) and _grey(row[1]) for row in _tiles(report / "benchmark-matches.png"))
     assert "could not be shown" in capsys.readouterr().err and "stale_media" in (report / "index.md").read_text()
+
+
+def test_a_match_never_keeps_a_group_and_an_already_deduplicated_set_and_unquoted_off_work(sources, tmp_path, capsys):
+    # found by an attack: with no duplicates among the tables the run crashed (an Arrow cast of empty columns);
+    # `off` unquoted (YAML reads False) was refused; a group whose keeper was a match lost its last copy
+    images = real_images()
+    rocket = Image.open(images["rocket.jpg"]).convert("RGB")
+    brightened = _encoded(ImageEnhance.Brightness(rocket).enhance(1.3))  # frames' f002, byte for byte
+    tar = write_tar(tmp_path / "shards" / "vqa.tar", [("b000.png", brightened)])
+    assert cli(["scan", str(tar), "--out", str(tmp_path / "m"), "--no-progress"]) == 0
+    assert cli(["hash", str(tmp_path / "m"), "--source", "vqa", "--out", str(tmp_path / "vqa.h"), "--no-progress",
+                "--workers", "1"]) == 0
+    policy = _policy(tmp_path, "sources:\n  frames: {rule: radius, radius: 4, decontaminate: off}\n"
+                               "  web: {rule: off, decontaminate: off}\n")
+    assert cli(["dedup", str(sources / "frames.h"), str(sources / "web.h"), "--policy", str(policy), "--out",
+                str(tmp_path / "d"), "--against", str(tmp_path / "vqa.h")]) == 0
+    rows = {(r["source"], r["key"]): r for r in pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist()}
+    assert _matched(rows[("frames", "f002")]) == ("benchmark", "vqa", "b000", -1)  # bytes match with `off`
+    assert ("frames", "f001") not in rows  # its near copy now keeps the group: the image stays in the data
+    meta = json.loads((tmp_path / "d" / "dedup.json").read_text())
+    groups = sorted({r["group"] for r in rows.values() if r["rule"] != "benchmark"})
+    assert groups == list(range(meta["groups"]))  # numbered 0.. with no gap, and counted as listed
+    capsys.readouterr()
+    assert cli(["dedup", str(sources / "frames.h"), "--policy", str(_policy(tmp_path, "sources:\n  frames: "
+                "{rule: exact}\n")), "--out", str(tmp_path / "alone"), "--against", str(tmp_path / "vqa.h")]) == 0
+    alone = pq.read_table(tmp_path / "alone" / "dropped.parquet").to_pylist()
+    assert [(r["key"], r["rule"]) for r in alone] == [("f001", "benchmark"), ("f002", "benchmark")]  # radius 4
+    assert "0 duplicates in 0 groups and 2 images matching 1 benchmark" in capsys.readouterr().err

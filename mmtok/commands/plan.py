@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
                         "batch-invariant); costs balance only on corpora with few batches per rank")
     parser.add_argument("--exclude", metavar="DEDUP_DIR",
                         help="a duplicate list from `mmtok dedup`: its rows of this manifest are dropped (reason "
-                        "`duplicate`, with the keeper in dropped.parquet) and never reach a GPU")
+                        "`duplicate`, with the keeper in dropped.parquet; `contaminated`, with the benchmark image, "
+                        "for a list made with --against) and never reach a GPU")
     parser.add_argument("--explain", action="store_true",
                         help="print the shape histogram, token totals, drops by reason and per-rank cost")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

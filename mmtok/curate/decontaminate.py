@@ -6,9 +6,11 @@ matches several benchmark images is named with the nearest (then the first by be
 
 Guards against false positives -- low-entropy domains (satellite tiles, document scans, flat medical images) match
 unrelated images at small radii, and one bad match must never take a dataset with it:
-* a benchmark image that matches more than `max_matches` training images is *suspect*: its matches are held back;
-* a source more than `max_share` of whose hashed images (and at least `min_flagged`) are flagged is *suspect*:
-  every match of that source is held back.
+* a benchmark image whose pHash matches more than `max_matches` training images is *suspect*: those matches are
+  held back;
+* a source more than `max_share` of whose hashed images (and at least `min_flagged`) match by pHash is *suspect*:
+  every pHash match of that source is held back.
+A byte copy of a benchmark image is certain: it is always dropped and counts towards neither guard.
 Held matches are listed (OUT/held.parquet, with why), not dropped, unless `--confirm` names the benchmark item
 (`BENCH:KEY`) or the source. Drops are decided image by image; nothing is ever dropped by dataset.
 """
@@ -37,19 +39,23 @@ class Guards:
     min_flagged: int = 20  # ...once at least this many are (a few hits in a small source are not a pattern)
 
     @classmethod
-    def from_policy(cls, path: Path, entry, max_radius: int) -> Guards:
-        known = {f.name for f in fields(cls)}
-        if not isinstance(entry, dict) or not set(entry) <= known:
-            raise MmtokError(f"{path}: `decontamination:` is a mapping of {', '.join(sorted(known))} "
-                             f"(docs/curation.md), got {str(entry)[:80]!r}")
-        guards = cls(**entry)
-        integers = ("radius", "max_matches", "min_flagged")
-        if any(not isinstance(getattr(guards, name), int) or isinstance(getattr(guards, name), bool)
-               or getattr(guards, name) < 0 for name in integers) or guards.radius > max_radius \
-                or not isinstance(guards.max_share, (int, float)) or not 0 < guards.max_share <= 1:
-            raise MmtokError(f"{path}: `decontamination:` wants radius 0..{max_radius}, max_matches and min_flagged "
-                             f"integers >= 0, max_share in (0, 1]; got {str(entry)[:120]!r}")
-        return guards
+    def from_policy(cls, path: Path, entry: dict, max_radius: int, shown) -> Guards:
+        """The guards of the policy's `decontamination:` mapping; MmtokError naming the key for anything else
+        (values quoted through `shown`, which never expands a YAML alias bomb)."""
+        known = {f.name: f.default for f in fields(cls)}
+        unknown = [key for key in entry if key not in known]
+        if unknown:
+            raise MmtokError(f"{path}: `decontamination:` has no key {shown(unknown[0])} (known: "
+                             f"{', '.join(sorted(known))})")
+        for key, value in entry.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            fits = number and (0 < value <= 1 if key == "max_share" else isinstance(value, int) and value >= 0
+                               and (key != "radius" or value <= max_radius))
+            if not fits:
+                want = "a share in (0, 1]" if key == "max_share" else \
+                    f"an integer 0..{max_radius}" if key == "radius" else "an integer >= 0"
+                raise MmtokError(f"{path}: `decontamination: {key}` is {want}, got {shown(value)}")
+        return cls(**entry)
 
 
 @dataclass(frozen=True)
@@ -70,9 +76,9 @@ class Matches:
 
 
 def match_pairs(phash: np.ndarray, sha: np.ndarray, radius: np.ndarray, bench_phash: np.ndarray,
-                bench_sha: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every (training image, benchmark image, pHash distance) that matches: equal sha256, or pHashes within the
-    training image's `radius` (-1: off). Each pair once, sorted."""
+                bench_sha: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (training image, benchmark image, pHash distance, equal bytes) that matches: equal sha256, or pHashes
+    within the training image's `radius` (-1: off). Each pair once, sorted."""
     heads = [np.ascontiguousarray(digests[:, :8]).view(">u8").ravel().astype(np.uint64) for digests in (sha, bench_sha)]
     train, bench, _ = pairs_across(heads[0], heads[1], 0)  # equal heads proposed, full digests confirmed
     same = np.all(sha[train] == bench_sha[bench], axis=1)
@@ -84,25 +90,28 @@ def match_pairs(phash: np.ndarray, sha: np.ndarray, radius: np.ndarray, bench_ph
     train = np.concatenate([f[0] for f in found])
     bench = np.concatenate([f[1] for f in found])
     pairs = np.unique(np.stack([train, bench], axis=1), axis=0) if len(train) else np.zeros((0, 2), np.int64)
-    distance = np.bitwise_count(phash[pairs[:, 0]] ^ bench_phash[pairs[:, 1]]).astype(np.int8)
-    return pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64), distance
+    train, bench = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
+    distance = np.bitwise_count(phash[train] ^ bench_phash[bench]).astype(np.int8)
+    return train, bench, distance, np.all(sha[train] == bench_sha[bench], axis=1)
 
 
-def choose(train: np.ndarray, bench: np.ndarray, distance: np.ndarray, source_of: np.ndarray, hashed: np.ndarray,
-           guards: Guards, confirmed_items: set[int], confirmed_sources: set[int]) -> Matches:
-    """One match per training image from all pairs, with the guards applied (see the module docstring)."""
-    matched = np.bincount(bench)  # the pairs are distinct: training images per benchmark image
+def choose(train: np.ndarray, bench: np.ndarray, distance: np.ndarray, same: np.ndarray, source_of: np.ndarray,
+           hashed: np.ndarray, guards: Guards, confirmed_items: set[int], confirmed_sources: set[int]) -> Matches:
+    """One match per training image from all pairs, with the guards applied (see the module docstring). A byte
+    copy of a benchmark image is certain: it is never held back, and never counts towards a guard."""
+    near = bench[~same]
+    matched = np.bincount(near) if len(near) else np.zeros(0, np.int64)  # distinct training images per image
     suspect = {int(b): int(matched[b]) for b in np.flatnonzero(matched > guards.max_matches)
                if int(b) not in confirmed_items}
-    trusted = ~np.isin(bench, list(suspect))
-    # the nearest trusted match of each image, else its nearest held one (lexsort: the last key sorts first)
-    order = np.lexsort((bench, distance, ~trusted, train))
+    trusted = same | ~np.isin(bench, list(suspect))
+    # each image's best match: trusted first, then byte copies, then the nearest (lexsort: the last key sorts first)
+    order = np.lexsort((bench, distance, ~same, ~trusted, train))
     first = order[np.concatenate([[True], train[order][1:] != train[order][:-1]])] if len(order) else order
     why = np.where(trusted[first], "", ITEM_SUSPECT).astype(object)
-    images = train[first]
-    flagged = np.bincount(source_of[images[why == ""]], minlength=len(hashed))
+    images, by_phash = train[first], ~same[first]
+    flagged = np.bincount(source_of[images[(why == "") & by_phash]], minlength=len(hashed))
     unusual = (flagged > guards.max_share * hashed) & (flagged >= max(guards.min_flagged, 1))
     sources = {int(s): (int(flagged[s]), int(hashed[s])) for s in np.flatnonzero(unusual)
                if int(s) not in confirmed_sources}
-    why[(why == "") & np.isin(source_of[images], list(sources))] = SOURCE_SUSPECT
+    why[(why == "") & by_phash & np.isin(source_of[images], list(sources))] = SOURCE_SUSPECT
     return Matches(images, bench[first], distance[first], why, suspect, sources)

@@ -25,16 +25,27 @@ from mmtok.errors import MmtokError, brief
 
 RULE_RADIUS = {"exact": 0, "off": -1}  # a rule's pHash radius; `radius` takes the policy's `radius: r`
 MAX_RADIUS = 16  # 1/4 of the bits: past this a pHash matches unrelated images, and the search slows down
+# Radius to benchmark images: 10^8 images against 10^6 take minutes at 4, hours past 8 (the tables grow as C(b, r)).
+MAX_BENCH_RADIUS = 8
 MAX_PRIORITY = 10**9  # priorities are sorted as int64
-# The keeper of a group is the image first in this order: the policy's priority, then the largest image (a
+# The keeper of a group is the image first in this order: not dropped as a benchmark match (`--against`: a group
+# keeps an image that stays when it has one), the policy's priority, then the largest image (a
 # thumbnail that the plan would drop as too small never wins over its full-size copy), the source name, the
 # sample key (as UTF-8 bytes), the manifest row (images of one sample).
 # How policy values are quoted in errors: a few levels and items, so a YAML alias bomb is never expanded.
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 60, 60
-KEEPER_ORDER = [("priority", "ascending"), ("pixels", "descending"), ("source", "ascending"), ("key", "ascending"),
-                ("row", "ascending")]
+KEEPER_ORDER = [("matched", "ascending"), ("priority", "ascending"), ("pixels", "descending"),
+                ("source", "ascending"), ("key", "ascending"), ("row", "ascending")]
 POLICY_KEYS = {"rule", "radius", "priority", "decontaminate"}
+
+
+def _listed_schema():
+    import pyarrow as pa
+
+    from mmtok.formats.dedup import SCHEMA
+
+    return pa.schema([("index", pa.int64()), *SCHEMA])  # dropped.parquet's rows and each image's global index
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,11 @@ def load_policy(path: str | Path) -> tuple[dict[str, SourceRule], dict]:
         raise MmtokError(f"{path}: source names are non-empty strings (quote them), got {_SHOWN.repr(names[0])}")
     rules = {name: _source_rule(path, name, entry, position)
              for position, (name, entry) in enumerate(data["sources"].items())}
-    return rules, data.get("decontamination") or {}
+    guards = data.get("decontamination", {})
+    if not isinstance(guards, dict):
+        raise MmtokError(f"{path}: `decontamination:` is a mapping of radius, max_matches, max_share, min_flagged "
+                         f"(docs/curation.md), got {_SHOWN.repr(guards)}")
+    return rules, guards
 
 
 def _source_rule(path, name: str, entry, position: int) -> SourceRule:
@@ -82,7 +97,7 @@ def _source_rule(path, name: str, entry, position: int) -> SourceRule:
             or "rule" not in entry:
         raise MmtokError(f"{where}: give a mapping with `rule` (exact, radius or off) and optionally `radius`, "
                          f"`priority`; got {_SHOWN.repr(entry)}")
-    rule, radius = entry["rule"], entry.get("radius")
+    rule, radius = _off(entry["rule"]), entry.get("radius")
     if rule == "radius":
         if not _integer(radius) or not 1 <= radius <= MAX_RADIUS:
             raise MmtokError(f"{where}: rule radius needs `radius:` an integer 1..{MAX_RADIUS}, got "
@@ -97,13 +112,18 @@ def _source_rule(path, name: str, entry, position: int) -> SourceRule:
     if not _integer(priority) or not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise MmtokError(f"{where}: `priority` must be an integer in -{MAX_PRIORITY:,}..{MAX_PRIORITY:,}, got "
                          f"{_SHOWN.repr(priority)}")
-    decontaminate = entry.get("decontaminate")
+    decontaminate = _off(entry.get("decontaminate"))
     if decontaminate == "off":
         decontaminate = -1
-    elif decontaminate is not None and (not _integer(decontaminate) or not 0 <= decontaminate <= MAX_RADIUS):
-        raise MmtokError(f"{where}: `decontaminate` is a pHash radius 0..{MAX_RADIUS} to benchmark images, or off; "
-                         f"got {_SHOWN.repr(decontaminate)}")
+    elif decontaminate is not None and (not _integer(decontaminate) or not 0 <= decontaminate <= MAX_BENCH_RADIUS):
+        raise MmtokError(f"{where}: `decontaminate` is a pHash radius 0..{MAX_BENCH_RADIUS} to benchmark images, or "
+                         f"off; got {_SHOWN.repr(decontaminate)}")
     return SourceRule(radius=radius, priority=priority, decontaminate=decontaminate)
+
+
+def _off(value):
+    """`off` as YAML 1.1 reads it unquoted (False) is the word off."""
+    return "off" if value is False else value
 
 
 def _integer(value) -> bool:
@@ -233,30 +253,50 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
 
     check_output(out)
     policy, guards_entry = load_policy(policy_path)
-    guards = Guards.from_policy(policy_path, guards_entry, MAX_RADIUS)
+    guards = Guards.from_policy(policy_path, guards_entry, MAX_BENCH_RADIUS, _SHOWN.repr)
     tables = _open_tables(hash_dirs, policy, policy_path)
     benchmarks = _open_benchmarks(against, tables)
     images = _Images(tables)
+    decontamination = None
+    if benchmarks:  # first: an image dropped as a benchmark match is never the keeper of its duplicates
+        radius = np.array([guards.radius if policy[t.source].decontaminate is None else policy[t.source].decontaminate
+                           for t in tables], np.int8)
+        decontamination = _Decontamination(images, benchmarks, radius, guards, confirm)
+    matched = decontamination.dropped_images() if decontamination else np.zeros(0, np.int64)
     found = find_duplicates(images.phash, images.sha_head(),
                             np.repeat(np.array([policy[t.source].radius for t in tables], np.int8), images.sizes),
-                            lambda nodes: images.keeper_order(nodes, policy), images.same_bytes)
+                            lambda nodes: images.keeper_order(nodes, policy, matched), images.same_bytes)
     listed = images.duplicates_table(found)
+    held = None
+    if decontamination:
+        listed, held = decontamination.apply(listed)
+    listed, groups = _renumbered(listed)
     meta = {"algorithm": tables[0].algorithm,
             "policy": {name: {"rule": r.rule, "radius": max(r.radius, 0), "priority": r.priority}
                        for name, r in sorted(policy.items())},
             "inputs": [{"source": t.source, "hashes": str(t.directory.resolve()), "hashes_fingerprint":
                         t.metadata["fingerprint"], "manifest_directory": t.metadata["manifest"].get("directory"),
                         "manifest_fingerprint": t.manifest_fingerprint} for t in tables],
-            "groups": int(found.group.max()) + 1 if len(found.group) else 0}
-    held = None
-    if benchmarks:
-        radius = np.array([guards.radius if policy[t.source].decontaminate is None else policy[t.source].decontaminate
-                           for t in tables], np.int8)
-        listed, held, meta["decontamination"] = _decontaminate(images, benchmarks, radius, guards, confirm, listed)
+            "groups": groups}
+    if decontamination:
+        meta["decontamination"] = decontamination.record(held)
     meta["counts"] = _counts(tables, images.sizes, listed, held)
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, f"the duplicate list in {out}", name=LOCK_FILE):
         return write_dedup(out, listed, meta, held)
+
+
+def _renumbered(listed):
+    """The duplicate groups that still drop an image (a group whose only dropped images are benchmark matches
+    has none left), numbered 0.. in keeper order; (the rows, the number of groups)."""
+    import pyarrow as pa
+
+    group = listed.column("group").to_numpy()
+    duplicate = group >= 0
+    kept, inverse = np.unique(group[duplicate], return_inverse=True)
+    group = group.copy()
+    group[duplicate] = inverse
+    return listed.set_column(listed.schema.get_field_index("group"), "group", pa.array(group, pa.int64())), len(kept)
 
 
 class _Images:
@@ -282,13 +322,15 @@ class _Images:
     def same_bytes(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.all(self.sha[a] == self.sha[b], axis=1)
 
-    def keeper_order(self, nodes: np.ndarray, policy: dict[str, SourceRule]) -> np.ndarray:
-        """KEEPER_ORDER over the images `nodes`, sorted by Arrow (keys stay Arrow strings, compared as bytes)."""
+    def keeper_order(self, nodes: np.ndarray, policy: dict[str, SourceRule], matched: np.ndarray) -> np.ndarray:
+        """KEEPER_ORDER over the images `nodes` (`matched`: the sorted images dropped as benchmark matches), sorted
+        by Arrow (keys stay Arrow strings, compared as bytes)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         priority = np.array([policy[t.source].priority for t in self.tables], np.int64)
-        candidates = pa.table({"priority": priority[self.source_of[nodes]], "pixels": self.pixels[nodes],
+        candidates = pa.table({"matched": np.isin(nodes, matched), "priority": priority[self.source_of[nodes]],
+                               "pixels": self.pixels[nodes],
                                "source": self.source_of[nodes], "key": self.keys.take(pa.array(nodes)),
                                "row": self.rows[nodes]})
         ranked = pc.sort_indices(candidates, sort_keys=KEEPER_ORDER).to_numpy()
@@ -303,10 +345,10 @@ class _Images:
         order = np.argsort(found.dropped)
         dropped, keeper = found.dropped[order], found.keeper[order]
         return pa.table({"index": dropped, "source": self.names[self.source_of[dropped]],
-                         "manifest_row": self.rows[dropped], "key": self.keys.take(pa.array(dropped)),
+                         "manifest_row": self.rows[dropped], "key": self.keys.take(pa.array(dropped, pa.int64())),
                          "group": found.group[order], "keeper_source": self.names[self.source_of[keeper]],
-                         "keeper_row": self.rows[keeper], "keeper_key": self.keys.take(pa.array(keeper)),
-                         "rule": found.rule[order], "distance": found.distance[order]})
+                         "keeper_row": self.rows[keeper], "keeper_key": self.keys.take(pa.array(keeper, pa.int64())),
+                         "rule": found.rule[order], "distance": found.distance[order]}, schema=_listed_schema())
 
 
 def _counts(tables, sizes: np.ndarray, listed, held) -> dict:
@@ -337,6 +379,9 @@ def _open_benchmarks(against: list[Path], tables: list) -> list:
             raise MmtokError(f"the benchmark hash table {bench.directory} was made by {bench.algorithm}, the training "
                              f"tables by {tables[0].algorithm}: their hashes cannot be compared; hash the benchmark "
                              "images with this `mmtok hash`")
+        if ":" in bench.source:  # --confirm names a benchmark image as BENCHMARK:KEY: the name must end at its ':'
+            raise MmtokError(f"{bench.directory}: benchmark name {bench.source!r} holds ':'; hash it again with "
+                             "`mmtok hash --source NAME` (a name without ':')")
         if bench.source in names:
             raise MmtokError(f"{bench.directory} and {names[bench.source]} have the same source name "
                              f"{bench.source!r}; a benchmark is named apart from every source (`mmtok hash --source "
@@ -345,48 +390,67 @@ def _open_benchmarks(against: list[Path], tables: list) -> list:
     return benchmarks
 
 
-def _decontaminate(images: _Images, benchmarks: list, radius: np.ndarray, guards, confirm: list[str], listed):
-    """(dropped rows with the contaminated ones, the held matches, what dedup.json records of it)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
+class _Decontamination:
+    """The benchmark matches of the training images (`mmtok.curate.decontaminate`), found before the duplicate
+    groups so that a match never keeps a group, applied to the dropped rows after."""
 
-    from mmtok.curate.decontaminate import choose, match_pairs
+    def __init__(self, images: _Images, benchmarks: list, radius: np.ndarray, guards, confirm: list[str]):
+        from mmtok.curate.decontaminate import choose, match_pairs
 
-    bench = _Images(benchmarks)
-    train, matched, distance = match_pairs(images.phash, images.sha, radius[images.source_of], bench.phash, bench.sha)
-    items, sources = _confirmed(confirm, images, bench)
-    found = choose(train, matched, distance, images.source_of, images.sizes, guards, items, sources)
+        self.images, self.benchmarks, self.radius, self.guards = images, benchmarks, radius, guards
+        self.confirm = sorted(set(confirm))
+        self.bench = _Images(benchmarks)
+        pairs = match_pairs(images.phash, images.sha, radius[images.source_of], self.bench.phash, self.bench.sha)
+        items, sources = _confirmed(self.confirm, images, self.bench)
+        self.found = choose(*pairs, images.source_of, images.sizes, guards, items, sources)
 
-    def rows(chosen: np.ndarray) -> dict:
+    def dropped_images(self) -> np.ndarray:
+        return self.found.train[self.found.dropped]  # sorted: one entry per image, in index order
+
+    def _rows(self, chosen: np.ndarray) -> dict:
+        import pyarrow as pa
+
+        found, images, bench = self.found, self.images, self.bench
         index, other = found.train[chosen], found.bench[chosen]
         return {"index": index, "source": images.names[images.source_of[index]], "manifest_row": images.rows[index],
-                "key": images.keys.take(pa.array(index)), "bench_source": bench.names[bench.source_of[other]],
-                "bench_row": bench.rows[other], "bench_key": bench.keys.take(pa.array(other)),
-                "distance": found.distance[chosen]}
+                "key": images.keys.take(pa.array(index, pa.int64())),
+                "bench_source": bench.names[bench.source_of[other]], "bench_row": bench.rows[other],
+                "bench_key": bench.keys.take(pa.array(other, pa.int64())), "distance": found.distance[chosen]}
 
-    hit = rows(found.dropped)
-    contaminated = pa.table({"index": hit["index"], "source": hit["source"], "manifest_row": hit["manifest_row"],
-                             "key": hit["key"], "group": np.full(len(hit["index"]), -1, np.int64),
-                             "keeper_source": hit["bench_source"], "keeper_row": hit["bench_row"],
-                             "keeper_key": hit["bench_key"], "rule": np.full(len(hit["index"]), "benchmark", object),
-                             "distance": hit["distance"]})
-    duplicates = listed.filter(pc.invert(pc.is_in(listed.column("index"), pa.array(hit["index"]))))
-    listed = pa.concat_tables([duplicates, contaminated.cast(duplicates.schema)]).sort_by("index")
-    kept = ~found.dropped & ~np.isin(found.train, listed.column("index").to_numpy())  # held, not a duplicate either
-    held = pa.table({**{k: v for k, v in rows(kept).items() if k != "index"}, "why": found.why[kept]})
-    record = {"against": [{"benchmark": t.source, "hashes": str(t.directory.resolve()),
-                           "hashes_fingerprint": t.metadata["fingerprint"], "images": int(size)}
-                          for t, size in zip(benchmarks, bench.sizes, strict=True)],
-              "guards": {"max_matches": guards.max_matches, "max_share": guards.max_share,
-                         "min_flagged": guards.min_flagged},
-              "radius": {t.source: int(r) if r >= 0 else "off" for t, r in zip(images.tables, radius, strict=True)},
-              "suspect_images": [{"benchmark": f"{bench.names[bench.source_of[b]]}:{bench.keys[b].as_py()}",
-                                  "row": int(bench.rows[b]), "matches": n}
-                                 for b, n in sorted(found.suspect_items.items())],
-              "suspect_sources": [{"source": images.names[s], "flagged": flagged, "hashed": hashed}
-                                  for s, (flagged, hashed) in sorted(found.suspect_sources.items())],
-              "confirmed": sorted(confirm), "contaminated": len(hit["index"]), "held": held.num_rows}
-    return listed, held, record
+    def apply(self, listed):
+        """(the dropped rows with every benchmark match in place of its duplicate row, the matches held back)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        hit = self._rows(self.found.dropped)
+        n = len(hit["index"])
+        matches = pa.table({"index": hit["index"], "source": hit["source"], "manifest_row": hit["manifest_row"],
+                            "key": hit["key"], "group": np.full(n, -1, np.int64), "keeper_source": hit["bench_source"],
+                            "keeper_row": hit["bench_row"], "keeper_key": hit["bench_key"],
+                            "rule": np.full(n, "benchmark", object), "distance": hit["distance"]},
+                           schema=listed.schema)
+        duplicates = listed.filter(pc.invert(pc.is_in(listed.column("index"), pa.array(hit["index"], pa.int64()))))
+        listed = pa.concat_tables([duplicates, matches]).sort_by("index")
+        kept = ~self.found.dropped & ~np.isin(self.found.train, listed.column("index").to_numpy())  # not dropped
+        held = pa.table({**{k: v for k, v in self._rows(kept).items() if k != "index"}, "why": self.found.why[kept]})
+        return listed, held
+
+    def record(self, held) -> dict:
+        """What dedup.json records of the decontamination."""
+        found, images, bench, guards = self.found, self.images, self.bench, self.guards
+        return {"against": [{"benchmark": t.source, "hashes": str(t.directory.resolve()),
+                             "hashes_fingerprint": t.metadata["fingerprint"], "images": int(size)}
+                            for t, size in zip(self.benchmarks, bench.sizes, strict=True)],
+                "guards": {"max_matches": guards.max_matches, "max_share": guards.max_share,
+                           "min_flagged": guards.min_flagged},
+                "radius": {t.source: int(r) if r >= 0 else "off"
+                           for t, r in zip(images.tables, self.radius, strict=True)},
+                "suspect_images": [{"benchmark": f"{bench.names[bench.source_of[b]]}:{bench.keys[b].as_py()}",
+                                    "row": int(bench.rows[b]), "matches": n}
+                                   for b, n in sorted(found.suspect_items.items())],
+                "suspect_sources": [{"source": images.names[s], "flagged": flagged, "hashed": hashed}
+                                    for s, (flagged, hashed) in sorted(found.suspect_sources.items())],
+                "confirmed": self.confirm, "contaminated": int(found.dropped.sum()), "held": held.num_rows}
 
 
 def _confirmed(confirm: list[str], images: _Images, bench: _Images) -> tuple[set[int], set[int]]:

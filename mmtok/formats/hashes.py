@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from mmtok import __version__
+from mmtok.errors import DamagedFile
 from mmtok.formats import skips
 from mmtok.formats.parquet import FixedRowGroups, read_recorded
 from mmtok.fsutil import (
@@ -150,9 +151,15 @@ class HashTable:
         return str(self.metadata["manifest"].get("fingerprint"))
 
     def read(self) -> Hashes:
-        """Every row, after checking the file's sha256 against the one recorded (a changed table is refused)."""
+        """Every row, after checking the file's sha256 against the one recorded (a changed table is refused) and
+        that every row names a sample (a key) and a manifest row."""
+        import pyarrow.compute as pc
+
         table = read_recorded(self.directory / HASHES_FILE, self.metadata["fingerprint"], SCHEMA, "a hash table",
                               f"mmtok hash MANIFEST --out {self.directory}")
+        if table.column("key").null_count or (table.num_rows and pc.min(table.column("manifest_row")).as_py() < 0):
+            raise DamagedFile(f"{self.directory / HASHES_FILE}: a row without a key or with a negative manifest row; "
+                              f"rerun `mmtok hash MANIFEST --out {self.directory}`")
         digests = table.column("sha256").combine_chunks()
         sha = np.frombuffer(digests.buffers()[1], np.uint8)[digests.offset * 32:(digests.offset + len(digests)) * 32]
         return Hashes(manifest_row=table.column("manifest_row").to_numpy(),

@@ -38,8 +38,10 @@ def _header(plan_dir, meta: dict) -> list[str]:
 def _dropped(meta: dict) -> list[str]:
     counts = sorted(meta["dropped_by_reason"].items(), key=lambda item: (-item[1], item[0]))
     excluded = meta.get("exclude")
+    why = ("reasons duplicate and contaminated; keepers and matched benchmark images" if
+           meta["dropped_by_reason"].get("contaminated") else "reason duplicate; keepers")
     listed = ([f"excluded: the duplicate list {excluded['directory']} drops {excluded['rows']:,} rows of source "
-               f"{excluded['source']!r} (reason duplicate; keepers in dropped.parquet)"] if excluded else [])
+               f"{excluded['source']!r} ({why} in dropped.parquet)"] if excluded else [])
     if not counts:
         return listed + ["dropped: none"]
     return listed + ["dropped by reason:"] + [f"  {reason:<28} {count:>14,}" for reason, count in counts]
