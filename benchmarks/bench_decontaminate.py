@@ -83,7 +83,7 @@ def main() -> None:
     print(f"corpus: {args.train:,} training and {args.bench:,} benchmark hashes in {made:.0f} s; peak RSS "
           f"{peak_rss_mib():,.0f} MiB", file=sys.stderr)
     started = time.perf_counter()
-    train, bench, distance = match_pairs(phash, sha, np.full(args.train, args.radius, np.int8), bench_phash,
+    train, bench, distance, _ = match_pairs(phash, sha, np.full(args.train, args.radius, np.int8), bench_phash,
                                          bench_sha)
     search_s = time.perf_counter() - started
     peak = peak_rss_mib()
