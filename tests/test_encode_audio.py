@@ -342,7 +342,7 @@ def test_the_cli_summary_goes_to_stderr_and_json_prints_the_rank_result(shar, ch
     capsys.readouterr()
     assert main([*command, "--rank", "0"]) == 0
     headline, job_view = summary_lines(capsys.readouterr(), "encode (audio)")
-    assert headline.startswith("mmtok encode (audio): rank 0/3: 1 shard (1 to do), ") and "mmtok status" in job_view
+    assert headline.startswith("mmtok encode (audio): rank 0/3: 1 own shard (1 to do), ") and "mmtok status" in job_view
     for rank in (1, 2):
         assert main([*command, "--rank", str(rank), "--json"]) == 0
         result = json_result(capsys.readouterr())
@@ -404,7 +404,7 @@ def test_a_rank_that_finished_its_shards_takes_over_the_others_and_a_stop_commit
     (own,) = result["shards"]
     assert result["stopped"] == {"signal": "SIGUSR1", "shards": [own]} and len(encoded) == 1
     assert committed_units(tmp_path) == 1 and not is_done(part_dir(tmp_path, own))
-    assert "stopped on SIGUSR1 with shard(s)" in captured.err
+    assert f"stopped on SIGUSR1 before finishing shard(s) {own} " in captured.err
     monkeypatch.setattr(mmtok.encode.audio, "encode_batch", encode_batch)
     assert main([*command, "--rank", "0", "--json"]) == 0  # its own shard, then the others from the last
     result = json_result(capsys.readouterr())
@@ -413,3 +413,35 @@ def test_a_rank_that_finished_its_shards_takes_over_the_others_and_a_stop_commit
     assert all(is_done(part_dir(tmp_path, index)) for index in range(3))
     merge(tmp_path)
     assert fingerprint(tmp_path) == fingerprint(one_rank)  # the stopped shard resumed from its commit
+
+
+SLOW_LOADER = """
+import sys, time
+import mmtok.encode.audio as audio
+load = audio.load_batch
+audio.load_batch = lambda request: (time.sleep(1.0), load(request))[1]  # a loader slower than the device
+from mmtok.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_stopped_while_its_loader_workers_are_busy_exits_75_and_leaves_no_worker(shar, checkpoint, tmp_path):
+    # found by an attack: loader workers that ignored SIGTERM kept the stopped process from exiting (the
+    # DataLoader ends its workers with SIGTERM); the signal lands after the first commit, with a loader process
+    # busy on the next batch
+    command = [sys.executable, "-c", SLOW_LOADER, *encode_command(shar, checkpoint, tmp_path)[3:]]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while committed_units(tmp_path) < 1:
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError("the stopped rank did not exit") from None
+    assert process.returncode == 75 and "stopped on SIGUSR1" in err and "Traceback" not in err, err
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout  # a loader worker
+    assert left == ""

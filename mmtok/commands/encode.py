@@ -416,7 +416,7 @@ def audio_summary_lines(summary: dict, out: str) -> list[str]:
     busy = summary["device_busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
     reasons = _reasons(summary["skipped"])
     head = f"rank {summary['rank']}/{summary['world_size']}"
-    lines = [f"{head}: {plural(len(summary['shards']), 'shard')} "
+    lines = [f"{head}: {plural(len(summary['shards']), 'own shard')} "
              f"({summary['shards_to_do']} to do), {plural(summary['batches'], 'batch', 'batches')}, "
              f"{plural(summary['clips'], 'clip')}: {summary['clips'] - lost:,} encoded, {lost:,} skipped"
              f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
@@ -424,8 +424,9 @@ def audio_summary_lines(summary: dict, out: str) -> list[str]:
              *_uniform_lines(summary, "clip")]
     if summary.get("stopped"):
         stop = summary["stopped"]
-        lines.insert(0, f"{head}: stopped on {stop['signal']} with shard(s) {listed(stop['shards'], 10)} unfinished "
-                        "(every batch encoded is committed); rerun or requeue this command to resume from there")
+        lines.insert(0, f"{head}: stopped on {stop['signal']} before finishing shard(s) {listed(stop['shards'], 10)} "
+                        "(every batch encoded is committed; other ranks' shards may be left too); rerun or requeue "
+                        "this command to resume from there")
     lines += take_over_lines(summary)
     return lines + [f"job view (every shard): mmtok status {out}"]
 

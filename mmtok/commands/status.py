@@ -215,7 +215,8 @@ def _tail(status: dict) -> list[str]:
     from mmtok.tools.status import stage_command
 
     command = stage_command(status["modality"])
-    return lines + [f"action: {_action(a, noun(status), command)}" for a in tail["actions"]]
+    takes_over = status["work_items"] or status["modality"] == "audio"  # an audio shard is a work item too
+    return lines + [f"action: {_action(a, noun(status), command, takes_over)}" for a in tail["actions"]]
 
 
 def _running(part: dict, name: str) -> str:
@@ -224,7 +225,7 @@ def _running(part: dict, name: str) -> str:
     return f"{name} {part['part']} {progress}{speed}, eta {_duration(part['eta_s'])}"
 
 
-def _action(action: dict, name: str = "part", command: str = "mmtok encode") -> str:
+def _action(action: dict, name: str = "part", command: str = "mmtok encode", takes_over: bool = False) -> str:
     kind = action["action"]
     if kind == "slow":
         return (f"{name} {action['part']} runs at {action['speed']:.2f}x the median pace: requeue it on another node "
@@ -239,7 +240,7 @@ def _action(action: dict, name: str = "part", command: str = "mmtok encode") -> 
     parts, many = listed(action["parts"]), plural(len(action["parts"]), name)
     if kind == "resume":
         return f"{many} stopped ({parts}): requeue their tasks or rerun the same {command} command"
-    if name == "item":
+    if name == "item" or takes_over:
         return (f"{many} pending ({parts}): running workers take them over as they finish their own (unless run "
                 "with --no-take-over); in a SLURM array more start as slots free up; otherwise launch workers (any "
                 "number)")
@@ -258,8 +259,8 @@ def _eta(status: dict) -> str:
     if status["eta_s"] == 0.0:
         return "none: every part is done (`mmtok merge OUT` next)"
     stuck = ", ".join(f"{states[s]} {state_label(status, s)}" for s in ("stopped", "missing", "damaged") if states[s])
-    why = ("workers taking over items may do them, but their time is not in it" if status["work_items"]
-           else "as they do not finish by themselves")
+    why = ("workers taking over items may do them, but their time is not in it"
+           if status["work_items"] or status["modality"] == "audio" else "as they do not finish by themselves")
     stuck = f"; not counted, {why}: {stuck}" if stuck else ""
     if status["eta_s"] is None:
         why = "no part is running" if not states["running"] else "a running part has committed nothing yet"

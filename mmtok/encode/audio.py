@@ -128,11 +128,12 @@ def _worker_init(_worker_id: int) -> None:
 
     import torch
 
-    from mmtok.launch import STOP_SIGNALS
-
     torch.set_num_threads(1)  # workers decode; the device (or the main process on CPU) computes
-    for number in STOP_SIGNALS:  # a stop is the main process's to handle (scancel signals every process of the step);
-        signal.signal(number, signal.SIG_IGN)  # a loader worker ends with it (PyTorch's watchdog), never mid-batch
+    # USR1 asks the main process to stop (a `kill -USR1` of the process group must not kill the loader under it).
+    # SIGTERM keeps its default: the DataLoader ends its workers with it at shutdown, and one that ignored it would
+    # keep the stopped process from exiting (found by an attack); a TERM for every process of the step (scancel)
+    # ends the loader, which the main process, stopping on the same signal, does not need any more.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 # --- assembling a part -------------------------------------------------------------------------------
@@ -437,9 +438,10 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
     for result in run.done:
         summary = _add_summaries(summary, result)
     stopped = None
-    if summary["unfinished"] or run.stopped is not None:
+    if summary["unfinished"] or run.stopped is not None:  # the shards it left unfinished, or the next it would take
         stopped = {"signal": stop.name, "shards": sorted({*summary["unfinished"], *([] if run.stopped is None
                                                                                   else [run.stopped])})}
+    run.taken = [index for index in run.taken if index not in mine]  # an own shard freed by its holder is its own
     run.held += held
     summary.update(rank=rank, world_size=world_size, shards=mine, stopped=stopped, **run.summary(out))
     return summary
@@ -448,7 +450,7 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
 def _add_summaries(total: dict, more: dict) -> dict:
     """Two `run_parts` summaries of one rank as one: counts added, skips by reason added."""
     added = {key: total[key] + more[key] for key in ("batches", "clips", UNIFORM_CODES, "wall_s", "device_busy_s",
-                                                      "loader_wait_s", "shards_to_do")}
+                                                      "loader_wait_s")}  # shards_to_do: the rank's own
     skipped = Counter(total["skipped"]) + Counter(more["skipped"])
     return {**total, **added, "skipped": dict(sorted(skipped.items())), "unfinished": total["unfinished"] +
             more["unfinished"], "stopped": total["stopped"] or more["stopped"]}
@@ -497,7 +499,11 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
         for w in work:  # parts whose batches were all committed before a kill: assemble right away
             if not w.requests:
                 assemble_part(w, context, stats, meter)
-        run_device(prefetched(batches), encode, commit, meter, depth=4, stop=stop)
+        try:
+            run_device(prefetched(batches), encode, commit, meter, depth=4, stop=stop)
+        except Exception:
+            if stop is None or not stop():
+                raise  # a stop's TERM may have reached the loader's workers first: what was committed stands
     finally:
         bar.close()
         release_parts(work)
