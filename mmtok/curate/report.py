@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from mmtok import __version__
-from mmtok.errors import MmtokError, Skip
-from mmtok.formats.dedup import BENCHMARK_RULE, DedupList
+from mmtok.errors import MmtokError, Skip, brief
+from mmtok.formats.dedup import BENCHMARK_RULE, LOCK_FILE, DedupList
 from mmtok.fsutil import atomic_write_json, atomic_writer, refuse_foreign_output
 
 REPORT_DIR = "report"
@@ -42,16 +42,25 @@ READ_COLUMNS = ("tar", "container", "member", "offset", "size", "status")
 
 @dataclass(frozen=True)
 class Shown:
-    """One tile: which image (its source and manifest row; None for a benchmark image not available) and the
-    label under it."""
+    """One tile: which image (its source and manifest row) and the label under it."""
 
     source: str
     row: int
     label: str
 
+    def __post_init__(self):  # keys come from the data: a newline in one must not add lines to index.md
+        object.__setattr__(self, "label", brief(self.label, 120))
+
 
 def write_report(out: Path) -> dict:
     """Write D/report/ for the duplicate list in `out` (`mmtok.formats.dedup`); returns report.json's content."""
+    from mmtok.fsutil import WriterLock
+
+    with WriterLock(out, f"the duplicate list in {out}", name=LOCK_FILE):  # one writer of the list and its report
+        return _write(out)
+
+
+def _write(out: Path) -> dict:
     import pyarrow.compute as pc
 
     listed = DedupList.open(out)
@@ -238,5 +247,5 @@ def _markdown(metadata: dict, sections: list, unshown: list[dict]) -> str:
         lines.append("")
     if unshown:
         lines += ["## Images that could not be shown", ""]
-        lines += [f"- {u['source']} row {u['manifest_row']}: {u['reason']} -- {u['detail']}" for u in unshown]
+        lines += [f"- {u['source']} row {u['manifest_row']}: {u['reason']} -- {brief(u['detail'])}" for u in unshown]
     return "\n".join(lines) + "\n"
