@@ -75,12 +75,16 @@ class Matches:
         return self.why == ""
 
 
+def sha_heads(sha: np.ndarray) -> np.ndarray:
+    """The first 8 bytes of each sha256 (rows of 32 uint8) as uint64: equal heads propose equal digests."""
+    return np.ascontiguousarray(sha[:, :8]).view(">u8").ravel().astype(np.uint64)
+
+
 def match_pairs(phash: np.ndarray, sha: np.ndarray, radius: np.ndarray, bench_phash: np.ndarray,
                 bench_sha: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every (training image, benchmark image, pHash distance, equal bytes) that matches: equal sha256, or pHashes
     within the training image's `radius` (-1: off). Each pair once, sorted."""
-    heads = [np.ascontiguousarray(digests[:, :8]).view(">u8").ravel().astype(np.uint64) for digests in (sha, bench_sha)]
-    train, bench, _ = pairs_across(heads[0], heads[1], 0)  # equal heads proposed, full digests confirmed
+    train, bench, _ = pairs_across(sha_heads(sha), sha_heads(bench_sha), 0)  # equal heads, then full digests
     same = np.all(sha[train] == bench_sha[bench], axis=1)
     found = [(train[same], bench[same])]
     for r in sorted(set(radius.tolist()) - {-1}):

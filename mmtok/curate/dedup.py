@@ -280,7 +280,8 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
             "groups": groups}
     if decontamination:
         meta["decontamination"] = decontamination.record(held)
-    meta["counts"] = _counts(tables, images.sizes, listed, held)
+    meta["counts"] = _counts(tables, images, listed,
+                             decontamination.held_index if decontamination else np.zeros(0, np.int64))
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, f"the duplicate list in {out}", name=LOCK_FILE):
         return write_dedup(out, listed, meta, held)
@@ -317,7 +318,9 @@ class _Images:
         self.names = np.array([t.source for t in tables], dtype=object)
 
     def sha_head(self) -> np.ndarray:
-        return np.ascontiguousarray(self.sha[:, :8]).view(">u8").ravel().astype(np.uint64)
+        from mmtok.curate.decontaminate import sha_heads
+
+        return sha_heads(self.sha)
 
     def same_bytes(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.all(self.sha[a] == self.sha[b], axis=1)
@@ -351,20 +354,24 @@ class _Images:
                          "rule": found.rule[order], "distance": found.distance[order]}, schema=_listed_schema())
 
 
-def _counts(tables, sizes: np.ndarray, listed, held) -> dict:
-    """Per source: images hashed = kept + dropped, the dropped by rule, and the matches held back (kept)."""
+def _counts(tables, images: "_Images", listed, held: np.ndarray) -> dict:
+    """Per source: images hashed = kept + dropped, the dropped by rule, and the matches held back (kept), counted
+    by integer codes (a list of 10^7 rows over many sources stays a few bincounts)."""
+    import pyarrow.compute as pc
+
     from mmtok.formats.dedup import RULES
 
-    source = np.asarray(listed.column("source").to_pylist(), dtype=object)
-    rule = np.asarray(listed.column("rule").to_pylist(), dtype=object)
-    held_source = np.asarray(held.column("source").to_pylist() if held is not None else [], dtype=object)
-    counts = {}
-    for s, table in enumerate(tables):
-        mine = rule[source == table.source]
-        by_rule = {name: int(np.count_nonzero(mine == name)) for name in RULES}
-        counts[table.source] = {"hashed": int(sizes[s]), "kept": int(sizes[s]) - len(mine), "dropped": len(mine),
-                                "by_rule": by_rule, "held": int(np.count_nonzero(held_source == table.source))}
-    return counts
+    source = images.source_of[listed.column("index").to_numpy()]
+    rules = pc.dictionary_encode(listed.column("rule")).combine_chunks()
+    code = rules.indices.to_numpy(zero_copy_only=False)
+    names = rules.dictionary.to_pylist()
+    by_rule = {name: np.bincount(source[code == names.index(name)], minlength=len(tables)) if name in names
+               else np.zeros(len(tables), np.int64) for name in RULES}
+    dropped = np.bincount(source, minlength=len(tables))
+    kept_back = np.bincount(images.source_of[held], minlength=len(tables))
+    return {table.source: {"hashed": int(images.sizes[s]), "kept": int(images.sizes[s] - dropped[s]),
+                           "dropped": int(dropped[s]), "by_rule": {name: int(by_rule[name][s]) for name in RULES},
+                           "held": int(kept_back[s])} for s, table in enumerate(tables)}
 
 
 def _open_benchmarks(against: list[Path], tables: list) -> list:
@@ -422,16 +429,19 @@ class _Decontamination:
         import pyarrow as pa
         import pyarrow.compute as pc
 
+        from mmtok.formats.dedup import BENCHMARK_RULE
+
         hit = self._rows(self.found.dropped)
         n = len(hit["index"])
         matches = pa.table({"index": hit["index"], "source": hit["source"], "manifest_row": hit["manifest_row"],
                             "key": hit["key"], "group": np.full(n, -1, np.int64), "keeper_source": hit["bench_source"],
                             "keeper_row": hit["bench_row"], "keeper_key": hit["bench_key"],
-                            "rule": np.full(n, "benchmark", object), "distance": hit["distance"]},
+                            "rule": np.full(n, BENCHMARK_RULE, object), "distance": hit["distance"]},
                            schema=listed.schema)
         duplicates = listed.filter(pc.invert(pc.is_in(listed.column("index"), pa.array(hit["index"], pa.int64()))))
         listed = pa.concat_tables([duplicates, matches]).sort_by("index")
         kept = ~self.found.dropped & ~np.isin(self.found.train, listed.column("index").to_numpy())  # not dropped
+        self.held_index = self.found.train[kept]
         held = pa.table({**{k: v for k, v in self._rows(kept).items() if k != "index"}, "why": self.found.why[kept]})
         return listed, held
 

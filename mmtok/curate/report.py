@@ -87,8 +87,12 @@ def _write(out: Path) -> dict:
             rows = [_match_row(r) for r in chosen.slice(0, MAX_MATCHES).to_pylist()]
             sheets[name] = rows
             sections.append((f"{title}: {len(rows):,} of {chosen.num_rows:,}", name, rows))
-    for name, rows in sheets.items():
-        _write_sheet(directory / name, rows, images)
+    images.load(sheets)
+    try:
+        for name, rows in sheets.items():
+            _write_sheet(directory / name, rows, images)
+    finally:
+        images.close()
     with atomic_writer(directory / "index.md", "w") as handle:
         handle.write(_markdown(listed.metadata, sections, images.unshown))
     record = {"format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
@@ -145,8 +149,36 @@ class _Images:
                 self.manifests[bench["benchmark"]] = HashTable.open(bench["hashes"]).metadata["manifest"]["directory"]
             except MmtokError:
                 self.manifests[bench["benchmark"]] = None  # its images are shown as unavailable
-        self._opened: dict[str, object] = {}
         self.unshown: list[dict] = []
+        self._rows: dict[tuple[str, int], dict] = {}  # (source, manifest row) -> its READ_COLUMNS
+        self._missing: dict[str, Skip] = {}  # sources whose manifest cannot be opened
+        self._stale: dict[str, str | None] = {}  # tar -> how it changed since its scan (None: unchanged)
+        self._manifests: dict[str, object] = {}
+        self._reader = None
+
+    def load(self, sheets: dict[str, list[list[Shown]]]) -> None:
+        """Read the manifest columns of every tile's row: one read per source, not one per tile."""
+        from mmtok.formats.manifest import MemberReader
+
+        wanted: dict[str, set[int]] = {}
+        for rows in sheets.values():
+            for tile in (tile for row in rows for tile in row):
+                wanted.setdefault(tile.source, set()).add(int(tile.row))
+        for source, rows in sorted(wanted.items()):
+            try:
+                manifest = self._manifest(source)
+            except Skip as skip:
+                self._missing[source] = skip
+                continue
+            ordered = np.array(sorted(rows), np.int64)
+            columns = manifest.read_rows(ordered, READ_COLUMNS)
+            for i, row in enumerate(ordered.tolist()):
+                self._rows[(source, row)] = {name: columns[name][i] for name in READ_COLUMNS}
+        self._reader = MemberReader(max_open=16)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
     def thumbnail(self, shown: Shown):
         """The image, fitted into TILE x TILE; a grey tile naming why it cannot be shown."""
@@ -160,39 +192,37 @@ class _Images:
         return image
 
     def _decode(self, shown: Shown):
-        from mmtok.formats.manifest import MemberReader, ShortRead
+        from mmtok.formats.manifest import ShortRead
         from mmtok.media.images import decode_rgb
 
-        manifest = self._manifest(shown.source)
-        r = manifest.read_rows(np.array([shown.row], np.int64), READ_COLUMNS)
-        path = str(r["tar"][0])
-        change = self._changed(manifest, path)
-        if change:
-            raise Skip("stale_media", f"{path} changed since the scan ({change})")
-        reader = MemberReader(max_open=1)
+        if shown.source in self._missing:
+            raise self._missing[shown.source]
+        r = self._rows[(shown.source, int(shown.row))]
+        path = str(r["tar"])
+        if path not in self._stale:
+            self._stale[path] = self._changed(self._manifests[shown.source], path)
+        if self._stale[path]:
+            raise Skip("stale_media", f"{path} changed since the scan ({self._stale[path]})")
         try:
-            data = reader.read_member(str(r["container"][0]), path, str(r["member"][0]), int(r["offset"][0]),
-                                      int(r["size"][0]))
+            data = self._reader.read_member(str(r["container"]), path, str(r["member"]), int(r["offset"]),
+                                            int(r["size"]))
         except ShortRead as err:
             raise Skip("short_read", str(err)) from None
         except OSError as err:
             raise Skip("read_error", f"{path}: {err}") from None
-        finally:
-            reader.close()
         return decode_rgb(data)
 
     def _manifest(self, source: str):
         from mmtok.formats.manifest import Manifest
 
-        if source not in self._opened:
-            directory = self.manifests.get(source)
-            if directory is None:
-                raise Skip("missing_media", f"no manifest of {source} is recorded")
-            try:
-                self._opened[source] = Manifest.open(Path(directory))
-            except (MmtokError, OSError) as err:
-                raise Skip("missing_media", f"the manifest of {source} ({directory}) cannot be opened: {err}") from None
-        return self._opened[source]
+        directory = self.manifests.get(source)
+        if directory is None:
+            raise Skip("missing_media", f"no manifest of {source} is recorded")
+        try:
+            self._manifests[source] = Manifest.open(Path(directory))
+        except (MmtokError, OSError) as err:
+            raise Skip("missing_media", f"the manifest of {source} ({directory}) cannot be opened: {err}") from None
+        return self._manifests[source]
 
     @staticmethod
     def _changed(manifest, path: str) -> str | None:
