@@ -690,11 +690,11 @@ def _worker_parts(out: Path, conversations: int, rank: int, world_size: int, ite
     """The parts worker `rank` wrote: those of its own work items (`items`), else the rank's one part."""
     if not items:
         return [part_dir(out, rank)]
-    from mmtok.ranks import worker_items
+    from mmtok.ranks import worker_range
 
     units = mmtok.sft.build.work_items(conversations)
-    own = worker_items(np.array([b - a for a, b in units], np.float64), world_size)[rank]
-    return [part_dir(out, item) for item in range(int(own[0]), int(own[1]))]
+    return [part_dir(out, item) for item in worker_range(np.array([b - a for a, b in units], np.float64), world_size,
+                                                         rank)]
 
 
 def ranks(work: Path, conversations: list[int], world_size: int, media_share: float, baseline: Path | None) -> None:

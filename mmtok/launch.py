@@ -162,3 +162,8 @@ class StopRequest:
 
     def is_set(self) -> bool:
         return self.event.is_set()
+
+
+def stop_check(stop: "StopRequest | None"):
+    """What a worker asks before each batch, unit or item: whether `stop` (None: never) was requested."""
+    return lambda: stop is not None and stop.is_set()

@@ -258,6 +258,12 @@ def worker_items(item_costs: np.ndarray, workers: int) -> np.ndarray:
     return partition_ranks(np.asarray(item_costs, np.float64), workers)
 
 
+def worker_range(item_costs: np.ndarray, workers: int, worker: int) -> range:
+    """The items worker `worker` of `workers` starts with (`worker_items`), as a range."""
+    start, end = worker_items(item_costs, workers)[worker]
+    return range(int(start), int(end))
+
+
 def _nearest_cuts(at: np.ndarray, world_size: int) -> np.ndarray:
     """Index (into the batch boundaries) of the boundary nearest to each target k/N (ties: the earlier)."""
     targets = at[-1] * np.arange(1, world_size, dtype=np.float64) / world_size

@@ -215,8 +215,7 @@ def _tail(status: dict) -> list[str]:
     from mmtok.tools.status import stage_command
 
     command = stage_command(status["modality"])
-    takes_over = status["work_items"] or status["modality"] == "audio"  # an audio shard is a work item too
-    return lines + [f"action: {_action(a, noun(status), command, takes_over)}" for a in tail["actions"]]
+    return lines + [f"action: {_action(a, noun(status), command, status['takes_over'])}" for a in tail["actions"]]
 
 
 def _running(part: dict, name: str) -> str:
@@ -260,7 +259,7 @@ def _eta(status: dict) -> str:
         return "none: every part is done (`mmtok merge OUT` next)"
     stuck = ", ".join(f"{states[s]} {state_label(status, s)}" for s in ("stopped", "missing", "damaged") if states[s])
     why = ("workers taking over items may do them, but their time is not in it"
-           if status["work_items"] or status["modality"] == "audio" else "as they do not finish by themselves")
+           if status["takes_over"] else "as they do not finish by themselves")
     stuck = f"; not counted, {why}: {stuck}" if stuck else ""
     if status["eta_s"] is None:
         why = "no part is running" if not states["running"] else "a running part has committed nothing yet"

@@ -44,6 +44,7 @@ from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import LockHeld
+from mmtok.launch import stop_check
 from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
 from mmtok.ranks import assign_shards
 from mmtok.text import tokenizer_difference
@@ -409,7 +410,7 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
     context = build_context(out, codec, load_text_tokenizer(text_tokenizer), sequences, batching, report)
     context.cache_metadata["num_parts"] = len(shards)
     refuse_other_run(out, {**context.identity, "num_parts": len(shards)})
-    stopping = (lambda: stop.is_set()) if stop is not None else (lambda: False)
+    stopping = stop_check(stop)
     min_samples = trim_of(codec) * int(codec.hop)
 
     def encode_parts(work: list[PartWork]) -> dict:
@@ -434,7 +435,7 @@ def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, bat
         raise
     summary = encode_parts(own)
     run = take_items(out, len(shards), [], take_over and not summary["stopped"], stopping,
-                     lambda index: encode_parts(open_shard(index)), lambda result: result["stopped"])
+                     lambda index: encode_parts(open_shard(index)))
     for result in run.done:
         summary = _add_summaries(summary, result)
     stopped = None

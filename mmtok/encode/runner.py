@@ -56,7 +56,7 @@ from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
 from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.skips import SkipRecord
-from mmtok.launch import StopRequest
+from mmtok.launch import StopRequest, stop_check
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout, check_ids_in_range
 
@@ -270,8 +270,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
             checked = True
         return _encode_item(work, out, codec, builder, identity, device, options)
 
-    run = take_items(out, len(plan.work_items()), items, options.take_over, lambda: _stopping(options), encode_item,
-                     lambda result: "next_batch" in result)  # stopped inside the item: its part stays unfinished
+    run = take_items(out, len(plan.work_items()), items, options.take_over, stop_check(options.stop), encode_item)
     stopped = None
     if run.stopped is not None:  # inside the item (its result says where), or before it
         inside = run.reached and run.reached[-1] == run.stopped
@@ -291,10 +290,6 @@ def _next_batch(plan: Plan, out, item: int) -> int:
     except (MmtokError, OSError):  # unreadable: the resume says why
         return start
     return max(start, records[-1]["unit"] + 1) if records else start
-
-
-def _stopping(options: EncodeOptions) -> bool:
-    return options.stop is not None and options.stop.is_set()
 
 
 def refuse_empty_plan(plan: Plan) -> None:
@@ -322,7 +317,7 @@ def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity:
             batches = range(start, work.batch_range[1])
             meter = _run_batches(work, codec, part, assembler, batches, device, options)
             if part.next_unit < work.batch_range[1]:  # a stop request: what was encoded is committed, not finished
-                return {"next_batch": part.next_unit, "images_planned": work.num_images,
+                return {"stopped": True, "next_batch": part.next_unit, "images_planned": work.num_images,
                         "fill_s": meter.fill_seconds, **_summary_counts(part)}
             stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
             part.finish(stats)
@@ -368,7 +363,7 @@ def _run_batches(work: ItemWork, codec, part: PartWriter, assembler: Assembler, 
     try:
         run_device(loader, lambda prepared: _encode(codec, prepared, device),
                    lambda prepared, codes: _commit(part, assembler, prepared, codes, meter, options),
-                   meter, release=loader.release, stop=lambda: _stopping(options))
+                   meter, release=loader.release, stop=stop_check(options.stop))
     finally:
         loader.close()
         bar.close()

@@ -132,9 +132,9 @@ class ItemRun:
 
 
 def take_items(out: Path, count: int, own: range, take_over: bool, stopping: Callable[[], bool],
-               work: Callable[[int], dict], stopped_in: Callable[[dict], bool]) -> ItemRun:
+               work: Callable[[int], dict]) -> ItemRun:
     """Run `work(item)` (its result) over the items `items_to_take` gives, until a stop request: before an item,
-    inside one (`stopped_in(result)`), or during the take-over scan (then `stopped` is the next unfinished item,
+    inside one (its result says `stopped`), or during the take-over scan (then `stopped` is the next unfinished item,
     None when none is left). An item another process holds (`LockHeld`) is left to it with
     `take_over`, else the error; an own item's MmtokError is the worker's, another's is recorded (`failed`) and
     the worker goes on."""
@@ -158,7 +158,7 @@ def take_items(out: Path, count: int, own: range, take_over: bool, stopping: Cal
             continue
         run.done.append(result)
         run.reached.append(item)
-        if stopped_in(result):
+        if result.get("stopped"):
             run.stopped = item
             break
         if not own_item and not result.get("already_done"):

@@ -38,7 +38,7 @@ from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, sha256_file
-from mmtok.ranks import item_ranges, partition_ranks, rank_costs, worker_items
+from mmtok.ranks import item_ranges, partition_ranks, rank_costs, worker_range
 
 FORMAT = "mmtok-plan"
 FORMAT_VERSION = 2  # 2: document_images per image row, no lanes, any batch boundary is a rank cut
@@ -344,8 +344,7 @@ class Plan:
         every worker's share."""
         if not 0 <= worker < workers:
             raise MmtokError(f"worker {worker} is outside 0..{workers - 1} ({workers} workers)")
-        start, end = worker_items(self.item_costs(), workers)[worker]
-        return range(int(start), int(end))
+        return worker_range(self.item_costs(), workers, worker)
 
     def work_item_id(self, item: int) -> str:
         """The id of work item `item`: from the plan's fingerprint and the item's index, so two plans never share

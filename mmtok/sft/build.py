@@ -68,7 +68,8 @@ from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.parts import find_parts, refuse_other_run, take_items
 from mmtok.fsutil import required
-from mmtok.ranks import worker_items
+from mmtok.launch import stop_check
+from mmtok.ranks import worker_range
 from mmtok.text import TextTokenizer, load_text_tokenizer, tokenizer_difference
 from mmtok.vocab import VocabLayout
 
@@ -90,9 +91,6 @@ class SftOptions:
     progress: bool = True
     take_over: bool = True  # once its own items are done, take any item nobody finished or holds
     stop: object = None  # a `mmtok.launch.StopRequest` (or any object with is_set() and name); None: never stop
-
-    def stopping(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
 
 
 # -- encoded images ---------------------------------------------------------------------------------
@@ -419,16 +417,18 @@ def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, image
     builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
     index = conversation_index.load_or_build(inputs, out, CONVERSATIONS_PER_UNIT)  # made by the first worker
     items = work_items(index.total)
-    own = range(*(int(x) for x in worker_items(np.array([b - a for a, b in items], np.float64), world_size)[rank]))
+    own = worker_range(np.array([b - a for a, b in items], np.float64), world_size, rank)
     shared = _identity(inputs, tokenizer, layout, image_items, clips, options, items)
     roots = check_media_roots(media_roots)
     if roots:  # they decide which file references resolve: a resume must use the same
         shared["media_roots"] = list(roots)
+    existing = commitlog.part_directories(out)
+    if existing:  # an encode's parts first, named as such; then any other run's (key by key)
+        _refuse_other_parts(existing[0][1])
     refuse_other_run(out, shared, "mmtok sft")
-    work = _Work(inputs, out, index, builder, roots, options)
-    run = take_items(out, len(items), own, options.take_over, options.stopping,
-                     lambda item: work.item(item, items[item], {**shared, "part": item, "part_units": [*items[item]]}),
-                     lambda result: result.get("stopped", False))
+    work = _Work(inputs, out, index, builder, roots, options, stop_check(options.stop))
+    run = take_items(out, len(items), own, options.take_over, work.stopping,
+                     lambda item: work.item(item, items[item], {**shared, "part": item, "part_units": [*items[item]]}))
     counts = Counter()
     for result in run.done:
         counts.update(result["counts"])
@@ -449,12 +449,12 @@ class _Work:
     builder: ConversationBuilder
     roots: list[Path]
     options: SftOptions
+    stopping: object  # `mmtok.launch.stop_check` of the options' stop request
 
     def item(self, item: int, units: tuple[int, int], identity: dict) -> dict:
         """Assemble (or resume, or find finished) work item `item` (`units`) into its part; its stats."""
         from mmtok.progress import progress as progress_bar
 
-        _refuse_other_parts(part_dir(self.out, item))
         with PartWriter(part_dir(self.out, item), identity) as part:
             result = {"part_dir": str(part.directory), "units": list(units)}
             if part.done:
@@ -468,7 +468,7 @@ class _Work:
                 for ordinal, conversation in self.index.read(self.inputs, first, last, self.roots):  # this item only
                     if ordinal // CONVERSATIONS_PER_UNIT != pending.unit:
                         pending.commit(part)
-                        if self.options.stopping():  # the unit read is committed; the part stays unfinished
+                        if self.stopping():  # the unit read is committed; the part stays unfinished
                             return {**result, "stopped": True, "counts": dict(part.counts),
                                     "sequences": len(part.lengths)}
                         pending = _Unit(ordinal // CONVERSATIONS_PER_UNIT)
@@ -536,7 +536,8 @@ def _identity(inputs, tokenizer, layout, images, clips, options, items: list[tup
 
 
 def _refuse_other_parts(directory: Path) -> None:
-    """An --out that holds an encode's parts is not this stage's to resume (or to delete)."""
+    """An --out that holds an encode's parts (`directory`: one of them) is not this stage's to resume (or to
+    delete)."""
     if (directory / commitlog.IDENTITY).is_file():
         modality = commitlog.read_identity(directory).get("modality")
         if modality != "sft":

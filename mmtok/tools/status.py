@@ -75,12 +75,14 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
         _add_figures(part, model)
     _add_shares(parts, model)
     item = {"audio": "clip", "sft": "conversation"}.get(modality, "image")
-    return {"out": str(out), "modality": modality, "item": item, "work_items": _items(identities),
+    items = _items(identities)
+    return {"out": str(out), "modality": modality, "item": item, "work_items": items,
+            "takes_over": items or modality == "audio",  # running workers take pending items over (a shard: audio)
             "curation": _curation(opened) if opened is not None else None,
             "num_parts": num_parts, "states": {s: sum(p["state"] == s for p in parts) for s in STATES},
             "totals": _totals(parts, model), "eta_s": _job_eta(parts),
             "slowest": [p["part"] for p in sorted(parts, key=lambda p: -p["projected_s"])[:SLOWEST] if p["wall_s"]],
-            "imbalance": _imbalance(parts, modality, model, num_parts), "tail": _tail(parts, _items(identities)),
+            "imbalance": _imbalance(parts, modality, model, num_parts), "tail": _tail(parts, items),
             "warnings": warnings, "parts": parts}
 
 
