@@ -20,7 +20,11 @@ def add_parser(sub) -> None:
         "within its source's `decontaminate: R` (default 4; `off`: bytes only) of one, is dropped by sample id, "
         "named with the benchmark image and the distance -- except suspect matches (a benchmark image matching "
         "over `max_matches` images, a source with over `max_share` of its images flagged: low-entropy domains), "
-        "which are held back in OUT/held.parquet until --confirm names them. See docs/curation.md.")
+        "which are held back in OUT/held.parquet until --confirm names them. Captions (measured by `mmtok hash`): "
+        "a phrase looping, a runaway number list, the last sentence repeated, a prompt fragment "
+        "(`mmtok hash --prompt-fragments`), one template over a share of a source -- thresholds in the policy's "
+        "`captions:` (defaults: loop 4, number_run 16, ending 2, template_share 0.5 of sources with at least "
+        "template_min 1000 captions; `off` disables one, a source's `captions: off` all). See docs/curation.md.")
     parser.add_argument("hashes", nargs="+", type=Path, metavar="HASHES", help="hash table directories (`mmtok hash`)")
     parser.add_argument("--policy", type=Path, required=True, metavar="FILE", help="per-source rules (YAML)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
@@ -33,7 +37,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--report", action="store_true",
                         help="also write OUT/report/: index.md with the per-source counts and PNG contact sheets of "
                         "sampled duplicate groups (keeper first), every benchmark match beside its benchmark image, "
-                        "and the matches held back")
+                        "the matches held back, and the caption-flagged images with their captions")
     parser.set_defaults(func=run)
 
 
@@ -74,10 +78,14 @@ def summary_lines(meta: dict, out: Path) -> list[str]:
     total = sum(c["hashed"] for c in meta["counts"].values())
     decontamination = meta.get("decontamination")
     matching = decontamination["contaminated"] if decontamination else 0
-    head = (f"{plural(meta['dropped'] - matching, 'duplicate')} in {plural(meta['groups'], 'group')}"
-            + (f" and {plural(matching, 'image')} matching {plural(len(decontamination['against']), 'benchmark')}"
-               if decontamination else "")
-            + f" among {plural(total, 'image')} of {plural(len(meta['counts']), 'source')}")
+    flagged = meta["captions"]["flagged"]
+    parts = [f"{plural(meta['dropped'] - matching - flagged, 'duplicate')} in {plural(meta['groups'], 'group')}"]
+    if decontamination:
+        parts.append(f"{plural(matching, 'image')} matching {plural(len(decontamination['against']), 'benchmark')}")
+    if flagged:
+        parts.append(f"{plural(flagged, 'image')} flagged by their captions")
+    head = (", ".join(parts[:-1]) + " and " if len(parts) > 1 else "") + parts[-1] \
+        + f" among {plural(total, 'image')} of {plural(len(meta['counts']), 'source')}"
     lines = [head, *lines, *(_suspect_lines(decontamination) if decontamination else [])]
     held = f" and the held-back matches in {out / 'held.parquet'}" if decontamination else ""
     return lines + [f"wrote {out / 'dropped.parquet'}{held}; drop them with `mmtok plan MANIFEST --exclude {out}`"]

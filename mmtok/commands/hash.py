@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
         "OUT/hashes.json; images that do not decode are named in OUT/skipped.jsonl. Finished chunks are "
         "committed as they go, so a rerun after a kill resumes. Across nodes: one process per rank "
         "(--rank/--world-size, or from torchrun/srun); the last to finish writes the table, the same bytes "
-        "as one process's run.")
+        "as one process's run. Each sample's caption is read in the same pass and measured for `mmtok dedup`'s "
+        "caption checks (loops, number runs, repeated endings, prompt fragments, templates).")
     parser.add_argument("manifest", type=Path, help="manifest directory (from `mmtok scan`)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
     parser.add_argument("--source", metavar="NAME",
@@ -32,11 +33,16 @@ def add_parser(sub) -> None:
     parser.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, metavar="N",
                         help=f"manifest rows per committed chunk (default {CHUNK_ROWS}); every rank of a job must use "
                         "the same value (the table's bytes do not depend on it)")
+    parser.add_argument("--prompt-fragments", type=Path, metavar="FILE",
+                        help="UTF-8 file of prompt fragments, one per line, that must not appear in a caption (a "
+                        "prompt echoed into the answer); `mmtok dedup` flags the captions holding one "
+                        "(docs/curation.md). Every rank of a job must be given the same file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from mmtok.curate.captions import Fragments
     from mmtok.curate.hashing import hash_manifest
     from mmtok.errors import MmtokError
     from mmtok.fsutil import refuse_out_overlapping
@@ -47,9 +53,10 @@ def run(args) -> int:
     if args.source is not None and not args.source.strip():
         raise MmtokError("--source must name the source (it may not be empty)")
     refuse_out_overlapping(args.out, [args.manifest])
+    fragments = Fragments.read(args.prompt_fragments) if args.prompt_fragments else None
     rank, world_size = resolve_rank(args.rank, args.world_size)
     share = hash_manifest(args.manifest, args.out, args.source, rank, world_size, args.workers, args.chunk_rows,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, fragments=fragments)
     meta = share["table"]
     if meta is None:
         print_summary("hash", f"rank {rank} of {world_size}: hashed {plural(share['hashed_chunks'], 'chunk')} "
@@ -72,5 +79,15 @@ def summary_lines(meta: dict, share: dict, out: Path) -> list[str]:
             f"{counts['scan_errors']:,} scan error rows",
             f"{share['images']:,} hashed in this run ({rate:,.0f} images/s with {plural(share['workers'], 'worker')}, "
             f"{share['chunks'] - share['hashed_chunks']:,} of {plural(share['chunks'], 'chunk')} done before)",
+            caption_line(meta["captions"]),
             f"wrote {out / 'hashes.parquet'}" + (f"; skipped images named in {out / 'skipped.jsonl'}" if skipped
                                                  else "")]
+
+
+def caption_line(record: dict) -> str:
+    """How many hashed rows had their caption checked, and why the others were not (these add up to hashed)."""
+    counts = record["counts"]
+    others = ", ".join(f"{n:,} {name}" for name, n in counts.items() if name != "checked" and n)
+    fragments = len(record["fragments"])
+    return (f"captions: {counts['checked']:,} checked" + (f", {others}" if others else "")
+            + (f"; {plural(fragments, 'prompt fragment')} looked for" if fragments else ""))

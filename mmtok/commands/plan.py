@@ -53,7 +53,8 @@ def add_parser(sub) -> None:
     parser.add_argument("--exclude", metavar="DEDUP_DIR",
                         help="a duplicate list from `mmtok dedup`: its rows of this manifest are dropped (reason "
                         "`duplicate`, with the keeper in dropped.parquet; `contaminated`, with the benchmark image, "
-                        "for a list made with --against) and never reach a GPU")
+                        "for a list made with --against; `caption_flagged`, with what the caption check found) and "
+                        "never reach a GPU")
     parser.add_argument("--explain", action="store_true",
                         help="print the shape histogram, token totals, drops by reason and per-rank cost")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

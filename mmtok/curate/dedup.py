@@ -14,6 +14,7 @@ pairs (SciPy's csgraph), over the few images that have a duplicate at all.
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 2, 4, 4, 60, 60
 KEEPER_ORDER = [("matched", "ascending"), ("priority", "ascending"), ("pixels", "descending"),
                 ("source", "ascending"), ("key", "ascending"), ("row", "ascending")]
-POLICY_KEYS = {"rule", "radius", "priority", "decontaminate"}
+POLICY_KEYS = {"rule", "radius", "priority", "decontaminate", "captions"}
 
 
 def _listed_schema():
@@ -52,33 +53,36 @@ def _listed_schema():
 class SourceRule:
     """How one source is deduplicated: its pHash radius (-1: off, 0: exact) and its keeper priority (lower wins);
     and decontaminated (`--against`): its pHash radius to benchmark images (-1: off; None: the policy's default,
-    `mmtok.curate.decontaminate.Guards.radius`)."""
+    `mmtok.curate.decontaminate.Guards.radius`); and whether its captions are checked (`captions: off`: not)."""
 
     radius: int
     priority: int
     decontaminate: int | None = None
+    captions: bool = True
 
     @property
     def rule(self) -> str:
         return {-1: "off", 0: "exact"}.get(self.radius, "radius")
 
 
-def load_policy(path: str | Path) -> tuple[dict[str, SourceRule], dict]:
+def load_policy(path: str | Path) -> tuple[dict[str, SourceRule], dict, dict]:
     """The policy file: `sources:` mapping each source name to {rule: exact|radius|off, radius: r (with rule
-    radius), priority: n (default: its position in the file), decontaminate: r|off (optional)}, and optionally
-    `decontamination:` (the guards of `--against`: `mmtok.curate.decontaminate.Guards`); returns the rules and
-    that mapping as written. MmtokError naming the entry for anything else (values are quoted through `_SHOWN`: a
-    YAML alias bomb must not be expanded into the message)."""
+    radius), priority: n (default: its position in the file), decontaminate: r|off, captions: off (optional)},
+    and optionally `decontamination:` (the guards of `--against`: `mmtok.curate.decontaminate.Guards`) and
+    `captions:` (`mmtok.curate.captions.Thresholds`); returns the rules and those two mappings as written.
+    MmtokError naming the entry for anything else (values are quoted through `_SHOWN`: a YAML alias bomb must not
+    be expanded into the message)."""
     import yaml
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise MmtokError(f"cannot read the policy {path}: {brief(str(err).splitlines()[0])}") from None
-    if not isinstance(data, dict) or not {"sources"} <= set(data) <= {"sources", "decontamination"} \
+    if not isinstance(data, dict) or not {"sources"} <= set(data) <= {"sources", "decontamination", "captions"} \
             or not isinstance(data["sources"], dict) or not data["sources"]:
         raise MmtokError(f"{path}: a policy is a mapping `sources:` of source name -> {{rule, radius, priority, "
-                         "decontaminate}, and optionally `decontamination:` (docs/curation.md)")
+                         "decontaminate, captions}, and optionally `decontamination:` and `captions:` "
+                         "(docs/curation.md)")
     names = [name for name in data["sources"] if not isinstance(name, str) or not name]
     if names:
         raise MmtokError(f"{path}: source names are non-empty strings (quote them), got {_SHOWN.repr(names[0])}")
@@ -88,7 +92,7 @@ def load_policy(path: str | Path) -> tuple[dict[str, SourceRule], dict]:
     if not isinstance(guards, dict):
         raise MmtokError(f"{path}: `decontamination:` is a mapping of radius, max_matches, max_share, min_flagged "
                          f"(docs/curation.md), got {_SHOWN.repr(guards)}")
-    return rules, guards
+    return rules, guards, data.get("captions", {})
 
 
 def _source_rule(path, name: str, entry, position: int) -> SourceRule:
@@ -118,12 +122,16 @@ def _source_rule(path, name: str, entry, position: int) -> SourceRule:
     elif decontaminate is not None and (not _integer(decontaminate) or not 0 <= decontaminate <= MAX_BENCH_RADIUS):
         raise MmtokError(f"{where}: `decontaminate` is a pHash radius 0..{MAX_BENCH_RADIUS} to benchmark images, or "
                          f"off; got {_SHOWN.repr(decontaminate)}")
-    return SourceRule(radius=radius, priority=priority, decontaminate=decontaminate)
+    captions = _off(entry.get("captions", "on"))
+    if captions not in ("on", "off"):
+        raise MmtokError(f"{where}: `captions` is on or off (whether its captions are checked), got "
+                         f"{_SHOWN.repr(captions)}")
+    return SourceRule(radius=radius, priority=priority, decontaminate=decontaminate, captions=captions == "on")
 
 
 def _off(value):
-    """`off` as YAML 1.1 reads it unquoted (False) is the word off."""
-    return "off" if value is False else value
+    """`off` and `on` as YAML 1.1 reads them unquoted (False, True) are the words."""
+    return "off" if value is False else "on" if value is True else value
 
 
 def _integer(value) -> bool:
@@ -247,13 +255,15 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
     `BENCH:KEY` or sources whose matches are dropped anyway); write the list (`mmtok.formats.dedup`); returns
     dedup.json's content. Every check happens before anything is written."""
 
+    from mmtok.curate.captions import Thresholds
     from mmtok.curate.decontaminate import Guards
     from mmtok.formats.dedup import LOCK_FILE, check_output, write_dedup
     from mmtok.fsutil import WriterLock
 
     check_output(out)
-    policy, guards_entry = load_policy(policy_path)
+    policy, guards_entry, captions_entry = load_policy(policy_path)
     guards = Guards.from_policy(policy_path, guards_entry, MAX_BENCH_RADIUS, _SHOWN.repr)
+    thresholds = Thresholds.from_policy(policy_path, captions_entry, _SHOWN.repr)
     tables = _open_tables(hash_dirs, policy, policy_path)
     benchmarks = _open_benchmarks(against, tables)
     images = _Images(tables)
@@ -263,10 +273,12 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
                            for t in tables], np.int8)
         decontamination = _Decontamination(images, benchmarks, radius, guards, confirm)
     matched = decontamination.dropped_images() if decontamination else np.zeros(0, np.int64)
+    flagged = _caption_flags(images, policy, thresholds, matched)  # nor is an image its caption drops
     found = find_duplicates(images.phash, images.sha_head(),
                             np.repeat(np.array([policy[t.source].radius for t in tables], np.int8), images.sizes),
-                            lambda nodes: images.keeper_order(nodes, policy, matched), images.same_bytes)
-    listed = images.duplicates_table(found)
+                            lambda nodes: images.keeper_order(nodes, policy, np.union1d(matched, flagged.rows)),
+                            images.same_bytes)
+    listed = _with_caption_rows(images.duplicates_table(found), images, flagged)
     held = None
     if decontamination:
         listed, held = decontamination.apply(listed)
@@ -277,7 +289,10 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
             "inputs": [{"source": t.source, "hashes": str(t.directory.resolve()), "hashes_fingerprint":
                         t.metadata["fingerprint"], "manifest_directory": t.metadata["manifest"].get("directory"),
                         "manifest_fingerprint": t.manifest_fingerprint} for t in tables],
-            "groups": groups}
+            "groups": groups,
+            "captions": {"thresholds": dataclasses.asdict(thresholds),
+                         "unchecked_sources": sorted(name for name, rule in policy.items() if not rule.captions),
+                         "flagged": len(flagged.rows)}}
     if decontamination:
         meta["decontamination"] = decontamination.record(held)
     meta["counts"] = _counts(tables, images, listed,
@@ -300,6 +315,43 @@ def _renumbered(listed):
     return listed.set_column(listed.schema.get_field_index("group"), "group", pa.array(group, pa.int64())), len(kept)
 
 
+def _caption_flags(images: "_Images", policy: dict[str, SourceRule], thresholds, matched: np.ndarray):
+    """The images their captions flag (`mmtok.curate.captions.flag`, source by source; global indexes), leaving
+    out the benchmark matches `matched` (a match is named as such)."""
+    from mmtok.curate.captions import Flags, flag
+
+    found = []
+    for s, table in enumerate(images.tables):
+        if not policy[table.source].captions:
+            continue
+        first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
+        columns = {name: column[first:last] for name, column in images.captions.items()}
+        got = flag(columns, images.keys[first:last], thresholds, table.fragments)
+        found.append(Flags(rows=got.rows + first, rule=got.rule, detail=got.detail))
+    rows = np.concatenate([f.rows for f in found]) if found else np.zeros(0, np.int64)
+    rule = np.concatenate([f.rule for f in found]) if found else np.zeros(0, object)
+    detail = np.concatenate([f.detail for f in found]) if found else np.zeros(0, object)
+    keep = ~np.isin(rows, matched)
+    return Flags(rows=rows[keep], rule=rule[keep], detail=detail[keep])
+
+
+def _with_caption_rows(listed, images: "_Images", flagged):
+    """The dropped rows with every caption-flagged image's row in place of its duplicate row (if it had one)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = len(flagged.rows)
+    index = pa.array(flagged.rows, pa.int64())
+    rows = pa.table({"index": flagged.rows, "source": images.names[images.source_of[flagged.rows]],
+                     "manifest_row": images.rows[flagged.rows], "key": images.keys.take(index),
+                     "group": np.full(n, -1, np.int64), "keeper_source": pa.nulls(n, pa.string()),
+                     "keeper_row": np.full(n, -1, np.int64), "keeper_key": pa.nulls(n, pa.string()),
+                     "rule": flagged.rule, "distance": np.full(n, -1, np.int8), "detail": flagged.detail},
+                    schema=listed.schema)
+    duplicates = listed.filter(pc.invert(pc.is_in(listed.column("index"), index)))
+    return pa.concat_tables([duplicates, rows]).sort_by("index")
+
+
 class _Images:
     """The images of every training table, concatenated in (source name, manifest row) order."""
 
@@ -309,6 +361,9 @@ class _Images:
         self.tables = tables
         columns = [table.read() for table in tables]
         self.sizes = np.array([len(c) for c in columns], np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.captions = {name: np.concatenate([c.captions[name] for c in columns]) for name in
+                         (columns[0].captions if columns else ())}
         self.source_of = np.repeat(np.arange(len(tables)), self.sizes)
         self.sha = np.concatenate([c.sha256 for c in columns]) if columns else np.zeros((0, 32), np.uint8)
         self.rows = np.concatenate([c.manifest_row for c in columns])
@@ -351,7 +406,8 @@ class _Images:
                          "manifest_row": self.rows[dropped], "key": self.keys.take(pa.array(dropped, pa.int64())),
                          "group": found.group[order], "keeper_source": self.names[self.source_of[keeper]],
                          "keeper_row": self.rows[keeper], "keeper_key": self.keys.take(pa.array(keeper, pa.int64())),
-                         "rule": found.rule[order], "distance": found.distance[order]}, schema=_listed_schema())
+                         "rule": found.rule[order], "distance": found.distance[order],
+                         "detail": np.full(len(order), "", object)}, schema=_listed_schema())
 
 
 def _counts(tables, images: "_Images", listed, held: np.ndarray) -> dict:
@@ -436,8 +492,8 @@ class _Decontamination:
         matches = pa.table({"index": hit["index"], "source": hit["source"], "manifest_row": hit["manifest_row"],
                             "key": hit["key"], "group": np.full(n, -1, np.int64), "keeper_source": hit["bench_source"],
                             "keeper_row": hit["bench_row"], "keeper_key": hit["bench_key"],
-                            "rule": np.full(n, BENCHMARK_RULE, object), "distance": hit["distance"]},
-                           schema=listed.schema)
+                            "rule": np.full(n, BENCHMARK_RULE, object), "distance": hit["distance"],
+                            "detail": np.full(n, "", object)}, schema=listed.schema)
         duplicates = listed.filter(pc.invert(pc.is_in(listed.column("index"), pa.array(hit["index"], pa.int64()))))
         listed = pa.concat_tables([duplicates, matches]).sort_by("index")
         kept = ~self.found.dropped & ~np.isin(self.found.train, listed.column("index").to_numpy())  # not dropped

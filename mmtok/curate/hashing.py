@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
+from mmtok.curate import captions
 from mmtok.curate.phash import ALGORITHM, image_hashes
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import hashes as fmt
@@ -26,20 +27,26 @@ from mmtok.formats.manifest import Manifest, MemberReader, ShortRead, identity_c
 from mmtok.formats.scan_shards import read_commit, read_rows, write_shard
 from mmtok.fsutil import LockHeld, WriterLock
 
-READ_COLUMNS = ("key", "tar", "container", "member", "offset", "size", "status", "width", "height")
+READ_COLUMNS = ("key", "tar", "container", "member", "offset", "size", "status", "width", "height", "text_offset",
+                "text_size")
 
 
 def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank: int, world_size: int,
-                  workers: int, chunk_rows: int, progress: bool = True) -> dict:
+                  workers: int, chunk_rows: int, progress: bool = True,
+                  fragments: captions.Fragments | None = None) -> dict:
     """Hash this rank's chunks, then any chunk nobody claimed; when every chunk is committed, write the table
-    (`mmtok.formats.hashes`). Returns what this rank did and, under `table`, the table's metadata when it
-    wrote it (None when other ranks still work). Every rank of a job must be given the same `chunk_rows`."""
+    (`mmtok.formats.hashes`). Each row also gets its caption's measures (`mmtok.curate.captions`; `fragments`:
+    the prompt fragments to look for). Returns what this rank did and, under `table`, the table's metadata when
+    it wrote it (None when other ranks still work). Every rank of a job must be given the same `chunk_rows` and
+    fragments."""
     if chunk_rows < 1:
         raise MmtokError(f"--chunk-rows must be at least 1, got {chunk_rows}")
     fmt.check_output(out)
     manifest = Manifest.open(Path(manifest_dir).resolve())
     fingerprint = manifest.verify()
-    cache = fmt.cache_dir(out, f"{ALGORITHM}-{chunk_rows}", fingerprint)
+    # chunks of other caption checks or fragments are never reused
+    checks = f"{ALGORITHM}-c{captions.CHECKS_VERSION}-{_fragments_digest(fragments)[:12]}-{chunk_rows}"
+    cache = fmt.cache_dir(out, checks, fingerprint)
     cache.mkdir(parents=True, exist_ok=True)
     count = max(1, -(-manifest.num_rows // chunk_rows))
     own = [c for c in range(count) if c % world_size == rank]
@@ -47,17 +54,25 @@ def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank:
     # verified: a chunk whose bytes no longer match its commit (a damaged disk, an edit) is hashed again
     todo = [c for c in own + others if read_commit(fmt.chunk_path(cache, c), verify=True) is None]
     began = time.perf_counter()
-    done = _hash_chunks(manifest, cache, todo, workers, progress, count, chunk_rows)
+    done = _hash_chunks(manifest, cache, todo, workers, progress, count, chunk_rows, fragments)
     share = {"rank": rank, "world_size": world_size, "chunks": count, "hashed_chunks": len(done),
              "taken_over": len(set(done) - set(own)), "images": sum(done.values()),
              "seconds": time.perf_counter() - began, "workers": workers, "table": None}
     share["left"] = sum(read_commit(fmt.chunk_path(cache, c), verify=False) is None for c in range(count))
     if not share["left"]:
         try:
-            share["table"] = _write_table(manifest, out, cache, count, source or _source_name(manifest))
+            share["table"] = _write_table(manifest, out, cache, count, source or _source_name(manifest), fragments)
         except LockHeld:  # another rank that finished at the same time writes the same bytes
             pass
     return share
+
+
+def _fragments_digest(fragments: captions.Fragments | None) -> str:
+    import hashlib
+    import json
+
+    lines = fragments.lines if fragments else []
+    return hashlib.sha256(json.dumps(lines, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def _source_name(manifest: Manifest) -> str:
@@ -66,7 +81,7 @@ def _source_name(manifest: Manifest) -> str:
 
 
 def _hash_chunks(manifest: Manifest, cache: Path, todo: list[int], workers: int, progress: bool,
-                 count: int, chunk_rows: int) -> dict[int, int]:
+                 count: int, chunk_rows: int, fragments: captions.Fragments | None) -> dict[int, int]:
     """Hash and commit the chunks `todo` that no other process claims; returns chunk -> images hashed."""
     from mmtok.progress import progress as progress_bar
 
@@ -74,7 +89,7 @@ def _hash_chunks(manifest: Manifest, cache: Path, todo: list[int], workers: int,
     done: dict[int, int] = {}
     bar = progress_bar(total=count, initial=count - len(todo), unit="chunk", desc="hash", enabled=progress)
     with bar:
-        for chunk, images in _run(manifest.directory, cache, todo, identities, workers, chunk_rows):
+        for chunk, images in _run(manifest.directory, cache, todo, identities, workers, chunk_rows, fragments):
             if images is not None:
                 done[chunk] = images
             bar.update(1)
@@ -86,20 +101,21 @@ def _containers(manifest: Manifest) -> list[str]:
     return sorted({entry["path"] for entry in manifest.metadata.get("inputs", ())})
 
 
-def _run(manifest_dir: Path, cache: Path, todo: list[int], identities: dict, workers: int, chunk_rows: int
-         ) -> Iterator[tuple[int, int | None]]:
+def _run(manifest_dir: Path, cache: Path, todo: list[int], identities: dict, workers: int, chunk_rows: int,
+         fragments: captions.Fragments | None) -> Iterator[tuple[int, int | None]]:
     if workers <= 1 or len(todo) <= 1:
         for chunk in todo:
-            yield chunk, _claimed(str(manifest_dir), cache, chunk, identities, chunk_rows)
+            yield chunk, _claimed(str(manifest_dir), cache, chunk, identities, chunk_rows, fragments)
         return
     with ProcessPoolExecutor(max_workers=min(workers, len(todo))) as pool:
-        futures = [(chunk, pool.submit(_claimed, str(manifest_dir), cache, chunk, identities, chunk_rows))
+        futures = [(chunk, pool.submit(_claimed, str(manifest_dir), cache, chunk, identities, chunk_rows, fragments))
                    for chunk in todo]
         for chunk, future in futures:  # in submission order: a chunk is short, the bar stays honest
             yield chunk, future.result()
 
 
-def _claimed(manifest_dir: str, cache: Path, chunk: int, identities: dict, chunk_rows: int) -> int | None:
+def _claimed(manifest_dir: str, cache: Path, chunk: int, identities: dict, chunk_rows: int,
+             fragments: captions.Fragments | None) -> int | None:
     """Hash and commit one chunk under its claim; None when another process holds the claim or committed it."""
     path = fmt.chunk_path(cache, chunk)
     try:
@@ -111,14 +127,16 @@ def _claimed(manifest_dir: str, cache: Path, chunk: int, identities: dict, chunk
             return None
         for stale in cache.glob(f".{path.name}.tmp-*"):  # a killed holder's unfinished writes
             stale.unlink(missing_ok=True)
-        table = hash_chunk(Manifest.open(manifest_dir), chunk * chunk_rows, chunk_rows, identities)
+        table = hash_chunk(Manifest.open(manifest_dir), chunk * chunk_rows, chunk_rows, identities, fragments)
         write_shard(path, table, {"chunk": chunk, "rows": table.num_rows}, retry=False)
         return int(sum(1 for reason in table.column("reason").to_pylist() if not reason))
 
 
-def hash_chunk(manifest: Manifest, start: int, chunk_rows: int, identities: dict) -> pa.Table:
-    """The image rows [start, start + chunk_rows) hashed (CHUNK_SCHEMA): a row that cannot be hashed carries its
-    skip instead. The manifest's error rows are left out (the manifest names them)."""
+def hash_chunk(manifest: Manifest, start: int, chunk_rows: int, identities: dict,
+               fragments: captions.Fragments | None = None) -> pa.Table:
+    """The image rows [start, start + chunk_rows) hashed, with their captions' measures (CHUNK_SCHEMA): a row
+    that cannot be hashed carries its skip instead. The manifest's error rows are left out (the manifest names
+    them)."""
     stop = min(start + chunk_rows, manifest.num_rows)
     rows = np.arange(start, stop, dtype=np.int64)
     r = manifest.read_rows(rows, READ_COLUMNS)
@@ -126,18 +144,43 @@ def hash_chunk(manifest: Manifest, start: int, chunk_rows: int, identities: dict
     stale = {path: identity_change(path, identities[path]) if path in identities else "no identity recorded"
              for path in set(r["tar"][ok].tolist())}
     reader = MemberReader(max_open=16)
-    hashed = []
+    hashed, measured = [], []
+    last: tuple = (None, None)  # the images of one document share its caption: read once
     try:
         for i in ok:
             phash, digest, skip = _hash_row(reader, r, int(i), stale)
             hashed.append((phash, digest, skip.reason if skip else "", skip.detail if skip else ""))
+            where = (r["tar"][i], int(r["text_offset"][i]))
+            if where != last[0]:
+                last = (where, _caption(reader, r, int(i), stale, manifest.text_column, fragments))
+            measured.append(last[1])
     finally:
         reader.close()
     phash, digest, reason, detail = zip(*hashed, strict=True) if hashed else ((), (), (), ())
     pixels = np.maximum(r["width"][ok].astype(np.int64), 0) * np.maximum(r["height"][ok].astype(np.int64), 0)
+    columns = {f"caption_{name}": [getattr(m, name) for m in measured] for name in fmt.CAPTION_MEASURES}
     return pa.table({"manifest_row": rows[ok], "key": r["key"][ok], "phash": list(phash), "sha256": list(digest),
-                     "pixels": pixels, "reason": list(reason), "detail": list(detail), "source": r["tar"][ok],
-                     "container": r["container"][ok], "member": r["member"][ok]}, schema=fmt.CHUNK_SCHEMA)
+                     "pixels": pixels, **columns, "reason": list(reason), "detail": list(detail),
+                     "source": r["tar"][ok], "container": r["container"][ok], "member": r["member"][ok]},
+                    schema=fmt.CHUNK_SCHEMA)
+
+
+def _caption(reader: MemberReader, r: dict, i: int, stale: dict, text_column: str | None,
+             fragments: captions.Fragments | None) -> captions.Measures:
+    """The measures of row i's caption (its first MAX_CAPTION_BYTES); a caption that cannot be read is counted
+    as such, and costs the row nothing else."""
+    offset, size = int(r["text_offset"][i]), int(r["text_size"][i])
+    if offset < 0 or size < 0:
+        return captions.Measures(words=captions.NO_CAPTION)
+    if stale.get(r["tar"][i]):  # its offsets describe other bytes now
+        return captions.Measures(words=captions.UNREADABLE)
+    container = r["container"][i]
+    try:
+        data = reader.read_text(container, r["tar"][i], offset, min(size, captions.MAX_CAPTION_BYTES), text_column)
+    except (ShortRead, OSError, ValueError):
+        return captions.Measures(words=captions.UNREADABLE)
+    truncated = size > captions.MAX_CAPTION_BYTES or len(data) > captions.MAX_CAPTION_BYTES
+    return captions.measure(data[:captions.MAX_CAPTION_BYTES], truncated, fragments)
 
 
 def _hash_row(reader: MemberReader, r: dict, i: int, stale: dict) -> tuple[int, bytes, Skip | None]:
@@ -160,7 +203,8 @@ def _hash_row(reader: MemberReader, r: dict, i: int, stale: dict) -> tuple[int, 
         return 0, bytes(32), Skip("read_error", detail)
 
 
-def _write_table(manifest: Manifest, out: Path, cache: Path, count: int, source: str) -> dict:
+def _write_table(manifest: Manifest, out: Path, cache: Path, count: int, source: str,
+                 fragments: captions.Fragments | None) -> dict:
     """Assemble the table from the committed chunks (each verified by its sha256 first)."""
     with WriterLock(out, f"the hash table in {out}"):
         paths = [fmt.chunk_path(cache, c) for c in range(count)]
@@ -175,9 +219,24 @@ def _write_table(manifest: Manifest, out: Path, cache: Path, count: int, source:
                 if reason:
                     reasons[reason] = reasons.get(reason, 0) + 1
         scanned_errors = manifest.num_rows - sum(t.num_rows for t in tables)
-        meta = {"algorithm": ALGORITHM, "source": source,
+        meta = {"algorithm": ALGORITHM, "source": source, "captions": _captions_record(tables, fragments),
                 "manifest": {"directory": str(manifest.directory), "fingerprint": manifest.fingerprint,
                              "rows": manifest.num_rows},
                 "counts": {"manifest_rows": manifest.num_rows, "scan_errors": scanned_errors,
                            "skipped": dict(sorted(reasons.items()))}}
         return fmt.write_hashes(out, tables, meta)
+
+
+def _captions_record(tables: list[pa.Table], fragments: captions.Fragments | None) -> dict:
+    """What hashes.json records of the caption checks: their version, the fragments looked for, and how many of
+    the hashed rows had a caption checked, and why the others had none."""
+    import pyarrow.compute as pc
+
+    counts = {"checked": 0, **{name: 0 for name in captions.UNCHECKED.values()}}
+    for table in tables:
+        words = table.filter(pc.equal(table.column("reason"), "")).column("caption_words").to_numpy()
+        counts["checked"] += int((words >= 0).sum())
+        for code, name in captions.UNCHECKED.items():
+            counts[name] += int((words == code).sum())
+    return {"checks": captions.CHECKS_VERSION, "max_bytes": captions.MAX_CAPTION_BYTES,
+            "fragments": fragments.lines if fragments else [], "counts": counts}

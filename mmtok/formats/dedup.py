@@ -4,7 +4,9 @@
                    `group` (the duplicate group, numbered in keeper order; -1 for a benchmark match),
                    `keeper_source`, `keeper_row`, `keeper_key` (the kept copy; for rule `benchmark`, the benchmark
                    image it matched: the benchmark's name, its row and key), `rule` (RULES: why it is dropped) and
-                   `distance` (the Hamming distance of the two pHashes; 0 for equal bytes)
+                   `distance` (the Hamming distance of the two pHashes; 0 for equal bytes); for a caption rule,
+                   no keeper (nulls, row -1, group -1, distance -1) and `detail` (what the check found; "" for
+                   the other rules)
   held.parquet     with `--against` only: the benchmark matches held back as suspect (kept, not dropped), sorted
                    by (source, manifest_row): `source`, `manifest_row`, `key`, `bench_source`, `bench_row`,
                    `bench_key`, `distance`, `why` (`mmtok.curate.decontaminate`: ITEM_SUSPECT, SOURCE_SUSPECT)
@@ -39,17 +41,20 @@ DROPPED_FILE = "dropped.parquet"
 METADATA_FILE = "dedup.json"
 LOCK_FILE = ".dedup.lock"  # the writer's lock (`WriterLock`), taken before the first write: it marks the folder as ours
 FORMAT = "mmtok.dedup"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: caption rules and `detail`
 # sha256: the same bytes; phash_exact: equal pHashes; phash_radius: pHashes within the source's radius (or
 # joined to the keeper through such pairs: groups are connected, so the distance may exceed the radius)
 # benchmark: the image matches a benchmark image (`--against`: equal bytes, or pHashes within the source's radius)
-RULES = ("sha256", "phash_exact", "phash_radius", "benchmark")
+# caption_*: the image's sample caption fails a caption check (`mmtok.curate.captions`; `detail` says how)
+CAPTION_RULES = ("caption_fragment", "caption_loop", "caption_ending", "caption_numbers", "caption_template")
+RULES = ("sha256", "phash_exact", "phash_radius", "benchmark", *CAPTION_RULES)
 BENCHMARK_RULE = "benchmark"
 HELD_FILE = "held.parquet"
 
 SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key", pa.string()),
                     ("group", pa.int64()), ("keeper_source", pa.string()), ("keeper_row", pa.int64()),
-                    ("keeper_key", pa.string()), ("rule", pa.string()), ("distance", pa.int8())])
+                    ("keeper_key", pa.string()), ("rule", pa.string()), ("distance", pa.int8()),
+                    ("detail", pa.string())])
 HELD_SCHEMA = pa.schema([("source", pa.string()), ("manifest_row", pa.int64()), ("key", pa.string()),
                          ("bench_source", pa.string()), ("bench_row", pa.int64()), ("bench_key", pa.string()),
                          ("distance", pa.int8()), ("why", pa.string())])
@@ -98,6 +103,11 @@ class Exclusion:
     keeper_source: np.ndarray  # object: the keeper's source
     keeper_row: np.ndarray  # int64: the keeper's manifest row (in its source's manifest)
     contaminated: np.ndarray  # bool: the row matches a benchmark image (its "keeper" is that image)
+    caption: np.ndarray  # bool: the row's caption is flagged (its "keeper" text says how; it has no keeper)
+
+    def kinds(self) -> np.ndarray:
+        """Per row: 0 a duplicate, 1 a benchmark match, 2 caption-flagged (`mmtok.plan.rows.EXCLUDED`)."""
+        return np.where(self.caption, 2, np.where(self.contaminated, 1, 0)).astype(np.int8)
 
     def keepers_of(self, rows: np.ndarray) -> np.ndarray:
         """The keeper of each of `rows` (every one of them excluded)."""
@@ -152,12 +162,16 @@ class DedupList:
             raise MmtokError(f"{self.directory / DROPPED_FILE}: the rows of source {source!r} are not increasing rows "
                              f"of its manifest's {manifest_rows:,}; the list is damaged -- rerun `mmtok dedup` into "
                              f"{self.directory}")
-        keepers = [f"{keeper_source}:{key} (row {row})" for keeper_source, key, row in zip(
-            *(table.column(name).to_pylist() for name in ("keeper_source", "keeper_key", "keeper_row")), strict=True)]
+        caption = pc.is_in(table.column("rule"), pa.array(CAPTION_RULES)).to_numpy(zero_copy_only=False)
+        keepers = [f"{rule}: {detail}" if flagged else f"{keeper_source}:{key} (row {row})"
+                   for keeper_source, key, row, rule, detail, flagged in zip(
+                       *(table.column(name).to_pylist() for name in ("keeper_source", "keeper_key", "keeper_row",
+                                                                     "rule", "detail")), caption, strict=True)]
         return Exclusion(source=source, rows=rows, keepers=np.asarray(keepers, dtype=object),
                          keeper_source=np.asarray(table.column("keeper_source").to_pylist(), dtype=object),
                          keeper_row=table.column("keeper_row").to_numpy(),
-                         contaminated=pc.equal(table.column("rule"), BENCHMARK_RULE).to_numpy(zero_copy_only=False))
+                         contaminated=pc.equal(table.column("rule"), BENCHMARK_RULE).to_numpy(zero_copy_only=False),
+                         caption=caption)
 
     def table(self) -> pa.Table:
         """dropped.parquet, after checking its sha256 against dedup.json and its columns against SCHEMA."""

@@ -2,11 +2,15 @@
 
   hashes.parquet   one row per hashed image, in manifest row order: `manifest_row`, `key` (the sample key),
                    `phash` (uint64, the first bit of the hash the most significant), `sha256` (32 bytes, of the
-                   image's bytes as stored), `pixels` (width x height as the scan read it; 0 when unknown)
+                   image's bytes as stored), `pixels` (width x height as the scan read it; 0 when unknown),
+                   and its sample caption's measures (`mmtok.curate.captions.Measures`): `caption_words` (or
+                   why it has none: -1 no caption, -2 not UTF-8, -3 unreadable), `caption_loop`,
+                   `caption_number_run`, `caption_ending`, `caption_fragment`, `caption_template`
   skipped.jsonl    one skip record (`mmtok.formats.skips`, stage "hash") per image that could not be hashed
   hashes.json      written last (its presence means the other two are complete): the algorithm id, the source
-                   name, the manifest's directory, fingerprint and row count, the counts, and the sha256 of
-                   the other two files (`fingerprint`, `skipped_sha256`)
+                   name, the manifest's directory, fingerprint and row count, the counts, `captions` (the caption
+                   checks' version, the prompt fragments looked for, rows checked and why others were not), and
+                   the sha256 of the other two files (`fingerprint`, `skipped_sha256`)
 
 While it runs, `mmtok hash` commits fixed chunks of manifest rows to `H/.hash-cache/<algorithm>-<manifest
 fingerprint>/chunk-NNNNNNNN.arrow` (through `mmtok.formats.scan_shards`: rows, then their checksummed commit),
@@ -43,12 +47,15 @@ SKIPPED_FILE = "skipped.jsonl"
 METADATA_FILE = "hashes.json"
 CACHE_DIR = ".hash-cache"
 FORMAT = "mmtok.hashes"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the caption measures
 ROW_GROUP_ROWS = 1 << 20  # fixed, so the file bytes depend only on the rows
 STAGE = "hash"
 
+CAPTION_MEASURES = ("words", "loop", "number_run", "ending", "fragment", "template")
 SCHEMA = pa.schema([("manifest_row", pa.int64()), ("key", pa.string()), ("phash", pa.uint64()),
-                    ("sha256", pa.binary(32)), ("pixels", pa.int64())])
+                    ("sha256", pa.binary(32)), ("pixels", pa.int64()),
+                    *((f"caption_{name}", pa.uint64() if name == "template" else pa.int32())
+                      for name in CAPTION_MEASURES)])
 # A chunk's rows: every image row of the chunk; `reason` "" when hashed, else the skip and where it lives.
 CHUNK_SCHEMA = pa.schema([*SCHEMA, ("reason", pa.string()), ("detail", pa.string()), ("source", pa.string()),
                           ("container", pa.string()), ("member", pa.string())])
@@ -108,13 +115,14 @@ def _skip_records(table: pa.Table) -> Iterable[skips.SkipRecord]:
 class Hashes:
     """The columns of a hash table, aligned: manifest_row int64, key (an Arrow string array: 10^8 keys as Python
     strings would cost gigabytes; take the few that are needed), phash uint64, sha256 (n, 32) uint8, pixels
-    int64."""
+    int64, captions: `caption_<measure>` -> its column (int32; caption_template uint64)."""
 
     manifest_row: np.ndarray
     key: pa.Array
     phash: np.ndarray
     sha256: np.ndarray
     pixels: np.ndarray
+    captions: dict
 
     def __len__(self) -> int:
         return len(self.manifest_row)
@@ -160,9 +168,26 @@ class HashTable:
         if table.column("key").null_count or (table.num_rows and pc.min(table.column("manifest_row")).as_py() < 0):
             raise DamagedFile(f"{self.directory / HASHES_FILE}: a row without a key or with a negative manifest row; "
                               f"rerun `mmtok hash MANIFEST --out {self.directory}`")
+        fragment = table.column("caption_fragment")
+        if table.num_rows and pc.max(fragment).as_py() >= len(self.fragments):
+            raise DamagedFile(f"{self.directory / HASHES_FILE}: a caption_fragment beyond the "
+                              f"{len(self.fragments)} fragments hashes.json names; rerun `mmtok hash MANIFEST --out "
+                              f"{self.directory}`")
         digests = table.column("sha256").combine_chunks()
         sha = np.frombuffer(digests.buffers()[1], np.uint8)[digests.offset * 32:(digests.offset + len(digests)) * 32]
         return Hashes(manifest_row=table.column("manifest_row").to_numpy(),
                       key=table.column("key").combine_chunks(),
                       phash=table.column("phash").to_numpy(), sha256=sha.reshape(-1, 32),
-                      pixels=table.column("pixels").to_numpy())
+                      pixels=table.column("pixels").to_numpy(),
+                      captions={f"caption_{name}": table.column(f"caption_{name}").to_numpy()
+                                for name in CAPTION_MEASURES})
+
+    @property
+    def fragments(self) -> list[str]:
+        """The prompt fragments `mmtok hash --prompt-fragments` looked for (`caption_fragment` indexes them)."""
+        captions = self.metadata.get("captions")
+        lines = captions.get("fragments") if isinstance(captions, dict) else None
+        if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
+            raise DamagedFile(f"{self.directory / METADATA_FILE}: no list `captions.fragments`; rerun `mmtok hash "
+                              f"MANIFEST --out {self.directory}`")
+        return lines

@@ -29,7 +29,7 @@ from mmtok.formats.plan import PlanWriter, has_plan
 from mmtok.formats.presets import PlanParameters
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
-from mmtok.plan.rows import CONTAMINATED, DUPLICATE, Reasons, read_groups, text_tokenizer, window_bounds
+from mmtok.plan.rows import EXCLUDED, Reasons, read_groups, text_tokenizer, window_bounds
 from mmtok.ranks import balance_splits, imbalance, item_ranges, partition_ranks, rank_costs, worker_items
 from mmtok.text import TextTokenizer
 
@@ -72,7 +72,8 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     anything is written when `out_dir` holds a plan (which stays as it was), else after the plan is written
     (so dropped.parquet and `--explain` can show the rows). `exclude`: a duplicate list (`mmtok dedup`) whose
     rows of this manifest are dropped as `duplicate`, each with its keeper in dropped.parquet (`contaminated`, with
-    the benchmark image it matched, for a list made with `--against`).
+    the benchmark image it matched, for a list made with `--against`; `caption_flagged`, with what its caption
+    check found).
     """
     if world_size < 1:
         raise MmtokError(f"--world-size must be >= 1, got {world_size}")
@@ -114,7 +115,7 @@ class _LostKeepers:
         self.by_reason: dict[str, int] = {}
 
     def add(self, plan: GroupPlan, reasons: Reasons) -> None:
-        other = ~np.isin(plan.dropped_codes, reasons.registered(DUPLICATE, CONTAMINATED))
+        other = ~np.isin(plan.dropped_codes, reasons.registered(*EXCLUDED))
         hit = np.isin(plan.dropped_rows, self.own) & other
         self.rows.append(plan.dropped_rows[hit])
         for code in plan.dropped_codes[hit].tolist():
@@ -135,7 +136,7 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
 
     groups = window_groups(bounds)
     group_rows = read_groups(manifest, params, reasons, bounds[groups],
-                             (exclusion[1].rows, exclusion[1].contaminated) if exclusion else None)
+                             (exclusion[1].rows, exclusion[1].kinds()) if exclusion else None)
     lost = _LostKeepers(exclusion[1]) if exclusion else None
     planner = None
     log = _BatchLog()
@@ -224,8 +225,9 @@ def _write_group(writer: PlanWriter, plan: GroupPlan, reasons: Reasons, exclusio
     if len(plan.dropped_rows):
         keeper = np.full(len(plan.dropped_rows), None, object)
         if exclusion is not None:
-            listed = np.isin(plan.dropped_codes, reasons.registered(DUPLICATE, CONTAMINATED))
-            keeper[listed] = exclusion.keepers_of(plan.dropped_rows[listed])  # a contaminated row: its benchmark image
+            listed = np.isin(plan.dropped_codes, reasons.registered(*EXCLUDED))
+            # a contaminated row: its benchmark image; a caption-flagged row: what its caption check found
+            keeper[listed] = exclusion.keepers_of(plan.dropped_rows[listed])
         writer.write_dropped(plan.dropped_rows, plan.dropped_codes, reasons.names, keeper)
     if plan.images is not None:
         writer.write_images(plan.images)

@@ -34,6 +34,8 @@ SHAPE_BITS = 12  # target sides up to 4,095 codes (65,520 px at factor 16); beyo
 
 DUPLICATE = "duplicate"  # a row a duplicate list (`mmtok dedup`, `plan --exclude`) drops: its keeper is kept
 CONTAMINATED = "contaminated"  # a row the list drops as a benchmark image's match (`mmtok dedup --against`)
+CAPTION_FLAGGED = "caption_flagged"  # a row the list drops for its caption (`mmtok.curate.captions`)
+EXCLUDED = (DUPLICATE, CONTAMINATED, CAPTION_FLAGGED)  # the reason of a listed row, by its kind (0, 1, 2)
 
 
 class Reasons:
@@ -257,8 +259,8 @@ def read_groups(manifest: Manifest, params: PlanParameters, reasons: Reasons,
                 cuts: np.ndarray, excluded: tuple[np.ndarray, np.ndarray] | None = None) -> Iterator[ManifestRows]:
     """Stage 1 over the manifest, READ_ROWS rows at a time: the filtered rows of each group
     [cuts[i], cuts[i + 1]), in order; only the rows of about one group are held at a time. The sorted manifest
-    rows `excluded` (a duplicate list's: rows, and aligned whether each matched a benchmark image) are dropped as
-    DUPLICATE or CONTAMINATED, whatever else holds for them."""
+    rows `excluded` (a duplicate list's: rows, and aligned the kind of each, an index into EXCLUDED) are dropped
+    as DUPLICATE, CONTAMINATED or CAPTION_FLAGGED, whatever else holds for them."""
     path = manifest.path
     columns = list(BASE_COLUMNS) + (list(CAPTION_COLUMNS) if params.counts_captions else [])
     batches = manifest.batches(columns, READ_ROWS, dictionary=[c for c in ("status", "reason", "tar", "container")
@@ -297,13 +299,13 @@ def _filter_batch(batch: pa.RecordBatch, start: int, params: PlanParameters, rea
         b = min(a + FILTER_ROWS, n)
         rows.reason[a:b], rows.shape[a:b] = filter_rows(width[a:b], height[a:b], scan[a:b], params, reasons)
     if excluded is not None:
-        listed, contaminated = excluded
+        listed, kinds = excluded
         first, last = np.searchsorted(listed, start), np.searchsorted(listed, start + n)
-        mine = listed[first:last] - start
-        matched = contaminated[first:last]
-        rows.reason[mine[~matched]] = reasons.code(DUPLICATE)  # (registered as before benchmark matches existed)
-        if matched.any():
-            rows.reason[mine[matched]] = reasons.code(CONTAMINATED)
+        mine, kind = listed[first:last] - start, kinds[first:last]
+        rows.reason[mine[kind == 0]] = reasons.code(DUPLICATE)  # (registered as before other kinds existed)
+        for k in range(1, len(EXCLUDED)):
+            if (kind == k).any():  # registered only where present: a plan without them is as before
+                rows.reason[mine[kind == k]] = reasons.code(EXCLUDED[k])
         rows.shape[mine] = 0
     if params.counts_captions:
         rows.container = containers.encode(batch)

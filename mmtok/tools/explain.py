@@ -38,8 +38,12 @@ def _header(plan_dir, meta: dict) -> list[str]:
 def _dropped(meta: dict) -> list[str]:
     counts = sorted(meta["dropped_by_reason"].items(), key=lambda item: (-item[1], item[0]))
     excluded = meta.get("exclude")
-    why = ("reasons duplicate and contaminated; keepers and matched benchmark images" if
-           meta["dropped_by_reason"].get("contaminated") else "reason duplicate; keepers")
+    by_reason = meta["dropped_by_reason"]
+    kinds = [(reason, text) for reason, text in (("duplicate", "keepers"), ("contaminated", "matched benchmark images"),
+                                                 ("caption_flagged", "what the caption checks found"))
+             if by_reason.get(reason) or reason == "duplicate"]
+    why = (f"reason{'s' if len(kinds) > 1 else ''} {', '.join(r for r, _ in kinds)}; "
+           f"{', '.join(t for _, t in kinds)}")
     listed = ([f"excluded: the duplicate list {excluded['directory']} drops {excluded['rows']:,} rows of source "
                f"{excluded['source']!r} ({why} in dropped.parquet)"] if excluded else [])
     if not counts:

@@ -196,7 +196,8 @@ def _curation(plan) -> dict | None:
     if not exclude:
         return None
     by_reason = plan.meta.get("dropped_by_reason", {})
-    listed = {reason: by_reason[reason] for reason in ("duplicate", "contaminated") if by_reason.get(reason)}
+    listed = {reason: by_reason[reason] for reason in ("duplicate", "contaminated", "caption_flagged")
+              if by_reason.get(reason)}
     return {"source": exclude["source"], "list": exclude["directory"], "rows": exclude["rows"], "by_reason": listed}
 
 

@@ -1,0 +1,238 @@
+"""Caption checks: what `mmtok hash` measures of each caption (loops, number runs, repeated endings, prompt
+fragments, templates), what `mmtok dedup` flags by the policy's `captions:` thresholds (each flagged image a row
+of the drop list with its rule and detail, never the keeper of its duplicates), `plan --exclude` dropping them as
+`caption_flagged`, and one-line refusals of bad fragment files and thresholds."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from encodekit import write_tar
+from mmtok.cli import main as cli
+from mmtok.curate import captions
+from mmtok.errors import MmtokError
+from realmedia import skimage_images
+
+
+# -- the measures -----------------------------------------------------------------------------------------------------
+def _measure(text: str, fragments: list[str] = ()) -> captions.Measures:
+    return captions.measure(text.encode(), False, captions.Fragments(list(fragments)) if fragments else None)
+
+
+def test_loops_count_the_most_repeats_of_a_phrase_in_a_row_whatever_case_and_punctuation():
+    assert _measure("A cat sits on a mat near the door.").loop == 1
+    assert _measure("a cat, A CAT; a cat a cat a cat!  on the mat").loop == 5
+    assert _measure("very very nice").loop == 2
+    assert _measure("the red car and the red car and the red car and").loop == 3  # a phrase of 4 words
+    words = "one two three four five six seven eight nine"  # a 9-word phrase is past LOOP_WORDS
+    assert _measure(" ".join([words] * 5)).loop < 5
+
+
+def test_number_runs_endings_and_templates():
+    assert _measure("Scores: 1, 2, 3, 4, 5 and 6").number_run == 5
+    assert _measure("in 1999 the 2 cats").number_run == 1
+    assert _measure("no numbers here").number_run == 0
+    assert _measure("A dog runs. A dog runs! A dog runs.").ending == 3
+    assert _measure("A dog runs. The sky is blue. The sky is blue. The sky is bl").ending == 2  # cut off: left out
+    assert _measure("The sky is blue. A dog runs").ending == 1
+    same = _measure("The image shows 3 dogs on grass").template
+    assert same == _measure("the IMAGE shows 12 cats in a box").template != 0  # numbers as 0, case folded
+    assert _measure("The image shows a dog").template != same
+    assert _measure("Too short").template == 0
+
+
+def test_fragments_match_word_for_word_and_name_the_first_line():
+    lines = ["as an AI language model", "Describe the image", "here is"]
+    assert _measure("Sure, here is: the image.", lines).fragment == 2
+    assert _measure("As an AI-language model, I see a DESCRIBE THE IMAGE", lines).fragment == 0
+    assert _measure("a description of the image", lines).fragment == -1
+    assert _measure("", lines) == captions.Measures(words=0)
+
+
+def test_bad_bytes_and_a_cut_character_are_told_apart():
+    assert captions.measure(b"caf\xc3\xa9 \xff\xfe", False, None).words == captions.NOT_UTF8
+    assert captions.measure("café café".encode()[:-1], True, None).words == 2  # cut inside é: not bad UTF-8
+
+
+def test_a_hostile_caption_is_measured_in_bounded_time():
+    """64 KiB of one word (the most a caption is read): the measures still come out exact."""
+    data = b"ha " * (captions.MAX_CAPTION_BYTES // 3)
+    got = captions.measure(data, True, captions.Fragments(["ha ha ha ha ha ha ha ha ha ha ha ha ha ha ha x"]))
+    assert (got.words, got.loop, got.fragment) == (len(data) // 3, len(data) // 3, -1)
+
+
+def _fragment_file(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "fragments.txt"
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("data, fragment", [
+    (b"ok line\n\xff\xfe bad\n", "is not UTF-8 (line 2, byte 8)"),
+    (b"fine\n!!!\n", "line 2 has 0 words"),
+    (("w " * 33).encode(), "line 1 has 33 words"),
+])
+def test_a_bad_fragment_file_is_one_line(tmp_path, capsys, data, fragment):
+    with pytest.raises(MmtokError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        captions.Fragments.read(_fragment_file(tmp_path, data))
+    assert cli(["hash", str(tmp_path / "m"), "--out", str(tmp_path / "h"), "--prompt-fragments",
+                str(_fragment_file(tmp_path, data)), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "h").exists()
+
+
+# -- hash, dedup, plan ------------------------------------------------------------------------------------------------
+FRAGMENTS = "Here is a description of the image\n\n# not a comment, a fragment\n"
+CAPTIONS = {
+    "s000": b"An astronaut in a white suit holds a helmet.",
+    "s001": b"a cat a cat a cat a cat a cat a cat on a mat",  # loop 6
+    "s002": ("Values: " + ", ".join(str(i) for i in range(1, 31))).encode(),  # 30 numbers
+    "s003": b"A red car parks. The sky is blue. The sky is blue. The sky is blue. The sky is bl",  # ending 3
+    "s004": b"Sure! Here is a description of the image: a dog on grass.",  # a fragment
+    "s005": b"caf\xe9 au lait",  # Latin-1: not UTF-8
+    "s006": None,  # no caption
+    "s007": b"a bird a bird a bird a bird a bird a bird",  # loop 6, and the byte copy of s008's image
+    "s008": b"A bird on a branch in the morning light.",
+}
+TEMPLATED = [f"t{i:03d}" for i in range(12)]  # "The image shows ...": 12 of 21 captions checked
+
+
+def _crops() -> list[bytes]:
+    photo = Image.open(next(p for p in skimage_images() if p.name == "astronaut.png")).convert("RGB")
+    out = []
+    for i in range(24):
+        buffer = io.BytesIO()
+        photo.crop((16 * i, 8 * i, 16 * i + 96, 8 * i + 96)).save(buffer, "PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("captions")
+    crops = _crops()
+    members = []
+    for i, (key, caption) in enumerate(CAPTIONS.items()):
+        members.append((f"{key}.png", crops[7] if key == "s008" else crops[i]))
+        if caption is not None:
+            members.append((f"{key}.txt", caption))
+    for i, key in enumerate(TEMPLATED):
+        members += [(f"{key}.png", crops[9 + i]), (f"{key}.txt", f"The image shows {i + 2} objects".encode())]
+    write_tar(root / "shard-0.tar", members)
+    assert cli(["scan", str(root / "shard-0.tar"), "--out", str(root / "web"), "--no-progress"]) == 0
+    fragments = root / "fragments.txt"
+    fragments.write_text(FRAGMENTS, encoding="utf-8")
+    assert cli(["hash", str(root / "web"), "--out", str(root / "web.h"), "--no-progress", "--workers", "1",
+                "--prompt-fragments", str(fragments)]) == 0
+    return root
+
+
+def _policy(tmp_path: Path, captions_entry: str, source: str = "") -> Path:
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"sources:\n  web: {{rule: exact{source}}}\ncaptions: {captions_entry}\n")
+    return path
+
+
+def test_hash_records_the_measures_and_counts_every_caption(corpus, tmp_path, capsys):
+    meta = json.loads((corpus / "web.h" / "hashes.json").read_text())
+    assert meta["captions"]["counts"] == {"checked": 19, "no_caption": 1, "caption_not_utf8": 1,
+                                          "caption_unreadable": 0}
+    assert meta["captions"]["fragments"] == ["Here is a description of the image", "# not a comment, a fragment"]
+    rows = {r["key"]: r for r in pq.read_table(corpus / "web.h" / "hashes.parquet").to_pylist()}
+    assert (rows["s001"]["caption_loop"], rows["s002"]["caption_number_run"], rows["s003"]["caption_ending"],
+            rows["s004"]["caption_fragment"]) == (6, 30, 3, 0)
+    assert (rows["s005"]["caption_words"], rows["s006"]["caption_words"]) == (captions.NOT_UTF8, captions.NO_CAPTION)
+    assert len({rows[k]["caption_template"] for k in TEMPLATED}) == 1
+    # the same bytes for another world size and chunking: the measures depend on the captions alone
+    for rank in (0, 1):
+        assert cli(["hash", str(corpus / "web"), "--out", str(tmp_path / "h2"), "--no-progress", "--workers", "1",
+                    "--prompt-fragments", str(corpus / "fragments.txt"), "--rank", str(rank), "--world-size", "2",
+                    "--chunk-rows", "4"]) == 0
+    assert (tmp_path / "h2" / "hashes.parquet").read_bytes() == (corpus / "web.h" / "hashes.parquet").read_bytes()
+    assert "captions: 19 checked, 1 no_caption, 1 caption_not_utf8; 2 prompt fragments looked for" in \
+        capsys.readouterr().err
+
+
+def _key_rank(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def test_dedup_flags_each_check_by_sample_id_and_a_flagged_image_never_keeps_its_copy(corpus, tmp_path, capsys):
+    policy = _policy(tmp_path, "{template_min: 10, template_share: 0.3}")
+    assert cli(["dedup", str(corpus / "web.h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    dropped = {r["key"]: r for r in pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist()}
+    cap = int(0.3 * 19)
+    over = sorted(TEMPLATED, key=_key_rank)[cap:]  # the template's rows past the cap, by a hash of the sample key
+    expected = {"s001": "caption_loop", "s002": "caption_numbers", "s003": "caption_ending",
+                "s004": "caption_fragment", "s007": "caption_loop", **{k: "caption_template" for k in over}}
+    assert {k: r["rule"] for k, r in dropped.items()} == expected  # s008 keeps the bytes s007 shares with it
+    assert dropped["s004"]["detail"] == "prompt fragment 'Here is a description of the image'"
+    assert dropped["s001"]["detail"] == "a phrase repeated 6 times in a row (loop: 4)"
+    assert dropped["s002"]["detail"] == "30 numbers in a row (number_run: 16)"
+    assert (dropped["s001"]["keeper_key"], dropped["s001"]["keeper_row"], dropped["s001"]["group"]) == (None, -1, -1)
+    meta = json.loads((tmp_path / "d" / "dedup.json").read_text())
+    counts = meta["counts"]["web"]
+    assert counts["hashed"] == counts["kept"] + counts["dropped"] == 21
+    assert counts["dropped"] == sum(counts["by_rule"].values()) == len(expected)
+    assert meta["captions"]["flagged"] == len(expected) and meta["groups"] == 0
+    assert f"and {len(expected)} images flagged by their captions among 21 images" in capsys.readouterr().err
+
+
+def test_thresholds_turn_checks_off_and_a_source_may_skip_them(corpus, tmp_path):
+    policy = _policy(tmp_path, "{loop: 6, number_run: off, ending: 3, fragments: off}")
+    assert cli(["dedup", str(corpus / "web.h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    rules = {r["key"]: r["rule"] for r in pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist()}
+    assert rules == {"s008": "sha256"}  # nothing flagged: s008 is s007's duplicate again (s007 < s008 by key)
+    policy = _policy(tmp_path, "{}", source=", captions: off")
+    assert cli(["dedup", str(corpus / "web.h"), "--policy", str(policy), "--out", str(tmp_path / "d2")]) == 0
+    assert pq.read_table(tmp_path / "d2" / "dropped.parquet").column("rule").to_pylist() == ["sha256"]
+
+
+def test_plan_exclude_drops_flagged_rows_as_caption_flagged_with_what_was_found(corpus, tmp_path, capsys):
+    assert cli(["dedup", str(corpus / "web.h"), "--policy", str(_policy(tmp_path, "{}")), "--out",
+                str(tmp_path / "d")]) == 0
+    assert cli(["plan", str(corpus / "web"), "--out", str(tmp_path / "p"), "--preset", "demo", "--mode", "image",
+                "--quiet", "--exclude", str(tmp_path / "d")]) == 0
+    assert "caption_flagged 5" in capsys.readouterr().err
+    dropped = {r["manifest_row"]: r for r in pq.read_table(tmp_path / "p" / "dropped.parquet").to_pylist()}
+    assert (dropped[1]["reason"], dropped[1]["keeper"]) == ("caption_flagged",
+                                                           "caption_loop: a phrase repeated 6 times in a row (loop: 4)")
+    assert {r["reason"] for r in dropped.values()} == {"caption_flagged"}
+    assert cli(["plan", "--explain", str(tmp_path / "p")]) == 0
+    assert "reasons duplicate, caption_flagged; keepers, what the caption checks found" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("entry, fragment", [
+    ("{loops: 3}", "`captions:` has no key 'loops'"),
+    ("{loop: 0}", "`captions: loop` is an integer >= 1 or off, got 0"),
+    ("{template_share: 1.5}", "`captions: template_share` is a share in (0, 1) or off, got 1.5"),
+    ("{fragments: maybe}", "`captions: fragments` is on or off, got 'maybe'"),
+    ("[1, 2]", "`captions:` is a mapping of"),
+    ("&a [*a, *a]", "`captions:` is a mapping of"),
+])
+def test_bad_thresholds_are_one_line(corpus, tmp_path, capsys, entry, fragment):
+    assert cli(["dedup", str(corpus / "web.h"), "--policy", str(_policy(tmp_path, entry)), "--out",
+                str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_fragment_index_past_the_recorded_fragments_is_refused(corpus, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(corpus / "web.h", tmp_path / "h")
+    meta = json.loads((tmp_path / "h" / "hashes.json").read_text())
+    meta["captions"]["fragments"] = []
+    (tmp_path / "h" / "hashes.json").write_text(json.dumps(meta))
+    assert cli(["dedup", str(tmp_path / "h"), "--policy", str(_policy(tmp_path, "{}")), "--out",
+                str(tmp_path / "d")]) == 2
+    assert "a caption_fragment beyond the 0 fragments" in capsys.readouterr().err
