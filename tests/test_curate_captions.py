@@ -18,6 +18,7 @@ from encodekit import write_tar
 from mmtok.cli import main as cli
 from mmtok.curate import captions
 from mmtok.errors import MmtokError
+from mmtok.formats.dedup import CAPTION_RULES
 from realmedia import skimage_images
 
 
@@ -210,6 +211,23 @@ def test_plan_exclude_drops_flagged_rows_as_caption_flagged_with_what_was_found(
     assert "reasons duplicate, caption_flagged; keepers, what the caption checks found" in capsys.readouterr().out
 
 
+def test_the_report_shows_each_rule_s_images_with_their_captions_escaped_and_counts_that_add_up(corpus, tmp_path):
+    assert cli(["dedup", str(corpus / "web.h"), "--policy", str(_policy(tmp_path, "{template_min: 10}")), "--out",
+                str(tmp_path / "d"), "--report"]) == 0
+    report = tmp_path / "d" / "report"
+    index = (report / "index.md").read_text()
+    counts = json.loads((tmp_path / "d" / "dedup.json").read_text())["counts"]["web"]
+    flagged = sum(counts["by_rule"][rule] for rule in CAPTION_RULES)
+    assert counts["hashed"] == counts["kept"] + counts["by_rule"]["sha256"] + flagged
+    assert f"| web | 21 | {counts['kept']} | 0 | 0 | {flagged} | 0 |" in index
+    assert "## Flagged by caption_loop: 2 of 2, with their captions" in index
+    assert "- web:s003 its last sentence said 3 times \\(ending: 2\\): A red car parks. The sky is blue." in index
+    assert "Sure\\! Here is a description of the image: a dog on grass." in index
+    recorded = json.loads((report / "report.json").read_text())
+    assert {f"captions-{rule}.png" for rule in CAPTION_RULES} <= set(recorded["sheets"])
+    assert recorded["unshown"] == []
+
+
 @pytest.mark.parametrize("entry, fragment", [
     ("{loops: 3}", "`captions:` has no key 'loops'"),
     ("{loop: 0}", "`captions: loop` is an integer >= 1 or off, got 0"),
@@ -236,3 +254,12 @@ def test_a_fragment_index_past_the_recorded_fragments_is_refused(corpus, tmp_pat
     assert cli(["dedup", str(tmp_path / "h"), "--policy", str(_policy(tmp_path, "{}")), "--out",
                 str(tmp_path / "d")]) == 2
     assert "a caption_fragment beyond the 0 fragments" in capsys.readouterr().err
+
+
+def test_a_caption_in_the_report_is_literal_text_on_one_line():
+    from mmtok.curate.report import _escaped
+
+    shown = _escaped("ok\n# Heading <script>x</script> | [link](http://a) `code`\u2028\x1b[31m")
+    assert "\n" not in shown and "\u2028" not in shown and "\x1b" not in shown
+    for markup in ("\\#", "\\<script\\>", "\\|", "\\[link\\]\\(http://a\\)", "\\`code\\`"):
+        assert markup in shown

@@ -475,7 +475,7 @@ def test_the_report_shows_sampled_groups_every_match_beside_its_benchmark_image_
         matches = counts["by_rule"]["benchmark"]
         assert counts["hashed"] == counts["kept"] + (counts["dropped"] - matches) + matches
         assert (f"| {source} | {counts['hashed']:,} | {counts['kept']:,} | {counts['dropped'] - matches:,} | "
-                f"{matches:,} | {counts['held']:,} |") in index
+                f"{matches:,} | 0 | {counts['held']:,} |") in index
     recorded = json.loads((report / "report.json").read_text())
     assert recorded["unshown"] == [] and "benchmark-matches.png" in recorded["sheets"]
     matches = _tiles(report / "benchmark-matches.png")

@@ -2,13 +2,16 @@
 
 Written into D/report/ (D the list's directory), report.json last:
 
-  index.md                  the per-source counts (hashed = kept + duplicates + benchmark matches; matches held
-                            back), then each contact sheet with the rows it shows, as text
+  index.md                  the per-source counts (hashed = kept + duplicates + benchmark matches + caption-flagged;
+                            matches held back), then each contact sheet with the rows it shows, as text (the
+                            caption-flagged images with what was found and their caption's text)
   duplicates-<n>.png        per source, up to SAMPLED_GROUPS duplicate groups with a dropped image of that source
                             (a deterministic sample: evenly spaced over the groups in keeper order), one row each:
                             the keeper first, then the dropped copies with their rule and distance
   benchmark-matches.png     every benchmark match (up to MAX_MATCHES) beside the benchmark image it matched
   held.png                  every match held back as suspect (up to MAX_MATCHES) beside its benchmark image, with why
+  captions-<rule>.png       per caption rule, up to CAPTION_EXAMPLES of its flagged images (evenly spaced in
+                            source and row order)
   report.json               what was shown, and every image that could not be shown and why
 
 Images are read from the manifests the hash tables name (recorded in dedup.json), checked against the scan's
@@ -25,7 +28,7 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.errors import MmtokError, Skip, brief
-from mmtok.formats.dedup import BENCHMARK_RULE, LOCK_FILE, DedupList
+from mmtok.formats.dedup import BENCHMARK_RULE, CAPTION_RULES, LOCK_FILE, DedupList
 from mmtok.fsutil import atomic_write_json, atomic_writer, refuse_foreign_output
 
 REPORT_DIR = "report"
@@ -35,9 +38,12 @@ FORMAT_VERSION = 1
 SAMPLED_GROUPS = 12  # duplicate groups shown per source
 GROUP_MEMBERS = 6  # images shown per group (the keeper and the first dropped copies)
 MAX_MATCHES = 200  # benchmark matches (and held matches) shown; the rest are counted
+CAPTION_EXAMPLES = 24  # caption-flagged images shown per rule, with their captions
+CAPTION_CHARS = 300  # of each caption quoted in index.md
+TILES_PER_ROW = 6
 TILE = 160  # pixels: each image fits a TILE x TILE square
 LABEL = 28  # pixels of text under each tile
-READ_COLUMNS = ("tar", "container", "member", "offset", "size", "status")
+READ_COLUMNS = ("tar", "container", "member", "offset", "size", "status", "text_offset", "text_size")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Shown:
     source: str
     row: int
     label: str
+    caption: bool = False  # index.md quotes its caption
 
     def __post_init__(self):  # keys come from the data: a newline in one must not add lines to index.md
         object.__setattr__(self, "label", brief(self.label, 120))
@@ -72,7 +79,7 @@ def _write(out: Path) -> dict:
     images = _Images(listed.metadata)
     table, held = listed.table(), listed.held_table()
     matched = pc.equal(table.column("rule"), BENCHMARK_RULE)
-    duplicates = table.filter(pc.invert(matched))
+    duplicates = table.filter(pc.greater_equal(table.column("group"), 0))
     sections, sheets = [], {}
     for number, source in enumerate(sorted(listed.metadata["counts"])):
         rows = _sampled_groups(duplicates, source)
@@ -87,14 +94,27 @@ def _write(out: Path) -> dict:
             rows = [_match_row(r) for r in chosen.slice(0, MAX_MATCHES).to_pylist()]
             sheets[name] = rows
             sections.append((f"{title}: {len(rows):,} of {chosen.num_rows:,}", name, rows))
+    for rule in CAPTION_RULES:
+        flagged = table.filter(pc.equal(table.column("rule"), rule))
+        if flagged.num_rows:
+            picked = np.unique(np.linspace(0, flagged.num_rows - 1, min(CAPTION_EXAMPLES, flagged.num_rows))
+                               .astype(np.int64))
+            tiles = [Shown(r["source"], r["manifest_row"], f"{r['source']}:{r['key']} {r['detail']}", caption=True)
+                     for r in flagged.take(picked).to_pylist()]
+            rows = [tiles[i:i + TILES_PER_ROW] for i in range(0, len(tiles), TILES_PER_ROW)]
+            sheets[f"captions-{rule}.png"] = rows
+            sections.append((f"Flagged by {rule}: {len(tiles):,} of {flagged.num_rows:,}, with their captions",
+                             f"captions-{rule}.png", rows))
     images.load(sheets)
     try:
         for name, rows in sheets.items():
             _write_sheet(directory / name, rows, images)
+        quoted = {(t.source, t.row): images.caption(t) for rows in sheets.values() for row in rows for t in row
+                  if t.caption}
     finally:
         images.close()
     with atomic_writer(directory / "index.md", "w") as handle:
-        handle.write(_markdown(listed.metadata, sections, images.unshown))
+        handle.write(_markdown(listed.metadata, sections, images.unshown, quoted))
     record = {"format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
               "list_fingerprint": listed.metadata["fingerprint"], "sheets": sorted(sheets),
               "shown": sum(len(row) for rows in sheets.values() for row in rows), "unshown": images.unshown}
@@ -191,10 +211,26 @@ class _Images:
         image.thumbnail((TILE, TILE))
         return image
 
-    def _decode(self, shown: Shown):
+    def caption(self, shown: Shown) -> str:
+        """The first CAPTION_CHARS of the image's caption, or why it cannot be shown (in brackets)."""
         from mmtok.formats.manifest import ShortRead
-        from mmtok.media.images import decode_rgb
 
+        try:
+            r = self._checked(shown)
+            offset, size = int(r["text_offset"]), int(r["text_size"])
+            if offset < 0 or size < 0:
+                return "[no caption]"
+            manifest = self._manifests[shown.source]
+            data = self._reader.read_text(str(r["container"]), str(r["tar"]), offset, min(size, 4 * CAPTION_CHARS),
+                                          manifest.text_column)
+        except Skip as skip:
+            return f"[{skip.reason}]"
+        except (ShortRead, OSError) as err:
+            return f"[caption_unreadable: {brief(str(err), 80)}]"
+        return data.decode("utf-8", errors="replace")[:CAPTION_CHARS]
+
+    def _checked(self, shown: Shown) -> dict:
+        """The row's manifest columns, after checking its tar is the one scanned (Skip when not)."""
         if shown.source in self._missing:
             raise self._missing[shown.source]
         r = self._rows[(shown.source, int(shown.row))]
@@ -203,6 +239,14 @@ class _Images:
             self._stale[path] = self._changed(self._manifests[shown.source], path)
         if self._stale[path]:
             raise Skip("stale_media", f"{path} changed since the scan ({self._stale[path]})")
+        return r
+
+    def _decode(self, shown: Shown):
+        from mmtok.formats.manifest import ShortRead
+        from mmtok.media.images import decode_rgb
+
+        r = self._checked(shown)
+        path = str(r["tar"])
         try:
             data = self._reader.read_member(str(r["container"]), path, str(r["member"]), int(r["offset"]),
                                             int(r["size"]))
@@ -260,22 +304,40 @@ def _write_sheet(path: Path, rows: list[list[Shown]], images: _Images) -> None:
         sheet.save(handle, "PNG")
 
 
-def _markdown(metadata: dict, sections: list, unshown: list[dict]) -> str:
-    """index.md: the counts table (it adds up), then each sheet and its rows as text."""
+def _markdown(metadata: dict, sections: list, unshown: list[dict], quoted: dict) -> str:
+    """index.md: the counts table (it adds up), then each sheet and its rows as text (a caption-flagged image
+    with its caption, escaped: a caption is a stranger's text and must not become markup)."""
     lines = ["# What the duplicate list drops", "", f"{metadata['dropped']:,} images dropped; list "
              f"`dropped.parquet` (sha256 {metadata['fingerprint'][:12]}...).", "",
-             "| source | hashed | kept | duplicates | benchmark matches | held back (kept) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| source | hashed | kept | duplicates | benchmark matches | caption-flagged | held back (kept) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for source, counts in sorted(metadata["counts"].items()):
         matches = counts["by_rule"].get("benchmark", 0)
-        lines.append(f"| {source} | {counts['hashed']:,} | {counts['kept']:,} | {counts['dropped'] - matches:,} | "
-                     f"{matches:,} | {counts.get('held', 0):,} |")
-    lines += ["", "hashed = kept + duplicates + benchmark matches; held-back matches are among the kept.", ""]
+        flagged = sum(counts["by_rule"].get(rule, 0) for rule in CAPTION_RULES)
+        lines.append(f"| {source} | {counts['hashed']:,} | {counts['kept']:,} | "
+                     f"{counts['dropped'] - matches - flagged:,} | {matches:,} | {flagged:,} | "
+                     f"{counts.get('held', 0):,} |")
+    lines += ["", "hashed = kept + duplicates + benchmark matches + caption-flagged; held-back matches are among the "
+              "kept.", ""]
     for title, name, rows in sections:
         lines += [f"## {title}", "", f"![{title}]({name})", ""]
-        lines += [" | ".join(tile.label for tile in row) for row in rows]
+        for row in rows:
+            if row and row[0].caption:
+                lines += [f"- {_escaped(tile.label)}: {_escaped(quoted[(tile.source, tile.row)])}" for tile in row]
+            else:
+                lines.append(" | ".join(tile.label for tile in row))
         lines.append("")
     if unshown:
         lines += ["## Images that could not be shown", ""]
         lines += [f"- {u['source']} row {u['manifest_row']}: {u['reason']} -- {brief(u['detail'])}" for u in unshown]
     return "\n".join(lines) + "\n"
+
+
+def _escaped(text: str) -> str:
+    """A caption as one line of literal text in markdown: control characters and newlines as spaces, every
+    character markdown or HTML would read escaped."""
+    import re
+    import unicodedata
+
+    text = "".join(" " if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in text)
+    return re.sub(r"([\\`*_{}\[\]()<>#+!|~&-])", r"\\\1", brief(text, CAPTION_CHARS))
