@@ -263,3 +263,16 @@ def test_a_caption_in_the_report_is_literal_text_on_one_line():
     assert "\n" not in shown and "\u2028" not in shown and "\x1b" not in shown
     for markup in ("\\#", "\\<script\\>", "\\|", "\\[link\\]\\(http://a\\)", "\\`code\\`"):
         assert markup in shown
+
+
+def test_a_hash_table_of_the_first_format_is_refused_with_the_command_that_makes_it_again(corpus, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(corpus / "web.h", tmp_path / "h")
+    meta = json.loads((tmp_path / "h" / "hashes.json").read_text())
+    meta["format_version"] = 1
+    (tmp_path / "h" / "hashes.json").write_text(json.dumps(meta))
+    assert cli(["dedup", str(tmp_path / "h"), "--policy", str(_policy(tmp_path, "{}")), "--out",
+                str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "is not an mmtok hash table of version 2" in err and "rerun `mmtok hash MANIFEST --out" in err
