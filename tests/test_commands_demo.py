@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -18,11 +19,20 @@ REPO = Path(__file__).resolve().parent.parent
 def test_demo_runs_the_whole_flow_and_counts_the_broken_download(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out)]) == 0
-    log = capsys.readouterr().out
+    captured = capsys.readouterr()
+    log = captured.out
     images = json.loads((out / "encoded" / "merged.json").read_text())
     counts = images.get("counts", images)
-    assert counts["images_written"] == 12
+    assert counts["images_written"] == 11  # 12 photos and the looping caption's sample, less the two curated out
     assert counts["skipped:decode_error"] == 1  # the truncated JPEG, found at decode time
+    # curation: one benchmark match (the half-size rocket) and one caption flag, by sample id, with pictures
+    plan = json.loads((out / "plan" / "plan.json").read_text())
+    assert plan["dropped_by_reason"] == {"contaminated": 1, "caption_flagged": 1}
+    listed = {r["key"]: r["rule"] for r in pq.read_table(out / "curation" / "dedup" / "dropped.parquet").to_pylist()}
+    assert listed == {"rocket": "benchmark", "looping_caption": "caption_loop"}
+    report = (out / "curation" / "dedup" / "report" / "index.md").read_text()
+    assert "| demo-images | 13 | 11 | 0 | 1 | 1 | 0 |" in report and "benchmark demo-bench:question-0017" in report
+    assert "curation: of 13 images hashed, dropped before the GPUs: 1 matching the benchmark, 1 flagged" in captured.err
     dataset = IndexedDataset(str(out / "encoded" / "merged"))
     layout = VocabLayout()
     for i in range(len(dataset)):

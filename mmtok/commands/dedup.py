@@ -83,7 +83,7 @@ def summary_lines(meta: dict, out: Path) -> list[str]:
     if decontamination:
         parts.append(f"{plural(matching, 'image')} matching {plural(len(decontamination['against']), 'benchmark')}")
     if flagged:
-        parts.append(f"{plural(flagged, 'image')} flagged by their captions")
+        parts.append(f"{plural(flagged, 'image')} flagged by {'its caption' if flagged == 1 else 'their captions'}")
     head = (", ".join(parts[:-1]) + " and " if len(parts) > 1 else "") + parts[-1] \
         + f" among {plural(total, 'image')} of {plural(len(meta['counts']), 'source')}"
     lines = [head, *lines, *(_suspect_lines(decontamination) if decontamination else [])]

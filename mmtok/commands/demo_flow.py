@@ -1,7 +1,10 @@
 """`mmtok demo`: the whole flow, once, on the real media bundled in mmtok/data/demo.
 
 Images: WebDataset tar shards are built from the bundled photos and captions (plus one truncated JPEG,
-to show how a bad file is counted), then scan -> plan (2 ranks) -> encode rank 0 and rank 1 -> merge.
+to show how a bad file is counted, and one sample whose caption loops), then scan -> curation (hash, and dedup
+against a one-image benchmark holding a half-size copy of a bundled photo, with the caption checks and the
+report: the copy and the looping caption are dropped by sample id) -> plan --exclude (2 ranks) -> encode rank 0
+and rank 1 -> merge.
 Audio: the bundled speech clips -> convert (Lhotse Shar) -> encode -> merge -> interleave.
 SFT: a tar of chat conversations about the bundled photos and speech (an image with a spoken clip, a
 speech-only exchange, a tool call with reasoning, and one whose placeholders outnumber its clips, to show a
@@ -34,7 +37,10 @@ SOURCES = Path(__file__).resolve().parents[2] / "manifests"  # the checkout's so
 MARKER = "MMTOK_DEMO"  # the demo's ownership record: which names in --out it wrote
 MARKER_FORMAT = "mmtok-demo/1"
 LEGACY_MARKER = b"written by `mmtok demo`; safe to delete\n"
-WRITES = ("checkpoints", "shards", "manifest", "plan", "encoded", "audio", "sft")  # every name the demo writes in --out
+WRITES = ("checkpoints", "shards", "manifest", "curation", "plan", "encoded", "audio", "sft")  # every name in --out
+POLICY = DEMO_DATA / "curation-policy.yaml"
+BENCH_IMAGE = "rocket.jpg"  # the bundled photo the demo benchmark holds a half-size copy of
+LOOPING_CAPTION = "A galaxy field a galaxy field a galaxy field a galaxy field a galaxy field a galaxy field."
 
 
 def run_demo(out: Path, *, world_size: int = 2, image_checkpoint: str | None = None,
@@ -113,7 +119,8 @@ def _mmtok(*argv: str) -> None:
 
 
 def build_image_shards(directory: Path) -> list[Path]:
-    """Two WebDataset shards of the bundled photos (jpg/png + txt caption); shard 1 ends with a truncated JPEG."""
+    """Two WebDataset shards of the bundled photos (jpg/png + txt caption); shard 1 ends with a sample whose
+    caption loops (a crop of a photo) and a truncated JPEG."""
     rows = [json.loads(line) for line in (DEMO_DATA / "captions.jsonl").read_text().splitlines()]
     directory.mkdir(parents=True, exist_ok=True)
     half = (len(rows) + 1) // 2
@@ -126,11 +133,39 @@ def build_image_shards(directory: Path) -> list[Path]:
                 _add(tar, f"{row['name']}{image.suffix}", image.read_bytes())
                 _add(tar, f"{row['name']}.txt", row["caption"].encode())
             if number == 1:
+                _add(tar, "looping_caption.jpg", _jpeg(_photo("hubble_deep_field.jpg", crop=True)))
+                _add(tar, "looping_caption.txt", LOOPING_CAPTION.encode())
                 damaged = (DEMO_DATA / "images" / "astronaut.jpg").read_bytes()
                 _add(tar, "truncated_download.jpg", damaged[: len(damaged) // 3])
                 _add(tar, "truncated_download.txt", b"A download that stopped a third of the way through.")
         shards.append(path)
     return shards
+
+
+def build_benchmark_shard(directory: Path) -> Path:
+    """A benchmark of one image: a half-size copy of a bundled photo (its bytes differ, its pHash does not by
+    much), as a benchmark's test image scraped into a training set would be."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "bench-000000.tar"
+    image = _photo(BENCH_IMAGE)
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        _add(tar, "question-0017.jpg", _jpeg(image.resize((image.width // 2, image.height // 2))))
+        _add(tar, "question-0017.txt", b"What is launching in this picture?")
+    return path
+
+
+def _photo(name: str, crop: bool = False):
+    from PIL import Image
+
+    with Image.open(DEMO_DATA / "images" / name) as image:
+        image = image.convert("RGB")
+    return image.crop((0, 0, image.width // 2, image.height // 2)) if crop else image
+
+
+def _jpeg(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -142,15 +177,30 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def _image_flow(out: Path, world_size: int, checkpoint: str) -> dict:
     build_image_shards(out / "shards")
     _mmtok("scan", "--source", str(SOURCES / "demo-images.yaml"), "--root", str(out), "--out", str(out / "manifest"))
+    curation = _curation(out / "curation", out / "manifest")
     _mmtok("plan", str(out / "manifest"), "--preset", "demo", "--world-size", str(world_size),
-           "--out", str(out / "plan"))
+           "--exclude", str(out / "curation" / "dedup"), "--out", str(out / "plan"))
     for rank in range(world_size):
         _mmtok("encode", "--plan", str(out / "plan"), "--codec", "emu3.5", "--checkpoint", checkpoint,
                "--out", str(out / "encoded"), "--rank", str(rank), "--world-size", str(world_size),
                "--loader-threads", "2")
     _mmtok("merge", str(out / "encoded"))
     _mmtok("inspect", str(out / "encoded" / "merged"), "--limit", "2")
-    return MERGE_SUMMARY.read(out / "encoded")
+    return {**MERGE_SUMMARY.read(out / "encoded"), "curation": curation}
+
+
+def _curation(curation: Path, manifest: Path) -> dict:
+    """Hash the images (and measure their captions), hash the benchmark's, and list what to drop, with the
+    report (curation/dedup/report/index.md); returns the list's counts of the demo's source."""
+    tar = build_benchmark_shard(curation / "benchmark")
+    _mmtok("scan", str(tar), "--out", str(curation / "benchmark-manifest"), "--no-progress")
+    _mmtok("hash", str(manifest), "--source", "demo-images", "--out", str(curation / "demo-images.h"),
+           "--workers", "1", "--no-progress")
+    _mmtok("hash", str(curation / "benchmark-manifest"), "--source", "demo-bench", "--out",
+           str(curation / "demo-bench.h"), "--workers", "1", "--no-progress")
+    _mmtok("dedup", str(curation / "demo-images.h"), "--policy", str(POLICY), "--against",
+           str(curation / "demo-bench.h"), "--report", "--out", str(curation / "dedup"))
+    return read_json_object(curation / "dedup" / "dedup.json")["counts"]["demo-images"]
 
 
 def _audio_flow(out: Path, world_size: int, checkpoint: str) -> dict:
@@ -259,6 +309,7 @@ def _print_summary(out: Path, summary: dict, random_weights: bool) -> None:
     lines = [f"done in {summary['seconds']} s", _images_line(summary["images"])]
     if "audio" in summary:
         lines += [_audio_line(summary["audio"]), _sft_line(summary["sft"])]
+    lines.append(_curation_line(summary["images"]["curation"], out / "curation" / "dedup" / "report" / "index.md"))
     lines.append(f"image dataset: {out / 'encoded' / 'merged'}.bin/.idx  (Megatron --data-path "
                  f"{out / 'encoded' / 'merged'})")
     if "audio" in summary:
@@ -288,6 +339,14 @@ def _images_line(merged: dict) -> str:
     counts = merged["counts"]
     return (f"images: {counts.get('images_written', 0)} images in {counts.get('documents_written', 0)} caption "
             f"documents, {merged['tokens']:,} tokens; {_skipped(counts, 'image')}")
+
+
+def _curation_line(counts: dict, report: Path) -> str:
+    by_rule = counts["by_rule"]
+    flagged = sum(n for rule, n in by_rule.items() if rule.startswith("caption_"))
+    duplicates = counts["dropped"] - by_rule["benchmark"] - flagged
+    return (f"curation: of {counts['hashed']} images hashed, dropped before the GPUs: {by_rule['benchmark']} matching "
+            f"the benchmark, {flagged} flagged by its caption, {duplicates} duplicates; see {report}")
 
 
 def _audio_line(merged: dict) -> str:

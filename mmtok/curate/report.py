@@ -340,4 +340,4 @@ def _escaped(text: str) -> str:
     import unicodedata
 
     text = "".join(" " if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in text)
-    return re.sub(r"([\\`*_{}\[\]()<>#+!|~&-])", r"\\\1", brief(text, CAPTION_CHARS))
+    return re.sub(r"([\\`*_{}\[\]()<>#!|~&])", r"\\\1", brief(text, CAPTION_CHARS))
