@@ -155,13 +155,17 @@ def refuse_foreign_output(out: Path, written: tuple[str, ...], marks: tuple[str,
     """MmtokError, before anything is written, when the directory `out` holds files that `command` did not write:
     its `metadata` file (name, format, version, what) of another format, or a file of a name it writes
     (`written`) with neither that metadata nor any of `marks` (what only `command` leaves there: its cache, its
-    lock) beside it. mmtok never replaces a file it did not write."""
+    lock) beside it. mmtok never replaces a file it did not write; an earlier version of its own format it does
+    (the rerun an error about that version asks for)."""
     name, fmt, version, what = metadata
     if (out / name).exists():
         try:
-            read_stage_metadata(out / name, fmt, version, what, command)
-        except MmtokError:
-            raise MmtokError(f"{out / name} is not a {what} `{command}` wrote; pass an --out of its own") from None
+            meta = json.loads((out / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            meta = None
+        found = meta.get("format_version") if isinstance(meta, dict) and meta.get("format") == fmt else None
+        if not (isinstance(found, int) and not isinstance(found, bool) and 1 <= found <= version):
+            raise MmtokError(f"{out / name} is not a {what} `{command}` wrote; pass an --out of its own")
         return
     found = [name for name in written if os.path.lexists(out / name)]
     if found and not any(os.path.lexists(out / mark) for mark in marks):

@@ -276,3 +276,110 @@ def test_a_hash_table_of_the_first_format_is_refused_with_the_command_that_makes
                 str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
     assert "is not an mmtok hash table of version 2" in err and "rerun `mmtok hash MANIFEST --out" in err
+
+
+# -- found by an attack ------------------------------------------------------------------------------------------------
+def test_a_huge_parquet_caption_is_cut_in_arrow_and_bad_bytes_past_64_kib_are_still_bad(tmp_path):
+    import pyarrow as pa
+
+    from mmtok.formats.manifest import MemberReader
+
+    crops = _crops()
+    caption = "hello world " * 200_000  # 2.4 MB in one cell
+    pq.write_table(pa.table({"image": crops[:2], "caption": [caption, "A plain caption."]}), tmp_path / "i.parquet")
+    reader = MemberReader()
+    assert reader.read_text("parquet", str(tmp_path / "i.parquet"), 0, 100, "caption") == caption.encode()[:100]
+    reader.close()
+    assert cli(["scan", str(tmp_path / "i.parquet"), "--text-column", "caption", "--out", str(tmp_path / "m"),
+                "--no-progress"]) == 0
+    assert cli(["hash", str(tmp_path / "m"), "--out", str(tmp_path / "h"), "--workers", "1", "--no-progress"]) == 0
+    words = pq.read_table(tmp_path / "h" / "hashes.parquet").column("caption_words").to_pylist()
+    assert words == [len(caption.encode()[:captions.MAX_CAPTION_BYTES].split()), 3]
+    junk = b"ok caption " + b"\xff" * 10 + b" word" * 20000  # a bad byte inside the first 64 KiB
+    assert captions.measure(junk[:captions.MAX_CAPTION_BYTES], True, None).words == captions.NOT_UTF8
+
+
+def test_words_of_scripts_without_spaces_are_characters_and_fragment_files_are_read_as_an_editor_shows_them(tmp_path):
+    assert _measure("一只猫" * 30).loop == 30
+    assert _measure("ネコがいるネコがいるネコがいるネコがいるネコがいる").loop == 5
+    fragments = captions.Fragments.read(_fragment_file(tmp_path, "\ufeffHere is\nline\u2028two\n".encode()))
+    assert fragments.lines == ["Here is", "line\u2028two"]
+    with pytest.raises(MmtokError, match="holds no fragment"):
+        captions.Fragments.read(_fragment_file(tmp_path, b"\n  \n"))
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory) -> Path:
+    """Six 3-image documents whose captions share one template (d5's also loops) and six single images with
+    captions of their own."""
+    root = tmp_path_factory.mktemp("documents")
+    crops = _crops()
+    members = []
+    for n in range(6):
+        members += [(f"d{n}.{i}.png", crops[3 * n + i]) for i in range(3)]
+        members.append((f"d{n}.txt", f"The image shows {n} things{' a cat' * 5 if n == 5 else ''}".encode()))
+    openings = ["Astronaut portrait in orange", "Coffee cup with latte", "A tabby cat looks", "Grass in the wind",
+                "Rocket on its pad", "Coins on a table"]
+    for n, opening in enumerate(openings):
+        members += [(f"s{n}.png", crops[18 + n]), (f"s{n}.txt", f"{opening}, photographed.".encode())]
+    write_tar(root / "docs.tar", members)
+    assert cli(["scan", str(root / "docs.tar"), "--out", str(root / "web"), "--no-progress"]) == 0
+    assert cli(["hash", str(root / "web"), "--out", str(root / "web.h"), "--no-progress", "--workers", "1"]) == 0
+    return root
+
+
+def test_the_template_cap_counts_samples_that_stay_and_flags_a_document_whole(documents, tmp_path):
+    policy = _policy(tmp_path, "{template_min: 5, template_share: 0.25}")
+    assert cli(["dedup", str(documents / "web.h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    rows = pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist()
+    by_key: dict[str, set] = {}
+    for row in rows:
+        by_key.setdefault(row["key"], set()).add((row["rule"], row["detail"]))
+    # 12 captions checked, so 3 samples of the template may stay; d5 is dropped by its loop and takes no slot
+    over = sorted([f"d{n}" for n in range(5)], key=lambda k: (_key_rank(k), k))[3:]
+    assert set(by_key) == {"d5", *over}
+    assert len(rows) == 9 and all(len(by_key[k]) == 1 for k in by_key)  # three images each, one rule and detail
+    assert {next(iter(by_key[k]))[0] for k in over} == {"caption_template"}
+    assert next(iter(by_key[over[0]]))[1] == ("its template begins 5 of the source's 12 captions (42%); 3 kept "
+                                              "(template_share: 0.25)")
+
+
+def test_a_null_in_a_caption_column_is_one_line(corpus, tmp_path, capsys):
+    import shutil
+
+    import pyarrow as pa
+
+    from mmtok.fsutil import sha256_file
+
+    shutil.copytree(corpus / "web.h", tmp_path / "h")
+    table = pq.read_table(tmp_path / "h" / "hashes.parquet")
+    column = table.column("caption_loop").to_pylist()
+    table = table.set_column(table.schema.get_field_index("caption_loop"), table.schema.field("caption_loop"),
+                             pa.array([None] + column[1:], pa.int32()))
+    pq.write_table(table, tmp_path / "h" / "hashes.parquet")
+    meta = json.loads((tmp_path / "h" / "hashes.json").read_text())
+    meta["fingerprint"] = sha256_file(tmp_path / "h" / "hashes.parquet")
+    (tmp_path / "h" / "hashes.json").write_text(json.dumps(meta))
+    assert cli(["dedup", str(tmp_path / "h"), "--policy", str(_policy(tmp_path, "{}")), "--out",
+                str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "a null in column caption_loop" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_output_of_an_earlier_format_is_made_again_where_the_error_says(corpus, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(corpus / "web.h", tmp_path / "h")
+    meta = json.loads((tmp_path / "h" / "hashes.json").read_text())
+    (tmp_path / "h" / "hashes.json").write_text(json.dumps({**meta, "format_version": 1}))
+    assert cli(["hash", str(corpus / "web"), "--out", str(tmp_path / "h"), "--no-progress", "--workers", "1",
+                "--prompt-fragments", str(corpus / "fragments.txt")]) == 0
+    assert json.loads((tmp_path / "h" / "hashes.json").read_text())["format_version"] == 2
+    policy = _policy(tmp_path, "{}")
+    assert cli(["dedup", str(tmp_path / "h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    meta = json.loads((tmp_path / "d" / "dedup.json").read_text())
+    (tmp_path / "d" / "dedup.json").write_text(json.dumps({**meta, "format_version": 1}))
+    assert cli(["dedup", str(tmp_path / "h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    (tmp_path / "d" / "dedup.json").write_text(json.dumps({**meta, "format": "someone.else"}))
+    assert cli(["dedup", str(tmp_path / "h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 2
+    assert "pass an --out of its own" in capsys.readouterr().err

@@ -8,7 +8,9 @@ thresholds are the policy's (`Thresholds`, `captions:` in the policy file), so c
 again, not a new hash pass. Only the prompt fragments are matched at hash time (the text is not kept), so they are
 given to `mmtok hash --prompt-fragments FILE` and recorded in its hashes.json.
 
-Words are Unicode word runs (`\\w+`) of the case-folded text: punctuation, case and spacing never hide a repeat.
+Words are Unicode word runs (`\\w+`) of the case-folded text, except that each Han, kana or Hangul character is a
+word of its own (those scripts write no spaces: a looping Chinese caption is then a loop of characters):
+punctuation, case and spacing never hide a repeat.
 Every caption costs bounded time and memory: only its first MAX_CAPTION_BYTES are read, and each measure is a
 fixed number of linear passes over its words.
 
@@ -39,7 +41,8 @@ MAX_FRAGMENTS_BYTES = 1 << 20
 NO_CAPTION, NOT_UTF8, UNREADABLE = -1, -2, -3
 UNCHECKED = {NO_CAPTION: "no_caption", NOT_UTF8: "caption_not_utf8", UNREADABLE: "caption_unreadable"}
 
-_WORD = re.compile(r"\w+")
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_WORD = re.compile(f"[{_CJK}]|(?:(?![{_CJK}])\\w)+")
 _SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f\u2026]+")
 _DIGITS = re.compile(r"\d+")
 
@@ -77,11 +80,11 @@ class Fragments:
         if len(data) > MAX_FRAGMENTS_BYTES:
             raise MmtokError(f"{path}: prompt fragments are at most {MAX_FRAGMENTS_BYTES:,} bytes")
         try:
-            text = data.decode("utf-8")
+            text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of line 1
         except UnicodeDecodeError as err:
             line = data[:err.start].count(b"\n") + 1
             raise MmtokError(f"{path} is not UTF-8 (line {line}, byte {err.start}); save it as UTF-8") from None
-        lines = [line.strip() for line in text.splitlines()]
+        lines = [line.strip() for line in text.split("\n")]  # lines as an editor numbers them
         numbered = [(n, line) for n, line in enumerate(lines, 1) if line]
         for n, line in numbered:
             count = len(_words(line))
@@ -90,6 +93,8 @@ class Fragments:
                                  "is a run of letters or digits)")
         if len(numbered) > MAX_FRAGMENTS:
             raise MmtokError(f"{path}: {len(numbered):,} fragments; at most {MAX_FRAGMENTS:,}")
+        if not numbered:
+            raise MmtokError(f"{path} holds no fragment (one per line); leave out --prompt-fragments to look for none")
         return cls([line for _, line in numbered])
 
     def first_in(self, words: list[str]) -> int:
@@ -111,11 +116,13 @@ def _words(text: str) -> list[str]:
 
 def measure(data: bytes, truncated: bool, fragments: Fragments | None) -> Measures:
     """The measures of one caption's bytes (its first MAX_CAPTION_BYTES: `truncated` when there were more, so a
-    character cut in two at the end is not taken for bad UTF-8)."""
+    character cut in two at its very end is not taken for bad UTF-8; any other bad byte is)."""
     try:
-        text = data.decode("utf-8", errors="ignore" if truncated else "strict")
-    except UnicodeDecodeError:
-        return Measures(words=NOT_UTF8)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if not (truncated and err.reason == "unexpected end of data" and err.end == len(data)):
+            return Measures(words=NOT_UTF8)
+        text = data[:err.start].decode("utf-8")
     words = _words(text)
     if not words:
         return Measures(words=0)
@@ -207,13 +214,13 @@ class Thresholds:
         if unknown:
             raise MmtokError(f"{path}: `captions:` has no key {shown(unknown[0])} (known: {', '.join(sorted(known))})")
         values = {}
-        for key, value in entry.items():
-            value = "off" if value is False else "on" if value is True else value
-            values[key] = _threshold(path, key, value, shown)
+        for key, written in entry.items():
+            value = "off" if written is False else "on" if written is True else written
+            values[key] = _threshold(path, key, value, shown(written))
         return cls(**values)
 
 
-def _threshold(path: Path, key: str, value, shown):
+def _threshold(path: Path, key: str, value, written: str):
     integer = isinstance(value, int) and not isinstance(value, bool)
     if key == "fragments" and value in ("on", "off"):
         return value == "on"
@@ -226,7 +233,7 @@ def _threshold(path: Path, key: str, value, shown):
         return value
     want = {"fragments": "on or off", "template_share": "a share in (0, 1) or off",
             "template_min": "an integer >= 1"}.get(key, "an integer >= 1 or off")
-    raise MmtokError(f"{path}: `captions: {key}` is {want}, got {shown(value)}")
+    raise MmtokError(f"{path}: `captions: {key}` is {want}, got {written}")
 
 
 @dataclass(frozen=True)
@@ -238,10 +245,9 @@ class Flags:
     detail: np.ndarray  # object
 
 
-def flag(columns: dict[str, np.ndarray], keys, thresholds: Thresholds, fragments: list[str]) -> Flags:
-    """The rows of one source's hash table that its captions flag, each with the first rule of RULES that holds.
-    `columns`: the table's caption columns (`caption_words`, ... as arrays); `keys` its sample keys (an Arrow
-    string array, for the template cap's choice by sample id)."""
+def flag(columns: dict[str, np.ndarray], thresholds: Thresholds, fragments: list[str]) -> Flags:
+    """The rows of one source's hash table that a caption rule flags (all of RULES but the template cap), each
+    with the first rule that holds. `columns`: the table's caption columns (`caption_words`, ... as arrays)."""
     n = len(columns["caption_words"])
     rule = np.full(n, None, object)
     detail = np.full(n, None, object)
@@ -259,10 +265,6 @@ def flag(columns: dict[str, np.ndarray], keys, thresholds: Thresholds, fragments
             continue
         for i in np.flatnonzero(hit & (rule == None)).tolist():  # noqa: E711 (an object array's empty cells)
             rule[i], detail[i] = name, say(i)
-    if t.template_share is not None:
-        for i, text in _template_cap(columns, keys, t):
-            if rule[i] is None:
-                rule[i], detail[i] = TEMPLATE, text
     rows = np.flatnonzero(rule != None)  # noqa: E711
     return Flags(rows=rows.astype(np.int64), rule=rule[rows], detail=detail[rows])
 
@@ -271,25 +273,43 @@ def _quoted(text: str) -> str:
     return repr(text if len(text) <= 60 else text[:57] + "...")
 
 
-def _template_cap(columns: dict[str, np.ndarray], keys, t: Thresholds):
-    """(row, detail) of the rows over the cap of each template above `template_share` of the source's checked
-    captions: the rows of such a template are ranked by a hash of their sample key (every image of a sample
-    together; neither the row order nor the world size decides) and those past the cap are flagged."""
-    checked = int((columns["caption_words"] >= 0).sum())
+def template_cap(columns: dict[str, np.ndarray], keys, thresholds: Thresholds, staying: np.ndarray) -> Flags:
+    """The rows over the cap of each template: a template may begin at most `template_share` of the source's
+    checked captions (counted by sample: the images of one document share its caption) among the samples that
+    stay (`staying`: per row, whether no other rule drops it). The staying samples of a template over its cap
+    are ranked by a hash of their key and those past the cap are flagged, every staying image of a sample
+    together: neither the row order nor the world size decides, and never the whole source."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = thresholds
+    empty = Flags(np.zeros(0, np.int64), np.zeros(0, object), np.zeros(0, object))
+    if t.template_share is None:
+        return empty
+    checked = pc.count_distinct(keys.filter(pa.array(columns["caption_words"] >= 0))).as_py()
     if checked < t.template_min:
-        return
-    template = columns["caption_template"]
-    values, counts = np.unique(template[template != 0], return_counts=True)
+        return empty
     cap = int(t.template_share * checked)
-    for value, count in zip(values.tolist(), counts.tolist(), strict=True):
-        if count <= cap:
-            continue
+    template = np.where(staying, columns["caption_template"], 0)
+    values, counts = np.unique(template[template != 0], return_counts=True)
+    flagged: list[np.ndarray] = []
+    details: list[str] = []
+    for value in values[counts > cap].tolist():  # rows >= samples: a template under the cap in rows is under it
         rows = np.flatnonzero(template == value)
-        ranks = np.array([_key_rank(k) for k in keys.take(rows).to_pylist()], np.uint64)
-        order = rows[np.lexsort((rows, ranks))]
-        share = f"{count / checked:.0%}"
-        for i in order[cap:].tolist():
-            yield i, f"one template holds {share} of the source's {checked:,} captions; capped at {t.template_share:g}"
+        samples = sorted(set(keys.take(pa.array(rows)).to_pylist()), key=lambda k: (_key_rank(k), k))
+        if len(samples) <= cap:
+            continue
+        over = set(samples[cap:])
+        hit = rows[np.fromiter((k in over for k in keys.take(pa.array(rows)).to_pylist()), bool, len(rows))]
+        flagged.append(hit)
+        details += [f"its template begins {len(samples):,} of the source's {checked:,} captions "
+                    f"({len(samples) / checked:.0%}); {cap:,} kept (template_share: {t.template_share:g})"] * len(hit)
+    if not flagged:
+        return empty
+    rows = np.concatenate(flagged)
+    order = np.argsort(rows)
+    return Flags(rows=rows[order].astype(np.int64), rule=np.full(len(rows), TEMPLATE, object),
+                 detail=np.array(details, object)[order])
 
 
 def _key_rank(key: str) -> int:

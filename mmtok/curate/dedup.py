@@ -274,10 +274,19 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
         decontamination = _Decontamination(images, benchmarks, radius, guards, confirm)
     matched = decontamination.dropped_images() if decontamination else np.zeros(0, np.int64)
     flagged = _caption_flags(images, policy, thresholds, matched)  # nor is an image its caption drops
-    found = find_duplicates(images.phash, images.sha_head(),
-                            np.repeat(np.array([policy[t.source].radius for t in tables], np.int8), images.sizes),
-                            lambda nodes: images.keeper_order(nodes, policy, np.union1d(matched, flagged.rows)),
-                            images.same_bytes)
+    radius = np.repeat(np.array([policy[t.source].radius for t in tables], np.int8), images.sizes)
+
+    def duplicates(dropped_first: np.ndarray):
+        return find_duplicates(images.phash, images.sha_head(), radius,
+                               lambda nodes: images.keeper_order(nodes, policy, dropped_first), images.same_bytes)
+
+    first = np.union1d(matched, flagged.rows)
+    found = duplicates(first)
+    # the template cap counts the samples that stay: after every other rule, the duplicates included
+    capped = _template_caps(images, policy, thresholds, np.union1d(first, found.dropped))
+    if np.isin(capped.rows, found.keeper).any():  # a capped image keeps no group: elect again without it
+        found = duplicates(np.union1d(first, capped.rows))
+    flagged = _joined(flagged, capped)
     listed = _with_caption_rows(images.duplicates_table(found), images, flagged)
     held = None
     if decontamination:
@@ -322,17 +331,42 @@ def _caption_flags(images: "_Images", policy: dict[str, SourceRule], thresholds,
 
     found = []
     for s, table in enumerate(images.tables):
-        if not policy[table.source].captions:
-            continue
-        first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
-        columns = {name: column[first:last] for name, column in images.captions.items()}
-        got = flag(columns, images.keys[first:last], thresholds, table.fragments)
-        found.append(Flags(rows=got.rows + first, rule=got.rule, detail=got.detail))
-    rows = np.concatenate([f.rows for f in found]) if found else np.zeros(0, np.int64)
-    rule = np.concatenate([f.rule for f in found]) if found else np.zeros(0, object)
-    detail = np.concatenate([f.detail for f in found]) if found else np.zeros(0, object)
-    keep = ~np.isin(rows, matched)
-    return Flags(rows=rows[keep], rule=rule[keep], detail=detail[keep])
+        if policy[table.source].captions:
+            first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
+            columns = {name: column[first:last] for name, column in images.captions.items()}
+            got = flag(columns, thresholds, table.fragments)
+            found.append(Flags(rows=got.rows + first, rule=got.rule, detail=got.detail))
+    joined = _joined(*found)
+    keep = ~np.isin(joined.rows, matched)
+    return Flags(rows=joined.rows[keep], rule=joined.rule[keep], detail=joined.detail[keep])
+
+
+def _template_caps(images: "_Images", policy: dict[str, SourceRule], thresholds, dropped: np.ndarray):
+    """The images over their template's cap (`mmtok.curate.captions.template_cap`, source by source), among the
+    images that stay (not in the sorted `dropped`)."""
+    from mmtok.curate.captions import Flags, template_cap
+
+    found = []
+    for s, table in enumerate(images.tables):
+        if policy[table.source].captions:
+            first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
+            columns = {name: column[first:last] for name, column in images.captions.items()}
+            staying = ~np.isin(np.arange(first, last), dropped)
+            got = template_cap(columns, images.keys[first:last], thresholds, staying)
+            found.append(Flags(rows=got.rows + first, rule=got.rule, detail=got.detail))
+    return _joined(*found)
+
+
+def _joined(*flags):
+    """Several Flags as one, sorted by row (their rows are disjoint)."""
+    from mmtok.curate.captions import Flags
+
+    if not flags:
+        return Flags(np.zeros(0, np.int64), np.zeros(0, object), np.zeros(0, object))
+    rows = np.concatenate([f.rows for f in flags])
+    order = np.argsort(rows, kind="stable")
+    return Flags(rows=rows[order], rule=np.concatenate([f.rule for f in flags])[order],
+                 detail=np.concatenate([f.detail for f in flags])[order])
 
 
 def _with_caption_rows(listed, images: "_Images", flagged):

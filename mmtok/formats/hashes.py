@@ -165,9 +165,11 @@ class HashTable:
 
         table = read_recorded(self.directory / HASHES_FILE, self.metadata["fingerprint"], SCHEMA, "a hash table",
                               f"mmtok hash MANIFEST --out {self.directory}")
-        if table.column("key").null_count or (table.num_rows and pc.min(table.column("manifest_row")).as_py() < 0):
-            raise DamagedFile(f"{self.directory / HASHES_FILE}: a row without a key or with a negative manifest row; "
-                              f"rerun `mmtok hash MANIFEST --out {self.directory}`")
+        empty = next((name for name in table.column_names if table.column(name).null_count), None)
+        if empty or (table.num_rows and pc.min(table.column("manifest_row")).as_py() < 0):
+            what = f"a null in column {empty}" if empty else "a negative manifest row"
+            raise DamagedFile(f"{self.directory / HASHES_FILE}: {what}; rerun `mmtok hash MANIFEST --out "
+                              f"{self.directory}`")
         fragment = table.column("caption_fragment")
         if table.num_rows and pc.max(fragment).as_py() >= len(self.fragments):
             raise DamagedFile(f"{self.directory / HASHES_FILE}: a caption_fragment beyond the "

@@ -375,14 +375,14 @@ class MemberReader:
             raise ShortRead(str(err)) from None
 
     def read_text(self, container: str, path: str, offset: int, size: int, text_column: str | None) -> bytes:
-        """A caption's UTF-8 bytes: a tar sidecar's byte range, or a table's text column at row `offset`
-        (the column is `options.text_column` in manifest.json)."""
+        """A caption's UTF-8 bytes, at most `size` of them: a tar sidecar's byte range, or a table's text column
+        at row `offset` (the column is `options.text_column` in manifest.json)."""
         if container == "tar":
             return self.read(path, offset, size)
         if text_column is None:
             raise ShortRead(f"{path}: manifest.json names no text column for the captions of table files")
         try:
-            return self._table(path).text(text_column, offset).encode("utf-8")
+            return self._table(path).text_bytes(text_column, offset, size)
         except OSError as err:
             raise ShortRead(str(err)) from None
 

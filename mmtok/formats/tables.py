@@ -222,11 +222,15 @@ class TableRows:
             raise OSError(f"row {row} of column {column!r} holds no image")
         return value
 
-    def text(self, column: str, row: int) -> str:
-        value = self._cell(column, row).to_pylist()[0]
-        if value is None:
+    def text_bytes(self, column: str, row: int, limit: int) -> bytes:
+        """The first `limit` UTF-8 bytes of the text at `row`, cut in Arrow: a caption of a gigabyte never
+        becomes a Python string (only its row group is in memory, as for any cell)."""
+        import pyarrow.compute as pc
+
+        cell = self._cell(column, row)
+        if cell.null_count:
             raise OSError(f"row {row} of column {column!r} holds no text")
-        return value
+        return pc.binary_slice(cell.cast(pa.large_binary()), 0, max(limit, 0))[0].as_py()
 
     def _cell(self, column: str, row: int) -> pa.Array:
         """A one-element array: `column` at `row`."""
