@@ -138,3 +138,13 @@ def test_the_demo_template_opens_an_assistant_turn_for_generation_as_the_release
     training = tokenizer.apply_chat_template(messages, tokenize=False)
     assert prompt == training + "<|assistant_start|>" and prompt.startswith("<s>")
     assert tokenizer("Hello.")["input_ids"][0] != tokenizer.bos_token_id  # the template owns BOS, as the release's
+
+
+def test_a_legacy_demo_output_never_owns_the_curation_folder_it_could_not_have_written(tmp_path, capsys):
+    out = tmp_path / "demo"
+    (out / "curation").mkdir(parents=True)
+    (out / "curation" / "mine.txt").write_text("mine")
+    (out / MARKER).write_bytes(LEGACY_MARKER)  # a demo from before curation: it wrote no curation/
+    assert main(["demo", "--out", str(out), "--no-audio"]) == 2
+    assert f"{out} holds curation, which no earlier demo wrote there" in capsys.readouterr().err
+    assert (out / "curation" / "mine.txt").read_text() == "mine"

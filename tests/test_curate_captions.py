@@ -383,3 +383,69 @@ def test_an_output_of_an_earlier_format_is_made_again_where_the_error_says(corpu
     (tmp_path / "d" / "dedup.json").write_text(json.dumps({**meta, "format": "someone.else"}))
     assert cli(["dedup", str(tmp_path / "h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 2
     assert "pass an --out of its own" in capsys.readouterr().err
+
+
+# -- found by a review -------------------------------------------------------------------------------------------------
+def _one_template_corpus(root: Path, members: list[tuple[str, bytes]]) -> Path:
+    write_tar(root / "t.tar", members)
+    assert cli(["scan", str(root / "t.tar"), "--out", str(root / "web"), "--no-progress"]) == 0
+    assert cli(["hash", str(root / "web"), "--out", str(root / "web.h"), "--no-progress", "--workers", "1"]) == 0
+    return root / "web.h"
+
+
+def test_a_capped_keeper_s_copy_that_stays_is_capped_in_turn(tmp_path):
+    """Four samples of one template with a cap of two; k000 and k001 are byte copies. Capping the keeper of the
+    copies lets the other copy stay: it counts against the cap too (the cap once kept three)."""
+    crops = _crops()
+    members = []
+    for n, crop in enumerate([crops[0], crops[0], crops[1], crops[2]]):
+        members += [(f"k{n:03d}.png", crop), (f"k{n:03d}.txt", f"The image shows {n} things".encode())]
+    table = _one_template_corpus(tmp_path, members)
+    policy = _policy(tmp_path, "{template_min: 1, template_share: 0.5}")
+    assert cli(["dedup", str(table), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    rows = pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist()
+    dropped = {r["key"] for r in rows}
+    assert len(dropped) == 2 and {"k000", "k001"} & dropped  # two of the four stay, one of them a copy at most
+    assert not {"k000", "k001"} <= {k for k in ("k000", "k001", "k002", "k003") if k not in dropped}
+    counts = json.loads((tmp_path / "d" / "dedup.json").read_text())["counts"]["web"]
+    assert counts["kept"] == 2 and counts["hashed"] == counts["kept"] + counts["dropped"]
+    policy = _policy(tmp_path, "{template_min: 1, template_share: 0.1}")  # a share under one sample keeps one
+    assert cli(["dedup", str(table), "--policy", str(policy), "--out", str(tmp_path / "d2")]) == 0
+    assert json.loads((tmp_path / "d2" / "dedup.json").read_text())["counts"]["web"]["kept"] == 1
+
+
+def test_samples_are_documents_not_keys_and_a_table_s_row_group_is_read_once_per_column(tmp_path, monkeypatch):
+    """Two Parquet files without a key column (keys "0", "1", ... in each: they collide); one file's captions
+    share a template. The cap counts 8 captions, not 4, and flags by document."""
+    import pyarrow as pa
+
+    from mmtok.curate import hashing
+
+    crops = _crops()
+    pq.write_table(pa.table({"image": crops[:4], "caption": [f"The image shows {n} things" for n in range(4)]}),
+                   tmp_path / "a.parquet")
+    pq.write_table(pa.table({"image": crops[4:8], "caption": ["A red car parks", "Coins on a table here",
+                                                              "Grass in the wind", "One more photo of a bird"]}),
+                   tmp_path / "b.parquet")
+    assert cli(["scan", str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet"), "--text-column", "caption",
+                "--out", str(tmp_path / "web"), "--no-progress"]) == 0
+    reads = []
+    real = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, *a, **k: reads.append(k.get("columns")) or real(self, *a, **k))
+    manifest = hashing.Manifest.open(tmp_path / "web")
+    hashing.hash_chunk(manifest, 0, 8, manifest.identities(hashing._containers(manifest)))
+    # per file, the image column's group and the caption column's group, once each (not once per row)
+    ours = sorted(str(c) for c in reads if c in (["image"], ["caption"]))
+    assert ours == ["['caption']"] * 2 + ["['image']"] * 2
+    assert cli(["hash", str(tmp_path / "web"), "--out", str(tmp_path / "web.h"), "--no-progress", "--workers",
+                "1"]) == 0
+    policy = _policy(tmp_path, "{template_min: 1, template_share: 0.25}")
+    assert cli(["dedup", str(tmp_path / "web.h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0
+    rows = pq.read_table(tmp_path / "d" / "dropped.parquet").to_pylist()
+    assert len(rows) == 2 and {r["manifest_row"] for r in rows} <= {0, 1, 2, 3}  # 4 of 8 captions, 2 may stay
+    assert rows[0]["detail"].startswith("its template begins 4 of the source's 8 captions (50%); 2 kept")
+
+
+def test_kana_punctuation_is_not_a_word():
+    assert _measure("ネコ・・・・・・かわいい").loop < 5

@@ -38,6 +38,7 @@ MARKER = "MMTOK_DEMO"  # the demo's ownership record: which names in --out it wr
 MARKER_FORMAT = "mmtok-demo/1"
 LEGACY_MARKER = b"written by `mmtok demo`; safe to delete\n"
 WRITES = ("checkpoints", "shards", "manifest", "curation", "plan", "encoded", "audio", "sft")  # every name in --out
+LEGACY_WRITES = ("checkpoints", "shards", "manifest", "plan", "encoded", "audio", "sft")  # what LEGACY_MARKER owns
 POLICY = DEMO_DATA / "curation-policy.yaml"
 BENCH_IMAGE = "rocket.jpg"  # the bundled photo the demo benchmark holds a half-size copy of
 LOOPING_CAPTION = "A galaxy field a galaxy field a galaxy field a galaxy field a galaxy field a galaxy field."
@@ -100,8 +101,8 @@ def _owned(out: Path) -> set[str]:
     if not (out / MARKER).is_file():
         raise MmtokError(f"{out} exists and is not an earlier demo output; pass another --out")
     marker = read_regular_file(out / MARKER)
-    if marker == LEGACY_MARKER:  # a demo before the list: it wrote exactly WRITES
-        return set(WRITES)
+    if marker == LEGACY_MARKER:  # a demo before the list: it wrote exactly these
+        return set(LEGACY_WRITES)
     record = read_json_object(out / MARKER)
     if record.get("format") != MARKER_FORMAT or not isinstance(record.get("wrote"), list):
         raise MmtokError(f"{out / MARKER}: not a demo marker this version reads; pass another --out")

@@ -42,7 +42,7 @@ NO_CAPTION, NOT_UTF8, UNREADABLE = -1, -2, -3
 UNCHECKED = {NO_CAPTION: "no_caption", NOT_UTF8: "caption_not_utf8", UNREADABLE: "caption_unreadable"}
 
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
-_WORD = re.compile(f"[{_CJK}]|(?:(?![{_CJK}])\\w)+")
+_WORD = re.compile(f"(?=\\w)[{_CJK}]|(?:(?![{_CJK}])\\w)+")  # a CJK character that is a word character
 _SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f\u2026]+")
 _DIGITS = re.compile(r"\d+")
 
@@ -68,6 +68,7 @@ class Fragments:
         self._by_length: dict[int, dict[tuple[str, ...], int]] = {}
         for index, line in enumerate(lines):
             self._by_length.setdefault(len(_words(line)), {}).setdefault(tuple(_words(line)), index)
+        self._firsts = {_words(line)[0] for line in lines}  # a word that begins no fragment costs one lookup
 
     @classmethod
     def read(cls, path: Path) -> Fragments:
@@ -102,6 +103,8 @@ class Fragments:
         per word and fragment length: bounded by MAX_FRAGMENT_WORDS lookups per word whatever the file holds."""
         lengths = sorted(self._by_length)
         for start in range(len(words)):
+            if words[start] not in self._firsts:
+                continue
             found = [self._by_length[n].get(tuple(words[start:start + n]), -1) for n in lengths
                      if start + n <= len(words)]
             hits = [index for index in found if index >= 0]
@@ -273,34 +276,35 @@ def _quoted(text: str) -> str:
     return repr(text if len(text) <= 60 else text[:57] + "...")
 
 
-def template_cap(columns: dict[str, np.ndarray], keys, thresholds: Thresholds, staying: np.ndarray) -> Flags:
-    """The rows over the cap of each template: a template may begin at most `template_share` of the source's
-    checked captions (counted by sample: the images of one document share its caption) among the samples that
-    stay (`staying`: per row, whether no other rule drops it). The staying samples of a template over its cap
-    are ranked by a hash of their key and those past the cap are flagged, every staying image of a sample
-    together: neither the row order nor the world size decides, and never the whole source."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
+def template_cap(columns: dict[str, np.ndarray], documents: np.ndarray, keys, thresholds: Thresholds,
+                 staying: np.ndarray, droppable: np.ndarray) -> Flags:
+    """The images of the samples over their template's cap. A sample is a document of the manifest (its images
+    share its caption). A template may begin at most `template_share` of the source's checked captions (at least
+    one) among the samples that stay (`staying`: per row, whether no rule drops it); the staying samples of a
+    template over its cap are ranked by a hash of their key (then their document id) and those past the cap
+    lose every image that is `droppable` (per row: not dropped by a rule that names it otherwise): neither the
+    row order nor the world size decides, a document is never split, and never the whole source."""
     t = thresholds
     empty = Flags(np.zeros(0, np.int64), np.zeros(0, object), np.zeros(0, object))
     if t.template_share is None:
         return empty
-    checked = pc.count_distinct(keys.filter(pa.array(columns["caption_words"] >= 0))).as_py()
+    checked = len(np.unique(documents[columns["caption_words"] >= 0]))
     if checked < t.template_min:
         return empty
-    cap = int(t.template_share * checked)
+    cap = max(1, int(t.template_share * checked))
     template = np.where(staying, columns["caption_template"], 0)
     values, counts = np.unique(template[template != 0], return_counts=True)
     flagged: list[np.ndarray] = []
     details: list[str] = []
     for value in values[counts > cap].tolist():  # rows >= samples: a template under the cap in rows is under it
         rows = np.flatnonzero(template == value)
-        samples = sorted(set(keys.take(pa.array(rows)).to_pylist()), key=lambda k: (_key_rank(k), k))
+        samples, first = np.unique(documents[rows], return_index=True)
         if len(samples) <= cap:
             continue
-        over = set(samples[cap:])
-        hit = rows[np.fromiter((k in over for k in keys.take(pa.array(rows)).to_pylist()), bool, len(rows))]
+        ranks = [(_key_rank(key), int(doc)) for key, doc in
+                 zip(keys.take(rows[first]).to_pylist(), samples.tolist(), strict=True)]
+        over = np.array([doc for _, doc in sorted(ranks)[cap:]], np.int64)
+        hit = np.flatnonzero(np.isin(documents, over) & droppable)
         flagged.append(hit)
         details += [f"its template begins {len(samples):,} of the source's {checked:,} captions "
                     f"({len(samples) / checked:.0%}); {cap:,} kept (template_share: {t.template_share:g})"] * len(hit)

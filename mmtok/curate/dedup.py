@@ -282,9 +282,18 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
 
     first = np.union1d(matched, flagged.rows)
     found = duplicates(first)
-    # the template cap counts the samples that stay: after every other rule, the duplicates included
-    capped = _template_caps(images, policy, thresholds, np.union1d(first, found.dropped))
-    if np.isin(capped.rows, found.keeper).any():  # a capped image keeps no group: elect again without it
+    # The template cap counts the samples that stay: after every other rule, the duplicates included. A capped
+    # image keeps no group, so when one was a keeper the groups are elected again without it, which may let a
+    # copy stay and count: capped again until nothing changes (the capped set only grows).
+    capped = _joined()
+    while True:
+        more = _template_caps(images, policy, thresholds, np.union1d(first, capped.rows),
+                              np.union1d(np.union1d(first, capped.rows), found.dropped))
+        if not len(more.rows):
+            break
+        capped = _joined(capped, more)
+        if not np.isin(more.rows, found.keeper).any():
+            break  # no group changes: the images that stay are the same, less those just capped
         found = duplicates(np.union1d(first, capped.rows))
     flagged = _joined(flagged, capped)
     listed = _with_caption_rows(images.duplicates_table(found), images, flagged)
@@ -341,9 +350,11 @@ def _caption_flags(images: "_Images", policy: dict[str, SourceRule], thresholds,
     return Flags(rows=joined.rows[keep], rule=joined.rule[keep], detail=joined.detail[keep])
 
 
-def _template_caps(images: "_Images", policy: dict[str, SourceRule], thresholds, dropped: np.ndarray):
-    """The images over their template's cap (`mmtok.curate.captions.template_cap`, source by source), among the
-    images that stay (not in the sorted `dropped`)."""
+def _template_caps(images: "_Images", policy: dict[str, SourceRule], thresholds, named: np.ndarray,
+                   dropped: np.ndarray):
+    """The images of the samples newly over their template's cap (`mmtok.curate.captions.template_cap`, source
+    by source), among the images that stay (not in the sorted `dropped`); the images in the sorted `named`
+    (dropped by another rule, or capped already) keep their row."""
     from mmtok.curate.captions import Flags, template_cap
 
     found = []
@@ -351,8 +362,9 @@ def _template_caps(images: "_Images", policy: dict[str, SourceRule], thresholds,
         if policy[table.source].captions:
             first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
             columns = {name: column[first:last] for name, column in images.captions.items()}
-            staying = ~np.isin(np.arange(first, last), dropped)
-            got = template_cap(columns, images.keys[first:last], thresholds, staying)
+            index = np.arange(first, last)
+            got = template_cap(columns, images.documents[first:last], images.keys[first:last], thresholds,
+                               ~np.isin(index, dropped), ~np.isin(index, named))
             found.append(Flags(rows=got.rows + first, rule=got.rule, detail=got.detail))
     return _joined(*found)
 
@@ -402,6 +414,7 @@ class _Images:
         self.sha = np.concatenate([c.sha256 for c in columns]) if columns else np.zeros((0, 32), np.uint8)
         self.rows = np.concatenate([c.manifest_row for c in columns])
         self.keys = pa.chunked_array([c.key for c in columns], pa.string())
+        self.documents = np.concatenate([c.document for c in columns]) if columns else np.zeros(0, np.int64)
         self.pixels = np.concatenate([c.pixels for c in columns])
         self.phash = np.concatenate([c.phash for c in columns])
         self.names = np.array([t.source for t in tables], dtype=object)

@@ -27,8 +27,8 @@ from mmtok.formats.manifest import Manifest, MemberReader, ShortRead, identity_c
 from mmtok.formats.scan_shards import read_commit, read_rows, write_shard
 from mmtok.fsutil import LockHeld, WriterLock
 
-READ_COLUMNS = ("key", "tar", "container", "member", "offset", "size", "status", "width", "height", "text_offset",
-                "text_size")
+READ_COLUMNS = ("key", "document", "tar", "container", "member", "offset", "size", "status", "width", "height",
+                "text_offset", "text_size")
 
 
 def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank: int, world_size: int,
@@ -159,7 +159,8 @@ def hash_chunk(manifest: Manifest, start: int, chunk_rows: int, identities: dict
     phash, digest, reason, detail = zip(*hashed, strict=True) if hashed else ((), (), (), ())
     pixels = np.maximum(r["width"][ok].astype(np.int64), 0) * np.maximum(r["height"][ok].astype(np.int64), 0)
     columns = {f"caption_{name}": [getattr(m, name) for m in measured] for name in fmt.CAPTION_MEASURES}
-    return pa.table({"manifest_row": rows[ok], "key": r["key"][ok], "phash": list(phash), "sha256": list(digest),
+    return pa.table({"manifest_row": rows[ok], "key": r["key"][ok], "document": r["document"][ok],
+                     "phash": list(phash), "sha256": list(digest),
                      "pixels": pixels, **columns, "reason": list(reason), "detail": list(detail),
                      "source": r["tar"][ok], "container": r["container"][ok], "member": r["member"][ok]},
                     schema=fmt.CHUNK_SCHEMA)

@@ -1,6 +1,7 @@
 """The hash table of a manifest: `H/hashes.parquet` + `H/skipped.jsonl` + `H/hashes.json` (written by `mmtok hash`).
 
   hashes.parquet   one row per hashed image, in manifest row order: `manifest_row`, `key` (the sample key),
+                   `document` (the manifest's document id: one sample, whose images share its caption),
                    `phash` (uint64, the first bit of the hash the most significant), `sha256` (32 bytes, of the
                    image's bytes as stored), `pixels` (width x height as the scan read it; 0 when unknown),
                    and its sample caption's measures (`mmtok.curate.captions.Measures`): `caption_words` (or
@@ -52,8 +53,8 @@ ROW_GROUP_ROWS = 1 << 20  # fixed, so the file bytes depend only on the rows
 STAGE = "hash"
 
 CAPTION_MEASURES = ("words", "loop", "number_run", "ending", "fragment", "template")
-SCHEMA = pa.schema([("manifest_row", pa.int64()), ("key", pa.string()), ("phash", pa.uint64()),
-                    ("sha256", pa.binary(32)), ("pixels", pa.int64()),
+SCHEMA = pa.schema([("manifest_row", pa.int64()), ("key", pa.string()), ("document", pa.int64()),
+                    ("phash", pa.uint64()), ("sha256", pa.binary(32)), ("pixels", pa.int64()),
                     *((f"caption_{name}", pa.uint64() if name == "template" else pa.int32())
                       for name in CAPTION_MEASURES)])
 # A chunk's rows: every image row of the chunk; `reason` "" when hashed, else the skip and where it lives.
@@ -114,11 +115,12 @@ def _skip_records(table: pa.Table) -> Iterable[skips.SkipRecord]:
 @dataclass(frozen=True)
 class Hashes:
     """The columns of a hash table, aligned: manifest_row int64, key (an Arrow string array: 10^8 keys as Python
-    strings would cost gigabytes; take the few that are needed), phash uint64, sha256 (n, 32) uint8, pixels
-    int64, captions: `caption_<measure>` -> its column (int32; caption_template uint64)."""
+    strings would cost gigabytes; take the few that are needed), document int64, phash uint64, sha256 (n, 32)
+    uint8, pixels int64, captions: `caption_<measure>` -> its column (int32; caption_template uint64)."""
 
     manifest_row: np.ndarray
     key: pa.Array
+    document: np.ndarray
     phash: np.ndarray
     sha256: np.ndarray
     pixels: np.ndarray
@@ -178,7 +180,7 @@ class HashTable:
         digests = table.column("sha256").combine_chunks()
         sha = np.frombuffer(digests.buffers()[1], np.uint8)[digests.offset * 32:(digests.offset + len(digests)) * 32]
         return Hashes(manifest_row=table.column("manifest_row").to_numpy(),
-                      key=table.column("key").combine_chunks(),
+                      key=table.column("key").combine_chunks(), document=table.column("document").to_numpy(),
                       phash=table.column("phash").to_numpy(), sha256=sha.reshape(-1, 32),
                       pixels=table.column("pixels").to_numpy(),
                       captions={f"caption_{name}": table.column(f"caption_{name}").to_numpy()

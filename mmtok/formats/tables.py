@@ -214,7 +214,7 @@ class TableRows:
             self._starts = [0]
             for group in range(meta.num_row_groups):
                 self._starts.append(self._starts[-1] + meta.row_group(group).num_rows)
-        self._cached: tuple[tuple[int, str], pa.Table] | None = None
+        self._cached: dict[str, tuple[int, pa.Table]] = {}  # column -> its last row group read
 
     def image_bytes(self, column: str, row: int) -> bytes:
         value = image_values(self._cell(column, row))[0]
@@ -240,7 +240,8 @@ class TableRows:
             group = bisect.bisect_right(self._starts, row) - 1
             if not 0 <= group < len(self._starts) - 1:
                 raise OSError(f"row {row} is past the end of the file")
-            if self._cached is None or self._cached[0] != (group, column):
-                self._cached = ((group, column), self._parquet.read_row_group(group, columns=[column]))
-            table, index = self._cached[1], row - self._starts[group]
+            # one row group per column: reading an image, then its caption, must not read either group again
+            if self._cached.get(column, (None,))[0] != group:
+                self._cached[column] = (group, self._parquet.read_row_group(group, columns=[column]))
+            table, index = self._cached[column][1], row - self._starts[group]
         return table.column(column).slice(index, 1).combine_chunks()
