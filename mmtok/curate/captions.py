@@ -43,6 +43,8 @@ UNCHECKED = {NO_CAPTION: "no_caption", NOT_UTF8: "caption_not_utf8", UNREADABLE:
 
 _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 _WORD = re.compile(f"(?=\\w)[{_CJK}]|(?:(?![{_CJK}])\\w)+")  # a CJK character that is a word character
+_PLAIN_WORD = re.compile(r"\w+")  # the same words in a text without CJK characters, 5x faster
+_ANY_CJK = re.compile(f"[{_CJK}]")
 _SENTENCE_END = re.compile(r"[.!?\u3002\uff01\uff1f\u2026]+")
 _DIGITS = re.compile(r"\d+")
 
@@ -66,9 +68,10 @@ class Fragments:
     def __init__(self, lines: list[str]):
         self.lines = lines
         self._by_length: dict[int, dict[tuple[str, ...], int]] = {}
-        for index, line in enumerate(lines):
-            self._by_length.setdefault(len(_words(line)), {}).setdefault(tuple(_words(line)), index)
-        self._firsts = {_words(line)[0] for line in lines}  # a word that begins no fragment costs one lookup
+        for index, words in enumerate(map(_words, lines)):
+            if words:  # a line without words would match everywhere (`read` refuses it)
+                self._by_length.setdefault(len(words), {}).setdefault(tuple(words), index)
+        self._firsts = {words[0] for by_words in self._by_length.values() for words in by_words}
 
     @classmethod
     def read(cls, path: Path) -> Fragments:
@@ -114,7 +117,8 @@ class Fragments:
 
 
 def _words(text: str) -> list[str]:
-    return _WORD.findall(text.casefold())
+    text = text.casefold()
+    return (_WORD if _ANY_CJK.search(text) else _PLAIN_WORD).findall(text)
 
 
 def measure(data: bytes, truncated: bool, fragments: Fragments | None) -> Measures:
