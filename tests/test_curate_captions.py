@@ -449,3 +449,8 @@ def test_samples_are_documents_not_keys_and_a_table_s_row_group_is_read_once_per
 
 def test_kana_punctuation_is_not_a_word():
     assert _measure("ネコ・・・・・・かわいい").loop < 5
+
+
+def test_a_fragment_without_words_matches_nothing():
+    assert captions.Fragments(["", "!!!", "x y"]).first_in(["a", "x", "y"]) == 2
+    assert captions.Fragments(["", "!!!"]).first_in(["a", "b"]) == -1

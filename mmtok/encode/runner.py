@@ -25,7 +25,7 @@ conversations and fills in these images and the conversations' audio (`mmtok.sft
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -248,28 +248,10 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     and the next batch to encode; None when every item was finished).
     """
     options = options or EncodeOptions()
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before the pinned ring: its context belongs on this GPU, not cuda:0
-    plan = Plan.open(plan_dir)
-    refuse_empty_plan(plan)
+    encoder = ItemEncoder(plan_dir, out, codec, device, options)
+    plan, device = encoder.plan, encoder.device
     items = plan.worker_items(rank, world_size)
-    tokenizer = plan_tokenizer(plan.meta)
-    layout = VocabLayout(text_size=tokenizer.vocab_size)
-    builder = DocumentBuilder(plan.meta["parameters"]["mode"], tokenizer, layout)
-    codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
-    checked = False  # whether the run's other parts were compared with this worker's identity (once, when known)
-
-    def encode_item(item: int) -> dict:
-        nonlocal checked
-        work = load_item_work(plan, item)
-        check_codec(work, codec, builder)
-        identity = part_identity(work, codec, tokenizer, layout)
-        if not checked:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...); one run's parts
-            refuse_other_run(out, identity)
-            checked = True
-        return _encode_item(work, out, codec, builder, identity, device, options)
-
+    encode_item = encoder.encode
     run = take_items(out, len(plan.work_items()), items, options.take_over, stop_check(options.stop), encode_item)
     stopped = None
     if run.stopped is not None:  # inside the item (its result says where), or before it
@@ -280,6 +262,37 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
             len(plan.work_items()), "stopped": stopped, **run.summary(out), "discarded_copies": discarded,
             **_worker_stats(run.done, plan, items, device, options)}
+
+
+class ItemEncoder:
+    """Encodes work items of one plan into OUT with one loaded codec, item by item in any order: what a worker
+    process holds (`encode_rank`'s workers, a Ray actor of `mmtok.encode.ray_driver`)."""
+
+    def __init__(self, plan_dir: str | Path, out: str | Path, codec, device: torch.device | str,
+                 options: EncodeOptions):
+        self.out, self.codec, self.options = out, codec, options
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before the pinned ring: its context belongs on this GPU, not cuda:0
+        self.plan = Plan.open(plan_dir)
+        refuse_empty_plan(self.plan)
+        self.tokenizer = plan_tokenizer(self.plan.meta)
+        self.layout = VocabLayout(text_size=self.tokenizer.vocab_size)
+        self.builder = DocumentBuilder(self.plan.meta["parameters"]["mode"], self.tokenizer, self.layout)
+        codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
+        self._checked = False  # whether the run's other parts were compared with this identity (once, when known)
+
+    def encode(self, item: int, lock_free: bool | None = None) -> dict:
+        """Encode, resume or find finished the part of `item` (`lock_free`: this call's part protocol; default the
+        options'); its stats."""
+        work = load_item_work(self.plan, item)
+        check_codec(work, self.codec, self.builder)
+        identity = part_identity(work, self.codec, self.tokenizer, self.layout)
+        if not self._checked:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...)
+            refuse_other_run(self.out, identity)
+            self._checked = True
+        options = self.options if lock_free is None else replace(self.options, lock_free=lock_free)
+        return _encode_item(work, self.out, self.codec, self.builder, identity, self.device, options)
 
 
 def _next_batch(plan: Plan, out, item: int) -> int:
