@@ -83,6 +83,15 @@ def add_parser(sub) -> None:
                        f"{MAX_ARRAY_TASKS:,} by default), at most GPUS at once, each taking its share of the items and "
                        "then the ones nobody finished or holds; requeued before the time limit; encodes nothing "
                        "(docs/slurm.md)")
+    group.add_argument("--executor", choices=("ranks", "ray"), default="ranks",
+                       help="ranks (default): this process is one rank (torchrun, srun, --print-sbatch); ray: this "
+                       "process drives a Ray cluster whose workers (one per GPU, each keeping the codec loaded) "
+                       "encode every unfinished item, with retries when a worker dies and backups of the slowest "
+                       "items at the tail (pip install 'mmtok[ray]'; docs/ray.md)")
+    group.add_argument("--address", default=None, metavar="ADDR",
+                       help="--executor ray: the cluster to join (default: RAY_ADDRESS, else a local one)")
+    group.add_argument("--ray-workers", type=int, default=None, metavar="N",
+                       help="--executor ray: workers (default: the cluster's GPUs; on the CPU, 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (images and audio)")
     parser.add_argument("--json", action="store_true",
                         help="also print the rank's summary as one JSON object on stdout "
@@ -118,8 +127,41 @@ def run_images(args) -> int:
     if args.print_sbatch is not None:
         print(sbatch_script(args, len(plan.work_items())), end="")
         return 0
+    if args.executor == "ray":
+        return _ray_driver(args, plan)
     with StopRequest() as stop:  # from the start to the end a signal stops the worker cleanly (see StopRequest)
         return _image_worker(args, plan, stop)
+
+
+def _ray_driver(args, plan) -> int:
+    """This process drives a Ray cluster through every unfinished item (`mmtok.encode.ray_driver`)."""
+    from mmtok.encode.ray_driver import encode_on_ray, import_ray, run_record
+    from mmtok.formats import skips
+
+    if args.rank is not None or args.world_size is not None:
+        raise MmtokError("--executor ray hands items to the cluster's workers: --rank and --world-size do not apply")
+    import_ray()  # before anything else: one line saying how to install it
+    count = len(plan.work_items())
+    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
+                     plan_fingerprint=plan.meta["fingerprint"])
+    workers = args.ray_workers
+    if workers is not None and workers < 1:
+        raise MmtokError(f"--ray-workers must be at least 1, got {workers}")
+    options = {"loader_threads": args.loader_threads, "prefetch": args.prefetch,
+               "max_consecutive_failures": args.max_consecutive_failures}
+    run = encode_on_ray(args.plan, args.out, args.codec, args.checkpoint, workers=workers, address=args.address,
+                        device=args.device, options=options, progress=not args.no_progress)
+    lines = [f"ray: {run.to_do:,} of {plural(run.items, 'work item')} to do, {len(run.finished):,} finished by "
+             f"{plural(run.workers, 'worker')} in {run.seconds:,.1f} s" if run.to_do else
+             f"ray: every one of the plan's {plural(run.items, 'work item')} is finished; nothing to do"]
+    if run.to_do:
+        lines.append(f"backups {run.backups:,} ({run.backups_won:,} finished first), copies discarded "
+                     f"{run.discarded:,}, retries {run.retries:,} ({plural(run.workers_lost, 'worker')} lost)")
+        skipped = skips.by_reason(run.counts)
+        lines.append(f"{run.counts.get('images_written', 0):,} images written"
+                     + (f"; skipped: {_reasons(skipped)}" if skipped else "") + f"; next: mmtok merge {args.out}")
+    print_report("encode", lines, run_record(run) if args.json else None)
+    return 0
 
 
 def _image_worker(args, plan, stop) -> int:

@@ -1,0 +1,138 @@
+"""`mmtok encode --executor ray` on a local Ray cluster started by the test (CPU workers, the tiny random Emu3.5
+codec): merged bytes identical to one process's, with a worker killed inside an item (its item handed out again
+and resumed from its commit log) and with a stalled worker (its item backed up at the tail; the backup's copy is
+the part). Faults are made from outside, at known places: the worker writing an item with a commit is killed;
+the worker holding the last item is stopped (SIGSTOP) until the backup has finished."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from encodekit import ONE_IMAGE_BATCHES, planned_job
+from mmtok.cli import main
+from mmtok.formats.commitlog import PRIVATE_DIR, parts_root, read_commits
+from mmtok.formats.plan import Plan
+from mmtok.fsutil import sha256_file
+
+ray = pytest.importorskip("ray")
+MERGED = ("merged.bin", "merged.idx", "merged.provenance.jsonl")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """A plan of 6 work items of several batches each, its one-process merged bytes, and a local Ray cluster."""
+    root = tmp_path_factory.mktemp("ray")
+    plan_dir, checkpoint = planned_job(root)
+    whole = Plan.open(plan_dir)
+    seconds = whole.item_costs().sum() * whole.meta["parameters"]["cost_model"]["seconds_per_unit"] / 6
+    plan = root / "plan-items"
+    assert main(["plan", str(root / "manifest"), "--out", str(plan), "--quiet", *ONE_IMAGE_BATCHES,
+                 "--text-tokenizer", str(root / "tokenizer"), "--item-seconds", str(seconds)]) == 0
+    items = Plan.open(plan).work_items()
+    assert len(items) >= 4 and (items[:, 1] - items[:, 0] > 1).all()
+    one = root / "one"
+    assert main(_argv(plan, checkpoint, one)) == 0 and main(["merge", str(one)]) == 0
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 1024 * 1024,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield plan, checkpoint, {name: sha256_file(one / name) for name in MERGED}
+    ray.shutdown()
+
+
+def _argv(plan: Path, checkpoint: Path, out: Path, *extra: str) -> list[str]:
+    return ["encode", "--plan", str(plan), "--checkpoint", str(checkpoint), "--out", str(out), "--device", "cpu",
+            "--loader-threads", "1", "--no-progress", *extra]
+
+
+def _merged(out: Path) -> dict:
+    assert main(["merge", str(out)]) == 0
+    return {name: sha256_file(out / name) for name in MERGED}
+
+
+def _private_copies(out: Path) -> list[Path]:
+    root = parts_root(out) / PRIVATE_DIR
+    return sorted(root.iterdir()) if root.is_dir() else []
+
+
+def _watch(out: Path, act, stop: threading.Event) -> threading.Thread:
+    """Call act(private copy) for each private copy until it returns True (in a thread, polling)."""
+    def loop():
+        while not stop.is_set():
+            for copy in _private_copies(out):
+                if act(copy):
+                    return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_two_workers_give_the_bytes_of_one_process_and_a_rerun_has_nothing_to_do(job, tmp_path, capsys):
+    plan, checkpoint, reference = job
+    out = tmp_path / "out"
+    assert main(_argv(plan, checkpoint, out, "--executor", "ray", "--ray-workers", "2", "--json")) == 0
+    assert _merged(out) == reference
+    assert not _private_copies(out)
+    assert main(_argv(plan, checkpoint, out, "--executor", "ray")) == 0
+    assert "is finished; nothing to do" in capsys.readouterr().err
+
+
+def test_a_worker_killed_inside_an_item_has_it_resumed_elsewhere(job, tmp_path, capsys):
+    plan, checkpoint, reference = job
+    out, stop, killed = tmp_path / "out", threading.Event(), []
+
+    def kill_after_first_commit(copy: Path) -> bool:
+        try:
+            committed = len(read_commits(copy)[0])
+        except Exception:  # noqa: BLE001 (a copy being created: look again)
+            return False
+        if committed >= 1:
+            pid = int(copy.name.rsplit(".", 1)[1])
+            killed.append((copy.name, committed))
+            os.kill(pid, signal.SIGKILL)
+            return True
+        return False
+
+    watcher = _watch(out, kill_after_first_commit, stop)
+    assert main(_argv(plan, checkpoint, out, "--executor", "ray", "--ray-workers", "2")) == 0
+    stop.set()
+    watcher.join()
+    err = capsys.readouterr().err
+    assert killed and "retries 1 (1 worker lost)" in err, err
+    assert _merged(out) == reference
+
+
+def test_a_stalled_worker_s_item_is_backed_up_and_the_backup_is_the_part(job, tmp_path, capsys):
+    plan, checkpoint, reference = job
+    out, stop, stalled = tmp_path / "out", threading.Event(), []
+    last = len(Plan.open(plan).work_items()) - 1
+
+    def stall_the_last_item(copy: Path) -> bool:
+        if not copy.name.startswith(f"part-{last:05d}."):
+            return False
+        pid = int(copy.name.rsplit(".", 1)[1])
+        stalled.append(pid)
+        os.kill(pid, signal.SIGSTOP)  # as slow as can be: it never finishes its item
+        return True
+
+    watcher = _watch(out, stall_the_last_item, stop)
+    try:
+        assert main(_argv(plan, checkpoint, out, "--executor", "ray", "--ray-workers", "2")) == 0
+    finally:
+        stop.set()
+        watcher.join()
+        for pid in stalled:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    err = capsys.readouterr().err
+    assert stalled and "backups 1 (1 finished first)" in err, err
+    assert _merged(out) == reference
+    assert not _private_copies(out)  # the stalled worker was stopped and its copy removed
