@@ -293,6 +293,21 @@ def planned_job(root: Path, corrupt: bool = False):
     return root / "plan", checkpoint
 
 
+def planned_items(root: Path, items: int):
+    """`planned_job`, planned again into about `items` work items of several batches each (`--item-seconds`).
+    Returns (plan directory, checkpoint directory)."""
+    from mmtok.cli import main
+    from mmtok.formats.plan import Plan
+
+    plan_dir, checkpoint = planned_job(root)
+    whole = Plan.open(plan_dir)
+    seconds = whole.item_costs().sum() * whole.meta["parameters"]["cost_model"]["seconds_per_unit"] / items
+    plan = root / "plan-items"
+    assert main(["plan", str(root / "manifest"), "--out", str(plan), "--quiet", *ONE_IMAGE_BATCHES,
+                 "--text-tokenizer", str(root / "tokenizer"), "--item-seconds", str(seconds)]) == 0
+    return plan, checkpoint
+
+
 # -- the caption pipeline on CPU: scan -> plan -> encode -> merge ------------------------------------
 # Tiny targets (at most 48x48 pixels = 3x3 codes) and small batches/windows keep the suite fast while
 # giving many batches, several shapes, windows, and multi-image documents split across batches.

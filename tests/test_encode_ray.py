@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from encodekit import ONE_IMAGE_BATCHES, planned_job
+from encodekit import planned_items
 from mmtok.cli import main
 from mmtok.formats.commitlog import PRIVATE_DIR, parts_root, read_commits
 from mmtok.formats.plan import Plan
@@ -28,12 +28,7 @@ MERGED = ("merged.bin", "merged.idx", "merged.provenance.jsonl")
 def job(tmp_path_factory):
     """A plan of 6 work items of several batches each, its one-process merged bytes, and a local Ray cluster."""
     root = tmp_path_factory.mktemp("ray")
-    plan_dir, checkpoint = planned_job(root)
-    whole = Plan.open(plan_dir)
-    seconds = whole.item_costs().sum() * whole.meta["parameters"]["cost_model"]["seconds_per_unit"] / 6
-    plan = root / "plan-items"
-    assert main(["plan", str(root / "manifest"), "--out", str(plan), "--quiet", *ONE_IMAGE_BATCHES,
-                 "--text-tokenizer", str(root / "tokenizer"), "--item-seconds", str(seconds)]) == 0
+    plan, checkpoint = planned_items(root, 6)
     items = Plan.open(plan).work_items()
     assert len(items) >= 4 and (items[:, 1] - items[:, 0] > 1).all()
     one = root / "one"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from encodekit import GATE, ONE_IMAGE_BATCHES, planned_job
+from encodekit import GATE, planned_items
 from mmtok.cli import main
 from mmtok.formats.commitlog import is_done, part_dir, read_commits
 from mmtok.formats.plan import Plan
@@ -25,12 +25,7 @@ from mmtok.launch import STOPPED_EXIT
 def job(tmp_path_factory):
     """A plan of a few work items of several batches, the clean merged bytes, and the printed script."""
     root = tmp_path_factory.mktemp("slurm")
-    plan_dir, checkpoint = planned_job(root)
-    whole = Plan.open(plan_dir)
-    seconds = whole.item_costs().sum() * whole.meta["parameters"]["cost_model"]["seconds_per_unit"] / 4
-    plan = root / "plan-items"
-    assert main(["plan", str(root / "manifest"), "--out", str(plan), "--quiet", *ONE_IMAGE_BATCHES,
-                 "--text-tokenizer", str(root / "tokenizer"), "--item-seconds", str(seconds)]) == 0
+    plan, checkpoint = planned_items(root, 4)
     items = Plan.open(plan).work_items()
     common = ["--plan", str(plan), "--checkpoint", str(checkpoint), "--device", "cpu", "--loader-threads", "1"]
     assert main(["encode", *common, "--out", str(root / "clean"), "--no-progress", "--world-size", "1"]) == 0
