@@ -12,6 +12,10 @@ slot; its checkpoint, so every part's identity, is the same on every slot. Polic
   array       k x G ranks as a SLURM array (`--array=0-(kG-1)%G`): a free slot starts the next rank, each its
               own items only; a killed rank is pending again after the requeue delay (taken first)
   take-over   G ranks, one per slot, then each takes the items nobody finished or holds (the default)
+  ray         one `mmtok encode --executor ray --ray-workers G` driver on a local Ray cluster (`ray start --head
+              --num-cpus G`): G actors keep the codec loaded; the first actor to load it is the slow one, and an
+              actor other than it is killed at the same time as the others' process (Ray places its replacement
+              at once: there is no requeue delay); backups at the tail
 
 The killed process's rank is started again on its slot after the delay (static, take-over) or requeued
 (array). Every process start pays the interpreter, torch and mmtok imports and the plan's setup (the model load
@@ -81,11 +85,20 @@ class SlotStandIn(StandInCodec):
 
 def load(directory, device):
     rate = json.loads((Path(directory) / "config.json").read_text())["images_per_second"]
-    codec = SlotStandIn(rate, float(os.environ.get("MMTOK_BENCH_SPEED", "1")))
+    speed = float(os.environ.get("MMTOK_BENCH_SPEED", "1"))
+    slow = os.environ.get("MMTOK_BENCH_SLOW_DIR")  # (ray) the first process to claim it is the slow slot
+    if slow:
+        try:
+            os.mkdir(slow)
+            Path(slow, "pid").write_text(str(os.getpid()))
+            speed = float(os.environ["MMTOK_BENCH_SLOW_SPEED"])
+        except FileExistsError:
+            pass
+    codec = SlotStandIn(rate, speed)
     codec.checkpoint_sha256 = checkpoint_fingerprint(checkpoint_paths(directory))
     return codec
 '''
-POLICIES = ("static", "array", "take-over")
+POLICIES = ("static", "array", "take-over", "ray")
 
 
 @dataclass
@@ -226,6 +239,59 @@ def run_policy(job: Job, out: Path, policy: str, args, ideal: float) -> dict:
             "process_starts": sum(len(s.starts) for s in slots), "start_s": _start_seconds(job, out, slots, world_size)}
 
 
+def run_ray(job: Job, out: Path, args, ideal: float) -> dict:
+    """Wall seconds of the job driven on a local Ray cluster, with the slow actor and a killed one."""
+    from mmtok.formats.commitlog import PRIVATE_DIR, parts_root
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    slow = out / "slow-claim"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(job.site), str(BENCH)]), "OMP_NUM_THREADS": "1",
+           "MMTOK_BENCH_SLOW_DIR": str(slow), "MMTOK_BENCH_SLOW_SPEED": str(args.slow_speed)}
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    log = open(out / "workers.log", "ab")
+    subprocess.run([ray_cli, "start", "--head", "--num-cpus", str(args.workers), "--include-dashboard=false",
+                    "--disable-usage-stats"], env=env, stdout=log, stderr=log, check=True)
+    try:
+        argv = [sys.executable, "-m", "mmtok", "encode", "--plan", str(job.plan), "--codec", "standin",
+                "--checkpoint", str(job.checkpoint), "--out", str(out), "--device", "cpu", "--loader-threads", "1",
+                "--no-progress", "--executor", "ray", "--address", "auto", "--ray-workers", str(args.workers),
+                "--json"]
+        begin, killed = time.monotonic(), None
+        driver = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        while driver.poll() is None:
+            if killed is None and time.monotonic() - begin >= ideal * args.kill_at:
+                killed = _kill_an_actor(parts_root(out) / PRIVATE_DIR, slow)
+            time.sleep(0.05)
+        wall = time.monotonic() - begin
+        record = json.loads(driver.stdout.read().strip().splitlines()[-1])
+        if driver.returncode != 0:
+            raise RuntimeError(f"ray: the driver exited {driver.returncode}; see {out / 'workers.log'}")
+    finally:
+        subprocess.run([ray_cli, "stop", "--force"], stdout=log, stderr=log)
+        log.close()
+    assert cli(["merge", str(out), "--no-progress"]) == 0
+    identities = sorted(p.stat().st_mtime for p in out.glob("parts/part-*/identity.json"))
+    return {"policy": "ray", "ranks": args.workers, "wall_s": wall,
+            "process_starts": args.workers + record["workers_lost"], "start_s": float("nan"),
+            "backups": record["backups"], "backups_won": record["backups_won"], "retries": record["retries"],
+            "killed_pid": killed, "first_part_s": identities[0] - (time.time() - wall) if identities else None}
+
+
+def _kill_an_actor(private: Path, slow: Path) -> int | None:
+    """SIGKILL the actor writing the first private copy that is not the slow actor's; its pid (None: none yet)."""
+    slow_pid = int((slow / "pid").read_text()) if (slow / "pid").is_file() else None
+    for copy in sorted(private.iterdir()) if private.is_dir() else []:
+        pid = int(copy.name.rsplit(".", 1)[1])
+        if pid != slow_pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            return pid
+    return None
+
+
 def _next_rank(policy: str, slot: int, pending: list[int], requeued: list[tuple[float, int]], now: float):
     """What a free slot runs next: a requeued rank that is due (static/take-over: its own slot's), else (array)
     the next pending one in index order."""
@@ -287,7 +353,8 @@ def main() -> int:
           f"slots", file=sys.stderr, flush=True)
     rows = []
     for policy in args.policies.split(","):
-        result = run_policy(job, root / f"out-{policy}", policy, args, ideal)
+        result = (run_ray if policy == "ray" else run_policy)(job, root / f"out-{policy}", *(
+            [args, ideal] if policy == "ray" else [policy, args, ideal]))
         result["merged_sha256"] = sha256_file(root / f"out-{policy}" / "merged.bin")
         rows.append(result)
         print(json.dumps(result), file=sys.stderr, flush=True)
@@ -301,9 +368,12 @@ def main() -> int:
              "", "| policy | ranks | process starts | wall (s) | wall / ideal | median start (s) | "
              "wall / (ideal + start) | wall / best possible |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        start = r["start_s"] if r["policy"] != "ray" else float(np.nanmedian([x["start_s"] for x in rows]))
         lines.append(f"| {r['policy']} | {r['ranks']} | {r['process_starts']} | {r['wall_s']:.1f} | "
-                     f"{r['wall_s'] / ideal:.3f} | {r['start_s']:.1f} | {r['wall_s'] / (ideal + r['start_s']):.3f} | "
-                     f"{r['wall_s'] / best_possible(job.device_s, args, r['start_s']):.3f} |")
+                     f"{r['wall_s'] / ideal:.3f} | {r['start_s']:.1f} | {r['wall_s'] / (ideal + start):.3f} | "
+                     f"{r['wall_s'] / best_possible(job.device_s, args, start):.3f} |")
+    lines += [f"ray: {r['backups']} backups ({r['backups_won']} finished first), {r['retries']} retries"
+              for r in rows if r["policy"] == "ray"]
     lines += ["", f"Merged `.bin` of every policy byte-identical: {identical}."]
     text = "\n".join(lines) + "\n"
     print(text)
