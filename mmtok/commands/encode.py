@@ -91,7 +91,8 @@ def add_parser(sub) -> None:
     group.add_argument("--address", default=None, metavar="ADDR",
                        help="--executor ray: the cluster to join (default: RAY_ADDRESS, else a local one)")
     group.add_argument("--ray-workers", type=int, default=None, metavar="N",
-                       help="--executor ray: workers (default: the cluster's GPUs; on the CPU, 1)")
+                       help="--executor ray: workers, one GPU each (default: the cluster's GPUs; with --device "
+                       "cpu, 1); workers Ray cannot place yet wait for GPUs to join")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (images and audio)")
     parser.add_argument("--json", action="store_true",
                         help="also print the rank's summary as one JSON object on stdout "
@@ -135,22 +136,25 @@ def run_images(args) -> int:
 
 def _ray_driver(args, plan) -> int:
     """This process drives a Ray cluster through every unfinished item (`mmtok.encode.ray_driver`)."""
-    from mmtok.encode.ray_driver import encode_on_ray, import_ray, run_record
+    from mmtok.encode.ray_driver import check_device, encode_on_ray, import_ray, run_record
     from mmtok.formats import skips
+    from mmtok.launch import STOPPED_EXIT, StopRequest
 
     if args.rank is not None or args.world_size is not None:
         raise MmtokError("--executor ray hands items to the cluster's workers: --rank and --world-size do not apply")
+    if args.ray_workers is not None and args.ray_workers < 1:
+        raise MmtokError(f"--ray-workers must be at least 1, got {args.ray_workers}")
+    check_device(args.device)
     import_ray()  # before anything else: one line saying how to install it
     count = len(plan.work_items())
     refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
                      plan_fingerprint=plan.meta["fingerprint"])
-    workers = args.ray_workers
-    if workers is not None and workers < 1:
-        raise MmtokError(f"--ray-workers must be at least 1, got {workers}")
     options = {"loader_threads": args.loader_threads, "prefetch": args.prefetch,
                "max_consecutive_failures": args.max_consecutive_failures}
-    run = encode_on_ray(args.plan, args.out, args.codec, args.checkpoint, workers=workers, address=args.address,
-                        device=args.device, options=options, progress=not args.no_progress)
+    with StopRequest(in_flight="nothing more: the workers stop at their last commit") as stop:
+        run = encode_on_ray(args.plan, args.out, args.codec, args.checkpoint, workers=args.ray_workers,
+                            address=args.address, device=args.device, options=options,
+                            progress=not args.no_progress, stop=stop)
     lines = [f"ray: {run.to_do:,} of {plural(run.items, 'work item')} to do, {len(run.finished):,} finished by "
              f"{plural(run.workers, 'worker')} in {run.seconds:,.1f} s" if run.to_do else
              f"ray: every one of the plan's {plural(run.items, 'work item')} is finished; nothing to do"]
@@ -159,8 +163,15 @@ def _ray_driver(args, plan) -> int:
                      f"{run.discarded:,}, retries {run.retries:,} ({plural(run.workers_lost, 'worker')} lost)")
         skipped = skips.by_reason(run.counts)
         lines.append(f"{run.counts.get('images_written', 0):,} images written"
-                     + (f"; skipped: {_reasons(skipped)}" if skipped else "") + f"; next: mmtok merge {args.out}")
+                     + (f"; skipped: {_reasons(skipped)}" if skipped else "")
+                     + (f"; stopped by {run.stopped}: {run.to_do - len(run.finished):,} items left, rerun to "
+                        "continue" if run.stopped else f"; next: mmtok merge {args.out}"))
     print_report("encode", lines, run_record(run) if args.json else None)
+    if run.stopped:
+        return STOPPED_EXIT
+    failed = skips.items_failed_by_reason(run.counts)
+    refuse_nothing_usable("ray", run.counts.get("images_written", 0) + run.counts.get("images_deferred", 0)
+                          - sum(failed.values()), run.counts, f"{args.out}/parts/*/skipped.jsonl", extra=failed)
     return 0
 
 

@@ -36,6 +36,8 @@ from mmtok.errors import MmtokError
 
 MAX_TRIES = 3  # a worker dying under the same item this many times is a fault of the item, not of the workers
 WAIT_S = 5.0  # the driver's tick: how often it looks for a long-running item to back up
+START_TIMEOUT_S = 900.0  # no worker placed and started for this long: the cluster cannot run one (say so)
+HELD_RETRY_S = 30.0  # an item another process holds the lock of is offered again after this long
 
 
 def import_ray():
@@ -47,23 +49,42 @@ def import_ray():
     return ray
 
 
-class _Worker:
-    """What a Ray actor holds: one `ItemEncoder` (the codec loaded once)."""
+def check_device(device: str | None) -> bool:
+    """Whether workers need a GPU: yes unless `--device cpu`. Ray shows a worker only its own GPU (cuda:0 inside
+    it), so a device index other than 0 means nothing there and is refused."""
+    if device in (None, "cuda", "cuda:0"):
+        return True
+    if device == "cpu":
+        return False
+    raise MmtokError(f"--executor ray: --device {device!r} does not apply (each worker sees only the GPU Ray gives "
+                     "it); leave --device out, or pass cpu")
 
-    def __init__(self, plan_dir: str, out: str, codec: str, checkpoint: str, device: str | None, options: dict):
+
+class _Worker:
+    """What a Ray actor holds: one `ItemEncoder` (the codec loaded once, by `start`, so that a failure to load is
+    an error of the call with its own message, not an actor that died)."""
+
+    def __init__(self, *args):
+        self.args, self.encoder = args, None
+
+    def start(self) -> tuple[str, int]:
         from mmtok.codecs.registry import load_codec
         from mmtok.encode.runner import EncodeOptions, ItemEncoder
         from mmtok.launch import resolve_device
 
+        plan_dir, out, codec, checkpoint, device, options = self.args
         device = resolve_device(device)
         self.encoder = ItemEncoder(plan_dir, out, load_codec(codec, checkpoint, device, modality="image"), device,
                                    EncodeOptions(**options, progress=False, take_over=False, lock_free=True))
-
-    def where(self) -> tuple[str, int]:
         return socket.gethostname(), os.getpid()
 
     def encode(self, item: int, lock_free: bool) -> dict:
-        return self.encoder.encode(item, lock_free=lock_free)
+        from mmtok.fsutil import LockHeld
+
+        try:
+            return self.encoder.encode(item, lock_free=lock_free)
+        except LockHeld as held:  # a run with locks still writes it: offered again later
+            return {"held": str(held)}
 
 
 @dataclass
@@ -90,17 +111,21 @@ class RayRun:
     workers_lost: int = 0
     workers: int = 0
     seconds: float = 0.0
+    stopped: str | None = None  # the signal that stopped the driver (its workers were stopped, the items left)
     counts: dict = field(default_factory=dict)
 
 
 def encode_on_ray(plan_dir: str, out: str, codec: str, checkpoint: str, *, workers: int | None,
-                  address: str | None, device: str | None, options: dict, progress: bool = True) -> RayRun:
+                  address: str | None, device: str | None, options: dict, progress: bool = True,
+                  stop=None) -> RayRun:
     """Encode every unfinished work item of the plan into `out` on a Ray cluster (`address`; None: the one
     `RAY_ADDRESS` names, else a local one started here) with `workers` actors (None: one per GPU of the
-    cluster, 1 without); returns what was done."""
+    cluster; with --device cpu, 1); returns what was done. `stop` (a `mmtok.launch.StopRequest`): once set, the
+    workers are stopped and the run returns with `stopped` (their copies are resumed by the next run)."""
     from mmtok.formats.commitlog import is_done, part_dir
     from mmtok.formats.plan import Plan
 
+    gpu = check_device(device)
     ray = import_ray()
     count = len(Plan.open(plan_dir).work_items())
     to_do = [item for item in range(count) if not is_done(part_dir(out, item))]
@@ -112,8 +137,16 @@ def encode_on_ray(plan_dir: str, out: str, codec: str, checkpoint: str, *, worke
     if owned:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     try:
-        workers = workers or int(ray.cluster_resources().get("GPU", 0)) or 1
-        _Driver(ray, run, to_do, (plan_dir, out, codec, checkpoint, device, options), workers, progress).run()
+        if workers is None:
+            workers = int(ray.cluster_resources().get("GPU", 0)) if gpu else 1
+            if not workers:
+                raise MmtokError("the Ray cluster has no GPU (yet): give --ray-workers N (they wait for GPUs to "
+                                 "join), or --device cpu")
+        _Driver(ray, run, to_do, (plan_dir, out, codec, checkpoint, device, options), workers, gpu, progress,
+                stop).run()
+    except ray.exceptions.RayError as err:  # Ray's own failure (its raylet, the driver's connection): one line
+        raise MmtokError(f"Ray failed: {str(err).splitlines()[0][:300]}; rerun the same command to continue "
+                         "from the parts on disk") from None
     finally:
         if owned:
             ray.shutdown()
@@ -122,47 +155,86 @@ def encode_on_ray(plan_dir: str, out: str, codec: str, checkpoint: str, *, worke
 
 
 class _Driver:
-    def __init__(self, ray, run: RayRun, to_do: list[int], worker_args: tuple, workers: int, progress: bool):
+    def __init__(self, ray, run: RayRun, to_do: list[int], worker_args: tuple, workers: int, gpu: bool,
+                 progress: bool, stop):
         from mmtok.formats.commitlog import part_dir
+        from mmtok.progress import progress as progress_bar
 
-        self.ray, self.run_record, self.worker_args = ray, run, worker_args
-        out = worker_args[1]
-        self.out = out
+        self.ray, self.run_record, self.worker_args, self.stop = ray, run, worker_args, stop
+        self.out = worker_args[1]
         # a part a run with locks began: resumed under its lock, never two copies of it
-        self.locked = {item for item in to_do if part_dir(out, item).exists()}
+        self.locked = {item for item in to_do if part_dir(self.out, item).exists()}
         self.queue = deque(to_do)
+        self.held: dict[int, float] = {}  # item -> when to offer it again (another process holds its lock)
         self.tries: dict[int, int] = {}
         self.running: dict = {}  # ObjectRef -> _Copy
         self.done: set[int] = set()
         self.backed_up: set[int] = set()
-        self.where: dict = {}  # id(actor) -> ObjectRef of its (host, pid): whose private copies are whose
-        gpus = 1 if (worker_args[4] or "cuda").startswith("cuda") and ray.cluster_resources().get("GPU") else 0
-        self.actor = ray.remote(num_gpus=gpus, num_cpus=1, max_restarts=0)(_Worker)
-        self.idle = [self._start() for _ in range(min(workers, len(to_do)))]
-        run.workers = len(self.idle)
-        from mmtok.progress import progress as progress_bar
-
+        self.starting: dict = {}  # ObjectRef of a worker's `start` -> the worker
+        self.where: dict = {}  # id(worker) -> (host, pid), once started: whose private copies are whose
+        self.idle: list = []
+        self.live_since = time.monotonic()  # when a worker was last known placed and started (or the run began)
+        self.copies = _private_copies(self.out)  # item -> hosts of unfinished copies a killed writer left
+        self.actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=0)(_Worker)
+        for _ in range(min(workers, len(to_do))):
+            self._start()
+        run.workers = len(self.starting)
         self.bar = progress_bar(total=len(to_do), unit="item", desc="encode (ray)", enabled=progress)
 
-    def _start(self):
+    def _start(self) -> None:
         worker = self.actor.remote(*self.worker_args)
-        self.where[id(worker)] = worker.where.remote()  # answered before its first item: calls run in order
-        return worker
+        self.starting[worker.start.remote()] = worker
 
     def run(self) -> None:
-        with self.bar:
-            while len(self.done) < self.run_record.to_do:
-                self._hand_out()
-                ready, _ = self.ray.wait(list(self.running), num_returns=1, timeout=WAIT_S)
-                for ref in ready:
-                    self._settle(ref)
-        self._stop_workers()
+        try:
+            with self.bar:
+                while len(self.done) < self.run_record.to_do:
+                    if self.stop is not None and self.stop.is_set():
+                        self.run_record.stopped = self.stop.name
+                        return
+                    self._hand_out()
+                    waiting = [*self.running, *self.starting]
+                    if not waiting:  # every worker idle, the items left held by another process
+                        time.sleep(WAIT_S)
+                        continue
+                    ready, _ = self.ray.wait(waiting, num_returns=1, timeout=WAIT_S)
+                    for ref in ready:
+                        self._started(ref) if ref in self.starting else self._settle(ref)
+                    self._check_alive()
+        finally:
+            self._stop_workers()
+
+    def _started(self, ref) -> None:
+        worker = self.starting.pop(ref)
+        try:
+            self.where[id(worker)] = self.ray.get(ref)
+        except self.ray.exceptions.RayTaskError as err:  # it could not load the codec: nothing will run
+            raise MmtokError(f"a Ray worker could not start: {_cause(err)}") from None
+        except self.ray.exceptions.RayActorError:  # its node went away before it started: another in its place
+            self._count_lost()
+            self._start()
+            return
+        self.idle.append(worker)
+        self.live_since = time.monotonic()
+
+    def _check_alive(self) -> None:
+        """A run with no worker started, and none for START_TIMEOUT_S, cannot go on: say why."""
+        if self.idle or self.running:
+            self.live_since = time.monotonic()
+        elif time.monotonic() - self.live_since > START_TIMEOUT_S:
+            raise MmtokError(f"no Ray worker could be placed for {START_TIMEOUT_S:.0f} s ({len(self.starting)} "
+                             "waiting): does the cluster have a free GPU per worker (`ray status`)? Rerun to continue")
 
     def _hand_out(self) -> None:
+        now = time.monotonic()
+        for item, when in list(self.held.items()):
+            if when <= now:
+                del self.held[item]
+                self.queue.append(item)
         while self.idle and self.queue:
             item = self.queue.popleft()
-            if item not in self.done:
-                self._submit(self.idle.pop(), item, backup=False)
+            if item not in self.done:  # on the host of a copy left unfinished, if a worker there is free: resumed
+                self._submit(self._pick(prefer=self.copies.get(item, ())), item, backup=False)
         while self.idle and not self.queue:  # the tail: back up the copy that has run longest, once per item
             candidates = [c for c in self.running.values() if not c.backup and c.item not in self.backed_up
                           and c.item not in self.locked and c.item not in self.done]
@@ -171,7 +243,17 @@ class _Driver:
             oldest = min(candidates, key=lambda c: (c.started, c.item))
             self.backed_up.add(oldest.item)
             self.run_record.backups += 1
-            self._submit(self.idle.pop(), oldest.item, backup=True)
+            self._submit(self._pick(avoid=self.where.get(id(oldest.worker), ("",))[0]), oldest.item, backup=True)
+
+    def _pick(self, prefer=(), avoid: str = ""):
+        """An idle worker: one on a host in `prefer` if there is one (where a copy can be adopted and resumed),
+        else one on another host than `avoid` (a backup on the slow copy's node would share its trouble)."""
+        hosts = [self.where[id(worker)][0] for worker in self.idle]
+        for wanted in (lambda host: host in prefer, lambda host: host != avoid):
+            for i, host in enumerate(hosts):
+                if wanted(host):
+                    return self.idle.pop(i)
+        return self.idle.pop()
 
     def _submit(self, worker, item: int, backup: bool) -> None:
         ref = worker.encode.remote(item, item not in self.locked)
@@ -185,23 +267,38 @@ class _Driver:
             self._lost(copy)
             return
         except self.ray.exceptions.RayTaskError as err:  # the item itself failed: as it would under any launcher
+            if copy.item in self.done and "differs" not in str(err):  # a losing copy's trouble: the part stands
+                self.idle.append(copy.worker)
+                return
             raise MmtokError(f"work item {copy.item}: {_cause(err)}") from None
         self.idle.append(copy.worker)
+        if "held" in result:
+            if copy.item not in self.done and not any(c.item == copy.item for c in self.running.values()):
+                self.held[copy.item] = time.monotonic() + HELD_RETRY_S
+            return
         if result.get("discarded"):
             self.run_record.discarded += 1
         if copy.item in self.done:
             return
         self.done.add(copy.item)
         self.run_record.finished.append(copy.item)
-        self.run_record.backups_won += copy.backup
-        for name, value in result.get("counts", {}).items():
+        self.run_record.backups_won += copy.backup and not result.get("discarded") and not result.get("already_done")
+        for name, value in result.get("counts", {}).items():  # the part's own counters: the same for any copy
             self.run_record.counts[name] = self.run_record.counts.get(name, 0) + value
         self.bar.update(1)
         self.bar.set_postfix(backups=self.run_record.backups, retries=self.run_record.retries, refresh=False)
 
-    def _lost(self, copy: _Copy) -> None:
+    def _count_lost(self) -> None:
         self.run_record.workers_lost += 1
-        self.idle.append(self._start())  # a new worker in its place (Ray places it on a live node)
+        if self.run_record.workers_lost > MAX_TRIES * self.run_record.workers:
+            raise MmtokError(f"{self.run_record.workers_lost} Ray workers died; look for the cause in the Ray logs "
+                             "(out of memory? a node failing?) before running it again")
+
+    def _lost(self, copy: _Copy) -> None:
+        self._count_lost()
+        self.copies.setdefault(copy.item, set()).add(self.where[id(copy.worker)][0])  # its copy may be resumed there
+        self.ray.kill(copy.worker)  # (unavailable may not mean dead: make sure it holds no GPU and writes nothing)
+        self._start()  # a new worker in its place (Ray places it on a live node)
         if copy.item in self.done or any(c.item == copy.item for c in self.running.values()):
             return  # its other copy goes on
         self.tries[copy.item] = self.tries.get(copy.item, 0) + 1
@@ -212,22 +309,52 @@ class _Driver:
         self.queue.appendleft(copy.item)
 
     def _stop_workers(self) -> None:
-        """Stop every worker; the private copies of items finished meanwhile that a stopped worker was writing
-        (a losing backup) are removed (they are this run's, and their item is published)."""
-        from mmtok.formats.commitlog import PART_NAME, PRIVATE_DIR, parts_root
+        """Stop every worker. A copy a stopped worker was writing of an item that is published (a losing backup)
+        is removed once its call has come back failed (its process is gone); any other copy stays, for the next
+        run to resume."""
+        from mmtok.formats.commitlog import PART_NAME, PRIVATE_DIR, is_done, part_dir, parts_root, process_alive
 
-        losers = list(self.running.values())
-        for worker in {id(w): w for w in [c.worker for c in losers] + self.idle}.values():
+        workers = [c.worker for c in self.running.values()] + self.idle + list(self.starting.values())
+        for worker in {id(w): w for w in workers}.values():
             self.ray.kill(worker)
-        if self.running:  # a killed worker's call fails once its process is gone: then its copy can be removed
-            self.ray.wait(list(self.running), num_returns=len(self.running), timeout=60)
-        for copy in losers:  # its item is published: the copy it was writing is nobody's
-            try:
-                host, pid = self.ray.get(self.where[id(copy.worker)], timeout=10)
-            except self.ray.exceptions.RayError:  # it died before it said where it runs: a rerun adopts its copy
-                continue
-            shutil.rmtree(Path(parts_root(self.out)) / PRIVATE_DIR / f"{PART_NAME}{copy.item:05d}.{host}.{pid}",
-                          ignore_errors=True)
+        gone, _ = self.ray.wait(list(self.running), num_returns=len(self.running), timeout=60) if self.running \
+            else ([], [])
+        for ref in gone:
+            copy = self.running[ref]
+            where = self.where.get(id(copy.worker))
+            if copy.item in self.done and where is not None:
+                host, pid = where
+                shutil.rmtree(Path(parts_root(self.out)) / PRIVATE_DIR / f"{PART_NAME}{copy.item:05d}.{host}.{pid}",
+                              ignore_errors=True)
+        # copies on this host of published items whose writer is dead (a worker killed in an earlier run): nobody's
+        here = socket.gethostname()
+        for copy in _private_dirs(self.out):
+            item, host, pid = copy
+            path = Path(parts_root(self.out)) / PRIVATE_DIR / f"{PART_NAME}{item:05d}.{host}.{pid}"
+            if host == here and is_done(part_dir(self.out, item)) and not process_alive(pid):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _private_dirs(out: str) -> list[tuple[int, str, int]]:
+    """(item, host, pid) of each private copy under OUT/parts/.private (`commitlog.private_part_dir` names)."""
+    from mmtok.formats.commitlog import PART_NAME, PRIVATE_DIR, parts_root
+
+    found = []
+    root = Path(parts_root(out)) / PRIVATE_DIR
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        head, _, pid = path.name.rpartition(".")
+        number, _, host = head.partition(".")
+        if number.startswith(PART_NAME) and number[len(PART_NAME):].isdigit() and pid.isdigit() and host:
+            found.append((int(number[len(PART_NAME):]), host, int(pid)))
+    return found
+
+
+def _private_copies(out: str) -> dict[int, set[str]]:
+    """item -> the hosts holding an unfinished copy of it."""
+    copies: dict[int, set[str]] = {}
+    for item, host, _ in _private_dirs(out):
+        copies.setdefault(item, set()).add(host)
+    return copies
 
 
 def _cause(err) -> str:

@@ -140,14 +140,15 @@ def adopt_private_part(out: str | os.PathLike, part: int) -> Path:
     prefix = f"{PART_NAME}{part:05d}.{socket.gethostname()}."
     for candidate in sorted((parts_root(out) / PRIVATE_DIR).glob(prefix + "*")):
         pid = candidate.name[len(prefix):]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or process_alive(int(pid)):
             continue
         if claim_directory(candidate, mine):  # else another process adopted it first
             return mine
     return mine
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (a private copy's writer, by the pid in its name)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
