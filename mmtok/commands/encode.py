@@ -36,6 +36,8 @@ items are skipped, a half-done one resumes from its commit log. The merged outpu
 Then (take-over, unless --no-take-over) it takes every item no process has finished or holds, from the far
 end, so a slow or dead worker costs about one item. SIGUSR1/SIGTERM: commit the batch in flight, stop, exit
 75 (a rerun resumes). --print-sbatch GPUS prints a SLURM array script for this command (docs/slurm.md).
+--executor ray: this process is instead a driver that hands every unfinished item to a Ray cluster's GPU
+workers, with retries and tail backups (docs/ray.md).
 
 Every batch is committed durably, with a checksum; rerunning the same command after a crash or kill
 resumes from the last committed batch (after checking what was committed) and yields byte-identical
