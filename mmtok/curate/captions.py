@@ -72,6 +72,7 @@ class Fragments:
             if words:  # a line without words would match everywhere (`read` refuses it)
                 self._by_length.setdefault(len(words), {}).setdefault(tuple(words), index)
         self._firsts = {words[0] for by_words in self._by_length.values() for words in by_words}
+        self._lengths = sorted(self._by_length)
 
     @classmethod
     def read(cls, path: Path) -> Fragments:
@@ -104,11 +105,10 @@ class Fragments:
     def first_in(self, words: list[str]) -> int:
         """The fragment that starts first in `words` (the lowest line of those starting there), or -1. A lookup
         per word and fragment length: bounded by MAX_FRAGMENT_WORDS lookups per word whatever the file holds."""
-        lengths = sorted(self._by_length)
         for start in range(len(words)):
             if words[start] not in self._firsts:
                 continue
-            found = [self._by_length[n].get(tuple(words[start:start + n]), -1) for n in lengths
+            found = [self._by_length[n].get(tuple(words[start:start + n]), -1) for n in self._lengths
                      if start + n <= len(words)]
             hits = [index for index in found if index >= 0]
             if hits:

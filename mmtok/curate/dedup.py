@@ -334,37 +334,45 @@ def _renumbered(listed):
 
 
 def _caption_flags(images: "_Images", policy: dict[str, SourceRule], thresholds, matched: np.ndarray):
-    """The images their captions flag (`mmtok.curate.captions.flag`, source by source; global indexes), leaving
-    out the benchmark matches `matched` (a match is named as such)."""
+    """The images their captions flag (`mmtok.curate.captions.flag`; global indexes), leaving out the benchmark
+    matches `matched` (a match is named as such)."""
     from mmtok.curate.captions import Flags, flag
 
-    found = []
-    for s, table in enumerate(images.tables):
-        if policy[table.source].captions:
-            first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
-            columns = {name: column[first:last] for name, column in images.captions.items()}
-            got = flag(columns, thresholds, table.fragments)
-            found.append(Flags(rows=got.rows + first, rule=got.rule, detail=got.detail))
-    joined = _joined(*found)
+    joined = _by_source(images, policy, lambda s, table, columns: flag(columns, thresholds, table.fragments))
     keep = ~np.isin(joined.rows, matched)
     return Flags(rows=joined.rows[keep], rule=joined.rule[keep], detail=joined.detail[keep])
 
 
 def _template_caps(images: "_Images", policy: dict[str, SourceRule], thresholds, named: np.ndarray,
                    dropped: np.ndarray):
-    """The images of the samples newly over their template's cap (`mmtok.curate.captions.template_cap`, source
-    by source), among the images that stay (not in the sorted `dropped`); the images in the sorted `named`
-    (dropped by another rule, or capped already) keep their row."""
-    from mmtok.curate.captions import Flags, template_cap
+    """The images of the samples newly over their template's cap (`mmtok.curate.captions.template_cap`), among
+    the images that stay (not in `dropped`); the images in `named` (dropped by another rule, or capped already)
+    keep their row."""
+    from mmtok.curate.captions import template_cap
+
+    staying = np.ones(len(images.phash), bool)
+    staying[dropped] = False
+    droppable = np.ones(len(images.phash), bool)
+    droppable[named] = False
+
+    def cap(s: int, table, columns):
+        first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
+        return template_cap(columns, images.documents[first:last], images.keys[first:last], thresholds,
+                            staying[first:last], droppable[first:last])
+
+    return _by_source(images, policy, cap)
+
+
+def _by_source(images: "_Images", policy: dict[str, SourceRule], check):
+    """`check(source number, table, its caption columns)` over every source whose captions are checked, its
+    Flags (rows of that source) made global and joined."""
+    from mmtok.curate.captions import Flags
 
     found = []
     for s, table in enumerate(images.tables):
         if policy[table.source].captions:
             first, last = int(images.starts[s]), int(images.starts[s] + images.sizes[s])
-            columns = {name: column[first:last] for name, column in images.captions.items()}
-            index = np.arange(first, last)
-            got = template_cap(columns, images.documents[first:last], images.keys[first:last], thresholds,
-                               ~np.isin(index, dropped), ~np.isin(index, named))
+            got = check(s, table, {name: column[first:last] for name, column in images.captions.items()})
             found.append(Flags(rows=got.rows + first, rule=got.rule, detail=got.detail))
     return _joined(*found)
 

@@ -30,9 +30,9 @@ import socket
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from mmtok.errors import MmtokError
+from mmtok.formats.commitlog import is_done, part_dir, private_copies, private_part_dir, process_alive
 
 MAX_TRIES = 3  # a worker dying under the same item this many times is a fault of the item, not of the workers
 WAIT_S = 5.0  # the driver's tick: how often it looks for a long-running item to back up
@@ -122,7 +122,6 @@ def encode_on_ray(plan_dir: str, out: str, codec: str, checkpoint: str, *, worke
     `RAY_ADDRESS` names, else a local one started here) with `workers` actors (None: one per GPU of the
     cluster; with --device cpu, 1); returns what was done. `stop` (a `mmtok.launch.StopRequest`): once set, the
     workers are stopped and the run returns with `stopped` (their copies are resumed by the next run)."""
-    from mmtok.formats.commitlog import is_done, part_dir
     from mmtok.formats.plan import Plan
 
     gpu = check_device(device)
@@ -157,7 +156,6 @@ def encode_on_ray(plan_dir: str, out: str, codec: str, checkpoint: str, *, worke
 class _Driver:
     def __init__(self, ray, run: RayRun, to_do: list[int], worker_args: tuple, workers: int, gpu: bool,
                  progress: bool, stop):
-        from mmtok.formats.commitlog import part_dir
         from mmtok.progress import progress as progress_bar
 
         self.ray, self.run_record, self.worker_args, self.stop = ray, run, worker_args, stop
@@ -174,7 +172,9 @@ class _Driver:
         self.where: dict = {}  # id(worker) -> (host, pid), once started: whose private copies are whose
         self.idle: list = []
         self.live_since = time.monotonic()  # when a worker was last known placed and started (or the run began)
-        self.copies = _private_copies(self.out)  # item -> hosts of unfinished copies a killed writer left
+        self.copies: dict[int, set[str]] = {}  # item -> hosts of unfinished copies a killed writer left
+        for item, host, _ in private_copies(self.out):
+            self.copies.setdefault(item, set()).add(host)
         self.actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=1, max_restarts=0)(_Worker)
         for _ in range(min(workers, len(to_do))):
             self._start()
@@ -312,7 +312,6 @@ class _Driver:
         """Stop every worker. A copy a stopped worker was writing of an item that is published (a losing backup)
         is removed once its call has come back failed (its process is gone); any other copy stays, for the next
         run to resume."""
-        from mmtok.formats.commitlog import PART_NAME, PRIVATE_DIR, is_done, part_dir, parts_root, process_alive
 
         workers = [c.worker for c in self.running.values()] + self.idle + list(self.starting.values())
         for worker in {id(w): w for w in workers}.values():
@@ -324,37 +323,12 @@ class _Driver:
             where = self.where.get(id(copy.worker))
             if copy.item in self.done and where is not None:
                 host, pid = where
-                shutil.rmtree(Path(parts_root(self.out)) / PRIVATE_DIR / f"{PART_NAME}{copy.item:05d}.{host}.{pid}",
-                              ignore_errors=True)
+                shutil.rmtree(private_part_dir(self.out, copy.item, pid, host), ignore_errors=True)
         # copies on this host of published items whose writer is dead (a worker killed in an earlier run): nobody's
         here = socket.gethostname()
-        for copy in _private_dirs(self.out):
-            item, host, pid = copy
-            path = Path(parts_root(self.out)) / PRIVATE_DIR / f"{PART_NAME}{item:05d}.{host}.{pid}"
+        for item, host, pid in private_copies(self.out):
             if host == here and is_done(part_dir(self.out, item)) and not process_alive(pid):
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def _private_dirs(out: str) -> list[tuple[int, str, int]]:
-    """(item, host, pid) of each private copy under OUT/parts/.private (`commitlog.private_part_dir` names)."""
-    from mmtok.formats.commitlog import PART_NAME, PRIVATE_DIR, parts_root
-
-    found = []
-    root = Path(parts_root(out)) / PRIVATE_DIR
-    for path in sorted(root.iterdir()) if root.is_dir() else []:
-        head, _, pid = path.name.rpartition(".")
-        number, _, host = head.partition(".")
-        if number.startswith(PART_NAME) and number[len(PART_NAME):].isdigit() and pid.isdigit() and host:
-            found.append((int(number[len(PART_NAME):]), host, int(pid)))
-    return found
-
-
-def _private_copies(out: str) -> dict[int, set[str]]:
-    """item -> the hosts holding an unfinished copy of it."""
-    copies: dict[int, set[str]] = {}
-    for item, host, _ in _private_dirs(out):
-        copies.setdefault(item, set()).add(host)
-    return copies
+                shutil.rmtree(private_part_dir(self.out, item, pid, host), ignore_errors=True)
 
 
 def _cause(err) -> str:

@@ -251,8 +251,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
     encoder = ItemEncoder(plan_dir, out, codec, device, options)
     plan, device = encoder.plan, encoder.device
     items = plan.worker_items(rank, world_size)
-    encode_item = encoder.encode
-    run = take_items(out, len(plan.work_items()), items, options.take_over, stop_check(options.stop), encode_item)
+    run = take_items(out, len(plan.work_items()), items, options.take_over, stop_check(options.stop), encoder.encode)
     stopped = None
     if run.stopped is not None:  # inside the item (its result says where), or before it
         inside = run.reached and run.reached[-1] == run.stopped

@@ -126,9 +126,23 @@ class NoLock:
         pass
 
 
-def private_part_dir(out: str | os.PathLike, part: int, pid: int | None = None) -> Path:
-    """`OUT/parts/.private/part-00003.<host>.<pid>`: where a lock-free writer writes part 3 (nobody else does)."""
-    return parts_root(out) / PRIVATE_DIR / f"{PART_NAME}{part:05d}.{socket.gethostname()}.{pid or os.getpid()}"
+def private_part_dir(out: str | os.PathLike, part: int, pid: int | None = None, host: str | None = None) -> Path:
+    """`OUT/parts/.private/part-00003.<host>.<pid>`: where a lock-free writer writes part 3 (nobody else does);
+    by default this process's on this host."""
+    return parts_root(out) / PRIVATE_DIR / f"{PART_NAME}{part:05d}.{host or socket.gethostname()}.{pid or os.getpid()}"
+
+
+def private_copies(out: str | os.PathLike) -> list[tuple[int, str, int]]:
+    """(part, host, pid) of every private copy under OUT/parts/.private, by the names `private_part_dir` gives."""
+    root = parts_root(out) / PRIVATE_DIR
+    found = []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        head, _, pid = path.name.rpartition(".")
+        number, _, host = head.partition(".")
+        part = number[len(PART_NAME):]
+        if number.startswith(PART_NAME) and part.isdigit() and pid.isdigit() and host:
+            found.append((int(part), host, int(pid)))
+    return found
 
 
 def adopt_private_part(out: str | os.PathLike, part: int) -> Path:
