@@ -7,6 +7,7 @@ the worker holding the last item is stopped (SIGSTOP) until the backup has finis
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -105,9 +106,12 @@ def test_a_worker_killed_inside_an_item_has_it_resumed_elsewhere(job, tmp_path, 
 
 
 def test_a_stalled_worker_s_item_is_backed_up_and_the_backup_is_the_part(job, tmp_path, capsys):
-    """The worker writing the last item is stopped (SIGSTOP) after its first commit, before its last: it cannot
-    publish, so the backup's copy must be the part. A stop that lands after the copy was complete (the worker
-    raced past the check) proves nothing, and the run is made again on a fresh output (at most 3 times)."""
+    """The first copy of the last item to commit is stopped (SIGSTOP) after its first commit, before its last: it
+    cannot publish, so another copy, which only a backup makes, must be the part. (Which copy that is depends on
+    where the item was when the tail came: running, a backup of it is the part; still waiting behind another
+    item, the backup runs first and is the one stopped, and the waiting call, cancelled or not, gets the item
+    done -- tests/test_ray_scheduling.py replays each case.) A stop that lands after the copy was complete (the
+    worker raced past the check) proves nothing, and the run is made again on a fresh output (at most 3 times)."""
     plan, checkpoint, reference = job
     items = Plan.open(plan).work_items()
     last = len(items) - 1
@@ -142,7 +146,8 @@ def test_a_stalled_worker_s_item_is_backed_up_and_the_backup_is_the_part(job, tm
             break
     else:
         pytest.fail("the worker of the last item finished it before it could be stopped, three times")
-    assert "backups 1 (1 finished first)" in err, err
+    backups = re.search(r"backups (\d+) \((\d+) finished first\)", err)
+    assert backups and int(backups[1]) >= 1, err
     assert _merged(out) == reference
     assert not _private_copies(out)  # the stalled worker was stopped and its copy removed
 

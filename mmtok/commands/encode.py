@@ -157,8 +157,9 @@ def _ray_driver(args, plan) -> int:
         run = encode_on_ray(args.plan, args.out, args.codec, args.checkpoint, workers=args.ray_workers,
                             address=args.address, device=args.device, options=options,
                             progress=not args.no_progress, stop=stop)
+    ready = f" (the first ready after {min(run.worker_starts):,.1f} s)" if run.worker_starts else ""
     lines = [f"ray: {run.to_do:,} of {plural(run.items, 'work item')} to do, {len(run.finished):,} finished by "
-             f"{plural(run.workers, 'worker')} in {run.seconds:,.1f} s" if run.to_do else
+             f"{plural(run.workers, 'worker')}{ready} in {run.seconds:,.1f} s" if run.to_do else
              f"ray: every one of the plan's {plural(run.items, 'work item')} is finished; nothing to do"]
     if run.to_do:
         lines.append(f"backups {run.backups:,} ({run.backups_won:,} finished first), copies discarded "

@@ -5,8 +5,9 @@ is for every other launcher: the parts and their commit logs under OUT. So:
 
 * The driver lists the plan's work items whose part is not finished and hands them, one at a time, to its
   workers: Ray actors (`num_gpus=1` on CUDA), each of which loads the codec once and pins its device as a rank
-  does (`mmtok.launch.resolve_device`: Ray shows an actor only its own GPU). One item in flight per worker: a
-  slow worker holds back one item, never a queue of them.
+  does (`mmtok.launch.resolve_device`: Ray shows an actor only its own GPU). Two calls in flight per worker, one
+  running and one waiting at the worker, so that the next item starts without a round trip through the driver;
+  a slow worker holds back at most one item more, which an idle worker backs up at the tail (see below).
 * Parts are written by the lock-free protocol (`mmtok encode --lock-free`): each copy of an item is private
   until finished and published by one rename; when two copies finish, the second is checked byte-identical and
   discarded. An item a run with locks began (its part exists, unfinished) is resumed under its lock instead,
@@ -16,7 +17,9 @@ is for every other launcher: the parts and their commit logs under OUT. So:
   copy from its commit log when it runs on the same host (`adopt_private_part`), and a new worker is started in
   its place. A driver that dies is simply started again: what is finished on disk is not done twice.
 * Tail backups: Ray has no speculative execution, so the driver does it. When no item is left to hand out, an
-  idle worker runs a backup of the item that has run longest (one backup per item); whichever copy finishes
+  idle worker runs a backup of an item still waiting behind another worker's call (that call is cancelled; Ray
+  cancels a waiting actor call on a best-effort basis, so it may run all the same), else of the item that has
+  run longest (one backup per item); whichever copy finishes
   first is the part, the other is discarded. When every item is finished the workers are stopped, a losing
   copy still running included (its private directory is removed).
 * Nothing depends on the order results come back in: merge reads the parts in item order.
@@ -37,6 +40,7 @@ from mmtok.formats.commitlog import is_done, part_dir, private_copies, private_p
 MAX_TRIES = 3  # a worker dying under the same item this many times is a fault of the item, not of the workers
 WAIT_S = 5.0  # the driver's tick: how often it looks for a long-running item to back up
 START_TIMEOUT_S = 900.0  # no worker placed and started for this long: the cluster cannot run one (say so)
+DEPTH = 2  # calls in flight per worker: one running, one waiting there (no driver round trip between items)
 HELD_RETRY_S = 30.0  # an item another process holds the lock of is offered again after this long
 
 
@@ -93,8 +97,10 @@ class _Copy:
 
     item: int
     worker: object
-    started: float
+    ref: object
+    started: float | None  # None while it waits behind the worker's call before it
     backup: bool
+    cancelled: bool = False  # where it waited: an idle worker took the item (a backup) before it started
 
 
 @dataclass
@@ -107,9 +113,11 @@ class RayRun:
     backups: int = 0  # backup copies started
     backups_won: int = 0  # items whose backup copy was published first
     discarded: int = 0  # finished copies found identical to a published part and removed
-    retries: int = 0  # items handed out again after their worker died
+    retries: int = 0  # items handed out again after the worker writing them died
     workers_lost: int = 0
     workers: int = 0
+    began_at: float = 0.0  # when the run began (seconds since the epoch)
+    worker_starts: list[float] = field(default_factory=list)  # seconds from then until each worker was ready
     seconds: float = 0.0
     stopped: str | None = None  # the signal that stopped the driver (its workers were stopped, the items left)
     counts: dict = field(default_factory=dict)
@@ -131,7 +139,7 @@ def encode_on_ray(plan_dir: str, out: str, codec: str, checkpoint: str, *, worke
     run = RayRun(items=count, to_do=len(to_do))
     if not to_do:
         return run
-    began = time.monotonic()
+    began, run.began_at = time.monotonic(), time.time()
     owned = not ray.is_initialized()
     if owned:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
@@ -166,11 +174,12 @@ class _Driver:
         self.held: dict[int, float] = {}  # item -> when to offer it again (another process holds its lock)
         self.tries: dict[int, int] = {}
         self.running: dict = {}  # ObjectRef -> _Copy
+        self.lanes: dict[int, list] = {}  # id(worker) -> its calls in flight, in the order it runs them
+        self.workers: dict[int, object] = {}  # id(worker) -> worker, for the started ones alive
         self.done: set[int] = set()
         self.backed_up: set[int] = set()
         self.starting: dict = {}  # ObjectRef of a worker's `start` -> the worker
         self.where: dict = {}  # id(worker) -> (host, pid), once started: whose private copies are whose
-        self.idle: list = []
         self.live_since = time.monotonic()  # when a worker was last known placed and started (or the run began)
         self.copies: dict[int, set[str]] = {}  # item -> hosts of unfinished copies a killed writer left
         for item, host, _ in private_copies(self.out):
@@ -199,7 +208,10 @@ class _Driver:
                         continue
                     ready, _ = self.ray.wait(waiting, num_returns=1, timeout=WAIT_S)
                     for ref in ready:
-                        self._started(ref) if ref in self.starting else self._settle(ref)
+                        if ref in self.starting:
+                            self._started(ref)
+                        elif ref in self.running:  # (not if its worker's death already settled it)
+                            self._settle(ref)
                     self._check_alive()
         finally:
             self._stop_workers()
@@ -214,66 +226,113 @@ class _Driver:
             self._count_lost()
             self._start()
             return
-        self.idle.append(worker)
+        self.workers[id(worker)] = worker
+        self.lanes[id(worker)] = []
+        self.run_record.worker_starts.append(round(time.time() - self.run_record.began_at, 3))
         self.live_since = time.monotonic()
 
     def _check_alive(self) -> None:
         """A run with no worker started, and none for START_TIMEOUT_S, cannot go on: say why."""
-        if self.idle or self.running:
+        if self.workers:
             self.live_since = time.monotonic()
         elif time.monotonic() - self.live_since > START_TIMEOUT_S:
             raise MmtokError(f"no Ray worker could be placed for {START_TIMEOUT_S:.0f} s ({len(self.starting)} "
                              "waiting): does the cluster have a free GPU per worker (`ray status`)? Rerun to continue")
 
     def _hand_out(self) -> None:
+        """Items to workers with a free place, the least loaded first (DEPTH calls each once all have started:
+        the next item waits at the worker, not a round trip through the driver); at the tail, an idle worker
+        takes an item still waiting behind another worker's (cancelled there), else the copy that has run
+        longest: a backup (one per item)."""
         now = time.monotonic()
         for item, when in list(self.held.items()):
             if when <= now:
                 del self.held[item]
                 self.queue.append(item)
-        while self.idle and self.queue:
-            item = self.queue.popleft()
-            if item not in self.done:  # on the host of a copy left unfinished, if a worker there is free: resumed
-                self._submit(self._pick(prefer=self.copies.get(item, ())), item, backup=False)
-        while self.idle and not self.queue:  # the tail: back up the copy that has run longest, once per item
-            candidates = [c for c in self.running.values() if not c.backup and c.item not in self.backed_up
-                          and c.item not in self.locked and c.item not in self.done]
-            if not candidates:
-                break
-            oldest = min(candidates, key=lambda c: (c.started, c.item))
-            self.backed_up.add(oldest.item)
+        depth = 1 if self.starting else DEPTH  # not while workers start: a late one would find them all taken
+        while self.queue:
+            if self.queue[0] in self.done:
+                self.queue.popleft()
+                continue
+            # on the host of a copy left unfinished, if a worker there is free: resumed
+            worker = self._pick(depth - 1, prefer=self.copies.get(self.queue[0], ()))
+            if worker is None:
+                return
+            self._submit(worker, self.queue.popleft(), backup=False)
+        while (worker := self._pick(0)) is not None:
+            live = [c for c in self.running.values() if not c.backup and not c.cancelled and c.item not in self.done
+                    and c.item not in self.backed_up and c.item not in self.locked]
+            # an item waiting behind another worker's call first (its worker is busy for a whole item more), then
+            # the copy that has run longest
+            waiting = [c for c in live if c.started is None]
+            if waiting:
+                chosen = min(waiting, key=lambda c: (self.running[self.lanes[id(c.worker)][0]].started, c.item))
+                chosen.cancelled = True  # where it waits (if it starts all the same, the copies are identical)
+                self.ray.cancel(chosen.ref)
+            elif live:
+                chosen = min(live, key=lambda c: (c.started, c.item))
+            else:
+                return
+            self.backed_up.add(chosen.item)
             self.run_record.backups += 1
-            self._submit(self._pick(avoid=self.where.get(id(oldest.worker), ("",))[0]), oldest.item, backup=True)
+            # on another host than the slow copy's, if one is idle (a backup there would share its trouble)
+            self._submit(self._pick(0, avoid=self.where[id(chosen.worker)][0], instead=worker), chosen.item,
+                         backup=True)
 
-    def _pick(self, prefer=(), avoid: str = ""):
-        """An idle worker: one on a host in `prefer` if there is one (where a copy can be adopted and resumed),
-        else one on another host than `avoid` (a backup on the slow copy's node would share its trouble)."""
-        hosts = [self.where[id(worker)][0] for worker in self.idle]
+    def _pick(self, most: int, prefer=(), avoid: str = "", instead=None):
+        """A worker with at most `most` calls in flight, the least loaded first, then one on a host in `prefer`
+        (where a copy can be adopted and resumed), else one not on host `avoid`; `instead` (or None) if none."""
+        free = [w for w in self.workers.values() if len(self.lanes[id(w)]) <= most]
+        if not free:
+            return instead
+        least = min(len(self.lanes[id(w)]) for w in free)
+        free = [w for w in free if len(self.lanes[id(w)]) == least]
         for wanted in (lambda host: host in prefer, lambda host: host != avoid):
-            for i, host in enumerate(hosts):
-                if wanted(host):
-                    return self.idle.pop(i)
-        return self.idle.pop()
+            for worker in free:
+                if wanted(self.where[id(worker)][0]):
+                    return worker
+        return free[0]
 
     def _submit(self, worker, item: int, backup: bool) -> None:
         ref = worker.encode.remote(item, item not in self.locked)
-        self.running[ref] = _Copy(item, worker, time.monotonic(), backup)
+        lane = self.lanes[id(worker)]
+        self.running[ref] = _Copy(item, worker, ref, None if lane else time.monotonic(), backup)
+        lane.append(ref)
+
+    def _free(self, ref) -> _Copy:
+        """Take a settled call off its worker's lane; the call behind it starts now."""
+        copy = self.running.pop(ref)
+        lane = self.lanes.get(id(copy.worker), [])
+        if ref in lane:
+            lane.remove(ref)
+            if lane and self.running[lane[0]].started is None:
+                self.running[lane[0]].started = time.monotonic()
+        return copy
 
     def _settle(self, ref) -> None:
-        copy = self.running.pop(ref)
+        copy = self.running[ref]
         try:
             result = self.ray.get(ref)
-        except self.ray.exceptions.RayActorError:  # the worker died (its process or its node): hand the item out again
-            self._lost(copy)
+        except self.ray.exceptions.TaskCancelledError:  # backed up on an idle worker before it started
+            self._free(ref)
+            for other in self.running.values():  # the backup is the item's only copy now: it may be backed up
+                if other.item == copy.item and other.backup:
+                    other.backup = False
+                    self.backed_up.discard(copy.item)
+            if self._unattended(copy.item):  # (its backup came back held: offered again like it)
+                self.queue.appendleft(copy.item)
+            return
+        except self.ray.exceptions.RayActorError:  # the worker died (its process or its node): hand its items out
+            self._lost(copy.worker)
             return
         except self.ray.exceptions.RayTaskError as err:  # the item itself failed: as it would under any launcher
+            self._free(ref)
             if copy.item in self.done and "differs" not in str(err):  # a losing copy's trouble: the part stands
-                self.idle.append(copy.worker)
                 return
             raise MmtokError(f"work item {copy.item}: {_cause(err)}") from None
-        self.idle.append(copy.worker)
+        self._free(ref)
         if "held" in result:
-            if copy.item not in self.done and not any(c.item == copy.item for c in self.running.values()):
+            if self._unattended(copy.item):
                 self.held[copy.item] = time.monotonic() + HELD_RETRY_S
             return
         if result.get("discarded"):
@@ -288,33 +347,46 @@ class _Driver:
         self.bar.update(1)
         self.bar.set_postfix(backups=self.run_record.backups, retries=self.run_record.retries, refresh=False)
 
+    def _unattended(self, item: int) -> bool:
+        """Whether nothing will finish `item` as things stand: not done, not to be handed out, no live copy."""
+        return item not in self.done and item not in self.held and item not in self.queue \
+            and not any(c.item == item and not c.cancelled for c in self.running.values())
+
     def _count_lost(self) -> None:
         self.run_record.workers_lost += 1
         if self.run_record.workers_lost > MAX_TRIES * self.run_record.workers:
             raise MmtokError(f"{self.run_record.workers_lost} Ray workers died; look for the cause in the Ray logs "
                              "(out of memory? a node failing?) before running it again")
 
-    def _lost(self, copy: _Copy) -> None:
+    def _lost(self, worker) -> None:
+        """A worker died: its calls are settled at once (the one it was running is retried; the ones waiting
+        behind it go back to the queue's front) and a new worker is started in its place."""
         self._count_lost()
-        self.copies.setdefault(copy.item, set()).add(self.where[id(copy.worker)][0])  # its copy may be resumed there
-        self.ray.kill(copy.worker)  # (unavailable may not mean dead: make sure it holds no GPU and writes nothing)
+        del self.workers[id(worker)]
+        lane = self.lanes.pop(id(worker))
+        self.ray.kill(worker)  # (unavailable may not mean dead: make sure it holds no GPU and writes nothing)
         self._start()  # a new worker in its place (Ray places it on a live node)
-        if copy.item in self.done or any(c.item == copy.item for c in self.running.values()):
-            return  # its other copy goes on
-        self.tries[copy.item] = self.tries.get(copy.item, 0) + 1
-        if self.tries[copy.item] >= MAX_TRIES:
-            raise MmtokError(f"work item {copy.item}: its worker died {MAX_TRIES} times; look for the cause in the "
-                             "Ray logs (out of memory? a crash in the codec?) before running it again")
-        self.run_record.retries += 1
-        self.queue.appendleft(copy.item)
+        for position, ref in reversed(list(enumerate(lane))):
+            copy = self.running.pop(ref)
+            if position == 0:  # the one it was writing: its copy may be resumed on its host
+                self.copies.setdefault(copy.item, set()).add(self.where[id(worker)][0])
+            if not self._unattended(copy.item):
+                continue  # finished, or its other copy goes on
+            if position == 0:
+                self.tries[copy.item] = self.tries.get(copy.item, 0) + 1
+                if self.tries[copy.item] >= MAX_TRIES:
+                    raise MmtokError(f"work item {copy.item}: its worker died {MAX_TRIES} times; look for the cause "
+                                     "in the Ray logs (out of memory? a crash in the codec?) before running it again")
+                self.run_record.retries += 1
+            self.queue.appendleft(copy.item)
 
     def _stop_workers(self) -> None:
         """Stop every worker. A copy a stopped worker was writing of an item that is published (a losing backup)
         is removed once its call has come back failed (its process is gone); any other copy stays, for the next
         run to resume."""
 
-        workers = [c.worker for c in self.running.values()] + self.idle + list(self.starting.values())
-        for worker in {id(w): w for w in workers}.values():
+        workers = list(self.workers.values()) + list(self.starting.values())
+        for worker in workers:
             self.ray.kill(worker)
         gone, _ = self.ray.wait(list(self.running), num_returns=len(self.running), timeout=60) if self.running \
             else ([], [])
