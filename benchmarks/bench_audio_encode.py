@@ -7,7 +7,7 @@ The stand-in "device" (`StandInAudioCodec`, below -- NOT a real codec) takes pad
 RTF is its speed as a multiple of real time. Its codes are a deterministic function of the audio.
 Input: --copies copies of every Debian asterisk-core-sounds-en prompt, converted by `mmtok audio
 convert` into Shar shards of 200 cuts. Same run, same shards, for each RTF:
-* pipeline: `mmtok.encode.audio.encode_rank` -- DataLoader workers (--workers) decode, normalize and
+* pipeline: `mmtok.encode.audio.encode_audio_rank` -- DataLoader workers (--workers) decode, normalize and
   pad the next batches while the device encodes; commits and part assembly on a background thread;
 * serial: the same steps one after another in one thread (load batch, encode, commit).
 Busy = time inside `encode` / wall time of the encode loop; "steady" excludes the wait for the first
@@ -81,11 +81,11 @@ def make_shar(workdir: Path, copies: int) -> Path:
 
 
 def pipeline(shar: Path, out: Path, codec, workers: int) -> dict:
-    from mmtok.encode.audio import encode_rank
+    from mmtok.encode.audio import encode_audio_rank
     from mmtok.encode.audio_batches import Batching
 
     shutil.rmtree(out, ignore_errors=True)
-    return encode_rank(shar, out, codec, rank=0, world_size=1, batching=Batching(), num_workers=workers,
+    return encode_audio_rank(shar, out, codec, rank=0, world_size=1, batching=Batching(), num_workers=workers,
                        progress=False)
 
 

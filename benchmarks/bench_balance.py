@@ -16,7 +16,7 @@ Configurations, each encoded --repeats times into a fresh output:
                  on this CPU (`mmtok.plan.calibrate` on the plan's shapes, batch sizes 1 and 4, as `mmtok calibrate
                  --plan PLAN --device cpu` does, but timed in CPU seconds like bench_calibrate.py: the
                  machine is shared)
-The three ranks of a job run one after another in this process (`encode_rank`, 1 loader thread), so
+The three ranks of a job run one after another in this process (`encode_image_rank`, 1 loader thread), so
 they never compete for the machine's cores; each encodes its work items (`Plan.worker_items`, items of
 0.1 s by the cost model), and `job_status(out, plan)` then reads the parts' counters, summed per rank.
 
@@ -51,7 +51,7 @@ from bench_encode import build_corpus, web_jpegs  # noqa: E402 (also puts tests/
 from mmtok.cli import main as cli  # noqa: E402
 from mmtok.codecs import emu35  # noqa: E402
 from mmtok.codecs.registry import load_codec  # noqa: E402
-from mmtok.encode.runner import EncodeOptions, encode_rank  # noqa: E402
+from mmtok.encode.runner import EncodeOptions, encode_image_rank  # noqa: E402
 from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
 from mmtok.formats.presets import CostModel  # noqa: E402
 from mmtok.plan import calibrate as cal  # noqa: E402
@@ -119,13 +119,13 @@ def costs_under(plan: Path, model: CostModel) -> tuple[float, np.ndarray]:
 
 def encode_job(plan: Path, out: Path, codec, cpu: bool) -> dict:
     """Ranks 0..WORLD_SIZE-1 encoded one after another (1 loader thread), then `job_status(out, plan)`
-    with each part's pipeline fill (from `encode_rank`'s stats) and, when `cpu`, the thread CPU seconds
+    with each part's pipeline fill (from `encode_image_rank`'s stats) and, when `cpu`, the thread CPU seconds
     of its `codec.encode` calls (`cpu_s`) added."""
     shutil.rmtree(out, ignore_errors=True)
     added = []
     for rank in range(WORLD_SIZE):
         timed = CpuTimed(codec)
-        stats = encode_rank(plan, out, timed, rank=rank, world_size=WORLD_SIZE,
+        stats = encode_image_rank(plan, out, timed, rank=rank, world_size=WORLD_SIZE,
                             options=EncodeOptions(loader_threads=1, progress=False))
         added.append({"fill_s": stats["fill_s"], "cpu_s": timed.seconds if cpu else None})
     return by_worker(job_status(out, plan), Plan.open(plan), added)

@@ -10,7 +10,7 @@ with captions, in WebDataset tar shards; scanned and planned as `image-text` wit
 The device is `benchmarks/standin.py` `StandInCodec`: encode time proportional to pixels, a sleep that
 releases the GIL like a CUDA sync, simulating a GPU that encodes R images of 512x512 per second.
 
-1. Overlap: device-busy fraction of wall time, end to end (`encode_rank`: loader threads, device
+1. Overlap: device-busy fraction of wall time, end to end (`encode_image_rank`: loader threads, device
    loop, background commits), for each rate R in --rates, next to a serial baseline that decodes,
    resizes and encodes each batch in one thread. The loaders' own rate (instant device) is measured
    first; `auto` is a device these loaders can feed on this machine, so its row isolates the overlap
@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from encodekit import write_tar  # noqa: E402
 from mmtok.cli import main as cli  # noqa: E402
-from mmtok.encode.runner import EncodeOptions, encode_rank  # noqa: E402
+from mmtok.encode.runner import EncodeOptions, encode_image_rank  # noqa: E402
 from mmtok.formats.commitlog import CommitThread, PartWriter  # noqa: E402
 from mmtok.media.images import decode_rgb, resize_rgb  # noqa: E402
 from mmtok.media.resize import target_shape  # noqa: E402
@@ -113,7 +113,7 @@ def mean_target_pixels(plan: Path) -> float:
 
 def overlapped(plan: Path, out: Path, rate: float, threads: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    return encode_rank(plan, out, StandInCodec(rate), rank=0, world_size=1,
+    return encode_image_rank(plan, out, StandInCodec(rate), rank=0, world_size=1,
                        options=EncodeOptions(loader_threads=threads, progress=False))
 
 

@@ -242,9 +242,9 @@ class DyingCodec:
 
 def real_run(plan_dir: Path, out: Path, world_size: int, workers: int, faults: Faults, rate: float,
              policy: str) -> tuple[float, float]:
-    """Wall seconds of the job run by `workers` threads (encode_rank, 1 loader thread each), under `faults`,
+    """Wall seconds of the job run by `workers` threads (encode_image_rank, 1 loader thread each), under `faults`,
     and the mean seconds a rank session spent outside the device (start sleep, setup, pipeline fill, host waits)."""
-    from mmtok.encode.runner import EncodeOptions, encode_rank
+    from mmtok.encode.runner import EncodeOptions, encode_image_rank
     from standin import StandInCodec
 
     shutil.rmtree(out, ignore_errors=True)
@@ -279,7 +279,7 @@ def real_run(plan_dir: Path, out: Path, world_size: int, workers: int, faults: F
             began, busy = time.monotonic(), codec.busy_s
             time.sleep(faults.start_s)  # the model load of a rank start
             try:
-                encode_rank(plan_dir, out, codec, rank=rank, world_size=world_size,
+                encode_image_rank(plan_dir, out, codec, rank=rank, world_size=world_size,
                             options=EncodeOptions(loader_threads=1, progress=False))
             except Died:
                 with lock:

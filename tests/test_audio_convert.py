@@ -116,7 +116,7 @@ def test_output_is_identical_with_and_without_worker_processes(corpus, converted
 def test_killed_conversion_resumes_without_redoing_finished_shards(corpus, converted, tmp_path, monkeypatch):
     root, table, _ = corpus
     options = ConvertOptions(max_duration=6.0, shard_size=4)
-    real_write = convert_module.write_shard
+    real_write = convert_module.write_shar_shard
     written = []
 
     def dying_write(out, index, clips):
@@ -125,13 +125,13 @@ def test_killed_conversion_resumes_without_redoing_finished_shards(corpus, conve
         written.append(index)
         return real_write(out, index, clips)
 
-    monkeypatch.setattr(convert_module, "write_shard", dying_write)
+    monkeypatch.setattr(convert_module, "write_shar_shard", dying_write)
     with pytest.raises(KeyboardInterrupt):
         convert([root], tmp_path, options, transcripts=table, workers=0, progress=False)
     assert not report(tmp_path)["complete"] and len(report(tmp_path)["shards"]) == 2
     first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "shar").iterdir()}
     redone = []
-    monkeypatch.setattr(convert_module, "write_shard", lambda out, index, clips: redone.append(index) or
+    monkeypatch.setattr(convert_module, "write_shar_shard", lambda out, index, clips: redone.append(index) or
                         real_write(out, index, clips))
     convert([root], tmp_path, options, transcripts=table, workers=0, progress=False)
     assert redone and min(redone) == 2
@@ -426,7 +426,7 @@ from mmtok.audio import convert
 def blocked(*args):  # the first shard is ready: workers have decoded; hold the run here until killed
     print("writing", flush=True)
     threading.Event().wait()
-convert.write_shard = blocked
+convert.write_shar_shard = blocked
 from mmtok.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -199,7 +199,7 @@ def test_units_are_bounded_never_span_inputs_and_give_the_same_bytes_with_worker
 
 
 def test_killed_conversion_of_conversations_resumes_after_its_last_shard(inputs, converted, tmp_path, monkeypatch):
-    real_write = convert_module.write_shard
+    real_write = convert_module.write_shar_shard
     written = []
 
     def dying_write(out, index, clips):
@@ -208,11 +208,11 @@ def test_killed_conversion_of_conversations_resumes_after_its_last_shard(inputs,
         written.append(index)
         return real_write(out, index, clips)
 
-    monkeypatch.setattr(convert_module, "write_shard", dying_write)
+    monkeypatch.setattr(convert_module, "write_shar_shard", dying_write)
     with pytest.raises(KeyboardInterrupt):
         convert(inputs, tmp_path, OPTIONS, kind="conversations", workers=0, progress=False)
     assert len(report(tmp_path)["shards"]) == 1 and not report(tmp_path)["complete"]
-    monkeypatch.setattr(convert_module, "write_shard", real_write)
+    monkeypatch.setattr(convert_module, "write_shar_shard", real_write)
     convert(inputs, tmp_path, OPTIONS, kind="conversations", workers=0, progress=False)
     assert stored_bytes(tmp_path) == stored_bytes(converted)
     assert report(tmp_path)["counts"] == report(converted)["counts"]

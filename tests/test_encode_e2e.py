@@ -255,9 +255,9 @@ def test_rerun_of_a_finished_rank_is_a_no_op_and_other_inputs_are_refused(env, t
     assert "already finished" in capsys.readouterr().err and digests(tmp_path / "out") == before
     other = emu35.write_random_checkpoint(tmp_path / "other", seed=7)
     with pytest.raises(MmtokError, match=r"codec\.checkpoint_sha256 \(recorded"):
-        from mmtok.encode.runner import encode_rank
+        from mmtok.encode.runner import encode_image_rank
 
-        encode_rank(plan_dir, tmp_path / "out", emu35.load(other, "cpu"), rank=0, world_size=1)
+        encode_image_rank(plan_dir, tmp_path / "out", emu35.load(other, "cpu"), rank=0, world_size=1)
     other_plan = plan(env, "plan-refuse-2", "--mode", "image", "--token-budget", "40")
     assert main(["encode", "--plan", str(other_plan), "--checkpoint", str(env.checkpoint), "--out",
                  str(tmp_path / "out"), "--device", "cpu", "--no-progress"]) == 2
@@ -306,7 +306,7 @@ def test_parquet_inputs_are_read_by_row_with_their_caption_column(env, tmp_path)
 
 
 def test_a_stop_while_a_document_is_half_encoded_resumes_and_merges_the_same_bytes(env, tmp_path, monkeypatch):
-    from mmtok.encode.runner import encode_rank
+    from mmtok.encode.runner import encode_image_rank
     from mmtok.formats.commitlog import PartWriter, read_items
 
     plan_dir = plan(env, "plan-items", "--mode", "image-text")
@@ -323,12 +323,12 @@ def test_a_stop_while_a_document_is_half_encoded_resumes_and_merges_the_same_byt
 
     monkeypatch.setattr(PartWriter, "commit", commit_then_stop)
     with pytest.raises(Stop):
-        encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
+        encode_image_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
     monkeypatch.setattr(PartWriter, "commit", real_commit)
     records, _ = read_items(part_dir(tmp_path / "stopped", 0))
     documents = {r["document"] for r in records if r["kind"] == "image"}
     assert documents and not (tmp_path / "stopped" / "parts" / "part-00000" / "DONE").exists()
-    encode_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
+    encode_image_rank(plan_dir, tmp_path / "stopped", env.codec, rank=0, world_size=1)
     assert main(["merge", str(tmp_path / "stopped")]) == 0
     assert digests(tmp_path / "stopped") == digests(clean)
 
@@ -336,7 +336,7 @@ def test_a_stop_while_a_document_is_half_encoded_resumes_and_merges_the_same_byt
 def test_a_device_error_is_reported_even_when_the_committer_fails_after_it(env, tmp_path, monkeypatch):
     import threading
 
-    from mmtok.encode.runner import encode_rank
+    from mmtok.encode.runner import encode_image_rank
     from mmtok.formats.commitlog import PartWriter
 
     plan_dir = plan(env, "plan-first-error", "--mode", "image-text")
@@ -358,7 +358,7 @@ def test_a_device_error_is_reported_even_when_the_committer_fails_after_it(env, 
     monkeypatch.setattr(type(env.codec), "encode", failing_encode)
     monkeypatch.setattr(PartWriter, "commit", failing_commit)
     with pytest.raises(RuntimeError, match="the device failed first"):
-        encode_rank(plan_dir, tmp_path / "out", env.codec, rank=0, world_size=1)
+        encode_image_rank(plan_dir, tmp_path / "out", env.codec, rank=0, world_size=1)
 
 
 def test_encode_refuses_a_plan_that_keeps_no_image(env, tmp_path, capsys):

@@ -24,7 +24,7 @@ from mmtok.formats.shar import index_members
 from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import CHECK_BATCH, Damage, Member, read_members
 from mmtok.media.audio import AudioReason
-from mmtok.scan.scanner import scan_tar
+from mmtok.scan.scanner import scan_image_tar
 from mmtok.sft.pack import pack
 from tarkit import TYPE_FLAG, with_header_field
 
@@ -85,7 +85,7 @@ def conversation(audio: str | None) -> bytes:
 @pytest.mark.parametrize("fault", FAULTS)
 def test_the_scan_names_the_fault_and_keeps_the_sound_member(tmp_path, fault):
     shard = faulty_tar(tmp_path / "s.tar", [("a.png", png()), ("b.png", png())], fault)
-    rows = [(row[3], row[11]) for row in scan_tar(str(shard))[0].rows]
+    rows = [(row[3], row[11]) for row in scan_image_tar(str(shard))[0].rows]
     named = "" if fault == "cut_in_header" else "b.png"
     assert rows == [("a.png", ""), (named, FAULTS[fault])]
 

@@ -79,7 +79,7 @@ def add(tar: tarfile.TarFile, name: str, data: bytes, **fields) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shard(path: Path, members: list[tuple[str, bytes]], fmt=tarfile.GNU_FORMAT, **kwargs) -> Path:
+def write_tar(path: Path, members: list[tuple[str, bytes]], fmt=tarfile.GNU_FORMAT, **kwargs) -> Path:
     with tarfile.open(path, "w", format=fmt, **kwargs) as tar:
         for name, data in members:
             add(tar, name, data)
@@ -116,7 +116,7 @@ def member_bytes(row: dict) -> bytes:
 def test_rows_locate_every_member_and_match_pil(tmp_path, media, fmt):
     prefix = "shards/part-a/" + "d" * 60 + "/"  # 127-char names: GNU `L`, pax `path`, ustar prefix
     members = webdataset_members(media, prefix)
-    shard = write_shard(tmp_path / "s.tar", members, fmt=fmt)
+    shard = write_tar(tmp_path / "s.tar", members, fmt=fmt)
     _out, rows = scan(tmp_path, [shard])
     images = [(n, d) for n, d in members if not n.endswith((".txt", ".json"))]
     assert [r["member"] for r in rows] == [n for n, _ in images]
@@ -129,7 +129,7 @@ def test_rows_locate_every_member_and_match_pil(tmp_path, media, fmt):
 
 
 def test_sidecar_offsets_read_back_the_caption_and_json(tmp_path, media):
-    shard = write_shard(tmp_path / "s.tar", webdataset_members(media[:6]))
+    shard = write_tar(tmp_path / "s.tar", webdataset_members(media[:6]))
     _out, rows = scan(tmp_path, [shard])
     reader = MemberReader()
     for k, row in enumerate(rows):
@@ -148,7 +148,7 @@ def test_sidecar_offsets_read_back_the_caption_and_json(tmp_path, media):
 def test_multi_image_documents_share_an_id_in_image_order(tmp_path, media):
     jpg, png, webp = media[0][1], media[2][1], media[3][1]
     listed = {"texts": ["intro", None, "middle", None], "images": [None, "b.webp", None, "doc2.png"]}
-    shard = write_shard(tmp_path / "s.tar", [
+    shard = write_tar(tmp_path / "s.tar", [
         ("doc1.2.jpg", jpg), ("doc1.0.png", png), ("doc1.1.webp", webp), ("doc1.txt", b"caption"),
         ("doc2.png", png), ("doc2.b.webp", webp), ("doc2.json", json.dumps(listed).encode()),
         ("doc3.jpg", jpg),
@@ -174,7 +174,7 @@ def test_sft_content_parts_name_the_image_order(tmp_path, media):
     parts = [{"type": "image_url", "image_url": "1.png"}, {"type": "text", "text": " then "},
              {"type": "image_url", "image_url": {"url": "0.png"}}]
     conversation = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "ok"}]}
-    shard = write_shard(tmp_path / "s.tar", [("KEY.0.png", png), ("KEY.1.png", png),
+    shard = write_tar(tmp_path / "s.tar", [("KEY.0.png", png), ("KEY.1.png", png),
                                              ("KEY.json", json.dumps(conversation).encode())])
     _out, rows = scan(tmp_path, [shard])
     assert {r["member"]: r["image_index"] for r in rows} == {"KEY.0.png": 1, "KEY.1.png": 0}
@@ -208,7 +208,7 @@ def reasons(rows: list[dict]) -> list[tuple[str, str]]:
 
 def test_bad_members_get_named_rows_and_the_rest_stays_ok(tmp_path, media):
     jpg = media[0][1]
-    shard = write_shard(tmp_path / "s.tar", [
+    shard = write_tar(tmp_path / "s.tar", [
         ("a.jpg", jpg),
         ("b.jpg", os.urandom(5000)),                  # garbage bytes
         ("c.png", b""),                               # zero-size member
@@ -231,7 +231,7 @@ def test_bad_members_get_named_rows_and_the_rest_stays_ok(tmp_path, media):
 
 def test_truncated_tar_keeps_everything_before_the_damage(tmp_path, media):
     members = [(f"{k:03d}.{ext}", data) for k, (ext, data) in enumerate(media[:5])]
-    full = write_shard(tmp_path / "full.tar", members)
+    full = write_tar(tmp_path / "full.tar", members)
     offsets = header_offsets(full)
     data = full.read_bytes()
     mid_header = tmp_path / "mid_header.tar"
@@ -254,7 +254,7 @@ def test_truncated_tar_keeps_everything_before_the_damage(tmp_path, media):
 
 def test_corrupt_header_checksum_is_named_and_the_scan_resyncs(tmp_path, media):
     members = [(f"{k:03d}.{ext}", data) for k, (ext, data) in enumerate(media[:5])]
-    shard = write_shard(tmp_path / "s.tar", members)
+    shard = write_tar(tmp_path / "s.tar", members)
     offsets = header_offsets(shard)
     data = bytearray(shard.read_bytes())
     data[offsets[2] + 5] ^= 0x20  # a flipped bit in the third member's name
@@ -271,7 +271,7 @@ def test_garbage_and_empty_and_missing_shards_do_not_stop_the_run(tmp_path, medi
     garbage.write_bytes(os.urandom(64 * 1024))
     empty = tmp_path / "empty.tar"
     empty.write_bytes(b"")
-    good = write_shard(tmp_path / "good.tar", [("a.jpg", media[0][1])])
+    good = write_tar(tmp_path / "good.tar", [("a.jpg", media[0][1])])
     out, rows = scan(tmp_path, [garbage, empty, tmp_path / "missing.tar", good])
     assert [(Path(r["tar"]).name, r["reason"]) for r in rows] == [
         ("garbage.tar", "not_a_tar"), ("empty.tar", "empty_file"), ("missing.tar", "unreadable_shard"),
@@ -353,7 +353,7 @@ def shards(tmp_path, media) -> list[Path]:
     paths = []
     for s in range(6):
         members = webdataset_members(media[s::3], start=100 * s)
-        paths.append(write_shard(directory / f"shard-{s:03d}.tar", members))
+        paths.append(write_tar(directory / f"shard-{s:03d}.tar", members))
     broken = directory / "shard-006.tar"
     broken.write_bytes(paths[0].read_bytes()[:20_000])
     return paths + [broken]
@@ -388,7 +388,7 @@ def test_rescan_after_partial_cache_gives_identical_bytes(tmp_path, shards):
 
 def test_changed_shard_is_rescanned(tmp_path, shards, media):
     out, _ = scan(tmp_path, shards)
-    write_shard(shards[1], [("only.jpg", media[0][1])])
+    write_tar(shards[1], [("only.jpg", media[0][1])])
     os.utime(shards[1], ns=(time.time_ns(), time.time_ns() + 10**9))
     meta = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=1, progress=False)
     assert meta["_run"]["scanned_shards"] == 1
@@ -400,7 +400,7 @@ def test_killed_scan_resumes_to_identical_bytes(tmp_path, media):
     directory = tmp_path / "many"
     directory.mkdir()
     for s in range(60):
-        write_shard(directory / f"{s:03d}.tar", webdataset_members(media[s % 5::5], start=100 * s))
+        write_tar(directory / f"{s:03d}.tar", webdataset_members(media[s % 5::5], start=100 * s))
     reference, _ = scan(tmp_path, sorted(directory.glob("*.tar")), name="reference")
     out = tmp_path / "killed"
     command = [sys.executable, "-m", "mmtok", "scan", str(directory / "*.tar"), "--out", str(out),

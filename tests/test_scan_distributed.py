@@ -17,7 +17,7 @@ from PIL import Image
 from mmtok.cli import main as cli
 from mmtok.formats.scan_shards import commit_path, read_commit
 from mmtok.fsutil import WriterLock
-from mmtok.scan.scanner import CACHE_DIR, ScanOptions, cache_path, describe, run_scan, scan_share, shard_key
+from mmtok.scan.scanner import CACHE_DIR, ScanOptions, describe, rows_cache_path, run_scan, scan_share, shard_key
 from realmedia import skimage_images
 
 OPTIONS = ScanOptions()
@@ -123,7 +123,7 @@ def test_killed_rank_is_taken_over_by_the_rerun(shards, reference, tmp_path, cap
     args = [*map(str, shards), "--out", str(tmp_path), "--world-size", "3", "--workers", "1", "--no-progress"]
     killed = _mmtok(*args, "--rank", "1", check=False, prelude=_KILL_IN_SECOND_SHARD)
     assert killed.returncode == -9
-    committed = [p for p in shards if read_commit(cache_path(tmp_path, describe(str(p)), OPTIONS), verify=True)]
+    committed = [p for p in shards if read_commit(rows_cache_path(tmp_path, describe(str(p)), OPTIONS), verify=True)]
     assert len(committed) == 1 and not (tmp_path / "manifest.json").exists()
     assert cli(["scan", *args, "--rank", "1"]) == 0  # takes the dead rank's claim at once, scans the rest
     rerun = capsys.readouterr().err
@@ -144,7 +144,7 @@ def test_a_held_claim_is_never_scanned_by_another_rank(shards, reference, tmp_pa
         rank = _mmtok(*map(str, shards), "--out", str(tmp_path), "--rank", "0", "--world-size", "2",
                       "--workers", "2", "--no-progress")
     assert f"scanned {len(shards) - 1} shards" in rank.stderr and "1 shard still being scanned" in rank.stderr
-    assert not commit_path(cache_path(tmp_path, held, OPTIONS)).exists()
+    assert not commit_path(rows_cache_path(tmp_path, held, OPTIONS)).exists()
     assert not (tmp_path / "manifest.json").exists()
     final = run_scan([describe(str(p)) for p in shards], tmp_path, OPTIONS, workers=1, progress=False)
     # The claim's holder ended: the final run scans that shard, and the unreadable input once more.
@@ -179,7 +179,7 @@ def _env(rank: int, world_size: int) -> dict[str, str]:
 def test_damaged_rows_are_rescanned_before_assembly(shards, reference, tmp_path):
     sources = [describe(str(p)) for p in shards]
     run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
-    rows = cache_path(tmp_path, sources[3], OPTIONS)
+    rows = rows_cache_path(tmp_path, sources[3], OPTIONS)
     data = bytearray(rows.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum tells
     rows.write_bytes(bytes(data))
@@ -191,7 +191,7 @@ def test_damaged_rows_are_rescanned_before_assembly(shards, reference, tmp_path)
 def test_a_dead_claim_holders_leftovers_are_cleared_and_its_shard_rescanned(shards, reference, tmp_path):
     sources = [describe(str(p)) for p in shards]
     run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
-    rows = cache_path(tmp_path, sources[5], OPTIONS)
+    rows = rows_cache_path(tmp_path, sources[5], OPTIONS)
     commit_path(rows).unlink()  # killed between its rows and its commit
     stale = rows.with_name(f".{rows.name}.tmp-999999")  # and a half-written file of an earlier try
     stale.write_bytes(b"half")
@@ -205,7 +205,7 @@ def test_a_commit_whose_stats_were_edited_is_not_committed(shards, reference, tm
     # The stats number the manifest's documents and fill manifest.json: the checksum must cover them too.
     sources = [describe(str(p)) for p in shards]
     run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
-    commit = commit_path(cache_path(tmp_path, sources[2], OPTIONS))
+    commit = commit_path(rows_cache_path(tmp_path, sources[2], OPTIONS))
     record = json.loads(commit.read_text())
     record["stats"].update(edit)
     commit.write_text(json.dumps(record))

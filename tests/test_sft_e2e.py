@@ -309,8 +309,8 @@ def _cache_ids(*outs: Path) -> dict[str, np.ndarray]:
     """cut id -> audio ids, from the audio token caches of audio encode outputs."""
     found = {}
     for out in outs:
-        for path in audio_cache.find_parts(out):
-            cut_ids = audio_cache.read_index(path).column("cut_id").to_pylist()
+        for path in audio_cache.find_cache_parts(out):
+            cut_ids = audio_cache.read_cache_index(path).column("cut_id").to_pylist()
             found.update(zip(cut_ids, audio_cache.read_tokens(path)[0], strict=True))
     return found
 
@@ -404,7 +404,7 @@ def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(
     media = _encode_media(env, tmp_path, 3)
     image_parts = sorted((media.images / "parts").glob("part-*"))
     assert len(image_parts) == 5 and all(commitlog.read_items(d)[0] for d in image_parts)  # a part per work item
-    assert len(audio_cache.find_parts(media.audio)) == 3
+    assert len(audio_cache.find_cache_parts(media.audio)) == 3
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
     monkeypatch.setattr(mmtok.sft.build, "UNITS_PER_ITEM", ITEM)
     _ranks(3, *_sft_argv(env, media, tmp_path / "sft"), "--no-take-over")

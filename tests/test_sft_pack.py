@@ -391,8 +391,8 @@ def _run(*argv) -> None:
 def _cache_ids(out: Path) -> dict[str, list[int]]:
     """cut id -> audio ids, from an audio encode's token cache."""
     found = {}
-    for path in audio_cache.find_parts(out):
-        cut_ids = audio_cache.read_index(path).column("cut_id").to_pylist()
+    for path in audio_cache.find_cache_parts(out):
+        cut_ids = audio_cache.read_cache_index(path).column("cut_id").to_pylist()
         found.update(zip(cut_ids, (np.asarray(t).tolist() for t in audio_cache.read_tokens(path)[0]), strict=True))
     return found
 

@@ -178,8 +178,8 @@ def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_sta
         return plain(directory)
 
     monkeypatch.setattr(commitlog, "iter_items", counted)  # items.py reaches it as commitlog.iter_items
-    indexed, read_index = [], audio_cache.read_index
-    monkeypatch.setattr(audio_cache, "read_index", lambda path: indexed.append(path) or read_index(path))
+    indexed, read_cache_index = [], audio_cache.read_cache_index
+    monkeypatch.setattr(audio_cache, "read_cache_index", lambda path: indexed.append(path) or read_cache_index(path))
 
     def rerun_rank_1() -> None:
         shutil.rmtree(root / "kept" / "parts" / "part-00001")

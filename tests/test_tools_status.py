@@ -360,17 +360,17 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
             assert row["rows"] == (sum(row["scan"].values()) + sum(row["plan"].values()) + sum(row["encode"].values())
                                    + row["written"] + row["pending"]), row
 
-    def encode_rank(rank: int) -> None:
+    def encode_ranks(rank: int) -> None:
         with one_torch_thread():
             assert main(["encode", "--plan", str(plan_dir), "--checkpoint", str(checkpoint), "--out", str(out),
                          "--rank", str(rank), "--world-size", "2", "--loader-threads", "1", "--device", "cpu",
                          "--no-progress", "--no-take-over"]) == 0
 
-    encode_rank(0)
+    encode_ranks(0)
     mid = table()
     adds_up(mid)
     assert sum(r["pending"] for r in mid) > 0
-    encode_rank(1)
+    encode_ranks(1)
     rows = table()
     adds_up(rows)
     assert [Path(r["input"]).name for r in rows] == [p.name for p in shards]

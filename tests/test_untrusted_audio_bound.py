@@ -22,7 +22,7 @@ from encodekit import chat_tokenizer
 from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.cli import main
 from mmtok.codecs.registry import load_codec
-from mmtok.encode.audio import encode_rank
+from mmtok.encode.audio import encode_audio_rank
 from mmtok.encode.audio_batches import Batching
 from mmtok.errors import MmtokError
 from mmtok.formats import audio_cache, commitlog
@@ -74,7 +74,7 @@ def pipeline(tmp_path_factory):
     convert([chat], root / "conv", ConvertOptions(shard_size=2, text_tokenizer=str(tokenizer)),
             kind="conversations", workers=0, progress=False)
     codec = load_codec("wavtokenizer", checkpoint, "cpu")
-    encode_rank(root / "conv", root / "enc", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
+    encode_audio_rank(root / "conv", root / "enc", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
                 text_tokenizer=str(tokenizer), progress=False)
     return root, codec, tokenizer, checkpoint
 
@@ -88,7 +88,7 @@ def _copy(pipeline, tmp_path: Path, *names: str) -> Path:
 
 def _encode(pipeline, shar: Path, out: Path) -> None:
     _, codec, tokenizer, _ = pipeline
-    encode_rank(shar, out, codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
+    encode_audio_rank(shar, out, codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
                 text_tokenizer=str(tokenizer), progress=False)
 
 
@@ -115,8 +115,8 @@ def test_a_converted_clip_records_the_digest_of_the_bytes_it_came_from(pipeline)
         want = hashlib.sha256((root / "media" / f"{name}.wav").read_bytes()).hexdigest()
         assert cuts[f"{name}/audio-0"].custom["source_sha256"] == want
     rows = {}
-    for path in audio_cache.find_parts(root / "enc"):
-        table = audio_cache.read_index(path).to_pydict()
+    for path in audio_cache.find_cache_parts(root / "enc"):
+        table = audio_cache.read_cache_index(path).to_pydict()
         rows.update(zip(table["cut_id"], table["source_sha256"], strict=True))
     assert rows == {cut_id: cut.custom["source_sha256"] for cut_id, cut in cuts.items()}
 
@@ -270,7 +270,7 @@ def test_an_audio_id_out_of_range_is_refused_by_sft_in_one_line(tmp_path):
 
 def test_every_encoded_audio_id_is_an_audio_id_and_the_guard_names_the_bad_one(pipeline):
     layout = VocabLayout(load_text_tokenizer(str(pipeline[2])).vocab_size)
-    for path in audio_cache.find_parts(pipeline[0] / "enc"):
+    for path in audio_cache.find_cache_parts(pipeline[0] / "enc"):
         audio, _ = audio_cache.read_tokens(path, layout)
         check_ids_in_range(np.concatenate(audio), layout.audio_offset, layout.total_size, str(path))
     with pytest.raises(MmtokError, match=r"^the ids: 1 id\(s\) outside \[10, 20\) \(min 7, max 19\)"):

@@ -257,7 +257,7 @@ def make_cut(clip: Clip):
                    supervisions=supervisions, custom=custom)
 
 
-def write_shard(out: Path, index: int, clips: list[Clip]) -> dict:
+def write_shar_shard(out: Path, index: int, clips: list[Clip]) -> dict:
     """Write shard `index` with lhotse's SharWriter under OUT/.work, then move it into OUT/shar."""
     from lhotse.audio.backend import audio_backend
     from lhotse.shar import SharWriter
@@ -373,7 +373,7 @@ class Conversion:
         """Write the buffered clips as the next shard (and their drops), then record the cursor durably."""
         if self.buffer:
             index = self.next_shard
-            self.report["shards"].append(write_shard(self.out, index, self.buffer))
+            self.report["shards"].append(write_shar_shard(self.out, index, self.buffer))
             write_skipped(self.out, f"{index:06d}", self.skipped)
         elif final:
             write_skipped(self.out, "tail", self.skipped)

@@ -39,7 +39,7 @@ import numpy as np
 from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats import skips
-from mmtok.formats.audio_cache import find_parts, read_index, read_metadata, read_tokens, recorded_sha256
+from mmtok.formats.audio_cache import find_cache_parts, read_cache_index, read_metadata, read_tokens, recorded_sha256
 from mmtok.formats.interleave import METADATA_FILE
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.vocab import VocabLayout
@@ -73,7 +73,7 @@ class Planned:
 def load_clips(parts: list[Path]) -> list[ClipRef]:
     clips = []
     for part, path in enumerate(parts):
-        table = read_index(path).to_pydict()
+        table = read_cache_index(path).to_pydict()
         for row in range(len(table["cut_id"])):
             clips.append(ClipRef(part, row, table["source_id"][row], int(table["clip"][row]),
                                  int(table["audio_length"][row]), int(table["text_length"][row]),
@@ -198,7 +198,7 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_to
 
     if not 0 < stage_max_tokens <= max_tokens:
         raise MmtokError(f"need 0 < --stage-max-tokens ({stage_max_tokens}) <= --max-tokens ({max_tokens})")
-    parts = find_parts(encoded)
+    parts = find_cache_parts(encoded)
     meta = read_metadata(parts[0])
     layout = VocabLayout(meta["vocab"]["text_size"])
     builder = SequenceBuilder(layout, meta["text_tokenizer"]["bos_id"], meta["text_tokenizer"]["eos_id"])

@@ -397,7 +397,7 @@ class TarUnit(Unit):
 
     def payloads(self):
         tar_id = Path(self.path).name.removesuffix(".tar")
-        samples, errors = scan_tar(self.path)
+        samples, errors = audio_tar_members(self.path)
         yield from errors
         records, audio, problems = [], [], []
         for key, members in samples.items():
@@ -441,7 +441,7 @@ class _ByteRangeLoader:
         return decode_audio(data, self.origin)
 
 
-def scan_tar(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecord]]:
+def audio_tar_members(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecord]]:
     """Group tar members by WebDataset key -> [(suffix, data offset, size, sidecar bytes or None, refusal, member
     name)], in tar order; `refusal` is (reason, detail) for a member the tar reader refuses
     (`mmtok.formats.tar.Member`); `suffix` per `member_suffix`.

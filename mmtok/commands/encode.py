@@ -149,7 +149,7 @@ def _ray_driver(args, plan) -> int:
     check_device(args.device)
     import_ray()  # before anything else: one line saying how to install it
     count = len(plan.work_items())
-    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
+    refuse_other_run_early(args.out, "image", args.codec, args.checkpoint, num_parts=count,
                      plan_fingerprint=plan.meta["fingerprint"])
     options = {"loader_threads": args.loader_threads, "prefetch": args.prefetch,
                "max_consecutive_failures": args.max_consecutive_failures}
@@ -181,7 +181,7 @@ def _ray_driver(args, plan) -> int:
 def _image_worker(args, plan, stop) -> int:
     """One image worker under `stop`: its items, then (take-over) the ones nobody finished or holds."""
     from mmtok.codecs.registry import load_codec
-    from mmtok.encode.runner import EncodeOptions, encode_rank
+    from mmtok.encode.runner import EncodeOptions, encode_image_rank
     from mmtok.formats import skips
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.launch import STOPPED_EXIT, resolve_device, resolve_rank
@@ -189,7 +189,7 @@ def _image_worker(args, plan, stop) -> int:
     rank, world_size = resolve_rank(args.rank, args.world_size, plan.meta["world_size"])
     items, count = plan.worker_items(rank, world_size), len(plan.work_items())
     take_over = not args.no_take_over and not args.lock_free  # take-over needs locks to see who holds an item
-    refuse_other_run(args.out, "image", args.codec, args.checkpoint, num_parts=count,
+    refuse_other_run_early(args.out, "image", args.codec, args.checkpoint, num_parts=count,
                      plan_fingerprint=plan.meta["fingerprint"])  # before anything is said about OUT's parts
     if not len(items) and (not take_over or all_done(args.out, count)):  # nothing of its own, nothing to take
         why = (f"every one of the plan's {plural(count, 'work item')} is finished" if take_over else
@@ -206,7 +206,8 @@ def _image_worker(args, plan, stop) -> int:
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
                             max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress,
                             stop=stop, take_over=take_over, lock_free=args.lock_free)
-    stats = encode_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device, options=options)
+    stats = encode_image_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device,
+                              options=options)
     print_report("encode", summary_lines(rank, world_size, stats, args.out),
                  {"rank": rank, "world_size": world_size, **stats} if args.json else None)
     if stats["stopped"]:
@@ -309,7 +310,7 @@ def all_done(out: str, num_items: int) -> bool:
     return all(is_done(part_dir(out, item)) for item in range(num_items))
 
 
-def refuse_other_run(out: str, modality: str, codec: str, checkpoint: str, **known) -> None:
+def refuse_other_run_early(out: str, modality: str, codec: str, checkpoint: str, **known) -> None:
     """Before the codec loads: an --out that holds parts of another run -- another plan, world size, codec or
     checkpoint (hashed only when parts are there) -- is refused naming what differs. The rank checks its
     whole identity again once the codec is loaded, before its first batch."""
@@ -420,7 +421,7 @@ def _audio_worker(args, stop) -> int:
     """One audio worker under `stop`: its shards (one part each), then (take-over) the ones nobody finished or
     holds."""
     from mmtok.codecs.registry import load_codec
-    from mmtok.encode.audio import encode_rank
+    from mmtok.encode.audio import encode_audio_rank
     from mmtok.encode.audio_batches import Batching
     from mmtok.formats.commitlog import check_part_free, part_dir, parts_root
     from mmtok.formats.shar import discover_shards
@@ -432,12 +433,12 @@ def _audio_worker(args, stop) -> int:
     if args.no_take_over:
         for index in assign_shards([s.duration for s in shards], world_size)[rank]:
             check_part_free(part_dir(args.out, shards[index].index))  # a duplicate job stops before the model loads
-    refuse_other_run(args.out, "audio", args.codec, args.checkpoint, num_parts=len(shards))
+    refuse_other_run_early(args.out, "audio", args.codec, args.checkpoint, num_parts=len(shards))
     codec = load_codec(args.codec, args.checkpoint, resolve_device(args.device), modality="audio")
     if codec.modality != "audio":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
     batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
-    summary = encode_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
+    summary = encode_audio_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
                           batching=batching, sequences=args.sequences, num_workers=args.num_workers,
                           text_tokenizer=args.text_tokenizer, progress=not args.no_progress,
                           take_over=not args.no_take_over, stop=stop)

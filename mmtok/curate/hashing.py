@@ -24,7 +24,7 @@ from mmtok.curate.phash import ALGORITHM, image_hashes
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import hashes as fmt
 from mmtok.formats.manifest import Manifest, MemberReader, ShortRead, identity_change, stale_detail
-from mmtok.formats.scan_shards import read_commit, read_rows, write_shard
+from mmtok.formats.scan_shards import read_commit, read_rows, write_shard_rows
 from mmtok.fsutil import LockHeld, WriterLock
 
 READ_COLUMNS = ("key", "document", "tar", "container", "member", "offset", "size", "status", "width", "height",
@@ -128,7 +128,7 @@ def _claimed(manifest_dir: str, cache: Path, chunk: int, identities: dict, chunk
         for stale in cache.glob(f".{path.name}.tmp-*"):  # a killed holder's unfinished writes
             stale.unlink(missing_ok=True)
         table = hash_chunk(Manifest.open(manifest_dir), chunk * chunk_rows, chunk_rows, identities, fragments)
-        write_shard(path, table, {"chunk": chunk, "rows": table.num_rows}, retry=False)
+        write_shard_rows(path, table, {"chunk": chunk, "rows": table.num_rows}, retry=False)
         return int(sum(1 for reason in table.column("reason").to_pylist() if not reason))
 
 

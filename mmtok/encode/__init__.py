@@ -8,7 +8,7 @@
   audio_batches.py  audio: bucketed batches of one Shar shard
 
 A new image or audio codec lives in mmtok/codecs/; this package only runs it.
-Public entry points: `mmtok.encode.runner.encode_rank(...)` and `mmtok.encode.audio.encode_rank(...)`.
+Public entry points: `mmtok.encode.runner.encode_image_rank(...)` and `mmtok.encode.audio.encode_audio_rank(...)`.
 The part format (commits, resume, items, carry) is `mmtok.formats.commitlog`; which rank does what is
 `mmtok.ranks`.
 """

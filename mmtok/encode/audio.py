@@ -315,7 +315,7 @@ def open_parts(shards: list[SharShard], context: Context, batching: Batching, nu
         for shard in shards:
             directory = part_dir(context.out, shard.index)
             if is_done(directory):  # finished: nothing to do, but only if made with these very settings
-                check_identity(directory, part_identity(shard, context, num_parts))
+                check_identity(directory, audio_part_identity(shard, context, num_parts))
                 continue
             lock = lock_part(directory)
             if is_done(directory):  # finished by another process just before we took the lock
@@ -334,7 +334,7 @@ def release_parts(work: list[PartWork]) -> None:
         w.lock.release()
 
 
-def part_identity(shard: SharShard, context: Context, num_parts: int) -> dict:
+def audio_part_identity(shard: SharShard, context: Context, num_parts: int) -> dict:
     """What the part of `shard` is made from (see PartWriter)."""
     return {**context.identity, "part": shard.index, "num_parts": num_parts, "part_shard": shard_fingerprint(shard)}
 
@@ -346,7 +346,7 @@ def _part_work(shard: SharShard, directory: Path, lock, context: Context, batchi
     w = PartWork(shard, directory, None, 0, [], lock)
     try:
         verify_shard(shard)  # before any of its bytes is trusted: a changed shard is refused, naming the file
-        w.identity = part_identity(shard, context, num_parts)
+        w.identity = audio_part_identity(shard, context, num_parts)
         cuts = CutSet.from_file(shard.cuts_path).to_eager()
         batches = make_batches(cuts, batching)
         w.num_batches = len(batches)
@@ -390,7 +390,7 @@ def trim_of(codec) -> int:
     return int(codec.describe().get("trim", DEFAULT_TRIM))
 
 
-def encode_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
+def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
                 sequences: str = "auto", num_workers: int = 2, text_tokenizer: str = "tekken",
                 progress: bool = True, take_over: bool = True, stop=None) -> dict:
     """Encode this rank's shards of `shar` (`assign_shards`) into OUT/parts (+ OUT/audio-cache), a part per shard;

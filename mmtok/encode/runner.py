@@ -104,7 +104,7 @@ def check_codec(work: ItemWork, codec, builder: DocumentBuilder) -> None:
                              f"gives {have}; the plan was made with another tokenizer -- re-run `mmtok plan`")
 
 
-def part_identity(work: ItemWork, codec, tokenizer: TextTokenizer, layout: VocabLayout) -> dict:
+def image_part_identity(work: ItemWork, codec, tokenizer: TextTokenizer, layout: VocabLayout) -> dict:
     """What a part is made from; a resume must match it exactly (see PartWriter)."""
     special = recorded_special_ids(tokenizer)
     return {
@@ -233,7 +233,7 @@ class Assembler:
 
 
 # -- the worker ------------------------------------------------------------------------------------
-def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, world_size: int,
+def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, world_size: int,
                 device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> dict:
     """Worker `rank` of `world_size`: encode its work items (`Plan.worker_items`) into OUT/parts/part-<item>;
     returns its stats, summed over its items.
@@ -265,7 +265,7 @@ def encode_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, worl
 
 class ItemEncoder:
     """Encodes work items of one plan into OUT with one loaded codec, item by item in any order: what a worker
-    process holds (`encode_rank`'s workers, a Ray actor of `mmtok.encode.ray_driver`)."""
+    process holds (`encode_image_rank`'s workers, a Ray actor of `mmtok.encode.ray_driver`)."""
 
     def __init__(self, plan_dir: str | Path, out: str | Path, codec, device: torch.device | str,
                  options: EncodeOptions):
@@ -286,7 +286,7 @@ class ItemEncoder:
         options'); its stats."""
         work = load_item_work(self.plan, item)
         check_codec(work, self.codec, self.builder)
-        identity = part_identity(work, self.codec, self.tokenizer, self.layout)
+        identity = image_part_identity(work, self.codec, self.tokenizer, self.layout)
         if not self._checked:  # every key now the codec is loaded (its checkpoint, the tokenizer, ...)
             refuse_other_run(self.out, identity)
             self._checked = True

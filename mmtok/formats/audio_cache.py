@@ -20,7 +20,7 @@ The file's key-value metadata `mmtok` holds JSON: format (CACHE_FORMAT), part, n
 layout, text tokenizer, codec description and the trim rule, so a reader can check that all parts agree.
 
 Checked bytes: next to each part, `part-00003.parquet.sha256` holds the sha256 of the whole file
-(`sha256sum -c` reads it). `find_parts` -- the one way readers reach the parts -- verifies every part
+(`sha256sum -c` reads it). `find_cache_parts` -- the one way readers reach the parts -- verifies every part
 against it before anything in it is used, so a flipped bit is a refusal naming the file, never tokens;
 `read_tokens` also checks every id against its modality's range (the last guard).
 This is the only module that knows this layout.
@@ -65,7 +65,7 @@ def _schema(metadata: dict):
     return pa.schema(fields, metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True).encode()})
 
 
-def verified_files(path: Path) -> list[Path]:
+def cache_verified_files(path: Path) -> list[Path]:
     """The files `verify` reads: cache part `path` and its checksum file."""
     return [path, checksum_path(path)]
 
@@ -77,7 +77,7 @@ def checksum_path(path: Path) -> Path:
 
 def write_cache(path: Path, rows: list[dict], metadata: dict) -> None:
     """Atomically write one part's cache, then its checksum file; `rows` carry the COLUMNS keys, in cut
-    order. A kill between the two leaves a part that `find_parts` refuses until the writer reruns."""
+    order. A kill between the two leaves a part that `find_cache_parts` refuses until the writer reruns."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -137,7 +137,7 @@ def read_metadata(path: Path) -> dict:
     return metadata
 
 
-def read_index(path: Path):
+def read_cache_index(path: Path):
     """The cache's small columns (no token lists) as a pyarrow Table, plus the token-list lengths."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -169,7 +169,7 @@ def read_tokens(path: Path, layout: VocabLayout | None = None) -> tuple[list[np.
     return audio, text
 
 
-def find_parts(out: str | os.PathLike, check_bytes: bool = True) -> list[Path]:
+def find_cache_parts(out: str | os.PathLike, check_bytes: bool = True) -> list[Path]:
     """All cache parts 0..num_parts-1 of an encode output, each verified against its checksum file (unless
     `check_bytes` is False: for a caller that verifies them itself, or holds a record of these very files having been
     verified -- `mmtok sft`'s kept clip index); refuses a missing or damaged part or disagreeing metadata."""

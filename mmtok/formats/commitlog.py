@@ -377,7 +377,7 @@ def verify_part(directory: str | os.PathLike, records: list[dict] | None = None)
     return records
 
 
-def verified_files(directory: str | os.PathLike) -> list[Path]:
+def part_verified_files(directory: str | os.PathLike) -> list[Path]:
     """The files `verify_part` checks: a record of their paths, sizes and mtimes taken before a verification
     stands for it while they are unchanged (`mmtok sft`'s kept image index)."""
     directory = Path(directory)

@@ -132,7 +132,7 @@ class ImageIndex:
         up, not the index of every item of the corpus.
 
         The rank that builds it first checks every part against its checksums (`commitlog.verify_part`), and the
-        index records the part files as they were before that check (`commitlog.verified_files`): a rank that
+        index records the part files as they were before that check (`commitlog.part_verified_files`): a rank that
         finds it for the same files relies on that check instead of reading every part's bytes again, so what a
         rank reads does not grow with the corpus. A part file changed since makes the index be built (and the
         parts checked) again."""
@@ -140,7 +140,7 @@ class ImageIndex:
             for directory in directories:
                 commitlog.verify_part(directory)
 
-        inputs = [file for directory in directories for file in commitlog.verified_files(directory)]
+        inputs = [file for directory in directories for file in commitlog.part_verified_files(directory)]
         arrays, fields = kept.load_or_keep(folder, inputs, KEPT_FORMAT, check, lambda: cls(directories)._kept())
         return cls(directories, {"arrays": arrays, **fields})
 

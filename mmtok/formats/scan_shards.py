@@ -37,7 +37,7 @@ def commit_path(rows_path: Path) -> Path:
     return rows_path.with_suffix(".json")
 
 
-def write_shard(rows_path: Path, table: pa.Table, stats: dict, retry: bool) -> None:
+def write_shard_rows(rows_path: Path, table: pa.Table, stats: dict, retry: bool) -> None:
     """Make the rows durable, then commit them with their checksum and `stats` (JSON values)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:

@@ -25,7 +25,7 @@ from mmtok.errors import brief
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import container_identity
-from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard
+from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard_rows
 from mmtok.formats.tar import (
     BAD_SIZE,
     BLOCK,
@@ -133,7 +133,7 @@ class ShardRows:
 # ------------------------------------------------------------------------------------------ tar
 
 
-def scan_tar(path: str) -> tuple[ShardRows, dict]:
+def scan_image_tar(path: str) -> tuple[ShardRows, dict]:
     """Rows of one tar shard and read statistics. Never raises for bad content."""
     out = ShardRows()
     fd = os.open(path, os.O_RDONLY)
@@ -412,7 +412,7 @@ def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
         file_format = sniff_format(source.path)
         with _gc_paused():
             if file_format == "tar":
-                rows, stats = scan_tar(source.path)
+                rows, stats = scan_image_tar(source.path)
             else:
                 rows, stats = scan_table(source.path, file_format, options)
     except OSError as err:
@@ -445,7 +445,7 @@ def shard_key(source: Source, options: ScanOptions) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:32]
 
 
-def cache_path(out_dir: Path, source: Source, options: ScanOptions) -> Path:
+def rows_cache_path(out_dir: Path, source: Source, options: ScanOptions) -> Path:
     """The rows of an input's committed result (`mmtok.formats.scan_shards`)."""
     return out_dir / CACHE_DIR / (shard_key(source, options) + ".arrow")
 
@@ -470,7 +470,7 @@ def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> dict:
     table = shard_table(rows)
     stats.update(_row_counts(table))
     retry = not stats.pop("cacheable", True)
-    write_shard(cache_path(Path(out_dir), source, options), table, stats, retry)
+    write_shard_rows(rows_cache_path(Path(out_dir), source, options), table, stats, retry)
     return {**stats, "table": table} if retry else stats
 
 
@@ -515,7 +515,7 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
         stats: list[dict | None] = [None] * len(sources)
         for i, source in enumerate(sources):
             if i not in refused:
-                record = read_commit(cache_path(out_dir, source, options), verify=True)
+                record = read_commit(rows_cache_path(out_dir, source, options), verify=True)
                 stats[i] = None if record is None or record["retry"] else record["stats"]
         todo = [i for i, s in enumerate(stats) if s is None and i not in refused]
         began = time.perf_counter()
@@ -532,7 +532,7 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
         if not summary["images_ok"] and has_manifest(out_dir):
             for i in scanned:  # the cache stays as it was too: no mark of a mistyped input is left
                 if "table" in stats[i]:
-                    discard_shard(cache_path(out_dir, sources[i], options))
+                    discard_shard(rows_cache_path(out_dir, sources[i], options))
             return {**summary, "written": False, "_run": run}
         meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
         remove_shards(out_dir / CACHE_DIR, {shard_key(s, options) for s in sources})
@@ -556,7 +556,7 @@ def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank:
     others = [i for i in reversed(eligible) if i not in mine]  # from the far end: their owners start at the front
 
     def committed(i: int) -> bool:
-        return read_commit(cache_path(out_dir, shown[i], options), verify=False) is not None
+        return read_commit(rows_cache_path(out_dir, shown[i], options), verify=False) is not None
 
     todo = [i for i in own + others if not committed(i)]
     began = time.perf_counter()
@@ -658,7 +658,7 @@ def _claimed(source: Source, options: ScanOptions, out_dir: str, final: bool) ->
     except LockHeld:
         return None
     with claim:
-        record = read_commit(cache_path(Path(out_dir), source, options), verify=final)
+        record = read_commit(rows_cache_path(Path(out_dir), source, options), verify=final)
         if record is not None and not (final and record["retry"]):
             return {**record["stats"], "scanned": False}
         for stale in cache.glob(f".{key}.*.tmp-*"):  # a killed holder's unfinished writes
@@ -695,7 +695,7 @@ def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, opt
     for source, st in zip(sources, stats, strict=True):
         table = st.get("table")
         if table is None:
-            table = read_rows(cache_path(out_dir, source, options))
+            table = read_rows(rows_cache_path(out_dir, source, options))
         n = table.num_rows
         table = table.set_column(table.schema.get_field_index("document"), "document",
                                  pc.add(table.column("document"), pa.scalar(first_document, pa.int64())))

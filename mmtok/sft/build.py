@@ -178,7 +178,8 @@ class AudioClips:
         self._loaded: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self.describe = []
         for out in outs:
-            paths = audio_cache.find_parts(out, check_bytes=kept_in is None)  # else checked where the index is made
+            # (without check_bytes: checked where the index is made)
+            paths = audio_cache.find_cache_parts(out, check_bytes=kept_in is None)
             metadata = audio_cache.read_metadata(paths[0])
             if metadata["vocab"] != layout.to_dict():
                 raise MmtokError(f"{out}: its audio ids were made for vocabulary {metadata['vocab']}, not this "
@@ -197,7 +198,7 @@ class AudioClips:
                 for path in self._paths:
                     audio_cache.verify(path)
 
-            inputs = [file for path in self._paths for file in audio_cache.verified_files(path)]
+            inputs = [file for path in self._paths for file in audio_cache.cache_verified_files(path)]
             arrays = kept.load_or_keep(kept_in, inputs, CLIPS_FORMAT, check, lambda: (self._index(), {}))[0]
         self._clips = KeyTable(arrays["clips_high"], arrays["clips_low"], None)
         self._part, self._row, self._digests = arrays["part"], arrays["row"], arrays["digests"]
@@ -210,7 +211,7 @@ class AudioClips:
         gives it."""
         keys, digests, parts, rows = bytearray(), bytearray(), array("i"), array("i")
         for number, path in enumerate(self._paths):
-            index = audio_cache.read_index(path)
+            index = audio_cache.read_cache_index(path)
             for row, (cut_id, digest) in enumerate(zip(index.column("cut_id").to_pylist(),
                                                        index.column("source_sha256").to_pylist(), strict=True)):
                 keys += key_digest(cut_id)
