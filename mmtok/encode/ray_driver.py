@@ -19,8 +19,9 @@ is for every other launcher: the parts and their commit logs under OUT. So:
 * Tail backups: Ray has no speculative execution, so the driver does it. When no item is left to hand out, an
   idle worker runs a backup of an item still waiting behind another worker's call (that call is cancelled; Ray
   cancels a waiting actor call on a best-effort basis, so it may run all the same), else of the item that has
-  run longest (one backup per item); whichever copy finishes
-  first is the part, the other is discarded. When every item is finished the workers are stopped, a losing
+  run longest -- only ever of an item with one copy in flight (a backup whose original was cancelled, or died,
+  is such a copy, and may be backed up in turn); whichever copy finishes first is the part, the other is
+  discarded. When every item is finished the workers are stopped, a losing
   copy still running included (its private directory is removed).
 * Nothing depends on the order results come back in: merge reads the parts in item order.
 """
@@ -99,7 +100,7 @@ class _Copy:
     worker: object
     ref: object
     started: float | None  # None while it waits behind the worker's call before it
-    backup: bool
+    backup: bool  # submitted as a backup (counted in `backups_won` when it is the copy published)
     cancelled: bool = False  # where it waited: an idle worker took the item (a backup) before it started
 
 
@@ -171,15 +172,17 @@ class _Driver:
         # a part a run with locks began: resumed under its lock, never two copies of it
         self.locked = {item for item in to_do if part_dir(self.out, item).exists()}
         self.queue = deque(to_do)
+        self.queued = set(to_do)  # what the queue holds (it may also hold items done since: skipped)
         self.held: dict[int, float] = {}  # item -> when to offer it again (another process holds its lock)
         self.tries: dict[int, int] = {}
         self.running: dict = {}  # ObjectRef -> _Copy
+        self.in_flight: dict[int, list] = {}  # item -> its copies' calls in `running` (cancelled ones included)
         self.lanes: dict[int, list] = {}  # id(worker) -> its calls in flight, in the order it runs them
         self.workers: dict[int, object] = {}  # id(worker) -> worker, for the started ones alive
         self.done: set[int] = set()
-        self.backed_up: set[int] = set()
         self.starting: dict = {}  # ObjectRef of a worker's `start` -> the worker
         self.where: dict = {}  # id(worker) -> (host, pid), once started: whose private copies are whose
+        self.all_started = False  # the first workers all started once (from then on: DEPTH calls each)
         self.live_since = time.monotonic()  # when a worker was last known placed and started (or the run began)
         self.copies: dict[int, set[str]] = {}  # item -> hosts of unfinished copies a killed writer left
         for item, host, _ in private_copies(self.out):
@@ -243,37 +246,41 @@ class _Driver:
         """Items to workers with a free place, the least loaded first (DEPTH calls each once all have started:
         the next item waits at the worker, not a round trip through the driver); at the tail, an idle worker
         takes an item still waiting behind another worker's (cancelled there), else the copy that has run
-        longest: a backup (one per item)."""
+        longest: a backup (of an item with one copy in flight)."""
         now = time.monotonic()
         for item, when in list(self.held.items()):
             if when <= now:
                 del self.held[item]
-                self.queue.append(item)
-        depth = 1 if self.starting else DEPTH  # not while workers start: a late one would find them all taken
+                self._enqueue(item)
+        # one call each until the first workers have all started: a late one would find the items all taken
+        self.all_started = self.all_started or not self.starting
+        depth = DEPTH if self.all_started else 1
         while self.queue:
             if self.queue[0] in self.done:
-                self.queue.popleft()
+                self.queued.discard(self.queue.popleft())
                 continue
             # on the host of a copy left unfinished, if a worker there is free: resumed
             worker = self._pick(depth - 1, prefer=self.copies.get(self.queue[0], ()))
             if worker is None:
                 return
-            self._submit(worker, self.queue.popleft(), backup=False)
+            item = self.queue.popleft()
+            self.queued.discard(item)
+            self._submit(worker, item, backup=False)
         while (worker := self._pick(0)) is not None:
-            live = [c for c in self.running.values() if not c.backup and not c.cancelled and c.item not in self.done
-                    and c.item not in self.backed_up and c.item not in self.locked]
+            # an item with one copy in flight (none other running or waiting to be cancelled), not under a lock
+            alone = [c for c in self.running.values() if len(self.in_flight[c.item]) == 1 and not c.cancelled
+                     and c.item not in self.done and c.item not in self.locked]
             # an item waiting behind another worker's call first (its worker is busy for a whole item more), then
             # the copy that has run longest
-            waiting = [c for c in live if c.started is None]
+            waiting = [c for c in alone if c.started is None]
             if waiting:
                 chosen = min(waiting, key=lambda c: (self.running[self.lanes[id(c.worker)][0]].started, c.item))
                 chosen.cancelled = True  # where it waits (if it starts all the same, the copies are identical)
                 self.ray.cancel(chosen.ref)
-            elif live:
-                chosen = min(live, key=lambda c: (c.started, c.item))
+            elif alone:
+                chosen = min(alone, key=lambda c: (c.started, c.item))
             else:
                 return
-            self.backed_up.add(chosen.item)
             self.run_record.backups += 1
             # on another host than the slow copy's, if one is idle (a backup there would share its trouble)
             self._submit(self._pick(0, avoid=self.where[id(chosen.worker)][0], instead=worker), chosen.item,
@@ -297,11 +304,25 @@ class _Driver:
         ref = worker.encode.remote(item, item not in self.locked)
         lane = self.lanes[id(worker)]
         self.running[ref] = _Copy(item, worker, ref, None if lane else time.monotonic(), backup)
+        self.in_flight.setdefault(item, []).append(ref)
         lane.append(ref)
+
+    def _enqueue(self, item: int, first: bool = False) -> None:
+        self.queue.appendleft(item) if first else self.queue.append(item)
+        self.queued.add(item)
+
+    def _forget(self, ref) -> _Copy:
+        """Take a call out of `running` (and its item's calls in flight)."""
+        copy = self.running.pop(ref)
+        refs = self.in_flight[copy.item]
+        refs.remove(ref)
+        if not refs:
+            del self.in_flight[copy.item]
+        return copy
 
     def _free(self, ref) -> _Copy:
         """Take a settled call off its worker's lane; the call behind it starts now."""
-        copy = self.running.pop(ref)
+        copy = self._forget(ref)
         lane = self.lanes.get(id(copy.worker), [])
         if ref in lane:
             lane.remove(ref)
@@ -314,13 +335,9 @@ class _Driver:
         try:
             result = self.ray.get(ref)
         except self.ray.exceptions.TaskCancelledError:  # backed up on an idle worker before it started
-            self._free(ref)
-            for other in self.running.values():  # the backup is the item's only copy now: it may be backed up
-                if other.item == copy.item and other.backup:
-                    other.backup = False
-                    self.backed_up.discard(copy.item)
-            if self._unattended(copy.item):  # (its backup came back held: offered again like it)
-                self.queue.appendleft(copy.item)
+            self._free(ref)  # (its backup, alone now, may be backed up in turn)
+            if self._unattended(copy.item):  # (its backup came back held, or died: offered again)
+                self._enqueue(copy.item, first=True)
             return
         except self.ray.exceptions.RayActorError:  # the worker died (its process or its node): hand its items out
             self._lost(copy.worker)
@@ -349,8 +366,8 @@ class _Driver:
 
     def _unattended(self, item: int) -> bool:
         """Whether nothing will finish `item` as things stand: not done, not to be handed out, no live copy."""
-        return item not in self.done and item not in self.held and item not in self.queue \
-            and not any(c.item == item and not c.cancelled for c in self.running.values())
+        return item not in self.done and item not in self.held and item not in self.queued \
+            and not any(not self.running[ref].cancelled for ref in self.in_flight.get(item, ()))
 
     def _count_lost(self) -> None:
         self.run_record.workers_lost += 1
@@ -367,7 +384,7 @@ class _Driver:
         self.ray.kill(worker)  # (unavailable may not mean dead: make sure it holds no GPU and writes nothing)
         self._start()  # a new worker in its place (Ray places it on a live node)
         for position, ref in reversed(list(enumerate(lane))):
-            copy = self.running.pop(ref)
+            copy = self._forget(ref)
             if position == 0:  # the one it was writing: its copy may be resumed on its host
                 self.copies.setdefault(copy.item, set()).add(self.where[id(worker)][0])
             if not self._unattended(copy.item):
@@ -378,7 +395,7 @@ class _Driver:
                     raise MmtokError(f"work item {copy.item}: its worker died {MAX_TRIES} times; look for the cause "
                                      "in the Ray logs (out of memory? a crash in the codec?) before running it again")
                 self.run_record.retries += 1
-            self.queue.appendleft(copy.item)
+            self._enqueue(copy.item, first=True)
 
     def _stop_workers(self) -> None:
         """Stop every worker. A copy a stopped worker was writing of an item that is published (a losing backup)
