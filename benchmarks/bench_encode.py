@@ -47,8 +47,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from encodekit import write_tar  # noqa: E402
 from mmtok.cli import main as cli  # noqa: E402
+from mmtok.encode.loop import CommitThread  # noqa: E402
 from mmtok.encode.runner import EncodeOptions, encode_image_rank  # noqa: E402
-from mmtok.formats.commitlog import CommitThread, PartWriter  # noqa: E402
+from mmtok.formats.commitlog import PartWriter  # noqa: E402
 from mmtok.media.images import decode_rgb, resize_rgb  # noqa: E402
 from mmtok.media.resize import target_shape  # noqa: E402
 from realmedia import mate_photos, skimage_images  # noqa: E402

@@ -386,11 +386,11 @@ def image_items(images: Path) -> dict:
     an image encode output (failed images left out)."""
     import numpy as np
 
-    from mmtok.formats import commitlog
+    from mmtok.formats.items import read_items
 
     items = {}
     for directory in sorted((images / "parts").glob("part-*")):
-        records, ids = commitlog.read_items(directory)
+        records, ids = read_items(directory)
         for record in records:
             if record.get("kind") == "image" and "skip" not in record:
                 key = (Path(record["source"]).name, record["key"], int(record["image_index"]))

@@ -307,7 +307,8 @@ def test_parquet_inputs_are_read_by_row_with_their_caption_column(env, tmp_path)
 
 def test_a_stop_while_a_document_is_half_encoded_resumes_and_merges_the_same_bytes(env, tmp_path, monkeypatch):
     from mmtok.encode.runner import encode_image_rank
-    from mmtok.formats.commitlog import PartWriter, read_items
+    from mmtok.formats.commitlog import PartWriter
+    from mmtok.formats.items import read_items
 
     plan_dir = plan(env, "plan-items", "--mode", "image-text")
     clean = encode_all(env, plan_dir, tmp_path / "clean", world_size=1)

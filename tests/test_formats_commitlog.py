@@ -23,11 +23,11 @@ from mmtok.formats.commitlog import (
     part_dir,
     part_prefix,
     read_commits,
-    read_items,
     read_provenance,
     read_skipped,
     verify_part,
 )
+from mmtok.formats.items import read_items
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import sha256_file
 

@@ -34,6 +34,7 @@ from mmtok.cli import main
 from mmtok.codecs import emu35, wavtokenizer
 from mmtok.formats import audio_cache, commitlog
 from mmtok.formats.commitlog import is_done, part_dir, read_commits
+from mmtok.formats.items import read_items
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.text import load_text_tokenizer
@@ -403,7 +404,7 @@ def test_every_audio_block_is_the_pretraining_paths_tokens_of_the_same_file(env)
 def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(env, tmp_path, monkeypatch):
     media = _encode_media(env, tmp_path, 3)
     image_parts = sorted((media.images / "parts").glob("part-*"))
-    assert len(image_parts) == 5 and all(commitlog.read_items(d)[0] for d in image_parts)  # a part per work item
+    assert len(image_parts) == 5 and all(read_items(d)[0] for d in image_parts)  # a part per work item
     assert len(audio_cache.find_cache_parts(media.audio)) == 3
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
     monkeypatch.setattr(mmtok.sft.build, "UNITS_PER_ITEM", ITEM)

@@ -163,6 +163,7 @@ def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_sta
     # against its checksums by the first rank only; the others memory-map the arrays it kept in OUT/image-index
     # and OUT/clip-index, unless the parts changed since or an array file is not the one its writer recorded
     from mmtok.formats import audio_cache, commitlog
+    from mmtok.formats import items as item_records
 
     root, argv = job
     reference = _sft(job, monkeypatch, "kept", 3)
@@ -170,14 +171,14 @@ def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_sta
     monkeypatch.setattr(commitlog, "verify_part", lambda directory, *more: checked.append(Path(directory).parts[0])
                         or verify_part(directory, *more))
     monkeypatch.setattr(audio_cache, "verify", lambda path: checked.append("audio") or verify_cache(path))
-    parsed, plain = [], commitlog.iter_items
+    parsed, plain = [], item_records.iter_items
 
     def counted(directory):
         if Path(directory).parts[0] == "img":  # the image encode's parts (merge reads the sft parts' own items)
             parsed.append(directory)
         return plain(directory)
 
-    monkeypatch.setattr(commitlog, "iter_items", counted)  # items.py reaches it as commitlog.iter_items
+    monkeypatch.setattr(item_records, "iter_items", counted)  # ImageIndex reaches it by its module's name
     indexed, read_cache_index = [], audio_cache.read_cache_index
     monkeypatch.setattr(audio_cache, "read_cache_index", lambda path: indexed.append(path) or read_cache_index(path))
 

@@ -23,7 +23,7 @@ from mmtok.codecs import emu35
 from mmtok.encode import loader
 from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
-from mmtok.formats.items import CONTAINERS, ImageIndex, media_digest, part_containers
+from mmtok.formats.items import CONTAINERS, ImageIndex, media_digest, part_containers, read_items
 from mmtok.formats.manifest import container_identity
 from mmtok.vocab import check_ids_in_range
 
@@ -111,7 +111,7 @@ def test_a_tar_repacked_after_its_encode_is_stale_media_not_another_photos_token
 
 def test_image_items_record_the_digest_of_the_bytes_they_were_decoded_from(encoded):
     work, tar = encoded
-    records, _ = commitlog.read_items(commitlog.part_dir(work / "images", 0))
+    records, _ = read_items(commitlog.part_dir(work / "images", 0))
     photos = real_images()
     assert {r["key"]: r["digest"] for r in records} == {key: media_digest(photos[photo].read_bytes())
                                                          for key, photo in PHOTOS.items()}
@@ -125,7 +125,7 @@ def test_a_tar_changed_between_scan_and_encode_is_stale_media_and_never_decoded(
     _repack_swapped(tar)
     monkeypatch.setattr(loader, "decode_rgb", lambda data: pytest.fail("a stale tar's bytes were decoded"))
     assert _encode(kit, tmp_path) == 2  # every image stale: nothing usable, exit 2
-    records, ids = commitlog.read_items(commitlog.part_dir(tmp_path / "images", 0))
+    records, ids = read_items(commitlog.part_dir(tmp_path / "images", 0))
     assert [r["skip"] for r in records] == ["stale_media"] * 2 and ids.size == 0
     assert all(str(tar) in r["detail"] and "digest" not in r for r in records)
     assert _sft(kit, tmp_path, tar, "sft") == 2

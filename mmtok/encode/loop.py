@@ -12,13 +12,12 @@ turns those counters into the stats every part records.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Callable, Iterable, TypeVar
 
 import numpy as np
-
-from mmtok.formats.commitlog import CommitThread
 
 Batch = TypeVar("Batch")
 UNIFORM_CODES = "flagged:uniform_codes"  # the count of batches whose every code was one value
@@ -119,3 +118,42 @@ def uniform_codes(codes: Iterable[np.ndarray | None]) -> dict[str, int]:
     if sum(item.size for item in items) < 2 or any((item != items[0][0]).any() for item in items):
         return {}
     return {UNIFORM_CODES: 1}
+
+
+class CommitThread:
+    """Runs commit jobs on one background thread, in submission order, so the device never waits for fsync.
+
+    `submit` blocks once `depth` jobs are queued (the producer cannot run far ahead of durability);
+    the first job error is re-raised in the producer by `submit`/`check`/`close`, and later jobs
+    are dropped (a commit after a failed one would leave a gap).
+    """
+
+    def __init__(self, depth: int = 2):
+        self._jobs: queue.Queue = queue.Queue(depth)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="mmtok-commit", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    job()
+                except BaseException as err:  # re-raised in the producer thread
+                    self.error = err
+
+    def submit(self, job) -> None:
+        self.check()
+        self._jobs.put(job)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self, reraise: bool = True) -> None:
+        """Wait for every submitted job; re-raise the first error (unless `reraise` is False: the
+        caller is already handling an error of its own, which must not be replaced)."""
+        self._jobs.put(None)
+        self._thread.join()
+        if reraise:
+            self.check()

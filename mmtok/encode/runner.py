@@ -46,13 +46,12 @@ from mmtok.formats.commitlog import (
     PartWriter,
     adopt_private_part,
     has_dataset,
-    image_skip,
     is_done,
     part_dir,
     publish_part,
     read_commits,
 )
-from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item
+from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item, image_skip
 from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.skips import SkipRecord

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import shutil
 import socket
@@ -60,7 +59,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from mmtok.errors import DamagedFile, MmtokError, Skip, brief
+from mmtok.errors import DamagedFile, MmtokError, brief
 from mmtok.formats import skips
 from mmtok.formats.megatron import TOKEN_DTYPE, bin_path, check_tokens_fit, encode_index, idx_path, write_index
 from mmtok.formats.skips import SkipRecord
@@ -654,104 +653,8 @@ def read_provenance(directory: str | os.PathLike) -> Iterator[dict]:
             yield json.loads(line)
 
 
-def read_items(directory: str | os.PathLike) -> tuple[list[dict], np.ndarray]:
-    """(item records, each with its `offset` into the ids, in commit order; the ids, memory-mapped)."""
-    records = [record for _, record in iter_items(directory)]
-    return records, read_item_ids(directory, records[-1]["offset"] + records[-1]["length"] if records else 0)
-
-
-def iter_items(directory: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """(position, record) of each item of a part in commit order, one at a time: the record with its
-    `offset` into the ids, and the position of its line for `ItemRecords.at` (re-reading it later)."""
-    path = Path(directory) / ITEMS
-    if not path.is_file():
-        return
-    offset = position = 0
-    with open(path, "rb") as handle:
-        for line in handle:
-            record = json.loads(line)
-            record["offset"] = offset
-            offset += record["length"]
-            yield position, record
-            position += len(line)
-
-
-def read_item_ids(directory: str | os.PathLike, count: int) -> np.ndarray:
-    """The ids of a part's items, memory-mapped; `count` is where the last item's ids end (0: none)."""
-    return np.memmap(Path(directory) / ITEM_IDS, dtype=TOKEN_DTYPE, mode="r") if count else np.zeros(0, TOKEN_DTYPE)
-
-
-class ItemRecords:
-    """A part's item records by the positions `iter_items` gave (memory-mapped; opened on the first `at`)."""
-
-    def __init__(self, directory: str | os.PathLike):
-        self.path = Path(directory) / ITEMS
-        self._map = None
-
-    def at(self, position: int) -> dict:
-        """The record whose line starts at `position` (without the `offset` `iter_items` adds)."""
-        if self._map is None:
-            with open(self.path, "rb") as handle:
-                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        self._map.seek(position)
-        return json.loads(self._map.readline())
-
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-
-
-def image_skip(item: dict, skip: Skip, stage: str) -> SkipRecord:
-    """The skip record of the image an image item (of items.jsonl) describes."""
-    return SkipRecord.of(skip, stage=stage, key=item["key"], source=item["source"], container=item["container"],
-                         member=item["member"], position=int(item["manifest_row"]))
-
-
 def read_skipped(directory: str | os.PathLike) -> Iterator[SkipRecord]:
     """The skip records of a part (inputs that did not become tokens), in commit order."""
     path = Path(directory) / SKIPPED
     if path.is_file():
         yield from skips.read(path)
-
-
-class CommitThread:
-    """Runs commit jobs on one background thread, in submission order, so the device never waits for fsync.
-
-    `submit` blocks once `depth` jobs are queued (the producer cannot run far ahead of durability);
-    the first job error is re-raised in the producer by `submit`/`check`/`close`, and later jobs
-    are dropped (a commit after a failed one would leave a gap).
-    """
-
-    def __init__(self, depth: int = 2):
-        import queue
-        import threading
-
-        self._jobs: queue.Queue = queue.Queue(depth)
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="mmtok-commit", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if self.error is None:
-                try:
-                    job()
-                except BaseException as err:  # re-raised in the producer thread
-                    self.error = err
-
-    def submit(self, job) -> None:
-        self.check()
-        self._jobs.put(job)
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def close(self, reraise: bool = True) -> None:
-        """Wait for every submitted job; re-raise the first error (unless `reraise` is False: the
-        caller is already handling an error of its own, which must not be replaced)."""
-        self._jobs.put(None)
-        self._thread.join()
-        if reraise:
-            self.check()

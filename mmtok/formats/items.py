@@ -5,6 +5,7 @@ An image item is one image of a tar member: its record holds the sample's fields
 tar, container, member, manifest_row, document, image_index), the `digest` of the bytes it was decoded
 from (`media_digest`; absent when they could not be read) and, for an image that failed, `skip` and
 `detail`; its ids are the image block (none when it failed). `image_item` writes one (`mmtok encode`);
+`read_items`, `iter_items` and `ItemRecords` read a part's items back (merge's assembly, tests), and
 `ImageIndex` finds them again by (tar, member) across the parts of an output (`mmtok sft`), in a compact index.
 A document of several images also has a `template` item, which merge's assembly reads beside the images.
 
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import mmap
 import os
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -28,6 +32,8 @@ from mmtok.errors import MmtokError, Skip
 from mmtok.formats import commitlog, kept
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.manifest import identity_change, stale_detail
+from mmtok.formats.megatron import TOKEN_DTYPE
+from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import random_access
 
 IMAGE_KIND = "image"
@@ -65,6 +71,65 @@ def image_item(sample: dict, failure: Skip | None, block: np.ndarray | None,
     return record, block if block is not None else np.zeros(0, np.int32)
 
 
+# Reading a part's items (items.jsonl, items.ids: `commitlog.PartWriter` commits them with each unit)
+
+
+def read_items(directory: str | os.PathLike) -> tuple[list[dict], np.ndarray]:
+    """(item records, each with its `offset` into the ids, in commit order; the ids, memory-mapped)."""
+    records = [record for _, record in iter_items(directory)]
+    return records, read_item_ids(directory, records[-1]["offset"] + records[-1]["length"] if records else 0)
+
+
+def iter_items(directory: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(position, record) of each item of a part in commit order, one at a time: the record with its
+    `offset` into the ids, and the position of its line for `ItemRecords.at` (re-reading it later)."""
+    path = Path(directory) / commitlog.ITEMS
+    if not path.is_file():
+        return
+    offset = position = 0
+    with open(path, "rb") as handle:
+        for line in handle:
+            record = json.loads(line)
+            record["offset"] = offset
+            offset += record["length"]
+            yield position, record
+            position += len(line)
+
+
+def read_item_ids(directory: str | os.PathLike, count: int) -> np.ndarray:
+    """The ids of a part's items, memory-mapped; `count` is where the last item's ids end (0: none)."""
+    if not count:
+        return np.zeros(0, TOKEN_DTYPE)
+    return np.memmap(Path(directory) / commitlog.ITEM_IDS, dtype=TOKEN_DTYPE, mode="r")
+
+
+class ItemRecords:
+    """A part's item records by the positions `iter_items` gave (memory-mapped; opened on the first `at`)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.path = Path(directory) / commitlog.ITEMS
+        self._map = None
+
+    def at(self, position: int) -> dict:
+        """The record whose line starts at `position` (without the `offset` `iter_items` adds)."""
+        if self._map is None:
+            with open(self.path, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map.seek(position)
+        return json.loads(self._map.readline())
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def image_skip(item: dict, skip: Skip, stage: str) -> SkipRecord:
+    """The skip record of the image an image item (of items.jsonl) describes."""
+    return SkipRecord.of(skip, stage=stage, key=item["key"], source=item["source"], container=item["container"],
+                         member=item["member"], position=int(item["manifest_row"]))
+
+
 # ImageIndex's columns and their array typecodes: 25 bytes an item, beside its 16-byte key.
 ITEM_COLUMNS = {"part": "i", "offset": "q", "length": "i", "has_skip": "B", "line": "q"}
 
@@ -88,7 +153,7 @@ class ImageIndex:
 
     def __init__(self, directories: list[Path], restored: dict | None = None):
         """Built from the parts' items.jsonl (one json record an item), or from a kept index (see `cached`)."""
-        self._records = [commitlog.ItemRecords(directory) for directory in directories]
+        self._records = [ItemRecords(directory) for directory in directories]
         if restored is not None:
             self._restore(directories, restored)
             return
@@ -101,7 +166,7 @@ class ImageIndex:
         for number, directory in enumerate(directories):
             self._containers.update({_real(tar): identity for tar, identity in part_containers(directory).items()})
             end = 0
-            for line, record in commitlog.iter_items(directory):
+            for line, record in iter_items(directory):
                 end = record["offset"] + record["length"]
                 if record.get("kind") != IMAGE_KIND:
                     continue
@@ -211,7 +276,7 @@ KEPT_DIR = "image-index"  # `mmtok sft` OUT/image-index/: the index one rank bui
 
 def _item_ids(directory: Path, end: int) -> np.ndarray:
     """A part's item ids (memory-mapped), refused when its records need more than the file holds."""
-    ids = np.asarray(random_access(commitlog.read_item_ids(directory, end)))  # sft looks a few blocks up in it
+    ids = np.asarray(random_access(read_item_ids(directory, end)))  # sft looks a few blocks up in it
     if end > ids.size:  # records that point past the ids: never lend a cut block
         raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
                          f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "

@@ -27,8 +27,8 @@ import numpy as np
 
 from mmtok.documents import DocumentBuilder, unpack_template
 from mmtok.errors import MmtokError, Skip
-from mmtok.formats import commitlog, skips
-from mmtok.formats.items import IMAGE_KIND, TEMPLATE_KIND
+from mmtok.formats import skips
+from mmtok.formats.items import IMAGE_KIND, TEMPLATE_KIND, ItemRecords, image_skip, iter_items, read_item_ids
 from mmtok.formats.megatron import DatasetWriter
 from mmtok.formats.skips import SkipRecord
 
@@ -71,7 +71,7 @@ def assemble_documents(part_dirs: list[Path], prefix: Path, provenance: IO, skip
 
     index, ids = _collect(part_dirs)
     bounds, failed = _documents(index)
-    records = [commitlog.ItemRecords(directory) for directory in part_dirs]
+    records = [ItemRecords(directory) for directory in part_dirs]
     counts: Counter = Counter()
     writer = DatasetWriter(prefix)
     try:
@@ -129,7 +129,7 @@ def _read(part_dirs: list[Path]) -> tuple[dict[str, np.ndarray], list[np.ndarray
     ids, unknown = [], None
     for number, directory in enumerate(part_dirs):
         end = 0
-        for line, record in commitlog.iter_items(directory):
+        for line, record in iter_items(directory):
             end = record["offset"] + record["length"]
             if unknown:
                 continue  # the rest of the part is still parsed (a damaged line is refused first, as before)
@@ -151,7 +151,7 @@ def _read(part_dirs: list[Path]) -> tuple[dict[str, np.ndarray], list[np.ndarray
             lengths(record["length"])
             has_skip("skip" in record)
             lines(line)
-        ids.append(np.asarray(commitlog.read_item_ids(directory, end)))  # plain views slice faster than a memmap
+        ids.append(np.asarray(read_item_ids(directory, end)))  # plain views slice faster than a memmap
         if unknown:
             break
     arrays = {name: np.frombuffer(column, column.typecode) if column else np.zeros(0, column.typecode)
@@ -188,7 +188,7 @@ def _documents(index: _Index) -> tuple[np.ndarray, np.ndarray]:
     return np.append(starts, index.document.size), np.logical_or.reduceat(index.has_skip, starts)
 
 
-def _template(document: int, index: _Index, start: int, end: int, records: list[commitlog.ItemRecords],
+def _template(document: int, index: _Index, start: int, end: int, records: list[ItemRecords],
               part_dirs: list[Path]) -> dict:
     """The template record of the document in rows start:end, which must hold it and exactly the images it counts."""
     if index.kind[start] != TEMPLATE:
@@ -213,12 +213,12 @@ def _assemble(index: _Index, start: int, end: int, template: dict, ids: list[np.
 
 
 def _skips(index: _Index, start: int, end: int, template: dict,
-           records: list[commitlog.ItemRecords]) -> list[SkipRecord]:
+           records: list[ItemRecords]) -> list[SkipRecord]:
     """A skip record for each image of the failed document in rows start:end, by image index."""
     items = [records[part].at(line) for part, line in
              zip(index.part[start + 1:end].tolist(), index.line[start + 1:end].tolist(), strict=True)]
     failed = {image: item for image, item in enumerate(items) if "skip" in item}
-    return [commitlog.image_skip(item, _why(image, failed, template), "merge") for image, item in enumerate(items)]
+    return [image_skip(item, _why(image, failed, template), "merge") for image, item in enumerate(items)]
 
 
 def _why(index: int, failed: dict[int, dict], template: dict) -> Skip:
