@@ -40,7 +40,7 @@ from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import find_cache_parts, read_cache_index, read_metadata, read_tokens, recorded_sha256
-from mmtok.formats.interleave import METADATA_FILE
+from mmtok.formats.interleave import LONG_MAX_TOKENS, METADATA_FILE, STAGE_MAX_TOKENS
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.vocab import VocabLayout
 
@@ -186,7 +186,8 @@ def build(planned: Planned, builder: SequenceBuilder, tokens: TokenSource) -> np
     return builder.transcription(audio, text, translate=planned.kind == "translation")
 
 
-def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = 8192, max_tokens: int = 262_144,
+def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = STAGE_MAX_TOKENS,
+               max_tokens: int = LONG_MAX_TOKENS,
                progress: bool = True) -> dict:
     """Write OUT/stage and OUT/long-context (Megatron) from ENCODED's token cache; returns the summary.
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from mmtok.commands.report import plural, print_summary, reasons
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
+from mmtok.formats.interleave import LONG_MAX_TOKENS, STAGE_MAX_TOKENS
 
 CONVERT_HELP = """\
 Convert audio sources into Lhotse Shar shards: 24 kHz mono audio (24-bit FLAC) with the text already
@@ -85,11 +86,11 @@ def add_parser(sub) -> None:
                                       description=INTERLEAVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     interleave.add_argument("encoded", type=Path, help="output directory of `mmtok encode --modality audio`")
     interleave.add_argument("--out", required=True, type=Path, help="output directory")
-    interleave.add_argument("--stage-max-tokens", type=int, default=8192,
-                            help="longest sequence of the stage set (default 8192)")
-    interleave.add_argument("--max-tokens", type=int, default=262_144,
+    interleave.add_argument("--stage-max-tokens", type=int, default=STAGE_MAX_TOKENS,
+                            help=f"longest sequence of the stage set (default {STAGE_MAX_TOKENS})")
+    interleave.add_argument("--max-tokens", type=int, default=LONG_MAX_TOKENS,
                             help="longest long-context sequence; longer ones are split at clip boundaries "
-                            "(default 262144)")
+                            f"(default {LONG_MAX_TOKENS})")
     interleave.add_argument("--no-progress", action="store_true", help="no progress bar")
     interleave.set_defaults(func=run)
 

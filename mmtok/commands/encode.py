@@ -380,7 +380,7 @@ def _reasons(counts: dict) -> str:
 
 def add_audio_arguments(parser) -> None:
     """Register the audio-only options of `mmtok encode`."""
-    from mmtok.encode.audio import SEQUENCE_MODES
+    from mmtok.encode.audio import DEFAULT_SEQUENCES, SEQUENCE_MODES
 
     group = parser.add_argument_group("audio options (--modality audio)")
     options = [
@@ -394,7 +394,7 @@ def add_audio_arguments(parser) -> None:
                               "help": "audio: duration buckets of the sampler "
                                       "(default 50: < 5%% padding, see the benchmark)"}),
         (("--bucket-seed",), {"type": int, "default": 0, "help": "audio: seed of the bucketing sampler (default 0)"}),
-        (("--sequences",), {"choices": SEQUENCE_MODES, "default": "auto",
+        (("--sequences",), {"choices": SEQUENCE_MODES, "default": DEFAULT_SEQUENCES,
                             "help": "audio: which sequences to write per clip: auto = transcription (translation "
                                     "when the clip has a target language) if it has text, else audio-only "
                                     "(default); audio = audio-only for every clip; transcription = only clips "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
+from mmtok.formats.presets import MODES
 
-MODES = ("image", "image-text", "text-image", "sft", "interleaved")  # mmtok.formats.presets.MODES, kept import-free
 # (flag, type, help) for every parameter a flag can override; dest = the PlanParameters field name
 PARAMETER_FLAGS = (
     ("--text-tokenizer", str, "text tokenizer: `tekken`, a tokenizer.json or its directory"),

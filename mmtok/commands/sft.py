@@ -19,6 +19,7 @@ from mmtok.commands.report import (
 )
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
+from mmtok.sft.build import DEFAULT_MAX_TOKENS
 
 DESCRIPTION = """\
 Render SFT conversations with the text tokenizer's chat template and replace every media placeholder
@@ -55,8 +56,9 @@ def add_parser(sub) -> None:
     parser.add_argument("--converted", type=Path, action="append", default=[],
                         help="`mmtok audio convert` output (repeatable): names why a clip it dropped is missing")
     parser.add_argument("--out", type=Path, required=True, help="output directory (parts go to OUT/parts/)")
-    parser.add_argument("--max-tokens", type=int, default=1 << 20,
-                        help="skip conversations longer than this as document_too_long (default 1,048,576); text "
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"skip conversations longer than this as document_too_long (default "
+                             f"{DEFAULT_MAX_TOKENS:,}); text "
                              "that certainly has more tokens (more UTF-8 bytes than this x the tokenizer's longest "
                              "vocabulary entry) is skipped before it is tokenized, and bounds the chat template's "
                              "rendering")

@@ -51,6 +51,7 @@ from mmtok.text import tokenizer_difference
 from mmtok.vocab import check_ids_in_range
 
 SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
+DEFAULT_SEQUENCES = "auto"
 DEFAULT_TRIM = 5  # codes dropped at the end of every clip (WavTokenizer's look-ahead; the codec reports its own)
 
 
@@ -391,7 +392,7 @@ def trim_of(codec) -> int:
 
 
 def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
-                sequences: str = "auto", num_workers: int = 2, text_tokenizer: str = "tekken",
+                sequences: str = DEFAULT_SEQUENCES, num_workers: int = 2, text_tokenizer: str = "tekken",
                 progress: bool = True, take_over: bool = True, stop=None) -> dict:
     """Encode this rank's shards of `shar` (`assign_shards`) into OUT/parts (+ OUT/audio-cache), a part per shard;
     then, with `take_over`, every shard no process has finished or holds, one after another from the last

@@ -10,6 +10,8 @@ from mmtok.errors import MmtokError
 from mmtok.fsutil import SummaryFile
 
 METADATA = "interleave.json"
+STAGE_MAX_TOKENS = 8192  # default longest sequence of the stage set
+LONG_MAX_TOKENS = 262_144  # default longest sequence of the long-context set
 METADATA_FILE = SummaryFile(METADATA)
 
 
