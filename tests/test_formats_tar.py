@@ -132,6 +132,36 @@ def test_the_shar_index_names_the_fault_and_keeps_the_sound_cut(tmp_path, fault)
     assert raised.value.reason == FAULTS[fault]
 
 
+def test_a_tar_cut_after_it_was_indexed_is_a_truncated_member_to_every_byte_range_reader(tmp_path):
+    """Images (`MemberReader`), clips (`load_clip`) and conversation media (`read_member`) read a member's bytes
+    through one function, `read_range`: a file that ends inside them is `truncated_member`, never bytes cut
+    short (a clip used to reach the decoder cut and be skipped as decode_error)."""
+    import numpy as np
+    import soundfile
+
+    from mmtok.formats.manifest import MemberReader, ShortRead
+    from mmtok.formats.tar import MemberTruncated, read_member
+
+    sound = io.BytesIO()
+    soundfile.write(sound, 0.5 * np.sin(np.arange(4800) / 5.0), 24_000, format="WAV", subtype="PCM_16")
+    tar = faulty_tar(tmp_path / "recording.000000.tar", [("cut-a.wav", sound.getvalue()),
+                                                           ("cut-b.wav", sound.getvalue())], "none")
+    members, _ = index_members(tar)
+    offset, size = members["cut-b"]
+    with open(tar, "r+b") as handle:
+        handle.truncate(offset + size // 2)  # the file changed since it was indexed (and verified)
+    with pytest.raises(MemberTruncated, match="ends inside the member"):
+        read_member(tar, offset, size)
+    with pytest.raises(ShortRead, match="ends inside the member"):
+        MemberReader().read(str(tar), offset, size)
+    request = type("Request", (), {"min_samples": 0, "max_clip_duration": 600.0})
+    with open(tar, "rb") as handle, pytest.raises(AudioReason) as raised:
+        load_clip(handle, members["cut-b"], 1.0, request)
+    assert raised.value.reason == "truncated_member"
+    with open(tar, "rb") as handle:  # the member before the cut is whole
+        assert load_clip(handle, members["cut-a"], 1.0, request).size > 0
+
+
 def test_members_past_a_corrupt_header_are_read_after_the_resync(tmp_path):
     names = [("a.txt", b"a" * 600), ("b.txt", b"b"), ("c.txt", b"c")]
     tar = faulty_tar(tmp_path / "s.tar", names, "none")

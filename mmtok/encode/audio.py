@@ -43,6 +43,7 @@ from mmtok.formats.commitlog import is_done, pack_carry, part_dir, unpack_carry
 from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 from mmtok.formats.skips import SkipRecord
+from mmtok.formats.tar import MemberTruncated, read_range
 from mmtok.fsutil import LockHeld
 from mmtok.launch import stop_check
 from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
@@ -92,8 +93,10 @@ def load_clip(handle, member: tuple[int, int] | str | None, duration: float, req
         raise AudioReason.parse(member)
     if duration > request.max_clip_duration:  # checked before reading: a 2-hour clip would need ~22 GB to encode
         raise AudioReason("too_long", f"{duration:.1f} s > --max-clip-duration {request.max_clip_duration:g} s")
-    handle.seek(member[0])
-    data = handle.read(member[1])
+    try:
+        data = read_range(handle.fileno(), member[0], member[1], handle.name)
+    except MemberTruncated as err:  # the shard changed since it was verified
+        raise AudioReason("truncated_member", str(err)) from None
     try:
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
     except Exception as err:  # libsndfile reports every malformed input as a generic error

@@ -7,7 +7,7 @@ place and name the problem in `reason`; a shard-level problem (e.g. `truncated_t
 an empty key and its own document id. `manifest.json` is written last, so its presence means the
 Parquet file is complete; its `fingerprint` is the sha256 of manifest.parquet.
 
-Reading a member: for `container == "tar"`, `open(tar, "rb").seek(offset); read(size)`; for
+Reading a member: for `container == "tar"`, its byte range (`mmtok.formats.tar.read_range`); for
 `container == "parquet"` (a Parquet or Arrow IPC table file), `offset` is the row index and
 `member` the column name (a binary column or a struct with a `bytes` field). `MemberReader` does both.
 
@@ -31,6 +31,7 @@ import pyarrow as pa
 from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.parquet import FixedRowGroups
+from mmtok.formats.tar import MemberTruncated, read_range
 from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
 
 MANIFEST_FILE = "manifest.parquet"
@@ -358,12 +359,11 @@ class MemberReader:
         """Exactly `size` bytes at `offset` of `path`; ShortRead when the file ends early."""
         entry = self._acquire(path)
         try:
-            data = os.pread(entry.fd, size, offset)  # outside the lock: reads of many threads overlap
+            return read_range(entry.fd, offset, size, path)  # outside the lock: reads of many threads overlap
+        except MemberTruncated as err:
+            raise ShortRead(str(err)) from None
         finally:
             self._release(entry)
-        if len(data) != size:
-            raise ShortRead(f"{path}: {len(data)} of {size} bytes at offset {offset}")
-        return data
 
     def read_member(self, container: str, path: str, member: str, offset: int, size: int) -> bytes:
         """An image's bytes: a tar byte range, or a table cell (`member` = column, `offset` = row)."""

@@ -358,11 +358,22 @@ def read_member(path: str | os.PathLike, offset: int, size: int) -> bytes:
     """The `size` data bytes at `offset` of a member of the tar at `path`, never more;
     MemberTruncated when the file ends inside them."""
     with open(path, "rb") as handle:
-        handle.seek(offset)
-        data = handle.read(size)
-    if len(data) != size:
-        raise MemberTruncated(f"{path}: the tar ends inside the member at byte {offset} ({len(data)} of {size} bytes)")
-    return data
+        return read_range(handle.fileno(), offset, size, path)
+
+
+def read_range(fd: int, offset: int, size: int, path: str | os.PathLike) -> bytes:
+    """Exactly `size` bytes at `offset` of the open file `fd` (`path`, for the message); MemberTruncated when
+    the file ends inside them. The one reader of a member's bytes by its byte range (images, captions, clips,
+    conversation media): `os.pread` keeps no file position, so threads may share `fd`."""
+    chunks, got = [], 0
+    while got < size:  # (one pread returns at most ~2 GiB)
+        chunk = os.pread(fd, size - got, offset + got)
+        if not chunk:
+            raise MemberTruncated(f"{path}: the file ends inside the member at byte {offset} ({got:,} of "
+                                  f"{size:,} bytes)")
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _parse_size(field: bytes) -> int | None:
