@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 FAULTS = {"sparse": "unsupported_member", "symlink": "not_a_regular_file", "cut_in_member": "truncated_member",
           "cut_in_header": "truncated_tar"}
 # Modules that create tars: `tarfile` there only writes (every `tarfile.open` has a "w" mode).
-TAR_WRITERS = {"mmtok/sft/pack.py", "mmtok/commands/demo_flow.py"}
+TAR_WRITERS = {"mmtok/formats/conversations.py", "mmtok/commands/demo_flow.py"}
 
 
 def faulty_tar(path: Path, members: list[tuple[str, bytes]], fault: str) -> Path:

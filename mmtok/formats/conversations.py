@@ -35,6 +35,10 @@ leaves every root is `outside_root`, as is an absolute path elsewhere; a FIFO, d
 is `not_a_file` and never opened (`mmtok.fsutil.read_regular_file`).
 
 What cannot be resolved otherwise is `missing_media` naming the slot and what was looked for.
+
+The writer of conversation tars is here too, beside their reader: `ConversationTars` (what `mmtok pack`
+writes: samples of `KEY.json` and `KEY.<k>.<ext>` members, named by `json_member_name` and
+`media_member_name`, which `sample_key` reads back).
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ import itertools
 import json
 import os
 import re
+import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -61,6 +67,7 @@ from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Me
 from mmtok.fsutil import (
     DUPLICATE_INPUT,
     OUTSIDE_ROOT,
+    atomic_writer,
     inside,
     not_a_regular_file,
     open_regular_file,
@@ -448,6 +455,79 @@ def _tar_samples(path: Path) -> Iterator[tuple[str | None, list[Member], Damage 
         members.append(entry)
     if key is not None:
         yield key, members + held, None
+
+
+# -- Writing conversation tars (`mmtok pack`): samples `_tar_conversations` reads back ----------------------
+
+SAMPLES_PER_TAR = 1000
+TAR_NAME = re.compile(r"conversations-\d{6}\.tar")
+
+
+def json_member_name(key: str) -> str:
+    """The member holding a sample's conversation record."""
+    return f"{key}.json"
+
+
+def media_member_name(key: str, index: int, ext: str) -> str:
+    """The member holding a sample's `index`-th medium of its kind (`sample_key` reads KEY back)."""
+    return f"{key}.{index}.{ext}"
+
+
+@dataclass
+class PackedMember:
+    """One member of a packed sample: its name, its size, and its bytes as an open stream (copied into the tar
+    in pieces, so a medium is never held in memory whole)."""
+
+    name: str
+    size: int
+    stream: IO[bytes]
+
+
+def close_members(members: list[PackedMember]) -> None:
+    for member in members:
+        member.stream.close()
+
+
+class ConversationTars:
+    """Conversation tars `conversations-NNNNNN.tar` in OUT, `samples_per_tar` samples each, each tar written
+    atomically as its samples come (a sample's media are streamed, never held whole), member metadata fixed (no
+    clock, no owner): the same samples give the same bytes. `claim(name)` is called before a tar can appear
+    (`mmtok pack` records it as its own). With no sample, one empty tar, so the later stages have an input."""
+
+    def __init__(self, out: Path, samples_per_tar: int, claim: Callable[[str], None]):
+        self.out, self.samples_per_tar, self.claim = out, samples_per_tar, claim
+        self.names: list[str] = []
+        self._stack = ExitStack()
+        self._archive, self._samples = None, 0
+
+    def add(self, members: list[PackedMember]) -> None:
+        if self._archive is None or self._samples == self.samples_per_tar:
+            self._next()
+        try:
+            for member in members:
+                info = tarfile.TarInfo(member.name)
+                info.size, info.mtime, info.mode = member.size, 0, 0o644
+                self._archive.addfile(info, member.stream)  # copies `size` bytes in pieces
+        finally:
+            close_members(members)
+        self._samples += 1
+
+    def _next(self) -> None:
+        self._stack.close()  # the previous tar: closed, fsynced, renamed into place
+        self._stack = ExitStack()
+        self.names.append(f"conversations-{len(self.names):06d}.tar")
+        self.claim(self.names[-1])
+        handle = self._stack.enter_context(atomic_writer(self.out / self.names[-1]))
+        self._archive = self._stack.enter_context(tarfile.open(fileobj=handle, mode="w", format=tarfile.GNU_FORMAT))
+        self._samples = 0
+
+    def __enter__(self) -> "ConversationTars":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None and not self.names:
+            self._next()  # nothing packed: one empty tar, so the later stages have their input
+        self._stack.__exit__(*exc)
 
 
 def _jsonl_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:

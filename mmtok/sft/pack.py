@@ -26,35 +26,35 @@ from __future__ import annotations
 
 import io
 import json
-import re
-import tarfile
 from collections import Counter
 from collections.abc import Sequence
-from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.chat import ConversationError, with_media_names
 from mmtok.formats.conversations import (
     KIND_SUFFIXES,
+    SAMPLES_PER_TAR,
+    TAR_NAME,
     Conversation,
+    ConversationTars,
     Located,
+    PackedMember,
     check_inputs,
     check_media_roots,
+    close_members,
     input_fingerprint,
+    json_member_name,
     locate,
+    media_member_name,
     read_conversations,
 )
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, read_json_object, refuse_out_overlapping
 
-SAMPLES_PER_TAR = 1000
 REPORT = "pack.json"
 SKIPPED = "skipped.jsonl"
 OWNED = ".pack-owned.json"  # the tars a running (or killed) pack wrote, until pack.json names them
-TAR_NAME = re.compile(r"conversations-\d{6}\.tar")
 MAX_MEDIA_BYTES = 1 << 30  # one medium above this is `media_too_large` (--max-media-bytes)
 # Leading bytes of the formats the codecs read (checked in order): an extension for media without a name.
 SIGNATURES = {"image": ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"GIF8", "gif"), (b"BM", "bmp"),
@@ -84,16 +84,6 @@ def _signature(kind: str, data: bytes) -> str | None:
     return next((ext for signature, ext in SIGNATURES[kind] if data.startswith(signature)), None)
 
 
-@dataclass
-class PackedMember:
-    """One member of a packed sample: its name, its size, and its bytes as an open stream (copied into the tar
-    in pieces, so a medium is never held in memory whole)."""
-
-    name: str
-    size: int
-    stream: IO[bytes]
-
-
 def pack_conversation(conversation: Conversation, key: str,
                       max_media_bytes: int = MAX_MEDIA_BYTES) -> tuple[list[PackedMember], Counter]:
     """(the members of one conversation's sample, json last; media packed by kind); Skip naming why it
@@ -113,7 +103,7 @@ def pack_conversation(conversation: Conversation, key: str,
             slot = f"{ref.slot.kind} {ref.slot.index}"
             member = _media_member(located, slot, max_media_bytes, members)
             ext = _extension(ref.slot.kind, slot, member, located)
-            member.name = f"{key}.{counts[ref.slot.kind]}.{ext}"
+            member.name = media_member_name(key, counts[ref.slot.kind], ext)
             counts[ref.slot.kind] += 1
             names[ref.slot] = member.name
         record = with_media_names(conversation.record, names)
@@ -122,7 +112,7 @@ def pack_conversation(conversation: Conversation, key: str,
     except BaseException:
         close_members(members)
         raise
-    members.append(PackedMember(f"{key}.json", len(data), io.BytesIO(data)))
+    members.append(PackedMember(json_member_name(key), len(data), io.BytesIO(data)))
     return members, counts
 
 
@@ -148,11 +138,6 @@ def _extension(kind: str, slot: str, member: PackedMember, located: Located) -> 
         return extension(kind, head, name)
     except Skip as skip:
         raise Skip(skip.reason, f"{slot}: {located.where}: {skip.detail}") from None
-
-
-def close_members(members: list[PackedMember]) -> None:
-    for member in members:
-        member.stream.close()
 
 
 def _json_bytes(record: dict) -> bytes:
@@ -191,7 +176,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
         counts: Counter = Counter()
         skipped = []
         bar = progress_bar(desc="pack", unit="conv", enabled=progress)
-        with _Tars(out, samples_per_tar, owned) as tars:
+        with ConversationTars(out, samples_per_tar, lambda name: _owns(out, owned, name)) as tars:
             for ordinal, conversation in enumerate(read_conversations(inputs, media_roots)):
                 if conversation.whole_file:
                     counts[skips.file_count_key(conversation.error.reason)] += 1
@@ -211,7 +196,7 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
         bar.close()
         with atomic_writer(out / SKIPPED) as handle:
             skips.append(handle, skipped)
-        for stale in sorted(tars.owned - set(tars.names)):
+        for stale in sorted(owned - set(tars.names)):
             (out / stale).unlink(missing_ok=True)  # an earlier pack into OUT wrote more tars
         report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars.names,
                   "counts": dict(sorted(counts.items())), **({"media_roots": list(roots)} if roots else {})}
@@ -220,47 +205,11 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
     return report
 
 
-class _Tars:
-    """The output tars, each written atomically as its samples come (a sample's media are streamed, never
-    held whole), member metadata fixed (no clock, no owner): the same inputs give the same bytes. Each tar's
-    name is recorded in OUT/.pack-owned.json before the tar can appear."""
-
-    def __init__(self, out: Path, samples_per_tar: int, owned: set[str]):
-        self.out, self.samples_per_tar, self.owned = out, samples_per_tar, set(owned)
-        self.names: list[str] = []
-        self._stack = ExitStack()
-        self._archive, self._samples = None, 0
-
-    def add(self, members: list[PackedMember]) -> None:
-        if self._archive is None or self._samples == self.samples_per_tar:
-            self._next()
-        try:
-            for member in members:
-                info = tarfile.TarInfo(member.name)
-                info.size, info.mtime, info.mode = member.size, 0, 0o644
-                self._archive.addfile(info, member.stream)  # copies `size` bytes in pieces
-        finally:
-            close_members(members)
-        self._samples += 1
-
-    def _next(self) -> None:
-        self._stack.close()  # the previous tar: closed, fsynced, renamed into place
-        self._stack = ExitStack()
-        self.names.append(f"conversations-{len(self.names):06d}.tar")
-        if self.names[-1] not in self.owned:
-            self.owned.add(self.names[-1])
-            _record_owned(self.out, self.owned)
-        handle = self._stack.enter_context(atomic_writer(self.out / self.names[-1]))
-        self._archive = self._stack.enter_context(tarfile.open(fileobj=handle, mode="w", format=tarfile.GNU_FORMAT))
-        self._samples = 0
-
-    def __enter__(self) -> "_Tars":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None and not self.names:
-            self._next()  # nothing packed: one empty tar, so the later stages have their input
-        self._stack.__exit__(*exc)
+def _owns(out: Path, owned: set[str], name: str) -> None:
+    """Record that this pack writes tar `name` into OUT, before the tar can appear."""
+    if name not in owned:
+        owned.add(name)
+        _record_owned(out, owned)
 
 
 def _record_owned(out: Path, owned: set[str]) -> None:
