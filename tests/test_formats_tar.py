@@ -90,6 +90,17 @@ def test_the_scan_names_the_fault_and_keeps_the_sound_member(tmp_path, fault):
     assert rows == [("a.png", ""), (named, FAULTS[fault])]
 
 
+def test_the_scan_splits_sample_keys_by_the_rule_the_conversation_reader_uses(tmp_path):
+    """The scan's hot loop splits a member name inline; it must give the keys `conversations.sample_key` gives
+    (WebDataset's: the base name up to its first dot, directories kept, dots in them included)."""
+    from mmtok.formats.conversations import sample_key
+
+    names = ["plain.png", "dir.v2/a.png", "x.y/z/img.png", "nested/dir/c.png", "d.e/f.0.png"]  # (KEY.N.ext: pack's)
+    shard = faulty_tar(tmp_path / "s.tar", [(name, png()) for name in names], "none")
+    rows = scan_image_tar(str(shard))[0].rows
+    assert [(row[0], row[3]) for row in rows] == [(sample_key(name)[0], name) for name in names]
+
+
 @pytest.mark.parametrize("named", [True, False], ids=["named", "placeholder"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_conversation_reading_names_the_fault_and_keeps_the_sound_sample(tmp_path, fault, named):
