@@ -280,7 +280,7 @@ def real_run(plan_dir: Path, out: Path, world_size: int, workers: int, faults: F
             time.sleep(faults.start_s)  # the model load of a rank start
             try:
                 encode_image_rank(plan_dir, out, codec, rank=rank, world_size=world_size,
-                            options=EncodeOptions(loader_threads=1, progress=False))
+                                  options=EncodeOptions(loader_threads=1, progress=False))
             except Died:
                 with lock:
                     requeued.append((time.monotonic() + faults.requeue_s, rank))

@@ -74,7 +74,7 @@ def shar(tmp_path_factory):
 def encode_all(shar: Path, out: Path, codec, world_size: int, batching: Batching = BATCHING) -> Path:
     for rank in range(world_size):
         encode_audio_rank(shar, out, codec, rank=rank, world_size=world_size, batching=batching, num_workers=1,
-                    progress=False, take_over=False)  # each rank its own shards: the split itself is tested
+                          progress=False, take_over=False)  # each rank its own shards: the split itself is tested
     merge(out)
     return out
 
@@ -233,7 +233,7 @@ def test_foreign_shar_text_is_tokenized_and_silent_clips_are_skipped(codec, tmp_
             writer.write(MonoCut(name, 0.0, wave.size / 24_000, 0, recording=recording, supervisions=[sup]))
     assert len(CutSet.from_shar(in_dir=tmp_path / "shar")) == 2
     encode_audio_rank(tmp_path / "shar", tmp_path / "out", codec, rank=0, world_size=1, batching=BATCHING,
-                num_workers=0, progress=False)
+                      num_workers=0, progress=False)
     summary = merge(tmp_path / "out")
     assert summary["counts"]["skipped:silent"] == 1 and summary["sequences"] == 1
     (tokens,) = read_sequences(tmp_path / "out" / "merged")
@@ -279,7 +279,7 @@ def test_a_lhotse_recipe_shar_keeps_recording_identity_and_interleaves_in_time_o
 
     shar = lhotse_recipe_shar(tmp_path)
     encode_audio_rank(shar, tmp_path / "enc", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
-                progress=False)
+                      progress=False)
     rows = pq.read_table(cache_path(tmp_path / "enc", 0)).to_pylist()
     assert [(r["cut_id"], r["source_id"], r["clip"]) for r in rows] == [("talk-c", "talk", 0), ("talk-b", "talk", 1),
                                                                          ("talk-a", "talk", 2)]
@@ -316,7 +316,7 @@ def test_a_clip_too_long_to_encode_is_a_named_skip_and_the_rank_finishes(shar, c
     over = sorted(k for k, d in cuts.items() if d > limit)
     out = tmp_path / "out"
     encode_audio_rank(shar, out, codec, rank=0, world_size=1, num_workers=1, progress=False,
-                batching=Batching(max_duration=4.0, num_buckets=3, seed=0, max_clip_duration=limit))
+                      batching=Batching(max_duration=4.0, num_buckets=3, seed=0, max_clip_duration=limit))
     summary = merge(out)
     assert summary["counts"]["skipped:too_long"] == len(over) == 2
     skipped = [json.loads(line) for line in (out / "merged.skipped.jsonl").read_text().splitlines()]
@@ -330,7 +330,7 @@ def test_a_rerun_with_other_settings_is_refused_even_when_every_part_is_finished
 
     with pytest.raises(MmtokError, match=r"a part of another run: sequences \(recorded 'auto', now 'both'\)"):
         encode_audio_rank(shar, one_rank, codec, rank=0, world_size=1, batching=BATCHING, sequences="both",
-                    num_workers=0, progress=False)
+                          num_workers=0, progress=False)
 
 
 def test_the_cli_summary_goes_to_stderr_and_json_prints_the_rank_result(shar, checkpoint, one_rank, tmp_path, capsys):
@@ -359,7 +359,7 @@ def test_another_text_tokenizer_than_the_conversions_is_refused_naming_both(shar
     with pytest.raises(MmtokError, match=r"tokenized with another text tokenizer than --text-tokenizer: "
                                          r"tekken_240718\.json \(sha256 \w{12}\.\.\.\), not .*chat/tokenizer\.json"):
         encode_audio_rank(shar, tmp_path / "out", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
-                    text_tokenizer=str(other), progress=False)
+                          text_tokenizer=str(other), progress=False)
 
 
 def test_odd_custom_clip_fields_of_a_foreign_shar_are_numbered_as_foreign_cuts():

@@ -75,7 +75,7 @@ def pipeline(tmp_path_factory):
             kind="conversations", workers=0, progress=False)
     codec = load_codec("wavtokenizer", checkpoint, "cpu")
     encode_audio_rank(root / "conv", root / "enc", codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
-                text_tokenizer=str(tokenizer), progress=False)
+                      text_tokenizer=str(tokenizer), progress=False)
     return root, codec, tokenizer, checkpoint
 
 
@@ -89,7 +89,7 @@ def _copy(pipeline, tmp_path: Path, *names: str) -> Path:
 def _encode(pipeline, shar: Path, out: Path) -> None:
     _, codec, tokenizer, _ = pipeline
     encode_audio_rank(shar, out, codec, rank=0, world_size=1, batching=BATCHING, num_workers=0,
-                text_tokenizer=str(tokenizer), progress=False)
+                      text_tokenizer=str(tokenizer), progress=False)
 
 
 def _encode_command(pipeline, shar: Path, out: Path) -> int:

@@ -150,7 +150,7 @@ def _ray_driver(args, plan) -> int:
     import_ray()  # before anything else: one line saying how to install it
     count = len(plan.work_items())
     refuse_other_run_early(args.out, "image", args.codec, args.checkpoint, num_parts=count,
-                     plan_fingerprint=plan.meta["fingerprint"])
+                           plan_fingerprint=plan.meta["fingerprint"])
     options = {"loader_threads": args.loader_threads, "prefetch": args.prefetch,
                "max_consecutive_failures": args.max_consecutive_failures}
     with StopRequest(in_flight="nothing more: the workers stop at their last commit") as stop:
@@ -190,7 +190,7 @@ def _image_worker(args, plan, stop) -> int:
     items, count = plan.worker_items(rank, world_size), len(plan.work_items())
     take_over = not args.no_take_over and not args.lock_free  # take-over needs locks to see who holds an item
     refuse_other_run_early(args.out, "image", args.codec, args.checkpoint, num_parts=count,
-                     plan_fingerprint=plan.meta["fingerprint"])  # before anything is said about OUT's parts
+                           plan_fingerprint=plan.meta["fingerprint"])  # before anything is said about OUT's parts
     if not len(items) and (not take_over or all_done(args.out, count)):  # nothing of its own, nothing to take
         why = (f"every one of the plan's {plural(count, 'work item')} is finished" if take_over else
                f"no work item of its own: the plan has {plural(count, 'item')} for {plural(world_size, 'worker')}")
@@ -439,9 +439,9 @@ def _audio_worker(args, stop) -> int:
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
     batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
     summary = encode_audio_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
-                          batching=batching, sequences=args.sequences, num_workers=args.num_workers,
-                          text_tokenizer=args.text_tokenizer, progress=not args.no_progress,
-                          take_over=not args.no_take_over, stop=stop)
+                                batching=batching, sequences=args.sequences, num_workers=args.num_workers,
+                                text_tokenizer=args.text_tokenizer, progress=not args.no_progress,
+                                take_over=not args.no_take_over, stop=stop)
     print_report("encode (audio)", audio_summary_lines(summary, args.out), summary if args.json else None)
     if summary["stopped"]:
         return STOPPED_EXIT

@@ -395,8 +395,8 @@ def trim_of(codec) -> int:
 
 
 def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
-                sequences: str = DEFAULT_SEQUENCES, num_workers: int = 2, text_tokenizer: str = "tekken",
-                progress: bool = True, take_over: bool = True, stop=None) -> dict:
+                      sequences: str = DEFAULT_SEQUENCES, num_workers: int = 2, text_tokenizer: str = "tekken",
+                      progress: bool = True, take_over: bool = True, stop=None) -> dict:
     """Encode this rank's shards of `shar` (`assign_shards`) into OUT/parts (+ OUT/audio-cache), a part per shard;
     then, with `take_over`, every shard no process has finished or holds, one after another from the last
     (`mmtok.formats.parts.take_items`): a shard is a work item. An own shard another process holds is left to

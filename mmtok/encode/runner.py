@@ -233,7 +233,7 @@ class Assembler:
 
 # -- the worker ------------------------------------------------------------------------------------
 def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, world_size: int,
-                device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> dict:
+                      device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> dict:
     """Worker `rank` of `world_size`: encode its work items (`Plan.worker_items`) into OUT/parts/part-<item>;
     returns its stats, summed over its items.
 

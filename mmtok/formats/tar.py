@@ -365,15 +365,14 @@ def read_range(fd: int, offset: int, size: int, path: str | os.PathLike) -> byte
     """Exactly `size` bytes at `offset` of the open file `fd` (`path`, for the message); MemberTruncated when
     the file ends inside them. The one reader of a member's bytes by its byte range (images, captions, clips,
     conversation media): `os.pread` keeps no file position, so threads may share `fd`."""
-    chunks, got = [], 0
-    while got < size:  # (one pread returns at most ~2 GiB)
-        chunk = os.pread(fd, size - got, offset + got)
-        if not chunk:
-            raise MemberTruncated(f"{path}: the file ends inside the member at byte {offset} ({got:,} of "
+    data = os.pread(fd, size, offset)
+    while len(data) < size:  # (one pread returns at most ~2 GiB; a short one at the end of the file: none more)
+        more = os.pread(fd, size - len(data), offset + len(data))
+        if not more:
+            raise MemberTruncated(f"{path}: the file ends inside the member at byte {offset} ({len(data):,} of "
                                   f"{size:,} bytes)")
-        chunks.append(chunk)
-        got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        data += more
+    return data
 
 
 def _parse_size(field: bytes) -> int | None:
