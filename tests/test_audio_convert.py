@@ -26,7 +26,7 @@ from audio_corpus import (
 from convertkit import assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report, stored_bytes
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
-from mmtok.audio.sources import number_clips
+from mmtok.audio.sources.units import number_clips
 from mmtok.cli import main as cli_main
 from mmtok.media.audio import resample, to_mono
 from mmtok.text import load_text_tokenizer
@@ -513,14 +513,14 @@ def test_second_conversion_into_the_same_output_is_refused_naming_the_holder(tmp
 def test_an_output_inside_the_input_is_not_read_as_input_and_keeps_its_lock(tmp_path, monkeypatch):
     # Opening OUT/.lock in the writing process (e.g. to sniff whether it is audio) would drop its
     # POSIX lock; OUT's own files must not count as inputs either.
-    from mmtok.audio import sources
+    from mmtok.audio.sources import directory
 
     source = tmp_path / "in"
     source.mkdir()
     (source / "one.wav").write_bytes(digit("1").read_bytes())
     probed = []
-    real = sources.is_audio_file
-    monkeypatch.setattr(sources, "is_audio_file", lambda path: probed.append(path) or real(path))
+    real = directory.is_audio_file
+    monkeypatch.setattr(directory, "is_audio_file", lambda path: probed.append(path) or real(path))
     for _ in range(2):  # the rerun finds the first run's output inside its input
         assert cli_main(["audio", "convert", str(source), "--out", str(source / "out"), "--workers", "0",
                          "--no-progress"]) == 0
@@ -672,7 +672,8 @@ def test_a_row_group_that_changed_since_its_rows_were_listed_skips_its_clips_by_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mmtok.audio.sources import ClipSpec, ParquetUnit
+    from mmtok.audio.sources.parquet import ParquetUnit
+    from mmtok.audio.sources.units import ClipSpec
 
     path = tmp_path / "clips.parquet"
     pq.write_table(pa.table({"audio": [b"a", b"b", b"c"]}), path)

@@ -188,7 +188,7 @@ def test_audio_that_vanished_after_it_was_located_is_missing_media(inputs, tmp_p
 
 def test_units_are_bounded_never_span_inputs_and_give_the_same_bytes_with_workers(inputs, converted, tmp_path,
                                                                                  monkeypatch):
-    monkeypatch.setattr(sources, "CONVERSATION_UNIT_CLIPS", 2)
+    monkeypatch.setattr(sources.conversations, "CONVERSATION_UNIT_CLIPS", 2)
     units = sources.collect_units(inputs, kind="conversations").units
     ids = list(WRITTEN)
     assert [[spec.id for _, spec in unit.clips] for unit in units] == [  # the silent clip is dropped at decode

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mmtok.audio.sources import TarUnit
+from mmtok.audio.sources.tar import TarUnit
 from mmtok.encode.audio import load_clip
 from mmtok.errors import Skip
 from mmtok.formats import skips

@@ -16,7 +16,7 @@ import pytest
 
 from chatkit import built_skip, tar_conversation
 from encodekit import chat_tokenizer
-from mmtok.audio.sources import read_transcript_table
+from mmtok.audio.sources.directory import read_transcript_table
 from mmtok.cli import main
 from mmtok.formats.chat import ChatRenderer, ConversationError
 from mmtok.formats.conversations import read_conversations

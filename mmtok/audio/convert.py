@@ -40,7 +40,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from mmtok import __version__
-from mmtok.audio.sources import ClipSpec, Collected, Unit, collect_units, pick_channel, skip_record
+from mmtok.audio.sources import Collected, collect_units
+from mmtok.audio.sources.units import ClipSpec, Unit, pick_channel, skip_record
 from mmtok.errors import MmtokError
 from mmtok.formats import shar as shar_format
 from mmtok.formats import skips
