@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
+from mmtok.formats.containers import TABLE, TAR
 from mmtok.formats.manifest import Manifest, MemberReader
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".jsonl", ".ndjson")
@@ -126,7 +127,7 @@ def _manifest_locations(table, parquet: Path, rows: np.ndarray) -> tuple[list[tu
     tars, containers, members = (_column(table, c, parquet)[rows] for c in ("tar", "container", "member"))
     offsets = table.column("offset").to_numpy()[rows]
     sizes = table.column("size").to_numpy()[rows]
-    locations = [("parquet", t, m, int(o)) if c == "parquet" else ("tar", t, int(o), int(s))
+    locations = [(TABLE, t, m, int(o)) if c == TABLE else (TAR, t, int(o), int(s))
                  for t, c, m, o, s in zip(tars, containers, members, offsets, sizes, strict=True)]
     sources = np.array([f"{t}:{m}" for t, m in zip(tars, members, strict=True)], dtype=object)
     return locations, sources
@@ -163,8 +164,8 @@ class ByteReader:
         if location[0] == "file":
             with open(location[1], "rb") as handle:
                 return handle.read()
-        if location[0] == "tar":
+        if location[0] == TAR:
             _, path, offset, size = location
-            return self._members.read_member("tar", path, "", offset, size)
+            return self._members.read_member(TAR, path, "", offset, size)
         _, path, column, row = location
-        return self._members.read_member("parquet", path, column, row, -1)
+        return self._members.read_member(TABLE, path, column, row, -1)

@@ -58,12 +58,22 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
+from mmtok.formats.containers import JSONL, PARQUET, TAR, container_named, is_compressed, json_lines, json_value
 from mmtok.formats.skips import SkipRecord
-from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_member, read_members
+from mmtok.formats.tar import (
+    KIND_REASONS,
+    NON_UTF8_NAME,
+    TRUNCATED,
+    Damage,
+    Member,
+    open_range,
+    read_member,
+    read_members,
+)
 from mmtok.fsutil import (
     DUPLICATE_INPUT,
     OUTSIDE_ROOT,
@@ -115,7 +125,7 @@ class Conversation:
         """The skip record of this conversation (of its input file when `whole_file`), skipped by `stage` for `skip`."""
         if self.whole_file:
             return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin,
-                                 container="tar" if self.tar is not None else None)
+                                 container=TAR if self.tar is not None else None)
         return SkipRecord.of(skip, stage=stage, key=self.id, source=self.origin, container="conversation",
                              member=self.id)
 
@@ -144,13 +154,12 @@ class Located:
     def open(self) -> tuple[IO[bytes], int]:
         """(a binary stream positioned at the medium's first byte, the medium's size in bytes), so a caller
         can bound the size before reading and copy the bytes in pieces, never all at once (not for "cut");
-        OSError when the file cannot be opened. The caller closes the stream."""
+        OSError when the file cannot be opened, MemberTruncated when a tar no longer holds the member. The caller
+        closes the stream."""
         if self.data is not None:
             return io.BytesIO(self.data), len(self.data)
         if self.kind == "member":
-            handle = open(self.path, "rb")
-            handle.seek(self.offset)
-            return handle, self.size
+            return open_range(self.path, self.offset, self.size), self.size
         handle = open_regular_file(self.path)  # as `read`: never a FIFO, device or directory
         return handle, os.fstat(handle.fileno()).st_size
 
@@ -191,10 +200,10 @@ def _record_id(record: dict | None, stem: str, fallback: str) -> str:
 
 
 def input_kind(path: Path) -> str:
-    name = path.name.lower()
-    for kind, suffixes in (("tar", (".tar",)), ("jsonl", (".jsonl",)), ("parquet", (".parquet",))):
-        if name.endswith(suffixes):
-            return kind
+    """The container of a conversation input, by its name: TAR, JSONL (not compressed) or PARQUET."""
+    kind = container_named(path)
+    if kind in (TAR, JSONL, PARQUET) and not is_compressed(path):
+        return kind
     raise MmtokError(f"{path}: not a conversation input (a WebDataset .tar with KEY.json samples, a .jsonl file "
                      "with one conversation per line, or a .parquet file with a `messages` column)")
 
@@ -299,31 +308,12 @@ def input_stem(path: Path) -> str:
     return name[: -len(name.lower().rsplit(".", 1)[-1]) - 1] if input_kind(path) else name
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-
-
 def _parsed(data: bytes | str, what: str) -> tuple[dict | None, Skip | None]:
     """A json record (an object), or the `invalid_json` Skip naming `what`."""
     record, error = json_value(data, what)
     if error is None and not isinstance(record, dict):
         return None, Skip("invalid_json", f"{what}: top level is {type(record).__name__}, not an object")
     return record, error
-
-
-def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
-    """The json value of one untrusted cell, line or member, or the `invalid_json` Skip naming `what`:
-    what is not json, nesting too deep for the parser, or a lone surrogate (no text a tokenizer takes)."""
-    try:
-        value = json.loads(data)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
-        return None, Skip("invalid_json", f"{what}: {type(err).__name__ if isinstance(err, RecursionError) else err}")
-    raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
-    if _SURROGATE_ESCAPE.search(raw):  # JSON may escape a lone surrogate, which is no text a tokenizer takes
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            return None, Skip("invalid_json", f"{what}: a \\u escape of a lone surrogate (not Unicode text)")
-    return value, None
 
 
 def _tar_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
@@ -533,42 +523,35 @@ class ConversationTars:
 def _jsonl_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
     """One record per non-blank line; from `start.offset` (the line `start.line` + 1) when given."""
     stem = input_stem(path)
+    lines = json_lines(path, max(start.offset, 0), start.line + 1 if start.offset >= 0 else 1)
     try:
-        handle = open(path, "rb")
-    except OSError as err:
-        raise MmtokError(f"{path}: cannot read ({err.strerror})") from None
-    with handle:
-        offset = max(start.offset, 0)
-        handle.seek(offset)
-        for line_number, line in enumerate(handle, start.line + 1 if start.offset >= 0 else 1):
-            at, offset = offset, offset + len(line)
-            if not line.strip():
-                continue  # a blank line holds no record
+        for line_number, at, line in lines:
             record, error = _parsed(line, f"line {line_number}")
             ident = _record_id(record, stem, f"line-{line_number}")
             yield Conversation(ident, f"{path}:line {line_number}", number, record, error, base=str(path.parent),
                                seek=(at, line_number - 1))
+    except OSError as err:
+        raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
 
 
 def _parquet_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
     """One record per row, from row `start.record` (row groups before it are not read)."""
-    import pyarrow.parquet as pq
+    from mmtok.formats.tables import group_sizes, read_group, read_schema
 
     stem = input_stem(path)
     try:
-        handle = pq.ParquetFile(path)
+        names, sizes = read_schema(str(path), PARQUET).names, group_sizes(str(path), PARQUET)
     except Exception as err:  # pyarrow raises several types for damaged files
         raise MmtokError(f"{path}: unreadable Parquet ({err})") from None
-    if "messages" not in handle.schema_arrow.names:
-        raise MmtokError(f"{path}: no `messages` column (columns: {handle.schema_arrow.names})")
+    if "messages" not in names:
+        raise MmtokError(f"{path}: no `messages` column (columns: {names})")
     row = 0
-    for group in range(handle.num_row_groups):
-        rows = handle.metadata.row_group(group).num_rows
+    for group, rows in enumerate(sizes):
         if row + rows <= start.record:
             row += rows
             continue
         try:
-            records = handle.read_row_group(group).to_pylist()
+            records = read_group(str(path), PARQUET, group, None).to_pylist()
         except Exception as err:  # pyarrow raises several types for damaged pages
             raise MmtokError(f"{path}: row group {group} is unreadable ({err}); check the file") from None
         skipped = max(start.record - row, 0)
@@ -584,7 +567,7 @@ def _parquet_conversations(path: Path, number: int, start: Start = Start()) -> I
             row += 1
 
 
-_READERS = {"tar": _tar_conversations, "jsonl": _jsonl_conversations, "parquet": _parquet_conversations}
+_READERS = {TAR: _tar_conversations, JSONL: _jsonl_conversations, PARQUET: _parquet_conversations}
 
 
 # -- references ----------------------------------------------------------------------------------

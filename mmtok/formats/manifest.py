@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
+from mmtok.formats.containers import TAR
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.formats.tar import MemberTruncated, read_range
 from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
@@ -192,7 +193,7 @@ class Manifest:
         documents: set[int] = set()
         first: tuple[str | None, list[str]] = (None, [])
         for batch in self.batches(["container", "key", "member", "image_index", "document"]):
-            later = pc.and_(pc.equal(batch.column("container"), "tar"), pc.greater(batch.column("image_index"), 0))
+            later = pc.and_(pc.equal(batch.column("container"), TAR), pc.greater(batch.column("image_index"), 0))
             plain = pc.match_substring_regex(batch.column("member"), r"(^|/)[^/.]*\.([0-9]+\.)?[^/.]*$")
             picked = batch.filter(pc.and_(later, pc.invert(plain)))
             if picked.num_rows and first[0] is None:
@@ -367,7 +368,7 @@ class MemberReader:
 
     def read_member(self, container: str, path: str, member: str, offset: int, size: int) -> bytes:
         """An image's bytes: a tar byte range, or a table cell (`member` = column, `offset` = row)."""
-        if container == "tar":
+        if container == TAR:
             return self.read(path, offset, size)
         try:
             return self._table(path).image_bytes(member, offset)
@@ -377,7 +378,7 @@ class MemberReader:
     def read_text(self, container: str, path: str, offset: int, size: int, text_column: str | None) -> bytes:
         """A caption's UTF-8 bytes, at most `size` of them: a tar sidecar's byte range, or a table's text column
         at row `offset` (the column is `options.text_column` in manifest.json)."""
-        if container == "tar":
+        if container == TAR:
             return self.read(path, offset, size)
         if text_column is None:
             raise ShortRead(f"{path}: manifest.json names no text column for the captions of table files")

@@ -1,10 +1,11 @@
-"""Parquet and Arrow files as image containers (e.g. a Hugging Face `datasets` export).
+"""Parquet and Arrow files, the table containers (`mmtok.formats.containers`): images and text for scan and
+encode (e.g. a Hugging Face `datasets` export), audio rows for `audio convert`, conversation rows for sft.
 
 An image column is either binary or a struct with a binary `bytes` field (the `datasets` Image
 feature: `{bytes, path}`). Parquet is read by row group; Arrow IPC (file or stream format, as
 `datasets.save_to_disk` writes) is memory-mapped, so neither is loaded whole into memory. Both
 kinds are `container == "parquet"` in the manifest (a table file, `offset` = row index); the file
-format is sniffed from the first bytes wherever it matters.
+format is told from the first bytes wherever it matters (`containers.container_of`).
 """
 
 from __future__ import annotations
@@ -17,27 +18,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mmtok.errors import Skip
+from mmtok.formats.containers import PARQUET, container_of
 
-PARQUET_MAGIC = b"PAR1"
-ARROW_FILE_MAGIC = b"ARROW1"
-ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # continuation marker opening an IPC stream message
 KEY_COLUMNS = ("__key__", "key")  # a sample key column: WebDataset-to-Parquet exports; img2dataset's Parquet output
 PREFERRED_IMAGE_COLUMN = "image"
 
 
 class ColumnError(Skip):
     """The file has no usable image (or text) column; `reason` is the manifest reason."""
-
-
-def sniff_format(path: str) -> str:
-    """"parquet", "arrow" or "tar" (the default) from the file's first bytes."""
-    with open(path, "rb") as handle:
-        magic = handle.read(8)
-    if magic.startswith(PARQUET_MAGIC):
-        return "parquet"
-    if magic.startswith(ARROW_FILE_MAGIC) or magic.startswith(ARROW_STREAM_MAGIC):
-        return "arrow"
-    return "tar"
 
 
 def _is_binary(kind: pa.DataType) -> bool:
@@ -95,27 +83,27 @@ def _read_arrow(path: str) -> pa.Table:
 def read_schema(path: str, file_format: str) -> pa.Schema:
     import pyarrow.parquet as pq
 
-    if file_format == "parquet":
+    if file_format == PARQUET:
         return pq.ParquetFile(path).schema_arrow
     return _read_arrow(path).schema
 
 
 def group_sizes(path: str, file_format: str) -> list[int]:
-    """Rows per read unit of a table file (`file_format` as `sniff_format` says): its Parquet row groups, or its
-    Arrow record batches as written."""
+    """Rows per read unit of a table file (`file_format` as `containers.container_of` says): its Parquet row
+    groups, or its Arrow record batches as written."""
     import pyarrow.parquet as pq
 
-    if file_format == "parquet":
+    if file_format == PARQUET:
         meta = pq.ParquetFile(path).metadata
         return [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
     return [batch.num_rows for batch in _read_arrow(path).to_batches()]
 
 
-def read_group(path: str, file_format: str, group: int, columns: list[str]) -> pa.Table:
-    """Read unit `group` (see `group_sizes`) of a table file, `columns` only."""
+def read_group(path: str, file_format: str, group: int, columns: list[str] | None) -> pa.Table:
+    """Read unit `group` (see `group_sizes`) of a table file, `columns` only (None: every column, Parquet only)."""
     import pyarrow.parquet as pq
 
-    if file_format == "parquet":
+    if file_format == PARQUET:
         return pq.ParquetFile(path, memory_map=True).read_row_group(group, columns=columns)
     return pa.Table.from_batches([_read_arrow(path).select(columns).to_batches()[group]])
 
@@ -124,7 +112,7 @@ def read_columns(path: str, file_format: str, columns: list[str]) -> pa.Table:
     """Every row of a table file, `columns` only (small metadata columns: the media stay on disk)."""
     import pyarrow.parquet as pq
 
-    if file_format == "parquet":
+    if file_format == PARQUET:
         return pq.ParquetFile(path, memory_map=True).read(columns=columns)
     return _read_arrow(path).select(columns)
 
@@ -177,7 +165,7 @@ def iter_batches(path: str, file_format: str, columns: list[str], batch_rows: in
     """The file's rows in order, `columns` only, in batches of at most `batch_rows`."""
     import pyarrow.parquet as pq
 
-    if file_format == "parquet":
+    if file_format == PARQUET:
         yield from pq.ParquetFile(path, memory_map=True).iter_batches(batch_size=batch_rows, columns=columns)
     else:
         yield from _read_arrow(path).select(columns).to_batches(max_chunksize=batch_rows)
@@ -207,7 +195,7 @@ class TableRows:
     def __init__(self, path: str):
         import pyarrow.parquet as pq
 
-        self._parquet = pq.ParquetFile(path, memory_map=True) if sniff_format(path) == "parquet" else None
+        self._parquet = pq.ParquetFile(path, memory_map=True) if container_of(path) == PARQUET else None
         self._table = None if self._parquet else _read_arrow(path)
         if self._parquet is not None:
             meta = self._parquet.metadata

@@ -18,7 +18,7 @@ import os
 import struct
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 import numpy as np
 
@@ -369,10 +369,28 @@ def read_range(fd: int, offset: int, size: int, path: str | os.PathLike) -> byte
     while len(data) < size:  # (one pread returns at most ~2 GiB; a short one at the end of the file: none more)
         more = os.pread(fd, size - len(data), offset + len(data))
         if not more:
-            raise MemberTruncated(f"{path}: the file ends inside the member at byte {offset} ({len(data):,} of "
-                                  f"{size:,} bytes)")
+            raise _truncated(path, offset, len(data), size)
         data += more
     return data
+
+
+def open_range(path: str | os.PathLike, offset: int, size: int) -> BinaryIO:
+    """The file at `path` open at `offset`, to copy the `size` bytes there in pieces (a medium too large to hold
+    at once); MemberTruncated when the file does not hold them all now. The caller closes it."""
+    handle = open(path, "rb")
+    try:
+        held = os.fstat(handle.fileno()).st_size - offset
+        if held < size:
+            raise _truncated(path, offset, max(held, 0), size)
+        handle.seek(offset)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _truncated(path: str | os.PathLike, offset: int, held: int, size: int) -> MemberTruncated:
+    return MemberTruncated(f"{path}: the file ends inside the member at byte {offset} ({held:,} of {size:,} bytes)")
 
 
 def _parse_size(field: bytes) -> int | None:

@@ -23,6 +23,7 @@ from typing import Iterator
 
 from mmtok.errors import brief
 from mmtok.formats.chat import ConversationError, conversation_media
+from mmtok.formats.containers import TAR, container_of, manifest_container
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import container_identity
 from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard_rows
@@ -405,13 +406,11 @@ def _value_entry(column: str, row: int, value: bytes | None, has_path: bool = Fa
 
 def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
     """Rows and statistics of one input; unreadable inputs give a shard-level error row."""
-    from mmtok.formats.tables import sniff_format
-
-    file_format = "tar"
+    file_format = TAR
     try:
-        file_format = sniff_format(source.path)
+        file_format = container_of(source.path)
         with _gc_paused():
-            if file_format == "tar":
+            if file_format == TAR:
                 rows, stats = scan_image_tar(source.path)
             else:
                 rows, stats = scan_table(source.path, file_format, options)
@@ -422,7 +421,7 @@ def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
             detail += f"; pass the shards inside it (e.g. '{source.path}/*.tar'), not the directory"
         rows.shard_error("unreadable_shard", detail=detail)
     stats["file_format"] = file_format
-    stats["container"] = "tar" if file_format == "tar" else "parquet"
+    stats["container"] = manifest_container(file_format)
     return rows, stats
 
 

@@ -37,6 +37,7 @@ from mmtok.formats.conversations import (
     KIND_SUFFIXES,
     SAMPLES_PER_TAR,
     TAR_NAME,
+    TRUNCATED_MEMBER,
     Conversation,
     ConversationTars,
     Located,
@@ -50,6 +51,7 @@ from mmtok.formats.conversations import (
     media_member_name,
     read_conversations,
 )
+from mmtok.formats.tar import MemberTruncated
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, read_json_object, refuse_out_overlapping
 
 REPORT = "pack.json"
@@ -120,6 +122,8 @@ def _media_member(located: Located, slot: str, max_media_bytes: int, members: li
     """The medium opened as a member (appended to `members`, so it is closed with them), its size bounded."""
     try:
         stream, size = located.open()
+    except MemberTruncated as err:  # the tar was cut short since its members were listed
+        raise Skip(TRUNCATED_MEMBER, f"{slot}: {err}") from None
     except OSError as err:
         raise Skip("missing_media", f"{slot}: {located.where}: {err}") from None
     members.append(PackedMember("", size, stream))

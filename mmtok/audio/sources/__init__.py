@@ -46,6 +46,7 @@ from mmtok.audio.sources.parquet import table_units
 from mmtok.audio.sources.tar import TarUnit
 from mmtok.audio.sources.units import Unit, skip_record
 from mmtok.errors import MmtokError
+from mmtok.formats.containers import ARROW, JSONL, PARQUET, TAR, container_named
 from mmtok.formats.shar import CUTS_GLOB
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import DUPLICATE_INPUT, same_file_as
@@ -65,13 +66,9 @@ def detect_kind(path: Path) -> str:
             raise MmtokError(f"{path}: a Lhotse Shar directory ({CUTS_GLOB} + recording tars), which is what `audio "
                              f"convert` writes: encode it directly with `mmtok encode --modality audio --shar {path}`")
         return "dir"
-    name = path.name.lower()
-    if name.endswith(".tar"):
-        return "tar"
-    if name.endswith((".parquet", ".arrow")):
-        return "parquet"
-    if name.endswith((".jsonl", ".jsonl.gz")):
-        return "lhotse"
+    kind = {TAR: "tar", PARQUET: "parquet", ARROW: "parquet", JSONL: "lhotse"}.get(container_named(path))
+    if kind is not None:
+        return kind
     raise MmtokError(f"{path}: cannot tell the source kind (a directory, .tar, .parquet, or Lhotse .jsonl[.gz]); "
                      "pass --kind")
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from mmtok.audio.sources.units import ClipSpec, Unit, float_or_none, skip_record, text_or_none
 from mmtok.errors import MmtokError
-from mmtok.formats.conversations import json_value
+from mmtok.formats.containers import json_lines, json_value
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import not_a_regular_file
 from mmtok.media.audio import AudioReason
@@ -209,15 +209,10 @@ def _supervisions_problem(supervisions) -> str | None:
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
     """(line number, parsed JSON or a ValueError) of every non-blank line of a .jsonl[.gz] manifest."""
-    import gzip
-
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
     try:
-        with opener(path, "rb") as handle:
-            for number, raw in enumerate(handle, 1):
-                if raw.strip():
-                    value, skip = json_value(raw, f"line {number}")
-                    yield number, ValueError(f"not JSON ({skip.detail})") if skip else value
+        for number, _, raw in json_lines(path):
+            value, skip = json_value(raw, f"line {number}")
+            yield number, ValueError(f"not JSON ({skip.detail})") if skip else value
     except (OSError, EOFError) as err:  # unreadable, or a damaged gzip stream
         raise MmtokError(f"{path}: cannot read the Lhotse manifest ({err})") from None
 

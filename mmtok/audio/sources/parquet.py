@@ -18,6 +18,7 @@ from mmtok.audio.sources.units import (
     skip_record,
 )
 from mmtok.errors import MmtokError
+from mmtok.formats.containers import container_of
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import OUTSIDE_ROOT, not_a_regular_file, outside, read_regular_file, shown_path
 from mmtok.media.audio import AudioReason
@@ -30,7 +31,7 @@ class ParquetUnit(Unit):
     first_row: int = 0
     audio_column: str = "audio"
     clips: list[ClipSpec | SkipRecord] = field(default_factory=list)  # one per row; a skip record: bad metadata
-    file_format: str = "parquet"  # or "arrow" (`mmtok.formats.tables.sniff_format`)
+    file_format: str = "parquet"  # or "arrow" (`mmtok.formats.containers.container_of`)
 
     def payloads(self):
         from mmtok.formats.tables import read_group
@@ -85,13 +86,13 @@ def parquet_units(path: Path, audio_column: str, text_column: str, stem: str | N
                   ) -> tuple[list[Unit], list[SkipRecord]]:
     """One unit per row group (an Arrow file's record batch: Hugging Face `save_to_disk`); metadata columns (by
     their standard names) are read here to number clips."""
-    from mmtok.formats.tables import group_sizes, read_columns, read_schema, sniff_format
+    from mmtok.formats.tables import group_sizes, read_columns, read_schema
 
     what = not_a_regular_file(path) if path.exists() else None
     if what is not None:  # a FIFO would block the open
         return [], [skip_record(path.name, str(path), "not_a_file", f"{shown_path(path)} is {what}")]
     try:
-        file_format = sniff_format(str(path))
+        file_format = container_of(str(path))
         names = set(read_schema(str(path), file_format).names)
         sizes = group_sizes(str(path), file_format)
     except Exception as err:  # pyarrow raises several types for damaged files

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from mmtok.formats.conversations import json_value
+from mmtok.formats.containers import json_value
 from mmtok.formats.shar import source_digest
 from mmtok.formats.skips import SkipRecord
 from mmtok.media.audio import AudioReason, to_mono

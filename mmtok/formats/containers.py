@@ -1,0 +1,97 @@
+"""The input containers mmtok reads, which one a file is, and the one reader of JSON Lines.
+
+  container  files                                   read by
+  tar        WebDataset tar shards                   `mmtok.formats.tar` (members by byte range)
+  parquet    Parquet tables                          `mmtok.formats.tables` (by row group)
+  arrow      Arrow IPC files (`save_to_disk`)        `mmtok.formats.tables` (by record batch)
+  jsonl      JSON Lines, `.jsonl` or `.jsonl.gz`     `json_lines` here (Lhotse manifests are JSON Lines too)
+
+Every stage asks here what a file is: scan and the audio Parquet reader by content (`container_of`: a name may lie,
+and the manifest then records what was read), the conversation readers and `audio convert` by name before
+they open anything (`container_named`). In the manifest every table file, Parquet or Arrow, is container `parquet`
+(`offset` = row index): `manifest_container`.
+
+A JSON value from a stranger (a line, a cell, a tar member) is parsed by `json_value` alone, so every reader
+refuses the same things: what is not JSON, nesting too deep for the parser, and lone surrogates.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from mmtok.errors import Skip
+
+TAR, PARQUET, ARROW, JSONL = "tar", "parquet", "arrow", "jsonl"
+TABLE = PARQUET  # the manifest's container of a table file, Parquet or Arrow
+
+PARQUET_MAGIC = b"PAR1"
+ARROW_FILE_MAGIC = b"ARROW1"
+ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # continuation marker opening an IPC stream message
+SUFFIXES = ((".tar", TAR), (".parquet", PARQUET), (".arrow", ARROW), (".jsonl", JSONL), (".jsonl.gz", JSONL))
+
+
+def container_of(path: str) -> str:
+    """PARQUET, ARROW or TAR (the default: the tar reader names what else it finds) from the first bytes."""
+    with open(path, "rb") as handle:
+        magic = handle.read(8)
+    if magic.startswith(PARQUET_MAGIC):
+        return PARQUET
+    if magic.startswith(ARROW_FILE_MAGIC) or magic.startswith(ARROW_STREAM_MAGIC):
+        return ARROW
+    return TAR
+
+
+def container_named(path: Path) -> str | None:
+    """The container a file's name says (case-insensitive suffix), or None."""
+    name = path.name.lower()
+    return next((kind for suffix, kind in SUFFIXES if name.endswith(suffix)), None)
+
+
+def is_compressed(path: Path) -> bool:
+    """True for a gzip-compressed JSON Lines file (`.jsonl.gz`)."""
+    return path.name.lower().endswith(".gz")
+
+
+def manifest_container(file_format: str) -> str:
+    """The manifest's `container` of a file read as `file_format` (what `container_of` said)."""
+    return TAR if file_format == TAR else TABLE
+
+
+def json_lines(path: Path, offset: int = 0, first_line: int = 1) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, raw bytes) of every non-blank line of a JSON Lines file, from byte `offset`
+    (the start of line `first_line`); a `.jsonl.gz` file is decompressed, its offsets those of the text.
+
+    OSError when the file cannot be read, EOFError when a gzip stream ends early. No line is parsed here:
+    `json_value` does that, so each reader names a bad line its own way.
+    """
+    with (gzip.open if is_compressed(path) else open)(path, "rb") as handle:
+        if offset:
+            handle.seek(offset)
+        for number, raw in enumerate(handle, first_line):
+            at, offset = offset, offset + len(raw)
+            if raw.strip():  # a blank line holds no record
+                yield number, at, raw
+
+
+# A lone surrogate, escaped (`\ud800`) or as raw bytes (ED A0..BF xx, which `json.loads` lets through on bytes).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
+    """The json value of one untrusted cell, line or member, or the `invalid_json` Skip naming `what`:
+    what is not json, nesting too deep for the parser, or a lone surrogate (no text a tokenizer takes)."""
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
+        return None, Skip("invalid_json", f"{what}: {type(err).__name__ if isinstance(err, RecursionError) else err}")
+    raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
+    if _SURROGATE.search(raw):  # only then is the value's text checked: the common case pays one regex scan
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return None, Skip("invalid_json", f"{what}: a lone surrogate (not Unicode text)")
+    return value, None

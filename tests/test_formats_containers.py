@@ -1,0 +1,94 @@
+"""The input containers: one rule for what a file is, one JSON Lines reader, one JSON parser of untrusted
+text, and a tar member's bytes checked before they are copied (`mmtok.formats.containers`, `formats.tar`)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from encodekit import real_images, write_tar
+from mmtok.audio.sources.lhotse import lhotse_units
+from mmtok.errors import Skip
+from mmtok.formats import containers
+from mmtok.formats.conversations import input_kind, read_conversations
+from mmtok.formats.tar import MemberTruncated, open_range
+from mmtok.sft.pack import pack_conversation
+
+
+def test_every_stage_tells_a_files_container_by_content_and_by_name_the_same_way(tmp_path):
+    table = pa.table({"image": [b"x"]})
+    pq.write_table(table, tmp_path / "t.bin")
+    with pa.ipc.new_file(tmp_path / "a.bin", table.schema) as writer:
+        writer.write_table(table)
+    with pa.ipc.new_stream(tmp_path / "s.bin", table.schema) as writer:
+        writer.write_table(table)
+    write_tar(tmp_path / "w.bin", [("k.txt", b"hi")])
+    found = {name: containers.container_of(str(tmp_path / name)) for name in ("t.bin", "a.bin", "s.bin", "w.bin")}
+    assert found == {"t.bin": "parquet", "a.bin": "arrow", "s.bin": "arrow", "w.bin": "tar"}  # content, not name
+    assert [containers.manifest_container(kind) for kind in found.values()] == ["parquet", "parquet", "parquet", "tar"]
+    named = {name: containers.container_named(Path(name))
+             for name in ("x.TAR", "x.parquet", "x.arrow", "x.jsonl", "x.JSONL.GZ", "x.json", "x")}
+    assert named == {"x.TAR": "tar", "x.parquet": "parquet", "x.arrow": "arrow", "x.jsonl": "jsonl",
+                     "x.JSONL.GZ": "jsonl", "x.json": None, "x": None}
+    assert input_kind(Path("c.jsonl")) == "jsonl"
+    with pytest.raises(Exception, match="not a conversation input"):
+        input_kind(Path("c.jsonl.gz"))  # a conversation is resumed at a byte offset: plain text only
+
+
+def test_json_lines_give_the_same_lines_plain_and_gzipped_and_resume_at_a_lines_offset(tmp_path):
+    text = b'{"a": 1}\n\n  \n{"b": 2}\r\n{"c": 3}'
+    (tmp_path / "m.jsonl").write_bytes(text)
+    (tmp_path / "m.jsonl.gz").write_bytes(gzip.compress(text))
+    plain = list(containers.json_lines(tmp_path / "m.jsonl"))
+    assert [(n, at) for n, at, _ in plain] == [(1, 0), (4, 13), (5, 23)]  # blank lines hold no record
+    assert all(text[at:].startswith(raw) for _, at, raw in plain)
+    assert list(containers.json_lines(tmp_path / "m.jsonl.gz")) == plain
+    assert list(containers.json_lines(tmp_path / "m.jsonl", 13, 4)) == plain[1:]
+
+
+RAW_SURROGATE = (b'{"messages": [{"role": "user", "content": "lone \xed\xa0\x80"}, '
+                 b'{"role": "assistant", "content": "x"}]}')
+
+
+def test_a_lone_surrogate_as_raw_bytes_is_invalid_json_in_every_reader(tmp_path):
+    # json.loads decodes bytes with "surrogatepass": ED A0 80 (U+D800 as UTF-8 would encode it) gets through
+    assert json.loads(RAW_SURROGATE)["messages"][0]["content"].endswith("\ud800")
+    value, skip = containers.json_value(RAW_SURROGATE, "line 1")
+    assert value is None and skip.reason == "invalid_json" and "lone surrogate" in skip.detail
+    assert containers.json_value('{"a": "\\ud800"}', "cell")[1].reason == "invalid_json"  # escaped, in a str
+    assert containers.json_value(b'{"a": "\\ud83d\\ude00 \xf0\x9f\x98\x80"}', "line")[1] is None  # pairs are text
+    conversations = tmp_path / "c.jsonl"
+    conversations.write_bytes(RAW_SURROGATE + b"\n")
+    (conversation,) = read_conversations([conversations])
+    assert conversation.error.reason == "invalid_json"
+    manifest = tmp_path / "recordings.jsonl"
+    recording = {"id": "r\xed\xa0\x80", "sources": [{"type": "file", "source": "a.wav", "channels": [0]}],
+                 "sampling_rate": 16000, "num_samples": 16000, "duration": 1.0}
+    manifest.write_bytes(json.dumps(recording).replace("\\u00ed\\u00a0\\u0080", "\xed\xa0\x80").encode("latin-1"))
+    units, dropped = lhotse_units([manifest])
+    assert not units and [(d.reason, d.key) for d in dropped] == [("bad_manifest_row", "recordings.jsonl:1")]
+
+
+def test_pack_skips_a_medium_whose_tar_was_cut_after_its_members_were_listed(tmp_path):
+    image = real_images()["horse.png"].read_bytes()
+    record = {"messages": [{"role": "user", "content": "<image> What animal is this?"},
+                           {"role": "assistant", "content": "A horse."}]}
+    tar = write_tar(tmp_path / "chats.tar", [("s0.json", json.dumps(record).encode()), ("s0.png", image)])
+    with tarfile.open(tar) as archive:
+        start = archive.getmember("s0.png").offset_data
+    (conversation,) = read_conversations([tar])  # its members listed while the tar was whole
+    with open(tar, "r+b") as handle:
+        handle.truncate(start + 100)
+    with pytest.raises(Skip) as skipped:
+        pack_conversation(conversation, "000000000")
+    assert skipped.value.reason == "truncated_member" and f"({100:,} of {len(image):,} bytes)" in skipped.value.detail
+    with pytest.raises(MemberTruncated):
+        open_range(tar, start, len(image))
+    with open_range(tar, start, 100) as handle:
+        assert handle.read() == image[:100]
