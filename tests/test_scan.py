@@ -381,8 +381,8 @@ def test_rescan_after_partial_cache_gives_identical_bytes(tmp_path, shards):
         path.unlink()
     (out / "manifest.json").unlink()
     (out / "manifest.parquet").unlink()
-    meta = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=2, progress=False)
-    assert meta["_run"]["cached_shards"] == len(shards) - len(cache[::2])
+    run = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=2, progress=False).run
+    assert run.cached_shards == len(shards) - len(cache[::2])
     assert (out / "manifest.parquet").read_bytes() == reference
 
 
@@ -390,8 +390,8 @@ def test_changed_shard_is_rescanned(tmp_path, shards, media):
     out, _ = scan(tmp_path, shards)
     write_tar(shards[1], [("only.jpg", media[0][1])])
     os.utime(shards[1], ns=(time.time_ns(), time.time_ns() + 10**9))
-    meta = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=1, progress=False)
-    assert meta["_run"]["scanned_shards"] == 1
+    run = run_scan([describe(str(p)) for p in shards], out, ScanOptions(), workers=1, progress=False).run
+    assert run.scanned_shards == 1
     assert "only.jpg" in Manifest.open(out).read(columns=["member"]).column("member").to_pylist()
     assert len(list((out / ".scan-cache").glob("*.arrow"))) == len(shards)  # the stale entry was pruned
 

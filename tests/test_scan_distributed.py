@@ -93,9 +93,9 @@ def test_every_world_size_writes_the_one_process_bytes(shards, reference, tmp_pa
     sources = [describe(str(p)) for p in shards]
     shares = [scan_share(sources, tmp_path, OPTIONS, rank, world_size, workers=1, progress=False)
               for rank in reversed(range(world_size))]  # the last rank first: it takes over the others' shards
-    assert sum(s["scanned_shards"] for s in shares) == len(shards)  # each shard scanned once by the ranks
-    assert [s["manifest"] is not None for s in shares] == [True] * world_size  # whoever finds all done assembles
-    assert sum(s["own_shards"] for s in shares) == len(shards)
+    assert sum(s.scanned_shards for s in shares) == len(shards)  # each shard scanned once by the ranks
+    assert [s.manifest is not None for s in shares] == [True] * world_size  # whoever finds all done assembles
+    assert sum(s.own_shards for s in shares) == len(shards)
     _same_as_one_process(tmp_path, reference)
 
 
@@ -148,7 +148,7 @@ def test_a_held_claim_is_never_scanned_by_another_rank(shards, reference, tmp_pa
     assert not (tmp_path / "manifest.json").exists()
     final = run_scan([describe(str(p)) for p in shards], tmp_path, OPTIONS, workers=1, progress=False)
     # The claim's holder ended: the final run scans that shard, and the unreadable input once more.
-    assert final["_run"]["scanned_shards"] == 2
+    assert final.run.scanned_shards == 2
     _same_as_one_process(tmp_path, reference)
 
 
@@ -183,8 +183,8 @@ def test_damaged_rows_are_rescanned_before_assembly(shards, reference, tmp_path)
     data = bytearray(rows.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum tells
     rows.write_bytes(bytes(data))
-    meta = run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
-    assert meta["_run"]["scanned_shards"] == 2  # that shard, and the unreadable input (tried by every run)
+    scanned = run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
+    assert scanned.run.scanned_shards == 2  # that shard, and the unreadable input (tried by every run)
     _same_as_one_process(tmp_path, reference)
 
 
@@ -196,7 +196,7 @@ def test_a_dead_claim_holders_leftovers_are_cleared_and_its_shard_rescanned(shar
     stale = rows.with_name(f".{rows.name}.tmp-999999")  # and a half-written file of an earlier try
     stale.write_bytes(b"half")
     share = scan_share(sources, tmp_path, OPTIONS, 0, 2, workers=1, progress=False)
-    assert share["scanned_shards"] == 1 and not stale.exists()
+    assert share.scanned_shards == 1 and not stale.exists()
     _same_as_one_process(tmp_path, reference)
 
 
@@ -209,6 +209,6 @@ def test_a_commit_whose_stats_were_edited_is_not_committed(shards, reference, tm
     record = json.loads(commit.read_text())
     record["stats"].update(edit)
     commit.write_text(json.dumps(record))
-    meta = run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
-    assert meta["_run"]["scanned_shards"] == 2  # that shard, and the unreadable input (tried by every run)
+    scanned = run_scan(sources, tmp_path, OPTIONS, workers=1, progress=False)
+    assert scanned.run.scanned_shards == 2  # that shard, and the unreadable input (tried by every run)
     _same_as_one_process(tmp_path, reference)

@@ -155,8 +155,8 @@ def test_the_scan_reads_a_shard_reached_by_three_paths_once(tmp_path):
     tar = tmp_path / "s.tar"
     tar.write_bytes(archive(regular("a.png", png()), regular("b.png", png(90))))
     paths = two_more_paths(tar)
-    meta = run_scan([describe(str(p)) for p in paths], tmp_path / "out", ScanOptions(), workers=1, progress=False)
-    assert (meta["_run"]["scanned_shards"], meta["_run"]["cached_shards"]) == (1, 0)  # a duplicate is no cache hit
+    run = run_scan([describe(str(p)) for p in paths], tmp_path / "out", ScanOptions(), workers=1, progress=False).run
+    assert (run.scanned_shards, run.cached_shards) == (1, 0)  # a duplicate is no cache hit
     manifest = Manifest.open(tmp_path / "out")
     rows = [(r["tar"], r["member"], r["reason"]) for r in manifest.read().to_pylist()]
     assert rows == [(str(tar), "a.png", ""), (str(tar), "b.png", ""),

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.report import plural, print_summary
+
+if TYPE_CHECKING:  # hashing is imported when a hash runs, not for `--help`
+    from mmtok.curate.hashing import HashShare
 
 CHUNK_ROWS = 4096  # manifest rows per committed chunk: a few minutes of one core, so a kill loses little
 
@@ -57,28 +61,28 @@ def run(args) -> int:
     rank, world_size = resolve_rank(args.rank, args.world_size)
     share = hash_manifest(args.manifest, args.out, args.source, rank, world_size, args.workers, args.chunk_rows,
                           progress=not args.no_progress, fragments=fragments)
-    meta = share["table"]
+    meta = share.table
     if meta is None:
-        print_summary("hash", f"rank {rank} of {world_size}: hashed {plural(share['hashed_chunks'], 'chunk')} "
-                              f"({share['taken_over']:,} taken over), {plural(share['images'], 'image')}; "
-                              f"{plural(share['left'], 'chunk')} left to other ranks: the last of them writes the "
+        print_summary("hash", f"rank {rank} of {world_size}: hashed {plural(share.hashed_chunks, 'chunk')} "
+                              f"({share.taken_over:,} taken over), {plural(share.images, 'image')}; "
+                              f"{plural(share.left, 'chunk')} left to other ranks: the last of them writes the "
                               "table (or run `mmtok hash` without --rank when they have ended)")
         return 0
     print_summary("hash", summary_lines(meta, share, args.out))
     return 0
 
 
-def summary_lines(meta: dict, share: dict, out: Path) -> list[str]:
+def summary_lines(meta: dict, share: HashShare, out: Path) -> list[str]:
     """The table's counts, which add up to the manifest's rows, and where each kind of row is."""
     counts = meta["counts"]
     skipped = sum(counts["skipped"].values())
     reasons = ", ".join(f"{reason} {n:,}" for reason, n in counts["skipped"].items())
-    rate = share["images"] / share["seconds"] if share["seconds"] > 0 else 0.0
+    rate = share.images / share.seconds if share.seconds > 0 else 0.0
     return [f"source {meta['source']!r}: {plural(counts['manifest_rows'], 'manifest row')} = "
             f"{meta['hashed']:,} hashed + {skipped:,} skipped{f' ({reasons})' if reasons else ''} + "
             f"{counts['scan_errors']:,} scan error rows",
-            f"{share['images']:,} hashed in this run ({rate:,.0f} images/s with {plural(share['workers'], 'worker')}, "
-            f"{share['chunks'] - share['hashed_chunks']:,} of {plural(share['chunks'], 'chunk')} done before)",
+            f"{share.images:,} hashed in this run ({rate:,.0f} images/s with {plural(share.workers, 'worker')}, "
+            f"{share.chunks - share.hashed_chunks:,} of {plural(share.chunks, 'chunk')} done before)",
             caption_line(meta["captions"]),
             f"wrote {out / 'hashes.parquet'}" + (f"; skipped images named in {out / 'skipped.jsonl'}" if skipped
                                                  else "")]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
 from mmtok.fsutil import refuse_out_overlapping
+
+if TYPE_CHECKING:  # the scanner is imported when a scan runs, not for `--help`
+    from mmtok.scan.scanner import ReadTotals, Scanned, ScanShare
 
 _GLOB_CHARS = "*?["
 
@@ -102,16 +106,16 @@ def run(args) -> int:
     options = ScanOptions(image_column=args.image_column, text_column=args.text_column)
     rank, world_size = resolve_rank(args.rank, args.world_size)
     if world_size == 1:
-        meta = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
+        scanned = run_scan(sources, args.out, options, workers=args.workers, progress=not args.no_progress)
     else:
         share = scan_share(sources, args.out, options, rank, world_size, args.workers, progress=not args.no_progress)
-        meta = share["manifest"]
+        scanned = share.manifest
         print_summary("scan", share_line(share))
-        if meta is None:
+        if scanned is None:
             return 0
-    if not meta["images_ok"]:
-        raise MmtokError(no_image_message(meta, args.out))
-    print_summary("scan", [summary_line(meta, args.out), *warning_lines(meta, args.out)])
+    if not scanned.meta["images_ok"]:
+        raise MmtokError(no_image_message(scanned, args.out))
+    print_summary("scan", [summary_line(scanned, args.out), *warning_lines(scanned.meta, args.out)])
     return 0
 
 
@@ -135,29 +139,30 @@ def warning_lines(meta: dict, out: str) -> list[str]:
             "(docs/scan.md)"]
 
 
-def share_line(share: dict) -> str:
+def share_line(share: ScanShare) -> str:
     """What one rank scanned, and who writes the manifest."""
-    line = (f"rank {share['rank']} of {share['world_size']}: scanned {plural(share['scanned_shards'], 'shard')} "
-            f"({share['taken_over']:,} taken over from other ranks; its share was {share['own_shards']:,} of "
-            f"{share['shards']:,}), {plural(share['rows_scanned'], 'image')}"
-            + (f", {per_image(share)}" if share["rows"] else ""))
-    if share["left"]:
-        return (line + f"; {plural(share['left'], 'shard')} still being scanned by other ranks: the last of them "
+    line = (f"rank {share.rank} of {share.world_size}: scanned {plural(share.scanned_shards, 'shard')} "
+            f"({share.taken_over:,} taken over from other ranks; its share was {share.own_shards:,} of "
+            f"{share.shards:,}), {plural(share.rows_scanned, 'image')}"
+            + (f", {per_image(share.read)}" if share.read.rows else ""))
+    if share.left:
+        return (line + f"; {plural(share.left, 'shard')} still being scanned by other ranks: the last of them "
                 "writes the manifest (or run `mmtok scan` without --rank when they have ended)")
-    if share["manifest"] is None:
+    if share.manifest is None:
         return line + "; every shard is done: the other rank that finished last writes the manifest"
     return line + "; every shard is done: writing the manifest"
 
 
-def per_image(totals: dict) -> str:
+def per_image(totals: ReadTotals) -> str:
     """Reads and bytes requested from storage per image row (what a scan costs a parallel file system)."""
-    rows = max(totals["rows"], 1)
-    return f"{totals['reads'] / rows:.2f} reads and {totals['bytes_read'] / rows / 1000:.1f} KB read per image"
+    rows = max(totals.rows, 1)
+    return f"{totals.reads / rows:.2f} reads and {totals.bytes_read / rows / 1000:.1f} KB read per image"
 
 
-def no_image_message(meta: dict, out: Path) -> str:
+def no_image_message(scanned: Scanned, out: Path) -> str:
     """One line for a scan that found no usable image: the errors by reason, each with its first
     input and detail, the members skipped by extension, and what to check."""
+    meta = scanned.meta
     first: dict[str, dict] = {}
     for err in meta["shard_errors"]:
         first.setdefault(err["reason"], err)
@@ -172,16 +177,16 @@ def no_image_message(meta: dict, out: Path) -> str:
     return (f"no image found in {meta['shards']:,} input(s): {'; '.join(found) or 'no image members'}. "
             "Check the paths: mmtok scan reads uncompressed tar shards (image members named "
             "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; "
-            + (f"every error row is in {out / 'manifest.parquet'}" if meta["written"] else
+            + (f"every error row is in {out / 'manifest.parquet'}" if scanned.written else
                f"nothing written, the earlier manifest in {out} is kept"))
 
 
-def summary_line(meta: dict, out: Path) -> str:
-    run = meta["_run"]
+def summary_line(scanned: Scanned, out: Path) -> str:
+    meta, run = scanned.meta, scanned.run
     errors = ", ".join(f"{reason} {count:,}" for reason, count in meta["reasons"].items()) or "none"
     # Rows scanned in this run (cached shards excluded), error rows included: the work done per second.
-    rate = run["rows_scanned"] / run["seconds"] if run["seconds"] > 0 else 0.0
-    return (f"{plural(meta['shards'], 'shard')} ({run['cached_shards']:,} from cache), "
+    rate = run.rows_scanned / run.seconds if run.seconds > 0 else 0.0
+    return (f"{plural(meta['shards'], 'shard')} ({run.cached_shards:,} from cache), "
             f"{plural(meta['images_ok'], 'image')} ok, {plural(meta['errors'], 'error')} ({errors}), "
-            f"{rate:,.0f} images/s with {plural(run['workers'], 'worker')}, {per_image(run)}; "
+            f"{rate:,.0f} images/s with {plural(run.workers, 'worker')}, {per_image(run.read)}; "
             f"wrote {out / 'manifest.parquet'}")

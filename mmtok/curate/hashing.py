@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -31,9 +32,27 @@ READ_COLUMNS = ("key", "document", "tar", "container", "member", "offset", "size
                 "text_offset", "text_size")
 
 
+@dataclass(frozen=True)
+class HashShare:
+    """What one rank of `mmtok hash` did: the chunks it hashed (its own and those `taken_over` from other ranks)
+    and their images, the chunks no process has committed yet (`left`), and the table's metadata (hashes.json)
+    when this rank wrote it."""
+
+    rank: int
+    world_size: int
+    chunks: int
+    hashed_chunks: int
+    taken_over: int
+    images: int
+    seconds: float
+    workers: int
+    left: int
+    table: dict | None
+
+
 def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank: int, world_size: int,
                   workers: int, chunk_rows: int, progress: bool = True,
-                  fragments: captions.Fragments | None = None) -> dict:
+                  fragments: captions.Fragments | None = None) -> HashShare:
     """Hash this rank's chunks, then any chunk nobody claimed; when every chunk is committed, write the table
     (`mmtok.formats.hashes`). Each row also gets its caption's measures (`mmtok.curate.captions`; `fragments`:
     the prompt fragments to look for). Returns what this rank did and, under `table`, the table's metadata when
@@ -55,16 +74,17 @@ def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank:
     todo = [c for c in own + others if read_commit(fmt.chunk_path(cache, c), verify=True) is None]
     began = time.perf_counter()
     done = _hash_chunks(manifest, cache, todo, workers, progress, count, chunk_rows, fragments)
-    share = {"rank": rank, "world_size": world_size, "chunks": count, "hashed_chunks": len(done),
-             "taken_over": len(set(done) - set(own)), "images": sum(done.values()),
-             "seconds": time.perf_counter() - began, "workers": workers, "table": None}
-    share["left"] = sum(read_commit(fmt.chunk_path(cache, c), verify=False) is None for c in range(count))
-    if not share["left"]:
+    seconds = time.perf_counter() - began
+    left = sum(read_commit(fmt.chunk_path(cache, c), verify=False) is None for c in range(count))
+    table = None
+    if not left:
         try:
-            share["table"] = _write_table(manifest, out, cache, count, source or _source_name(manifest), fragments)
+            table = _write_table(manifest, out, cache, count, source or _source_name(manifest), fragments)
         except LockHeld:  # another rank that finished at the same time writes the same bytes
             pass
-    return share
+    return HashShare(rank=rank, world_size=world_size, chunks=count, hashed_chunks=len(done),
+                     taken_over=len(set(done) - set(own)), images=sum(done.values()), seconds=seconds,
+                     workers=workers, left=left, table=table)
 
 
 def _fragments_digest(fragments: captions.Fragments | None) -> str:

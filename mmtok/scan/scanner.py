@@ -93,6 +93,64 @@ class Source:
         return {"size": self.size, "mtime_ns": self.mtime_ns, "head": self.head}
 
 
+@dataclass(frozen=True)
+class ReadTotals:
+    """Rows, reads and bytes requested over shards: what a scan costs the storage per image."""
+
+    rows: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+
+    @classmethod
+    def over(cls, stats: list[dict]) -> ReadTotals:
+        """The totals of shard statistics (`scan_source`'s)."""
+        return cls(sum(st["rows"] for st in stats), sum(st["reads"] for st in stats),
+                   sum(st["bytes_read"] for st in stats))
+
+
+@dataclass(frozen=True)
+class ScanRun:
+    """What one `run_scan` did: shards scanned now and found in the cache (a refused input is neither), the
+    rows of the shards it scanned (error rows too), its seconds and workers, and what it read."""
+
+    scanned_shards: int
+    cached_shards: int
+    rows_scanned: int
+    seconds: float
+    workers: int
+    read: ReadTotals
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """What `run_scan` returns: the manifest's metadata (as manifest.json holds it; when nothing was written,
+    what it would have said), whether this run wrote the manifest, and what the run did."""
+
+    meta: dict
+    written: bool
+    run: ScanRun
+
+
+@dataclass(frozen=True)
+class ScanShare:
+    """What one rank of a distributed scan did (`scan_share`): its share of the shards, the shards it scanned
+    (its own and those `taken_over` from other ranks), the shards no process has committed yet (`left`), and
+    the manifest when this rank wrote it."""
+
+    rank: int
+    world_size: int
+    shards: int
+    own_shards: int
+    scanned_shards: int
+    taken_over: int
+    rows_scanned: int
+    seconds: float
+    workers: int
+    read: ReadTotals
+    left: int
+    manifest: Scanned | None
+
+
 def describe(path: str) -> Source:
     path = os.path.abspath(path)
     try:
@@ -498,9 +556,10 @@ def split_sidecars(paths: list[str]) -> tuple[list[str], list[str]]:
 
 
 
-def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers: int, progress: bool = True) -> dict:
+def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers: int,
+             progress: bool = True) -> Scanned:
     """Scan every source not committed yet (waiting for shards that other processes are scanning) and write
-    the manifest; return its metadata.
+    the manifest; return its metadata and what the run did.
 
     A scan that finds no usable image fails (the command says why); into an OUT that holds a complete
     manifest it writes nothing (`written` False in what it returns), so that manifest and its cache stay as
@@ -523,28 +582,26 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
         scanned = [i for i in todo if stats[i]["scanned"]]  # the others were committed by a rank meanwhile
         for i, (reason, detail, like) in refused.items():
             stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
-        run = {"scanned_shards": len(scanned), "seconds": time.perf_counter() - began, "workers": workers,
-               # a refused input is neither scanned nor read from the cache
-               "cached_shards": len(sources) - len(scanned) - len(refused),
-               "rows_scanned": sum(stats[i]["rows"] for i in scanned), **_read_totals(stats)}
+        run = ScanRun(scanned_shards=len(scanned), cached_shards=len(sources) - len(scanned) - len(refused),
+                      rows_scanned=sum(stats[i]["rows"] for i in scanned), seconds=time.perf_counter() - began,
+                      workers=workers, read=ReadTotals.over(stats))
         summary = summarize(sources, stats, options)
         if not summary["images_ok"] and has_manifest(out_dir):
             for i in scanned:  # the cache stays as it was too: no mark of a mistyped input is left
                 if "table" in stats[i]:
                     discard_shard(rows_cache_path(out_dir, sources[i], options))
-            return {**summary, "written": False, "_run": run}
+            return Scanned(summary, False, run)
         meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
         remove_shards(out_dir / CACHE_DIR, {shard_key(s, options) for s in sources})
-    meta["_run"], meta["written"] = run, True
-    return meta
+    return Scanned(meta, True, run)
 
 
 def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank: int, world_size: int,
-               workers: int, progress: bool = True) -> dict:
+               workers: int, progress: bool = True) -> ScanShare:
     """Rank `rank` of `world_size`: scan this rank's share of the sources (`ranks.assign_shards` by bytes),
     then, from the far end, every source no other process has claimed yet (a slow or dead rank's); when
     every source is then committed, write the manifest (`run_scan`: the same bytes as one process's scan).
-    Returns what this rank scanned and, under `manifest`, the manifest's metadata when it wrote it."""
+    Returns what this rank scanned and, under `manifest`, the manifest when it wrote it."""
     from mmtok.ranks import assign_shards
 
     (out_dir / CACHE_DIR).mkdir(parents=True, exist_ok=True)
@@ -561,24 +618,18 @@ def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank:
     began = time.perf_counter()
     scanned = {i: st for i, st in _scan_all(todo, shown, options, out_dir, workers, False, progress, len(todo))
                if st is not None and st["scanned"]}
-    share = {"rank": rank, "world_size": world_size, "shards": len(shown), "own_shards": len(own),
-             "scanned_shards": len(scanned), "taken_over": len(scanned.keys() - mine),
-             "rows_scanned": sum(st["rows"] for st in scanned.values()), "seconds": time.perf_counter() - began,
-             "workers": workers, **_read_totals(list(scanned.values()))}
-    share["left"] = sum(not committed(i) for i in eligible)
-    share["manifest"] = None
-    if not share["left"]:
+    seconds = time.perf_counter() - began
+    left = sum(not committed(i) for i in eligible)
+    manifest = None
+    if not left:
         try:
-            share["manifest"] = run_scan(sources, out_dir, options, workers, progress=False)
+            manifest = run_scan(sources, out_dir, options, workers, progress=False)
         except LockHeld:  # the other rank that finished last writes the same bytes
             pass
-    return share
-
-
-def _read_totals(stats: list[dict]) -> dict:
-    """Rows, reads and bytes requested over shard statistics (what a scan costs the storage per image)."""
-    return {"rows": sum(st["rows"] for st in stats), "reads": sum(st["reads"] for st in stats),
-            "bytes_read": sum(st["bytes_read"] for st in stats)}
+    return ScanShare(rank=rank, world_size=world_size, shards=len(shown), own_shards=len(own),
+                     scanned_shards=len(scanned), taken_over=len(scanned.keys() - mine),
+                     rows_scanned=sum(st["rows"] for st in scanned.values()), seconds=seconds, workers=workers,
+                     read=ReadTotals.over(list(scanned.values())), left=left, manifest=manifest)
 
 
 def _inputs(sources: list[Source]) -> tuple[list[Source], dict[int, tuple[str, str, int | None]]]:
