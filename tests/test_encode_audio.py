@@ -235,7 +235,7 @@ def test_foreign_shar_text_is_tokenized_and_silent_clips_are_skipped(codec, tmp_
     encode_audio_rank(tmp_path / "shar", tmp_path / "out", codec, rank=0, world_size=1, batching=BATCHING,
                       num_workers=0, progress=False)
     summary = merge(tmp_path / "out")
-    assert summary["counts"]["skipped:silent"] == 1 and summary["sequences"] == 1
+    assert summary.counts["skipped:silent"] == 1 and summary.sequences == 1
     (tokens,) = read_sequences(tmp_path / "out" / "merged")
     assert tokens[-1 - len(load_text_tokenizer().encode("seven")):-1].tolist() == load_text_tokenizer().encode("seven")
     assert cache_path(tmp_path / "out", 0).is_file()
@@ -318,11 +318,11 @@ def test_a_clip_too_long_to_encode_is_a_named_skip_and_the_rank_finishes(shar, c
     encode_audio_rank(shar, out, codec, rank=0, world_size=1, num_workers=1, progress=False,
                       batching=Batching(max_duration=4.0, num_buckets=3, seed=0, max_clip_duration=limit))
     summary = merge(out)
-    assert summary["counts"]["skipped:too_long"] == len(over) == 2
+    assert summary.counts["skipped:too_long"] == len(over) == 2
     skipped = [json.loads(line) for line in (out / "merged.skipped.jsonl").read_text().splitlines()]
     assert sorted(s["key"] for s in skipped if s["reason"] == "too_long") == over
     assert all("--max-clip-duration" in s["detail"] and s["source"].endswith(".tar") for s in skipped)
-    assert summary["counts"]["encoded"] == len(cuts) - 2
+    assert summary.counts["encoded"] == len(cuts) - 2
 
 
 def test_a_rerun_with_other_settings_is_refused_even_when_every_part_is_finished(shar, codec, one_rank):

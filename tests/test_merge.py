@@ -12,6 +12,7 @@ from mmtok.documents import pack_template
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.megatron import read_sequences
+from mmtok.formats.merged import AssembledFigures
 from mmtok.formats.parts import find_parts
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import sha256_file
@@ -45,8 +46,8 @@ def test_merge_joins_parts_in_part_order_and_verifies_with_megatron_core(tmp_pat
     summary = merge(tmp_path)
     flat = [s for part in parts for s in part]
     assert [list(s) for s in read_sequences(tmp_path / "merged")] == flat
-    assert summary["verified_with"] == "megatron-core IndexedDataset"
-    assert summary["counts"] == {"written": 4} and summary["sequences"] == 4
+    assert summary.verified_with == "megatron-core IndexedDataset"
+    assert summary.counts == {"written": 4} and summary.sequences == 4
     lines = (tmp_path / "merged.provenance.jsonl").read_text().splitlines()
     assert [json.loads(line)["key"] for line in lines] == ["k0-0", "k1-0", "k1-1", "k3-0"]
     assert json.loads((tmp_path / "merged.json").read_text())["tokens"] == sum(map(len, flat))
@@ -192,8 +193,8 @@ def test_merge_of_parts_without_tokens_writes_no_dataset_and_says_so(tmp_path):
         shard.finish({})
     (tmp_path / "merged.bin").write_bytes(b"stale")  # an earlier merge's output must not survive looking valid
     summary = merge(tmp_path, strip_reasoning=True)
-    assert summary["dataset"] is False and summary["sequences"] == 0
-    assert summary["strip_reasoning"]["dataset"] is False
+    assert summary.dataset is False and summary.sequences == 0
+    assert summary.strip_reasoning["dataset"] is False
     for name in ("merged.bin", "merged.idx", "merged_no_reasoning.bin", "merged_no_reasoning.idx"):
         assert not (tmp_path / name).exists(), name
     skipped = [json.loads(line) for line in (tmp_path / "merged.skipped.jsonl").read_text().splitlines()]
@@ -206,7 +207,7 @@ def test_parts_without_tokens_are_left_out_of_the_merged_dataset(tmp_path):
     assert not (part_dir(tmp_path, 1) / "tokens.idx").exists()
     summary = merge(tmp_path)
     assert [list(s) for s in read_sequences(tmp_path / "merged")] == [[BOS, 5, EOS], [BOS, 6, EOS]]
-    assert [p["dataset"] for p in summary["parts"]] == [True, False, True]
+    assert [p["dataset"] for p in summary.parts] == [True, False, True]
 
 
 def test_a_second_merge_of_one_output_is_refused(tmp_path):
@@ -306,11 +307,11 @@ def test_a_document_over_three_parts_is_its_template_with_the_blocks_after_all_p
         {"document": 2, "key": "doc2", "tar": "s.tar", "rows": [200, 201]},
         {"document": 4, "key": "doc4", "tar": "s.tar", "rows": [400, 401, 402]}]
     tokens = len(expected_doc2) + len(expected_doc4)
-    assert summary["assembled"] == {"documents": 2, "documents_skipped": 0, "tokens": tokens}
-    assert summary["sequences"] == 5 and summary["tokens"] == 3 + 3 + 4 + tokens
-    assert summary["counts"]["images_written"] == 3 + 5 and summary["counts"]["documents_written"] == 3 + 2
-    assert summary["counts"]["tokens"] == summary["tokens"]
-    assert json.loads((tmp_path / "merged.json").read_text())["assembled"] == summary["assembled"]
+    assert summary.assembled == AssembledFigures(2, 0, tokens)
+    assert summary.sequences == 5 and summary.tokens == 3 + 3 + 4 + tokens
+    assert summary.counts["images_written"] == 3 + 5 and summary.counts["documents_written"] == 3 + 2
+    assert summary.counts["tokens"] == summary.tokens
+    assert json.loads((tmp_path / "merged.json").read_text()) == summary.to_json()
     assert not list(tmp_path.glob("*assembled*")), "the assembled documents' dataset is joined, then removed"
 
 
@@ -360,13 +361,13 @@ def test_a_failed_image_skips_its_whole_document_naming_every_image(tmp_path):
     assert skipped[1] == {"key": "doc7", "source": "s.tar", "container": "s.tar", "member": "doc7.1.jpg",
                           "position": 701, "reason": "decode_error", "detail": "bad huffman", "stage": "merge"}
     assert skipped[0]["detail"] == skipped[2]["detail"] == "image 1 of the document: decode_error: bad huffman"
-    counts = summary["counts"]
+    counts = summary.counts
     assert counts["skipped:decode_error"] == 1 and counts["skipped:document_image_failed"] == 2
     assert counts["documents_skipped"] == 1 and counts["documents_written"] == 2
     lost = sum(v for k, v in counts.items() if k.startswith("skipped:"))
     assert counts["images_written"] + lost == 1 + 3 + 2  # every planned image, once
-    assert summary["assembled"] == {"documents": 1, "documents_skipped": 1, "tokens": len(sequences[1])}
-    assert json.loads((tmp_path / "merged.json").read_text())["assembled"] == summary["assembled"]
+    assert summary.assembled == AssembledFigures(1, 1, len(sequences[1]))
+    assert json.loads((tmp_path / "merged.json").read_text()) == summary.to_json()
 
 
 def test_a_failed_template_skips_every_image_with_its_reason(tmp_path):
@@ -379,28 +380,28 @@ def test_a_failed_template_skips_every_image_with_its_reason(tmp_path):
     skipped = _lines(tmp_path / "merged.skipped.jsonl")
     assert [(s["member"], s["reason"], s["detail"]) for s in skipped] == [
         (f"doc7.{index}.jpg", "invalid_json", "Expecting value") for index in range(3)]
-    assert summary["counts"]["skipped:invalid_json"] == 3 and summary["counts"]["documents_skipped"] == 1
-    assert summary["assembled"] == {"documents": 0, "documents_skipped": 1, "tokens": 0}
+    assert summary.counts["skipped:invalid_json"] == 3 and summary.counts["documents_skipped"] == 1
+    assert summary.assembled == AssembledFigures(0, 1, 0)
 
 
 def test_a_run_of_only_assembled_documents_still_merges_to_a_dataset(tmp_path):
     _write_batches(tmp_path, [[([], [_template(1, [[BOS], 0, 1, [EOS]]), _image(1, 0)])], [([], [_image(1, 1)])]])
     summary = merge(tmp_path, strip_reasoning=True)
-    assert [p["dataset"] for p in summary["parts"]] == [False, False]
-    assert summary["dataset"] is True and summary["sequences"] == 1
+    assert [p["dataset"] for p in summary.parts] == [False, False]
+    assert summary.dataset is True and summary.sequences == 1
     assert [list(s) for s in read_sequences(tmp_path / "merged")] == [[BOS, *_block(1, 0), *_block(1, 1), EOS]]
-    assert summary["strip_reasoning"]["sequences"] == 1
+    assert summary.strip_reasoning["sequences"] == 1
 
 
 def test_a_run_whose_assembled_documents_all_failed_writes_no_dataset(tmp_path):
     _write_batches(tmp_path, [[([], [_template(1, [[BOS], 0, 1, [EOS]]), _image(1, 0, "decode_error"),
                                      _image(1, 1)])]])
     summary = merge(tmp_path)
-    assert summary["dataset"] is False and summary["sequences"] == 0
+    assert summary.dataset is False and summary.sequences == 0
     assert json.loads((tmp_path / "merged.json").read_text())["dataset"] is False
     assert not (tmp_path / "merged.bin").exists() and not (tmp_path / "merged.idx").exists()
     assert [s["reason"] for s in _lines(tmp_path / "merged.skipped.jsonl")] == ["decode_error", "document_image_failed"]
-    assert summary["assembled"] == {"documents": 0, "documents_skipped": 1, "tokens": 0}
+    assert summary.assembled == AssembledFigures(0, 1, 0)
 
 
 @pytest.mark.parametrize("case", ["missing template", "missing image", "extra image", "second template"])
@@ -449,6 +450,6 @@ def test_strip_reasoning_removes_spans_in_assembled_documents(tmp_path):
         [BOS, 5, EOS], [BOS, 7, EOS], [BOS, 30, *_block(3, 0), 36, *_block(3, 1), EOS]]
     keys = [p.get("key") for p in _lines(tmp_path / "merged_no_reasoning.provenance.jsonl")]
     assert keys == [f"{BOS}-5-{PRE}-6-{SUF}-{EOS}", f"{BOS}-7-{EOS}", "doc3"]  # document 4 was all reasoning
-    strip = summary["strip_reasoning"]
+    strip = summary.strip_reasoning
     assert strip["spans_removed"] == 3 and strip["dropped_empty_sequences"] == 1 and strip["sequences"] == 3
     assert strip["reasoning_tokens_removed"] == 3 + 3 + 2 + len(_block(4, 0)) + len(_block(4, 1))

@@ -8,6 +8,7 @@ from pathlib import Path
 from mmtok.commands.report import plural, print_report, reasons, refuse_nothing_usable
 from mmtok.formats import skips
 from mmtok.formats.megatron import MMTOK_READER
+from mmtok.formats.merged import MergeSummary
 
 
 def add_parser(sub) -> None:
@@ -39,35 +40,32 @@ def run(args) -> int:
     summary = merge(args.out, strip_reasoning=args.strip_reasoning, progress=not args.no_progress)
     seconds = time.perf_counter() - started
     print_report("merge", summary_lines(summary, args.out, seconds),
-                 {**summary, "out": args.out, "seconds": round(seconds, 3)} if args.json else None)
-    if not summary["dataset"]:
-        from mmtok.formats.merged import MERGED, SKIPPED_SUFFIX
-
-        refuse_nothing_usable(args.out, 0, summary["counts"], Path(args.out) / (MERGED + SKIPPED_SUFFIX))
+                 {**summary.to_json(), "out": args.out, "seconds": round(seconds, 3)} if args.json else None)
+    if not summary.dataset:
+        refuse_nothing_usable(args.out, 0, summary.counts, Path(args.out) / summary.skipped_file)
     return 0
 
 
-def summary_lines(summary: dict, out: str, seconds: float) -> list[str]:
+def summary_lines(summary: MergeSummary, out: str, seconds: float) -> list[str]:
     """What the merge wrote: the dataset (or why none), assembled documents, skips, the reasoning-free copy."""
-    parts = plural(summary["num_parts"], "part")
-    if summary["dataset"]:
-        lines = [f"{parts} -> {out}/merged.bin/.idx: {plural(summary['sequences'], 'sequence')}, "
-                 f"{plural(summary['tokens'], 'token')} in {seconds:.1f} s (verified with {summary['verified_with']})"]
+    parts = plural(summary.num_parts, "part")
+    if summary.dataset:
+        lines = [f"{parts} -> {out}/merged.bin/.idx: {plural(summary.sequences, 'sequence')}, "
+                 f"{plural(summary.tokens, 'token')} in {seconds:.1f} s (verified with {summary.verified_with})"]
     else:
         lines = [f"{parts}, no sequence with a token: no dataset written (megatron-core cannot open an empty one); "
                  "merged.json says so"]
-    if summary["verified_with"] == MMTOK_READER:
+    if summary.verified_with == MMTOK_READER:
         lines.append("megatron-core is not installed (pip install 'mmtok[megatron]'): verified with mmtok's own reader")
-    assembled = summary["assembled"]
-    if assembled["documents"] or assembled["documents_skipped"]:
-        lines.append(f"of which {plural(assembled['documents'], 'document')} with several images assembled from the "
-                     f"parts' items ({plural(assembled['tokens'], 'token')}; "
-                     f"{assembled['documents_skipped']:,} skipped)")
-    skipped = skips.by_reason(summary["counts"])
+    assembled = summary.assembled
+    if assembled.documents or assembled.documents_skipped:
+        lines.append(f"of which {plural(assembled.documents, 'document')} with several images assembled from the "
+                     f"parts' items ({plural(assembled.tokens, 'token')}; {assembled.documents_skipped:,} skipped)")
+    skipped = skips.by_reason(summary.counts)
     if skipped:
         lines.append(f"skipped {sum(skipped.values()):,} ({reasons(skipped)}), each named in "
-                     f"{out}/{summary['skipped_file']}")
-    return lines + _stripped_lines(summary.get("strip_reasoning"))
+                     f"{out}/{summary.skipped_file}")
+    return lines + _stripped_lines(summary.strip_reasoning)
 
 
 def _stripped_lines(strip: dict | None) -> list[str]:

@@ -10,6 +10,7 @@ OUT/merged_no_reasoning.*      the copy without reasoning spans (`--strip-reason
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mmtok.errors import MmtokError
@@ -21,6 +22,40 @@ PROVENANCE_SUFFIX = ".provenance.jsonl"
 SKIPPED_SUFFIX = ".skipped.jsonl"
 SUMMARY = f"{MERGED}.json"
 SUMMARY_FILE = SummaryFile(SUMMARY)
+
+
+@dataclass(frozen=True)
+class AssembledFigures:
+    """The documents of several images the merge assembled from the parts' items, and their tokens."""
+
+    documents: int
+    documents_skipped: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class MergeSummary:
+    """What `mmtok merge` did, as OUT/merged.json holds it (`to_json`): the parts' shared identity, the summed
+    counts (the assembly's folded in) and tokens, per-part figures, the merged dataset (`dataset` False: none
+    written, no sequence had a token) and the reader that verified it, and the `--strip-reasoning` copy."""
+
+    identity: dict
+    num_parts: int
+    tokens: int
+    counts: dict[str, int]
+    parts: list[dict]  # per part: part, sequences, tokens, dataset, and wall_s / device_busy_s where recorded
+    assembled: AssembledFigures
+    skipped_file: str
+    sequences: int
+    dataset: bool
+    verified_with: str | None  # None when no dataset was written
+    strip_reasoning: dict | None = None  # what `--strip-reasoning` removed; absent from merged.json without it
+
+    def to_json(self) -> dict:
+        record = asdict(self)
+        if self.strip_reasoning is None:
+            del record["strip_reasoning"]
+        return record
 
 
 def not_written_reason(prefix: Path) -> str | None:

@@ -36,7 +36,15 @@ from mmtok.errors import MmtokError
 from mmtok.formats import commitlog
 from mmtok.formats.items import refuse_changed_containers
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, verify_merged, write_index
-from mmtok.formats.merged import MERGED, NO_REASONING, PROVENANCE_SUFFIX, SKIPPED_SUFFIX, SUMMARY_FILE
+from mmtok.formats.merged import (
+    MERGED,
+    NO_REASONING,
+    PROVENANCE_SUFFIX,
+    SKIPPED_SUFFIX,
+    SUMMARY_FILE,
+    AssembledFigures,
+    MergeSummary,
+)
 from mmtok.formats.parts import Part, find_parts, read_part_json, shared_identity, timing_stats
 from mmtok.fsutil import WriterLock, atomic_writer, copy_file_into, required
 from mmtok.merge.assemble import assemble_documents
@@ -47,7 +55,7 @@ TURN_END = "<|assistant_end|>"
 BLOCK_TOKENS = 1 << 24  # strip-reasoning works through the merged tokens in blocks of about this size
 
 
-def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bool = False) -> dict:
+def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bool = False) -> MergeSummary:
     """Merge the parts of `out`; returns the summary written to `OUT/merged.json`."""
     out = Path(out)
     with WriterLock(out, f"merge output {out}"):
@@ -57,7 +65,7 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
         # Whether the run can strip is decided before anything is written: a refusal keeps the last merge.
         ids = reasoning_ids(parts[0].identity, parts[0].directory / commitlog.IDENTITY) if strip_reasoning else None
         SUMMARY_FILE.remove(out)
-        summary = _merge_stats(parts)
+        counts, per_part = _part_figures(parts)
         prefixes = [commitlog.part_prefix(part.directory) for part in parts if commitlog.has_dataset(part.directory)]
         with atomic_writer(out / (MERGED + PROVENANCE_SUFFIX)) as provenance, \
                 atomic_writer(out / (MERGED + SKIPPED_SUFFIX)) as skipped:
@@ -67,20 +75,27 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
                                            progress)
         if assembled.dataset:
             prefixes.append(out / ASSEMBLED)
-        _add_assembled(summary, assembled.counts)
-        summary["skipped_file"] = MERGED + SKIPPED_SUFFIX
         try:
             if prefixes:
-                summary.update(sequences=concatenate(prefixes, out / MERGED), dataset=True,
-                               verified_with=verify_merged(out / MERGED, prefixes))
+                sequences = concatenate(prefixes, out / MERGED)
+                verified_with = verify_merged(out / MERGED, prefixes)
             else:
                 remove_dataset(out / MERGED)
-                summary.update(sequences=0, dataset=False, verified_with=None)
+                sequences, verified_with = 0, None
         finally:
             remove_dataset(out / ASSEMBLED)
-        if strip_reasoning:
-            summary["strip_reasoning"] = write_stripped(out, ids, bool(prefixes))
-        SUMMARY_FILE.write(out, summary)
+        for key, value in assembled.counts.items():  # the assembly's counts are the run's too
+            counts[key] = counts.get(key, 0) + value
+        summary = MergeSummary(
+            identity=shared_identity(parts[0].identity), num_parts=len(parts),
+            tokens=sum(p["tokens"] for p in per_part) + assembled.counts.get("tokens", 0),
+            counts=dict(sorted(counts.items())), parts=per_part,
+            assembled=AssembledFigures(assembled.counts.get("documents_written", 0),
+                                       assembled.counts.get("documents_skipped", 0), assembled.counts.get("tokens", 0)),
+            skipped_file=MERGED + SKIPPED_SUFFIX, sequences=sequences, dataset=bool(prefixes),
+            verified_with=verified_with,
+            strip_reasoning=write_stripped(out, ids, bool(prefixes)) if strip_reasoning else None)
+        SUMMARY_FILE.write(out, summary.to_json())
     return summary
 
 
@@ -100,19 +115,8 @@ def _copy_files(sources: list[Path], handle) -> None:
             copy_file_into(source, handle)
 
 
-def _add_assembled(summary: dict, counts: dict[str, int]) -> None:
-    """Fold the assembly's counts into the merge summary (`assembled` keeps them apart too)."""
-    for key, value in counts.items():
-        summary["counts"][key] = summary["counts"].get(key, 0) + value
-    summary["counts"] = dict(sorted(summary["counts"].items()))
-    summary["tokens"] += counts.get("tokens", 0)
-    summary["assembled"] = {"documents": counts.get("documents_written", 0),
-                            "documents_skipped": counts.get("documents_skipped", 0),
-                            "tokens": counts.get("tokens", 0)}
-
-
-def _merge_stats(parts: list[Part]) -> dict:
-    """Summed counters and per-part figures, from the checksummed commit records (not stats.json)."""
+def _part_figures(parts: list[Part]) -> tuple[dict[str, int], list[dict]]:
+    """(summed counters, per-part figures), from the checksummed commit records (not stats.json)."""
     counts: dict[str, int] = {}
     per_part = []
     for part in parts:
@@ -124,13 +128,7 @@ def _merge_stats(parts: list[Part]) -> dict:
         per_part.append({"part": part.number, "sequences": len(lengths), "tokens": sum(lengths),
                          "dataset": commitlog.has_dataset(part.directory),
                          **{k: v for k, v in timing_stats(part_counts).items() if k in ("wall_s", "device_busy_s")}})
-    return {
-        "identity": shared_identity(parts[0].identity),
-        "num_parts": len(parts),
-        "tokens": sum(p.get("tokens", 0) for p in per_part),
-        "counts": dict(sorted(counts.items())),
-        "parts": per_part,
-    }
+    return counts, per_part
 
 
 # -- strip reasoning ------------------------------------------------------------------------------
