@@ -14,6 +14,7 @@ from mmtok.audio.interleave import LONG, STAGE, interleave
 from mmtok.cli import main
 from mmtok.errors import MmtokError
 from mmtok.formats.audio_cache import CACHE_FORMAT, cache_path, checksum_path, write_cache
+from mmtok.formats.interleave import DatasetEntry
 from mmtok.formats.megatron import read_sequences
 from mmtok.fsutil import sha256_file
 from mmtok.vocab import VocabLayout
@@ -169,7 +170,7 @@ def test_translation_clips_get_the_translate_token_and_break_runs(built):
     key = key_of(keys, "translated", 0)
     translated = [parse(s) for s in sequences[STAGE] if TRANSLATE in s.tolist()]
     assert translated == [[("audio", key), ("sep", TRANSLATE), ("text", key)]]
-    assert summary["counts"]["translations"] == 1 and summary["counts"]["skipped:no_text"] == 1
+    assert summary.counts["translations"] == 1 and summary.counts["skipped:no_text"] == 1
 
 
 def test_sequences_are_routed_by_length_and_long_ones_split_at_clip_boundaries(built):
@@ -179,7 +180,7 @@ def test_sequences_are_routed_by_length_and_long_ones_split_at_clip_boundaries(b
     long_keys = {key_of(keys, "long", n) for n in range(6)}
     pieces = [parse(s) for s in sequences[LONG]]
     assert all({k for kind, k in p if kind != "sep"} <= long_keys for p in pieces)
-    assert summary["counts"]["split_sequences"] == 2  # both copies of the 6-clip run exceed 900 tokens
+    assert summary.counts["split_sequences"] == 2  # both copies of the 6-clip run exceed 900 tokens
     assert all(p[-1][0] == "text" for p in pieces)
 
 
@@ -244,9 +245,11 @@ def test_only_long_sequences_leave_the_stage_set_unwritten(tmp_path):
     make_cache(tmp_path / "enc", {"long": SOURCES["long"]}, split=3)
     summary = interleave(tmp_path / "enc", tmp_path / "out", stage_max_tokens=300, max_tokens=900, progress=False)
     assert dataset_files(tmp_path / "out", STAGE) == []
-    assert summary["datasets"][STAGE] == {"written": False, "sequences": 0, "tokens": 0,
-                                          "reason": "no sequence of at most 300 tokens"}
-    assert summary["datasets"][LONG]["sequences"] == opens_in_megatron_core(tmp_path / "out" / LONG) > 0
+    assert summary.datasets[STAGE] == DatasetEntry(False, 0, 0, "no sequence of at most 300 tokens")
+    assert summary.to_json()["datasets"][STAGE] == json.loads((tmp_path / "out" / "interleave.json").read_text())[
+        "datasets"][STAGE] == {"written": False, "sequences": 0, "tokens": 0,
+                               "reason": "no sequence of at most 300 tokens"}
+    assert summary.datasets[LONG].sequences == opens_in_megatron_core(tmp_path / "out" / LONG) > 0
 
 
 def test_a_corpus_without_text_fails_naming_the_skips_and_writes_nothing(tmp_path, capsys):

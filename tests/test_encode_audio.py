@@ -160,7 +160,7 @@ def test_token_cache_matches_the_sequences(one_rank):
 
 def test_interleave_of_encoded_story_alternates_real_clips(shar, one_rank, tmp_path):
     summary = interleave(one_rank, tmp_path, progress=False)
-    assert summary["counts"]["runs_of_3+"] == 1 and summary["counts"]["translations"] == 1
+    assert summary.counts["runs_of_3+"] == 1 and summary.counts["translations"] == 1
     stage = list(read_sequences(tmp_path / STAGE))
     assert not (tmp_path / f"{LONG}.idx").exists() and not (tmp_path / f"{LONG}.bin").exists()  # no empty dataset
     with_continue = [s for s in stage if SPECIAL["<|stt_continue|>"] in s.tolist()]
@@ -284,7 +284,7 @@ def test_a_lhotse_recipe_shar_keeps_recording_identity_and_interleaves_in_time_o
     assert [(r["cut_id"], r["source_id"], r["clip"]) for r in rows] == [("talk-c", "talk", 0), ("talk-b", "talk", 1),
                                                                          ("talk-a", "talk", 2)]
     summary = interleave(tmp_path / "enc", tmp_path / "il", progress=False)
-    assert summary["counts"]["runs_of_3+"] == 1
+    assert summary.counts["runs_of_3+"] == 1
     out = tmp_path / "converted"
     assert main(["audio", "convert", str(shar / "cuts.000000.jsonl.gz"), "--out", str(out), "--no-progress"]) == 2
     details = [json.loads(line)["detail"] for path in (out / "dropped").iterdir() for line in path.open()]

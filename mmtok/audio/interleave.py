@@ -40,7 +40,13 @@ from mmtok import __version__
 from mmtok.documents import AUDIO, TEXT, SequenceBuilder, is_translation
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import find_cache_parts, read_cache_index, read_metadata, read_tokens, recorded_sha256
-from mmtok.formats.interleave import LONG_MAX_TOKENS, METADATA_FILE, STAGE_MAX_TOKENS
+from mmtok.formats.interleave import (
+    LONG_MAX_TOKENS,
+    METADATA_FILE,
+    STAGE_MAX_TOKENS,
+    DatasetEntry,
+    InterleaveSummary,
+)
 from mmtok.formats.megatron import DatasetWriter, remove_dataset
 from mmtok.vocab import VocabLayout
 
@@ -188,7 +194,7 @@ def build(planned: Planned, builder: SequenceBuilder, tokens: TokenSource) -> np
 
 def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = STAGE_MAX_TOKENS,
                max_tokens: int = LONG_MAX_TOKENS,
-               progress: bool = True) -> dict:
+               progress: bool = True) -> InterleaveSummary:
     """Write OUT/stage and OUT/long-context (Megatron) from ENCODED's token cache; returns the summary.
 
     Only sets that receive a sequence are written (see the module docstring); with no sequence at
@@ -236,23 +242,22 @@ def interleave(encoded: Path, out: Path, *, stage_max_tokens: int = STAGE_MAX_TO
     for name in (STAGE, LONG):
         if name not in writers:
             remove_dataset(out / name)  # a stale set from an earlier run must not look like this run's
-    summary = {"tool": f"mmtok {__version__}", "input": str(encoded.resolve()),
-               "cache": [{"part": i, "sha256": recorded_sha256(p)} for i, p in enumerate(parts)],  # verified
-               "parameters": {"stage_max_tokens": stage_max_tokens, "max_tokens": max_tokens},
-               "vocab": meta["vocab"], "text_tokenizer": meta["text_tokenizer"], "codec": meta["codec"],
-               "sequences": builder.describe(), "datasets": datasets, "counts": dict(sorted(counts.items()))}
-    METADATA_FILE.write(out, summary)
+    summary = InterleaveSummary(
+        tool=f"mmtok {__version__}", input=str(encoded.resolve()),
+        cache=[{"part": i, "sha256": recorded_sha256(p)} for i, p in enumerate(parts)],  # verified
+        parameters={"stage_max_tokens": stage_max_tokens, "max_tokens": max_tokens}, vocab=meta["vocab"],
+        text_tokenizer=meta["text_tokenizer"], codec=meta["codec"], sequences=builder.describe(), datasets=datasets,
+        counts=dict(sorted(counts.items())))
+    METADATA_FILE.write(out, summary.to_json())
     return summary
 
 
-def _dataset_entry(name: str, counts: Counter, stage_max_tokens: int, written: bool) -> dict:
-    """interleave.json's `datasets[name]`: whether OUT/name.bin/.idx exists, its size, or why not."""
+def _dataset_entry(name: str, counts: Counter, stage_max_tokens: int, written: bool) -> DatasetEntry:
+    """The entry of set `name`: whether OUT/name.bin/.idx exists, its size, or why not."""
     sequences = sum(v for k, v in counts.items() if k.startswith(f"{name}:") and not k.endswith(":tokens"))
-    entry = {"written": written, "sequences": sequences, "tokens": counts.get(f"{name}:tokens", 0)}
-    if not written:
-        limit = f"{stage_max_tokens:,} tokens"
-        entry["reason"] = f"no sequence over {limit}" if name == LONG else f"no sequence of at most {limit}"
-    return entry
+    limit = f"{stage_max_tokens:,} tokens"
+    reason = None if written else f"no sequence over {limit}" if name == LONG else f"no sequence of at most {limit}"
+    return DatasetEntry(written, sequences, counts.get(f"{name}:tokens", 0), reason)
 
 
 def _nothing_message(encoded: Path, out: Path, counts: Counter) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from mmtok.commands.report import plural, print_summary, reasons
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
-from mmtok.formats.interleave import LONG_MAX_TOKENS, STAGE_MAX_TOKENS
+from mmtok.formats.interleave import LONG_MAX_TOKENS, STAGE_MAX_TOKENS, InterleaveSummary
 
 CONVERT_HELP = """\
 Convert audio sources into Lhotse Shar shards: 24 kHz mono audio (24-bit FLAC) with the text already
@@ -156,15 +156,15 @@ def convert_line(report: dict) -> str:
     return "; ".join(parts)
 
 
-def interleave_line(summary: dict) -> str:
+def interleave_line(summary: InterleaveSummary) -> str:
     """One line: the clips, each set's sequences and tokens (or why it was not written), the skips."""
     sets = []
-    for name, entry in summary["datasets"].items():
-        if entry["written"]:
-            sets.append(f"{name}: {plural(entry['sequences'], 'sequence')}, {plural(entry['tokens'], 'token')}")
+    for name, entry in summary.datasets.items():
+        if entry.written:
+            sets.append(f"{name}: {plural(entry.sequences, 'sequence')}, {plural(entry.tokens, 'token')}")
         else:
-            sets.append(f"{name}: {entry['reason']} -- not written")
-    counts = summary["counts"]
+            sets.append(f"{name}: {entry.reason} -- not written")
+    counts = summary.counts
     skipped = skips.by_reason(counts)
     return (f"{plural(counts['clips'], 'clip')} -> " + "; ".join(sets)
             + (f"; skipped {sum(skipped.values()):,} ({reasons(skipped)})" if skipped else ""))

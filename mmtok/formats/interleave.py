@@ -4,6 +4,7 @@ completed), naming every dataset set it made and, for a set it did not write, wh
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mmtok.errors import MmtokError
@@ -13,6 +14,41 @@ METADATA = "interleave.json"
 STAGE_MAX_TOKENS = 8192  # default longest sequence of the stage set
 LONG_MAX_TOKENS = 262_144  # default longest sequence of the long-context set
 METADATA_FILE = SummaryFile(METADATA)
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """interleave.json's `datasets[name]`: whether OUT/name.bin/.idx was written, its size, or why not."""
+
+    written: bool
+    sequences: int
+    tokens: int
+    reason: str | None = None  # only for a set not written
+
+
+@dataclass(frozen=True)
+class InterleaveSummary:
+    """What `mmtok audio interleave` did, as OUT/interleave.json holds it (`to_json`): the tool, its input cache
+    (each part's recorded sha256), parameters, vocabulary, text tokenizer and codec, the sequence layout, each
+    set's entry, and the counts."""
+
+    tool: str
+    input: str
+    cache: list[dict]
+    parameters: dict
+    vocab: dict
+    text_tokenizer: dict
+    codec: dict
+    sequences: dict
+    datasets: dict[str, DatasetEntry]
+    counts: dict[str, int]
+
+    def to_json(self) -> dict:
+        record = asdict(self)
+        for entry in record["datasets"].values():
+            if entry["reason"] is None:
+                del entry["reason"]
+        return record
 
 
 def not_written_reason(prefix: Path) -> str | None:
