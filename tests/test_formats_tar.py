@@ -287,7 +287,7 @@ def test_a_corrupt_header_mid_sample_is_one_record_and_the_counts_add_up(tmp_pat
     tar.write_bytes(bytes(damaged))
     assert located_reasons(tar) == {"chats/one": SOUND, "chats/two": "corrupt_header", "chats/three": SOUND,
                                     "chats/four": SOUND}  # two.1.wav, after the resync, is still sample two's
-    counts = pack([tar], tmp_path / "packed", progress=False)["counts"]
+    counts = pack([tar], tmp_path / "packed", progress=False).counts
     assert (counts["conversations"], counts["packed"], skips.by_reason(counts)) == (4, 3, {"corrupt_header": 1})
 
 
@@ -304,6 +304,6 @@ def test_a_tar_without_a_sample_is_no_conversation_and_one_file_reason(tmp_path,
     tar.write_bytes(content)
     report = pack([tar], tmp_path / "packed", progress=False)
     reason = "empty_file" if not content else "no_samples"
-    assert report["counts"] == {skips.file_count_key(reason): 1}
+    assert report.counts == {skips.file_count_key(reason): 1}
     [record] = skips.read(tmp_path / "packed" / "skipped.jsonl")
     assert (record.key, record.container, record.reason) == ("chats.tar", "tar", reason)

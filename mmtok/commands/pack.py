@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.report import files_skipped, plural, print_summary, reasons, refuse_nothing_usable
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
+
+if TYPE_CHECKING:  # pack is imported when a pack runs, not for `--help`
+    from mmtok.sft.pack import PackReport
 
 DESCRIPTION = """\
 Write the conversations of the inputs (.jsonl lines, .parquet rows with a `messages` column, or tar
@@ -50,19 +54,19 @@ def run(args) -> int:
     print_summary("pack", summary_lines(report, args.out))
     from mmtok.sft.pack import SKIPPED
 
-    refuse_nothing_usable(str(args.out), report["counts"].get("packed", 0), report["counts"], Path(args.out) / SKIPPED)
+    refuse_nothing_usable(str(args.out), report.counts.get("packed", 0), report.counts, Path(args.out) / SKIPPED)
     return 0
 
 
-def summary_lines(report: dict, out: Path) -> list[str]:
+def summary_lines(report: PackReport, out: Path) -> list[str]:
     """What was packed and skipped (naming where the skips are listed), and the commands that read the tars."""
     from mmtok.sft.pack import SKIPPED
 
-    counts = report["counts"]
+    counts = report.counts
     skipped = skips.by_reason(counts)
     media = ", ".join(plural(counts.get(f"{kind}_packed", 0), noun) for kind, noun in (("image", "image"),
                                                                                      ("audio", "audio file")))
-    return [f"{plural(counts.get('conversations', 0), 'conversation')} -> {plural(len(report['tars']), 'tar')} in "
+    return [f"{plural(counts.get('conversations', 0), 'conversation')} -> {plural(len(report.tars), 'tar')} in "
             f"{out}: {counts.get('packed', 0):,} packed (media: {media}), {sum(skipped.values()):,} skipped"
             + (f" ({reasons(skipped)}; each named in {out / SKIPPED})" if skipped else "")
             + files_skipped(counts, out / SKIPPED),

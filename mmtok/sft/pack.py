@@ -28,6 +28,7 @@ import io
 import json
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from mmtok.errors import MmtokError, Skip
@@ -55,6 +56,7 @@ from mmtok.formats.tar import MemberTruncated
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, read_json_object, refuse_out_overlapping
 
 REPORT = "pack.json"
+PACK_FORMAT = "mmtok-pack/1"  # pack.json's `format`
 SKIPPED = "skipped.jsonl"
 OWNED = ".pack-owned.json"  # the tars a running (or killed) pack wrote, until pack.json names them
 MAX_MEDIA_BYTES = 1 << 30  # one medium above this is `media_too_large` (--max-media-bytes)
@@ -158,8 +160,24 @@ def _json_bytes(record: dict) -> bytes:
         raise
 
 
+@dataclass(frozen=True)
+class PackReport:
+    """What `mmtok pack` did, as OUT/pack.json holds it (`to_json`): the inputs' fingerprints, the tars written in
+    order, the counts (conversations = packed + skipped, media packed by kind) and the media roots, if any."""
+
+    inputs: list[dict]
+    tars: list[str]
+    counts: dict[str, int]
+    media_roots: list[str]
+
+    def to_json(self) -> dict:
+        return {"format": PACK_FORMAT, "inputs": self.inputs, "tars": self.tars, "counts": self.counts,
+                **({"media_roots": self.media_roots} if self.media_roots else {})}
+
+
 def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TAR,
-         max_media_bytes: int = MAX_MEDIA_BYTES, progress: bool = True, media_roots: Sequence[Path] = ()) -> dict:
+         max_media_bytes: int = MAX_MEDIA_BYTES, progress: bool = True,
+         media_roots: Sequence[Path] = ()) -> PackReport:
     """Pack every conversation of `inputs` into OUT, reading media files only inside each input's directory or
     `media_roots`; returns the report written to OUT/pack.json.
 
@@ -202,9 +220,8 @@ def pack(inputs: list[Path], out: Path, *, samples_per_tar: int = SAMPLES_PER_TA
             skips.append(handle, skipped)
         for stale in sorted(owned - set(tars.names)):
             (out / stale).unlink(missing_ok=True)  # an earlier pack into OUT wrote more tars
-        report = {"format": "mmtok-pack/1", "inputs": input_fingerprint(inputs), "tars": tars.names,
-                  "counts": dict(sorted(counts.items())), **({"media_roots": list(roots)} if roots else {})}
-        atomic_write_json(out / REPORT, report)
+        report = PackReport(input_fingerprint(inputs), tars.names, dict(sorted(counts.items())), list(roots))
+        atomic_write_json(out / REPORT, report.to_json())
         (out / OWNED).unlink(missing_ok=True)  # pack.json names the tars now
     return report
 
