@@ -124,9 +124,7 @@ class TarWalker:
         unchecked = CHECK_BATCH
         pos, file_size, window, limit = start, self.file_size, self.window, stop if stop is not None else 1 << 62
         fd, pread = self.fd, os.pread
-        long_name: bytes | None = None
-        pax: dict[bytes, bytes] = {}
-        pax_global: dict[bytes, bytes] = {}
+        pending = _Pending()
         buf, base, end = self._buf, self._base, self._base + len(self._buf)
         reads = requested = 0  # added to self.reads and self.bytes_read once, when the walk ends
         try:
@@ -173,24 +171,9 @@ class TarWalker:
                         return
                     pos = data + ((size + BLOCK - 1) & ~(BLOCK - 1))
                     if flag == 0x35:
-                        long_name, pax = None, {}
-                        continue
-                    if size > MAX_NAME_BYTES:
-                        self._fail(headers, offsets, len(headers) - 1)
+                        pending.long_name, pending.pax = None, {}
+                    elif not self._metadata(flag, data, size, pending, headers, offsets):
                         return
-                    if data + size > file_size:
-                        if not self._fail(headers, offsets, _first_bad_checksum(headers)):
-                            self.end_reason, self.end_offset = TRUNCATED_TAR, data
-                        return
-                    payload = self.head(data, size)
-                    if flag == 0x4C:  # L: GNU long name of the next member
-                        long_name = payload.split(b"\x00", 1)[0]
-                    elif flag == 0x78 or flag == 0x67:  # x: pax header of the next member; g: global
-                        try:
-                            (pax if flag == 0x78 else pax_global).update(_pax_records(payload))
-                        except _BadHeader:
-                            self._fail(headers, offsets, len(headers) - 1)
-                            return
                     continue
                 elif flag in _UNSUPPORTED_TYPES:
                     kind = UNSUPPORTED
@@ -202,14 +185,8 @@ class TarWalker:
                 else:
                     kind = SPECIAL
                 bad_record = None
-                if pax or pax_global:
-                    # A sparse map in a global header marks every later member sparse (what tarfile reads)
-                    if kind == REGULAR and any(key.startswith(_SPARSE_PAX) for key in [*pax, *pax_global]):
-                        kind = UNSUPPORTED
-                    name, size, bad_record = _apply_pax(name, size, pax_global, pax)
-                    pax = {}
-                if long_name is not None:
-                    name, long_name = long_name, None
+                if pending.pax or pending.pax_global or pending.long_name is not None:
+                    name, size, kind, bad_record = pending.apply(name, size, kind)
                 if size is None:
                     pax_text = "" if bad_record is None else f"pax size={bad_record!r}, "
                     self._bad_size(headers, offsets, name, f"{pax_text}size field {size_field!r}")
@@ -227,6 +204,29 @@ class TarWalker:
         finally:  # also when the caller drops the walk early
             self.reads += reads
             self.bytes_read += requested
+
+    def _metadata(self, flag: int, data: int, size: int, pending: _Pending, headers: list[bytes],
+                  offsets: list[int]) -> bool:
+        """Read the payload of a metadata header (data at `data`, `size` bytes) into `pending`; False when the walk
+        ends there (`_fail` says why): a payload longer than a name or pax records can be, cut by the end of
+        the file, or unparsable."""
+        if size > MAX_NAME_BYTES:
+            self._fail(headers, offsets, len(headers) - 1)
+            return False
+        if data + size > self.file_size:
+            if not self._fail(headers, offsets, _first_bad_checksum(headers)):
+                self.end_reason, self.end_offset = TRUNCATED_TAR, data
+            return False
+        payload = self.head(data, size)
+        if flag == 0x4C:  # L: a GNU long name (K, a long link name, is read and not kept)
+            pending.long_name = payload.split(b"\x00", 1)[0]
+        elif flag == 0x78 or flag == 0x67:  # x: pax records of the next member; g: global ones
+            try:
+                (pending.pax if flag == 0x78 else pending.pax_global).update(_pax_records(payload))
+            except _BadHeader:
+                self._fail(headers, offsets, len(headers) - 1)
+                return False
+        return True
 
     def _past_extensions(self, data: int) -> int | None:
         """Where an old-GNU sparse member's data starts: past the extension blocks of its sparse map that
@@ -423,6 +423,32 @@ def _pax_records(data: bytes) -> dict[bytes, bytes]:
         records[key] = value
         pos = end
     return records
+
+
+class _Pending:
+    """What metadata headers said of the member that follows them: a GNU long name and its pax records, and
+    the global pax records, which hold for every later member."""
+
+    __slots__ = ("long_name", "pax", "pax_global")
+
+    def __init__(self) -> None:
+        self.long_name: bytes | None = None
+        self.pax: dict[bytes, bytes] = {}
+        self.pax_global: dict[bytes, bytes] = {}
+
+    def apply(self, name: bytes, size: int | None, kind: int) -> tuple[bytes, int | None, int, bytes | None]:
+        """The member's name, size and kind after what is pending (then forgotten, but the global records),
+        and its pax `size` record when that is unusable (`_apply_pax`)."""
+        bad_record = None
+        if self.pax or self.pax_global:
+            # A sparse map in a global header marks every later member sparse (what tarfile reads)
+            if kind == REGULAR and any(key.startswith(_SPARSE_PAX) for key in [*self.pax, *self.pax_global]):
+                kind = UNSUPPORTED
+            name, size, bad_record = _apply_pax(name, size, self.pax_global, self.pax)
+            self.pax = {}
+        if self.long_name is not None:
+            name, self.long_name = self.long_name, None
+        return name, size, kind, bad_record
 
 
 def _apply_pax(name: bytes, size: int | None, pax_global: dict[bytes, bytes],
