@@ -63,6 +63,10 @@ def test_a_lone_surrogate_as_raw_bytes_is_invalid_json_in_every_reader(tmp_path)
     assert value is None and skip.reason == "invalid_json" and "lone surrogate" in skip.detail
     assert containers.json_value('{"a": "\\ud800"}', "cell")[1].reason == "invalid_json"  # escaped, in a str
     assert containers.json_value(b'{"a": "\\ud83d\\ude00 \xf0\x9f\x98\x80"}', "line")[1] is None  # pairs are text
+    for encoding in ("utf-16", "utf-16-le", "utf-32"):  # JSON json.loads also takes: its text is checked the same
+        assert containers.json_value('{"a": "\\ud800"}'.encode(encoding), "m")[1].reason == "invalid_json"
+        assert containers.json_value('{"a": "lone \ud800"}'.encode(encoding, "surrogatepass"), "m")[1] is not None
+        assert containers.json_value('{"a": "hi \U0001F600"}'.encode(encoding), "m") == ({"a": "hi \U0001F600"}, None)
     conversations = tmp_path / "c.jsonl"
     conversations.write_bytes(RAW_SURROGATE + b"\n")
     (conversation,) = read_conversations([conversations])
@@ -92,3 +96,19 @@ def test_pack_skips_a_medium_whose_tar_was_cut_after_its_members_were_listed(tmp
         open_range(tar, start, len(image))
     with open_range(tar, start, 100) as handle:
         assert handle.read() == image[:100]
+    with open_range(tar, start + 1000, 0) as handle:  # nothing to copy: no byte is missing, wherever it is
+        assert handle.read(1) == b""
+
+
+def test_a_parquet_conversation_input_is_opened_once_whatever_its_row_groups(tmp_path, monkeypatch):
+    # One footer parse a file: opening it per row group cost 100x at 5,000 groups (the footer grows with them).
+    path = tmp_path / "c.parquet"
+    turns = [[{"role": "user", "content": f"q{n}"}, {"role": "assistant", "content": "a"}] for n in range(40)]
+    rows = [json.dumps(messages) for messages in turns]
+    pq.write_table(pa.table({"messages": rows}), path, row_group_size=4)
+    opened = []
+    real = pq.ParquetFile
+    monkeypatch.setattr(pq, "ParquetFile", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    conversations = list(read_conversations([path]))
+    assert [c.record["messages"][0]["content"] for c in conversations] == [f"q{n}" for n in range(40)]
+    assert len(opened) == 1

@@ -85,6 +85,9 @@ def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
     """The json value of one untrusted cell, line or member, or the `invalid_json` Skip naming `what`:
     what is not json, nesting too deep for the parser, or a lone surrogate (no text a tokenizer takes)."""
     try:
+        encoding = json.detect_encoding(data) if isinstance(data, bytes) else None
+        if encoding not in (None, "utf-8"):  # UTF-16/32 JSON, which json.loads takes too: check its text as UTF-8
+            data = data.decode(encoding, "surrogatepass")
         value = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
         return None, Skip("invalid_json", f"{what}: {type(err).__name__ if isinstance(err, RecursionError) else err}")

@@ -536,11 +536,12 @@ def _jsonl_conversations(path: Path, number: int, start: Start = Start()) -> Ite
 
 def _parquet_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
     """One record per row, from row `start.record` (row groups before it are not read)."""
-    from mmtok.formats.tables import group_sizes, read_group, read_schema
+    from mmtok.formats.tables import TableFile
 
     stem = input_stem(path)
     try:
-        names, sizes = read_schema(str(path), PARQUET).names, group_sizes(str(path), PARQUET)
+        table = TableFile(str(path), PARQUET)
+        names, sizes = table.schema.names, table.group_sizes()
     except Exception as err:  # pyarrow raises several types for damaged files
         raise MmtokError(f"{path}: unreadable Parquet ({err})") from None
     if "messages" not in names:
@@ -551,7 +552,7 @@ def _parquet_conversations(path: Path, number: int, start: Start = Start()) -> I
             row += rows
             continue
         try:
-            records = read_group(str(path), PARQUET, group, None).to_pylist()
+            records = table.read_group(group, None).to_pylist()
         except Exception as err:  # pyarrow raises several types for damaged pages
             raise MmtokError(f"{path}: row group {group} is unreadable ({err}); check the file") from None
         skipped = max(start.record - row, 0)

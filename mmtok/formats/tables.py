@@ -80,41 +80,42 @@ def _read_arrow(path: str) -> pa.Table:
         return pa.ipc.open_stream(source).read_all()
 
 
+class TableFile:
+    """A table file (`file_format` as `containers.container_of` says) opened once -- its footer parsed once, however
+    many read units are read: its schema, the rows of each read unit (its Parquet row groups, or its Arrow record
+    batches as written), one unit's columns, or every row's. The file is memory-mapped."""
+
+    def __init__(self, path: str, file_format: str):
+        import pyarrow.parquet as pq
+
+        self._parquet = pq.ParquetFile(path, memory_map=True) if file_format == PARQUET else None
+        self._table = None if self._parquet else _read_arrow(path)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._parquet.schema_arrow if self._parquet else self._table.schema
+
+    def group_sizes(self) -> list[int]:
+        if self._parquet:
+            meta = self._parquet.metadata
+            return [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
+        return [batch.num_rows for batch in self._table.to_batches()]
+
+    def read_group(self, group: int, columns: list[str] | None) -> pa.Table:
+        """Read unit `group`, `columns` only (None: every column, Parquet only)."""
+        if self._parquet:
+            return self._parquet.read_row_group(group, columns=columns)
+        return pa.Table.from_batches([self._table.select(columns).to_batches()[group]])
+
+    def read_columns(self, columns: list[str]) -> pa.Table:
+        """Every row, `columns` only (small metadata columns: the media stay on disk)."""
+        if self._parquet:
+            return self._parquet.read(columns=columns)
+        return self._table.select(columns)
+
+
 def read_schema(path: str, file_format: str) -> pa.Schema:
-    import pyarrow.parquet as pq
-
-    if file_format == PARQUET:
-        return pq.ParquetFile(path).schema_arrow
-    return _read_arrow(path).schema
-
-
-def group_sizes(path: str, file_format: str) -> list[int]:
-    """Rows per read unit of a table file (`file_format` as `containers.container_of` says): its Parquet row
-    groups, or its Arrow record batches as written."""
-    import pyarrow.parquet as pq
-
-    if file_format == PARQUET:
-        meta = pq.ParquetFile(path).metadata
-        return [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
-    return [batch.num_rows for batch in _read_arrow(path).to_batches()]
-
-
-def read_group(path: str, file_format: str, group: int, columns: list[str] | None) -> pa.Table:
-    """Read unit `group` (see `group_sizes`) of a table file, `columns` only (None: every column, Parquet only)."""
-    import pyarrow.parquet as pq
-
-    if file_format == PARQUET:
-        return pq.ParquetFile(path, memory_map=True).read_row_group(group, columns=columns)
-    return pa.Table.from_batches([_read_arrow(path).select(columns).to_batches()[group]])
-
-
-def read_columns(path: str, file_format: str, columns: list[str]) -> pa.Table:
-    """Every row of a table file, `columns` only (small metadata columns: the media stay on disk)."""
-    import pyarrow.parquet as pq
-
-    if file_format == PARQUET:
-        return pq.ParquetFile(path, memory_map=True).read(columns=columns)
-    return _read_arrow(path).select(columns)
+    return TableFile(path, file_format).schema
 
 
 SAVED_STATE = "state.json"  # Hugging Face `Dataset.save_to_disk`: state.json + dataset_info.json + data-*.arrow

@@ -379,9 +379,9 @@ def open_range(path: str | os.PathLike, offset: int, size: int) -> BinaryIO:
     at once); MemberTruncated when the file does not hold them all now. The caller closes it."""
     handle = open(path, "rb")
     try:
-        held = os.fstat(handle.fileno()).st_size - offset
+        held = max(os.fstat(handle.fileno()).st_size - offset, 0)
         if held < size:
-            raise _truncated(path, offset, max(held, 0), size)
+            raise _truncated(path, offset, held, size)
         handle.seek(offset)
     except BaseException:
         handle.close()

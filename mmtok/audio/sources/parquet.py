@@ -34,10 +34,10 @@ class ParquetUnit(Unit):
     file_format: str = "parquet"  # or "arrow" (`mmtok.formats.containers.container_of`)
 
     def payloads(self):
-        from mmtok.formats.tables import read_group
+        from mmtok.formats.tables import TableFile
 
         try:
-            table = read_group(self.path, self.file_format, self.row_group, [self.audio_column])
+            table = TableFile(self.path, self.file_format).read_group(self.row_group, [self.audio_column])
             if table.num_rows != len(self.clips):  # the file changed since its rows were listed
                 raise ValueError(f"row group {self.row_group} holds {table.num_rows} rows, {len(self.clips)} when "
                                  "listed: the file changed during the run")
@@ -86,22 +86,22 @@ def parquet_units(path: Path, audio_column: str, text_column: str, stem: str | N
                   ) -> tuple[list[Unit], list[SkipRecord]]:
     """One unit per row group (an Arrow file's record batch: Hugging Face `save_to_disk`); metadata columns (by
     their standard names) are read here to number clips."""
-    from mmtok.formats.tables import group_sizes, read_columns, read_schema
+    from mmtok.formats.tables import TableFile
 
     what = not_a_regular_file(path) if path.exists() else None
     if what is not None:  # a FIFO would block the open
         return [], [skip_record(path.name, str(path), "not_a_file", f"{shown_path(path)} is {what}")]
     try:
         file_format = container_of(str(path))
-        names = set(read_schema(str(path), file_format).names)
-        sizes = group_sizes(str(path), file_format)
+        table = TableFile(str(path), file_format)
+        names, sizes = set(table.schema.names), table.group_sizes()
     except Exception as err:  # pyarrow raises several types for damaged files
         return [], [skip_record(path.name, str(path), "unreadable_parquet", str(err))]
     if audio_column not in names:
         raise MmtokError(f"{path}: no audio column {audio_column!r} (columns: {sorted(names)}); pass --audio-column")
     wanted = {key: (text_column if key == "text" else key) for key in META_KEYS}
     columns = [c for c in wanted.values() if c in names]
-    meta = read_columns(str(path), file_format, columns).to_pylist() if columns else [{} for _ in range(sum(sizes))]
+    meta = table.read_columns(columns).to_pylist() if columns else [{} for _ in range(sum(sizes))]
     stem = stem or path.name.removesuffix(".parquet").removesuffix(".arrow")
     records, problems = [], []
     for row_index, row in enumerate(meta):
