@@ -241,7 +241,8 @@ def run_policy(job: Job, out: Path, policy: str, args, ideal: float) -> dict:
 
 def run_ray(job: Job, out: Path, args, ideal: float) -> dict:
     """Wall seconds of the job driven on a local Ray cluster, with the slow actor and a killed one."""
-    from mmtok.formats.commitlog import PRIVATE_DIR, parts_root
+    from mmtok.formats.commitlog import parts_root
+    from mmtok.formats.private_parts import PRIVATE_DIR
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -17,8 +17,9 @@ import pytest
 
 from encodekit import planned_items
 from mmtok.cli import main
-from mmtok.formats.commitlog import PRIVATE_DIR, parts_root, read_commits
+from mmtok.formats.commitlog import parts_root, read_commits
 from mmtok.formats.plan import Plan
+from mmtok.formats.private_parts import PRIVATE_DIR
 from mmtok.fsutil import sha256_file
 
 ray = pytest.importorskip("ray")
