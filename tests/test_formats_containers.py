@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -14,10 +16,12 @@ import pytest
 
 from encodekit import real_images, write_tar
 from mmtok.audio.sources.lhotse import lhotse_units
+from mmtok.audio.sources.units import decode_audio
 from mmtok.errors import Skip
 from mmtok.formats import containers
 from mmtok.formats.conversations import input_kind, read_conversations
 from mmtok.formats.tar import MemberTruncated, open_range
+from mmtok.media.audio import AudioReason, decode_bytes
 from mmtok.sft.pack import pack_conversation
 
 
@@ -112,3 +116,32 @@ def test_a_parquet_conversation_input_is_opened_once_whatever_its_row_groups(tmp
     conversations = list(read_conversations([path]))
     assert [c.record["messages"][0]["content"] for c in conversations] == [f"q{n}" for n in range(40)]
     assert len(opened) == 1
+
+
+def test_a_parquet_input_cut_short_while_it_is_read_is_an_error_not_a_crash(tmp_path):
+    # Kept open for the whole input (one footer parse), a memory-mapped file cut short kills the process (SIGBUS):
+    # the read runs in a child so that this test reports it instead of dying with it.
+    path = tmp_path / "c.parquet"
+    turns = [[{"role": "user", "content": f"q{n:04d}" * 50}, {"role": "assistant", "content": "a"}] for n in range(400)]
+    pq.write_table(pa.table({"messages": [json.dumps(t) for t in turns]}), path, row_group_size=20, compression="none")
+    script = ("import os, sys\nfrom pathlib import Path\nfrom mmtok.formats.conversations import read_conversations\n"
+              f"path = Path({str(path)!r})\nrecords = read_conversations([path])\nnext(records)\n"
+              "os.truncate(path, path.stat().st_size // 4)\n"
+              "try:\n    sum(1 for _ in records)\nexcept Exception as err:\n    print(type(err).__name__, err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("MmtokError") and "is unreadable" in done.stdout
+
+
+def test_a_decode_error_says_the_same_words_on_every_run():
+    # libsndfile names an in-memory file by its address: a skip record that held it would differ run to run
+    details = set()
+    for _ in range(3):
+        with pytest.raises(AudioReason) as caught:
+            decode_bytes(b"RIFF not really a wave file")
+        details.add(caught.value.detail)
+        with pytest.raises(AudioReason) as caught:
+            decode_audio(b"junk", "x.wav")
+        details.add(caught.value.detail)
+    assert len(details) == 2 and not any(" at 0x" in detail for detail in details), details

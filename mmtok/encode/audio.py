@@ -46,7 +46,16 @@ from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import MemberTruncated, read_range
 from mmtok.fsutil import LockHeld
 from mmtok.launch import stop_check
-from mmtok.media.audio import PEAK_DBFS, RESAMPLER, TARGET_SAMPLE_RATE, AudioReason, peak_normalize, resample, to_mono
+from mmtok.media.audio import (
+    PEAK_DBFS,
+    RESAMPLER,
+    TARGET_SAMPLE_RATE,
+    AudioReason,
+    decode_bytes,
+    peak_normalize,
+    resample,
+    to_mono,
+)
 from mmtok.ranks import assign_shards
 from mmtok.text import tokenizer_difference
 from mmtok.vocab import check_ids_in_range
@@ -83,9 +92,7 @@ class BatchDataset:
 
 def load_clip(handle, member: tuple[int, int] | str | None, duration: float, request: BatchRequest) -> np.ndarray:
     """Read, decode, check and peak-normalize one clip; raises AudioReason."""
-    import io
 
-    import soundfile
 
     if member is None:
         raise AudioReason("missing_audio", "no audio member in the recording tar")
@@ -97,11 +104,8 @@ def load_clip(handle, member: tuple[int, int] | str | None, duration: float, req
         data = read_range(handle.fileno(), member[0], member[1], handle.name)
     except MemberTruncated as err:  # the shard changed since it was verified
         raise AudioReason("truncated_member", str(err)) from None
-    try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
-    except Exception as err:  # libsndfile reports every malformed input as a generic error
-        raise AudioReason("decode_error", str(err)) from None
-    wave = resample(to_mono(samples), int(rate), TARGET_SAMPLE_RATE)
+    samples, rate = decode_bytes(data)
+    wave = resample(to_mono(samples), rate, TARGET_SAMPLE_RATE)
     wave = peak_normalize(wave)  # zero_length / non_finite / silent
     if wave.size <= request.min_samples:
         raise AudioReason("too_short", f"{wave.size} samples keep no code after the trim")

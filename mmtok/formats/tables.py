@@ -83,12 +83,14 @@ def _read_arrow(path: str) -> pa.Table:
 class TableFile:
     """A table file (`file_format` as `containers.container_of` says) opened once -- its footer parsed once, however
     many read units are read: its schema, the rows of each read unit (its Parquet row groups, or its Arrow record
-    batches as written), one unit's columns, or every row's. The file is memory-mapped."""
+    batches as written), one unit's columns, or every row's. An Arrow file is memory-mapped; a Parquet file is
+    read, not mapped: one cut short while it is open is an error to report, where a map would end the process
+    with SIGBUS."""
 
     def __init__(self, path: str, file_format: str):
         import pyarrow.parquet as pq
 
-        self._parquet = pq.ParquetFile(path, memory_map=True) if file_format == PARQUET else None
+        self._parquet = pq.ParquetFile(path, memory_map=False) if file_format == PARQUET else None
         self._table = None if self._parquet else _read_arrow(path)
 
     @property

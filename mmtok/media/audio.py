@@ -7,6 +7,9 @@ with a reason instead of dividing by zero.
 
 from __future__ import annotations
 
+import io
+import re
+
 import numpy as np
 
 from mmtok.errors import Skip
@@ -19,6 +22,23 @@ SILENCE_PEAK = 1e-6  # peak below this (about -120 dBFS) counts as silent
 
 class AudioReason(Skip):
     """A clip that cannot be used; `reason` is a short counted name."""
+
+
+# libsndfile names an in-memory file by its Python object, address included: dropped, so a skip's detail is the
+# same on every run (a skip record is part of what a run writes)
+_OBJECT_ADDRESS = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def decode_bytes(data: bytes) -> tuple[np.ndarray, int]:
+    """Encoded audio bytes (WAV, FLAC, OGG/Opus, MP3) decoded by libsndfile -> (samples [T] or [T, C] float32,
+    sampling rate); AudioReason `decode_error` saying why, the same words for the same bytes."""
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
+    except Exception as err:  # libsndfile reports every malformed input as a generic error
+        raise AudioReason("decode_error", _OBJECT_ADDRESS.sub("the audio bytes", str(err))) from None
+    return samples, int(rate)
 
 
 def to_mono(samples: np.ndarray) -> np.ndarray:

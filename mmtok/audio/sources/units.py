@@ -8,7 +8,6 @@ could not be read). Each kind (`mmtok.audio.sources`) subclasses `Unit` and buil
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 from mmtok.formats.containers import json_value
 from mmtok.formats.shar import source_digest
 from mmtok.formats.skips import SkipRecord
-from mmtok.media.audio import AudioReason, to_mono
+from mmtok.media.audio import AudioReason, decode_bytes, to_mono
 
 META_KEYS = ("text", "recording_id", "clip", "start", "end", "language", "target_language", "id")
 
@@ -64,14 +63,14 @@ class Unit:
 def decode_audio(data: bytes | str, origin: str) -> tuple[np.ndarray, int, str]:
     """Decode a file path or encoded bytes with soundfile (WAV, FLAC, OGG/Opus, MP3) -> ([T] or [T, C], rate,
     sha256 of the bytes): the bytes are read once, for the digest and the decoder."""
-    import soundfile
-
     try:
         data = data if isinstance(data, bytes) else Path(data).read_bytes()
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=False)
-    except Exception as err:  # libsndfile reports every malformed input as a generic error
+        samples, rate = decode_bytes(data)
+    except AudioReason as err:
+        raise AudioReason(err.reason, f"{origin}: {err.detail}") from None
+    except (OSError, ValueError) as err:  # the file is unreadable
         raise AudioReason("decode_error", f"{origin}: {err}") from None
-    return samples, int(rate), source_digest(data)
+    return samples, rate, source_digest(data)
 
 
 # --- clip numbering -------------------------------------------------------------------------------
