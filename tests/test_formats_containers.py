@@ -20,8 +20,10 @@ from mmtok.audio.sources.units import decode_audio
 from mmtok.errors import Skip
 from mmtok.formats import containers
 from mmtok.formats.conversations import input_kind, read_conversations
+from mmtok.formats.manifest import Manifest
 from mmtok.formats.tar import MemberTruncated, open_range
 from mmtok.media.audio import AudioReason, decode_bytes
+from mmtok.scan.scanner import ScanOptions, describe, run_scan
 from mmtok.sft.pack import pack_conversation
 
 
@@ -145,3 +147,15 @@ def test_a_decode_error_says_the_same_words_on_every_run():
             decode_audio(b"junk", "x.wav")
         details.add(caught.value.detail)
     assert len(details) == 2 and not any(" at 0x" in detail for detail in details), details
+
+
+def test_a_damaged_table_file_is_an_unreadable_parquet_input_of_the_scan(tmp_path):
+    # pyarrow says a footer is damaged with ArrowInvalid, a ValueError: once taken for a bug (`scan_failed`) in a tar
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"image": [b"x" * 100] * 10}), table)
+    data = table.read_bytes()
+    table.write_bytes(data[: len(data) // 2] + b"PAR1")  # the footer's length now points past the file's start
+    scanned = run_scan([describe(str(table))], tmp_path / "out", ScanOptions(), workers=1, progress=False)
+    rows = Manifest.open(tmp_path / "out").read(columns=["container", "reason"]).to_pylist()
+    assert rows == [{"container": "parquet", "reason": "unreadable_shard"}]
+    assert "ArrowInvalid" in scanned.meta["shard_errors"][0]["detail"]

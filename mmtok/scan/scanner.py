@@ -463,7 +463,9 @@ def _value_entry(column: str, row: int, value: bytes | None, has_path: bool = Fa
 
 
 def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
-    """Rows and statistics of one input; unreadable inputs give a shard-level error row."""
+    """Rows and statistics of one input; unreadable inputs give a shard-level error row, damaged table files too."""
+    from pyarrow.lib import ArrowException
+
     file_format = TAR
     try:
         file_format = container_of(source.path)
@@ -472,7 +474,7 @@ def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
                 rows, stats = scan_image_tar(source.path)
             else:
                 rows, stats = scan_table(source.path, file_format, options)
-    except OSError as err:
+    except (OSError, ArrowException) as err:  # ArrowException: a table's footer or pages do not parse
         rows, stats = ShardRows(), {"bytes_read": 0, "reads": 0, "cacheable": False}
         detail = f"{type(err).__name__}: {err}"
         if isinstance(err, IsADirectoryError):
