@@ -25,7 +25,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-WINDOW = 13 * 512  # bytes read per header: the scan's window (`mmtok.scan.scanner.TAR_WINDOW`)
 
 
 def build(path: Path, members: int, fmt: int) -> Path:
@@ -39,10 +38,12 @@ def build(path: Path, members: int, fmt: int) -> Path:
 
 
 def walk_with(module):
+    from mmtok.scan.scanner import TAR_WINDOW  # the bytes the scan reads per header
+
     def walk(path: Path) -> list[tuple]:
         fd = os.open(path, os.O_RDONLY)
         try:
-            walker = module.TarWalker(fd, os.fstat(fd).st_size, WINDOW)
+            walker = module.TarWalker(fd, os.fstat(fd).st_size, TAR_WINDOW)
             return [(name, kind, data, size) for name, kind, data, size, _, _ in walker.members()]
         finally:
             os.close(fd)

@@ -143,7 +143,7 @@ def share_line(share: ScanShare) -> str:
     """What one rank scanned, and who writes the manifest."""
     line = (f"rank {share.rank} of {share.world_size}: scanned {plural(share.scanned_shards, 'shard')} "
             f"({share.taken_over:,} taken over from other ranks; its share was {share.own_shards:,} of "
-            f"{share.shards:,}), {plural(share.rows_scanned, 'image')}"
+            f"{share.shards:,}), {plural(share.read.rows, 'image')}"
             + (f", {per_image(share.read)}" if share.read.rows else ""))
     if share.left:
         return (line + f"; {plural(share.left, 'shard')} still being scanned by other ranks: the last of them "

@@ -77,8 +77,10 @@ def json_lines(path: Path, offset: int = 0, first_line: int = 1) -> Iterator[tup
                 yield number, at, raw
 
 
-# A lone surrogate, escaped (`\ud800`) or as raw bytes (ED A0..BF xx, which `json.loads` lets through on bytes).
-_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# A lone surrogate, escaped (`\ud800`) or as raw bytes (ED A0..BF xx, which `json.loads` lets through on bytes);
+# two patterns, so that each keeps re's fast search for its literal first byte (one alternation is ~8x slower)
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
@@ -92,7 +94,8 @@ def json_value(data: bytes | str, what: str) -> tuple[Any, Skip | None]:
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
         return None, Skip("invalid_json", f"{what}: {type(err).__name__ if isinstance(err, RecursionError) else err}")
     raw = data if isinstance(data, bytes) else data.encode("utf-8", "surrogatepass")
-    if _SURROGATE.search(raw):  # only then is the value's text checked: the common case pays one regex scan
+    # only then is the value's text checked: the common case pays two scans for a literal byte
+    if _ESCAPED_SURROGATE.search(raw) or (b"\xed" in raw and _RAW_SURROGATE.search(raw)):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:

@@ -109,15 +109,17 @@ class TableFile:
             return self._parquet.read_row_group(group, columns=columns)
         return pa.Table.from_batches([self._table.select(columns).to_batches()[group]])
 
+    def iter_batches(self, columns: list[str], batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
+        """Every row in order, `columns` only, in batches of at most `batch_rows`."""
+        if self._parquet:
+            return self._parquet.iter_batches(batch_size=batch_rows, columns=columns)
+        return iter(self._table.select(columns).to_batches(max_chunksize=batch_rows))
+
     def read_columns(self, columns: list[str]) -> pa.Table:
         """Every row, `columns` only (small metadata columns: the media stay on disk)."""
         if self._parquet:
             return self._parquet.read(columns=columns)
         return self._table.select(columns)
-
-
-def read_schema(path: str, file_format: str) -> pa.Schema:
-    return TableFile(path, file_format).schema
 
 
 SAVED_STATE = "state.json"  # Hugging Face `Dataset.save_to_disk`: state.json + dataset_info.json + data-*.arrow
@@ -162,16 +164,6 @@ def saved_dataset_files(directory: Path) -> list[Path] | None:
 
 def _plain_name(name) -> bool:
     return isinstance(name, str) and bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")
-
-
-def iter_batches(path: str, file_format: str, columns: list[str], batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
-    """The file's rows in order, `columns` only, in batches of at most `batch_rows`."""
-    import pyarrow.parquet as pq
-
-    if file_format == PARQUET:
-        yield from pq.ParquetFile(path, memory_map=True).iter_batches(batch_size=batch_rows, columns=columns)
-    else:
-        yield from _read_arrow(path).select(columns).to_batches(max_chunksize=batch_rows)
 
 
 def image_values(array: pa.Array) -> list[bytes | None]:

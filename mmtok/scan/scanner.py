@@ -143,7 +143,6 @@ class ScanShare:
     own_shards: int
     scanned_shards: int
     taken_over: int
-    rows_scanned: int
     seconds: float
     workers: int
     read: ReadTotals
@@ -424,18 +423,18 @@ def _conversation_images(sidecar: dict) -> list[tuple[int, object]]:
 
 def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[ShardRows, dict]:
     """Rows of a Parquet/Arrow file: one document per row, `offset` = row index."""
-    from mmtok.formats.tables import ColumnError, choose_columns, image_values, iter_batches, read_schema, struct_paths
+    from mmtok.formats.tables import ColumnError, TableFile, choose_columns, image_values, struct_paths
 
     out = ShardRows()
+    table = TableFile(path, file_format)
     try:
-        image, text, key_column = choose_columns(read_schema(path, file_format), options.image_column,
-                                                 options.text_column)
+        image, text, key_column = choose_columns(table.schema, options.image_column, options.text_column)
     except ColumnError as err:
         out.shard_error(err.reason, detail=err.detail)
         return out, {"bytes_read": 0, "reads": 0}
     columns = [image] + [c for c in (text, key_column) if c]
     row, read = 0, 0
-    for batch in iter_batches(path, file_format, columns):
+    for batch in table.iter_batches(columns):
         values = image_values(batch.column(0))
         texts = batch.column(text).to_pylist() if text else None
         paths = struct_paths(batch.column(0))
@@ -630,7 +629,7 @@ def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank:
             pass
     return ScanShare(rank=rank, world_size=world_size, shards=len(shown), own_shards=len(own),
                      scanned_shards=len(scanned), taken_over=len(scanned.keys() - mine),
-                     rows_scanned=sum(st["rows"] for st in scanned.values()), seconds=seconds, workers=workers,
+                     seconds=seconds, workers=workers,
                      read=ReadTotals.over(list(scanned.values())), left=left, manifest=manifest)
 
 
