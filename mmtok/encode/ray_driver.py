@@ -32,7 +32,7 @@ import os
 import shutil
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
 from mmtok.errors import MmtokError
@@ -172,12 +172,10 @@ class _Driver:
         self.out = worker_args[1]
         # a part a run with locks began: resumed under its lock, never two copies of it
         self.locked = {item for item in to_do if part_dir(self.out, item).exists()}
-        self.queue = deque(to_do)
-        self.queued = set(to_do)  # what the queue holds (it may also hold items done since: skipped)
+        self.queue = deque(to_do)  # (it may also hold items done since: skipped)
         self.held: dict[int, float] = {}  # item -> when to offer it again (another process holds its lock)
         self.tries: dict[int, int] = {}
-        self.running: dict = {}  # ObjectRef -> _Copy
-        self.in_flight: dict[int, list] = {}  # item -> its copies' calls in `running` (cancelled ones included)
+        self.running: dict = {}  # ObjectRef -> _Copy: every call in flight (cancelled ones included)
         self.lanes: dict[int, list] = {}  # id(worker) -> its calls in flight, in the order it runs them
         self.workers: dict[int, object] = {}  # id(worker) -> worker, for the started ones alive
         self.done: set[int] = set()
@@ -252,24 +250,23 @@ class _Driver:
         for item, when in list(self.held.items()):
             if when <= now:
                 del self.held[item]
-                self._enqueue(item)
+                self.queue.append(item)
         # one call each until the first workers have all started: a late one would find the items all taken
         self.all_started = self.all_started or not self.starting
         depth = DEPTH if self.all_started else 1
         while self.queue:
             if self.queue[0] in self.done:
-                self.queued.discard(self.queue.popleft())
+                self.queue.popleft()
                 continue
             # on the host of a copy left unfinished, if a worker there is free: resumed
             worker = self._pick(depth - 1, prefer=self.copies.get(self.queue[0], ()))
             if worker is None:
                 return
-            item = self.queue.popleft()
-            self.queued.discard(item)
-            self._submit(worker, item, backup=False)
-        while (worker := self._pick(0)) is not None:
+            self._submit(worker, self.queue.popleft(), backup=False)
+        while self._pick(0) is not None:
             # an item with one copy in flight (none other running or waiting to be cancelled), not under a lock
-            alone = [c for c in self.running.values() if len(self.in_flight[c.item]) == 1 and not c.cancelled
+            copies = Counter(c.item for c in self.running.values())
+            alone = [c for c in self.running.values() if copies[c.item] == 1 and not c.cancelled
                      and c.item not in self.done and c.item not in self.locked]
             # an item waiting behind another worker's call first (its worker is busy for a whole item more), then
             # the copy that has run longest
@@ -284,15 +281,14 @@ class _Driver:
                 return
             self.run_record.backups += 1
             # on another host than the slow copy's, if one is idle (a backup there would share its trouble)
-            self._submit(self._pick(0, avoid=self.where[id(chosen.worker)][0], instead=worker), chosen.item,
-                         backup=True)
+            self._submit(self._pick(0, avoid=self.where[id(chosen.worker)][0]), chosen.item, backup=True)
 
-    def _pick(self, most: int, prefer=(), avoid: str = "", instead=None):
+    def _pick(self, most: int, prefer=(), avoid: str = ""):
         """A worker with at most `most` calls in flight, the least loaded first, then one on a host in `prefer`
-        (where a copy can be adopted and resumed), else one not on host `avoid`; `instead` (or None) if none."""
+        (where a copy can be adopted and resumed), else one not on host `avoid`; None if none."""
         free = [w for w in self.workers.values() if len(self.lanes[id(w)]) <= most]
         if not free:
-            return instead
+            return None
         least = min(len(self.lanes[id(w)]) for w in free)
         free = [w for w in free if len(self.lanes[id(w)]) == least]
         for wanted in (lambda host: host in prefer, lambda host: host != avoid):
@@ -305,30 +301,15 @@ class _Driver:
         ref = worker.encode.remote(item, item not in self.locked)
         lane = self.lanes[id(worker)]
         self.running[ref] = _Copy(item, worker, ref, None if lane else time.monotonic(), backup)
-        self.in_flight.setdefault(item, []).append(ref)
         lane.append(ref)
 
-    def _enqueue(self, item: int, first: bool = False) -> None:
-        self.queue.appendleft(item) if first else self.queue.append(item)
-        self.queued.add(item)
-
-    def _forget(self, ref) -> _Copy:
-        """Take a call out of `running` (and its item's calls in flight)."""
-        copy = self.running.pop(ref)
-        refs = self.in_flight[copy.item]
-        refs.remove(ref)
-        if not refs:
-            del self.in_flight[copy.item]
-        return copy
-
     def _free(self, ref) -> _Copy:
-        """Take a settled call off its worker's lane; the call behind it starts now."""
-        copy = self._forget(ref)
-        lane = self.lanes.get(id(copy.worker), [])
-        if ref in lane:
-            lane.remove(ref)
-            if lane and self.running[lane[0]].started is None:
-                self.running[lane[0]].started = time.monotonic()
+        """Take a settled call out of `running` and off its worker's lane; the call behind it starts now."""
+        copy = self.running.pop(ref)
+        lane = self.lanes[id(copy.worker)]  # (a dead worker's calls left `running` with it: its lane is there)
+        lane.remove(ref)
+        if lane and self.running[lane[0]].started is None:
+            self.running[lane[0]].started = time.monotonic()
         return copy
 
     def _settle(self, ref) -> None:
@@ -338,7 +319,7 @@ class _Driver:
         except self.ray.exceptions.TaskCancelledError:  # backed up on an idle worker before it started
             self._free(ref)  # (its backup, alone now, may be backed up in turn)
             if self._unattended(copy.item):  # (its backup came back held, or died: offered again)
-                self._enqueue(copy.item, first=True)
+                self.queue.appendleft(copy.item)
             return
         except self.ray.exceptions.RayActorError:  # the worker died (its process or its node): hand its items out
             self._lost(copy.worker)
@@ -367,8 +348,8 @@ class _Driver:
 
     def _unattended(self, item: int) -> bool:
         """Whether nothing will finish `item` as things stand: not done, not to be handed out, no live copy."""
-        return item not in self.done and item not in self.held and item not in self.queued \
-            and not any(not self.running[ref].cancelled for ref in self.in_flight.get(item, ()))
+        return item not in self.done and item not in self.held and item not in self.queue \
+            and not any(c.item == item and not c.cancelled for c in self.running.values())
 
     def _count_lost(self) -> None:
         self.run_record.workers_lost += 1
@@ -385,7 +366,7 @@ class _Driver:
         self.ray.kill(worker)  # (unavailable may not mean dead: make sure it holds no GPU and writes nothing)
         self._start()  # a new worker in its place (Ray places it on a live node)
         for position, ref in reversed(list(enumerate(lane))):
-            copy = self._forget(ref)
+            copy = self.running.pop(ref)
             if position == 0:  # the one it was writing: its copy may be resumed on its host
                 self.copies.setdefault(copy.item, set()).add(self.where[id(worker)][0])
             if not self._unattended(copy.item):
@@ -396,7 +377,7 @@ class _Driver:
                     raise MmtokError(f"work item {copy.item}: its worker died {MAX_TRIES} times; look for the cause "
                                      "in the Ray logs (out of memory? a crash in the codec?) before running it again")
                 self.run_record.retries += 1
-            self._enqueue(copy.item, first=True)
+            self.queue.appendleft(copy.item)
 
     def _stop_workers(self) -> None:
         """Stop every worker. A copy a stopped worker was writing of an item that is published (a losing backup)
@@ -410,9 +391,8 @@ class _Driver:
             else ([], [])
         for ref in gone:
             copy = self.running[ref]
-            where = self.where.get(id(copy.worker))
-            if copy.item in self.done and where is not None:
-                host, pid = where
+            if copy.item in self.done:  # (every call went to a started worker: its place is known)
+                host, pid = self.where[id(copy.worker)]
                 shutil.rmtree(private_part_dir(self.out, copy.item, pid, host), ignore_errors=True)
         # copies on this host of published items whose writer is dead (a worker killed in an earlier run): nobody's
         here = socket.gethostname()
