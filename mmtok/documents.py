@@ -34,13 +34,13 @@ Exactly one BOS (first token) and one EOS (last token) per sequence; none inside
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
 
 from mmtok.errors import Skip
+from mmtok.formats.containers import json_value
 from mmtok.text import TextTokenizer, caption_text
 from mmtok.vocab import VocabLayout
 
@@ -187,10 +187,9 @@ def unpack_template(ids: np.ndarray, layout: list[int]) -> Template:
 def _json(sidecars: Sidecars) -> dict:
     if sidecars.json is None:
         raise DocumentError("missing_json")
-    try:
-        sample = json.loads(sidecars.json)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise DocumentError("invalid_json", str(err)) from None
+    sample, skip = json_value(sidecars.json, "json sidecar")  # deep nesting and lone surrogates too
+    if skip is not None:
+        raise DocumentError(skip.reason, skip.detail)
     if not isinstance(sample, dict):
         raise DocumentError("invalid_json", f"top level is {type(sample).__name__}, not an object")
     return sample

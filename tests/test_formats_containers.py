@@ -14,9 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from encodekit import real_images, write_tar
+from encodekit import chat_tokenizer, real_images, write_tar
 from mmtok.audio.sources.lhotse import lhotse_units
 from mmtok.audio.sources.units import decode_audio
+from mmtok.documents import DocumentBuilder, DocumentError, Sidecars
 from mmtok.errors import Skip
 from mmtok.formats import containers
 from mmtok.formats.conversations import input_kind, read_conversations
@@ -25,6 +26,8 @@ from mmtok.formats.tar import MemberTruncated, open_range
 from mmtok.media.audio import AudioReason, decode_bytes
 from mmtok.scan.scanner import ScanOptions, describe, run_scan
 from mmtok.sft.pack import pack_conversation
+from mmtok.text import load_text_tokenizer
+from mmtok.vocab import VocabLayout
 
 
 def test_every_stage_tells_a_files_container_by_content_and_by_name_the_same_way(tmp_path):
@@ -159,3 +162,13 @@ def test_a_damaged_table_file_is_an_unreadable_parquet_input_of_the_scan(tmp_pat
     rows = Manifest.open(tmp_path / "out").read(columns=["container", "reason"]).to_pylist()
     assert rows == [{"container": "parquet", "reason": "unreadable_shard"}]
     assert "ArrowInvalid" in scanned.meta["shard_errors"][0]["detail"]
+
+
+def test_an_interleaved_json_sidecar_too_deep_for_the_parser_is_invalid_json_not_a_crash(tmp_path):
+    # json.loads raises RecursionError there, which a loader thread did not catch: the encode stopped
+    tokenizer = load_text_tokenizer(str(chat_tokenizer(tmp_path / "tok")))
+    builder = DocumentBuilder("interleaved", tokenizer, VocabLayout(text_size=tokenizer.vocab_size))
+    for sidecar in (b"[" * 100_000 + b"]" * 100_000, b'{"texts": ["lone \xed\xa0\x80"], "images": [null]}'):
+        with pytest.raises(DocumentError) as caught:
+            builder.template(1, Sidecars(text=None, json=sidecar))
+        assert caught.value.reason == "invalid_json" and caught.value.detail.startswith("json sidecar: ")
