@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import tarfile
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,7 +25,7 @@ from mmtok.formats.conversations import input_kind, read_conversations
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.tar import MemberTruncated, open_range
 from mmtok.media.audio import AudioReason, decode_bytes
-from mmtok.scan.scanner import ScanOptions, describe, run_scan
+from mmtok.scan.scanner import ScanOptions, describe, document_order, run_scan
 from mmtok.sft.pack import pack_conversation
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
@@ -172,3 +173,10 @@ def test_an_interleaved_json_sidecar_too_deep_for_the_parser_is_invalid_json_not
         with pytest.raises(DocumentError) as caught:
             builder.template(1, Sidecars(text=None, json=sidecar))
         assert caught.value.reason == "invalid_json" and caught.value.detail.startswith("json sidecar: ")
+
+
+def test_a_json_sidecar_too_deep_for_the_parser_costs_the_scan_its_order_not_the_shard():
+    # RecursionError escaped document_order, and the whole shard became one scan_failed row
+    ignored = Counter()
+    order = document_order(["k.1.jpg", "k.0.jpg"], "k", b"[" * 100_000 + b"]" * 100_000, ignored)
+    assert order == [1, 0] and ignored == {"(unreadable json sidecar)": 1}

@@ -23,7 +23,7 @@ from typing import Iterator
 
 from mmtok.errors import brief
 from mmtok.formats.chat import ConversationError, conversation_media
-from mmtok.formats.containers import TAR, container_of, manifest_container
+from mmtok.formats.containers import TAR, container_of, json_value, manifest_container
 from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import container_identity
 from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard_rows
@@ -372,11 +372,10 @@ def document_order(members: list[str], key: str, json_bytes: bytes | None, ignor
     """
     named: dict[str, int] = {}
     if json_bytes is not None:
-        try:
-            sidecar = json.loads(json_bytes)
-            listed = sidecar.get("images")
-        except (ValueError, AttributeError):
-            sidecar = listed = None
+        sidecar, skip = json_value(json_bytes, "json")  # deep nesting too: one sample's, not the shard's failure
+        listed = sidecar.get("images") if isinstance(sidecar, dict) else None
+        if skip is not None or not isinstance(sidecar, dict):
+            sidecar = None
             if ignored is not None:
                 ignored["(unreadable json sidecar)"] += 1
         if isinstance(listed, list):
