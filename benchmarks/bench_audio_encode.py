@@ -86,7 +86,7 @@ def pipeline(shar: Path, out: Path, codec, workers: int) -> dict:
 
     shutil.rmtree(out, ignore_errors=True)
     return encode_audio_rank(shar, out, codec, rank=0, world_size=1, batching=Batching(), num_workers=workers,
-                             progress=False)
+                             progress=False).run.to_json()
 
 
 def serial(shar: Path, out: Path, codec) -> dict:

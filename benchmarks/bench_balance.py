@@ -125,9 +125,9 @@ def encode_job(plan: Path, out: Path, codec, cpu: bool) -> dict:
     added = []
     for rank in range(WORLD_SIZE):
         timed = CpuTimed(codec)
-        stats = encode_image_rank(plan, out, timed, rank=rank, world_size=WORLD_SIZE,
-                                  options=EncodeOptions(loader_threads=1, progress=False))
-        added.append({"fill_s": stats["fill_s"], "cpu_s": timed.seconds if cpu else None})
+        result = encode_image_rank(plan, out, timed, rank=rank, world_size=WORLD_SIZE,
+                                   options=EncodeOptions(loader_threads=1, progress=False))
+        added.append({"fill_s": result.fill_s, "cpu_s": timed.seconds if cpu else None})
     return by_worker(job_status(out, plan), Plan.open(plan), added)
 
 

@@ -115,7 +115,7 @@ def mean_target_pixels(plan: Path) -> float:
 def overlapped(plan: Path, out: Path, rate: float, threads: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     return encode_image_rank(plan, out, StandInCodec(rate), rank=0, world_size=1,
-                             options=EncodeOptions(loader_threads=threads, progress=False))
+                             options=EncodeOptions(loader_threads=threads, progress=False)).to_json()
 
 
 def serial(plan: Path, rate: float) -> dict:

@@ -346,6 +346,10 @@ def test_the_cli_summary_goes_to_stderr_and_json_prints_the_rank_result(shar, ch
     for rank in (1, 2):
         assert main([*command, "--rank", str(rank), "--json"]) == 0
         result = json_result(capsys.readouterr())
+        assert set(result) == {  # the --json contract: a key renamed or lost breaks a user's script
+            "rank", "world_size", "shards", "shards_to_do", "batches", "clips", "skipped", "flagged:uniform_codes",
+            "wall_s", "device_busy_s", "loader_wait_s", "first_batch_s", "unfinished", "stopped", "taken_over",
+            "held_by_others", "unfinished_failed", "take_over_failed"}
         assert (result["rank"], result["world_size"], len(result["shards"])) == (rank, 3, 1) and result["clips"] > 0
     merge(tmp_path)
     assert fingerprint(tmp_path) == fingerprint(one_rank)  # the command writes what the library call does

@@ -391,6 +391,12 @@ def test_summaries_go_to_stderr_and_json_prints_one_result_on_stdout(env, tmp_pa
     captured = capsys.readouterr()
     result = json_result(captured)
     assert captured.err.startswith("mmtok encode: rank 1/2 -> ")
+    assert set(result) == {  # the --json contract: a key renamed or lost breaks a user's script
+        "rank", "world_size", "items", "num_items", "stopped", "mode", "counts", "parts", "dataset", "sequences",
+        "already_done", "items_done_before", "taken_over", "held_by_others", "unfinished_failed", "take_over_failed",
+        "discarded_copies", "images_planned", "images_written", "images_deferred", "items_failed", "skipped",
+        "wall_s", "device_busy_s", "device_busy_fraction", "tokens_per_s", "images_per_s", "fill_s", "device",
+        "loader_threads"}
     first, last = result["items"]
     assert (result["rank"], result["world_size"]) == (1, 2) and 0 < first < last == result["num_items"]
     assert result["parts"] == [str(part_dir(tmp_path / "out", i)) for i in range(first, last)]

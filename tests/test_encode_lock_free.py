@@ -5,6 +5,7 @@ its second batch (encodekit.GATE) while the first publishes -- so what is proven
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,8 +60,10 @@ def test_a_copy_published_second_is_checked_identical_and_discarded(job, tmp_pat
     second = _gated(root, _argv(plan_dir, checkpoint, out), tmp_path / "gate")  # mid-item, in its private copy
     [private] = (parts_root(out) / PRIVATE_DIR).iterdir()
     assert private.name == f"part-00000.{os.uname().nodename}.{second.pid}" and not part_dir(out, 0).exists()
-    first = subprocess.run(_argv(plan_dir, checkpoint, out), capture_output=True, text=True)  # writes and publishes
-    assert first.returncode == 0, first.stderr
+    first = subprocess.run([*_argv(plan_dir, checkpoint, out), "--json"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr  # it wrote and published its copy:
+    result = json.loads(first.stdout)  # the published part, its dataset (looked for after the rename), none discarded
+    assert (result["parts"], result["dataset"], result["discarded_copies"]) == ([str(part_dir(out, 0))], True, [])
     assert is_done(part_dir(out, 0)) and private.exists()
     (tmp_path / "gate" / "release").touch()
     _, err = second.communicate(timeout=300)

@@ -154,13 +154,14 @@ class _AfterItem:
 def test_a_stop_during_an_items_last_batch_finishes_that_item_and_starts_no_other(job, tmp_path):
     from mmtok.codecs import emu35
     from mmtok.encode.runner import EncodeOptions, encode_image_rank
+    from mmtok.formats.parts import ItemStop
 
     items, out = job["items"], tmp_path / "out"
     codec = emu35.load(job["common"][job["common"].index("--checkpoint") + 1], "cpu")
     options = EncodeOptions(loader_threads=1, progress=False, stop=_AfterItem(out, 0))
-    stats = encode_image_rank(job["plan"], out, codec, rank=0, world_size=1, options=options)
-    assert stats["stopped"] == {"signal": "SIGUSR1", "item": 1, "next_batch": int(items[1, 0])}
-    assert is_done(part_dir(out, 0)) and not part_dir(out, 1).exists() and stats["items_done_before"] == 0
+    result = encode_image_rank(job["plan"], out, codec, rank=0, world_size=1, options=options)
+    assert result.worker.stopped == ItemStop("SIGUSR1", 1, int(items[1, 0]))
+    assert is_done(part_dir(out, 0)) and not part_dir(out, 1).exists() and result.items_done_before == 0
 
 
 def test_a_stop_while_the_model_loads_commits_nothing_and_exits_for_a_requeue(job, tmp_path, capsys, monkeypatch):

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from mmtok.encode.ray_driver import DEPTH, RayRun, _Driver
+from mmtok.formats.parts import ItemDone
 
 ITEM_S = 1.0  # simulated seconds of one item at speed 1
 START_S = 3.0  # simulated seconds for a worker to load the codec
@@ -120,8 +121,8 @@ class Sim:
             return
         discarded = call.item in self.published  # a second copy: found identical and removed
         self.published.add(call.item)
-        self._finish(call, ("value", {"counts": {"images_written": 1}, **({"discarded": True} if discarded
-                                                                          else {})}))
+        done = ItemDone(f"parts/part-{call.item:05d}", {"images_written": 1}, 1, discarded=discarded)
+        self._finish(call, ("value", done))
 
     def wait(self, refs, num_returns=1, timeout=None):
         self.steps += 1

@@ -531,6 +531,9 @@ def test_the_sft_summary_goes_to_stderr_and_json_prints_the_rank_result(env, cap
                         f"({len(_written(env))} sequences); nothing to do")
     _run(*_sft_argv(env, env.media, env.sft), "--json")
     result = json_result(capsys.readouterr())
+    assert set(result) == {  # the --json contract: a key renamed or lost breaks a user's script
+        "rank", "world_size", "items", "num_items", "counts", "parts", "sequences", "already_done", "stopped",
+        "taken_over", "held_by_others", "unfinished_failed", "take_over_failed"}
     assert (result["rank"], result["world_size"], result["already_done"]) == (0, 1, True)
     assert result["counts"]["documents_written"] == json.loads((env.sft / "merged.json").read_text())["counts"][
         "documents_written"]

@@ -24,6 +24,7 @@ from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.cli import main
 from mmtok.errors import Skip
 from mmtok.formats.conversations import locate, read_conversations
+from mmtok.formats.parts import TakeOver, WorkerRun
 
 SECRET = b"TOPSECRETPASSWORD-do-not-copy"
 
@@ -286,7 +287,7 @@ def test_sft_resolves_media_with_the_same_roots(tmp_path, monkeypatch):
 
     def assemble(inputs, out, **kwargs):
         seen.update(kwargs)
-        return {"counts": {}, "parts": [], "items": [0, 1], "num_items": 1, "stopped": None, "sequences": 0}
+        return WorkerRun(range(0, 1), 1, {}, [], 0, False, None, TakeOver([], [], {}, []))
 
     monkeypatch.setattr(mmtok.sft.build, "assemble_worker", assemble)
     assert main(["sft", str(data / "convs.jsonl"), "--text-tokenizer", "tekken", "--out", str(tmp_path / "sft"),

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import (
@@ -20,6 +21,11 @@ from mmtok.commands.report import (
     take_over_lines,
 )
 from mmtok.errors import MmtokError
+from mmtok.formats import skips
+
+if TYPE_CHECKING:
+    from mmtok.encode.audio import AudioWorkerRun
+    from mmtok.encode.runner import ImageWorkerRun
 
 DESCRIPTION = """\
 Encode one rank's share of the work into OUT/parts/part-NNNNN (Megatron .bin/.idx, provenance,
@@ -139,7 +145,6 @@ def run_images(args) -> int:
 def _ray_driver(args, plan) -> int:
     """This process drives a Ray cluster through every unfinished item (`mmtok.encode.ray_driver`)."""
     from mmtok.encode.ray_driver import check_device, encode_on_ray, import_ray, run_record
-    from mmtok.formats import skips
     from mmtok.launch import STOPPED_EXIT, StopRequest
 
     if args.rank is not None or args.world_size is not None:
@@ -182,7 +187,6 @@ def _image_worker(args, plan, stop) -> int:
     """One image worker under `stop`: its items, then (take-over) the ones nobody finished or holds."""
     from mmtok.codecs.registry import load_codec
     from mmtok.encode.runner import EncodeOptions, encode_image_rank
-    from mmtok.formats import skips
     from mmtok.formats.commitlog import check_part_free, part_dir
     from mmtok.launch import STOPPED_EXIT, resolve_device, resolve_rank
 
@@ -206,19 +210,19 @@ def _image_worker(args, plan, stop) -> int:
     options = EncodeOptions(loader_threads=args.loader_threads, prefetch=args.prefetch,
                             max_consecutive_failures=args.max_consecutive_failures, progress=not args.no_progress,
                             stop=stop, take_over=take_over, lock_free=args.lock_free)
-    stats = encode_image_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device,
-                              options=options)
-    print_report("encode", summary_lines(rank, world_size, stats, args.out),
-                 {"rank": rank, "world_size": world_size, **stats} if args.json else None)
-    if stats["stopped"]:
+    result = encode_image_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device,
+                               options=options)
+    print_report("encode", summary_lines(result, args.out), result.to_json() if args.json else None)
+    worker = result.worker
+    if worker.stopped:
         return STOPPED_EXIT
-    counts = stats["counts"]  # the parts' own counters: the same verdict when a rerun finds them finished
+    counts = worker.counts  # the parts' own counters: the same verdict when a rerun finds them finished
     failed = skips.items_failed_by_reason(counts)
-    refuse_nothing_usable(f"rank {rank}/{world_size}", counts.get("images_written", 0) + counts.get(
-        "images_deferred", 0) - sum(failed.values()), counts,
-        listed_in(stats, "skipped.jsonl" + (" and items.jsonl" if failed else "")), extra=failed,
-        rank_of=("encode", world_size))
-    refuse_unfinished(stats)
+    refuse_nothing_usable(f"rank {rank}/{world_size}", result.images_written + result.images_deferred
+                          - sum(failed.values()), counts,
+                          listed_in(worker, "skipped.jsonl" + (" and items.jsonl" if failed else "")), extra=failed,
+                          rank_of=("encode", world_size))
+    refuse_unfinished(worker.take_over)
     return 0
 
 
@@ -327,49 +331,54 @@ def refuse_other_run_early(out: str, modality: str, codec: str, checkpoint: str,
     parts.refuse_other_run(out, {"modality": modality, "codec": described, **known})
 
 
-def summary_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
+def summary_lines(result: ImageWorkerRun, out: str) -> list[str]:
     """The human summary of an image worker: what it wrote (or that it was finished), its pace, the job view."""
-    idle = idle_worker_line(f"rank {rank}/{world_size}", stats, "encoded")
-    if stats.get("stopped"):
-        stop = stats["stopped"]
-        lines = [f"rank {rank}/{world_size}: stopped on {stop['signal']} before batch {stop['next_batch']:,} of work "
-                 f"item {stop['item']:,} (everything before it is committed); rerun or requeue this command to resume "
-                 "from there"]
+    from mmtok.encode.loop import UNIFORM_CODES
+
+    worker, head = result.worker, f"rank {result.rank}/{result.world_size}"
+    idle = idle_worker_line(head, worker, "encoded")
+    if worker.stopped:
+        stop = worker.stopped
+        lines = [f"{head}: stopped on {stop.signal} before batch {stop.next_batch:,} of work item {stop.item:,} "
+                 "(everything before it is committed); rerun or requeue this command to resume from there"]
     elif idle:
         lines = [idle]
     else:
-        lines = (_sft_lines if stats.get("mode") == "sft" else _document_lines)(rank, world_size, stats, out)
-        lines.append(f"{stats['wall_s']:.1f} s, {stats['images_per_s']:.1f} img/s, {stats['tokens_per_s']:,.0f} tok/s, "
-                     f"device busy {100 * stats['device_busy_fraction']:.1f}% on {stats['device']}")
-        lines += _uniform_lines(stats["counts"], "image")
-    lines += take_over_lines(stats)
+        lines = (_sft_lines if result.mode == "sft" else _document_lines)(result, out)
+        timing = result.timing
+        lines.append(f"{timing['wall_s']:.1f} s, {result.images_per_s:.1f} img/s, {timing['tokens_per_s']:,.0f} tok/s, "
+                     f"device busy {100 * timing['device_busy_fraction']:.1f}% on {result.device}")
+        lines += _uniform_lines(worker.counts.get(UNIFORM_CODES, 0), "image")
+    lines += take_over_lines(worker.take_over)
     return lines + [f"job view (every rank): mmtok status {out}"]
 
 
-def _sft_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
+def _sft_lines(result: ImageWorkerRun, out: str) -> list[str]:
     """No documents here: every image is an item for `mmtok sft`."""
-    where = parts_named(stats)
-    failed = _reasons(stats["items_failed"])
-    return [f"rank {rank}/{world_size} -> {where}: {stats['images_deferred']:,} of "
-            f"{plural(stats['images_planned'], 'image')} of SFT conversations stored as items, "
-            f"{plural(stats['counts'].get('item_tokens', 0), 'token')}" + (f"; failed to decode: {failed} (named in "
-            f"{where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""),
+    where = parts_named(result.worker)
+    failed = _reasons(skips.items_failed_by_reason(result.worker.counts))
+    return [f"rank {result.rank}/{result.world_size} -> {where}: {result.images_deferred:,} of "
+            f"{plural(result.images_planned, 'image')} of SFT conversations stored as items, "
+            f"{plural(result.worker.counts.get('item_tokens', 0), 'token')}" + (f"; failed to decode: {failed} "
+            f"(named in {where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""),
             f"next: mmtok sft CONVERSATIONS --images {out} [--audio AUD] --out SFT, then mmtok merge SFT"]
 
 
-def _document_lines(rank: int, world_size: int, stats: dict, out: str) -> list[str]:
-    where = parts_named(stats)
-    lines = [f"rank {rank}/{world_size} -> {where}: {stats['images_written']:,} of "
-             f"{plural(stats['images_planned'], 'image')} in {plural(stats['sequences'], 'document')}, "
-             f"{plural(stats['counts'].get('tokens', 0), 'token')}; skipped: {_reasons(stats['skipped']) or 'none'}"
-             + (f" (each named in {where}/skipped.jsonl)" if stats["skipped"] else "")]
-    if stats["images_deferred"]:
-        lines.append(f"+ {plural(stats['images_deferred'], 'image')} of documents with several images, stored as "
+def _document_lines(result: ImageWorkerRun, out: str) -> list[str]:
+    worker = result.worker
+    where, skipped = parts_named(worker), skips.by_reason(worker.counts)
+    failed = skips.items_failed_by_reason(worker.counts)
+    lines = [f"rank {result.rank}/{result.world_size} -> {where}: {result.images_written:,} of "
+             f"{plural(result.images_planned, 'image')} in {plural(worker.sequences, 'document')}, "
+             f"{plural(worker.counts.get('tokens', 0), 'token')}; skipped: {_reasons(skipped) or 'none'}"
+             + (f" (each named in {where}/skipped.jsonl)" if skipped else "")]
+    if result.images_deferred:
+        lines.append(f"+ {plural(result.images_deferred, 'image')} of documents with several images, stored as "
                      "items: `mmtok merge` assembles those documents (and lists any it skips)")
-    if stats.get("items_failed"):
-        lines.append(f"of those, failed to decode: {_reasons(stats['items_failed'])} (stored as failed items, named "
+    if failed:
+        lines.append(f"of those, failed to decode: {_reasons(failed)} (stored as failed items, named "
                      f"in {where}/items.jsonl; their documents are skipped, and listed, when they are assembled)")
-    if not stats["dataset"] and not stats["images_deferred"]:
+    if not result.dataset and not result.images_deferred:
         lines.append("no tokens: the part has no dataset (megatron-core cannot open an empty one); merge leaves it out")
     return lines
 
@@ -438,18 +447,18 @@ def _audio_worker(args, stop) -> int:
     if codec.modality != "audio":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; --modality audio needs an audio codec")
     batching = Batching(args.max_duration, args.num_buckets, args.bucket_seed, args.max_clip_duration)
-    summary = encode_audio_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
-                                batching=batching, sequences=args.sequences, num_workers=args.num_workers,
-                                text_tokenizer=args.text_tokenizer, progress=not args.no_progress,
-                                take_over=not args.no_take_over, stop=stop)
-    print_report("encode (audio)", audio_summary_lines(summary, args.out), summary if args.json else None)
-    if summary["stopped"]:
+    result = encode_audio_rank(Path(args.shar), Path(args.out), codec, rank=rank, world_size=world_size,
+                               batching=batching, sequences=args.sequences, num_workers=args.num_workers,
+                               text_tokenizer=args.text_tokenizer, progress=not args.no_progress,
+                               take_over=not args.no_take_over, stop=stop)
+    print_report("encode (audio)", audio_summary_lines(result, args.out), result.to_json() if args.json else None)
+    if result.stopped:
         return STOPPED_EXIT
-    counts = parts_counts(args.out, [*summary["shards"], *summary["taken_over"]])  # now or in an earlier run
+    counts = parts_counts(args.out, [*result.shards, *result.take_over.taken_over])  # now or in an earlier run
     refuse_nothing_usable(f"rank {rank}/{world_size}", sum(n for key, n in counts.items() if key.startswith(
         "sequences:")), counts, f"the parts' skipped.jsonl under {parts_root(args.out)}",
         rank_of=("encode (audio)", world_size))
-    refuse_unfinished(summary)
+    refuse_unfinished(result.take_over)
     return 0
 
 
@@ -466,32 +475,31 @@ def parts_counts(out: str, parts: list[int]) -> dict[str, int]:
     return dict(total)
 
 
-def audio_summary_lines(summary: dict, out: str) -> list[str]:
+def audio_summary_lines(result: AudioWorkerRun, out: str) -> list[str]:
     """The human summary of an audio rank: its shards, batches and clips, what it skipped, its pace, what it
     took over or left, where it stopped."""
-    lost = sum(summary["skipped"].values())
-    busy = summary["device_busy_s"] / summary["wall_s"] if summary["wall_s"] else 0.0
-    reasons = _reasons(summary["skipped"])
-    head = f"rank {summary['rank']}/{summary['world_size']}"
-    lines = [f"{head}: {plural(len(summary['shards']), 'own shard')} "
-             f"({summary['shards_to_do']} to do), {plural(summary['batches'], 'batch', 'batches')}, "
-             f"{plural(summary['clips'], 'clip')}: {summary['clips'] - lost:,} encoded, {lost:,} skipped"
-             f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {summary['wall_s']:.1f} s, "
-             f"device busy {100 * busy:.1f}% (waited {summary['loader_wait_s']:.1f} s for the loader)",
-             *_uniform_lines(summary, "clip")]
-    if summary.get("stopped"):
-        stop = summary["stopped"]
-        lines.insert(0, f"{head}: stopped on {stop['signal']} before finishing shard(s) {listed(stop['shards'], 10)} "
-                        "(every batch encoded is committed; other ranks' shards may be left too); rerun or requeue "
-                        "this command to resume from there")
-    lines += take_over_lines(summary)
+    run = result.run
+    lost = sum(run.skipped.values())
+    busy = run.device_busy_s / run.wall_s if run.wall_s else 0.0
+    reasons = _reasons(run.skipped)
+    head = f"rank {result.rank}/{result.world_size}"
+    lines = [f"{head}: {plural(len(result.shards), 'own shard')} "
+             f"({run.shards_to_do} to do), {plural(run.batches, 'batch', 'batches')}, "
+             f"{plural(run.clips, 'clip')}: {run.clips - lost:,} encoded, {lost:,} skipped"
+             f"{f' ({reasons}; each named in the part skipped.jsonl)' if lost else ''} in {run.wall_s:.1f} s, "
+             f"device busy {100 * busy:.1f}% (waited {run.loader_wait_s:.1f} s for the loader)",
+             *_uniform_lines(run.uniform_codes, "clip")]
+    if result.stopped:
+        lines.insert(0, f"{head}: stopped on {result.stopped.signal} before finishing shard(s) "
+                        f"{listed(result.stopped.shards, 10)} (every batch encoded is committed; other ranks' shards "
+                        "may be left too); rerun or requeue this command to resume from there")
+    lines += take_over_lines(result.take_over)
     return lines + [f"job view (every shard): mmtok status {out}"]
 
 
-def _uniform_lines(counts: dict, item: str) -> list[str]:
+def _uniform_lines(batches: int, item: str) -> list[str]:
     """The warning for batches whose every code was one value (`encode.loop.uniform_codes`)."""
     from mmtok.encode.loop import UNIFORM_CODES
 
-    batches = counts.get(UNIFORM_CODES, 0)
     return [f"warning: {plural(batches, 'batch', 'batches')} gave every {item} one code ({UNIFORM_CODES}): a "
             "damaged checkpoint or blank inputs? Look at the tokens with `mmtok inspect`"] if batches else []

@@ -12,8 +12,12 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.formats import skips
+
+if TYPE_CHECKING:
+    from mmtok.formats.parts import TakeOver, WorkerRun
 
 
 def print_summary(command: str, lines: str | Sequence[str]) -> None:
@@ -92,16 +96,16 @@ def listed(numbers: list[int], shown: int = 8) -> str:
 
 
 # -- a worker of a job in work items (image encode, sft) -----------------------------------------------
-def listed_in(stats: dict, files: str) -> str:
+def listed_in(worker: WorkerRun, files: str) -> str:
     """Where a worker's `files` are: `DIR/part-{00003..00007}/FILES`, or `FILES of N parts under DIR`."""
-    where = parts_named(stats)
+    where = parts_named(worker)
     return f"{files} of {where}" if " parts under " in where else f"{where}/{files}"
 
 
-def parts_named(stats: dict) -> str:
+def parts_named(worker: WorkerRun) -> str:
     """The worker's parts: one path, the first and last as `DIR/part-{00003..00007}` when they are consecutive,
     else `N parts under DIR` (taken over from elsewhere, or own items other workers held)."""
-    parts = stats["parts"]
+    parts = worker.parts
     if not parts:
         return "no part"
     if len(parts) == 1:
@@ -113,42 +117,43 @@ def parts_named(stats: dict) -> str:
     return f"{first.parent}/{{{first.name}..{last.name}}}"
 
 
-def take_over_lines(stats: dict) -> list[str]:
+def take_over_lines(take_over: TakeOver) -> list[str]:
     """What the worker did beyond its own share: items taken over, own items left to their holder."""
     lines = []
-    if stats.get("taken_over"):
-        lines.append(f"took over {plural(len(stats['taken_over']), 'item')} of other workers' shares (no process "
-                     f"held them): {listed(stats['taken_over'], 10)}")
-    for item, error in sorted(stats.get("take_over_failed", {}).items()):
+    if take_over.taken_over:
+        lines.append(f"took over {plural(len(take_over.taken_over), 'item')} of other workers' shares (no process "
+                     f"held them): {listed(take_over.taken_over, 10)}")
+    for item, error in sorted(take_over.failed.items()):
         lines.append(f"warning: item {item} (another worker's, taken over) failed and is left unfinished for its "
                      f"owner or a rerun: {error}")
-    if stats.get("discarded_copies"):
-        lines.append(f"{plural(len(stats['discarded_copies']), 'item')} had been published by another writer first: "
-                     f"this worker's copies were identical and are discarded ({listed(stats['discarded_copies'], 10)})")
-    if stats.get("held_by_others"):
-        lines.append(f"left {plural(len(stats['held_by_others']), 'own item')} to the workers holding them: "
-                     f"{listed(stats['held_by_others'], 10)}")
+    if take_over.discarded_copies:
+        lines.append(f"{plural(len(take_over.discarded_copies), 'item')} had been published by another writer "
+                     "first: this worker's copies were identical and are discarded "
+                     f"({listed(take_over.discarded_copies, 10)})")
+    if take_over.held_by_others:
+        lines.append(f"left {plural(len(take_over.held_by_others), 'own item')} to the workers holding them: "
+                     f"{listed(take_over.held_by_others, 10)}")
     return lines
 
 
-def idle_worker_line(head: str, stats: dict, verb: str) -> str | None:
+def idle_worker_line(head: str, worker: WorkerRun, verb: str) -> str | None:
     """The headline of a worker that did no new work: none was left for it (`verb`: what it would have done,
     "encoded"), or its own items were already finished; None when it did work."""
-    if not stats["parts"]:
+    if not worker.parts:
         return (f"{head}: {verb} nothing: every work item is finished or held by another worker"
-                + (", or failed here (below)" if stats.get("take_over_failed") else ""))
-    if stats.get("already_done"):
-        return (f"{head}: {plural(stats['items'][1] - stats['items'][0], 'own work item')} of {stats['num_items']:,}, "
-                f"{parts_named(stats)}, already finished ({plural(stats['sequences'], 'sequence')}); nothing to do")
+                + (", or failed here (below)" if worker.take_over.failed else ""))
+    if worker.already_done:
+        return (f"{head}: {plural(len(worker.items), 'own work item')} of {worker.num_items:,}, "
+                f"{parts_named(worker)}, already finished ({plural(worker.sequences, 'sequence')}); nothing to do")
     return None
 
 
-def refuse_unfinished(stats: dict) -> None:
+def refuse_unfinished(take_over: TakeOver) -> None:
     """A worker that took over items that failed and are still unfinished: the job is not done, and its exit
     status says so too (a SLURM task FAILED), after everything else was done."""
     from mmtok.errors import MmtokError
 
-    unfinished = stats.get("unfinished_failed")
+    unfinished = take_over.unfinished_failed
     if unfinished:
         raise MmtokError(f"{plural(len(unfinished), 'item')} this worker took over failed and "
                          f"{'is' if len(unfinished) == 1 else 'are'} not finished: {listed(unfinished, 10)} (the "

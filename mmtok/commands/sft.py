@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.report import (
     files_skipped,
@@ -20,6 +21,9 @@ from mmtok.commands.report import (
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 from mmtok.sft.build import DEFAULT_MAX_TOKENS
+
+if TYPE_CHECKING:
+    from mmtok.formats.parts import WorkerRun
 
 DESCRIPTION = """\
 Render SFT conversations with the text tokenizer's chat template and replace every media placeholder
@@ -95,35 +99,36 @@ def _worker(args, stop) -> int:
     rank, world_size = resolve_rank(args.rank, args.world_size)
     options = SftOptions(max_tokens=args.max_tokens, progress=not args.no_progress, take_over=not args.no_take_over,
                          stop=stop)
-    stats = assemble_worker(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
-                            audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
-                            options=options, media_roots=args.media_root)
-    print_report("sft", summary_lines(rank, world_size, stats, args.out),
-                 {"rank": rank, "world_size": world_size, **stats} if args.json else None)
-    if stats["stopped"]:
+    worker = assemble_worker(args.inputs, args.out, text_tokenizer=args.text_tokenizer, images=args.images,
+                             audio=args.audio, converted=args.converted, rank=rank, world_size=world_size,
+                             options=options, media_roots=args.media_root)
+    print_report("sft", summary_lines(rank, world_size, worker, args.out),
+                 {"rank": rank, "world_size": world_size, **worker.to_json()} if args.json else None)
+    if worker.stopped:
         return STOPPED_EXIT
-    refuse_nothing_usable(f"rank {rank}/{world_size}", stats["counts"].get("documents_written", 0), stats["counts"],
-                          listed_in(stats, "skipped.jsonl"), rank_of=("sft", world_size))
-    refuse_unfinished(stats)
+    refuse_nothing_usable(f"rank {rank}/{world_size}", worker.counts.get("documents_written", 0), worker.counts,
+                          listed_in(worker, "skipped.jsonl"), rank_of=("sft", world_size))
+    refuse_unfinished(worker.take_over)
     return 0
 
 
-def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[str]:
+def summary_lines(rank: int, world_size: int, worker: WorkerRun, out: Path) -> list[str]:
     """What the worker wrote and skipped (naming where the skips are listed), what it took over, and the next
     command."""
-    counts = stats["counts"]
+    counts = worker.counts
     skipped = skips.by_reason(counts)
     head = f"rank {rank}/{world_size}"
-    idle = idle_worker_line(head, stats, "assembled")
-    if stats.get("stopped"):
-        lines = [f"{head}: stopped on {stats['stopped']['signal']} in work item {stats['stopped']['item']:,} (every "
+    idle = idle_worker_line(head, worker, "assembled")
+    if worker.stopped:
+        lines = [f"{head}: stopped on {worker.stopped.signal} in work item {worker.stopped.item:,} (every "
                  "unit it read is committed); rerun or requeue this command to resume from there"]
     elif idle:
         lines = [idle]
     else:
-        listed = listed_in(stats, "skipped.jsonl")
-        items = f"{plural(stats['items'][1] - stats['items'][0], 'own work item')} of {stats['num_items']:,}"
-        lines = [f"{head} ({items}) -> {parts_named(stats)}: {plural(counts.get('conversations', 0), 'conversation')}: "
+        listed = listed_in(worker, "skipped.jsonl")
+        items = f"{plural(len(worker.items), 'own work item')} of {worker.num_items:,}"
+        conversations = plural(counts.get("conversations", 0), "conversation")
+        lines = [f"{head} ({items}) -> {parts_named(worker)}: {conversations}: "
                  f"{counts.get('documents_written', 0):,} written ({plural(counts.get('tokens', 0), 'token')}, "
                  f"{counts.get('images_written', 0):,} image and "
                  f"{plural(counts.get('audio_written', 0), 'audio block')}), "
@@ -133,6 +138,6 @@ def summary_lines(rank: int, world_size: int, stats: dict, out: Path) -> list[st
         if counts.get("control_literals"):
             lines.append(f"{plural(counts['control_literals'], 'conversation')} held control-token names in their "
                          "text (tokenized as text, never as control tokens: control_literals)")
-    lines += take_over_lines(stats)
+    lines += take_over_lines(worker.take_over)
     return lines + [f"job view: mmtok status {out}; when every item is finished: mmtok merge {out} "
                     "[--strip-reasoning]"]

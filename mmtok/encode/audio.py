@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -40,7 +40,7 @@ from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
 from mmtok.formats.commitlog import is_done, pack_carry, part_dir, unpack_carry
-from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
+from mmtok.formats.parts import TakeOver, refuse_other_run, take_items, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import MemberTruncated, read_range
@@ -398,15 +398,79 @@ def trim_of(codec) -> int:
     return int(codec.describe().get("trim", DEFAULT_TRIM))
 
 
+@dataclass(frozen=True)
+class AudioRun:
+    """What `run_parts` did with some parts (a rank's own shards, or one shard it took over)."""
+
+    batches: int
+    clips: int
+    skipped: dict[str, int]  # clips skipped, by reason
+    uniform_codes: int  # batches whose every code was one value (`mmtok.encode.loop.uniform_codes`)
+    wall_s: float
+    device_busy_s: float
+    loader_wait_s: float
+    first_batch_s: float
+    shards_to_do: int = 0  # the parts it was given
+    unfinished: tuple[int, ...] = ()  # of those, the shards a stop request left unfinished
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.unfinished)
+
+    @property
+    def already_done(self) -> bool:
+        """(`take_items`: a shard found finished is one no process needs, never one taken over.)"""
+        return False
+
+    def plus(self, more: AudioRun) -> AudioRun:
+        """Both summed (the rank's own `shards_to_do` and first batch kept)."""
+        skipped = Counter(self.skipped) + Counter(more.skipped)
+        return replace(self, batches=self.batches + more.batches, clips=self.clips + more.clips,
+                       skipped=dict(sorted(skipped.items())), uniform_codes=self.uniform_codes + more.uniform_codes,
+                       wall_s=self.wall_s + more.wall_s, device_busy_s=self.device_busy_s + more.device_busy_s,
+                       loader_wait_s=self.loader_wait_s + more.loader_wait_s,
+                       unfinished=self.unfinished + more.unfinished)
+
+    def to_json(self) -> dict:
+        return {"batches": self.batches, "clips": self.clips, "skipped": self.skipped,
+                UNIFORM_CODES: self.uniform_codes, "wall_s": self.wall_s, "device_busy_s": self.device_busy_s,
+                "loader_wait_s": self.loader_wait_s, "first_batch_s": self.first_batch_s,
+                "shards_to_do": self.shards_to_do, "unfinished": list(self.unfinished)}
+
+
+@dataclass(frozen=True)
+class ShardStop:
+    """Where a stop request left an audio rank: the signal and the shards it left unfinished."""
+
+    signal: str
+    shards: list[int]
+
+
+@dataclass(frozen=True)
+class AudioWorkerRun:
+    """What an audio rank did (`encode_audio_rank`): its own shards' and the ones it took over, summed."""
+
+    run: AudioRun
+    rank: int
+    world_size: int
+    shards: list[int]  # its own (`assign_shards`)
+    stopped: ShardStop | None
+    take_over: TakeOver
+
+    def to_json(self) -> dict:
+        stopped = None if self.stopped is None else {"signal": self.stopped.signal, "shards": self.stopped.shards}
+        return {**self.run.to_json(), "rank": self.rank, "world_size": self.world_size, "shards": self.shards,
+                "stopped": stopped, **self.take_over.to_json()}
+
+
 def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
                       sequences: str = DEFAULT_SEQUENCES, num_workers: int = 2, text_tokenizer: str = "tekken",
-                      progress: bool = True, take_over: bool = True, stop=None) -> dict:
+                      progress: bool = True, take_over: bool = True, stop=None) -> AudioWorkerRun:
     """Encode this rank's shards of `shar` (`assign_shards`) into OUT/parts (+ OUT/audio-cache), a part per shard;
     then, with `take_over`, every shard no process has finished or holds, one after another from the last
     (`mmtok.formats.parts.take_items`): a shard is a work item. An own shard another process holds is left to
     it (without take-over: the error naming the holder). Once `stop` (a `mmtok.launch.StopRequest`) is set, the
-    batches on the device are committed and the rank returns with those parts unfinished (`stopped`). Returns
-    the rank summary."""
+    batches on the device are committed and the rank returns with those parts unfinished (`stopped`)."""
     from mmtok.text import load_text_tokenizer
 
     if sequences not in SEQUENCE_MODES:
@@ -421,10 +485,10 @@ def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: in
     stopping = stop_check(stop)
     min_samples = trim_of(codec) * int(codec.hop)
 
-    def encode_parts(work: list[PartWork]) -> dict:
+    def encode_parts(work: list[PartWork]) -> AudioRun:
         summary = run_parts(work, codec, context, num_workers=num_workers, progress=progress, stop=stopping)
-        unfinished = [w.shard.index for w in work if not is_done(w.directory)]
-        return {**summary, "shards_to_do": len(work), "unfinished": unfinished, "stopped": bool(unfinished)}
+        unfinished = tuple(w.shard.index for w in work if not is_done(w.directory))
+        return replace(summary, shards_to_do=len(work), unfinished=unfinished)
 
     def open_shard(index: int) -> list[PartWork]:
         return open_parts([shards[index]], context, batching, len(shards), min_samples)
@@ -442,31 +506,20 @@ def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: in
         release_parts(own)
         raise
     summary = encode_parts(own)
-    run = take_items(out, len(shards), [], take_over and not summary["stopped"], stopping,
+    run = take_items(out, len(shards), [], take_over and not summary.stopped, stopping,
                      lambda index: encode_parts(open_shard(index)))
     for result in run.done:
-        summary = _add_summaries(summary, result)
+        summary = summary.plus(result)
     stopped = None
-    if summary["unfinished"] or run.stopped is not None:  # the shards it left unfinished, or the next it would take
-        stopped = {"signal": stop.name, "shards": sorted({*summary["unfinished"], *([] if run.stopped is None
-                                                                                  else [run.stopped])})}
+    if summary.unfinished or run.stopped is not None:  # the shards it left unfinished, or the next it would take
+        stopped = ShardStop(stop.name, sorted({*summary.unfinished, *([] if run.stopped is None else [run.stopped])}))
     run.taken = [index for index in run.taken if index not in mine]  # an own shard freed by its holder is its own
     run.held += held
-    summary.update(rank=rank, world_size=world_size, shards=mine, stopped=stopped, **run.summary(out))
-    return summary
-
-
-def _add_summaries(total: dict, more: dict) -> dict:
-    """Two `run_parts` summaries of one rank as one: counts added, skips by reason added."""
-    added = {key: total[key] + more[key] for key in ("batches", "clips", UNIFORM_CODES, "wall_s", "device_busy_s",
-                                                      "loader_wait_s")}  # shards_to_do: the rank's own
-    skipped = Counter(total["skipped"]) + Counter(more["skipped"])
-    return {**total, **added, "skipped": dict(sorted(skipped.items())), "unfinished": total["unfinished"] +
-            more["unfinished"], "stopped": total["stopped"] or more["stopped"]}
+    return AudioWorkerRun(summary, rank, world_size, mine, stopped, run.take_over(out))
 
 
 def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int, progress: bool,
-              stop=None) -> dict:
+              stop=None) -> AudioRun:
     """Every remaining batch of `work` through the rank loop (mmtok.encode.loop): DataLoader workers
     load, the device encodes, the committer commits each batch's clips and assembles each finished part.
     Once `stop()` says so, no further batch is encoded (those encoded are committed)."""
@@ -517,9 +570,8 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
         bar.close()
         release_parts(work)
     wall = time.perf_counter() - meter.started
-    return {"batches": len(requests), "clips": meter.items, "skipped": dict(sorted(skipped.items())),
-            UNIFORM_CODES: flagged[UNIFORM_CODES], "wall_s": wall,
-            "device_busy_s": meter.busy, "loader_wait_s": meter.waited, "first_batch_s": meter.fill_seconds}
+    return AudioRun(len(requests), meter.items, dict(sorted(skipped.items())), flagged[UNIFORM_CODES], wall,
+                    meter.busy, meter.waited, meter.fill_seconds)
 
 
 def prefetched(batches, depth: int = 2) -> Iterator[dict]:

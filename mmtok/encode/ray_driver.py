@@ -84,13 +84,14 @@ class _Worker:
                                    EncodeOptions(**options, progress=False, take_over=False, lock_free=True))
         return socket.gethostname(), os.getpid()
 
-    def encode(self, item: int, lock_free: bool) -> dict:
+    def encode(self, item: int, lock_free: bool):
+        """The item's `ItemDone`; None while a run with locks still writes it (offered again later)."""
         from mmtok.fsutil import LockHeld
 
         try:
             return self.encoder.encode(item, lock_free=lock_free)
-        except LockHeld as held:  # a run with locks still writes it: offered again later
-            return {"held": str(held)}
+        except LockHeld:
+            return None
 
 
 @dataclass
@@ -330,18 +331,18 @@ class _Driver:
                 return
             raise MmtokError(f"work item {copy.item}: {_cause(err)}") from None
         self._free(ref)
-        if "held" in result:
+        if result is None:  # held by a run with locks
             if self._unattended(copy.item):
                 self.held[copy.item] = time.monotonic() + HELD_RETRY_S
             return
-        if result.get("discarded"):
+        if result.discarded:
             self.run_record.discarded += 1
         if copy.item in self.done:
             return
         self.done.add(copy.item)
         self.run_record.finished.append(copy.item)
-        self.run_record.backups_won += copy.backup and not result.get("discarded") and not result.get("already_done")
-        for name, value in result.get("counts", {}).items():  # the part's own counters: the same for any copy
+        self.run_record.backups_won += copy.backup and not result.discarded and not result.already_done
+        for name, value in result.counts.items():  # the part's own counters: the same for any copy
             self.run_record.counts[name] = self.run_record.counts.get(name, 0) + value
         self.bar.update(1)
         self.bar.set_postfix(backups=self.run_record.backups, retries=self.run_record.retries, refresh=False)

@@ -43,7 +43,7 @@ from mmtok.formats import skips
 from mmtok.formats.chat import recorded_special_ids
 from mmtok.formats.commitlog import NoLock, PartWriter, has_dataset, is_done, part_dir, read_commits
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item, image_skip
-from mmtok.formats.parts import refuse_other_run, take_items, timing_stats
+from mmtok.formats.parts import ItemDone, ItemStop, WorkerRun, refuse_other_run, take_items, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.private_parts import adopt_private_part, publish_part
 from mmtok.formats.skips import SkipRecord
@@ -224,18 +224,62 @@ class Assembler:
 
 
 # -- the worker ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ImageWorkerRun:
+    """What an image worker did (`encode_image_rank`): its items summed (`worker`), and its pace."""
+
+    worker: WorkerRun
+    rank: int
+    world_size: int
+    mode: str  # the plan's
+    items_done_before: int  # items it found finished
+    dataset: bool  # some part it reached has a Megatron dataset
+    images_planned: int  # in the items it reached
+    fill_s: float  # seconds the device waited for its first batch, summed over the items it encoded now
+    device: str
+    loader_threads: int
+
+    @property
+    def images_written(self) -> int:
+        return self.worker.counts.get("images_written", 0)
+
+    @property
+    def images_deferred(self) -> int:
+        """Images stored as items: merge (or mmtok sft) assembles their documents."""
+        return self.worker.counts.get("images_deferred", 0)
+
+    @property
+    def timing(self) -> dict[str, float]:
+        """Wall and device-busy seconds of the parts reached (every session), their ratio, tokens per second."""
+        return timing_stats(self.worker.counts)
+
+    @property
+    def images_per_s(self) -> float:
+        wall = self.timing["wall_s"]
+        return (self.images_written + self.images_deferred) / wall if wall else 0.0
+
+    def to_json(self) -> dict:
+        counts = self.worker.counts
+        return {**self.worker.to_json(), "rank": self.rank, "world_size": self.world_size, "mode": self.mode,
+                "items_done_before": self.items_done_before, "dataset": self.dataset,
+                "images_planned": self.images_planned, "images_written": self.images_written,
+                "images_deferred": self.images_deferred, "items_failed": skips.items_failed_by_reason(counts),
+                "skipped": skips.by_reason(counts), **self.timing, "images_per_s": self.images_per_s,
+                "fill_s": self.fill_s, "device": self.device, "loader_threads": self.loader_threads}
+
+
 def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int, world_size: int,
-                      device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> dict:
+                      device: torch.device | str = "cpu", options: EncodeOptions | None = None) -> ImageWorkerRun:
     """Worker `rank` of `world_size`: encode its work items (`Plan.worker_items`) into OUT/parts/part-<item>;
-    returns its stats, summed over its items.
+    returns what it did, summed over its items.
 
     Each part is created or resumed (refusing a different plan, codec or precision), its batches not yet
     committed are encoded, and it is finished (tokens.idx, stats.json, DONE); a finished part is left as it is.
     Then, with `options.take_over` (the default), it takes the items no process has finished or holds, from the
     far end (`mmtok.formats.parts.items_to_take`): a slow or dead worker's remaining items are done by those
-    that finished, and an own item another worker holds is left to it (result `taken_over`, `held_by_others`);
+    that finished, and an own item another worker holds is left to it (`TakeOver.taken_over`, `held_by_others`);
     without it, a held item is an error naming the holder. Once `options.stop` is set the worker
-    commits the batch in flight and returns with its part unfinished (result `stopped`: the signal, the item
+    commits the batch in flight and returns with its part unfinished (`WorkerRun.stopped`: the signal, the item
     and the next batch to encode; None when every item was finished).
     """
     options = options or EncodeOptions()
@@ -246,12 +290,14 @@ def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int
     stopped = None
     if run.stopped is not None:  # inside the item (its result says where), or before it
         inside = run.reached and run.reached[-1] == run.stopped
-        stopped = {"signal": options.stop.name, "item": run.stopped,
-                   "next_batch": run.done[-1]["next_batch"] if inside else _next_batch(plan, out, run.stopped)}
-    discarded = [item for item, result in zip(run.reached, run.done, strict=True) if result.get("discarded")]
-    return {"rank": rank, "world_size": world_size, "items": [items.start, items.stop], "num_items":
-            len(plan.work_items()), "stopped": stopped, **run.summary(out), "discarded_copies": discarded,
-            **_worker_stats(run.done, plan, items, device, options)}
+        stopped = ItemStop(options.stop.name, run.stopped,
+                           run.done[-1].next_unit if inside else _next_batch(plan, out, run.stopped))
+    discarded = [item for item, done in zip(run.reached, run.done, strict=True) if done.discarded]
+    ran = [done for done in run.done if not done.already_done]
+    return ImageWorkerRun(
+        WorkerRun.of(run, items, len(plan.work_items()), out, stopped, discarded), rank, world_size,
+        plan.meta["parameters"]["mode"], len(run.done) - len(ran), any(done.dataset for done in run.done),
+        sum(done.planned for done in run.done), sum(done.fill_s for done in ran), str(device), options.loader_threads)
 
 
 class ItemEncoder:
@@ -272,9 +318,9 @@ class ItemEncoder:
         codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
         self._checked = False  # whether the run's other parts were compared with this identity (once, when known)
 
-    def encode(self, item: int, lock_free: bool | None = None) -> dict:
+    def encode(self, item: int, lock_free: bool | None = None) -> ItemDone:
         """Encode, resume or find finished the part of `item` (`lock_free`: this call's part protocol; default the
-        options'); its stats."""
+        options')."""
         work = load_item_work(self.plan, item)
         check_codec(work, self.codec, self.builder)
         identity = image_part_identity(work, self.codec, self.tokenizer, self.layout)
@@ -303,54 +349,37 @@ def refuse_empty_plan(plan: Plan) -> None:
 
 
 def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity: dict, device: torch.device,
-                 options: EncodeOptions) -> dict:
-    """Encode (or resume, or find finished) one work item's part; its stats. Lock-free (`options.lock_free`): in
-    this writer's private copy, published when finished (`publish_part`; `discarded` when another writer's
-    identical copy was published first)."""
+                 options: EncodeOptions) -> ItemDone:
+    """Encode (or resume, or find finished) one work item's part. Lock-free (`options.lock_free`): in this writer's
+    private copy, published when finished (`publish_part`; `discarded` when another writer's identical copy was
+    published first)."""
     final = part_dir(out, work.item)
     private = options.lock_free and not is_done(final)  # lock-free and not published yet: this writer's copy
     directory = adopt_private_part(out, work.item) if private else final
     with PartWriter(directory, identity, lock=NoLock() if options.lock_free else None) as part:
         if part.done and not private:  # a finished part: read, never written
-            return {"already_done": True, "images_planned": work.num_images, **_summary_counts(part)}
-        stats = {}
+            return _item_done(part, final, work, already_done=True)
+        fill_s = 0.0
         if not part.done:  # (a private copy finished by a writer killed before it published it: publish it)
             start = max(work.batch_range[0], part.next_unit)
             assembler = Assembler(work, builder, min(codec.codebook_size, builder.layout.image_codebook))
             batches = range(start, work.batch_range[1])
             meter = _run_batches(work, codec, part, assembler, batches, device, options)
+            fill_s = meter.fill_seconds
             if part.next_unit < work.batch_range[1]:  # a stop request: what was encoded is committed, not finished
-                return {"stopped": True, "next_batch": part.next_unit, "images_planned": work.num_images,
-                        "fill_s": meter.fill_seconds, **_summary_counts(part)}
-            stats = {**_stats(part, codec, device, options, work), "fill_s": meter.fill_seconds}
-            part.finish(stats)
-        summary = _summary_counts(part)
+                return _item_done(part, part.directory, work, stopped=True, next_unit=part.next_unit, fill_s=fill_s)
+            part.finish({**_stats(part, codec, device, options, work), "fill_s": fill_s})
+        done = _item_done(part, final, work, fill_s=fill_s)
     if private:
-        discarded = not publish_part(directory, final)
-        summary.update(part_dir=str(final), dataset=has_dataset(final), discarded=discarded)
-    return {**stats, "images_planned": work.num_images, **summary}
+        discarded = not publish_part(directory, final)  # (first: the dataset is looked for where it is published)
+        done = replace(done, dataset=has_dataset(final), discarded=discarded)
+    return done
 
 
-def _worker_stats(done: list[dict], plan: Plan, items: range, device: torch.device, options: EncodeOptions) -> dict:
-    """A worker's items summed: their counters, sequences and planned images, and the pace of this run."""
-    counts: Counter = Counter()
-    for stats in done:
-        counts.update(stats["counts"])
-    timing = timing_stats(counts)
-    written = counts.get("images_written", 0) + counts.get("images_deferred", 0)
-    ran = [stats for stats in done if not stats.get("already_done")]
-    return {
-        "mode": plan.meta["parameters"]["mode"], "counts": dict(counts),
-        "already_done": bool(done) and not ran, "items_done_before": len(done) - len(ran),
-        "parts": [stats["part_dir"] for stats in done], "dataset": any(stats["dataset"] for stats in done),
-        "sequences": sum(stats["sequences"] for stats in done),
-        "images_planned": sum(stats["images_planned"] for stats in done),
-        "images_written": counts.get("images_written", 0), "images_deferred": counts.get("images_deferred", 0),
-        "items_failed": skips.items_failed_by_reason(counts), "skipped": skips.by_reason(counts), **timing,
-        "images_per_s": written / timing["wall_s"] if timing["wall_s"] else 0.0,
-        "fill_s": sum(stats.get("fill_s", 0.0) for stats in ran),
-        "device": str(device), "loader_threads": options.loader_threads,
-    }
+def _item_done(part: PartWriter, final: Path, work: ItemWork, **fields) -> ItemDone:
+    """What the item's part holds (`final`: where it is published, the part itself unless lock-free)."""
+    return ItemDone(str(final), dict(part.counts), len(part.lengths), dataset=has_dataset(part.directory),
+                    planned=work.num_images, **fields)
 
 
 def _run_batches(work: ItemWork, codec, part: PartWriter, assembler: Assembler, batches: range,
@@ -407,8 +436,3 @@ def _stats(part: PartWriter, codec, device: torch.device, options: EncodeOptions
         "device": str(device), "loader_threads": options.loader_threads,
         "precision": codec.precision.to_dict(),
     }
-
-
-def _summary_counts(part: PartWriter) -> dict:
-    return {"counts": dict(part.counts), "sequences": len(part.lengths), "part_dir": str(part.directory),
-            "dataset": has_dataset(part.directory)}

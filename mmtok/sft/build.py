@@ -55,7 +55,7 @@ from mmtok import __version__
 from mmtok.errors import DamagedFile, MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, conversation_index, kept, shar, skips
 from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats.commitlog import PartWriter, part_dir
+from mmtok.formats.commitlog import PartWriter, has_dataset, part_dir
 from mmtok.formats.conversations import (
     Conversation,
     Located,
@@ -66,7 +66,7 @@ from mmtok.formats.conversations import (
 )
 from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
-from mmtok.formats.parts import find_parts, refuse_other_run, take_items
+from mmtok.formats.parts import ItemDone, ItemStop, WorkerRun, find_parts, refuse_other_run, take_items
 from mmtok.fsutil import required
 from mmtok.launch import stop_check
 from mmtok.ranks import worker_range
@@ -402,10 +402,10 @@ def work_items(total: int) -> list[tuple[int, int]]:
 
 def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
                     audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
-                    options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> dict:
+                    options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> WorkerRun:
     """Worker `rank` of `world_size`: assemble its work items (a contiguous, even range of `work_items`), each
     into OUT/parts/part-<item>, then (with `options.take_over`) every item no process has finished or holds
-    (`mmtok.formats.parts.items_to_take`); returns its stats summed over its items. A finished item is left as
+    (`mmtok.formats.parts.items_to_take`); returns what it did, summed over its items. A finished item is left as
     it is, a half-done one resumes from its commit log, whichever worker started it. Once `options.stop` is
     set, the unit in hand is committed and the worker returns (`stopped`). A medium given as a file path
     resolves only inside its input's directory or one of `media_roots`."""
@@ -430,14 +430,8 @@ def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, image
     work = _Work(inputs, out, index, builder, roots, options, stop_check(options.stop))
     run = take_items(out, len(items), own, options.take_over, work.stopping,
                      lambda item: work.item(item, items[item], {**shared, "part": item, "part_units": [*items[item]]}))
-    counts = Counter()
-    for result in run.done:
-        counts.update(result["counts"])
-    stopped = None if run.stopped is None else {"signal": options.stop.name, "item": run.stopped}
-    return {"items": [own.start, own.stop], "num_items": len(items), "counts": dict(counts),
-            "parts": [result["part_dir"] for result in run.done], "sequences": sum(r["sequences"] for r in run.done),
-            "already_done": bool(run.done) and all(r.get("already_done") for r in run.done), "stopped": stopped,
-            **run.summary(out)}
+    stopped = None if run.stopped is None else ItemStop(options.stop.name, run.stopped)
+    return WorkerRun.of(run, own, len(items), out, stopped)
 
 
 @dataclass
@@ -452,14 +446,13 @@ class _Work:
     options: SftOptions
     stopping: object  # `mmtok.launch.stop_check` of the options' stop request
 
-    def item(self, item: int, units: tuple[int, int], identity: dict) -> dict:
-        """Assemble (or resume, or find finished) work item `item` (`units`) into its part; its stats."""
+    def item(self, item: int, units: tuple[int, int], identity: dict) -> ItemDone:
+        """Assemble (or resume, or find finished) work item `item` (`units`) into its part."""
         from mmtok.progress import progress as progress_bar
 
         with PartWriter(part_dir(self.out, item), identity) as part:
-            result = {"part_dir": str(part.directory), "units": list(units)}
             if part.done:
-                return {**result, "already_done": True, "counts": dict(part.counts), "sequences": len(part.lengths)}
+                return _item_done(part, already_done=True)
             first = max(units[0], part.next_unit) * CONVERSATIONS_PER_UNIT
             last = min(units[1] * CONVERSATIONS_PER_UNIT, self.index.total)
             bar = progress_bar(total=last - first, desc=f"sft item {item}", unit="conv",
@@ -470,8 +463,7 @@ class _Work:
                     if ordinal // CONVERSATIONS_PER_UNIT != pending.unit:
                         pending.commit(part)
                         if self.stopping():  # the unit read is committed; the part stays unfinished
-                            return {**result, "stopped": True, "counts": dict(part.counts),
-                                    "sequences": len(part.lengths)}
+                            return _item_done(part, stopped=True, next_unit=part.next_unit)
                         pending = _Unit(ordinal // CONVERSATIONS_PER_UNIT)
                     pending.add(conversation, self.builder)
                     bar.update(1)
@@ -481,7 +473,12 @@ class _Work:
                 bar.close()
             part.finish({"tool_version": __version__, "item": item, "units": list(units),
                          "conversations": self.index.total})
-            return {**result, "counts": dict(part.counts), "sequences": len(part.lengths)}
+            return _item_done(part)
+
+
+def _item_done(part: PartWriter, **fields) -> ItemDone:
+    return ItemDone(str(part.directory), dict(part.counts), len(part.lengths), dataset=has_dataset(part.directory),
+                    **fields)
 
 
 @dataclass
