@@ -93,7 +93,9 @@ def serial(shar: Path, out: Path, codec) -> dict:
     """The naive loop: every step on the critical path."""
     from mmtok.encode import audio as enc
     from mmtok.encode.audio_batches import Batching
+    from mmtok.encode.loop import Meter
     from mmtok.formats.shar import discover_shards
+    from mmtok.progress import progress
     from mmtok.text import load_text_tokenizer
 
     shutil.rmtree(out, ignore_errors=True)
@@ -102,6 +104,7 @@ def serial(shar: Path, out: Path, codec) -> dict:
     context = enc.build_context(out, codec, load_text_tokenizer(), "auto", batching, report)
     context.cache_metadata["num_parts"] = len(shards)
     work = enc.open_parts(shards, context, batching, len(shards), 5 * HOP)
+    meter = Meter(progress(enabled=False), item="clip")  # (assemble_part commits the part's figures from it)
     started, busy, batches = time.perf_counter(), 0.0, 0
     for w in work:
         for request in w.requests:
@@ -111,7 +114,8 @@ def serial(shar: Path, out: Path, codec) -> dict:
             busy += time.perf_counter() - tick
             w.open().commit(request.unit, [], [], {}, carry=enc.pack_clips(results))
             batches += 1
-        enc.assemble_part(w, context, {})
+        enc.assemble_part(w, context, {}, meter)
+    enc.release_parts(work)
     wall = time.perf_counter() - started
     return {"wall_s": wall, "device_busy_s": busy, "batches": batches, "first_batch_s": 0.0, "loader_wait_s": 0.0}
 
@@ -126,11 +130,14 @@ def loader_capacity(shar: Path) -> float:
 
     shard = discover_shards(shar)[0][0]
     cuts = CutSet.from_file(shard.cuts_path).to_eager()
-    members = index_members(shard.recording_path)
+    members, _ = index_members(shard.recording_path)
+    batching = Batching()
     started, audio = time.process_time(), 0
-    for unit, positions in enumerate(make_batches(cuts, Batching())):
+    for unit, positions in enumerate(make_batches(cuts, batching)):
         request = BatchRequest(0, unit, str(shard.recording_path), tuple(positions),
-                               tuple(members[cuts[p].id] for p in positions), 5 * HOP)
+                               tuple(members[cuts[p].id] for p in positions),
+                               tuple(float(cuts[p].duration) for p in positions), 5 * HOP,
+                               batching.max_clip_duration)
         audio += int(load_batch(request)["lengths"].sum())
     return audio / 24_000 / (time.process_time() - started)
 

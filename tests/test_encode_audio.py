@@ -6,6 +6,7 @@ import json
 import math
 import random
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -449,3 +450,18 @@ def test_a_rank_stopped_while_its_loader_workers_are_busy_exits_75_and_leaves_no
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout  # a loader worker
     assert left == ""
+
+
+def test_the_carried_clips_keep_their_byte_layout_and_read_back():
+    """carry.bin of a part begun by an earlier mmtok must resume: position (int64), a 0 (int32), the number of ids
+    (int32), the skip text's length (uint16), the text, the ids -- little-endian, clip after clip."""
+    from mmtok.encode.audio import MAX_SKIP_TEXT, pack_clips, unpack_clips
+
+    ids = np.array([262_400, 262_401], np.int32)
+    packed = pack_clips([(7, "", ids), (8, "silent: digital silence", None)])
+    assert packed == (struct.pack("<qiiH", 7, 0, 2, 0) + ids.astype("<i4").tobytes()
+                      + struct.pack("<qiiH", 8, 0, 0, 23) + b"silent: digital silence")
+    back = list(unpack_clips(packed + pack_clips([(9, "decode_error: " + "é" * MAX_SKIP_TEXT, None)])))
+    assert [(position, skip) for position, skip, _ in back[:2]] == [(7, ""), (8, "silent: digital silence")]
+    assert back[0][2].tolist() == ids.tolist() and back[1][2].size == 0
+    assert len(back[2][1].encode()) <= MAX_SKIP_TEXT and back[2][1].startswith("decode_error: é")  # cut whole

@@ -23,12 +23,13 @@ thread takes them from the DataLoader, the device encodes, the committer commits
 from __future__ import annotations
 
 import queue
+import struct
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from mmtok.encode.loop import UNIFORM_CODES, Meter, run_device, uniform_codes
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
-from mmtok.formats.commitlog import is_done, pack_carry, part_dir, unpack_carry
+from mmtok.formats.commitlog import is_done, part_dir
 from mmtok.formats.parts import TakeOver, refuse_other_run, take_items, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 from mmtok.formats.skips import SkipRecord
@@ -215,6 +216,36 @@ def sequences_for(mode: str, builder: SequenceBuilder, audio_ids: np.ndarray, te
     return out
 
 
+# -- what a part carries between its batches (its carry.bin, `PartWriter.carry`) ------------------------
+# Per clip: its cut position, a 0 (an unused sub-key, kept so a part begun by an earlier mmtok resumes), the
+# number of its int32 ids, the bytes of its skip text ("reason: detail", "" when encoded); then that text and
+# the ids. Only this module writes and reads it; the part's commit records checksum it (`carry_crc`).
+_CARRIED_CLIP = struct.Struct("<qiiH")
+MAX_SKIP_TEXT = 4000  # bytes of "reason: detail" kept per clip
+
+
+def pack_clips(results: Iterable[tuple[int, str, np.ndarray | None]]) -> bytes:
+    """The carry bytes of a batch's clips: (cut position, skip text or "", audio ids or None) each."""
+    chunks = []
+    for position, skip, ids in results:
+        ids = np.zeros(0, np.int32) if ids is None else np.asarray(ids, np.int32)
+        text = skip.encode()[:MAX_SKIP_TEXT].decode("utf-8", "ignore").encode()
+        chunks += [_CARRIED_CLIP.pack(position, 0, ids.size, len(text)), text, ids.tobytes()]
+    return b"".join(chunks)
+
+
+def unpack_clips(data: bytes) -> Iterator[tuple[int, str, np.ndarray]]:
+    """(cut position, skip text, audio ids) of every clip in `pack_clips` output (concatenated packs), in order."""
+    offset = 0
+    while offset < len(data):
+        position, _, count, length = _CARRIED_CLIP.unpack_from(data, offset)
+        offset += _CARRIED_CLIP.size
+        skip = data[offset: offset + length].decode()
+        offset += length
+        yield position, skip, np.frombuffer(data, np.int32, count, offset).copy()
+        offset += 4 * count
+
+
 def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) -> None:
     """The part's last unit (= its number of batches): carried clips -> sequences in cut order, the
     token cache, then finish. Runs on the commit thread, after every batch of the part."""
@@ -228,7 +259,7 @@ def assemble_part(w: "PartWork", context: Context, stats: dict, meter: Meter) ->
         w.finish({**stats, **timing_stats(part.counts)})
         return
     cuts = CutSet.from_file(shard.cuts_path).to_eager()
-    carried = {position: (skip, ids) for position, _, skip, ids in unpack_carry(part.carry())}
+    carried = {position: (skip, ids) for position, skip, ids in unpack_clips(part.carry())}
     missing = [i for i in range(len(cuts)) if i not in carried]
     if missing:
         raise MmtokError(f"{part.directory}: clips {missing[:10]} were never committed; the part directory is "
@@ -553,7 +584,7 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
         flag = uniform_codes([ids for _, _, ids in results])
         flagged.update(flag)
         w.open().commit(batch["unit"], [], [], {**meter.committed(len(results), 0), **flag},
-                        carry=pack_carry((position, 0, reason, ids) for position, reason, ids in results))
+                        carry=pack_clips(results))
         if batch["unit"] == w.num_batches - 1:
             assemble_part(w, context, stats, meter)
 

@@ -13,8 +13,9 @@ part = input Shar shard). A part directory contains
                     blocks and text templates of documents with several images, which merge
                     assembles); appended per unit
   items.jsonl       one JSON line per item (what it is, its `length` in items.ids), appended per unit
-  carry.bin         opaque bytes the writer carries between units (e.g. the encoded clips of an audio
-                    shard until the shard is assembled); see `PartWriter.carry`
+  carry.bin         opaque bytes the writer carries between units (the audio encoder: a shard's encoded
+                    clips until the shard is assembled, `mmtok.encode.audio.pack_clips`); see
+                    `PartWriter.carry`
   commits.log       one record per committed unit: `<json>\\t<crc32 hex>\\n`
   tokens.idx        written by `finish` (atomic) -- only when the part has tokens: megatron-core
                     cannot open an empty dataset, so a part without sequences has no tokens.bin/.idx
@@ -47,11 +48,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-import struct
 import zlib
 from array import array
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -513,33 +513,6 @@ class PartWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_CARRY_ITEM = struct.Struct("<qiiH")  # key, sub-key, number of int32 ids, bytes of the skip text
-MAX_SKIP_TEXT = 4000  # bytes of "reason: detail" kept per carried item
-
-
-def pack_carry(items: Iterable[tuple[int, int, str, np.ndarray | None]]) -> bytes:
-    """Carry bytes for items (key, sub-key, skip text "reason: detail" -- "" when encoded --, int32 ids):
-    what a writer keeps in a part between units (images of open documents, a shard's encoded clips)."""
-    chunks = []
-    for key, sub, skip, ids in items:
-        ids = np.zeros(0, np.int32) if ids is None else np.asarray(ids, np.int32)
-        text = skip.encode()[:MAX_SKIP_TEXT].decode("utf-8", "ignore").encode()
-        chunks += [_CARRY_ITEM.pack(key, sub, ids.size, len(text)), text, ids.tobytes()]
-    return b"".join(chunks)
-
-
-def unpack_carry(data: bytes) -> Iterator[tuple[int, int, str, np.ndarray]]:
-    """The items of `pack_carry` output (any number of concatenated packs), in order."""
-    offset = 0
-    while offset < len(data):
-        key, sub, count, length = _CARRY_ITEM.unpack_from(data, offset)
-        offset += _CARRY_ITEM.size
-        skip = data[offset: offset + length].decode()
-        offset += length
-        yield key, sub, skip, np.frombuffer(data, np.int32, count, offset).copy()
-        offset += 4 * count
 
 
 def lock_part(directory: str | os.PathLike) -> WriterLock:
