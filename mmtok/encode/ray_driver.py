@@ -94,12 +94,23 @@ class _Worker:
             return None
 
 
+@dataclass(eq=False)
+class _Lane:
+    """A started worker: its actor, where it runs (whose private copies are whose) and its calls in flight, in the
+    order it runs them."""
+
+    worker: object
+    host: str
+    pid: int
+    calls: list = field(default_factory=list)
+
+
 @dataclass
 class _Copy:
     """One copy of an item in flight on a worker."""
 
     item: int
-    worker: object
+    lane: _Lane
     ref: object
     started: float | None  # None while it waits behind the worker's call before it
     backup: bool  # submitted as a backup (counted in `backups_won` when it is the copy published)
@@ -177,11 +188,9 @@ class _Driver:
         self.held: dict[int, float] = {}  # item -> when to offer it again (another process holds its lock)
         self.tries: dict[int, int] = {}
         self.running: dict = {}  # ObjectRef -> _Copy: every call in flight (cancelled ones included)
-        self.lanes: dict[int, list] = {}  # id(worker) -> its calls in flight, in the order it runs them
-        self.workers: dict[int, object] = {}  # id(worker) -> worker, for the started ones alive
+        self.lanes: list[_Lane] = []  # the started workers alive
         self.done: set[int] = set()
         self.starting: dict = {}  # ObjectRef of a worker's `start` -> the worker
-        self.where: dict = {}  # id(worker) -> (host, pid), once started: whose private copies are whose
         self.all_started = False  # the first workers all started once (from then on: DEPTH calls each)
         self.live_since = time.monotonic()  # when a worker was last known placed and started (or the run began)
         self.copies: dict[int, set[str]] = {}  # item -> hosts of unfinished copies a killed writer left
@@ -222,21 +231,20 @@ class _Driver:
     def _started(self, ref) -> None:
         worker = self.starting.pop(ref)
         try:
-            self.where[id(worker)] = self.ray.get(ref)
+            host, pid = self.ray.get(ref)
         except self.ray.exceptions.RayTaskError as err:  # it could not load the codec: nothing will run
             raise MmtokError(f"a Ray worker could not start: {_cause(err)}") from None
         except self.ray.exceptions.RayActorError:  # its node went away before it started: another in its place
             self._count_lost()
             self._start()
             return
-        self.workers[id(worker)] = worker
-        self.lanes[id(worker)] = []
+        self.lanes.append(_Lane(worker, host, pid))
         self.run_record.worker_starts.append(round(time.time() - self.run_record.began_at, 3))
         self.live_since = time.monotonic()
 
     def _check_alive(self) -> None:
         """A run with no worker started, and none for START_TIMEOUT_S, cannot go on: say why."""
-        if self.workers:
+        if self.lanes:
             self.live_since = time.monotonic()
         elif time.monotonic() - self.live_since > START_TIMEOUT_S:
             raise MmtokError(f"no Ray worker could be placed for {START_TIMEOUT_S:.0f} s ({len(self.starting)} "
@@ -260,10 +268,10 @@ class _Driver:
                 self.queue.popleft()
                 continue
             # on the host of a copy left unfinished, if a worker there is free: resumed
-            worker = self._pick(depth - 1, prefer=self.copies.get(self.queue[0], ()))
-            if worker is None:
+            lane = self._pick(depth - 1, prefer=self.copies.get(self.queue[0], ()))
+            if lane is None:
                 return
-            self._submit(worker, self.queue.popleft(), backup=False)
+            self._submit(lane, self.queue.popleft(), backup=False)
         while self._pick(0) is not None:
             # an item with one copy in flight (none other running or waiting to be cancelled), not under a lock
             copies = Counter(c.item for c in self.running.values())
@@ -273,7 +281,7 @@ class _Driver:
             # the copy that has run longest
             waiting = [c for c in alone if c.started is None]
             if waiting:
-                chosen = min(waiting, key=lambda c: (self.running[self.lanes[id(c.worker)][0]].started, c.item))
+                chosen = min(waiting, key=lambda c: (self.running[c.lane.calls[0]].started, c.item))
                 chosen.cancelled = True  # where it waits (if it starts all the same, the copies are identical)
                 self.ray.cancel(chosen.ref)
             elif alone:
@@ -282,35 +290,34 @@ class _Driver:
                 return
             self.run_record.backups += 1
             # on another host than the slow copy's, if one is idle (a backup there would share its trouble)
-            self._submit(self._pick(0, avoid=self.where[id(chosen.worker)][0]), chosen.item, backup=True)
+            self._submit(self._pick(0, avoid=chosen.lane.host), chosen.item, backup=True)
 
-    def _pick(self, most: int, prefer=(), avoid: str = ""):
+    def _pick(self, most: int, prefer=(), avoid: str = "") -> _Lane | None:
         """A worker with at most `most` calls in flight, the least loaded first, then one on a host in `prefer`
         (where a copy can be adopted and resumed), else one not on host `avoid`; None if none."""
-        free = [w for w in self.workers.values() if len(self.lanes[id(w)]) <= most]
+        free = [lane for lane in self.lanes if len(lane.calls) <= most]
         if not free:
             return None
-        least = min(len(self.lanes[id(w)]) for w in free)
-        free = [w for w in free if len(self.lanes[id(w)]) == least]
+        least = min(len(lane.calls) for lane in free)
+        free = [lane for lane in free if len(lane.calls) == least]
         for wanted in (lambda host: host in prefer, lambda host: host != avoid):
-            for worker in free:
-                if wanted(self.where[id(worker)][0]):
-                    return worker
+            for lane in free:
+                if wanted(lane.host):
+                    return lane
         return free[0]
 
-    def _submit(self, worker, item: int, backup: bool) -> None:
-        ref = worker.encode.remote(item, item not in self.locked)
-        lane = self.lanes[id(worker)]
-        self.running[ref] = _Copy(item, worker, ref, None if lane else time.monotonic(), backup)
-        lane.append(ref)
+    def _submit(self, lane: _Lane, item: int, backup: bool) -> None:
+        ref = lane.worker.encode.remote(item, item not in self.locked)
+        self.running[ref] = _Copy(item, lane, ref, None if lane.calls else time.monotonic(), backup)
+        lane.calls.append(ref)
 
     def _free(self, ref) -> _Copy:
         """Take a settled call out of `running` and off its worker's lane; the call behind it starts now."""
         copy = self.running.pop(ref)
-        lane = self.lanes[id(copy.worker)]  # (a dead worker's calls left `running` with it: its lane is there)
-        lane.remove(ref)
-        if lane and self.running[lane[0]].started is None:
-            self.running[lane[0]].started = time.monotonic()
+        calls = copy.lane.calls
+        calls.remove(ref)
+        if calls and self.running[calls[0]].started is None:
+            self.running[calls[0]].started = time.monotonic()
         return copy
 
     def _settle(self, ref) -> None:
@@ -323,7 +330,7 @@ class _Driver:
                 self.queue.appendleft(copy.item)
             return
         except self.ray.exceptions.RayActorError:  # the worker died (its process or its node): hand its items out
-            self._lost(copy.worker)
+            self._lost(copy.lane)
             return
         except self.ray.exceptions.RayTaskError as err:  # the item itself failed: as it would under any launcher
             self._free(ref)
@@ -358,18 +365,17 @@ class _Driver:
             raise MmtokError(f"{self.run_record.workers_lost} Ray workers died; look for the cause in the Ray logs "
                              "(out of memory? a node failing?) before running it again")
 
-    def _lost(self, worker) -> None:
+    def _lost(self, lane: _Lane) -> None:
         """A worker died: its calls are settled at once (the one it was running is retried; the ones waiting
         behind it go back to the queue's front) and a new worker is started in its place."""
         self._count_lost()
-        del self.workers[id(worker)]
-        lane = self.lanes.pop(id(worker))
-        self.ray.kill(worker)  # (unavailable may not mean dead: make sure it holds no GPU and writes nothing)
+        self.lanes.remove(lane)
+        self.ray.kill(lane.worker)  # (unavailable may not mean dead: make sure it holds no GPU and writes nothing)
         self._start()  # a new worker in its place (Ray places it on a live node)
-        for position, ref in reversed(list(enumerate(lane))):
+        for position, ref in reversed(list(enumerate(lane.calls))):
             copy = self.running.pop(ref)
             if position == 0:  # the one it was writing: its copy may be resumed on its host
-                self.copies.setdefault(copy.item, set()).add(self.where[id(worker)][0])
+                self.copies.setdefault(copy.item, set()).add(lane.host)
             if not self._unattended(copy.item):
                 continue  # finished, or its other copy goes on
             if position == 0:
@@ -385,16 +391,15 @@ class _Driver:
         is removed once its call has come back failed (its process is gone); any other copy stays, for the next
         run to resume."""
 
-        workers = list(self.workers.values()) + list(self.starting.values())
+        workers = [lane.worker for lane in self.lanes] + list(self.starting.values())
         for worker in workers:
             self.ray.kill(worker)
         gone, _ = self.ray.wait(list(self.running), num_returns=len(self.running), timeout=60) if self.running \
             else ([], [])
         for ref in gone:
             copy = self.running[ref]
-            if copy.item in self.done:  # (every call went to a started worker: its place is known)
-                host, pid = self.where[id(copy.worker)]
-                shutil.rmtree(private_part_dir(self.out, copy.item, pid, host), ignore_errors=True)
+            if copy.item in self.done:
+                shutil.rmtree(private_part_dir(self.out, copy.item, copy.lane.pid, copy.lane.host), ignore_errors=True)
         # copies on this host of published items whose writer is dead (a worker killed in an earlier run): nobody's
         here = socket.gethostname()
         for item, host, pid in private_copies(self.out):
