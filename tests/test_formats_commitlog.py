@@ -27,7 +27,7 @@ from mmtok.formats.commitlog import (
     read_skipped,
     verify_part,
 )
-from mmtok.formats.items import read_items
+from mmtok.formats.items import ItemLocations, read_items
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import sha256_file
 
@@ -243,6 +243,25 @@ def test_items_read_back_with_their_lengths_and_offsets_across_units(tmp_path):
         assert {k: v for k, v in record.items() if k not in ("length", "offset")} == given
         np.testing.assert_array_equal(ids[record["offset"]:record["offset"] + record["length"]], given_ids)
     assert "length" not in committed[0][0]  # the caller's record is not changed
+
+
+def test_item_locations_keep_where_each_indexed_item_is_and_where_each_parts_ids_end(tmp_path):
+    """The one loop that indexes items (ImageIndex, merge's assembly): part, offset, length, whether it failed and
+    its record's line, for every record not dropped; each part's end counts the dropped ones' ids too."""
+    failed = ({**_item(3, 1, 0)[0], "skip": "decode_error"}, _item(3, 1, 0)[1])
+    for name, items in (("a", [_item(3, 0, 4), failed, _item(5, 0, 7)]), ("b", [_item(6, 0, 2)]), ("c", [])):
+        with PartWriter(tmp_path / name, IDENTITY) as part:
+            part.commit(0, [], [], {}, items=items)
+    locations, ends = ItemLocations(), []
+    for number, name in enumerate("abc"):
+        for record in locations.read_part(number, tmp_path / name):
+            if record["document"] == 5:  # (a template, say: not indexed)
+                locations.drop()
+        ends.append(locations.end)
+    lines = [0, (tmp_path / "a" / "items.jsonl").read_bytes().index(b"\n") + 1]  # where its first two lines start
+    assert {name: column.tolist() for name, column in locations.columns().items()} == {
+        "part": [0, 0, 1], "offset": [0, 4, 0], "length": [4, 0, 2], "has_skip": [0, 1, 0], "line": [*lines, 0]}
+    assert ends == [11, 2, 0]
 
 
 def test_a_part_of_items_only_finishes_without_a_dataset_and_keeps_its_items(tmp_path):

@@ -5,8 +5,9 @@ An image item is one image of a tar member: its record holds the sample's fields
 tar, container, member, manifest_row, document, image_index), the `digest` of the bytes it was decoded
 from (`media_digest`; absent when they could not be read) and, for an image that failed, `skip` and
 `detail`; its ids are the image block (none when it failed). `image_item` writes one (`mmtok encode`);
-`read_items`, `iter_items` and `ItemRecords` read a part's items back (merge's assembly, tests), and
-`ImageIndex` finds them again by (tar, member) across the parts of an output (`mmtok sft`), in a compact index.
+`read_items`, `iter_items` and `ItemRecords` read a part's items back (merge's assembly, tests);
+`ItemLocations` is the one loop that indexes them (where each item is) for `ImageIndex`, which finds them again
+by (tar, member) across the parts of an output (`mmtok sft`), and for merge's assembly (`mmtok.merge.assemble`).
 A document of several images also has a `template` item, which merge's assembly reads beside the images.
 
 Items are bound to their tar as the scan saw it: each image part's identity holds `part_containers`, the
@@ -103,6 +104,51 @@ def read_item_ids(directory: str | os.PathLike, count: int) -> np.ndarray:
     return np.memmap(Path(directory) / commitlog.ITEM_IDS, dtype=TOKEN_DTYPE, mode="r")
 
 
+# Where an item is -- its part, its ids in that part's items.ids, its record's line -- and whether it failed:
+# the columns every index of items keeps (`ImageIndex`; merge's assembly), as array typecodes (25 bytes an item).
+LOCATION = {"part": "i", "offset": "q", "length": "i", "has_skip": "B", "line": "q"}
+
+
+class ItemLocations:
+    """Reads the items of parts one part at a time (`read_part`) and keeps where each one is (`LOCATION`), in read
+    order, unless its reader `drop`s it: the one loop over items.jsonl of every index of items. A record is parsed,
+    its reader takes what it needs, and it is dropped: an index of 10^8 items holds columns, not records."""
+
+    def __init__(self):
+        self._columns = {name: array(code) for name, code in LOCATION.items()}
+        self.end = 0  # where the ids of the part read last end (0: it has no item)
+
+    def read_part(self, number: int, directory: str | os.PathLike) -> Iterator[dict]:
+        """Each item record of part `number` (at `directory`), in commit order, with its `offset` into the ids;
+        its location is kept unless the reader calls `drop` before asking for the next."""
+        parts, offsets, lengths, has_skip, lines = (column.append for column in self._columns.values())
+        self.end = 0
+        for line, record in iter_items(directory):  # (appended here, not by a call per item: the loop is hot)
+            offset, length = record["offset"], record["length"]
+            self.end = offset + length
+            parts(number)
+            offsets(offset)
+            lengths(length)
+            has_skip("skip" in record)
+            lines(line)
+            yield record
+
+    def drop(self) -> None:
+        """Forget the location of the record `read_part` gave last (one its reader does not index)."""
+        for column in self._columns.values():
+            column.pop()
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The `LOCATION` columns of the items kept, as NumPy arrays."""
+        return column_arrays(self._columns)
+
+
+def column_arrays(columns: dict[str, array]) -> dict[str, np.ndarray]:
+    """Columns read into `array`s (compact while they grow) as NumPy arrays: views of them, no copy."""
+    return {name: np.frombuffer(column, column.typecode) if column else np.zeros(0, column.typecode)
+            for name, column in columns.items()}
+
+
 class ItemRecords:
     """A part's item records by the positions `iter_items` gave (memory-mapped; opened on the first `at`)."""
 
@@ -128,10 +174,6 @@ def image_skip(item: dict, skip: Skip, stage: str) -> SkipRecord:
     """The skip record of the image an image item (of items.jsonl) describes."""
     return SkipRecord.of(skip, stage=stage, key=item["key"], source=item["source"], container=item["container"],
                          member=item["member"], position=int(item["manifest_row"]))
-
-
-# ImageIndex's columns and their array typecodes: 25 bytes an item, beside its 16-byte key.
-ITEM_COLUMNS = {"part": "i", "offset": "q", "length": "i", "has_skip": "B", "line": "q"}
 
 
 @dataclass(frozen=True)
@@ -161,29 +203,22 @@ class ImageIndex:
         self._containers: dict[str, dict] = {}  # resolved tar path -> the scan's identity of it
         self._stale: dict[str, str | None] = {}
         members, samples, digests, self._tars = bytearray(), bytearray(), bytearray(), set()
-        columns = {name: array(code) for name, code in ITEM_COLUMNS.items()}
-        parts, offsets, lengths, has_skip, lines = (column.append for column in columns.values())
+        locations = ItemLocations()
         for number, directory in enumerate(directories):
             self._containers.update({_real(tar): identity for tar, identity in part_containers(directory).items()})
-            end = 0
-            for line, record in iter_items(directory):
-                end = record["offset"] + record["length"]
+            for record in locations.read_part(number, directory):
                 if record.get("kind") != IMAGE_KIND:
+                    locations.drop()
                     continue
                 tar = _real(record["source"])
                 self._tars.add(tar)
                 members += key_digest(f"{tar}\0{record['member']}")
                 digests += _digest_bytes(record.get("digest"))
                 samples += key_digest(f"{tar}\0{record['key']}")
-                parts(number)
-                offsets(record["offset"])
-                lengths(record["length"])
-                has_skip("skip" in record)
-                lines(line)
-            self._ids.append(_item_ids(directory, end))
+            self._ids.append(_item_ids(directory, locations.end))
         self._ends = [int(ids.size) for ids in self._ids]
         self._members, chosen = KeyTable.of(members, keep="last")
-        self._columns = {name: np.frombuffer(column, column.typecode)[chosen] for name, column in columns.items()}
+        self._columns = {name: column[chosen] for name, column in locations.columns().items()}
         self._digests = np.frombuffer(bytes(digests), np.uint8).reshape(-1, DIGEST_BYTES)[chosen]
         self._samples = KeyTable.of(samples, count=True)[0]  # its counts: images per (tar, sample key)
         self.tars = sorted(self._tars)  # resolved paths of the tars the images come from
@@ -225,7 +260,7 @@ class ImageIndex:
         self._containers, self._stale, self._tars = restored["containers"], {}, set(restored["tars"])
         self._members = KeyTable(arrays["members_high"], arrays["members_low"], None)
         self._samples = KeyTable(arrays["samples_high"], arrays["samples_low"], arrays["samples_counts"])
-        self._columns = {name: arrays[f"column_{name}"] for name in ITEM_COLUMNS}
+        self._columns = {name: arrays[f"column_{name}"] for name in LOCATION}
         self._digests = arrays["digests"]
         self.tars = sorted(self._tars)
 
@@ -257,7 +292,7 @@ class ImageIndex:
         found = self._members.find(f"{_real(tar)}\0{member}")
         if found < 0:
             return None
-        part, offset, length, failed, line = (int(self._columns[name][found]) for name in ITEM_COLUMNS)
+        part, offset, length, failed, line = (int(self._columns[name][found]) for name in LOCATION)
         skip = None
         if failed:
             record = self._records[part].at(line)

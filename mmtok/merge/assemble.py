@@ -28,14 +28,23 @@ import numpy as np
 from mmtok.documents import DocumentBuilder, unpack_template
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
-from mmtok.formats.items import IMAGE_KIND, TEMPLATE_KIND, ItemRecords, image_skip, iter_items, read_item_ids
+from mmtok.formats.items import (
+    IMAGE_KIND,
+    LOCATION,
+    TEMPLATE_KIND,
+    ItemLocations,
+    ItemRecords,
+    column_arrays,
+    image_skip,
+    read_item_ids,
+)
 from mmtok.formats.megatron import DatasetWriter
 from mmtok.formats.skips import SkipRecord
 
 TEMPLATE, IMAGE = 0, 1  # `_Index.kind`: a document's template sorts before its images
-# The index's columns and their array typecodes: 46 bytes an item (+ 8 for `_Index.read`), whatever its record holds.
-COLUMNS = {"kind": "b", "document": "q", "image_index": "i", "part": "i", "offset": "q", "length": "i",
-           "has_skip": "B", "manifest_row": "q", "line": "q"}
+# The index's own columns and their array typecodes, beside where each item is (`LOCATION`): 46 bytes an item
+# (+ 8 for `_Index.read`), whatever its record holds.
+COLUMNS = {"kind": "b", "document": "q", "image_index": "i", "manifest_row": "q"}
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ def _collect(part_dirs: list[Path]) -> tuple[_Index, list[np.ndarray]]:
     comes first in read order."""
     columns, ids, unknown = _read(part_dirs)
     order = np.lexsort((columns["image_index"], columns["kind"], columns["document"]))  # stable: ties keep read order
-    index = _Index(**{name: columns.pop(name)[order] for name in COLUMNS}, read=order)  # one column copied at a time
+    index = _Index(**{name: columns.pop(name)[order] for name in [*COLUMNS, *LOCATION]}, read=order)  # one at a time
     _refuse_second_items(index, part_dirs)
     if unknown:
         directory, kind = unknown
@@ -124,14 +133,12 @@ def _read(part_dirs: list[Path]) -> tuple[dict[str, np.ndarray], list[np.ndarray
     3.9 s without fsync, 1.0 s parsing): a fixed-width binary index of these columns, written by
     `PartWriter.commit` beside items.jsonl, would make it one read per part."""
     columns = {name: array(code) for name, code in COLUMNS.items()}
-    kinds, documents, image_indices, parts, offsets, lengths, has_skip, manifest_rows, lines = (
-        column.append for column in columns.values())
-    ids, unknown = [], None
+    kinds, documents, image_indices, manifest_rows = (column.append for column in columns.values())
+    locations, ids, unknown = ItemLocations(), [], None
     for number, directory in enumerate(part_dirs):
-        end = 0
-        for line, record in iter_items(directory):
-            end = record["offset"] + record["length"]
+        for record in locations.read_part(number, directory):
             if unknown:
+                locations.drop()
                 continue  # the rest of the part is still parsed (a damaged line is refused first, as before)
             kind = record["kind"]
             if kind == TEMPLATE_KIND:
@@ -144,18 +151,13 @@ def _read(part_dirs: list[Path]) -> tuple[dict[str, np.ndarray], list[np.ndarray
                 manifest_rows(int(record["manifest_row"]))
             else:
                 unknown = directory, repr(kind)
+                locations.drop()
                 continue
             documents(int(record["document"]))
-            parts(number)
-            offsets(record["offset"])
-            lengths(record["length"])
-            has_skip("skip" in record)
-            lines(line)
-        ids.append(np.asarray(read_item_ids(directory, end)))  # plain views slice faster than a memmap
+        ids.append(np.asarray(read_item_ids(directory, locations.end)))  # plain views slice faster than a memmap
         if unknown:
             break
-    arrays = {name: np.frombuffer(column, column.typecode) if column else np.zeros(0, column.typecode)
-              for name, column in columns.items()}
+    arrays = {**column_arrays(columns), **locations.columns()}
     arrays["has_skip"] = arrays["has_skip"].view(bool)
     return arrays, ids, unknown
 
