@@ -140,6 +140,25 @@ def test_a_parquet_input_cut_short_while_it_is_read_is_an_error_not_a_crash(tmp_
     assert done.stdout.startswith("MmtokError") and "is unreadable" in done.stdout
 
 
+def test_a_parquet_image_input_cut_short_while_encode_reads_it_is_a_short_read_not_a_crash(tmp_path):
+    # encode's loader threads read image cells through MemberReader; a memory-mapped file cut short under them
+    # killed the whole encode with SIGBUS. The read runs in a child so that this test reports a crash, not dies of it.
+    path = tmp_path / "images.parquet"
+    jpeg = real_images()["rocket.jpg"].read_bytes()
+    pq.write_table(pa.table({"jpg": [jpeg] * 400, "txt": [f"caption {n}" for n in range(400)]}), path,
+                   row_group_size=50, compression="none")
+    script = ("import os\nfrom mmtok.formats.manifest import MemberReader, ShortRead\n"
+              f"path = {str(path)!r}\nreader = MemberReader()\n"
+              "assert reader.read_member('parquet', path, 'jpg', 0, 0)[:2] == b'\\xff\\xd8'\n"
+              "os.truncate(path, os.path.getsize(path) // 3)\n"
+              "try:\n    reader.read_member('parquet', path, 'jpg', 350, 0)\nexcept ShortRead as err:\n"
+              "    print('ShortRead', err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("ShortRead")
+
+
 def test_a_decode_error_says_the_same_words_on_every_run():
     # libsndfile names an in-memory file by its address: a skip record that held it would differ run to run
     details = set()

@@ -83,9 +83,9 @@ def _read_arrow(path: str) -> pa.Table:
 class TableFile:
     """A table file (`file_format` as `containers.container_of` says) opened once -- its footer parsed once, however
     many read units are read: its schema, the rows of each read unit (its Parquet row groups, or its Arrow record
-    batches as written), one unit's columns, or every row's. An Arrow file is memory-mapped; a Parquet file is
-    read, not mapped: one cut short while it is open is an error to report, where a map would end the process
-    with SIGBUS."""
+    batches as written), one unit's columns, or every row's. A Parquet file is read, not mapped: one cut short while
+    it is open is an error to report, where a map would end the process with SIGBUS. An Arrow file is
+    memory-mapped (its stream format has no index to read one batch by), so one cut short mid-run still does."""
 
     def __init__(self, path: str, file_format: str):
         import pyarrow.parquet as pq
@@ -185,19 +185,15 @@ def struct_paths(array: pa.Array) -> list[str | None] | None:
 
 
 class TableRows:
-    """Random access to image values by row index (Parquet: one cached row group at a time)."""
+    """Random access to image values by row index, one cached read unit (row group, record batch) per column; the
+    file is a `TableFile` (a Parquet file is read, not mapped: one cut short mid-run is a short read, not SIGBUS)."""
 
     def __init__(self, path: str):
-        import pyarrow.parquet as pq
-
-        self._parquet = pq.ParquetFile(path, memory_map=True) if container_of(path) == PARQUET else None
-        self._table = None if self._parquet else _read_arrow(path)
-        if self._parquet is not None:
-            meta = self._parquet.metadata
-            self._starts = [0]
-            for group in range(meta.num_row_groups):
-                self._starts.append(self._starts[-1] + meta.row_group(group).num_rows)
-        self._cached: dict[str, tuple[int, pa.Table]] = {}  # column -> its last row group read
+        self._file = TableFile(path, container_of(path))
+        self._starts = [0]
+        for size in self._file.group_sizes():
+            self._starts.append(self._starts[-1] + size)
+        self._cached: dict[str, tuple[int, pa.Table]] = {}  # column -> its last read unit read
 
     def image_bytes(self, column: str, row: int) -> bytes:
         value = image_values(self._cell(column, row))[0]
@@ -217,14 +213,11 @@ class TableRows:
 
     def _cell(self, column: str, row: int) -> pa.Array:
         """A one-element array: `column` at `row`."""
-        if self._parquet is None:
-            table, index = self._table, row
-        else:
-            group = bisect.bisect_right(self._starts, row) - 1
-            if not 0 <= group < len(self._starts) - 1:
-                raise OSError(f"row {row} is past the end of the file")
-            # one row group per column: reading an image, then its caption, must not read either group again
-            if self._cached.get(column, (None,))[0] != group:
-                self._cached[column] = (group, self._parquet.read_row_group(group, columns=[column]))
-            table, index = self._cached[column][1], row - self._starts[group]
+        group = bisect.bisect_right(self._starts, row) - 1
+        if not 0 <= group < len(self._starts) - 1:
+            raise OSError(f"row {row} is past the end of the file")
+        # one read unit per column: reading an image, then its caption, must not read either unit again
+        if self._cached.get(column, (None,))[0] != group:
+            self._cached[column] = (group, self._file.read_group(group, [column]))
+        table, index = self._cached[column][1], row - self._starts[group]
         return table.column(column).slice(index, 1).combine_chunks()
