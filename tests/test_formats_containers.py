@@ -16,7 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from encodekit import chat_tokenizer, real_images, write_tar
+from mmtok.audio.sources import parquet as parquet_source
 from mmtok.audio.sources.lhotse import lhotse_units
+from mmtok.audio.sources.parquet import table_units
 from mmtok.audio.sources.units import decode_audio
 from mmtok.documents import DocumentBuilder, DocumentError, Sidecars
 from mmtok.errors import Skip
@@ -122,6 +124,23 @@ def test_a_parquet_conversation_input_is_opened_once_whatever_its_row_groups(tmp
     conversations = list(read_conversations([path]))
     assert [c.record["messages"][0]["content"] for c in conversations] == [f"q{n}" for n in range(40)]
     assert len(opened) == 1
+
+
+def test_an_audio_table_is_opened_once_for_its_row_groups_and_again_once_it_changed(tmp_path, monkeypatch):
+    # A unit per row group, each read by whichever convert process is free: reopened per unit, the footer (which
+    # grows with the row groups) was parsed once per row group -- 49 s at 5,000 of them.
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"audio": [b"not audio %d" % n for n in range(10)]}), path, row_group_size=1)
+    units, _ = table_units(path, "audio", "text")
+    opened, real = [], pq.ParquetFile
+    monkeypatch.setattr(pq, "ParquetFile", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    parquet_source._opened.cache_clear()
+    payloads = [[payload for payload, _ in unit.payloads()] for unit in units]
+    assert len(payloads) == 10 and all(len(found) == 1 for found in payloads) and len(opened) == 1
+    pq.write_table(pa.table({"audio": [b"x"] * 20}), path, row_group_size=2)  # rewritten: 2 rows a group
+    skips = [record for record in units[3].payloads()]
+    assert len(opened) == 2 and skips[0].reason == "unreadable_row_group" and "changed during the run" in \
+        skips[0].detail
 
 
 def test_a_parquet_input_cut_short_while_it_is_read_is_an_error_not_a_crash(tmp_path):
