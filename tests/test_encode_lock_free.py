@@ -40,24 +40,36 @@ def _argv(plan_dir: Path, checkpoint: Path, out: Path) -> list[str]:
             "--out", str(out), "--device", "cpu", "--loader-threads", "1", "--no-progress", "--lock-free"]
 
 
-def _gated(root: Path, argv: list[str], gate: Path) -> subprocess.Popen:
-    """A writer whose codec waits at its second batch until `gate/release` exists."""
-    gate.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(root / "site"), "GATE_AT": "2", "GATE_DIR": str(gate),
-           "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (gate / "arrived").exists():
-        assert process.poll() is None, process.communicate()
-        assert time.monotonic() < deadline, "the gated writer never reached its second batch"
-        time.sleep(0.01)
-    return process
+@pytest.fixture
+def gated(job):
+    """Starts a writer whose codec waits at its second batch until `gate/release` exists; any writer still running
+    when the test ends (a failed assertion before the release) is killed, never left waiting at its gate."""
+    root, started = job[0], []
+
+    def start(argv: list[str], gate: Path) -> subprocess.Popen:
+        gate.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(root / "site"), "GATE_AT": "2", "GATE_DIR": str(gate),
+               "OMP_NUM_THREADS": "1"}
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(process)
+        deadline = time.monotonic() + 120
+        while not (gate / "arrived").exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the gated writer never reached its second batch"
+            time.sleep(0.01)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
-def test_a_copy_published_second_is_checked_identical_and_discarded(job, tmp_path):
+def test_a_copy_published_second_is_checked_identical_and_discarded(job, gated, tmp_path):
     root, plan_dir, checkpoint = job
     out = tmp_path / "out"
-    second = _gated(root, _argv(plan_dir, checkpoint, out), tmp_path / "gate")  # mid-item, in its private copy
+    second = gated(_argv(plan_dir, checkpoint, out), tmp_path / "gate")  # mid-item, in its private copy
     [private] = (parts_root(out) / PRIVATE_DIR).iterdir()
     assert private.name == f"part-00000.{os.uname().nodename}.{second.pid}" and not part_dir(out, 0).exists()
     first = subprocess.run([*_argv(plan_dir, checkpoint, out), "--json"], capture_output=True, text=True)
@@ -75,10 +87,10 @@ def test_a_copy_published_second_is_checked_identical_and_discarded(job, tmp_pat
         assert sha256_file(out / name) == sha256_file(root / "clean" / name), name
 
 
-def test_a_copy_that_differs_from_the_published_part_is_refused_and_kept(job, tmp_path):
+def test_a_copy_that_differs_from_the_published_part_is_refused_and_kept(job, gated, tmp_path):
     root, plan_dir, checkpoint = job
     out = tmp_path / "out"
-    second = _gated(root, _argv(plan_dir, checkpoint, out), tmp_path / "gate")
+    second = gated(_argv(plan_dir, checkpoint, out), tmp_path / "gate")
     assert subprocess.run(_argv(plan_dir, checkpoint, out), capture_output=True).returncode == 0
     provenance = part_dir(out, 0) / "provenance.jsonl"
     provenance.write_bytes(provenance.read_bytes().replace(b'"key"', b'"kez"', 1))  # the published one is not ours
@@ -90,10 +102,11 @@ def test_a_copy_that_differs_from_the_published_part_is_refused_and_kept(job, tm
     assert is_done(kept)  # this writer's finished copy, kept for inspection
 
 
-def test_a_killed_writers_private_copy_is_adopted_on_its_host_and_resumed_from_its_commit_log(job, tmp_path):
+def test_a_killed_writers_private_copy_is_adopted_on_its_host_and_resumed_from_its_commit_log(job, gated,
+                                                                                                  tmp_path):
     root, plan_dir, checkpoint = job
     out = tmp_path / "out"
-    killed = _gated(root, _argv(plan_dir, checkpoint, out), tmp_path / "gate")
+    killed = gated(_argv(plan_dir, checkpoint, out), tmp_path / "gate")
     [private] = (parts_root(out) / PRIVATE_DIR).iterdir()
     deadline = time.monotonic() + 60
     while len(read_commits(private)[0]) < 1:  # its first batch is committed while the second waits on the device

@@ -160,7 +160,7 @@ def test_a_stop_during_an_items_last_batch_finishes_that_item_and_starts_no_othe
     codec = emu35.load(job["common"][job["common"].index("--checkpoint") + 1], "cpu")
     options = EncodeOptions(loader_threads=1, progress=False, stop=_AfterItem(out, 0))
     result = encode_image_rank(job["plan"], out, codec, rank=0, world_size=1, options=options)
-    assert result.worker.stopped == ItemStop("SIGUSR1", 1, int(items[1, 0]))
+    assert result.stopped == ItemStop("SIGUSR1", 1, int(items[1, 0]))
     assert is_done(part_dir(out, 0)) and not part_dir(out, 1).exists() and result.items_done_before == 0
 
 

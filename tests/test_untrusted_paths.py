@@ -287,7 +287,9 @@ def test_sft_resolves_media_with_the_same_roots(tmp_path, monkeypatch):
 
     def assemble(inputs, out, **kwargs):
         seen.update(kwargs)
-        return WorkerRun(range(0, 1), 1, {}, [], 0, False, None, TakeOver([], [], {}, []))
+        return WorkerRun(items=range(0, 1), num_items=1, counts={}, parts=[], sequences=0, already_done=False,
+                         stopped=None, take_over=TakeOver(taken_over=[], held_by_others=[], failed={},
+                                                          unfinished_failed=[]))
 
     monkeypatch.setattr(mmtok.sft.build, "assemble_worker", assemble)
     assert main(["sft", str(data / "convs.jsonl"), "--text-tokenizer", "tekken", "--out", str(tmp_path / "sft"),

@@ -213,16 +213,15 @@ def _image_worker(args, plan, stop) -> int:
     result = encode_image_rank(args.plan, args.out, codec, rank=rank, world_size=world_size, device=device,
                                options=options)
     print_report("encode", summary_lines(result, args.out), result.to_json() if args.json else None)
-    worker = result.worker
-    if worker.stopped:
+    if result.stopped:
         return STOPPED_EXIT
-    counts = worker.counts  # the parts' own counters: the same verdict when a rerun finds them finished
+    counts = result.counts  # the parts' own counters: the same verdict when a rerun finds them finished
     failed = skips.items_failed_by_reason(counts)
     refuse_nothing_usable(f"rank {rank}/{world_size}", result.images_written + result.images_deferred
                           - sum(failed.values()), counts,
-                          listed_in(worker, "skipped.jsonl" + (" and items.jsonl" if failed else "")), extra=failed,
+                          listed_in(result, "skipped.jsonl" + (" and items.jsonl" if failed else "")), extra=failed,
                           rank_of=("encode", world_size))
-    refuse_unfinished(worker.take_over)
+    refuse_unfinished(result.take_over)
     return 0
 
 
@@ -335,10 +334,10 @@ def summary_lines(result: ImageWorkerRun, out: str) -> list[str]:
     """The human summary of an image worker: what it wrote (or that it was finished), its pace, the job view."""
     from mmtok.encode.loop import UNIFORM_CODES
 
-    worker, head = result.worker, f"rank {result.rank}/{result.world_size}"
-    idle = idle_worker_line(head, worker, "encoded")
-    if worker.stopped:
-        stop = worker.stopped
+    head = f"rank {result.rank}/{result.world_size}"
+    idle = idle_worker_line(head, result, "encoded")
+    if result.stopped:
+        stop = result.stopped
         lines = [f"{head}: stopped on {stop.signal} before batch {stop.next_batch:,} of work item {stop.item:,} "
                  "(everything before it is committed); rerun or requeue this command to resume from there"]
     elif idle:
@@ -348,29 +347,28 @@ def summary_lines(result: ImageWorkerRun, out: str) -> list[str]:
         timing = result.timing
         lines.append(f"{timing['wall_s']:.1f} s, {result.images_per_s:.1f} img/s, {timing['tokens_per_s']:,.0f} tok/s, "
                      f"device busy {100 * timing['device_busy_fraction']:.1f}% on {result.device}")
-        lines += _uniform_lines(worker.counts.get(UNIFORM_CODES, 0), "image")
-    lines += take_over_lines(worker.take_over)
+        lines += _uniform_lines(result.counts.get(UNIFORM_CODES, 0), "image")
+    lines += take_over_lines(result.take_over)
     return lines + [f"job view (every rank): mmtok status {out}"]
 
 
 def _sft_lines(result: ImageWorkerRun, out: str) -> list[str]:
     """No documents here: every image is an item for `mmtok sft`."""
-    where = parts_named(result.worker)
-    failed = _reasons(skips.items_failed_by_reason(result.worker.counts))
+    where = parts_named(result)
+    failed = _reasons(skips.items_failed_by_reason(result.counts))
     return [f"rank {result.rank}/{result.world_size} -> {where}: {result.images_deferred:,} of "
             f"{plural(result.images_planned, 'image')} of SFT conversations stored as items, "
-            f"{plural(result.worker.counts.get('item_tokens', 0), 'token')}" + (f"; failed to decode: {failed} "
+            f"{plural(result.counts.get('item_tokens', 0), 'token')}" + (f"; failed to decode: {failed} "
             f"(named in {where}/items.jsonl; `mmtok sft` skips their conversations, naming them)" if failed else ""),
             f"next: mmtok sft CONVERSATIONS --images {out} [--audio AUD] --out SFT, then mmtok merge SFT"]
 
 
 def _document_lines(result: ImageWorkerRun, out: str) -> list[str]:
-    worker = result.worker
-    where, skipped = parts_named(worker), skips.by_reason(worker.counts)
-    failed = skips.items_failed_by_reason(worker.counts)
+    where, skipped = parts_named(result), skips.by_reason(result.counts)
+    failed = skips.items_failed_by_reason(result.counts)
     lines = [f"rank {result.rank}/{result.world_size} -> {where}: {result.images_written:,} of "
-             f"{plural(result.images_planned, 'image')} in {plural(worker.sequences, 'document')}, "
-             f"{plural(worker.counts.get('tokens', 0), 'token')}; skipped: {_reasons(skipped) or 'none'}"
+             f"{plural(result.images_planned, 'image')} in {plural(result.sequences, 'document')}, "
+             f"{plural(result.counts.get('tokens', 0), 'token')}; skipped: {_reasons(skipped) or 'none'}"
              + (f" (each named in {where}/skipped.jsonl)" if skipped else "")]
     if result.images_deferred:
         lines.append(f"+ {plural(result.images_deferred, 'image')} of documents with several images, stored as "

@@ -450,7 +450,7 @@ class AudioRun:
 
     @property
     def already_done(self) -> bool:
-        """(`take_items`: a shard found finished is one no process needs, never one taken over.)"""
+        """Never: `take_items` offers no finished shard, and an own shard found finished is counted as encoded."""
         return False
 
     def plus(self, more: AudioRun) -> AudioRun:
@@ -476,6 +476,9 @@ class ShardStop:
     signal: str
     shards: list[int]
 
+    def to_json(self) -> dict:
+        return {"signal": self.signal, "shards": self.shards}
+
 
 @dataclass(frozen=True)
 class AudioWorkerRun:
@@ -489,9 +492,8 @@ class AudioWorkerRun:
     take_over: TakeOver
 
     def to_json(self) -> dict:
-        stopped = None if self.stopped is None else {"signal": self.stopped.signal, "shards": self.stopped.shards}
         return {**self.run.to_json(), "rank": self.rank, "world_size": self.world_size, "shards": self.shards,
-                "stopped": stopped, **self.take_over.to_json()}
+                "stopped": None if self.stopped is None else self.stopped.to_json(), **self.take_over.to_json()}
 
 
 def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: int, batching: Batching,
@@ -543,10 +545,12 @@ def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: in
         summary = summary.plus(result)
     stopped = None
     if summary.unfinished or run.stopped is not None:  # the shards it left unfinished, or the next it would take
-        stopped = ShardStop(stop.name, sorted({*summary.unfinished, *([] if run.stopped is None else [run.stopped])}))
+        stopped = ShardStop(signal=stop.name,
+                            shards=sorted({*summary.unfinished, *([] if run.stopped is None else [run.stopped])}))
     run.taken = [index for index in run.taken if index not in mine]  # an own shard freed by its holder is its own
     run.held += held
-    return AudioWorkerRun(summary, rank, world_size, mine, stopped, run.take_over(out))
+    return AudioWorkerRun(run=summary, rank=rank, world_size=world_size, shards=mine, stopped=stopped,
+                          take_over=run.take_over(out))
 
 
 def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int, progress: bool,
@@ -601,8 +605,9 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
         bar.close()
         release_parts(work)
     wall = time.perf_counter() - meter.started
-    return AudioRun(len(requests), meter.items, dict(sorted(skipped.items())), flagged[UNIFORM_CODES], wall,
-                    meter.busy, meter.waited, meter.fill_seconds)
+    return AudioRun(batches=len(requests), clips=meter.items, skipped=dict(sorted(skipped.items())),
+                    uniform_codes=flagged[UNIFORM_CODES], wall_s=wall, device_busy_s=meter.busy,
+                    loader_wait_s=meter.waited, first_batch_s=meter.fill_seconds)
 
 
 def prefetched(batches, depth: int = 2) -> Iterator[dict]:

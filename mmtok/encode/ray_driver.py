@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import is_done, part_dir
+from mmtok.formats.parts import ItemDone
 from mmtok.formats.private_parts import private_copies, private_part_dir, process_alive
 
 MAX_TRIES = 3  # a worker dying under the same item this many times is a fault of the item, not of the workers
@@ -84,7 +85,7 @@ class _Worker:
                                    EncodeOptions(**options, progress=False, take_over=False, lock_free=True))
         return socket.gethostname(), os.getpid()
 
-    def encode(self, item: int, lock_free: bool):
+    def encode(self, item: int, lock_free: bool) -> ItemDone | None:
         """The item's `ItemDone`; None while a run with locks still writes it (offered again later)."""
         from mmtok.fsutil import LockHeld
 

@@ -225,10 +225,9 @@ class Assembler:
 
 # -- the worker ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ImageWorkerRun:
-    """What an image worker did (`encode_image_rank`): its items summed (`worker`), and its pace."""
+class ImageWorkerRun(WorkerRun):
+    """What an image worker did (`encode_image_rank`): its items summed, and its pace."""
 
-    worker: WorkerRun
     rank: int
     world_size: int
     mode: str  # the plan's
@@ -241,17 +240,17 @@ class ImageWorkerRun:
 
     @property
     def images_written(self) -> int:
-        return self.worker.counts.get("images_written", 0)
+        return self.counts.get("images_written", 0)
 
     @property
     def images_deferred(self) -> int:
         """Images stored as items: merge (or mmtok sft) assembles their documents."""
-        return self.worker.counts.get("images_deferred", 0)
+        return self.counts.get("images_deferred", 0)
 
     @property
     def timing(self) -> dict[str, float]:
         """Wall and device-busy seconds of the parts reached (every session), their ratio, tokens per second."""
-        return timing_stats(self.worker.counts)
+        return timing_stats(self.counts)
 
     @property
     def images_per_s(self) -> float:
@@ -259,8 +258,8 @@ class ImageWorkerRun:
         return (self.images_written + self.images_deferred) / wall if wall else 0.0
 
     def to_json(self) -> dict:
-        counts = self.worker.counts
-        return {**self.worker.to_json(), "rank": self.rank, "world_size": self.world_size, "mode": self.mode,
+        counts = self.counts
+        return {**super().to_json(), "rank": self.rank, "world_size": self.world_size, "mode": self.mode,
                 "items_done_before": self.items_done_before, "dataset": self.dataset,
                 "images_planned": self.images_planned, "images_written": self.images_written,
                 "images_deferred": self.images_deferred, "items_failed": skips.items_failed_by_reason(counts),
@@ -290,14 +289,16 @@ def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int
     stopped = None
     if run.stopped is not None:  # inside the item (its result says where), or before it
         inside = run.reached and run.reached[-1] == run.stopped
-        stopped = ItemStop(options.stop.name, run.stopped,
-                           run.done[-1].next_unit if inside else _next_batch(plan, out, run.stopped))
+        stopped = ItemStop(signal=options.stop.name, item=run.stopped,
+                           next_batch=run.done[-1].next_unit if inside else _next_batch(plan, out, run.stopped))
     discarded = [item for item, done in zip(run.reached, run.done, strict=True) if done.discarded]
     ran = [done for done in run.done if not done.already_done]
+    worker = WorkerRun.of(run, items, len(plan.work_items()), out, stopped, discarded)
     return ImageWorkerRun(
-        WorkerRun.of(run, items, len(plan.work_items()), out, stopped, discarded), rank, world_size,
-        plan.meta["parameters"]["mode"], len(run.done) - len(ran), any(done.dataset for done in run.done),
-        sum(done.planned for done in run.done), sum(done.fill_s for done in ran), str(device), options.loader_threads)
+        **vars(worker), rank=rank, world_size=world_size, mode=plan.meta["parameters"]["mode"],
+        items_done_before=len(run.done) - len(ran), dataset=any(done.dataset for done in run.done),
+        images_planned=sum(done.planned for done in run.done), fill_s=sum(done.fill_s for done in ran),
+        device=str(device), loader_threads=options.loader_threads)
 
 
 class ItemEncoder:
@@ -378,8 +379,8 @@ def _encode_item(work: ItemWork, out, codec, builder: DocumentBuilder, identity:
 
 def _item_done(part: PartWriter, final: Path, work: ItemWork, **fields) -> ItemDone:
     """What the item's part holds (`final`: where it is published, the part itself unless lock-free)."""
-    return ItemDone(str(final), dict(part.counts), len(part.lengths), dataset=has_dataset(part.directory),
-                    planned=work.num_images, **fields)
+    return ItemDone(part_dir=str(final), counts=dict(part.counts), sequences=len(part.lengths),
+                    dataset=has_dataset(part.directory), planned=work.num_images, **fields)
 
 
 def _run_batches(work: ItemWork, codec, part: PartWriter, assembler: Assembler, batches: range,

@@ -172,7 +172,7 @@ class TakeOver:
 class ItemRun:
     """What one worker did with the work items `take_items` gave it."""
 
-    done: list = field(default_factory=list)  # the result of every item it finished, stopped in or found done
+    done: list[ItemOutcome] = field(default_factory=list)  # the result of every item finished, stopped in or found done
     reached: list[int] = field(default_factory=list)  # those items, in the same order
     taken: list[int] = field(default_factory=list)  # other workers' items it finished
     held: list[int] = field(default_factory=list)  # own items another process held when it came to them
@@ -182,8 +182,8 @@ class ItemRun:
     def take_over(self, out: Path, discarded_copies: list[int] | None = None) -> TakeOver:
         """The take-over figures every worker's result reports."""
         unfinished = [item for item in self.failed if not commitlog.is_done(commitlog.part_dir(out, item))]
-        return TakeOver(self.taken, sorted(set(self.held) - set(self.reached)), self.failed, sorted(unfinished),
-                        discarded_copies)
+        return TakeOver(taken_over=self.taken, held_by_others=sorted(set(self.held) - set(self.reached)),
+                        failed=self.failed, unfinished_failed=sorted(unfinished), discarded_copies=discarded_copies)
 
 
 @dataclass(frozen=True)
@@ -206,10 +206,10 @@ class WorkerRun:
         counts: Counter = Counter()
         for done in run.done:
             counts.update(done.counts)
-        return cls(own, num_items, dict(counts), [done.part_dir for done in run.done],
-                   sum(done.sequences for done in run.done),
-                   bool(run.done) and all(done.already_done for done in run.done), stopped,
-                   run.take_over(out, discarded_copies))
+        return cls(items=own, num_items=num_items, counts=dict(counts), parts=[done.part_dir for done in run.done],
+                   sequences=sum(done.sequences for done in run.done),
+                   already_done=bool(run.done) and all(done.already_done for done in run.done), stopped=stopped,
+                   take_over=run.take_over(out, discarded_copies))
 
     def to_json(self) -> dict:
         return {"items": [self.items.start, self.items.stop], "num_items": self.num_items, "counts": self.counts,

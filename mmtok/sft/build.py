@@ -430,7 +430,7 @@ def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, image
     work = _Work(inputs, out, index, builder, roots, options, stop_check(options.stop))
     run = take_items(out, len(items), own, options.take_over, work.stopping,
                      lambda item: work.item(item, items[item], {**shared, "part": item, "part_units": [*items[item]]}))
-    stopped = None if run.stopped is None else ItemStop(options.stop.name, run.stopped)
+    stopped = None if run.stopped is None else ItemStop(signal=options.stop.name, item=run.stopped)
     return WorkerRun.of(run, own, len(items), out, stopped)
 
 
@@ -477,8 +477,8 @@ class _Work:
 
 
 def _item_done(part: PartWriter, **fields) -> ItemDone:
-    return ItemDone(str(part.directory), dict(part.counts), len(part.lengths), dataset=has_dataset(part.directory),
-                    **fields)
+    return ItemDone(part_dir=str(part.directory), counts=dict(part.counts), sequences=len(part.lengths),
+                    dataset=has_dataset(part.directory), **fields)
 
 
 @dataclass
