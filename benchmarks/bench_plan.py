@@ -171,8 +171,12 @@ os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 import pyarrow as pa
 pa.set_cpu_count(1); pa.set_io_thread_count(1)
 import mmtok
+from mmtok.formats import manifest as manifest_format
 from mmtok.formats.plan import BATCHES_FILE, PlanWriter, Plan
-from mmtok.formats.presets import load_preset
+try:
+    from mmtok.formats.presets import load_preset
+except ImportError:  # the old tree: presets were part of the planner's parameters then
+    from mmtok.plan.params import load_preset
 from mmtok.plan import batching, core, rows
 from mmtok.plan.rows import text_tokenizer
 from mmtok.ranks import imbalance, rank_costs
@@ -196,6 +200,8 @@ timed(batching.GroupPlanner, "plan", "windows + batches")
 timed(core, "_write_group", "write files")
 timed(PlanWriter, "finish", "write files")
 job = json.loads(sys.argv[1])
+# the manifest's rows are the same in every version; a newer manifest.json only records more about its inputs
+manifest_format.FORMAT_VERSION = job["manifest_version"]
 params = load_preset(job["preset"]).override(mode="image", **job["overrides"])
 text_tokenizer(params.text_tokenizer)  # tokenizer load (~1.5 s) is not planning work
 wall, cpu = time.perf_counter(), time.process_time()
@@ -224,8 +230,10 @@ print(json.dumps({"seconds": wall, "cpu_seconds": cpu, "phases": phases, "code":
 def run_plan(source: Path, manifest: Path, out: Path, world_size: int, overrides: dict | None = None,
              rederive: tuple[int, ...] = ()) -> dict:
     """Plan `manifest` into `out` with the mmtok package of `source` (a checkout) in a fresh one-core process."""
+    from mmtok.formats.manifest import FORMAT_VERSION  # (the manifests are written by this tree)
+
     job = {"manifest": str(manifest), "out": str(out), "preset": PRESET, "overrides": overrides or {},
-           "world_size": world_size, "rederive": list(rederive)}
+           "world_size": world_size, "rederive": list(rederive), "manifest_version": FORMAT_VERSION}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(source)}
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(job)], cwd=source, env=env,  # cwd: its plans/
                           capture_output=True, text=True)
