@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 import tarfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -141,6 +143,11 @@ def test_an_audio_table_is_opened_once_for_its_row_groups_and_again_once_it_chan
     skips = [record for record in units[3].payloads()]
     assert len(opened) == 2 and skips[0].reason == "unreadable_row_group" and "changed during the run" in \
         skips[0].detail
+    stamp, before = parquet_source._stamp(str(path)), path.stat()
+    time.sleep(0.05)  # past the file system's clock tick (ctime is coarse)
+    path.write_bytes(path.read_bytes())  # rewritten in place, the same size, its mtime set back (rsync -t --inplace)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert parquet_source._stamp(str(path)) != stamp  # (its ctime: a file changed is never taken for the one cached)
 
 
 def test_a_parquet_input_cut_short_while_it_is_read_is_an_error_not_a_crash(tmp_path):
@@ -176,6 +183,46 @@ def test_a_parquet_image_input_cut_short_while_encode_reads_it_is_a_short_read_n
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.startswith("ShortRead")
+
+
+def test_a_table_cell_that_no_longer_decodes_is_a_short_read_not_a_crash(tmp_path, monkeypatch):
+    # A table changed in place after the scan: pyarrow may say so with ArrowInvalid (a ValueError, "Index not in
+    # dictionary bounds"), which escaped the loader thread and stopped the encode.
+    from mmtok.formats import tables
+    from mmtok.formats.manifest import MemberReader, ShortRead
+
+    path = tmp_path / "images.parquet"
+    pq.write_table(pa.table({"jpg": [b"\xff\xd8 not read"] * 4, "txt": ["a caption"] * 4}), path)
+
+    def damaged(self, column, row):
+        raise pa.ArrowInvalid("Index not in dictionary bounds")
+
+    monkeypatch.setattr(tables.TableRows, "_cell", damaged)
+    reader = MemberReader()
+    with pytest.raises(ShortRead, match="dictionary bounds"):
+        reader.read_member("parquet", str(path), "jpg", 1, 0)
+    with pytest.raises(ShortRead, match="dictionary bounds"):
+        reader.read_text("parquet", str(path), 1, 100, "txt")
+
+
+def test_an_arrow_stream_of_many_batches_reads_every_cell_through_table_rows(tmp_path):
+    # Record batches of 3, 0, 5, 1 and 4 rows (save_to_disk writes the stream format): each cell from its batch.
+    from mmtok.formats.tables import TableRows
+
+    path, sizes = tmp_path / "data-00000-of-00001.arrow", [3, 0, 5, 1, 4]
+    schema = pa.schema([("jpg", pa.binary()), ("txt", pa.string())])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        row = 0
+        for size in sizes:
+            writer.write_batch(pa.record_batch([[b"image %d" % (row + i) for i in range(size)],
+                                                [f"text {row + i}" for i in range(size)]], schema=schema))
+            row += size
+    rows = TableRows(str(path))
+    assert [rows.image_bytes("jpg", n) for n in range(row)] == [b"image %d" % n for n in range(row)]
+    assert [rows.text_bytes("txt", n, 6) for n in reversed(range(row))] == [f"text {n}".encode()[:6]
+                                                                           for n in reversed(range(row))]
+    with pytest.raises(OSError, match="past the end"):
+        rows.image_bytes("jpg", row)
 
 
 def test_a_decode_error_says_the_same_words_on_every_run():

@@ -20,3 +20,9 @@ def test_a_table_finds_each_key_keeps_the_chosen_repeat_and_counts_them():
 def test_an_empty_table_finds_nothing():
     table, rows = KeyTable.of(b"", count=True)
     assert len(table) == 0 and rows.size == 0 and table.find("t.tar\0a.0.jpg") == -1
+
+
+def test_an_empty_table_keeps_no_last_repeat_either():
+    # (sft over image parts that hold no image item -- templates only, or none -- built its index from nothing)
+    table, rows = KeyTable.of(b"", keep="last")
+    assert len(table) == 0 and rows.size == 0

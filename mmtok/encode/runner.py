@@ -293,9 +293,9 @@ def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int
                            next_batch=run.done[-1].next_unit if inside else _next_batch(plan, out, run.stopped))
     discarded = [item for item, done in zip(run.reached, run.done, strict=True) if done.discarded]
     ran = [done for done in run.done if not done.already_done]
-    worker = WorkerRun.of(run, items, len(plan.work_items()), out, stopped, discarded)
-    return ImageWorkerRun(
-        **vars(worker), rank=rank, world_size=world_size, mode=plan.meta["parameters"]["mode"],
+    return ImageWorkerRun.of(
+        run, items, len(plan.work_items()), out, stopped, discarded, rank=rank, world_size=world_size,
+        mode=plan.meta["parameters"]["mode"],
         items_done_before=len(run.done) - len(ran), dataset=any(done.dataset for done in run.done),
         images_planned=sum(done.planned for done in run.done), fill_s=sum(done.fill_s for done in ran),
         device=str(device), loader_threads=options.loader_threads)

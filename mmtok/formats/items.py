@@ -120,7 +120,8 @@ class ItemLocations:
 
     def read_part(self, number: int, directory: str | os.PathLike) -> Iterator[dict]:
         """Each item record of part `number` (at `directory`), in commit order, with its `offset` into the ids;
-        its location is kept unless the reader calls `drop` before asking for the next."""
+        its location is kept unless the reader calls `drop` (once) before asking for the next. Read to its end,
+        it leaves `end`: where the part's item ids end."""
         parts, offsets, lengths, has_skip, lines = (column.append for column in self._columns.values())
         self.end = 0
         for line, record in iter_items(directory):  # (appended here, not by a call per item: the loop is hot)
@@ -134,7 +135,8 @@ class ItemLocations:
             yield record
 
     def drop(self) -> None:
-        """Forget the location of the record `read_part` gave last (one its reader does not index)."""
+        """Forget the location of the record `read_part` gave last (one its reader does not index); called twice
+        for one record, it would forget another's."""
         for column in self._columns.values():
             column.pop()
 

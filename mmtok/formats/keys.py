@@ -39,7 +39,7 @@ class KeyTable:
         high, low = halves[order, 0], halves[order, 1]
         new = np.concatenate(([True], (high[1:] != high[:-1]) | (low[1:] != low[:-1])))[:order.size]  # none: none
         starts = np.flatnonzero(new)
-        ends = np.append(starts[1:], order.size)
+        ends = np.append(starts[1:], order.size) if starts.size else starts  # (no key: no end either)
         counts = (ends - starts).astype(np.int32) if count else None
         return cls(high[starts], low[starts], counts), order[starts if keep == "first" else ends - 1]
 

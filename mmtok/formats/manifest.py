@@ -372,7 +372,7 @@ class MemberReader:
             return self.read(path, offset, size)
         try:
             return self._table(path).image_bytes(member, offset)
-        except OSError as err:
+        except (OSError, pa.ArrowException) as err:  # (ArrowInvalid: pages that no longer decode, changed in place)
             raise ShortRead(str(err)) from None
 
     def read_text(self, container: str, path: str, offset: int, size: int, text_column: str | None) -> bytes:
@@ -384,7 +384,7 @@ class MemberReader:
             raise ShortRead(f"{path}: manifest.json names no text column for the captions of table files")
         try:
             return self._table(path).text_bytes(text_column, offset, size)
-        except OSError as err:
+        except (OSError, pa.ArrowException) as err:
             raise ShortRead(str(err)) from None
 
     def _table(self, path: str):

@@ -202,14 +202,15 @@ class WorkerRun:
 
     @classmethod
     def of(cls, run: ItemRun, own: range, num_items: int, out: Path, stopped: ItemStop | None,
-           discarded_copies: list[int] | None = None) -> WorkerRun:
+           discarded_copies: list[int] | None = None, **more):
+        """What `run` did, summed; `more`: the fields a subclass adds (`mmtok.encode.runner.ImageWorkerRun`)."""
         counts: Counter = Counter()
         for done in run.done:
             counts.update(done.counts)
         return cls(items=own, num_items=num_items, counts=dict(counts), parts=[done.part_dir for done in run.done],
                    sequences=sum(done.sequences for done in run.done),
                    already_done=bool(run.done) and all(done.already_done for done in run.done), stopped=stopped,
-                   take_over=run.take_over(out, discarded_copies))
+                   take_over=run.take_over(out, discarded_copies), **more)
 
     def to_json(self) -> dict:
         return {"items": [self.items.start, self.items.stop], "num_items": self.num_items, "counts": self.counts,

@@ -42,7 +42,7 @@ from mmtok.formats.megatron import DatasetWriter
 from mmtok.formats.skips import SkipRecord
 
 TEMPLATE, IMAGE = 0, 1  # `_Index.kind`: a document's template sorts before its images
-# The index's own columns and their array typecodes, beside where each item is (`LOCATION`): 46 bytes an item
+# The index's own columns and their array typecodes; with where each item is (`LOCATION`), 46 bytes an item
 # (+ 8 for `_Index.read`), whatever its record holds.
 COLUMNS = {"kind": "b", "document": "q", "image_index": "i", "manifest_row": "q"}
 

@@ -62,7 +62,7 @@ class ParquetUnit(Unit):
 
 
 @functools.lru_cache(maxsize=2)
-def _opened(path: str, file_format: str, stamp: tuple[int, int, int]):
+def _opened(path: str, file_format: str, stamp: tuple[int, int, int, int]):
     """The table file of a unit, opened once per process for all the units of it that the process reads: a footer
     of N row groups parsed once, not N times (quadratic: 49 s of footer parsing at 5,000 row groups). `stamp` makes
     a file changed since it was opened another entry (`payloads` then finds its rows changed)."""
@@ -71,9 +71,9 @@ def _opened(path: str, file_format: str, stamp: tuple[int, int, int]):
     return TableFile(path, file_format)
 
 
-def _stamp(path: str) -> tuple[int, int, int]:
-    status = os.stat(path)
-    return status.st_ino, status.st_size, status.st_mtime_ns
+def _stamp(path: str) -> tuple[int, int, int, int]:
+    status = os.stat(path)  # ctime too: a rewrite in place whose mtime was set back (rsync -t --inplace) is seen
+    return status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
 def _cell_file(path: str, directory: Path, clip: ClipSpec):
