@@ -415,6 +415,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
+def check_recorded(path: Path, recorded_sha256: str, rerun: str) -> None:
+    """MmtokError (one line naming `path` and the command to `rerun`) unless the file another stage wrote is
+    still the one it recorded: readable, of sha256 `recorded_sha256`."""
+    try:
+        actual = sha256_file(path)
+    except OSError as err:
+        raise MmtokError(f"cannot read {path}: {err.strerror or err}; rerun `{rerun}`") from None
+    if actual != recorded_sha256:
+        raise MmtokError(f"{path} changed after it was written (sha256 {actual[:12]}... != recorded "
+                         f"{recorded_sha256[:12]}...); rerun `{rerun}`")
+
+
 class LockHeld(MmtokError):
     """Another process holds a `WriterLock` (the message names it and what to do)."""
 

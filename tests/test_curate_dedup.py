@@ -19,6 +19,7 @@ from PIL import Image, ImageEnhance
 from encodekit import caption_corpus, real_images, write_tar
 from mmtok.cli import main as cli
 from mmtok.curate.dedup import find_duplicates
+from mmtok.formats.plan import Plan
 from realmedia import skimage_images
 
 
@@ -184,6 +185,10 @@ def test_plan_exclude_drops_the_listed_rows_with_their_keepers_and_counts_add_up
     assert duplicates == {r["manifest_row"]: f"{r['keeper_source']}:{r['keeper_key']} (row {r['keeper_row']})"
                           for r in listed}
     assert all(r["keeper"] is None for r in dropped if r["reason"] != "duplicate")
+    # read as skip records (the schema of every stage): the keeper is the record's detail
+    records = {r.position: r for r in Plan.open(tmp_path / "p").skip_records()}
+    assert {row: r.detail for row, r in records.items() if r.reason == "duplicate"} == duplicates
+    assert all(r.stage == "plan" and r.source.endswith(".tar") and r.key for r in records.values())
     kept = pq.read_table(tmp_path / "p" / "plan.parquet", columns=["manifest_row"]).column(0).to_pylist()
     assert not set(kept) & set(duplicates) and len(kept) + len(dropped) == 5
     meta = json.loads((tmp_path / "p" / "plan.json").read_text())

@@ -247,7 +247,10 @@ def test_a_damaged_table_file_is_an_unreadable_parquet_input_of_the_scan(tmp_pat
     scanned = run_scan([describe(str(table))], tmp_path / "out", ScanOptions(), workers=1, progress=False)
     rows = Manifest.open(tmp_path / "out").read(columns=["container", "reason"]).to_pylist()
     assert rows == [{"container": "parquet", "reason": "unreadable_shard"}]
-    assert "ArrowInvalid" in scanned.meta["shard_errors"][0]["detail"]
+    assert "ArrowInvalid" in scanned.first_errors["unreadable_shard"].detail
+    [record] = Manifest.open(tmp_path / "out").skip_records()
+    assert (record.reason, record.source, record.container) == ("unreadable_shard", str(table), "parquet")
+    assert "ArrowInvalid" in record.detail
 
 
 def test_an_interleaved_json_sidecar_too_deep_for_the_parser_is_invalid_json_not_a_crash(tmp_path):

@@ -89,17 +89,21 @@ def documents_of(images: list[dict], sizes: list[int], first_document: int = 0) 
 
 
 def write_manifest(directory: Path, rows: list[dict], with_json: bool = True) -> Path:
-    """manifest.parquet (+ manifest.json with its fingerprint), the contract's layout."""
+    """The manifest of `rows` as the scan writes it (`with_json` False: only manifest.parquet, a scan that did not
+    finish)."""
     directory.mkdir(parents=True, exist_ok=True)
     columns = {f.name: [r[f.name] for r in rows] for f in MANIFEST_SCHEMA}
-    pq.write_table(pa.table(columns, schema=MANIFEST_SCHEMA), directory / "manifest.parquet", compression="zstd")
+    table = pa.table(columns, schema=MANIFEST_SCHEMA)
     if with_json:
-        write_manifest_json(directory, len(rows))
+        manifest_format.write_manifest(directory, [table], {})
+    else:
+        pq.write_table(table, directory / "manifest.parquet", compression="zstd")
     return directory
 
 
 def write_manifest_json(directory: Path, rows: int) -> None:
-    """The manifest.json the scan writes last: format, row count, fingerprint (sha256 of manifest.parquet)."""
+    """A bare manifest.json (format, row count, fingerprint: the sha256 of manifest.parquet) for a hand-made
+    manifest.parquet."""
     digest = hashlib.sha256((directory / "manifest.parquet").read_bytes()).hexdigest()
     meta = {"format": manifest_format.FORMAT, "format_version": manifest_format.FORMAT_VERSION, "rows": rows,
             "fingerprint": digest}
@@ -254,6 +258,15 @@ def test_every_manifest_row_is_kept_once_or_dropped_with_a_reason(corpus, tmp_pa
     assert totals["kept_documents"] == len(np.unique(t["plan.parquet"]["document"]))
     assert t["batches.parquet"]["num_images"].sum() == totals["kept_images"]
     assert meta["files"]["plan.parquet"]["rows"] == totals["kept_images"]
+    records = list(Plan.open(tmp_path / "p").skip_records())
+    assert [r.position for r in records] == sorted(t["dropped.parquet"]["manifest_row"].tolist())
+    scanned = list(manifest_format.Manifest.open(corpus).skip_records())
+    assert [r for r in records if r.stage == "scan"] == scanned and {r.stage for r in records} == {"scan", "plan"}
+    manifest = manifest_format.Manifest.open(corpus).read(["key", "tar", "reason"]).to_pylist()
+    for record in records:
+        row = manifest[record.position]
+        assert (record.key, record.source) == (row["key"], row["tar"])
+        assert record.stage == ("scan" if row["reason"] else "plan")
 
 
 def test_drop_reasons_are_named_and_documents_drop_whole(tmp_path):

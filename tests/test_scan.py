@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -276,9 +278,57 @@ def test_garbage_and_empty_and_missing_shards_do_not_stop_the_run(tmp_path, medi
     assert [(Path(r["tar"]).name, r["reason"]) for r in rows] == [
         ("garbage.tar", "not_a_tar"), ("empty.tar", "empty_file"), ("missing.tar", "unreadable_shard"),
         ("good.tar", "")]
-    meta = Manifest.open(out).metadata
-    assert [e["reason"] for e in meta["shard_errors"]] == ["not_a_tar", "empty_file", "unreadable_shard"]
-    assert "FileNotFoundError" in meta["shard_errors"][2]["detail"]
+    records = list(Manifest.open(out).skip_records())
+    assert [(r.reason, r.position, r.stage) for r in records] == [
+        ("not_a_tar", 0, "scan"), ("empty_file", 1, "scan"), ("unreadable_shard", 2, "scan")]
+    assert "FileNotFoundError" in records[2].detail
+
+
+def test_every_error_row_is_a_skip_record_in_skipped_jsonl_verified_before_use(tmp_path, media):
+    """Issue 47.3: the scan names what it skipped in the schema of every other stage (`mmtok.formats.skips`), one
+    record per error row: an image that is no image (a sample's row) and a file that is no tar (a shard's row,
+    with its detail). manifest.json records their count and the file's sha256; a changed file is refused."""
+    good = write_tar(tmp_path / "good.tar", [("a.jpg", media[0][1]), ("b.jpg", b"not an image" * 10),
+                                              ("c.jpg", media[1][1])])
+    garbage = tmp_path / "garbage.tar"
+    garbage.write_bytes(b"url,caption\n" * 100)
+    out, rows = scan(tmp_path, [good, garbage])
+    manifest = Manifest.open(out)
+    records = list(manifest.skip_records())
+    assert [(r.position, r.key, r.source, r.member, r.reason) for r in records] == [
+        (i, row["key"], row["tar"], row["member"] or None, row["reason"]) for i, row in enumerate(rows)
+        if row["status"] == "error"]
+    assert [(r.key, r.reason) for r in records] == [("b", "unknown_format"), ("", "not_a_tar")]
+    assert all(r.stage == "scan" and r.container == "tar" for r in records)
+    assert records[0].detail == "" and records[1].detail.startswith("text, not a tar")
+    meta = manifest.metadata
+    assert meta["skipped"] == meta["errors"] == 2 and "shard_errors" not in meta
+    assert meta["skipped_sha256"] == hashlib.sha256((out / "skipped.jsonl").read_bytes()).hexdigest()
+    # A manifest of version 2 (manifest.json's shard_errors, no skipped.jsonl) is still read, as the same records.
+    old = tmp_path / "v2"
+    shutil.copytree(out, old)
+    (old / "skipped.jsonl").unlink()
+    v2 = {key: value for key, value in meta.items() if key not in ("skipped", "skipped_sha256")}
+    v2.update(format_version=2, shard_errors=[{"reason": "not_a_tar", "offset": 0, "member": "",
+                                               "detail": records[1].detail, "path": str(garbage)}])
+    (old / "manifest.json").write_text(json.dumps(v2))
+    assert list(Manifest.open(old).skip_records()) == records
+    # a skip file changed after the scan is refused, naming it
+    path = out / "skipped.jsonl"
+    path.write_bytes(path.read_bytes().replace(b"unknown_format", b"unknown_formax"))
+    with pytest.raises(MmtokError, match="skipped.jsonl changed after it was written"):
+        manifest.skip_records()
+
+
+def test_a_skipped_jsonl_the_scan_did_not_write_is_never_replaced(tmp_path, media):
+    good = write_tar(tmp_path / "good.tar", [("a.jpg", media[0][1])])
+    theirs = tmp_path / "out" / "skipped.jsonl"
+    theirs.parent.mkdir()
+    theirs.write_text("their notes\n")
+    with pytest.raises(MmtokError, match="which `mmtok scan` did not write"):
+        scan(tmp_path, [good])
+    assert theirs.read_text() == "their notes\n"
+    assert sorted(p.name for p in theirs.parent.iterdir()) == ["skipped.jsonl"]
 
 
 def test_non_utf8_member_names_are_named(tmp_path, media):
@@ -481,9 +531,9 @@ def test_img2dataset_sidecars_a_glob_picks_up_are_skipped_and_a_stray_file_is_na
     assert "skipped 2 sidecar files a producer writes beside its shards" in err and "00000_stats.json" in err
     meta = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert meta["images_ok"] == 1 and meta["reasons"] == {"not_a_tar": 1}
-    [error] = meta["shard_errors"]
-    assert error["path"].endswith("urls.csv")
-    assert error["detail"].startswith("text, not a tar (it begins 'url,caption')")
+    [error] = Manifest.open(tmp_path / "m").skip_records()
+    assert error.source.endswith("urls.csv")
+    assert error.detail.startswith("text, not a tar (it begins 'url,caption')")
 
 
 def test_image_cells_that_hold_only_a_path_are_named_path_only_cell(tmp_path, capsys):

@@ -48,6 +48,11 @@ def scan_rows(tmp_path: Path, shards: list[Path]) -> tuple[list[tuple], dict]:
     return rows, Manifest.open(out).metadata
 
 
+def shard_errors(out: Path) -> list:
+    """The skip records of the manifest's shard-level error rows (no sample key)."""
+    return [record for record in Manifest.open(out).skip_records() if not record.key]
+
+
 # ------------------------------------------------------------------------------ size fields
 
 
@@ -70,12 +75,14 @@ def test_unusable_ustar_size_keeps_the_members_before_and_resyncs_to_the_next_he
     b_header = header_offsets(data)[1]
     shard = tmp_path / "s.tar"
     shard.write_bytes(with_header_field(data, b_header, SIZE_FIELD, field))
-    rows, meta = scan_rows(tmp_path, [shard])
+    rows, _ = scan_rows(tmp_path, [shard])
+    errors = shard_errors(tmp_path / "out")
     n = len(jpg)
     assert rows == [("a.jpg", n, "ok", ""), ("b.jpg", 0, "error", "bad_member_size"), ("c.jpg", n, "ok", "")]
-    [error] = meta["shard_errors"]
-    assert (error["reason"], error["member"], error["offset"]) == ("bad_member_size", "b.jpg", b_header)
-    assert "size field" in error["detail"]
+    [error] = errors
+    assert (error.reason, error.member, error.position, error.source) == ("bad_member_size", "b.jpg", 1, str(shard))
+    assert Manifest.open(tmp_path / "out").read(["offset"]).column(0)[1].as_py() == b_header
+    assert "size field" in error.detail
 
 
 def test_unusable_pax_and_ustar_sizes_stop_at_the_member_and_resync(tmp_path, jpg):
@@ -83,9 +90,10 @@ def test_unusable_pax_and_ustar_sizes_stop_at_the_member_and_resync(tmp_path, jp
     b_header = header_offsets(data)[1]
     shard = tmp_path / "s.tar"
     shard.write_bytes(with_header_field(data, b_header, SIZE_FIELD, b"\xff" * 12))
-    rows, meta = scan_rows(tmp_path, [shard])
+    rows, _ = scan_rows(tmp_path, [shard])
+    errors = shard_errors(tmp_path / "out")
     assert [r[0::3] for r in rows] == [("a.jpg", ""), ("b.jpg", "bad_member_size"), ("c.jpg", "")]
-    assert "pax size=b'1e23'" in meta["shard_errors"][0]["detail"]
+    assert "pax size=b'1e23'" in errors[0].detail
 
 
 # ------------------------------------------------------------------------------ compressed
@@ -100,9 +108,10 @@ def test_compressed_tar_gets_its_own_reason_with_the_fix(tmp_path, jpg, mode, co
         tar.addfile(info, io.BytesIO(jpg))
     good = tmp_path / "good.tar"
     good.write_bytes(tar_bytes([("a.jpg", jpg, {})]))
-    rows, meta = scan_rows(tmp_path, [packed, good])
+    rows, _ = scan_rows(tmp_path, [packed, good])
+    errors = shard_errors(tmp_path / "out")
     assert [r[0::3] for r in rows] == [("", "compressed_tar"), ("a.jpg", "")]
-    assert command in meta["shard_errors"][0]["detail"] and "uncompressed" in meta["shard_errors"][0]["detail"]
+    assert command in errors[0].detail and "uncompressed" in errors[0].detail
 
 
 # ------------------------------------------------------------------------------ exit status

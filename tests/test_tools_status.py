@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import pytest
 
 from encodekit import caption_env, one_torch_thread, plan
 from mmtok.cli import main
+from mmtok.commands.status import INPUT_STAGES
 from mmtok.errors import MmtokError
+from mmtok.formats import skips
 from mmtok.formats.commitlog import COMMITS, PartWriter, check_part_free, part_dir
 from mmtok.formats.plan import BATCHES_FILE, Plan
 from mmtok.fsutil import WriterLock
@@ -199,6 +202,11 @@ def test_cli_json_help_and_exit_codes(tmp_path, capsys):
     assert main(["status", str(tmp_path), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["states"]["missing"] == 1 and shown["parts"][0]["state"] == "done"
+    assert main(["status", str(tmp_path), "--skipped"]) == 0  # no skip in the part: an empty listing, said so
+    printed = capsys.readouterr()
+    assert printed.out == "" and "0 skip records; the scan's and the plan's are listed with --plan" in printed.err
+    assert main(["status", str(tmp_path), "--skipped", "--json"]) == 2
+    assert "--skipped prints skip records" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["status", "--help"])
     help_text = capsys.readouterr().out
@@ -391,6 +399,22 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
     adds_up(rows)
     assert rows[2]["encode"] == {"decode_error": 3, "document_image_failed": 1}
     assert sum(r["written"] for r in rows) == counts["images_written"]
+    # Issue 47.3: `--skipped` names each of those rows once, as skip records of every stage in one schema.
+    assert main(["status", str(out), "--plan", str(plan_dir), "--skipped"]) == 0
+    printed = capsys.readouterr()
+    (tmp_path / "all.jsonl").write_text(printed.out)
+    records = list(skips.read(tmp_path / "all.jsonl"))
+    listed = Counter(("encode" if r.stage == "merge" else r.stage, r.reason) for r in records)
+    expected: Counter = Counter()
+    for row in rows:
+        expected.update({(stage, reason): n for stage in INPUT_STAGES for reason, n in row[stage].items()})
+    assert listed == expected and sum(expected.values()) == len(records) > 0
+    assert len({r.position for r in records}) == len(records)
+    planned = [r for r in records if r.stage in ("scan", "plan")]  # the plan's drops first, in manifest-row order
+    assert records[:len(planned)] == planned and [r.position for r in planned] == sorted(r.position for r in planned)
+    assert [r.stage for r in records[len(planned):]] == sorted((r.stage for r in records[len(planned):]),
+                                                                key=["encode", "merge"].index)
+    assert f"mmtok status: {len(records)} skip records (scan truncated_member 1" in printed.err
 
 
 def test_work_items_show_done_in_progress_with_last_commit_and_pending_and_an_overdue_item_is_flagged(

@@ -78,7 +78,8 @@ def test_a_sparse_caption_is_a_reason_of_the_shard_not_an_ignored_member(tmp_pat
     run_scan([describe(str(tar))], tmp_path / "out", ScanOptions(), workers=1, progress=False)
     meta = Manifest.open(tmp_path / "out").metadata
     assert meta["reasons"] == {UNSUPPORTED: 1} and meta["ignored_members"] == {}
-    assert [(e["reason"], e["member"]) for e in meta["shard_errors"]] == [(UNSUPPORTED, "a.txt")]
+    errors = [(r.reason, r.member) for r in Manifest.open(tmp_path / "out").skip_records()]
+    assert errors == [(UNSUPPORTED, "a.txt")]
 
 
 @pytest.mark.parametrize("kind", ["old-gnu-sparse", "pax-sparse-0.1"])  # each reader: KINDS above
@@ -162,7 +163,10 @@ def test_the_scan_reads_a_shard_reached_by_three_paths_once(tmp_path):
     assert rows == [(str(tar), "a.png", ""), (str(tar), "b.png", ""),
                     (str(paths[1]), "", "duplicate_input"), (str(paths[2]), "", "duplicate_input")]
     assert manifest.metadata["images_ok"] == 2 and manifest.metadata["reasons"] == {"duplicate_input": 2}
-    assert all(str(tar) in e["detail"] for e in manifest.metadata["shard_errors"])
+    records = list(manifest.skip_records())
+    assert [(r.source, r.position, r.reason) for r in records] == [(str(p), row, "duplicate_input")
+                                                                   for p, row in ((paths[1], 2), (paths[2], 3))]
+    assert all(str(tar) in r.detail for r in records)
 
 
 def test_audio_convert_reads_a_tar_reached_by_two_paths_once(tmp_path):

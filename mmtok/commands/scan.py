@@ -22,7 +22,9 @@ def add_parser(sub) -> None:
         "scan",
         help="index tar shards (headers only) into a Parquet manifest",
         description="Index WebDataset tar shards (reading only tar headers and the first KiB of each image) "
-        "and Parquet/Arrow files with an image column into OUT/manifest.parquet + OUT/manifest.json. "
+        "and Parquet/Arrow files with an image column into OUT/manifest.parquet + OUT/manifest.json; every "
+        "error row (a member, row or shard that gave no image) is also named, with its reason and detail, in "
+        "OUT/skipped.jsonl (the skip records every stage writes). "
         "Finished shards are cached in OUT/.scan-cache, so a rerun after a kill resumes. Across nodes: "
         "run one process per rank (--rank/--world-size, or from torchrun/srun); each scans its share, takes "
         "over the shards no other rank has started, and the last to finish writes the manifest (the same "
@@ -163,13 +165,10 @@ def no_image_message(scanned: Scanned, out: Path) -> str:
     """One line for a scan that found no usable image: the errors by reason, each with its first
     input and detail, the members skipped by extension, and what to check."""
     meta = scanned.meta
-    first: dict[str, dict] = {}
-    for err in meta["shard_errors"]:
-        first.setdefault(err["reason"], err)
     found = []
     for reason, count in sorted(meta["reasons"].items(), key=lambda item: -item[1]):
-        err = first.get(reason)
-        where = f" (first: {err['path']}{': ' + err['detail'] if err['detail'] else ''})" if err else ""
+        err = scanned.first_errors.get(reason)
+        where = f" (first: {err.source}{': ' + err.detail if err.detail else ''})" if err else ""
         found.append(f"{reason} {count:,}{where}")
     ignored = ", ".join(f"{name} {count:,}" for name, count in meta["ignored_members"].items())
     if ignored:
@@ -177,7 +176,8 @@ def no_image_message(scanned: Scanned, out: Path) -> str:
     return (f"no image found in {meta['shards']:,} input(s): {'; '.join(found) or 'no image members'}. "
             "Check the paths: mmtok scan reads uncompressed tar shards (image members named "
             "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; "
-            + (f"every error row is in {out / 'manifest.parquet'}" if scanned.written else
+            + (f"every error row is in {out / 'manifest.parquet'}, each named with its reason and detail in "
+               f"{out / 'skipped.jsonl'}" if scanned.written else
                f"nothing written, the earlier manifest in {out} is kept"))
 
 
@@ -189,4 +189,5 @@ def summary_line(scanned: Scanned, out: Path) -> str:
     return (f"{plural(meta['shards'], 'shard')} ({run.cached_shards:,} from cache), "
             f"{plural(meta['images_ok'], 'image')} ok, {plural(meta['errors'], 'error')} ({errors}), "
             f"{rate:,.0f} images/s with {plural(run.workers, 'worker')}, {per_image(run.read)}; "
-            f"wrote {out / 'manifest.parquet'}")
+            f"wrote {out / 'manifest.parquet'}"
+            + (f"; every error named in {out / 'skipped.jsonl'}" if meta["errors"] else ""))

@@ -50,6 +50,11 @@ def add_parser(sub) -> None:
                         help="images, with --plan: one line per input (tar or table file) saying where each of its "
                         "manifest rows went -- scan errors, plan drops, encode skips (by reason), written, pending -- "
                         "adding up to its rows")
+    parser.add_argument("--skipped", action="store_true",
+                        help="instead of the view: every input that did not become tokens, one skip record (a JSON "
+                        "line, the schema of every stage's skipped.jsonl) each -- with --plan the scan's error rows "
+                        "and the plan's drops first, then the parts' skips, then merge's -- and the count per stage "
+                        "and reason on stderr")
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object instead")
     parser.set_defaults(func=run)
 
@@ -63,10 +68,35 @@ def run(args) -> int:
     if args.inputs and args.plan is None:
         raise MmtokError("--inputs needs --plan: the plan the image job encodes (its manifest lists the inputs; an "
                          "audio output has none: its skips are in the parts' skipped.jsonl)")
+    if args.skipped and (args.inputs or args.json):
+        raise MmtokError("--skipped prints skip records (JSON lines) instead of the view: leave out --inputs, --json")
     status = job_status(args.out, plan=args.plan)
+    if args.skipped:
+        return print_skipped(status, args.plan)
     if args.inputs:
         status["inputs"] = input_table(status, args.plan)
     print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0
+
+
+def print_skipped(status: dict, plan: str | None) -> int:
+    """`--skipped`: every skip record of the job on stdout, then their count by stage and reason on stderr."""
+    import sys
+
+    from mmtok.formats import skips
+    from mmtok.tools.status import skip_records
+
+    counts: Counter[tuple[str, str]] = Counter()
+    for record in skip_records(status, plan):
+        sys.stdout.buffer.write(skips.to_line(record))
+        counts[record.stage, record.reason] += 1
+    sys.stdout.flush()
+    stages: dict[str, list[str]] = {"scan": [], "plan": []}  # then the others as they came; reasons as first seen
+    for (stage, reason), n in counts.items():
+        stages.setdefault(stage, []).append(f"{reason} {n:,}")
+    by_stage = "; ".join(f"{stage} {', '.join(reasons)}" for stage, reasons in stages.items() if reasons)
+    print(f"mmtok status: {plural(sum(counts.values()), 'skip record')}" + (f" ({by_stage})" if by_stage else "")
+          + ("" if plan else "; the scan's and the plan's are listed with --plan"), file=sys.stderr)
     return 0
 
 

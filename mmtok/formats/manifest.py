@@ -4,16 +4,18 @@ This module is the only one that knows the layout. Row order is input order, the
 `document` is a global id, non-decreasing in row order (one WebDataset sample key = one document);
 `image_index` orders the images inside a document. Error rows (`status == "error"`) keep their
 place and name the problem in `reason`; a shard-level problem (e.g. `truncated_tar`) is a row with
-an empty key and its own document id. `manifest.json` is written last, so its presence means the
-Parquet file is complete; its `fingerprint` is the sha256 of manifest.parquet.
+an empty key and its own document id. `skipped.jsonl` holds one skip record (`mmtok.formats.skips`,
+stage "scan", `position` = the manifest row) per error row, in row order, with the detail of a shard-level
+problem. `manifest.json` is written last, so its presence means both files are complete; its `fingerprint`
+is the sha256 of manifest.parquet and `skipped_sha256` that of skipped.jsonl.
 
 Reading a member: for `container == "tar"`, its byte range (`mmtok.formats.tar.read_range`); for
 `container == "parquet"` (a Parquet or Arrow IPC table file), `offset` is the row index and
 `member` the column name (a binary column or a struct with a `bytes` field). `MemberReader` does both.
 
 Writing is `write_manifest`; every reader opens the directory with `Manifest.open`, which validates
-it and serves the metadata, the fingerprint, the text column and the rows (whole, a batch at a time,
-or given rows reading only their row groups).
+it and serves the metadata, the fingerprint, the text column, the rows (whole, a batch at a time, or
+given rows reading only their row groups) and the skip records.
 """
 
 from __future__ import annotations
@@ -30,15 +32,22 @@ import pyarrow as pa
 
 from mmtok import __version__
 from mmtok.errors import MmtokError
+from mmtok.formats import skips
 from mmtok.formats.containers import TAR
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.formats.tar import MemberTruncated, read_range
-from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, required, sha256_file
+from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, refuse_foreign_output, required, sha256_file
 
 MANIFEST_FILE = "manifest.parquet"
+SKIPPED_FILE = "skipped.jsonl"
 METADATA_FILE = "manifest.json"
+CACHE_DIR = ".scan-cache"  # `mmtok scan`'s cache of scanned shards: only a scan leaves it beside a manifest
 FORMAT = "mmtok.manifest"
-FORMAT_VERSION = 2  # 2: each input of manifest.json records its identity (see `container_identity`)
+# 2: each input of manifest.json records its identity (see `container_identity`); 3: skipped.jsonl, in place
+# of manifest.json's `shard_errors`. A version-2 manifest is still read (its rows are the same bytes).
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
+STAGE = "scan"  # the stage of its skip records
 IDENTITY_HEAD_BYTES = 8192  # the bytes of a container's identity fingerprint: its first headers (and data)
 ROW_GROUP_ROWS = 1 << 18  # fixed, so the file bytes depend only on the rows
 
@@ -70,32 +79,65 @@ def has_manifest(directory: str | os.PathLike) -> bool:
     return (Path(directory) / METADATA_FILE).is_file()
 
 
-def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], metadata: dict) -> dict:
-    """Write the tables (in row order, columns as SCHEMA) and the metadata JSON; return the metadata.
+def check_output(directory: str | os.PathLike) -> None:
+    """Refuse, before anything is written, a directory holding files of the manifest's names that `mmtok scan`
+    did not write."""
+    refuse_foreign_output(Path(directory), (MANIFEST_FILE, SKIPPED_FILE, METADATA_FILE), (CACHE_DIR, ".lock"),
+                          "mmtok scan", (METADATA_FILE, FORMAT, FORMAT_VERSION, "manifest"))
 
-    Atomic: the old manifest.json is removed first, manifest.parquet is replaced by rename, then
-    manifest.json (with `rows`, `fingerprint`, `format`, `tool`) is written. Row groups hold exactly
-    ROW_GROUP_ROWS rows, so equal rows give equal bytes however the tables were cut.
+
+def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], metadata: dict) -> dict:
+    """Write the tables (in row order, columns as SCHEMA, plus an optional `detail` column: what went wrong
+    in an error row), the skip records of their error rows and the metadata JSON; return the metadata.
+
+    Atomic: the old manifest.json is removed first, manifest.parquet and skipped.jsonl are replaced by
+    rename, then manifest.json (with `rows`, `fingerprint`, `skipped`, `skipped_sha256`, `format`, `tool`) is
+    written. Row groups hold exactly ROW_GROUP_ROWS rows, so equal rows give equal bytes however the tables
+    were cut.
     """
     import pyarrow.parquet as pq
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / METADATA_FILE).unlink(missing_ok=True)
-    with atomic_writer(directory / MANIFEST_FILE) as handle:
+    with atomic_writer(directory / MANIFEST_FILE) as handle, atomic_writer(directory / SKIPPED_FILE) as skipped:
         writer = pq.ParquetWriter(handle, SCHEMA, compression="zstd")
         groups = FixedRowGroups(writer, SCHEMA, ROW_GROUP_ROWS)
+        rows = records = 0
         for table in tables:
             groups.write(table.select(COLUMNS).cast(SCHEMA))
-        rows = groups.finish(empty_group=True)
+            found = list(_skip_records(table, rows))
+            skips.append(skipped, found)
+            rows, records = rows + table.num_rows, records + len(found)
+        groups.finish(empty_group=True)
         writer.close()
-        handle.flush()
-        fingerprint = sha256_file(handle.name)
+        for out in (handle, skipped):
+            out.flush()
+        fingerprint, skipped_sha256 = sha256_file(handle.name), sha256_file(skipped.name)
     meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
-            "rows": rows, "fingerprint": fingerprint}
+            "rows": rows, "fingerprint": fingerprint, "skipped": records, "skipped_sha256": skipped_sha256}
     atomic_write_json(directory / METADATA_FILE, meta)
     fsync_dir(directory)
     return meta
+
+
+def _skip_records(table: pa.Table, first_row: int) -> Iterator[skips.SkipRecord]:
+    """The skip records of the error rows of `table`, whose first row is manifest row `first_row`."""
+    import pyarrow.compute as pc
+
+    error = pc.equal(table.column("status"), "error")
+    if not pc.any(error).as_py():
+        return
+    positions = pc.indices_nonzero(error)
+    names = ["key", "tar", "container", "member", "reason"] + (["detail"] if "detail" in table.column_names else [])
+    picked = table.select(names).take(positions).to_pydict()
+    details = picked.get("detail") or [""] * len(positions)
+    for index, key, tar, container, member, reason, detail in zip(
+            positions.to_pylist(), picked["key"], picked["tar"], picked["container"], picked["member"],
+            picked["reason"], details, strict=True):
+        yield skips.SkipRecord(key=key, source=tar, container=container, member=member or None,
+                               position=first_row + index, reason=reason or "error", detail=detail or "",
+                               stage=STAGE)
 
 
 class Manifest:
@@ -124,8 +166,8 @@ class Manifest:
             raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok scan` into {directory}") from None
         if not isinstance(meta, dict):  # DamagedFile naming the file
             required(meta, "format", str, path)
-        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-            raise MmtokError(f"{path} is not an mmtok manifest of version {FORMAT_VERSION} "
+        if meta.get("format") != FORMAT or meta.get("format_version") not in READ_VERSIONS:
+            raise MmtokError(f"{path} is not an mmtok manifest of version {READ_VERSIONS[0]} to {FORMAT_VERSION} "
                              f"(format={meta.get('format')!r}, version={meta.get('format_version')!r}); "
                              "rerun `mmtok scan`")
         if not (directory / MANIFEST_FILE).is_file():
@@ -161,6 +203,38 @@ class Manifest:
                                  f"rerun `mmtok scan` into {self.directory}")
             out[path] = recorded[path]
         return out
+
+    def skip_records(self) -> Iterator[skips.SkipRecord]:
+        """One skip record per error row, in row order (stage "scan", `position` the row): skipped.jsonl, after
+        checking its bytes against the sha256 manifest.json records; for a version-2 manifest, made from its
+        error rows and manifest.json's `shard_errors`."""
+        if self.metadata["format_version"] == 2:
+            return self._version_2_skips()
+        recorded = self.metadata.get("skipped_sha256")
+        return skips.read_recorded(self.directory / SKIPPED_FILE, recorded if isinstance(recorded, str) else "",
+                                   f"mmtok scan ... --out {self.directory}")
+
+    def _version_2_skips(self) -> Iterator[skips.SkipRecord]:
+        import pyarrow.compute as pc
+
+        details = {(e.get("path"), e.get("member"), e.get("offset"), e.get("reason")): e.get("detail", "")
+                   for e in self.metadata.get("shard_errors", ())}
+        first = 0
+        for batch in self.batches(["key", "tar", "container", "member", "offset", "status", "reason"]):
+            table = pa.Table.from_batches([batch])
+            errors = pc.indices_nonzero(pc.and_(pc.equal(table.column("status"), "error"),
+                                                pc.equal(table.column("key"), "")))
+            if not len(errors):  # no shard-level row: the records need no detail
+                yield from _skip_records(table, first)
+                first += table.num_rows
+                continue
+            found = table.select(["tar", "member", "offset", "reason"]).take(errors).to_pydict()
+            detail: list[str | None] = [None] * table.num_rows
+            for row, *where in zip(errors.to_pylist(), found["tar"], found["member"], found["offset"],
+                                   found["reason"], strict=True):
+                detail[row] = details.get(tuple(where), "")
+            yield from _skip_records(table.append_column("detail", pa.array(detail, pa.string())), first)
+            first += table.num_rows
 
     @property
     def text_column(self) -> str | None:

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mmtok.errors import MmtokError
-from mmtok.fsutil import sha256_file
+from mmtok.fsutil import check_recorded
 
 
 class FixedRowGroups:
@@ -52,13 +52,7 @@ def read_recorded(path: Path, recorded_sha256: str, schema: pa.Schema, what: str
     """The Parquet file a stage wrote, after checking its bytes against the sha256 the stage recorded and its
     columns against `schema`: one MmtokError line naming the file, `what` it should be and the command to
     `rerun` when it is unreadable, changed since or of other columns."""
-    try:
-        actual = sha256_file(path)
-    except OSError as err:
-        raise MmtokError(f"cannot read {path}: {err.strerror or err}; rerun `{rerun}`") from None
-    if actual != recorded_sha256:
-        raise MmtokError(f"{path} changed after it was written (sha256 {actual[:12]}... != recorded "
-                         f"{recorded_sha256[:12]}...); rerun `{rerun}`")
+    check_recorded(path, recorded_sha256, rerun)
     table = pq.read_table(path)
     if table.schema.remove_metadata() != schema:
         raise MmtokError(f"{path}: columns {table.schema.names} of types {[str(t) for t in table.schema.types]} "

@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
+from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, sha256_file
 from mmtok.ranks import item_ranges, partition_ranks, rank_costs, worker_range
 
@@ -78,7 +79,11 @@ DOCUMENTS_SCHEMA = pa.schema([
     ("first_batch", pa.int64()),
     ("last_batch", pa.int64()),  # the last batch holding one of its images
 ])
-# keeper: for reason `duplicate`, the kept image ("SOURCE:KEY (row N)", from `plan --exclude`); null otherwise
+# keeper: for reason `duplicate`, the kept image ("SOURCE:KEY (row N)", from `plan --exclude`); null otherwise.
+# A manifest error row is dropped as SCAN_REASON + the scan's reason. `Plan.skip_records` reads the rows as the
+# skip records of every other stage; the file keeps only what the manifest does not hold (10^8 rows).
+SCAN_REASON = "scan:"
+STAGE = "plan"  # the stage of the skip records of the plan's own drops
 DROPPED_SCHEMA = pa.schema([("manifest_row", pa.int64()), ("reason", pa.string()), ("keeper", pa.string())])
 SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_FILE: DOCUMENTS_SCHEMA,
            DROPPED_FILE: DROPPED_SCHEMA}
@@ -293,6 +298,40 @@ class Plan:
             raise MmtokError(f"the manifest in {manifest.directory} was rewritten after planning (fingerprint "
                              f"{manifest.fingerprint[:12]}... != plan's {planned[:12]}...); re-run `mmtok plan`")
         return manifest
+
+    def skip_records(self) -> Iterator[SkipRecord]:
+        """Every manifest row the plan dropped, as a skip record, in manifest-row order: an error row of the scan
+        as the manifest's record of it (stage "scan"), every other row with the plan's reason (stage "plan";
+        `detail`: the keeper of a `duplicate`, the benchmark image of a `contaminated` row, what the check
+        found in a flagged caption). MmtokError when the plan and its manifest disagree on the error rows."""
+        dropped = self.table(DROPPED_FILE)
+        order = np.argsort(dropped.column("manifest_row").to_numpy(), kind="stable")
+        rows = dropped.column("manifest_row").to_numpy()[order]
+        reasons = np.asarray(dropped.column("reason").to_pylist(), object)[order]
+        keepers = np.asarray(dropped.column("keeper").to_pylist(), object)[order]
+        own = np.array([not reason.startswith(SCAN_REASON) for reason in reasons], bool)
+        manifest = self.manifest()
+        where = manifest.read_rows(rows[own], ["key", "tar", "container", "member"])
+        scanned = manifest.skip_records()
+        taken = 0
+        for row, reason, keeper, is_own in zip(rows.tolist(), reasons, keepers, own, strict=True):
+            if is_own:
+                yield SkipRecord(key=where["key"][taken], source=where["tar"][taken],
+                                 container=where["container"][taken], member=where["member"][taken] or None,
+                                 position=row, reason=reason, detail=keeper or "", stage=STAGE)
+                taken += 1
+                continue
+            record = next(scanned, None)
+            if record is None or record.position != row or f"{SCAN_REASON}{record.reason}" != reason:
+                raise MmtokError(f"{self.directory / DROPPED_FILE} drops manifest row {row} as {reason!r}, but the "
+                                 f"manifest's {'next' if record else 'last'} error is "
+                                 f"{'none' if record is None else f'row {record.position} ({record.reason})'}; "
+                                 "re-run `mmtok plan`")
+            yield record
+        left = next(scanned, None)
+        if left is not None:
+            raise MmtokError(f"the manifest's error row {left.position} ({left.reason}) is not in "
+                             f"{self.directory / DROPPED_FILE}; re-run `mmtok plan`")
 
     def ranges(self, world_size: int | None = None) -> np.ndarray:
         """[start, end) global batch range per rank, shape [world_size, 2]: the plan's own ranges for

@@ -2,10 +2,16 @@
 
 Every skip file holds them, one JSON object a line, keys in `SkipRecord`'s field order:
 
+  MANIFEST/skipped.jsonl                        `mmtok scan`: its error rows (`Manifest.skip_records`)
+  H/skipped.jsonl                               `mmtok hash`
   OUT/parts/part-NNNNN/skipped.jsonl            encode (images, audio) and `mmtok sft`, per part
   OUT/merged.skipped.jsonl                      merge: the parts' lists joined, then the assembled documents'
   PACKED/skipped.jsonl                          `mmtok pack`
   CONV/dropped/dropped.{inputs,NNNNNN,tail}.jsonl  `mmtok audio convert`
+
+The plan's drops are the one exception on disk: PLAN/dropped.parquet keeps only the manifest row, reason and
+keeper of each (10^8 rows), and `Plan.skip_records` reads them as these records. `mmtok status OUT --plan
+PLAN --skipped` lists a job's records of every stage, in this schema.
 
 The counters of those inputs are `skipped:<reason>` in every stage's counts; `count_key` makes such a
 key and `reason_of` reads it back. This is the only module that knows the line layout or the key form.
@@ -20,6 +26,7 @@ from pathlib import Path
 from typing import IO, Iterable, Iterator
 
 from mmtok.errors import MmtokError, Skip
+from mmtok.fsutil import check_recorded
 
 SKIPPED = "skipped:"  # the counter prefix: skipped:<reason>
 ITEM_FAILED = "items_failed:"  # an image item that failed (its document is skipped later, by merge or sft)
@@ -92,6 +99,14 @@ def read(path: str | os.PathLike) -> Iterator[SkipRecord]:
     with open(path, "rb") as handle:
         for number, line in enumerate(handle, 1):
             yield _parse(line, path, number)
+
+
+def read_recorded(path: Path, recorded_sha256: str, rerun: str) -> Iterator[SkipRecord]:
+    """The records of the skip file `path` another stage wrote, after checking its bytes against the sha256
+    that stage recorded: one MmtokError line naming the file and the command to `rerun` when it is unreadable or
+    changed since."""
+    check_recorded(path, recorded_sha256, rerun)
+    return read(path)
 
 
 def _parse(line: bytes, path: str | os.PathLike, number: int) -> SkipRecord:

@@ -25,7 +25,7 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.dedup import DedupList, Exclusion
 from mmtok.formats.manifest import Manifest
-from mmtok.formats.plan import PlanWriter, has_plan
+from mmtok.formats.plan import SCAN_REASON, PlanWriter, has_plan
 from mmtok.formats.presets import PlanParameters
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
@@ -196,7 +196,7 @@ def _drop_fix(reason: str, parameters: dict) -> str | None:
     if reason in _DROP_FIXES:
         change, name = _DROP_FIXES[reason]
         return f"{change} (now {parameters[name]:,})"
-    if reason.startswith("scan:") or reason == "unknown_dimensions":
+    if reason.startswith(SCAN_REASON) or reason == "unknown_dimensions":
         return "the scan found no usable image in those rows: fix the inputs and rerun `mmtok scan`"
     if reason in CAPTION_REASONS:
         return "fix the captions, or plan with --mode image (no captions needed)"

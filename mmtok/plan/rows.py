@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import Manifest
+from mmtok.formats.plan import SCAN_REASON
 from mmtok.formats.presets import PlanParameters
 from mmtok.media.resize import target_shapes
 from mmtok.plan.captions import CAPTION_REASONS
@@ -172,7 +173,7 @@ def _scan_codes(batch: pa.RecordBatch, reasons: Reasons) -> np.ndarray:
         return np.zeros(batch.num_rows, np.uint16)
     reason, reason_labels = _labels(batch, "reason")
     ok = np.array([label == "ok" for label in status_labels], bool)
-    scan = np.array([reasons.code(f"scan:{label or 'error'}") for label in reason_labels], np.uint16)
+    scan = np.array([reasons.code(f"{SCAN_REASON}{label or 'error'}") for label in reason_labels], np.uint16)
     return np.where(ok[status], np.uint16(0), scan[reason] if len(scan) else np.uint16(0)).astype(np.uint16)
 
 

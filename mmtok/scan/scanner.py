@@ -25,8 +25,10 @@ from mmtok.errors import brief
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.containers import TAR, container_of, json_value, manifest_container
 from mmtok.formats.conversations import IMAGE_SUFFIXES
-from mmtok.formats.manifest import container_identity
+from mmtok.formats.manifest import CACHE_DIR, container_identity
+from mmtok.formats.manifest import STAGE as SCAN_STAGE
 from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard_rows
+from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import (
     BAD_SIZE,
     BLOCK,
@@ -50,7 +52,6 @@ from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 SCAN_VERSION = 7
 EXTRA_CAPTION = "(second caption of one sample)"  # an ignored_members entry: the command warns about it
 PATH_ONLY_CELL = "path_only_cell"  # an image cell with a file path and no bytes (docs/scan.md says how to embed them)
-CACHE_DIR = ".scan-cache"
 NON_UTF8_PATH = "non_utf8_path"  # an input path that is not UTF-8 (the tar reader's non_utf8_name, for a file)
 # One read at a sample's first header usually holds its small sidecars, the next image's header and
 # that image's first HEAD_BYTES: ~1.1 reads and ~7 KB per image on WebDataset shards with captions
@@ -124,11 +125,13 @@ class ScanRun:
 @dataclass(frozen=True)
 class Scanned:
     """What `run_scan` returns: the manifest's metadata (as manifest.json holds it; when nothing was written,
-    what it would have said), whether this run wrote the manifest, and what the run did."""
+    what it would have said), whether this run wrote the manifest, what the run did, and the first
+    shard-level error of each reason (what `no_image_message` shows; every error is in skipped.jsonl)."""
 
     meta: dict
     written: bool
     run: ScanRun
+    first_errors: dict[str, SkipRecord]
 
 
 @dataclass(frozen=True)
@@ -565,8 +568,9 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
     manifest it writes nothing (`written` False in what it returns), so that manifest and its cache stay as
     they were; elsewhere it writes the manifest of error rows, to be looked at. One process at a time writes
     the manifest of an OUT (its `.lock`; another is refused with `LockHeld`)."""
-    from mmtok.formats.manifest import has_manifest, write_manifest
+    from mmtok.formats.manifest import check_output, has_manifest, write_manifest
 
+    check_output(out_dir)
     (out_dir / CACHE_DIR).mkdir(parents=True, exist_ok=True)
     with WriterLock(out_dir, f"the manifest in {out_dir}"):
         sources, refused = _inputs(sources)
@@ -585,15 +589,15 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
         run = ScanRun(scanned_shards=len(scanned), cached_shards=len(sources) - len(scanned) - len(refused),
                       rows_scanned=sum(stats[i]["rows"] for i in scanned), seconds=time.perf_counter() - began,
                       workers=workers, read=ReadTotals.over(stats))
-        summary = summarize(sources, stats, options)
+        summary, first = summarize(sources, stats, options), first_errors(sources, stats)
         if not summary["images_ok"] and has_manifest(out_dir):
             for i in scanned:  # the cache stays as it was too: no mark of a mistyped input is left
                 if "table" in stats[i]:
                     discard_shard(rows_cache_path(out_dir, sources[i], options))
-            return Scanned(summary, False, run)
+            return Scanned(summary, False, run, first)
         meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
         remove_shards(out_dir / CACHE_DIR, {shard_key(s, options) for s in sources})
-    return Scanned(meta, True, run)
+    return Scanned(meta, True, run, first)
 
 
 def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank: int, world_size: int,
@@ -602,8 +606,10 @@ def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank:
     then, from the far end, every source no other process has claimed yet (a slow or dead rank's); when
     every source is then committed, write the manifest (`run_scan`: the same bytes as one process's scan).
     Returns what this rank scanned and, under `manifest`, the manifest when it wrote it."""
+    from mmtok.formats.manifest import check_output
     from mmtok.ranks import assign_shards
 
+    check_output(out_dir)
     (out_dir / CACHE_DIR).mkdir(parents=True, exist_ok=True)
     shown, refused = _inputs(sources)
     eligible = [i for i in range(len(shown)) if i not in refused]
@@ -737,7 +743,8 @@ def _error_stats(reason: str, detail: str, like: dict | None = None) -> dict:
 
 
 def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, options: ScanOptions):
-    """Shard tables in input order with `tar`, `container` and global document ids."""
+    """Shard tables in input order with `tar`, `container`, global document ids and the `detail` of each
+    shard-level error row (`write_manifest` writes it into the row's skip record)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -751,18 +758,51 @@ def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, opt
                                  pc.add(table.column("document"), pa.scalar(first_document, pa.int64())))
         table = table.append_column("tar", pa.array([source.path] * n, pa.string()))
         table = table.append_column("container", pa.array([st["container"]] * n, pa.string()))
+        table = table.append_column("detail", _details(table, st["shard_errors"]))
         first_document += st["documents"]
         yield table.replace_schema_metadata(None)
+
+
+def _details(table, shard_errors: list[dict]):
+    """The detail of each row of one shard's table, a string column: that of its shard-level error
+    (`ShardRows.shard_error`: a row with no key; they are in the order of `shard_errors`), null for every other
+    row. Only rows without a key become Python values (a shard may hold 10^5 rows)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not shard_errors:
+        return pa.nulls(table.num_rows, pa.string())
+    keyless = pc.indices_nonzero(pc.equal(table.column("key"), ""))
+    where = table.select(["member", "offset", "reason"]).take(keyless).to_pydict()
+    details: list[str | None] = [None] * table.num_rows
+    pending = iter(shard_errors)
+    wanted = next(pending, None)
+    for row, *found in zip(keyless.to_pylist(), where["member"], where["offset"], where["reason"], strict=True):
+        if wanted is not None and tuple(found) == (wanted["member"], wanted["offset"], wanted["reason"]):
+            details[row], wanted = wanted["detail"], next(pending, None)
+    return pa.array(details, pa.string())
+
+
+def first_errors(sources: list[Source], stats: list[dict]) -> dict[str, SkipRecord]:
+    """The first shard-level error of each reason, as its skip record (no position: the manifest may not be
+    written)."""
+    first: dict[str, SkipRecord] = {}
+    for source, st in zip(sources, stats, strict=True):
+        for err in st["shard_errors"]:
+            if err["reason"] not in first:
+                first[err["reason"]] = SkipRecord(key="", source=source.path, container=st["container"],
+                                                  member=err["member"] or None, reason=err["reason"],
+                                                  detail=err["detail"], stage=SCAN_STAGE)
+    return first
 
 
 def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) -> dict:
     """The deterministic part of manifest.json: inputs, counts by reason and format, skipped members."""
     totals: dict[str, Counter] = {"reasons": Counter(), "formats": Counter(), "ignored": Counter()}
-    inputs, shard_errors = [], []
+    inputs = []
     for source, st in zip(sources, stats, strict=True):
         for name in totals:
             totals[name].update(st[name])
-        shard_errors += [{"path": source.path, **err} for err in st["shard_errors"]]
         inputs.append({"path": source.path, "size": source.size, "mtime_ns": source.mtime_ns,
                        "container": st["container"], "file_format": st["file_format"], "rows": st["rows"],
                        "identity": source.identity})
@@ -775,7 +815,6 @@ def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) ->
         "reasons": dict(sorted(totals["reasons"].items())),
         "formats": dict(sorted(totals["formats"].items())),
         "ignored_members": dict(sorted(totals["ignored"].items())),
-        "shard_errors": shard_errors,
         "bytes_read": sum(st["bytes_read"] for st in stats),
         "options": {"image_column": options.image_column, "text_column": options.text_column},
         "scan_version": SCAN_VERSION,

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -404,7 +405,7 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
     """One row per input of the plan's manifest (input order): the manifest rows it gave and where each
     went, so that `rows = scan + plan + encode + written + pending` holds for every input:
 
-      scan     rows the scan recorded as errors (plan's dropped.parquet, reasons `scan:<reason>`)
+      scan     rows the scan recorded as errors (plan's dropped.parquet, reasons `scan:<reason>`: SCAN_REASON)
       plan     rows the plan dropped for its own reasons (dropped.parquet)
       encode   kept rows the encode skipped (the parts' skip records: `position` is the manifest row)
       written  kept rows of finished parts that were not skipped
@@ -412,7 +413,7 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
 
     Each of scan/plan/encode is a {reason: count} mapping; `status` is `job_status(out, plan)`'s result (its
     parts' states and count). Reads only."""
-    from mmtok.formats.plan import BATCHES_FILE, DROPPED_FILE, IMAGES_FILE
+    from mmtok.formats.plan import BATCHES_FILE, DROPPED_FILE, IMAGES_FILE, SCAN_REASON
 
     opened = _open_plan(plan)
     tars = opened.manifest().read(["tar"]).column(0).combine_chunks().dictionary_encode()
@@ -423,8 +424,8 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
         table[index]["rows"] = int(count)
     dropped = opened.table(DROPPED_FILE, ["manifest_row", "reason"]).to_pydict()
     for row, reason in zip(dropped["manifest_row"], dropped["reason"], strict=True):
-        stage, name = ("scan", reason[5:]) if reason.startswith("scan:") else ("plan", reason)
-        table[codes[row]][stage][name] += 1
+        scan = reason.startswith(SCAN_REASON)
+        table[codes[row]]["scan" if scan else "plan"][reason[len(SCAN_REASON):] if scan else reason] += 1
     kept = opened.table(IMAGES_FILE, ["manifest_row"]).column(0).to_numpy()
     plan_row = opened.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
     bounds = np.append(plan_row, len(kept))
@@ -448,12 +449,27 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
     return table
 
 
-def _merge_skips(out: Path, rows: int) -> list:
+def skip_records(status: dict, plan: str | os.PathLike | None) -> Iterator[skips.SkipRecord]:
+    """Every input of the job that did not become tokens, one skip record each, stage by stage: with `plan`, the
+    manifest rows it dropped (the scan's error rows and the plan's own drops, in manifest-row order), then each
+    part's skips (encode, sft) in part order, then those merge added once `OUT/merged.skipped.jsonl` exists.
+    `status` is `job_status(out, plan)`'s result. Reads only."""
+    if plan is not None:
+        yield from _open_plan(plan).skip_records()
+    out = Path(status["out"])
+    for part in status["parts"]:
+        yield from commitlog.read_skipped(commitlog.part_dir(out, part["part"]))
+    yield from _merge_skips(out)
+
+
+def _merge_skips(out: Path, rows: int | None = None) -> list:
     """The skip records merge added (`document_image_failed`: an image of a document another image of which
-    failed), once `OUT/merged.skipped.jsonl` exists; the parts' own records are in it too and not taken again."""
+    failed), once `OUT/merged.skipped.jsonl` exists; the parts' own records are in it too and not taken again.
+    With `rows`, only those naming a manifest row below it."""
     from mmtok.formats.merged import MERGED, SKIPPED_SUFFIX
 
     path = out / (MERGED + SKIPPED_SUFFIX)
     if not path.is_file():
         return []
-    return [r for r in skips.read(path) if r.stage == "merge" and r.position is not None and 0 <= r.position < rows]
+    return [r for r in skips.read(path) if r.stage == "merge"
+            and (rows is None or r.position is not None and 0 <= r.position < rows)]
