@@ -313,6 +313,9 @@ def test_every_error_row_is_a_skip_record_in_skipped_jsonl_verified_before_use(t
                                                "detail": records[1].detail, "path": str(garbage)}])
     (old / "manifest.json").write_text(json.dumps(v2))
     assert list(Manifest.open(old).skip_records()) == records
+    v2["shard_errors"] += [["not", "an", "entry"], {"path": [], "member": "", "offset": 0, "reason": "x"}]
+    (old / "manifest.json").write_text(json.dumps(v2))  # entries of other shapes add no detail, and raise nothing
+    assert list(Manifest.open(old).skip_records()) == records
     # a skip file changed after the scan is refused, naming it
     path = out / "skipped.jsonl"
     path.write_bytes(path.read_bytes().replace(b"unknown_format", b"unknown_formax"))

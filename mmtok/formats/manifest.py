@@ -140,6 +140,12 @@ def _skip_records(table: pa.Table, first_row: int) -> Iterator[skips.SkipRecord]
                                stage=STAGE)
 
 
+def _shard_error(entry) -> bool:
+    """Whether `entry` of a version-2 manifest.json's `shard_errors` has the fields and types the scan wrote."""
+    types = {"path": str, "member": str, "offset": int, "reason": str, "detail": str}
+    return isinstance(entry, dict) and all(type(entry.get(name)) is kind for name, kind in types.items())
+
+
 class Manifest:
     """A complete manifest directory, opened once: its metadata, fingerprint, text column and rows.
 
@@ -217,8 +223,9 @@ class Manifest:
     def _version_2_skips(self) -> Iterator[skips.SkipRecord]:
         import pyarrow.compute as pc
 
-        details = {(e.get("path"), e.get("member"), e.get("offset"), e.get("reason")): e.get("detail", "")
-                   for e in self.metadata.get("shard_errors", ())}
+        listed = self.metadata.get("shard_errors")
+        details = {(e["path"], e["member"], e["offset"], e["reason"]): e["detail"] for e in
+                   (listed if isinstance(listed, list) else ()) if _shard_error(e)}  # others add no detail
         first = 0
         for batch in self.batches(["key", "tar", "container", "member", "offset", "status", "reason"]):
             table = pa.Table.from_batches([batch])
