@@ -465,3 +465,24 @@ def test_the_carried_clips_keep_their_byte_layout_and_read_back():
     assert [(position, skip) for position, skip, _ in back[:2]] == [(7, ""), (8, "silent: digital silence")]
     assert back[0][2].tolist() == ids.tolist() and back[1][2].size == 0
     assert len(back[2][1].encode()) <= MAX_SKIP_TEXT and back[2][1].startswith("decode_error: é")  # cut whole
+
+
+def test_a_stopped_device_loop_waits_for_the_prefetch_thread_before_it_goes_on():
+    # Left running, the prefetch thread could still be inside the DataLoader at interpreter exit: the process then
+    # aborted (exit 134) after a stop had committed everything. Closing the batches now waits for its batch in flight.
+    import threading
+
+    from mmtok.encode import audio
+
+    slow = threading.Event()
+
+    def batches():
+        yield {"unit": 0}
+        yield {"unit": 1}
+        slow.wait(1.0)  # a batch still loading when the device loop stops
+        yield {"unit": 2}
+
+    loop = audio.prefetched(batches())
+    assert next(loop) == {"unit": 0}
+    loop.close()
+    assert not [t for t in threading.enumerate() if t.name == "mmtok-prefetch" and t.is_alive()]

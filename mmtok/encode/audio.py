@@ -610,6 +610,9 @@ def run_parts(work: list[PartWork], codec, context: Context, *, num_workers: int
                     loader_wait_s=meter.waited, first_batch_s=meter.fill_seconds)
 
 
+PREFETCH_JOIN_S = 10.0  # how long a stopped device loop waits for the prefetch thread's batch in flight
+
+
 def prefetched(batches, depth: int = 2) -> Iterator[dict]:
     """The batches, taken from the DataLoader by a thread (unpickling, shared-memory rebuild and pinning
     overlap the device's work); the loader's exception is re-raised here."""
@@ -635,7 +638,8 @@ def prefetched(batches, depth: int = 2) -> Iterator[dict]:
             return
         put(None)
 
-    threading.Thread(target=fill, name="mmtok-prefetch", daemon=True).start()
+    filler = threading.Thread(target=fill, name="mmtok-prefetch", daemon=True)
+    filler.start()
     try:
         while (batch := ready.get()) is not None:
             if isinstance(batch, BaseException):
@@ -643,6 +647,10 @@ def prefetched(batches, depth: int = 2) -> Iterator[dict]:
             yield batch
     finally:
         closed.set()
+        # The filler ends once the batch it is loading arrives. Left running, it may still be inside the loader's C++
+        # code when the interpreter exits, which then aborts (exit 134, "terminate called without an active
+        # exception") after a stop had committed everything: wait for it, a bounded time (a stop has a deadline).
+        filler.join(PREFETCH_JOIN_S)
 
 
 def encode_batch(codec, batch: dict, device, trim: int, layout) -> list[tuple[int, str, np.ndarray | None]]:
