@@ -126,6 +126,11 @@ def _constant(value: str, n: int):
     return pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([value])).dictionary_decode()
 
 
+# The manifest version the synthetic manifests claim: 2, whose rows every planner compared here reads (the working
+# tree reads version 2 too; version 3 added only skipped.jsonl beside the same rows, which no planner reads).
+SYNTHETIC_VERSION = 2
+
+
 def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc_images: tuple[int, int],
                              seed: int = 0, columns: tuple[str, ...] | None = None) -> Path:
     """A contract-layout manifest of `rows` rows (cached: reused when it already has that many rows);
@@ -133,7 +138,7 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mmtok.formats.manifest import FORMAT, FORMAT_VERSION
+    from mmtok.formats.manifest import FORMAT
 
     path = directory / "manifest.parquet"
     meta = directory / "manifest.json"
@@ -152,7 +157,7 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc
             writer = pq.ParquetWriter(path, table.schema, compression="zstd")
         writer.write_table(table, row_group_size=1 << 20)
     writer.close()
-    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
+    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": SYNTHETIC_VERSION,
                                                          "rows": rows, "fingerprint": tag}))
     return directory
 
@@ -200,8 +205,10 @@ timed(batching.GroupPlanner, "plan", "windows + batches")
 timed(core, "_write_group", "write files")
 timed(PlanWriter, "finish", "write files")
 job = json.loads(sys.argv[1])
-# the manifest's rows are the same in every version; a newer manifest.json only records more about its inputs
-manifest_format.FORMAT_VERSION = job["manifest_version"]
+# the synthetic manifest's rows are the same in every version; a planner that knows an older one only (094ba96:
+# version 1) reads it as its own (the working tree reads it as it is)
+if job["manifest_version"] not in getattr(manifest_format, "READ_VERSIONS", ()):
+    manifest_format.FORMAT_VERSION = job["manifest_version"]
 params = load_preset(job["preset"]).override(mode="image", **job["overrides"])
 text_tokenizer(params.text_tokenizer)  # tokenizer load (~1.5 s) is not planning work
 wall, cpu = time.perf_counter(), time.process_time()
@@ -230,10 +237,8 @@ print(json.dumps({"seconds": wall, "cpu_seconds": cpu, "phases": phases, "code":
 def run_plan(source: Path, manifest: Path, out: Path, world_size: int, overrides: dict | None = None,
              rederive: tuple[int, ...] = ()) -> dict:
     """Plan `manifest` into `out` with the mmtok package of `source` (a checkout) in a fresh one-core process."""
-    from mmtok.formats.manifest import FORMAT_VERSION  # (the manifests are written by this tree)
-
     job = {"manifest": str(manifest), "out": str(out), "preset": PRESET, "overrides": overrides or {},
-           "world_size": world_size, "rederive": list(rederive), "manifest_version": FORMAT_VERSION}
+           "world_size": world_size, "rederive": list(rederive), "manifest_version": SYNTHETIC_VERSION}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": str(source)}
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(job)], cwd=source, env=env,  # cwd: its plans/
                           capture_output=True, text=True)
