@@ -26,6 +26,7 @@ from audio_corpus import (
 from convertkit import assert_counts_add_up, dropped_records, encoded, load_cuts, make_tar, report, stored_bytes
 from mmtok.audio import convert as convert_module
 from mmtok.audio.convert import ConvertOptions, convert
+from mmtok.audio.sources import parquet as parquet_source
 from mmtok.audio.sources.units import number_clips
 from mmtok.cli import main as cli_main
 from mmtok.media.audio import resample, to_mono
@@ -240,6 +241,7 @@ def test_parquet_source_with_audio_bytes_column(tmp_path, tokenizer):
     rows.append({"audio": None, "text": "missing", "recording_id": "none", "start": 0.0})
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "speech.parquet", row_group_size=2)
     convert([tmp_path / "speech.parquet"], tmp_path / "out", ConvertOptions(), workers=0, progress=False)
+    assert parquet_source._opened.cache_info().currsize == 0  # in process: no table file is left open after it
     cuts = load_cuts(tmp_path / "out")
     assert [c.id for c in cuts] == ["speech/00000000", "speech/00000001", "speech/00000002"]
     assert [c.custom["clip"] for c in cuts] == [0, 1, 2]  # numbered by start within the recording

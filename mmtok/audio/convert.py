@@ -41,6 +41,7 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.audio.sources import Collected, collect_units
+from mmtok.audio.sources.parquet import close_tables
 from mmtok.audio.sources.units import ClipSpec, Unit, pick_channel, skip_record
 from mmtok.errors import MmtokError
 from mmtok.formats import shar as shar_format
@@ -190,7 +191,10 @@ def ordered_results(units: list[Unit], options: ConvertOptions, workers: int,
     """process_unit over `units`, results in input order, at most 2 * workers units in flight."""
     if workers <= 0:
         init_worker(options, tokenizer)
-        yield from map(process_unit, units)
+        try:
+            yield from map(process_unit, units)
+        finally:
+            close_tables()
         return
     import multiprocessing
 

@@ -71,6 +71,12 @@ def _opened(path: str, file_format: str, stamp: tuple[int, int, int, int]):
     return TableFile(path, file_format)
 
 
+def close_tables() -> None:
+    """Close the table files this process keeps open for its units (`_opened`): an in-process conversion's,
+    when it ends (a worker process's close with it)."""
+    _opened.cache_clear()
+
+
 def _stamp(path: str) -> tuple[int, int, int, int]:
     status = os.stat(path)  # ctime too: a rewrite in place whose mtime was set back (rsync -t --inplace) is seen
     return status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
