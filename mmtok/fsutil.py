@@ -156,13 +156,19 @@ def refuse_foreign_output(out: Path, written: tuple[str, ...], marks: tuple[str,
     its `metadata` file (name, format, version, what) of another format, or a file of a name it writes
     (`written`) with neither that metadata nor any of `marks` (what only `command` leaves there: its cache, its
     lock) beside it. mmtok never replaces a file it did not write; an earlier version of its own format it does
-    (the rerun an error about that version asks for)."""
+    (the rerun an error about that version asks for), and so a metadata file that no longer parses beside one of
+    `marks` (the rerun its reader asks for). A metadata path that is no regular file is never taken for one."""
     name, fmt, version, what = metadata
-    if (out / name).exists():
+    if os.path.lexists(out / name):
         try:
-            meta = json.loads((out / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError):
+            meta = json.loads(read_regular_file(out / name).decode("utf-8"))
+        except OSError as err:  # a FIFO, a device, a dangling link: never a file mmtok wrote (nor to be waited on)
+            raise MmtokError(f"{out / name} is not a {what} `{command}` wrote ({err.strerror or err}); pass an --out "
+                             "of its own") from None
+        except (ValueError, RecursionError):
             meta = None
+        if not isinstance(meta, dict) and any(os.path.lexists(out / mark) for mark in marks):
+            return  # its own, damaged (a full disk, a crash mid-write): the rerun replaces it
         found = meta.get("format_version") if isinstance(meta, dict) and meta.get("format") == fmt else None
         if not (isinstance(found, int) and not isinstance(found, bool) and 1 <= found <= version):
             raise MmtokError(f"{out / name} is not a {what} `{command}` wrote; pass an --out of its own")
@@ -406,18 +412,22 @@ def random_access(array):
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """The sha256 of the regular file at `path` (anything else is an OSError: a FIFO or /dev/zero never ends)."""
     import hashlib
 
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular_file(path) as handle:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
 
 
-def check_recorded(path: Path, recorded_sha256: str, rerun: str) -> None:
+def check_recorded(path: Path, recorded_sha256: str | None, rerun: str) -> None:
     """MmtokError (one line naming `path` and the command to `rerun`) unless the file another stage wrote is
     still the one it recorded: readable, of sha256 `recorded_sha256`."""
+    if not isinstance(recorded_sha256, str) or not recorded_sha256:
+        raise MmtokError(f"{path}: the stage that wrote it recorded no sha256 of it (its metadata is damaged or from "
+                         f"another mmtok); rerun `{rerun}`")
     try:
         actual = sha256_file(path)
     except OSError as err:

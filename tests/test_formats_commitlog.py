@@ -214,6 +214,10 @@ def test_skip_records_are_durable_with_their_unit_and_cut_back_with_it(tmp_path)
     shard.close()
     with open(tmp_path / "p" / "skipped.jsonl", "ab") as handle:  # a kill after the data, before the record
         handle.write(skips.to_line(_skip("k1", "decode_error")))
+    assert [r.key for r in read_skipped(tmp_path / "p")] == ["k0"]  # a reader (`mmtok status`) before the resume
+    with open(tmp_path / "p" / "skipped.jsonl", "ab") as handle:  # and a line torn by that kill
+        handle.write(b'{"key":"k1b","sou')
+    assert [r.key for r in read_skipped(tmp_path / "p")] == ["k0"]
     resumed = PartWriter(tmp_path / "p", IDENTITY)
     assert [r.key for r in read_skipped(tmp_path / "p")] == ["k0"]
     resumed.commit(1, [np.arange(2)], [{"u": 1}], {}, skipped=[_skip("k2", "short_read")])

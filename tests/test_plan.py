@@ -243,7 +243,7 @@ def test_balance_splits_never_make_the_balance_worse(by_world_size):
 # ----------------------------------------------------------------------------- coverage and reasons
 
 
-def test_every_manifest_row_is_kept_once_or_dropped_with_a_reason(corpus, tmp_path):
+def test_every_manifest_row_is_kept_once_or_dropped_with_a_reason(corpus, tmp_path, monkeypatch):
     meta = plan(corpus, tmp_path / "p", world_size=3)
     t = tables(tmp_path / "p")
     n = pq.read_metadata(corpus / "manifest.parquet").num_rows
@@ -267,6 +267,8 @@ def test_every_manifest_row_is_kept_once_or_dropped_with_a_reason(corpus, tmp_pa
         row = manifest[record.position]
         assert (record.key, record.source) == (row["key"], row["tar"])
         assert record.stage == ("scan" if row["reason"] else "plan")
+    monkeypatch.setattr(plan_format, "DROPPED_CHUNK", 3)  # streamed a chunk at a time: the same records
+    assert list(Plan.open(tmp_path / "p").skip_records()) == records
 
 
 def test_drop_reasons_are_named_and_documents_drop_whole(tmp_path):

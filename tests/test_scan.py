@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -324,14 +325,46 @@ def test_every_error_row_is_a_skip_record_in_skipped_jsonl_verified_before_use(t
 
 
 def test_a_skipped_jsonl_the_scan_did_not_write_is_never_replaced(tmp_path, media):
+    # another stage's output (`mmtok hash`, `mmtok pack`: a skipped.jsonl and their .lock) is no scan's
     good = write_tar(tmp_path / "good.tar", [("a.jpg", media[0][1])])
     theirs = tmp_path / "out" / "skipped.jsonl"
     theirs.parent.mkdir()
     theirs.write_text("their notes\n")
+    (tmp_path / "out" / ".lock").write_text("")
     with pytest.raises(MmtokError, match="which `mmtok scan` did not write"):
         scan(tmp_path, [good])
     assert theirs.read_text() == "their notes\n"
-    assert sorted(p.name for p in theirs.parent.iterdir()) == ["skipped.jsonl"]
+    assert sorted(p.name for p in theirs.parent.iterdir()) == [".lock", "skipped.jsonl"]
+
+
+def test_a_damaged_manifest_json_of_the_scan_is_rewritten_and_one_that_is_no_file_refused(tmp_path, media):
+    good = write_tar(tmp_path / "good.tar", [("a.jpg", media[0][1])])
+    out, _ = scan(tmp_path, [good])
+    meta = out / "manifest.json"
+    meta.write_text(meta.read_text()[:40])  # cut short (a full disk): the reader asks for a rerun, which works
+    with pytest.raises(MmtokError, match="rerun `mmtok scan`"):
+        Manifest.open(out)
+    scan(tmp_path, [good])
+    assert Manifest.open(out).metadata["images_ok"] == 1
+    meta.unlink()
+    os.mkfifo(meta)  # never opened to be read (it would block), never replaced
+    with pytest.raises(MmtokError, match="manifest.json is not a manifest .* wrote"):
+        scan(tmp_path, [good])
+    assert stat.S_ISFIFO(os.lstat(meta).st_mode)
+    meta.unlink()
+    scan(tmp_path, [good])
+    skipped = out / "skipped.jsonl"
+    skipped.unlink()
+    os.mkfifo(skipped)  # a store another stage wrote is verified without blocking on it
+    with pytest.raises(MmtokError, match="skipped.jsonl: .*not a regular file"):
+        Manifest.open(out).skip_records()
+    skipped.unlink()
+    skipped.write_bytes(b"")
+    broken = json.loads(meta.read_text())
+    del broken["skipped_sha256"]
+    meta.write_text(json.dumps(broken))
+    with pytest.raises(MmtokError, match="recorded no sha256 of it"):
+        Manifest.open(out).skip_records()
 
 
 def test_non_utf8_member_names_are_named(tmp_path, media):

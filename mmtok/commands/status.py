@@ -96,7 +96,8 @@ def print_skipped(status: dict, plan: str | None) -> int:
         stages.setdefault(stage, []).append(f"{reason} {n:,}")
     by_stage = "; ".join(f"{stage} {', '.join(reasons)}" for stage, reasons in stages.items() if reasons)
     print(f"mmtok status: {plural(sum(counts.values()), 'skip record')}" + (f" ({by_stage})" if by_stage else "")
-          + ("" if plan else "; the scan's and the plan's are listed with --plan"), file=sys.stderr)
+          + ("; the scan's and the plan's are listed with --plan" if plan is None and status["modality"] == "image"
+             else ""), file=sys.stderr)
     return 0
 
 

@@ -538,7 +538,10 @@ def read_provenance(directory: str | os.PathLike) -> Iterator[dict]:
 
 
 def read_skipped(directory: str | os.PathLike) -> Iterator[SkipRecord]:
-    """The skip records of a part (inputs that did not become tokens), in commit order."""
-    path = Path(directory) / SKIPPED
-    if path.is_file():
-        yield from skips.read(path)
+    """The committed skip records of a part (inputs that did not become tokens), in commit order: the bytes its last
+    commit record covers. A writer may be appending the next unit's, or was killed while it did (its resume cuts
+    them off); those are not read."""
+    records, _ = read_commits(directory)
+    end = int(records[-1].get(APPENDED[SKIPPED], 0)) if records else 0
+    if end:
+        yield from skips.read(Path(directory) / SKIPPED, limit=end)

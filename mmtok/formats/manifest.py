@@ -82,7 +82,7 @@ def has_manifest(directory: str | os.PathLike) -> bool:
 def check_output(directory: str | os.PathLike) -> None:
     """Refuse, before anything is written, a directory holding files of the manifest's names that `mmtok scan`
     did not write."""
-    refuse_foreign_output(Path(directory), (MANIFEST_FILE, SKIPPED_FILE, METADATA_FILE), (CACHE_DIR, ".lock"),
+    refuse_foreign_output(Path(directory), (MANIFEST_FILE, SKIPPED_FILE, METADATA_FILE), (CACHE_DIR,),
                           "mmtok scan", (METADATA_FILE, FORMAT, FORMAT_VERSION, "manifest"))
 
 
@@ -216,8 +216,7 @@ class Manifest:
         error rows and manifest.json's `shard_errors`."""
         if self.metadata["format_version"] == 2:
             return self._version_2_skips()
-        recorded = self.metadata.get("skipped_sha256")
-        return skips.read_recorded(self.directory / SKIPPED_FILE, recorded if isinstance(recorded, str) else "",
+        return skips.read_recorded(self.directory / SKIPPED_FILE, self.metadata.get("skipped_sha256"),
                                    f"mmtok scan ... --out {self.directory}")
 
     def _version_2_skips(self) -> Iterator[skips.SkipRecord]:

@@ -83,6 +83,7 @@ DOCUMENTS_SCHEMA = pa.schema([
 # A manifest error row is dropped as SCAN_REASON + the scan's reason. `Plan.skip_records` reads the rows as the
 # skip records of every other stage; the file keeps only what the manifest does not hold (10^8 rows).
 SCAN_REASON = "scan:"
+DROPPED_CHUNK = 1 << 16  # rows of dropped.parquet read at a time by `Plan.skip_records`
 STAGE = "plan"  # the stage of the skip records of the plan's own drops
 DROPPED_SCHEMA = pa.schema([("manifest_row", pa.int64()), ("reason", pa.string()), ("keeper", pa.string())])
 SCHEMAS = {IMAGES_FILE: IMAGES_SCHEMA, BATCHES_FILE: BATCHES_SCHEMA, DOCUMENTS_FILE: DOCUMENTS_SCHEMA,
@@ -303,18 +304,33 @@ class Plan:
         """Every manifest row the plan dropped, as a skip record, in manifest-row order: an error row of the scan
         as the manifest's record of it (stage "scan"), every other row with the plan's reason (stage "plan";
         `detail`: the keeper of a `duplicate`, the benchmark image of a `contaminated` row, what the check
-        found in a flagged caption). MmtokError when the plan and its manifest disagree on the error rows."""
-        dropped = self.table(DROPPED_FILE)
-        order = np.argsort(dropped.column("manifest_row").to_numpy(), kind="stable")
-        rows = dropped.column("manifest_row").to_numpy()[order]
-        reasons = np.asarray(dropped.column("reason").to_pylist(), object)[order]
-        keepers = np.asarray(dropped.column("keeper").to_pylist(), object)[order]
-        own = np.array([not reason.startswith(SCAN_REASON) for reason in reasons], bool)
+        found in a flagged caption). Streamed, DROPPED_CHUNK rows at a time (a plan may drop 10^8). MmtokError
+        when the plan and its manifest disagree on the error rows."""
+        path = self.directory / DROPPED_FILE
         manifest = self.manifest()
-        where = manifest.read_rows(rows[own], ["key", "tar", "container", "member"])
         scanned = manifest.skip_records()
+        last = -1
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=DROPPED_CHUNK):
+            rows = batch.column("manifest_row").to_numpy()
+            if len(rows) and (rows[0] <= last or bool(np.any(np.diff(rows) <= 0))):
+                raise MmtokError(f"{path}: its manifest rows do not increase (the planner writes them in order); "
+                                 "re-run `mmtok plan`")
+            last = int(rows[-1]) if len(rows) else last
+            yield from self._skip_records(rows, batch.column("reason").to_pylist(), batch.column("keeper").to_pylist(),
+                                          manifest, scanned)
+        left = next(scanned, None)
+        if left is not None:
+            raise MmtokError(f"the manifest's error row {left.position} ({left.reason}) is not in {path}; "
+                             "re-run `mmtok plan`")
+
+    def _skip_records(self, rows: np.ndarray, reasons: list[str], keepers: list[str | None], manifest: Manifest,
+                      scanned: Iterator[SkipRecord]) -> Iterator[SkipRecord]:
+        """The records of one chunk of dropped.parquet: the plan's own drops named from the manifest rows, the
+        scan's taken from `scanned` (the manifest's records, in row order)."""
+        own = np.array([not reason.startswith(SCAN_REASON) for reason in reasons], bool)
+        where = manifest.read_rows(rows[own], ["key", "tar", "container", "member"])
         taken = 0
-        for row, reason, keeper, is_own in zip(rows.tolist(), reasons, keepers, own, strict=True):
+        for row, reason, keeper, is_own in zip(rows.tolist(), reasons, keepers, own.tolist(), strict=True):
             if is_own:
                 yield SkipRecord(key=where["key"][taken], source=where["tar"][taken],
                                  container=where["container"][taken], member=where["member"][taken] or None,
@@ -328,10 +344,6 @@ class Plan:
                                  f"{'none' if record is None else f'row {record.position} ({record.reason})'}; "
                                  "re-run `mmtok plan`")
             yield record
-        left = next(scanned, None)
-        if left is not None:
-            raise MmtokError(f"the manifest's error row {left.position} ({left.reason}) is not in "
-                             f"{self.directory / DROPPED_FILE}; re-run `mmtok plan`")
 
     def ranges(self, world_size: int | None = None) -> np.ndarray:
         """[start, end) global batch range per rank, shape [world_size, 2]: the plan's own ranges for
