@@ -41,6 +41,7 @@ import numpy as np
 
 from mmtok.errors import Skip
 from mmtok.formats.containers import json_value
+from mmtok.formats.presets import CAPTION_MODES, MODES
 from mmtok.text import TextTokenizer, caption_text
 from mmtok.vocab import VocabLayout
 
@@ -73,8 +74,8 @@ class DocumentBuilder:
         self._dims: dict[tuple[int, int], list[int]] = {}
         self._builders = {"image": self._image, "image-text": self._image_text, "text-image": self._text_image,
                           "interleaved": self._interleaved}
-        if mode not in self._builders and mode != "sft":
-            raise ValueError(f"unknown document mode {mode!r}; known: {sorted(self._builders)}")
+        if mode not in MODES:
+            raise ValueError(f"unknown document mode {mode!r}; known: {list(MODES)}")
 
     @property
     def makes_documents(self) -> bool:
@@ -83,7 +84,7 @@ class DocumentBuilder:
 
     @property
     def needs_text(self) -> bool:
-        return self.mode in ("image-text", "text-image")
+        return self.mode in CAPTION_MODES
 
     @property
     def needs_json(self) -> bool:

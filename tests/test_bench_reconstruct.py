@@ -277,7 +277,7 @@ def test_parquet_containers_are_read_by_row(tmp_path):
     pq.write_table(pa.table({"jpg": [p.read_bytes() for p in photos]}), container)
     reader = inputs.ByteReader()
     for row, photo in enumerate(photos):
-        assert reader.read(("parquet", str(container), "jpg", row)) == photo.read_bytes()
+        assert reader.read(("parquet", str(container), "jpg", row, 0)) == photo.read_bytes()  # (a manifest row's)
 
 
 def test_resize_rules_come_from_checkpoint_plan_preset_or_options(tmp_path, checkpoints):

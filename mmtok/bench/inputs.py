@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.formats.containers import TABLE, TAR
 from mmtok.formats.manifest import Manifest, MemberReader
+from mmtok.fsutil import read_regular_file
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".jsonl", ".ndjson")
 
@@ -35,7 +35,7 @@ class Catalog:
     ids: np.ndarray  # str: "row:<manifest row>" or "path:<relative path as written>"
     categories: np.ndarray  # str
     sources: np.ndarray  # str, human-readable (path, or tar:member)
-    locations: list[tuple]  # ("file", path) | ("tar", path, offset, size) | ("parquet", path, column, row)
+    locations: list[tuple]  # ("file", path) | a manifest row's (container, path, member, offset, size)
     kind: str  # "manifest" or "table"
     fingerprint: str  # sha256 of the input file(s), recorded in the run identity
     excluded: dict[str, int]  # rows not usable, by reason
@@ -127,8 +127,8 @@ def _manifest_locations(table, parquet: Path, rows: np.ndarray) -> tuple[list[tu
     tars, containers, members = (_column(table, c, parquet)[rows] for c in ("tar", "container", "member"))
     offsets = table.column("offset").to_numpy()[rows]
     sizes = table.column("size").to_numpy()[rows]
-    locations = [(TABLE, t, m, int(o)) if c == TABLE else (TAR, t, int(o), int(s))
-                 for t, c, m, o, s in zip(tars, containers, members, offsets, sizes, strict=True)]
+    locations = [(c, t, m, int(o), int(s)) for t, c, m, o, s in zip(tars, containers, members, offsets, sizes,
+                                                                     strict=True)]
     sources = np.array([f"{t}:{m}" for t, m in zip(tars, members, strict=True)], dtype=object)
     return locations, sources
 
@@ -162,10 +162,5 @@ class ByteReader:
 
     def read(self, location: tuple) -> bytes:
         if location[0] == "file":
-            with open(location[1], "rb") as handle:
-                return handle.read()
-        if location[0] == TAR:
-            _, path, offset, size = location
-            return self._members.read_member(TAR, path, "", offset, size)
-        _, path, column, row = location
-        return self._members.read_member(TABLE, path, column, row, -1)
+            return read_regular_file(location[1])
+        return self._members.read_member(*location)  # the manifest's reader knows each container

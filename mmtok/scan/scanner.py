@@ -359,6 +359,8 @@ def _add_sample(walker: TarWalker, out: ShardRows, raw_key: bytes, images: list[
     names_json = None
     if 0 <= json_sidecar[1] <= MAX_JSON_BYTES:
         names_json = walker.read(json_sidecar[0], json_sidecar[1])
+        if len(names_json) != json_sidecar[1]:  # the file ended inside it since its header was read: no order
+            names_json = None
     order = document_order([entry[0] for entry in images], key, names_json, out.ignored)
     for entry, index in zip(images, order, strict=True):
         out.rows.append((key, doc, index) + entry + sidecars)
