@@ -52,6 +52,7 @@ from mmtok.cli import main as cli  # noqa: E402
 from mmtok.codecs import emu35  # noqa: E402
 from mmtok.codecs.registry import load_codec  # noqa: E402
 from mmtok.encode.runner import EncodeOptions, encode_image_rank  # noqa: E402
+from mmtok.formats import presets  # noqa: E402
 from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
 from mmtok.formats.presets import CostModel  # noqa: E402
 from mmtok.plan import calibrate as cal  # noqa: E402
@@ -174,7 +175,7 @@ def calibrate_tiny(codec, plan: Path, out: Path, max_shapes: int, repeats: int) 
     identity = {**cal.codec_identity(codec, device), "clock": "CPU seconds of the process (time.process_time)"}
     result = cal.calibration_result(timings, grid, identity, repeats=repeats, warmup=0,
                                     timing_seconds=time.perf_counter() - started)
-    cal.write_calibration(out, result)
+    presets.write_calibration(out, result)
     return result
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from mmtok.codecs import emu35
+from mmtok.formats import presets
 from mmtok.formats.presets import CostModel
 from mmtok.plan import calibrate as cal
 
@@ -150,7 +151,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    cal.write_calibration(out.with_suffix(".yaml"), result)
+    presets.write_calibration(out.with_suffix(".yaml"), result)
     print(text)
     log(f"wrote {out} and {out.with_suffix('.yaml')}")
 

@@ -17,6 +17,7 @@ import yaml
 from mmtok.cli import main as cli_main
 from mmtok.codecs import emu35, wavtokenizer
 from mmtok.errors import MmtokError
+from mmtok.formats import presets
 from mmtok.formats.manifest import SCHEMA, write_manifest
 from mmtok.formats.presets import CostModel, PlanParameters, load_preset
 from mmtok.plan import calibrate as cal
@@ -164,7 +165,7 @@ def test_replaced_model_is_compared_after_its_best_scale(grid):
 def test_calibration_file_round_trips_into_the_plan(grid, manifest, tmp_path):
     result = cal.calibration_result(synthetic(TRUTH, grid, noise=0.01), grid, IDENTITY, repeats=3, warmup=1)
     path = tmp_path / "cost.yaml"
-    cal.write_calibration(path, result)
+    presets.write_calibration(path, result)
     assert yaml.safe_load(path.read_text()) == result
     assert CostModel.from_file(path).to_dict() == result["cost_model"]
     out = tmp_path / "plan"

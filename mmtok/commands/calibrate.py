@@ -52,9 +52,10 @@ def batch_sizes(text: str) -> list[int]:
 
 def run(args) -> int:
     from mmtok.codecs.registry import DEFAULTS, load_codec
+    from mmtok.formats.presets import write_calibration
     from mmtok.fsutil import refuse_out_overlapping
     from mmtok.launch import resolve_device
-    from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid, write_calibration
+    from mmtok.plan.calibrate import calibrate, plan_grid, preset_grid
 
     refuse_out_overlapping(args.out, [args.plan, args.checkpoint])
     if args.max_shapes < 1:

@@ -234,6 +234,16 @@ def _json_lines(records: list[dict]) -> bytes:
                     for r in records)
 
 
+def item_lines(records: list[dict], ids: list[np.ndarray]) -> bytes:
+    """items.jsonl's lines: each item's record with the `length` of its ids in items.ids (read by `item_record`)."""
+    return _json_lines([{**record, "length": int(found.size)} for record, found in zip(records, ids, strict=True)])
+
+
+def item_record(line: bytes) -> dict:
+    """The record of one line of items.jsonl (`item_lines`), its `length` included."""
+    return json.loads(line)
+
+
 def check_identity(directory: str | os.PathLike, identity: dict) -> None:
     """Refuse (naming the first differing key) when the part in `directory` was made from anything other
     than `identity` -- also for a finished part, so a rerun with other settings is never silently a no-op."""
@@ -431,8 +441,7 @@ class PartWriter:
         data = {TOKENS_BIN: np.concatenate(arrays).tobytes() if arrays else b"",
                 PROVENANCE: _json_lines(provenance), SKIPPED: skips.to_lines(skipped),
                 ITEM_IDS: np.concatenate(item_arrays).tobytes() if item_arrays else b"",
-                ITEMS: _json_lines([{**record, "length": int(ids.size)}
-                                    for (record, _), ids in zip(items, item_arrays, strict=True)])}
+                ITEMS: item_lines([record for record, _ in items], item_arrays)}
         for name, size_key in APPENDED.items():
             self._append(name, size_key, data[name])
         self._append(CARRY, "carry_bytes", carry)

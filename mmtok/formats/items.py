@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import mmap
 import os
 from array import array
@@ -90,7 +89,7 @@ def iter_items(directory: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     offset = position = 0
     with open(path, "rb") as handle:
         for line in handle:
-            record = json.loads(line)
+            record = commitlog.item_record(line)
             record["offset"] = offset
             offset += record["length"]
             yield position, record
@@ -164,7 +163,7 @@ class ItemRecords:
             with open(self.path, "rb") as handle:
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         self._map.seek(position)
-        return json.loads(self._map.readline())
+        return commitlog.item_record(self._map.readline())
 
     def close(self) -> None:
         if self._map is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from mmtok.errors import MmtokError
+from mmtok.fsutil import atomic_write_bytes
 
 MODES = ("image", "image-text", "text-image", "sft", "interleaved")
 CAPTION_MODES = ("image-text", "text-image")  # the plan reads and counts the txt sidecar
@@ -251,3 +253,28 @@ def load_preset(name_or_path: str) -> PlanParameters:
     if isinstance(cost, Mapping) and "source" not in cost:  # the preset's own numbers: say whose
         data = {**data, "cost_model": {**cost, "source": f"preset {name_or_path}"}}
     return PlanParameters.from_mapping(data, source=str(path))
+
+
+# -- the cost model file `mmtok calibrate` writes: its `cost_model:` is what `CostModel.from_file` reads -----
+def write_calibration(path: str | os.PathLike, result: dict) -> None:
+    """Write `result` as YAML atomically (a crash leaves the old file or none): `cost_model:` in block
+    style, then `calibration:` with one line per timing row."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(_Row, lambda dumper, row: dumper.represent_mapping("tag:yaml.org,2002:map", row,
+                                                                              flow_style=True))
+    evidence = {**result["calibration"], "timings": [_Row(row) for row in result["calibration"]["timings"]]}
+    text = "".join([
+        "# Encoder cost model measured by `mmtok calibrate` (`calibration:` holds the evidence).\n",
+        f"# Use it: mmtok plan MANIFEST --out PLAN --cost-model {path} ...\n",
+        yaml.safe_dump({"cost_model": result["cost_model"]}, sort_keys=False, width=1 << 16),
+        yaml.dump({"calibration": evidence}, Dumper=Dumper, sort_keys=False, default_flow_style=None, width=1 << 16),
+    ])
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+class _Row(dict):
+    """A timing row, written on one line."""

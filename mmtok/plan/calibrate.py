@@ -7,8 +7,9 @@ A calibration is four steps, each a function here:
             median of `repeats` runs, the device synchronised around each run
   evaluate  `evaluate`: the fit (`CostModel.fit`, relative least squares) and its per-batch relative
             error on the timed batches and on held-out shapes, next to the model it replaces
-  write     `write_calibration`: YAML with a top-level `cost_model:` (what `mmtok plan --cost-model`
-            reads) and a `calibration:` mapping holding the timing table and the errors
+  write     `mmtok.formats.presets.write_calibration` (beside its reader): YAML with a top-level
+            `cost_model:` (what `mmtok plan --cost-model` reads) and a `calibration:` mapping holding the
+            timing table and the errors
 
 Everything after `time_cells` is a pure function of the timing table.
 """
@@ -27,7 +28,6 @@ import numpy as np
 
 from mmtok.errors import MmtokError
 from mmtok.formats.presets import CostModel, PlanParameters, load_preset
-from mmtok.fsutil import atomic_write_bytes
 
 DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_MAX_SHAPES = 12
@@ -331,27 +331,3 @@ def calibration_result(timings: Sequence[Timing], grid: Grid, identity: dict, *,
     return {"cost_model": model.to_dict(),
             "calibration": {**identity, "grid": grid.origin, "repeats": repeats, "warmup": warmup,
                             "timing_seconds": timing_seconds, **report, "timings": table}}
-
-
-def write_calibration(path: str | os.PathLike, result: dict) -> None:
-    """Write `result` as YAML atomically (a crash leaves the old file or none): `cost_model:` in block
-    style, then `calibration:` with one line per timing row."""
-    import yaml
-
-    class Dumper(yaml.SafeDumper):
-        pass
-
-    Dumper.add_representer(_Row, lambda dumper, row: dumper.represent_mapping("tag:yaml.org,2002:map", row,
-                                                                              flow_style=True))
-    evidence = {**result["calibration"], "timings": [_Row(row) for row in result["calibration"]["timings"]]}
-    text = "".join([
-        "# Encoder cost model measured by `mmtok calibrate` (`calibration:` holds the evidence).\n",
-        f"# Use it: mmtok plan MANIFEST --out PLAN --cost-model {path} ...\n",
-        yaml.safe_dump({"cost_model": result["cost_model"]}, sort_keys=False, width=1 << 16),
-        yaml.dump({"calibration": evidence}, Dumper=Dumper, sort_keys=False, default_flow_style=None, width=1 << 16),
-    ])
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-class _Row(dict):
-    """A timing row, written on one line."""
