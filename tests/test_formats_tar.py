@@ -144,14 +144,14 @@ def test_the_shar_index_names_the_fault_and_keeps_the_sound_cut(tmp_path, fault)
 
 
 def test_a_tar_cut_after_it_was_indexed_is_a_truncated_member_to_every_byte_range_reader(tmp_path):
-    """Images (`MemberReader`), clips (`load_clip`) and conversation media (`read_member`) read a member's bytes
+    """Images (`MemberReader`), clips (`load_clip`) and conversation media (`read_tar_member`) read a member's bytes
     through one function, `read_range`: a file that ends inside them is `truncated_member`, never bytes cut
     short (a clip used to reach the decoder cut and be skipped as decode_error)."""
     import numpy as np
     import soundfile
 
     from mmtok.formats.manifest import MemberReader, ShortRead
-    from mmtok.formats.tar import MemberTruncated, read_member
+    from mmtok.formats.tar import MemberTruncated, read_tar_member
 
     sound = io.BytesIO()
     soundfile.write(sound, 0.5 * np.sin(np.arange(4800) / 5.0), 24_000, format="WAV", subtype="PCM_16")
@@ -162,7 +162,7 @@ def test_a_tar_cut_after_it_was_indexed_is_a_truncated_member_to_every_byte_rang
     with open(tar, "r+b") as handle:
         handle.truncate(offset + size // 2)  # the file changed since it was indexed (and verified)
     with pytest.raises(MemberTruncated, match="ends inside the member"):
-        read_member(tar, offset, size)
+        read_tar_member(tar, offset, size)
     with pytest.raises(ShortRead, match="ends inside the member"):
         MemberReader().read(str(tar), offset, size)
     request = type("Request", (), {"min_samples": 0, "max_clip_duration": 600.0})
@@ -241,7 +241,7 @@ def test_no_module_but_the_tar_reader_reads_tars_with_tarfile():
             continue
         importers.add(rel)
         reading += [f"{rel}:{line}: {what}" for line, what in _tarfile_uses(tree)]
-    assert reading == [], "read tars with mmtok.formats.tar.read_members / read_member"
+    assert reading == [], "read tars with mmtok.formats.tar.read_members / read_tar_member"
     assert importers <= TAR_WRITERS, f"tarfile imported outside the writers: {sorted(importers - TAR_WRITERS)}"
 
 

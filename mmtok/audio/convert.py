@@ -385,7 +385,7 @@ class Conversion:
         self.buffer, self.skipped = [], []
         self.report.update(cursor=cursor, counts=dict(sorted(self.counts.items())), complete=final,
                            duration_written=sum(s["duration"] for s in self.report["shards"]))
-        shar_format.write_report(self.out, self.report)
+        shar_format.write_conversion_report(self.out, self.report)
 
 
 def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str = "auto",

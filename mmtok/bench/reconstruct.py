@@ -198,7 +198,7 @@ class RunOptions:
 
 def run(options: RunOptions) -> dict:
     """Run (or resume) the benchmark and write the report; returns the summary dict."""
-    from mmtok.bench.report import write_report
+    from mmtok.bench.report import write_bench_report
     from mmtok.launch import resolve_device
 
     device = resolve_device(options.device)
@@ -214,7 +214,7 @@ def run(options: RunOptions) -> dict:
         timing = _loop(options, catalog, sample, loaded, task, log)
     finally:
         log.close()
-    return write_report(options.out, identity, log.rows, catalog.excluded, timing)
+    return write_bench_report(options.out, identity, log.rows, catalog.excluded, timing)
 
 
 def _load_tokenizers(options: RunOptions, device: torch.device) -> list[Loaded]:

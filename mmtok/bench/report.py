@@ -124,7 +124,7 @@ def slug(text: str) -> str:
     return f"{clean}-{hashlib.sha256(text.encode()).hexdigest()[:6]}"
 
 
-def write_report(out: Path, identity: dict, rows: list[dict], excluded: dict, timing: dict) -> dict:
+def write_bench_report(out: Path, identity: dict, rows: list[dict], excluded: dict, timing: dict) -> dict:
     """Write report.md, summary.json, metrics.png and grids/ (images) from the results rows; returns the summary."""
     modality = identity["modality"]
     metrics = METRICS[modality]

@@ -52,9 +52,9 @@ def run(args) -> int:
     meta = dedup(args.hashes, args.policy, args.out, args.against, args.confirm)
     lines = summary_lines(meta, args.out)
     if args.report:
-        from mmtok.curate.report import REPORT_DIR, write_report
+        from mmtok.curate.report import REPORT_DIR, write_curation_report
 
-        report = write_report(args.out)
+        report = write_curation_report(args.out)
         unshown = f"; {plural(len(report['unshown']), 'image')} could not be shown (named there)" \
             if report["unshown"] else ""
         lines.append(f"report: {args.out / REPORT_DIR / 'index.md'} ({plural(len(report['sheets']), 'contact sheet')}, "

@@ -59,7 +59,7 @@ class Shown:
         object.__setattr__(self, "label", brief(self.label, 120))
 
 
-def write_report(out: Path) -> dict:
+def write_curation_report(out: Path) -> dict:
     """Write D/report/ for the duplicate list in `out` (`mmtok.formats.dedup`); returns report.json's content."""
     from mmtok.fsutil import WriterLock
 

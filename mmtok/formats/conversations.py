@@ -71,8 +71,8 @@ from mmtok.formats.tar import (
     Damage,
     Member,
     open_range,
-    read_member,
     read_members,
+    read_tar_member,
 )
 from mmtok.fsutil import (
     DUPLICATE_INPUT,
@@ -148,7 +148,7 @@ class Located:
         if self.data is not None:
             return self.data
         if self.kind == "member":
-            return read_member(self.path, self.offset, self.size)
+            return read_tar_member(self.path, self.offset, self.size)
         return read_regular_file(self.path)
 
     def open(self) -> tuple[IO[bytes], int]:
@@ -404,7 +404,7 @@ def _tar_sample(path: Path, stem: str, number: int, key: str, entries: list[Memb
     elif json_name not in members:
         error = Skip("missing_json", f"sample {key} has no json member")
     else:
-        record, error = _parsed(read_member(path, *members[json_name]), json_name)
+        record, error = _parsed(read_tar_member(path, *members[json_name]), json_name)
         ident = _own_id(record) or f"{stem}/{key}"  # `mmtok pack` keeps ids this way
         return Conversation(ident, origin, number, record, error, base=str(path.parent), **sample)
     return Conversation(f"{stem}/{key}", origin, number, error=error, **sample)

@@ -109,7 +109,7 @@ def source_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_report(out: Path, report: dict) -> None:
+def write_conversion_report(out: Path, report: dict) -> None:
     """Atomically (re)write OUT/conversion.json."""
     atomic_write_json(out / REPORT, report)
 

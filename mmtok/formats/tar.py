@@ -2,7 +2,7 @@
 Members whose data is not the file's bytes (GNU sparse, multi-volume) are walked past and refused.
 
 The one tar member reader of mmtok: the scan drives `TarWalker` itself (it parses image heads from
-the walk's read window); every other stage reads a tar with `read_members` and `read_member`, so a
+the walk's read window); every other stage reads a tar with `read_members` and `read_tar_member`, so a
 member kind, a damaged header or a truncation gets the same named reason in every stage.
 
 Why not `tarfile`: it reads each header through a file object, builds a TarInfo per member and
@@ -354,7 +354,7 @@ def _checked_members(walker: TarWalker, start: int) -> Iterator[Member]:
     yield from (member for member in pending if bad is None or member.offset < bad)
 
 
-def read_member(path: str | os.PathLike, offset: int, size: int) -> bytes:
+def read_tar_member(path: str | os.PathLike, offset: int, size: int) -> bytes:
     """The `size` data bytes at `offset` of a member of the tar at `path`, never more;
     MemberTruncated when the file ends inside them."""
     with open(path, "rb") as handle:

@@ -267,7 +267,7 @@ def rank_summary(costs: np.ndarray, world_size: int) -> dict:
             "imbalance": imbalance(per_rank)}
 
 
-def work_items(costs: np.ndarray, params: PlanParameters, world_size: int) -> dict:
+def cut_work_items(costs: np.ndarray, params: PlanParameters, world_size: int) -> dict:
     """The plan's work items (`mmtok.ranks.item_ranges`): batch ranges of about `item_seconds` of GPU time each
     by the cost model, their number independent of any world size; `imbalance`: the modeled imbalance of
     `world_size` workers sharing them statically (`mmtok.ranks.worker_items`: items are not split, so it is
@@ -323,7 +323,7 @@ def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeniz
                                                 fixed_batches)},
         "num_batches": len(costs),
         "num_windows": n_windows,
-        "work_items": work_items(costs, params, world_size),
+        "work_items": cut_work_items(costs, params, world_size),
         "totals": {
             "manifest_rows": n_rows, "kept_images": kept_images, "dropped_images": n_rows - kept_images,
             "documents": documents["total"], "kept_documents": documents["kept"],

@@ -27,7 +27,7 @@ control tokens become control ids (`ChatRenderer.render_pieces`): a control-toke
 text, and the conversation counts as `control_literals`.
 
 Work items: the conversations, in input order, are cut into units of CONVERSATIONS_PER_UNIT and the units
-into work items of UNITS_PER_ITEM (`work_items`: the inputs alone decide them, never the number of
+into work items of UNITS_PER_ITEM (`conversation_items`: the inputs alone decide them, never the number of
 workers). Each item is one part, OUT/parts/part-<item>, committed after every unit (resumable, see
 `mmtok.formats.commitlog.PartWriter`); worker w of W starts with a contiguous, even range of items and then
 takes over any item no process has finished or holds (`mmtok.formats.parts.items_to_take`), so a slow or
@@ -393,7 +393,7 @@ def _kinds(slots: list[MediaSlot]) -> str:
 
 
 # -- the worker -------------------------------------------------------------------------------------
-def work_items(total: int) -> list[tuple[int, int]]:
+def conversation_items(total: int) -> list[tuple[int, int]]:
     """[start, end) units of every work item of `total` conversations: UNITS_PER_ITEM units each (the last
     fewer), at least one item (an input of no conversations is one empty part). The inputs alone decide them."""
     units = -(-total // CONVERSATIONS_PER_UNIT)
@@ -403,7 +403,7 @@ def work_items(total: int) -> list[tuple[int, int]]:
 def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, images: Path | None = None,
                     audio: list[Path] = (), converted: list[Path] = (), rank: int = 0, world_size: int = 1,
                     options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> WorkerRun:
-    """Worker `rank` of `world_size`: assemble its work items (a contiguous, even range of `work_items`), each
+    """Worker `rank` of `world_size`: assemble its work items (a contiguous, even range of `conversation_items`), each
     into OUT/parts/part-<item>, then (with `options.take_over`) every item no process has finished or holds
     (`mmtok.formats.parts.items_to_take`); returns what it did, summed over its items. A finished item is left as
     it is, a half-done one resumes from its commit log, whichever worker started it. Once `options.stop` is
@@ -417,7 +417,7 @@ def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, image
                        kept_in=Path(out) / CLIPS_DIR if audio else None)
     builder = ConversationBuilder(tokenizer, image_items, clips, options.max_tokens)
     index = conversation_index.load_or_build(inputs, out, CONVERSATIONS_PER_UNIT)  # made by the first worker
-    items = work_items(index.total)
+    items = conversation_items(index.total)
     own = worker_range(np.array([b - a for a, b in items], np.float64), world_size, rank)
     shared = _identity(inputs, tokenizer, layout, image_items, clips, options, items)
     roots = check_media_roots(media_roots)

@@ -20,7 +20,7 @@ from mmtok.audio.sources.units import (
 )
 from mmtok.formats.conversations import AUDIO_SUFFIXES, sample_key
 from mmtok.formats.skips import SkipRecord
-from mmtok.formats.tar import Damage, MemberTruncated, read_member, read_members
+from mmtok.formats.tar import Damage, MemberTruncated, read_members, read_tar_member
 from mmtok.media.audio import AudioReason
 
 
@@ -68,7 +68,7 @@ class _ByteRangeLoader:
 
     def __call__(self) -> tuple[np.ndarray, int, str | None]:
         try:
-            data = read_member(self.path, self.offset, self.size)
+            data = read_tar_member(self.path, self.offset, self.size)
         except MemberTruncated:  # cut short since the tar was listed
             raise AudioReason("truncated_member", self.origin) from None
         return decode_audio(data, self.origin)
@@ -96,7 +96,7 @@ def audio_tar_members(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecor
             refusal = (entry.reason, f"member {entry.name}") if entry.reason else None
             body = None
             if ext in ("txt", "json") and refusal is None:
-                body = read_member(path, entry.offset, entry.size)
+                body = read_tar_member(path, entry.offset, entry.size)
             samples.setdefault(key, []).append((ext, entry.offset, entry.size, body, refusal, entry.name))
     except OSError as err:
         errors.append(skip_record(Path(path).name, path, "truncated_tar", str(err)))
