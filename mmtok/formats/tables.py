@@ -2,8 +2,8 @@
 encode (e.g. a Hugging Face `datasets` export), audio rows for `audio convert`, conversation rows for sft.
 
 An image column is either binary or a struct with a binary `bytes` field (the `datasets` Image
-feature: `{bytes, path}`). Parquet is read by row group, Arrow IPC (file or stream format, as
-`datasets.save_to_disk` writes) by record batch, so neither is loaded whole into memory. Both
+feature: `{bytes, path}`). Parquet is read by row group; Arrow IPC (file or stream format, as
+`datasets.save_to_disk` writes) is memory-mapped, so neither is loaded whole into memory. Both
 kinds are `container == "parquet"` in the manifest (a table file, `offset` = row index); the file
 format is told from the first bytes wherever it matters (`containers.container_of`).
 """
@@ -72,7 +72,6 @@ def _image_lists(schema: pa.Schema) -> str:
             "whose samples hold the images as KEY.0.jpg, KEY.1.jpg, ... (one document each)")
 
 def _read_arrow(path: str) -> pa.Table:
-    """The whole Arrow file, memory-mapped (a stream with dictionary batches: see `ArrowBatches.index`)."""
     source = pa.memory_map(path)
     try:
         return pa.ipc.open_file(source).read_all()
@@ -81,125 +80,48 @@ def _read_arrow(path: str) -> pa.Table:
         return pa.ipc.open_stream(source).read_all()
 
 
-class ArrowBatches:
-    """An Arrow IPC file or stream read one record batch at a time through a plain file handle, not a map.
-
-    A map of a file that is cut short while it is mapped ends the process with SIGBUS when a page past the new end
-    is touched; a plain read of it is an error (pyarrow's ArrowException or OSError) to report. The stream format
-    has no index of its batches, so `index` walks the messages once, through a map that touches only their
-    headers and is closed before any batch is read. Hand-written over pyarrow's message API because pyarrow
-    reads a stream's batches only in order, or all of them through a map."""
-
-    def __init__(self, path: str, schema: pa.Schema, offsets: list[int], sizes: list[int]):
-        self.path, self.schema, self.offsets, self.sizes = path, schema, offsets, sizes
-
-    @classmethod
-    def index(cls, path: str) -> ArrowBatches | None:
-        """The file's schema and where each record batch begins; None when it holds dictionary batches (a
-        dictionary-encoded column, which a batch alone cannot decode: such a file is read whole, mapped)."""
-        source = pa.memory_map(path)
-        try:
-            source.seek(8 if source.read(6) == b"ARROW1" else 0)  # the file format: magic, padding, then a stream
-            reader = pa.ipc.MessageReader.open_stream(source)
-            schema, offsets, sizes = None, [], []
-            while True:
-                at = source.tell()
-                try:
-                    message = reader.read_next_message()
-                except StopIteration:
-                    message = None
-                if message is None:
-                    break
-                if message.type == "schema" and schema is None:
-                    schema = pa.ipc.read_schema(message)
-                elif message.type == "record batch" and schema is not None:
-                    offsets.append(at)
-                    sizes.append(pa.ipc.read_record_batch(message, schema).num_rows)  # headers only: zero-copy
-                else:
-                    return None
-        finally:
-            source.close()
-        if schema is None:
-            raise pa.ArrowInvalid(f"{path}: an Arrow file without a schema")
-        return cls(path, schema, offsets, sizes)
-
-    def read(self, batch: int, columns: list[str] | None) -> pa.RecordBatch:
-        """Record batch `batch` (`columns` only; None: all), read into memory."""
-        with pa.OSFile(self.path) as source:
-            source.seek(self.offsets[batch])
-            try:
-                message = pa.ipc.read_message(source)
-            except EOFError:  # pyarrow's word for a file that ends before the message
-                raise OSError(f"{self.path}: ends before record batch {batch} (at byte {self.offsets[batch]}): "
-                              "cut short since it was opened") from None
-        if message.type != "record batch":
-            raise pa.ArrowInvalid(f"{self.path}: no record batch at byte {self.offsets[batch]} (changed since opened)")
-        found = pa.ipc.read_record_batch(message, self.schema)
-        return found if columns is None else found.select(columns)
-
-
-def _copied(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """`batch` in buffers of its own: a batch read from a file shares one buffer with every column of its record
-    batch (the media too), which would stay in memory while any column of it does."""
-    return batch.take(pa.array(range(batch.num_rows), pa.int64()))
-
-
 class TableFile:
     """A table file (`file_format` as `containers.container_of` says) opened once -- its footer parsed once, however
     many read units are read: its schema, the rows of each read unit (its Parquet row groups, or its Arrow record
-    batches as written), one unit's columns, or every row's. Neither kind is memory-mapped while rows are read: a
-    file cut short while it is open is then an error to report (pyarrow's ArrowException or OSError), where a map
-    would end the process with SIGBUS. (An Arrow file is mapped while its batches are listed, on open, and so is
-    one with dictionary batches, read whole.)"""
+    batches as written), one unit's columns, or every row's. A Parquet file is read, not mapped: one cut short while
+    it is open is an error to report, where a map would end the process with SIGBUS. An Arrow file is
+    memory-mapped (its stream format has no index to read one batch by), so one cut short mid-run still ends the
+    process with SIGBUS."""
 
     def __init__(self, path: str, file_format: str):
         import pyarrow.parquet as pq
 
         self._parquet = pq.ParquetFile(path, memory_map=False) if file_format == PARQUET else None
-        self._arrow = None if self._parquet else ArrowBatches.index(path)
-        self._table = _read_arrow(path) if self._parquet is None and self._arrow is None else None
+        self._table = None if self._parquet else _read_arrow(path)
         # (once: listing the batches per read is quadratic in batches, 21 s for 4,000 of them)
-        self._batches = None if self._table is None else self._table.to_batches()
+        self._batches = None if self._parquet else self._table.to_batches()
 
     @property
     def schema(self) -> pa.Schema:
-        if self._parquet:
-            return self._parquet.schema_arrow
-        return self._arrow.schema if self._arrow else self._table.schema
+        return self._parquet.schema_arrow if self._parquet else self._table.schema
 
     def group_sizes(self) -> list[int]:
         if self._parquet:
             meta = self._parquet.metadata
             return [meta.row_group(group).num_rows for group in range(meta.num_row_groups)]
-        return list(self._arrow.sizes) if self._arrow else [batch.num_rows for batch in self._batches]
+        return [batch.num_rows for batch in self._batches]
 
     def read_group(self, group: int, columns: list[str] | None) -> pa.Table:
-        """Read unit `group`, `columns` only (None: every column)."""
+        """Read unit `group`, `columns` only (None: every column, Parquet only)."""
         if self._parquet:
             return self._parquet.read_row_group(group, columns=columns)
-        if self._arrow:
-            return pa.Table.from_batches([self._arrow.read(group, columns)])
-        batch = self._batches[group]
-        return pa.Table.from_batches([batch if columns is None else batch.select(columns)])
+        return pa.Table.from_batches([self._batches[group].select(columns)])
 
     def iter_batches(self, columns: list[str], batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
         """Every row in order, `columns` only, in batches of at most `batch_rows`."""
         if self._parquet:
             return self._parquet.iter_batches(batch_size=batch_rows, columns=columns)
-        if self._arrow:
-            return (piece for group in range(len(self._arrow.sizes))
-                    for piece in self.read_group(group, columns).to_batches(max_chunksize=batch_rows))
         return iter(self._table.select(columns).to_batches(max_chunksize=batch_rows))
 
     def read_columns(self, columns: list[str]) -> pa.Table:
-        """Every row, `columns` only (small metadata columns: the media stay on disk for Parquet; an Arrow record
-        batch is read whole, then cut to `columns`)."""
+        """Every row, `columns` only (small metadata columns: the media stay on disk)."""
         if self._parquet:
             return self._parquet.read(columns=columns)
-        if self._arrow:
-            schema = pa.schema([self._arrow.schema.field(name) for name in columns])
-            return pa.Table.from_batches([_copied(self._arrow.read(group, columns))
-                                          for group in range(len(self._arrow.sizes))], schema=schema)
         return self._table.select(columns)
 
 
