@@ -157,7 +157,8 @@ def refuse_foreign_output(out: Path, written: tuple[str, ...], marks: tuple[str,
     (`written`) with neither that metadata nor any of `marks` (what only `command` leaves there: its cache, its
     lock) beside it. mmtok never replaces a file it did not write; an earlier version of its own format it does
     (the rerun an error about that version asks for), and so a metadata file that no longer parses beside one of
-    `marks` (the rerun its reader asks for). A metadata path that is no regular file is never taken for one."""
+    `marks` other than itself (the rerun its reader asks for). A metadata path that is no regular file is never
+    taken for one."""
     name, fmt, version, what = metadata
     if os.path.lexists(out / name):
         try:
@@ -167,7 +168,7 @@ def refuse_foreign_output(out: Path, written: tuple[str, ...], marks: tuple[str,
                              "of its own") from None
         except (ValueError, RecursionError):
             meta = None
-        if not isinstance(meta, dict) and any(os.path.lexists(out / mark) for mark in marks):
+        if not isinstance(meta, dict) and any(mark != name and os.path.lexists(out / mark) for mark in marks):
             return  # its own, damaged (a full disk, a crash mid-write): the rerun replaces it
         found = meta.get("format_version") if isinstance(meta, dict) and meta.get("format") == fmt else None
         if not (isinstance(found, int) and not isinstance(found, bool) and 1 <= found <= version):

@@ -18,6 +18,7 @@ import pytest
 
 from encodekit import caption_corpus, chat_tokenizer, real_images, write_tar
 from mmtok.cli import main
+from mmtok.errors import MmtokError
 from mmtok.fsutil import sha256_file
 
 
@@ -316,3 +317,17 @@ def test_two_identical_audio_converts_give_byte_identical_files(tmp_path):
     first, second = _snapshot(tmp_path / "a"), _snapshot(tmp_path / "b")
     differ = sorted(name for name in first if first[name] != second.get(name))
     assert first.keys() == second.keys() and not differ, differ
+
+
+def test_a_damaged_metadata_file_is_a_stages_own_only_beside_another_of_its_marks(tmp_path):
+    # `mmtok dedup --report` marks its folder with its metadata file itself: a report.json that does not parse is
+    # then no proof that the folder is the report's, and a foreign index.md beside it is never replaced.
+    from mmtok.fsutil import refuse_foreign_output
+
+    metadata = ("report.json", "mmtok-report", 1, "duplicate-list report")
+    (tmp_path / "index.md").write_text("their notes")
+    (tmp_path / "report.json").write_text("not json")
+    with pytest.raises(MmtokError, match="is not a duplicate-list report"):
+        refuse_foreign_output(tmp_path, ("index.md",), ("report.json",), "mmtok dedup --report", metadata)
+    (tmp_path / ".cache").mkdir()  # a mark only that stage leaves: a damaged report.json beside it is its own
+    refuse_foreign_output(tmp_path, ("index.md",), ("report.json", ".cache"), "mmtok dedup --report", metadata)
