@@ -103,6 +103,9 @@ class TarWalker:
             return buf[i:] + self.read(end, offset + n - end)
         return self.read(offset, n)
 
+    # One function on purpose: this is the scan's per-member hot loop (about 620,000 GNU members per CPU-second).
+    # Metadata headers and what they say are split out (`_metadata`, `_Pending.apply`); each further call per member
+    # costs a few percent of the walk (benchmarks/RESULTS.md, "Tar header walk").
     def members(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[bytes, int, int, int, bytes, int]]:
         """Yield (raw name, kind, data offset, size, window, at) for each member from the header at `start`.
 
