@@ -239,9 +239,9 @@ def item_lines(records: list[dict], ids: list[np.ndarray]) -> bytes:
     return _json_lines([{**record, "length": int(found.size)} for record, found in zip(records, ids, strict=True)])
 
 
-def item_record(line: bytes) -> dict:
-    """The record of one line of items.jsonl (`item_lines`), its `length` included."""
-    return json.loads(line)
+# The record of one line of items.jsonl (`item_lines`), its `length` included: json.loads itself, not a wrapper,
+# since the item-index loop (`items.ItemLocations`) calls it once per item.
+item_record = json.loads
 
 
 def check_identity(directory: str | os.PathLike, identity: dict) -> None:

@@ -32,15 +32,13 @@ import pyarrow as pa
 from mmtok import __version__
 from mmtok.errors import DamagedFile
 from mmtok.formats import skips
-from mmtok.formats.parquet import FixedRowGroups, read_recorded
+from mmtok.formats.parquet import read_recorded, write_with_skips
 from mmtok.fsutil import (
     atomic_write_json,
-    atomic_writer,
     fsync_dir,
     read_stage_metadata,
     refuse_foreign_output,
     required,
-    sha256_file,
 )
 
 HASHES_FILE = "hashes.parquet"
@@ -81,23 +79,19 @@ def write_hashes(directory: str | os.PathLike, chunks: Iterable[pa.Table], metad
     """Write hashes.parquet and skipped.jsonl from the chunk tables (in order), then hashes.json; return the
     metadata written. The old hashes.json is removed first, so a killed write leaves no complete-looking table."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / METADATA_FILE).unlink(missing_ok=True)
-    with atomic_writer(directory / HASHES_FILE) as handle, atomic_writer(directory / SKIPPED_FILE) as skipped:
-        writer = pq.ParquetWriter(handle, SCHEMA, compression="zstd")
-        groups = FixedRowGroups(writer, SCHEMA, ROW_GROUP_ROWS)
+
+    def pieces():
         for table in chunks:
             ok = pc.equal(table.column("reason"), "")
-            groups.write(table.filter(ok).select(SCHEMA.names).cast(SCHEMA))
-            skips.append(skipped, _skip_records(table.filter(pc.invert(ok))))
-        rows = groups.finish(empty_group=True)
-        writer.close()
-        for out in (handle, skipped):
-            out.flush()
-        fingerprint, skipped_sha256 = sha256_file(handle.name), sha256_file(skipped.name)
+            yield (table.filter(ok).select(SCHEMA.names).cast(SCHEMA),
+                   list(_skip_records(table.filter(pc.invert(ok)))))
+
+    rows, _, fingerprint, skipped_sha256 = write_with_skips(directory / HASHES_FILE, directory / SKIPPED_FILE, SCHEMA,
+                                                            ROW_GROUP_ROWS, pieces())
     meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
             "hashed": rows, "fingerprint": fingerprint, "skipped_sha256": skipped_sha256}
     atomic_write_json(directory / METADATA_FILE, meta)

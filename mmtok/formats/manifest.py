@@ -34,9 +34,9 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats import skips
 from mmtok.formats.containers import TAR
-from mmtok.formats.parquet import FixedRowGroups
+from mmtok.formats.parquet import write_with_skips
 from mmtok.formats.tar import MemberTruncated, read_range
-from mmtok.fsutil import atomic_write_json, atomic_writer, fsync_dir, refuse_foreign_output, required, sha256_file
+from mmtok.fsutil import atomic_write_json, fsync_dir, refuse_foreign_output, required, sha256_file
 
 MANIFEST_FILE = "manifest.parquet"
 SKIPPED_FILE = "skipped.jsonl"
@@ -95,25 +95,18 @@ def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], met
     written. Row groups hold exactly ROW_GROUP_ROWS rows, so equal rows give equal bytes however the tables
     were cut.
     """
-    import pyarrow.parquet as pq
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / METADATA_FILE).unlink(missing_ok=True)
-    with atomic_writer(directory / MANIFEST_FILE) as handle, atomic_writer(directory / SKIPPED_FILE) as skipped:
-        writer = pq.ParquetWriter(handle, SCHEMA, compression="zstd")
-        groups = FixedRowGroups(writer, SCHEMA, ROW_GROUP_ROWS)
-        rows = records = 0
+
+    def pieces():
+        first = 0
         for table in tables:
-            groups.write(table.select(COLUMNS).cast(SCHEMA))
-            found = list(_skip_records(table, rows))
-            skips.append(skipped, found)
-            rows, records = rows + table.num_rows, records + len(found)
-        groups.finish(empty_group=True)
-        writer.close()
-        for out in (handle, skipped):
-            out.flush()
-        fingerprint, skipped_sha256 = sha256_file(handle.name), sha256_file(skipped.name)
+            yield table.select(COLUMNS).cast(SCHEMA), list(_skip_records(table, first))
+            first += table.num_rows
+
+    rows, records, fingerprint, skipped_sha256 = write_with_skips(
+        directory / MANIFEST_FILE, directory / SKIPPED_FILE, SCHEMA, ROW_GROUP_ROWS, pieces())
     meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
             "rows": rows, "fingerprint": fingerprint, "skipped": records, "skipped_sha256": skipped_sha256}
     atomic_write_json(directory / METADATA_FILE, meta)

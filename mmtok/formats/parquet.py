@@ -3,18 +3,21 @@
 pyarrow cuts row groups where the caller's tables end, so the same rows written in different pieces
 would give different files (and fingerprints). `FixedRowGroups` buffers tables and writes row
 groups of exactly `rows_per_group` rows (the last one shorter); the manifest and the plan use it.
+`write_with_skips` writes one with the skip records of the same rows beside it (the manifest, the hash table);
 `read_recorded` reads such a file back only when its bytes are the ones its stage recorded.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mmtok.errors import MmtokError
-from mmtok.fsutil import check_recorded
+from mmtok.formats import skips
+from mmtok.fsutil import atomic_writer, check_recorded, sha256_file
 
 
 class FixedRowGroups:
@@ -46,6 +49,26 @@ class FixedRowGroups:
             self.writer.write_table(table, row_group_size=self.size)
         self._pending, self._pending_rows = [], 0
         return self.rows
+
+
+def write_with_skips(path: Path, skipped_path: Path, schema: pa.Schema, rows_per_group: int,
+                     pieces: Iterable[tuple[pa.Table, list[skips.SkipRecord]]]) -> tuple[int, int, str, str]:
+    """Write `path` (zstd, fixed row groups) and the skip file `skipped_path` from `pieces`, each a table of `schema`
+    and the skip records of its rows; both replace the old files by rename only once complete. Returns (rows,
+    records, sha256 of `path`, sha256 of `skipped_path`), what the stage's metadata records."""
+    with atomic_writer(path) as handle, atomic_writer(skipped_path) as skipped:
+        writer = pq.ParquetWriter(handle, schema, compression="zstd")
+        groups = FixedRowGroups(writer, schema, rows_per_group)
+        records = 0
+        for table, found in pieces:
+            groups.write(table)
+            skips.append(skipped, found)
+            records += len(found)
+        rows = groups.finish(empty_group=True)
+        writer.close()
+        for out in (handle, skipped):
+            out.flush()
+        return rows, records, sha256_file(handle.name), sha256_file(skipped.name)
 
 
 def read_recorded(path: Path, recorded_sha256: str, schema: pa.Schema, what: str, rerun: str) -> pa.Table:

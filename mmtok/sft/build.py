@@ -55,7 +55,7 @@ from mmtok import __version__
 from mmtok.errors import DamagedFile, MmtokError, Skip
 from mmtok.formats import audio_cache, commitlog, conversation_index, kept, shar, skips
 from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats.commitlog import PartWriter, has_dataset, part_dir
+from mmtok.formats.commitlog import PartWriter, part_dir
 from mmtok.formats.conversations import (
     Conversation,
     Located,
@@ -477,8 +477,8 @@ class _Work:
 
 
 def _item_done(part: PartWriter, **fields) -> ItemDone:
-    return ItemDone(part_dir=str(part.directory), counts=dict(part.counts), sequences=len(part.lengths),
-                    dataset=has_dataset(part.directory), **fields)
+    """What the item's part holds (`dataset` is left out: only image encode reports it)."""
+    return ItemDone(part_dir=str(part.directory), counts=dict(part.counts), sequences=len(part.lengths), **fields)
 
 
 @dataclass
