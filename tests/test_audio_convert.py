@@ -392,6 +392,27 @@ def test_counts_add_up_to_every_clip_record_and_file_of_the_inputs(converted, tm
     assert capsys.readouterr().err.startswith("mmtok audio convert: already complete: in 11: 4 clips")
 
 
+def test_a_tar_key_naming_two_samples_makes_no_clip_as_in_scan_and_sft(tmp_path):
+    """One WebDataset grouping for every stage (mmtok.formats.webdataset): a key that names two samples of a
+    tar (`s1` before and after `s2`) is `duplicate_key` for each of them, the repeat named as sft names it;
+    the clips were once merged into one sample, taking the first audio and another sample's text."""
+    tar = make_tar(tmp_path / "t.tar", [
+        ("s1.flac", encoded(digit("1"))), ("s1.txt", b"one"),
+        ("s2.flac", encoded(digit("2"))), ("s2.txt", b"two"),
+        ("s1.wav", encoded(digit("3"), "WAV")), ("s1.json", b'{"text": "three"}'),
+    ])
+    assert cli_main(["audio", "convert", str(tar), "--out", str(tmp_path / "out"), "--workers", "0",
+                     "--no-progress"]) == 0
+    assert [(c.id, c.supervisions[0].text) for c in load_cuts(tmp_path / "out")] == [("t/s2", "two")]
+    dropped = dropped_records(tmp_path / "out")
+    assert [(r["key"], r["reason"]) for r in dropped] == [("t/s1", "duplicate_key"),
+                                                          ("t/s1 (repeat 2)", "duplicate_key")]
+    assert all(r["detail"].startswith("2 samples of this tar are named 's1'") for r in dropped)
+    counts = report(tmp_path / "out")["counts"]
+    assert counts == {"in": 3, "written": 1, "skipped:duplicate_key": 2}
+    assert_counts_add_up(counts)
+
+
 # --- processes: workers die with the run, one writer per output ------------------------------------
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:

@@ -90,15 +90,31 @@ def test_the_scan_names_the_fault_and_keeps_the_sound_member(tmp_path, fault):
     assert rows == [("a.png", ""), (named, FAULTS[fault])]
 
 
-def test_the_scan_splits_sample_keys_by_the_rule_the_conversation_reader_uses(tmp_path):
-    """The scan's hot loop splits a member name inline; it must give the keys `conversations.sample_key` gives
+def test_the_scan_splits_sample_keys_by_the_rule_the_sample_reader_uses(tmp_path):
+    """The scan's hot loop splits a member name inline; it must give the keys `webdataset.sample_key` gives
     (WebDataset's: the base name up to its first dot, directories kept, dots in them included)."""
-    from mmtok.formats.conversations import sample_key
+    from mmtok.formats.webdataset import sample_key
 
     names = ["plain.png", "dir.v2/a.png", "x.y/z/img.png", "nested/dir/c.png", "d.e/f.0.png"]  # (KEY.N.ext: pack's)
     shard = faulty_tar(tmp_path / "s.tar", [(name, png()) for name in names], "none")
     rows = scan_image_tar(str(shard))[0].rows
     assert [(row[0], row[3]) for row in rows] == [(sample_key(name)[0], name) for name in names]
+
+
+def test_samples_are_runs_of_one_key_and_a_repeated_key_marks_each_of_its_samples(tmp_path):
+    """read_samples: consecutive members of one key are one sample; a key that comes back later, or a sample
+    holding one member name twice, is marked (how, and which occurrence) on every one of its samples."""
+    from mmtok.formats.webdataset import read_samples
+
+    names = ["a.json", "a.0.png", "b.json", "a.json", "c.json", "c.json", "d.json"]
+    shard = faulty_tar(tmp_path / "s.tar", [(name, png()) for name in names], "none")
+    samples = read_samples(shard)
+    assert [(s.key, [m.name for m in s.members], s.occurrence) for s in samples] == [
+        ("a", ["a.json", "a.0.png"], 1), ("b", ["b.json"], 1), ("a", ["a.json"], 2),
+        ("c", ["c.json", "c.json"], 1), ("d", ["d.json"], 1)]
+    assert [s.repeated for s in samples] == ["2 samples of this tar are named 'a'", "",
+                                             "2 samples of this tar are named 'a'",
+                                             "sample 'c' holds member c.json 2 times", ""]
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "placeholder"])

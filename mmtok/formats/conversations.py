@@ -38,7 +38,7 @@ What cannot be resolved otherwise is `missing_media` naming the slot and what wa
 
 The writer of conversation tars is here too, beside their reader: `ConversationTars` (what `mmtok pack`
 writes: samples of `KEY.json` and `KEY.<k>.<ext>` members, named by `json_member_name` and
-`media_member_name`, which `sample_key` reads back).
+`media_member_name`, which `mmtok.formats.webdataset.sample_key` reads back).
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import json
 import os
 import re
 import tarfile
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -64,15 +63,15 @@ from mmtok.errors import MmtokError, Skip
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
 from mmtok.formats.containers import JSONL, PARQUET, TAR, container_named, is_compressed, json_lines, json_value
 from mmtok.formats.skips import SkipRecord
-from mmtok.formats.tar import (
-    KIND_REASONS,
-    NON_UTF8_NAME,
-    TRUNCATED,
-    Damage,
-    Member,
-    open_range,
-    read_members,
-    read_tar_member,
+from mmtok.formats.tar import Damage, open_range, read_tar_member
+from mmtok.formats.webdataset import (
+    DUPLICATE_KEY,
+    KIND_SUFFIXES,
+    NO_SAMPLES,
+    TRUNCATED_MEMBER,
+    Sample,
+    duplicate_key_detail,
+    read_samples,
 )
 from mmtok.fsutil import (
     DUPLICATE_INPUT,
@@ -85,14 +84,6 @@ from mmtok.fsutil import (
     same_file_as,
     shown_path,
 )
-
-# Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
-AUDIO_SUFFIXES = ("wav", "flac", "ogg", "oga", "opus", "mp3")
-IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
-KIND_SUFFIXES = {"audio": AUDIO_SUFFIXES, "image": IMAGE_SUFFIXES}
-TRUNCATED_MEMBER = KIND_REASONS[TRUNCATED]
-NO_SAMPLES = "no_samples"  # a tar without one member named KEY.EXT
-DUPLICATE_KEY = "duplicate_key"  # a key that names more than one sample of a tar
 
 
 @dataclass(frozen=True)
@@ -292,16 +283,6 @@ def duplicate(conversation: Conversation) -> Conversation:
         "duplicate_conversation", f"id {conversation.id!r} was used by an earlier conversation"))
 
 
-def sample_key(member: str) -> tuple[str, str] | None:
-    """(WebDataset sample key, extension) of a tar member name: the key is everything before the first dot
-    of the base name, directories included; None for a name without a dot (no sample's member)."""
-    directory, _, base = member.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    if not dot:
-        return None
-    return (f"{directory}/{stem}" if directory else stem), ext
-
-
 def input_stem(path: Path) -> str:
     """The file name without its kind's suffix: the first part of its conversations' ids."""
     name = path.name
@@ -323,8 +304,8 @@ def _tar_conversations(path: Path, number: int, start: Start = Start()) -> Itera
 
 
 def _tar_records(path: Path, number: int) -> Iterator[Callable[[], Conversation]]:
-    """What makes each record, in order: samples of a WebDataset tar that have a KEY.json member (one sample's
-    members are consecutive).
+    """What makes each record, in order: samples of a WebDataset tar (`mmtok.formats.webdataset`) that have a
+    KEY.json member.
 
     Where the tar is damaged, the sample being read may have lost members: it is one record of the damage's
     reason (a member the file ends inside: `truncated_member`, as the scan says). Damage where no sample is
@@ -335,49 +316,33 @@ def _tar_records(path: Path, number: int) -> Iterator[Callable[[], Conversation]
     orphans: list[Damage] = []  # damage before the first sample: the file's reason if no sample follows
     sampled = False
     try:
-        samples = list(_tar_samples(path))  # headers only: which keys repeat is known before any sample is used
+        samples = read_samples(path)  # headers only: which keys repeat is known before any sample is used
     except OSError as err:
         raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
-    repeated = _repeated_keys(samples)
-    seen: Counter = Counter()
-    for key, members, damage in samples:
-        if key is None and not sampled:
-            orphans.append(damage)
+    for sample in samples:
+        if sample.key is None and not sampled:
+            orphans.append(sample.damage)
             continue
         if not sampled:
             sampled = True
             yield from (partial(_damage_record, path, stem, number, orphan) for orphan in orphans)
-        if key is None:
-            yield partial(_damage_record, path, stem, number, damage)
-        elif key in repeated:
-            seen[key] += 1
-            yield partial(_duplicate_key, path, stem, number, key, seen[key], repeated[key])
+        if sample.key is None:
+            yield partial(_damage_record, path, stem, number, sample.damage)
+        elif sample.repeated:
+            yield partial(_duplicate_key, path, stem, number, sample)
         else:
-            yield partial(_tar_sample, path, stem, number, key, members, damage)
+            yield partial(_tar_sample, path, stem, number, sample)
     if not sampled:
         skip = (Skip(orphans[0].reason, orphans[0].describe()) if orphans else
                 Skip(NO_SAMPLES, "no member is named KEY.EXT (a WebDataset sample's member)"))
         yield partial(Conversation, path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
 
 
-def _repeated_keys(samples: list[tuple[str | None, list[Member], Damage | None]]) -> dict[str, str]:
-    """The keys that name more than one sample of a tar (or one sample that holds a member name twice), with
-    how: which of the samples' members are whose is then unknowable (the scan and encode file the media of a
-    key together), so every sample of such a key is `duplicate_key`, never another sample's tokens."""
-    counts = Counter(key for key, _, _ in samples if key is not None)
-    repeated = {key: f"{count} samples of this tar are named {key!r}" for key, count in counts.items() if count > 1}
-    for key, members, _ in samples:
-        names = Counter(member.name for member in members)
-        twice = sorted(name for name, count in names.items() if count > 1)
-        if key is not None and twice and key not in repeated:
-            repeated[key] = f"sample {key!r} holds member {twice[0]} {names[twice[0]]} times"
-    return repeated
-
-
-def _duplicate_key(path: Path, stem: str, number: int, key: str, occurrence: int, how: str) -> Conversation:
-    ident = f"{stem}/{key}" if occurrence == 1 else f"{stem}/{key} (repeat {occurrence})"  # ids stay unique
-    return Conversation(ident, f"{path}:{key}", number, error=Skip(DUPLICATE_KEY, f"{how}: a WebDataset key names "
-                        "one sample; rename or drop the repeats"), tar=str(path), key=key)
+def _duplicate_key(path: Path, stem: str, number: int, sample: Sample) -> Conversation:
+    key = sample.key
+    ident = f"{stem}/{key}" if sample.occurrence == 1 else f"{stem}/{key} (repeat {sample.occurrence})"  # unique
+    return Conversation(ident, f"{path}:{key}", number, error=Skip(DUPLICATE_KEY, duplicate_key_detail(sample)),
+                        tar=str(path), key=key)
 
 
 def _damage_record(path: Path, stem: str, number: int, damage: Damage) -> Conversation:
@@ -386,14 +351,14 @@ def _damage_record(path: Path, stem: str, number: int, damage: Damage) -> Conver
                         error=Skip(damage.reason, damage.describe()))
 
 
-def _tar_sample(path: Path, stem: str, number: int, key: str, entries: list[Member],
-                damage: Damage | None) -> Conversation:
+def _tar_sample(path: Path, stem: str, number: int, sample: Sample) -> Conversation:
     """The conversation of one sample's members; its error is the first of: the damage that cut it short,
     a member the file ends inside, a refused or missing json member, a json that does not parse."""
+    key, damage = sample.key, sample.damage
     origin, json_name = f"{path}:{key}", f"{key}.json"
-    members = {entry.name: (entry.offset, entry.size) for entry in entries}
-    refused = {entry.name: entry.reason for entry in entries if entry.reason}
-    sample = {"tar": str(path), "key": key, "members": members, "refused": refused}
+    members = {entry.name: (entry.offset, entry.size) for entry in sample.members}
+    refused = {entry.name: entry.reason for entry in sample.members if entry.reason}
+    fields = {"tar": str(path), "key": key, "members": members, "refused": refused}
     cut = next((name for name, reason in refused.items() if reason == TRUNCATED_MEMBER), None)
     if damage is not None:
         error = Skip(damage.reason, damage.describe())
@@ -406,45 +371,8 @@ def _tar_sample(path: Path, stem: str, number: int, key: str, entries: list[Memb
     else:
         record, error = _parsed(read_tar_member(path, *members[json_name]), json_name)
         ident = _own_id(record) or f"{stem}/{key}"  # `mmtok pack` keeps ids this way
-        return Conversation(ident, origin, number, record, error, base=str(path.parent), **sample)
-    return Conversation(f"{stem}/{key}", origin, number, error=error, **sample)
-
-
-def _tar_samples(path: Path) -> Iterator[tuple[str | None, list[Member], Damage | None]]:
-    """(key, members, damage) of each sample of the tar at `path` in tar order: consecutive members sharing a
-    key, the damage that ended the sample when one did; (None, [], damage) for damage where no sample is open.
-
-    After damage, the members of the same key that follow the resync belong to the sample already reported
-    (they are dropped). A member whose name is not UTF-8 cannot be trusted to name its sample: it joins the
-    open sample, refused, unless the member after it shares its (escaped) key -- a sample named so throughout.
-    """
-    key, members, held, absorbed = None, [], [], None
-    for entry in read_members(path):
-        if isinstance(entry, Damage):
-            members += held
-            yield key, members, entry
-            key, members, held, absorbed = None, [], [], key
-            continue
-        named = sample_key(entry.name)
-        if named is None or named[0] == absorbed:
-            continue
-        sample, absorbed = named[0], None
-        if held:
-            if sample == sample_key(held[0].name)[0]:  # a sample whose key is not UTF-8: its own
-                if key is not None:
-                    yield key, members, None
-                key, members = sample, []
-            members, held = members + held, []
-        if sample != key and key is not None and entry.reason == NON_UTF8_NAME:
-            held.append(entry)
-            continue
-        if sample != key:
-            if key is not None:
-                yield key, members, None
-            key, members = sample, []
-        members.append(entry)
-    if key is not None:
-        yield key, members + held, None
+        return Conversation(ident, origin, number, record, error, base=str(path.parent), **fields)
+    return Conversation(f"{stem}/{key}", origin, number, error=error, **fields)
 
 
 # -- Writing conversation tars (`mmtok pack`): samples `_tar_conversations` reads back ----------------------

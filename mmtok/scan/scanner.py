@@ -24,7 +24,6 @@ from typing import Iterator
 from mmtok.errors import brief
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.containers import TAR, container_of, json_value, manifest_container
-from mmtok.formats.conversations import IMAGE_SUFFIXES
 from mmtok.formats.manifest import CACHE_DIR, container_identity
 from mmtok.formats.manifest import STAGE as SCAN_STAGE
 from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard_rows
@@ -41,6 +40,7 @@ from mmtok.formats.tar import (
     TarWalker,
     compressed_detail,
 )
+from mmtok.formats.webdataset import IMAGE_SUFFIXES
 from mmtok.fsutil import DUPLICATE_INPUT, LockHeld, WriterLock, same_file_as, shown_path
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 

@@ -35,10 +35,8 @@ from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.chat import ConversationError, with_media_names
 from mmtok.formats.conversations import (
-    KIND_SUFFIXES,
     SAMPLES_PER_TAR,
     TAR_NAME,
-    TRUNCATED_MEMBER,
     Conversation,
     ConversationTars,
     Located,
@@ -53,6 +51,7 @@ from mmtok.formats.conversations import (
     read_conversations,
 )
 from mmtok.formats.tar import MemberTruncated
+from mmtok.formats.webdataset import KIND_SUFFIXES, TRUNCATED_MEMBER
 from mmtok.fsutil import WriterLock, atomic_write_json, atomic_writer, read_json_object, refuse_out_overlapping
 
 REPORT = "pack.json"

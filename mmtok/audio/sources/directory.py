@@ -20,9 +20,9 @@ from mmtok.audio.sources.units import (
     skip_record,
 )
 from mmtok.errors import MmtokError
-from mmtok.formats.conversations import AUDIO_SUFFIXES
 from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import NON_UTF8_NAME
+from mmtok.formats.webdataset import AUDIO_SUFFIXES
 from mmtok.fsutil import OUTSIDE_ROOT, outside, shown_path
 
 NO_EXTENSION = "(no extension)"

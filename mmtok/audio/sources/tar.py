@@ -18,9 +18,17 @@ from mmtok.audio.sources.units import (
     number_clips,
     skip_record,
 )
-from mmtok.formats.conversations import AUDIO_SUFFIXES, sample_key
 from mmtok.formats.skips import SkipRecord
-from mmtok.formats.tar import Damage, MemberTruncated, read_members, read_tar_member
+from mmtok.formats.tar import MemberTruncated, read_tar_member
+from mmtok.formats.webdataset import (
+    AUDIO_SUFFIXES,
+    DUPLICATE_KEY,
+    TRUNCATED_MEMBER,
+    Sample,
+    duplicate_key_detail,
+    read_samples,
+    sample_key,
+)
 from mmtok.media.audio import AudioReason
 
 
@@ -33,11 +41,17 @@ class TarUnit(Unit):
         samples, errors = audio_tar_members(self.path)
         yield from errors
         records, audio, problems = [], [], []
-        for key, members in samples.items():
+        for sample in samples:
+            key = sample.key
+            if sample.repeated:  # which members are whose is unknowable: no clip of this key is made
+                ident = f"{tar_id}/{key}" + (f" (repeat {sample.occurrence})" if sample.occurrence > 1 else "")
+                yield skip_record(ident, f"{self.path}:{key}", DUPLICATE_KEY, duplicate_key_detail(sample))
+                continue
+            members = _members(self.path, sample)
             audio_members = [m for m in members if m[0] in AUDIO_SUFFIXES]
             if not audio_members:
                 yield skip_record(f"{tar_id}/{key}", f"{self.path}:{key}", "no_audio_member",
-                              ", ".join(m[0] for m in members))
+                                  ", ".join(m[0] for m in members))
                 continue
             for extra in audio_members[1:]:
                 yield skip_record(f"{tar_id}/{key}", f"{self.path}:{extra[5]}", "extra_audio_member",
@@ -74,33 +88,35 @@ class _ByteRangeLoader:
         return decode_audio(data, self.origin)
 
 
-def audio_tar_members(path: str) -> tuple[dict[str, list[tuple]], list[SkipRecord]]:
-    """Group tar members by WebDataset key -> [(suffix, data offset, size, sidecar bytes or None, refusal, member
-    name)], in tar order; `refusal` is (reason, detail) for a member the tar reader refuses
-    (`mmtok.formats.tar.Member`); `suffix` per `member_suffix`.
-
-    Audio data is not read here (only its byte range); txt/json sidecars are. A damaged tar keeps the
-    members the reader finds and reports each damage with its reason (`truncated_tar`, `corrupt_header`, ...).
-    """
-    samples: dict[str, list[tuple]] = {}
-    errors: list[SkipRecord] = []
+def audio_tar_members(path: str) -> tuple[list[Sample], list[SkipRecord]]:
+    """The WebDataset samples of a tar (`mmtok.formats.webdataset.read_samples`: headers only) and a skip record
+    for each damage the tar reader met (`truncated_tar`, `corrupt_header`, ...), in tar order. A sample the damage
+    cut short keeps the members read before it: its audio member may be whole."""
     try:
-        for entry in read_members(path):
-            if isinstance(entry, Damage):
-                errors.append(skip_record(Path(path).name, path, entry.reason, entry.describe()))
-                continue
-            named = sample_key(entry.name)
-            if named is None:
-                continue
-            key, ext = named[0], member_suffix(named[1])
-            refusal = (entry.reason, f"member {entry.name}") if entry.reason else None
-            body = None
-            if ext in ("txt", "json") and refusal is None:
-                body = read_tar_member(path, entry.offset, entry.size)
-            samples.setdefault(key, []).append((ext, entry.offset, entry.size, body, refusal, entry.name))
+        samples = read_samples(path)
     except OSError as err:
-        errors.append(skip_record(Path(path).name, path, "truncated_tar", str(err)))
-    return samples, errors
+        return [], [skip_record(Path(path).name, path, "truncated_tar", str(err))]
+    errors = [skip_record(Path(path).name, path, sample.damage.reason, sample.damage.describe())
+              for sample in samples if sample.damage is not None]
+    return [sample for sample in samples if sample.key is not None], errors
+
+
+def _members(path: str, sample: Sample) -> list[tuple]:
+    """[(suffix, data offset, size, sidecar bytes or None, refusal, member name)] of a sample, in tar order;
+    `refusal` is (reason, detail) for a member the tar reader refuses (`mmtok.formats.tar.Member`); `suffix`
+    per `member_suffix`. Audio data is not read here (only its byte range); txt/json sidecars are."""
+    members = []
+    for entry in sample.members:
+        ext = member_suffix(sample_key(entry.name)[1])
+        refusal = (entry.reason, f"member {entry.name}") if entry.reason else None
+        body = None
+        if ext in ("txt", "json") and refusal is None:
+            try:
+                body = read_tar_member(path, entry.offset, entry.size)
+            except OSError as err:  # cut short (or gone) since the tar was listed: this sample's reason
+                refusal = (TRUNCATED_MEMBER, f"member {entry.name}: {err}")
+        members.append((ext, entry.offset, entry.size, body, refusal, entry.name))
+    return members
 
 
 def member_suffix(ext: str) -> str:
