@@ -1,4 +1,4 @@
-"""The input containers mmtok reads, which one a file is, and the one reader of JSON Lines.
+"""The input containers mmtok reads, which one a file is, the interface of their readers, and the JSON Lines one.
 
   container  files                                   read by
   tar        WebDataset tar shards                   `mmtok.formats.tar` (members by byte range)
@@ -11,6 +11,19 @@ and the manifest then records what was read), the conversation readers and `audi
 they open anything (`container_named`). In the manifest every table file, Parquet or Arrow, is container `parquet`
 (`offset` = row index): `manifest_container`.
 
+Every container is read through one interface, `Container.records(path, start)`: its records in order, each
+a `Record` (its number in the file, where it is for people, and its value), from a `Start` where a resumed
+reader goes on. One implementation per container, by its reader:
+
+  container   implementation                        a record's value
+  tar         `mmtok.formats.webdataset.TarSamples`  a WebDataset sample (`Sample`: members by byte range)
+  table       `mmtok.formats.tables.TableRecords`    a row: {column: value} of the columns asked for
+  jsonl       `JsonLines` here                      a line's JSON value (or the `invalid_json` Skip)
+
+`mmtok.formats.readers.reader(name)` gives the one for a container name; a Lhotse manifest is JSON Lines. The
+scan walks a tar with `mmtok.formats.tar.TarWalker` itself (its per-member hot loop parses image heads from the
+walk's read window) and reads a table's image column in Arrow batches (`TableFile.iter_batches`), not as rows.
+
 A JSON value from a stranger (a line, a cell, a tar member) is parsed by `json_value` alone, so every reader
 refuses the same things: what is not JSON, nesting too deep for the parser, and lone surrogates.
 """
@@ -20,8 +33,9 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 from mmtok.errors import Skip
 
@@ -59,6 +73,56 @@ def is_compressed(path: Path) -> bool:
 def manifest_container(file_format: str) -> str:
     """The manifest's `container` of a file read as `file_format` (what `container_of` said)."""
     return TAR if file_format == TAR else TABLE
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a reader starts in one input: record number `record` (records before it are not yielded); in a JSON
+    Lines file also the byte offset of that record's line and the lines before it (`Record.seek`), so the
+    lines before it are not read again."""
+
+    record: int = 0
+    offset: int = -1
+    line: int = 0
+
+
+FROM_FIRST = Start()  # the first record of a file
+
+@dataclass(frozen=True)
+class Record:
+    """One record of an input container, in the container's order."""
+
+    number: int  # its place among the file's records, from 0 (what `Start.record` names)
+    where: str  # for people, after the file's path: "KEY" (a tar sample), "row 3", "line 12"
+    value: Any  # what the container holds there: see `Container`
+    error: Skip | None = None  # why the value cannot be used (JSON Lines: `invalid_json`); value is then None
+    seek: tuple[int, int] = (-1, 0)  # JSON Lines: (byte offset of its line, lines before it), for `Start`
+
+
+class Container(Protocol):
+    """An input container's one reader of records (module docstring: one implementation per container)."""
+
+    name: str  # TAR, TABLE or JSONL
+
+    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
+        """The records of the file at `path` from `start`, in the file's order; `columns` picks a table's columns
+        (None: all). OSError when the file cannot be read; see each implementation for damage."""
+
+
+class JsonLines:
+    """The `Container` of JSON Lines files (`.jsonl`, `.jsonl.gz`; Lhotse manifests): a record per non-blank line,
+    its value the line's JSON value (`json_value`), else its `error`; `columns` does not apply. OSError when the
+    file cannot be read, EOFError when a gzip stream ends early."""
+
+    name = JSONL
+
+    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
+        lines = json_lines(path, max(start.offset, 0), start.line + 1 if start.offset >= 0 else 1)
+        for number, (line_number, at, raw) in enumerate(lines, start.record if start.offset >= 0 else 0):
+            if start.offset < 0 and number < start.record:
+                continue
+            value, error = json_value(raw, f"line {line_number}")
+            yield Record(number, f"line {line_number}", value, error, (at, line_number - 1))
 
 
 def json_lines(path: Path, offset: int = 0, first_line: int = 1) -> Iterator[tuple[int, int, bytes]]:

@@ -37,9 +37,9 @@ import numpy as np
 
 from mmtok.errors import DamagedFile, MmtokError
 from mmtok.formats.commitlog import parts_root
+from mmtok.formats.containers import Start
 from mmtok.formats.conversations import (
     Conversation,
-    Start,
     check_inputs,
     duplicate,
     input_records,

@@ -47,7 +47,6 @@ import base64
 import binascii
 import hashlib
 import io
-import itertools
 import json
 import os
 import re
@@ -55,14 +54,25 @@ import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import IO
 
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats.chat import ConversationError, MediaRef, MediaSlot, conversation_media
-from mmtok.formats.containers import JSONL, PARQUET, TAR, container_named, is_compressed, json_lines, json_value
+from mmtok.formats.containers import (
+    FROM_FIRST,
+    JSONL,
+    PARQUET,
+    TAR,
+    Record,
+    Start,
+    container_named,
+    is_compressed,
+    json_value,
+)
+from mmtok.formats.readers import reader
 from mmtok.formats.skips import SkipRecord
+from mmtok.formats.tables import UNREADABLE_TABLE
 from mmtok.formats.tar import Damage, open_range, read_tar_member
 from mmtok.formats.webdataset import (
     DUPLICATE_KEY,
@@ -71,7 +81,6 @@ from mmtok.formats.webdataset import (
     TRUNCATED_MEMBER,
     Sample,
     duplicate_key_detail,
-    read_samples,
 )
 from mmtok.fsutil import (
     DUPLICATE_INPUT,
@@ -241,18 +250,8 @@ def _conversations(inputs: list[Path], media_roots: tuple[str, ...]) -> Iterator
         yield conversation
 
 
-@dataclass(frozen=True)
-class Start:
-    """Where a reader starts in one input: its record number `record` (records before it are not yielded); for
-    a .jsonl input also the byte offset of that record's line and the lines before it (`Conversation.seek`)."""
-
-    record: int = 0
-    offset: int = -1
-    line: int = 0
-
-
 def input_records(inputs: list[Path], media_roots: tuple[str, ...] = (), first_input: int = 0,
-            start: Start = Start()) -> Iterator[tuple[int, int, Conversation]]:
+                  start: Start = FROM_FIRST) -> Iterator[tuple[int, int, Conversation]]:
     """(input number, record number in that input, record) of every record of `inputs` from input `first_input`
     at `start`, in input order, before any repeat of an id is marked (`_conversations` and the conversation
     index mark them). A file given under two paths is one `duplicate_input` record at its second path."""
@@ -264,8 +263,8 @@ def input_records(inputs: list[Path], media_roots: tuple[str, ...] = (), first_i
                 yield number, 0, Conversation(path.name, str(path), number, whole_file=True, error=Skip(
                     DUPLICATE_INPUT, f"the same file as {inputs[first]} (one device and inode: a link or a mount)"))
             continue
-        at = start if number == first_input else Start()
-        for record, conversation in enumerate(_READERS[input_kind(path)](path, number, at), at.record):
+        at = start if number == first_input else FROM_FIRST
+        for record, conversation in enumerate(_input_conversations(path, number, at), at.record):
             if media_roots:
                 conversation = replace(conversation, media_roots=media_roots)
             yield number, record, conversation
@@ -291,51 +290,62 @@ def input_stem(path: Path) -> str:
 
 def _parsed(data: bytes | str, what: str) -> tuple[dict | None, Skip | None]:
     """A json record (an object), or the `invalid_json` Skip naming `what`."""
-    record, error = json_value(data, what)
-    if error is None and not isinstance(record, dict):
-        return None, Skip("invalid_json", f"{what}: top level is {type(record).__name__}, not an object")
-    return record, error
+    return _object(*json_value(data, what), what)
 
 
-def _tar_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
-    """`_tar_records` from record `start.record` on: a tar's records follow from its whole header list (read
-    first anyway), and only those from `start.record` on are made (their json read)."""
-    return (make() for make in itertools.islice(_tar_records(path, number), start.record, None))
+def _object(value, error: Skip | None, what: str) -> tuple[dict | None, Skip | None]:
+    """A parsed json value that is an object, or the `invalid_json` Skip naming `what`."""
+    if error is None and not isinstance(value, dict):
+        return None, Skip("invalid_json", f"{what}: top level is {type(value).__name__}, not an object")
+    return value, error
 
 
-def _tar_records(path: Path, number: int) -> Iterator[Callable[[], Conversation]]:
-    """What makes each record, in order: samples of a WebDataset tar (`mmtok.formats.webdataset`) that have a
-    KEY.json member.
+def _input_conversations(path: Path, number: int, start: Start) -> Iterator[Conversation]:
+    """The conversations of one input from record `start.record`: its container's records
+    (`mmtok.formats.containers.reader`), each made one conversation."""
+    kind = input_kind(path)
+    try:
+        if kind == TAR:
+            yield from _tar_conversations(path, number, start)
+            return
+        make = _line_conversation if kind == JSONL else _row_conversation
+        stem = input_stem(path)
+        for record in reader(kind).records(path, start):
+            yield make(path, number, stem, record)
+    except OSError as err:
+        raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
+    except Skip as damaged:  # a table that does not open, or a row group whose pages do not parse
+        what = f"unreadable Parquet ({damaged.detail})" if damaged.reason == UNREADABLE_TABLE else damaged.detail
+        raise MmtokError(f"{path}: {what}; check the file") from None
+
+
+def _tar_conversations(path: Path, number: int, start: Start) -> Iterator[Conversation]:
+    """A conversation per record of a WebDataset tar (`mmtok.formats.webdataset`) from `start.record`: a sample and
+    its KEY.json member, or damage met outside a sample. The whole header list is read first (which keys repeat is
+    known before any sample is used); only the samples from `start.record` on are made (their json read).
 
     Where the tar is damaged, the sample being read may have lost members: it is one record of the damage's
     reason (a member the file ends inside: `truncated_member`, as the scan says). Damage where no sample is
     open is a record of its own (`<stem>/(damaged tar at byte N)`); the reader goes on after it. A tar without
     a single sample (empty, compressed, no tar, no KEY.EXT member) is one `whole_file` record, no conversation.
     """
-    stem = input_stem(path)
-    orphans: list[Damage] = []  # damage before the first sample: the file's reason if no sample follows
-    sampled = False
-    try:
-        samples = read_samples(path)  # headers only: which keys repeat is known before any sample is used
-    except OSError as err:
-        raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
-    for sample in samples:
-        if sample.key is None and not sampled:
-            orphans.append(sample.damage)
-            continue
-        if not sampled:
-            sampled = True
-            yield from (partial(_damage_record, path, stem, number, orphan) for orphan in orphans)
-        if sample.key is None:
-            yield partial(_damage_record, path, stem, number, sample.damage)
-        elif sample.repeated:
-            yield partial(_duplicate_key, path, stem, number, sample)
-        else:
-            yield partial(_tar_sample, path, stem, number, sample)
-    if not sampled:
-        skip = (Skip(orphans[0].reason, orphans[0].describe()) if orphans else
+    records = list(reader(TAR).records(path))  # headers only
+    if not any(record.value.key is not None for record in records):
+        damage = next((record.value.damage for record in records), None)
+        skip = (Skip(damage.reason, damage.describe()) if damage else
                 Skip(NO_SAMPLES, "no member is named KEY.EXT (a WebDataset sample's member)"))
-        yield partial(Conversation, path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
+        if start.record == 0:
+            yield Conversation(path.name, str(path), number, error=skip, tar=str(path), whole_file=True)
+        return
+    stem = input_stem(path)
+    for record in records[start.record:]:
+        sample = record.value
+        if sample.key is None:
+            yield _damage_record(path, stem, number, sample.damage)
+        elif sample.repeated:
+            yield _duplicate_key(path, stem, number, sample)
+        else:
+            yield _tar_sample(path, stem, number, sample)
 
 
 def _duplicate_key(path: Path, stem: str, number: int, sample: Sample) -> Conversation:
@@ -448,55 +458,25 @@ class ConversationTars:
         self._stack.__exit__(*exc)
 
 
-def _jsonl_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
-    """One record per non-blank line; from `start.offset` (the line `start.line` + 1) when given."""
-    stem = input_stem(path)
-    lines = json_lines(path, max(start.offset, 0), start.line + 1 if start.offset >= 0 else 1)
-    try:
-        for line_number, at, line in lines:
-            record, error = _parsed(line, f"line {line_number}")
-            ident = _record_id(record, stem, f"line-{line_number}")
-            yield Conversation(ident, f"{path}:line {line_number}", number, record, error, base=str(path.parent),
-                               seek=(at, line_number - 1))
-    except OSError as err:
-        raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
+def _line_conversation(path: Path, number: int, stem: str, record: Record) -> Conversation:
+    """The conversation of a .jsonl line (`record.seek`: where a reader may start)."""
+    value, error = _object(record.value, record.error, record.where)
+    ident = _record_id(value, stem, record.where.replace(" ", "-"))
+    return Conversation(ident, f"{path}:{record.where}", number, value, error, base=str(path.parent),
+                        seek=record.seek)
 
 
-def _parquet_conversations(path: Path, number: int, start: Start = Start()) -> Iterator[Conversation]:
-    """One record per row, from row `start.record` (row groups before it are not read)."""
-    from mmtok.formats.tables import TableFile
-
-    stem = input_stem(path)
-    try:
-        table = TableFile(str(path), PARQUET)
-        names, sizes = table.schema.names, table.group_sizes()
-    except Exception as err:  # pyarrow raises several types for damaged files
-        raise MmtokError(f"{path}: unreadable Parquet ({err})") from None
-    if "messages" not in names:
-        raise MmtokError(f"{path}: no `messages` column (columns: {names})")
-    row = 0
-    for group, rows in enumerate(sizes):
-        if row + rows <= start.record:
-            row += rows
-            continue
-        try:
-            records = table.read_group(group, None).to_pylist()
-        except Exception as err:  # pyarrow raises several types for damaged pages
-            raise MmtokError(f"{path}: row group {group} is unreadable ({err}); check the file") from None
-        skipped = max(start.record - row, 0)
-        row += skipped
-        for record in records[skipped:]:
-            messages = record.get("messages")
-            error = None
-            if isinstance(messages, (str, bytes)):  # a JSON column: the list of messages as text
-                record["messages"], error = json_value(messages, f"row {row} `messages`")
-            ident = _record_id(None if error else record, stem, f"row-{row}")
-            yield Conversation(ident, f"{path}:row {row}", number, None if error else record, error,
-                               base=str(path.parent))
-            row += 1
-
-
-_READERS = {TAR: _tar_conversations, JSONL: _jsonl_conversations, PARQUET: _parquet_conversations}
+def _row_conversation(path: Path, number: int, stem: str, record: Record) -> Conversation:
+    """The conversation of a .parquet row: its columns are the record (`messages` may be a JSON string)."""
+    row = record.value
+    if "messages" not in row:
+        raise MmtokError(f"{path}: no `messages` column (columns: {list(row)})")
+    error = None
+    if isinstance(row["messages"], (str, bytes)):  # a JSON column: the list of messages as text
+        row["messages"], error = json_value(row["messages"], f"{record.where} `messages`")
+    ident = _record_id(None if error else row, stem, record.where.replace(" ", "-"))
+    return Conversation(ident, f"{path}:{record.where}", number, None if error else row, error,
+                        base=str(path.parent))
 
 
 # -- references ----------------------------------------------------------------------------------

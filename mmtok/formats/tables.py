@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mmtok.errors import Skip
-from mmtok.formats.containers import PARQUET, container_of
+from mmtok.formats.containers import FROM_FIRST, PARQUET, TABLE, Record, Start, container_of
 
 KEY_COLUMNS = ("__key__", "key")  # a sample key column: WebDataset-to-Parquet exports; img2dataset's Parquet output
 PREFERRED_IMAGE_COLUMN = "image"
@@ -107,10 +107,11 @@ class TableFile:
         return [batch.num_rows for batch in self._batches]
 
     def read_group(self, group: int, columns: list[str] | None) -> pa.Table:
-        """Read unit `group`, `columns` only (None: every column, Parquet only)."""
+        """Read unit `group`, `columns` only (None: every column)."""
         if self._parquet:
             return self._parquet.read_row_group(group, columns=columns)
-        return pa.Table.from_batches([self._batches[group].select(columns)])
+        batch = self._batches[group]
+        return pa.Table.from_batches([batch if columns is None else batch.select(columns)])
 
     def iter_batches(self, columns: list[str], batch_rows: int = 1024) -> Iterator[pa.RecordBatch]:
         """Every row in order, `columns` only, in batches of at most `batch_rows`."""
@@ -123,6 +124,40 @@ class TableFile:
         if self._parquet:
             return self._parquet.read(columns=columns)
         return self._table.select(columns)
+
+
+UNREADABLE_TABLE = "unreadable_table"  # a table file whose footer or schema does not parse
+UNREADABLE_ROW_GROUP = "unreadable_row_group"  # a row group (an Arrow record batch) whose pages do not parse
+
+
+class TableRecords:
+    """The `mmtok.formats.containers.Container` of Parquet and Arrow files: a record per row, its value {column:
+    value} of `columns` (None: every column), `where` "row N"; read one row group (an Arrow file's record batch) at
+    a time, and groups wholly before `start.record` not at all. Skip UNREADABLE_TABLE when the file cannot be read
+    or does not open as a table, UNREADABLE_ROW_GROUP for a group whose pages do not parse (the records before it
+    were yielded)."""
+
+    name = TABLE
+
+    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
+        try:
+            table = TableFile(str(path), container_of(str(path)))
+            sizes = table.group_sizes()
+        except Exception as err:  # pyarrow raises several types (OSError among them) for damaged files
+            raise Skip(UNREADABLE_TABLE, str(err)) from None
+        row = 0
+        for group, rows in enumerate(sizes):
+            if row + rows <= start.record:
+                row += rows
+                continue
+            try:
+                values = table.read_group(group, columns).to_pylist()
+            except Exception as err:  # pyarrow raises several types for damaged pages
+                raise Skip(UNREADABLE_ROW_GROUP, f"row group {group} is unreadable ({err})") from None
+            for value in values[max(start.record - row, 0):]:
+                row = max(row, start.record)
+                yield Record(row, f"row {row}", value)
+                row += 1
 
 
 SAVED_STATE = "state.json"  # Hugging Face `Dataset.save_to_disk`: state.json + dataset_info.json + data-*.arrow

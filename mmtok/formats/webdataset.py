@@ -19,8 +19,10 @@ from __future__ import annotations
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
+from mmtok.formats.containers import FROM_FIRST, TAR, Record, Start
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_members
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
@@ -72,6 +74,22 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
             sample = Sample(sample.key, sample.members, sample.damage, repeated[sample.key], seen[sample.key])
         marked.append(sample)
     return marked
+
+
+class TarSamples:
+    """The `mmtok.formats.containers.Container` of tar files: a record per sample (`read_samples`), its value the
+    `Sample`, `where` its key (or where damage met outside any sample was); `columns` does not apply. The whole
+    header list is read first (which keys repeat is known before any sample is used); records before
+    `start.record` are not made. OSError when the file cannot be read."""
+
+    name = TAR
+
+    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
+        samples = read_samples(path)
+        for number in range(start.record, len(samples)):
+            sample = samples[number]
+            where = sample.key if sample.key is not None else f"(damaged tar at byte {sample.damage.offset})"
+            yield Record(number, where, sample)
 
 
 def _grouped(path: str | os.PathLike) -> Iterator[Sample]:
