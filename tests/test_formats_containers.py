@@ -35,6 +35,64 @@ from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
 
 
+def _container_files(tmp_path: Path) -> dict[str, tuple[Path, list]]:
+    """A file of each container holding records a0..a5, and what `where` each record must have."""
+    values = [{"id": f"a{n}", "n": n} for n in range(6)]
+    pq.write_table(pa.Table.from_pylist(values), tmp_path / "t.parquet", row_group_size=4)
+    with pa.ipc.new_file(str(tmp_path / "t.arrow"), pa.Table.from_pylist(values).schema) as sink:
+        for first in (0, 2, 5):  # record batches of 2, 3, 1 rows
+            sink.write_table(pa.Table.from_pylist(values[first:{0: 2, 2: 5, 5: 6}[first]]))
+    lines = "".join(json.dumps(v) + "\n" + ("\n" if v["n"] == 2 else "") for v in values)  # a blank line: no record
+    (tmp_path / "t.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "t.jsonl.gz", "wt") as handle:
+        handle.write(lines)
+    tar = write_tar(tmp_path / "t.tar", [(f"{v['id']}.json", json.dumps(v).encode()) for v in values])
+    line_where = [f"line {n}" for n in (1, 2, 3, 5, 6, 7)]
+    return {"table": (tmp_path / "t.parquet", [f"row {n}" for n in range(6)]),
+            "arrow": (tmp_path / "t.arrow", [f"row {n}" for n in range(6)]),
+            "jsonl": (tmp_path / "t.jsonl", line_where), "jsonl.gz": (tmp_path / "t.jsonl.gz", line_where),
+            "tar": (tar, [f"a{n}" for n in range(6)])}
+
+
+@pytest.mark.parametrize("kind", ["table", "arrow", "jsonl", "jsonl.gz", "tar"])
+def test_every_container_gives_its_records_in_order_through_one_interface_and_resumes_at_any(tmp_path, kind):
+    """One `Container.records` per container: records numbered from 0 in the file's order, each saying where it is;
+    a reader started at any record (`Start`, with the line offset a JSON Lines record names) gives the same tail."""
+    from mmtok.formats.readers import reader
+
+    path, where = _container_files(tmp_path)[kind]
+    name = containers.container_named(path) if kind != "arrow" else containers.ARROW
+    container = reader(containers.TABLE if name == containers.PARQUET else name)
+    records = list(container.records(path))
+    assert [r.number for r in records] == list(range(6)) and [r.where for r in records] == where
+    if kind == "tar":
+        members = [[(m.name, m.size) for m in r.value.members] for r in records]
+        sizes = [len(json.dumps({"id": f"a{n}", "n": n})) for n in range(6)]
+        assert members == [[(f"a{n}.json", size)] for n, size in enumerate(sizes)]
+        assert not any(r.value.repeated for r in records)
+    else:
+        assert [r.value["id"] for r in records] == [f"a{n}" for n in range(6)]
+    for first in range(7):
+        at = records[first] if first < 6 else None
+        start = containers.Start(first, *(at.seek if at is not None and kind.startswith("jsonl") else (-1, 0)))
+        assert list(container.records(path, start)) == records[first:]
+
+
+def test_a_damaged_table_or_line_is_named_by_the_container_reader(tmp_path):
+    from mmtok.formats.readers import reader
+    from mmtok.formats.tables import UNREADABLE_TABLE
+
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not a table PAR1")
+    with pytest.raises(Skip) as damaged:
+        list(reader(containers.TABLE).records(tmp_path / "bad.parquet"))
+    assert damaged.value.reason == UNREADABLE_TABLE
+    (tmp_path / "t.jsonl").write_bytes(b'{"a": 1}\n[1, \n"\\ud800"\n')
+    records = list(reader(containers.JSONL).records(tmp_path / "t.jsonl"))
+    assert [(r.value, r.error.reason if r.error else None) for r in records] == [
+        ({"a": 1}, None), (None, "invalid_json"), (None, "invalid_json")]
+    assert records[1].error.detail.startswith("line 2: ") and "lone surrogate" in records[2].error.detail
+
+
 def test_every_stage_tells_a_files_container_by_content_and_by_name_the_same_way(tmp_path):
     table = pa.table({"image": [b"x"]})
     pq.write_table(table, tmp_path / "t.bin")

@@ -13,7 +13,8 @@ import numpy as np
 
 from mmtok.audio.sources.units import ClipSpec, Unit, float_or_none, skip_record, text_or_none
 from mmtok.errors import MmtokError
-from mmtok.formats.containers import json_lines, json_value
+from mmtok.formats.containers import JSONL
+from mmtok.formats.readers import reader
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import not_a_regular_file
 from mmtok.media.audio import AudioReason
@@ -210,9 +211,9 @@ def _supervisions_problem(supervisions) -> str | None:
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
     """(line number, parsed JSON or a ValueError) of every non-blank line of a .jsonl[.gz] manifest."""
     try:
-        for number, _, raw in json_lines(path):
-            value, skip = json_value(raw, f"line {number}")
-            yield number, ValueError(f"not JSON ({skip.detail})") if skip else value
+        for record in reader(JSONL).records(path):
+            line = record.seek[1] + 1  # the lines before it, and this one
+            yield line, ValueError(f"not JSON ({record.error.detail})") if record.error else record.value
     except (OSError, EOFError) as err:  # unreadable, or a damaged gzip stream
         raise MmtokError(f"{path}: cannot read the Lhotse manifest ({err})") from None
 

@@ -18,6 +18,8 @@ from mmtok.audio.sources.units import (
     number_clips,
     skip_record,
 )
+from mmtok.formats.containers import TAR
+from mmtok.formats.readers import reader
 from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import MemberTruncated, read_tar_member
 from mmtok.formats.webdataset import (
@@ -26,7 +28,6 @@ from mmtok.formats.webdataset import (
     TRUNCATED_MEMBER,
     Sample,
     duplicate_key_detail,
-    read_samples,
     sample_key,
 )
 from mmtok.media.audio import AudioReason
@@ -89,11 +90,11 @@ class _ByteRangeLoader:
 
 
 def audio_tar_members(path: str) -> tuple[list[Sample], list[SkipRecord]]:
-    """The WebDataset samples of a tar (`mmtok.formats.webdataset.read_samples`: headers only) and a skip record
+    """The WebDataset samples of a tar (its records: `mmtok.formats.webdataset.TarSamples`) and a skip record
     for each damage the tar reader met (`truncated_tar`, `corrupt_header`, ...), in tar order. A sample the damage
     cut short keeps the members read before it: its audio member may be whole."""
     try:
-        samples = read_samples(path)
+        samples = [record.value for record in reader(TAR).records(Path(path))]
     except OSError as err:
         return [], [skip_record(Path(path).name, path, "truncated_tar", str(err))]
     errors = [skip_record(Path(path).name, path, sample.damage.reason, sample.damage.describe())
