@@ -154,7 +154,7 @@ class _AfterItem:
 def test_a_stop_during_an_items_last_batch_finishes_that_item_and_starts_no_other(job, tmp_path):
     from mmtok.codecs import emu35
     from mmtok.encode.runner import EncodeOptions, encode_image_rank
-    from mmtok.formats.parts import ItemStop
+    from mmtok.workers import ItemStop
 
     items, out = job["items"], tmp_path / "out"
     codec = emu35.load(job["common"][job["common"].index("--checkpoint") + 1], "cpu")

@@ -12,7 +12,7 @@ TOP = ("cli", "commands")  # argument parsing and printing: may import anything
 STAGES = ("scan", "curate", "plan", "encode", "audio", "sft", "merge")  # each makes one kind of output
 TOOLS = ("tools", "bench")  # read outputs, write no dataset
 SHARED = ("formats", "codecs", "media")  # files, codecs and media rules: what the rooms share
-ROOT_MODULES = ("documents", "errors", "extras", "fsutil", "launch", "progress", "ranks", "text", "vocab")
+ROOT_MODULES = ("documents", "errors", "extras", "fsutil", "launch", "progress", "ranks", "text", "vocab", "workers")
 ROOMS = STAGES + TOOLS
 MAX_ROOT_MODULES = 10
 

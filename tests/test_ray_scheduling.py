@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from mmtok.encode.ray_driver import DEPTH, RayRun, _Driver
-from mmtok.formats.parts import ItemDone
+from mmtok.workers import ItemDone
 
 ITEM_S = 1.0  # simulated seconds of one item at speed 1
 START_S = 3.0  # simulated seconds for a worker to load the codec

@@ -24,7 +24,7 @@ from mmtok.audio.convert import ConvertOptions, convert
 from mmtok.cli import main
 from mmtok.errors import Skip
 from mmtok.formats.conversations import locate, read_conversations
-from mmtok.formats.parts import TakeOver, WorkerRun
+from mmtok.workers import TakeOver, WorkerRun
 
 SECRET = b"TOPSECRETPASSWORD-do-not-copy"
 

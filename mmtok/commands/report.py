@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from mmtok.formats import skips
 
 if TYPE_CHECKING:
-    from mmtok.formats.parts import TakeOver, WorkerRun
+    from mmtok.workers import TakeOver, WorkerRun
 
 
 def print_summary(command: str, lines: str | Sequence[str]) -> None:

@@ -23,7 +23,7 @@ from mmtok.formats import skips
 from mmtok.sft.build import DEFAULT_MAX_TOKENS
 
 if TYPE_CHECKING:
-    from mmtok.formats.parts import WorkerRun
+    from mmtok.workers import WorkerRun
 
 DESCRIPTION = """\
 Render SFT conversations with the text tokenizer's chat template and replace every media placeholder

@@ -41,7 +41,7 @@ from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
 from mmtok.formats.commitlog import is_done, part_dir
-from mmtok.formats.parts import TakeOver, refuse_other_run, take_items, timing_stats
+from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import MemberTruncated, read_range
@@ -60,6 +60,7 @@ from mmtok.media.audio import (
 from mmtok.ranks import assign_shards
 from mmtok.text import tokenizer_difference
 from mmtok.vocab import check_ids_in_range
+from mmtok.workers import TakeOver, take_items
 
 SEQUENCE_MODES = ("auto", "audio", "transcription", "both")
 DEFAULT_SEQUENCES = "auto"
@@ -501,7 +502,7 @@ def encode_audio_rank(shar: Path, out: Path, codec, *, rank: int, world_size: in
                       progress: bool = True, take_over: bool = True, stop=None) -> AudioWorkerRun:
     """Encode this rank's shards of `shar` (`assign_shards`) into OUT/parts (+ OUT/audio-cache), a part per shard;
     then, with `take_over`, every shard no process has finished or holds, one after another from the last
-    (`mmtok.formats.parts.take_items`): a shard is a work item. An own shard another process holds is left to
+    (`mmtok.workers.take_items`): a shard is a work item. An own shard another process holds is left to
     it (without take-over: the error naming the holder). Once `stop` (a `mmtok.launch.StopRequest`) is set, the
     batches on the device are committed and the rank returns with those parts unfinished (`stopped`)."""
     from mmtok.text import load_text_tokenizer

@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, field
 
 from mmtok.errors import MmtokError
 from mmtok.formats.commitlog import is_done, part_dir
-from mmtok.formats.parts import ItemDone
 from mmtok.formats.private_parts import private_copies, private_part_dir, process_alive
+from mmtok.workers import ItemDone
 
 MAX_TRIES = 3  # a worker dying under the same item this many times is a fault of the item, not of the workers
 WAIT_S = 5.0  # the driver's tick: how often it looks for a long-running item to back up

@@ -43,13 +43,14 @@ from mmtok.formats import skips
 from mmtok.formats.chat import recorded_special_ids
 from mmtok.formats.commitlog import NoLock, PartWriter, has_dataset, is_done, part_dir, read_commits
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item, image_skip
-from mmtok.formats.parts import ItemDone, ItemStop, WorkerRun, refuse_other_run, take_items, timing_stats
+from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.private_parts import adopt_private_part, publish_part
 from mmtok.formats.skips import SkipRecord
 from mmtok.launch import StopRequest, stop_check
 from mmtok.text import TextTokenizer, load_text_tokenizer
 from mmtok.vocab import VocabLayout, check_ids_in_range
+from mmtok.workers import ItemDone, ItemStop, WorkerRun, take_items
 
 
 @dataclass
@@ -275,7 +276,7 @@ def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int
     Each part is created or resumed (refusing a different plan, codec or precision), its batches not yet
     committed are encoded, and it is finished (tokens.idx, stats.json, DONE); a finished part is left as it is.
     Then, with `options.take_over` (the default), it takes the items no process has finished or holds, from the
-    far end (`mmtok.formats.parts.items_to_take`): a slow or dead worker's remaining items are done by those
+    far end (`mmtok.workers.items_to_take`): a slow or dead worker's remaining items are done by those
     that finished, and an own item another worker holds is left to it (`TakeOver.taken_over`, `held_by_others`);
     without it, a held item is an error naming the holder. Once `options.stop` is set the worker
     commits the batch in flight and returns with its part unfinished (`WorkerRun.stopped`: the signal, the item

@@ -30,7 +30,7 @@ Work items: the conversations, in input order, are cut into units of CONVERSATIO
 into work items of UNITS_PER_ITEM (`conversation_items`: the inputs alone decide them, never the number of
 workers). Each item is one part, OUT/parts/part-<item>, committed after every unit (resumable, see
 `mmtok.formats.commitlog.PartWriter`); worker w of W starts with a contiguous, even range of items and then
-takes over any item no process has finished or holds (`mmtok.formats.parts.items_to_take`), so a slow or
+takes over any item no process has finished or holds (`mmtok.workers.items_to_take`), so a slow or
 killed worker's items are finished by the others, and a job resumes with any number of workers. A worker
 reads only its items' conversations: the first to start makes the conversation index
 (`mmtok.formats.conversation_index`: where each unit starts, which ids repeat) in OUT, and every item seeks
@@ -66,12 +66,13 @@ from mmtok.formats.conversations import (
 )
 from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
-from mmtok.formats.parts import ItemDone, ItemStop, WorkerRun, find_parts, refuse_other_run, take_items
+from mmtok.formats.parts import find_parts, refuse_other_run
 from mmtok.fsutil import required
 from mmtok.launch import stop_check
 from mmtok.ranks import worker_range
 from mmtok.text import TextTokenizer, load_text_tokenizer, tokenizer_difference
 from mmtok.vocab import VocabLayout
+from mmtok.workers import ItemDone, ItemStop, WorkerRun, take_items
 
 CLIPS_FORMAT = "mmtok-clip-index/2"
 CLIPS_DIR = "clip-index"  # OUT/clip-index/: the audio clips' index one rank built, for the others (formats/kept.py)
@@ -405,7 +406,7 @@ def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, image
                     options: SftOptions = SftOptions(), media_roots: Sequence[Path] = ()) -> WorkerRun:
     """Worker `rank` of `world_size`: assemble its work items (a contiguous, even range of `conversation_items`), each
     into OUT/parts/part-<item>, then (with `options.take_over`) every item no process has finished or holds
-    (`mmtok.formats.parts.items_to_take`); returns what it did, summed over its items. A finished item is left as
+    (`mmtok.workers.items_to_take`); returns what it did, summed over its items. A finished item is left as
     it is, a half-done one resumes from its commit log, whichever worker started it. Once `options.stop` is
     set, the unit in hand is committed and the worker returns (`stopped`). A medium given as a file path
     resolves only inside its input's directory or one of `media_roots`."""
