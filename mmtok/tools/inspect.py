@@ -231,7 +231,7 @@ def render_blocks(tokens: np.ndarray, layout: VocabLayout, codec, out_dir: Path,
 VOCAB_DIVISIBLE_BY = 128  # --make-vocab-size-divisible-by (Megatron-LM's default)
 TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
 LONGEST_WHOLE_SAMPLE = 32_768  # above this, advise the 8,192-token stage length instead of the longest document
-STAGE_SEQ_LENGTH = 8_192
+STAGE_SEQ_LENGTH = interleave.STAGE_MAX_TOKENS  # the stage set's longest sequence (`mmtok audio interleave`)
 
 
 @dataclass(frozen=True)
