@@ -413,6 +413,47 @@ def test_a_tar_key_naming_two_samples_makes_no_clip_as_in_scan_and_sft(tmp_path)
     assert_counts_add_up(counts)
 
 
+
+def _raw_tar(path: Path, members: list[tuple[str, bytes]], corrupt: str | None = None) -> Path:
+    """A ustar of `members` (names with surrogate escapes are written as their raw bytes); the header of member
+    `corrupt` gets a byte flipped, so its checksum fails and the reader resyncs after it."""
+    from tarkit import regular
+
+    blocks = [regular(name, data) for name, data in members]
+    if corrupt is not None:
+        at = [name for name, _ in members].index(corrupt)
+        broken = bytearray(blocks[at])
+        broken[0] ^= 0x20  # the name's first byte: a wrong checksum
+        blocks[at] = bytes(broken)
+    path.write_bytes(b"".join(blocks) + bytes(1024))
+    return path
+
+
+def test_a_member_whose_name_is_not_utf8_costs_the_sample_beside_it_nothing(tmp_path):
+    """The sample grouping puts such a member (\\xff.txt) with the open sample, refused (sft: only a reference
+    would read it); audio convert names it on its own and makes the clips of both its neighbours."""
+    tar = _raw_tar(tmp_path / "t.tar", [("a.wav", digit("1").read_bytes()), ("a.txt", b"one"),
+                                        ("\udcff.txt", b"?"), ("b.wav", digit("2").read_bytes()),
+                                        ("b.txt", b"two")])
+    assert cli_main(["audio", "convert", str(tar), "--out", str(tmp_path / "out"), "--workers", "0",
+                     "--no-progress"]) == 0
+    assert [(c.id, c.supervisions[0].text) for c in load_cuts(tmp_path / "out")] == [("t/a", "one"), ("t/b", "two")]
+    assert [(r["key"], r["reason"], r["source"].rsplit(":", 1)[1]) for r in dropped_records(tmp_path / "out")] == [
+        ("t/\\xff", "non_utf8_name", "\\xff.txt")]
+
+
+def test_a_sidecar_after_a_corrupt_header_stays_its_samples(tmp_path):
+    """Members of the damaged sample's key found after the resync are that sample's: its json sidecar still gives
+    the clip its text, and the damage is named."""
+    tar = _raw_tar(tmp_path / "t.tar", [("a.wav", digit("1").read_bytes()), ("a.txt", b"lost"),
+                                        ("a.json", b'{"text": "from json"}'), ("b.wav", digit("2").read_bytes())],
+                   corrupt="a.txt")
+    assert cli_main(["audio", "convert", str(tar), "--out", str(tmp_path / "out"), "--workers", "0",
+                     "--no-progress"]) == 0
+    texts = {c.id: c.supervisions[0].text if c.supervisions else None for c in load_cuts(tmp_path / "out")}
+    assert texts == {"t/a": "from json", "t/b": None}
+    assert [r["reason"] for r in dropped_records(tmp_path / "out")] == ["corrupt_header"]
+
 # --- processes: workers die with the run, one writer per output ------------------------------------
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:

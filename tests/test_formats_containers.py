@@ -186,6 +186,21 @@ def test_a_parquet_conversation_input_is_opened_once_whatever_its_row_groups(tmp
     assert len(opened) == 1
 
 
+def test_a_conversation_parquet_input_is_parquet_by_its_name_and_needs_messages_even_empty(tmp_path):
+    """A .parquet input is read as Parquet, whatever its first bytes (an Arrow file so named would be memory-mapped:
+    a SIGBUS if cut while read), and a table without `messages` is refused before any row, an empty one too."""
+    from mmtok.errors import MmtokError
+
+    table = pa.table({"messages": ['[{"role": "user", "content": "q"}]']})
+    with pa.ipc.new_file(str(tmp_path / "arrow.parquet"), table.schema) as sink:
+        sink.write_table(table)
+    with pytest.raises(MmtokError, match=r"arrow\.parquet: unreadable Parquet \(.*magic bytes"):
+        list(read_conversations([tmp_path / "arrow.parquet"]))
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(MmtokError, match=r"empty\.parquet: no `messages` column \(columns: \['text'\]\)"):
+        list(read_conversations([tmp_path / "empty.parquet"]))
+
+
 def test_an_audio_table_is_opened_once_for_its_row_groups_and_again_once_it_changed(tmp_path, monkeypatch):
     # A unit per row group, each read by whichever convert process is free: reopened per unit, the footer (which
     # grows with the row groups) was parsed once per row group -- 49 s at 5,000 of them.

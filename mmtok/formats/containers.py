@@ -17,7 +17,7 @@ reader goes on. One implementation per container, by its reader:
 
   container   implementation                        a record's value
   tar         `mmtok.formats.webdataset.TarSamples`  a WebDataset sample (`Sample`: members by byte range)
-  table       `mmtok.formats.tables.TableRecords`    a row: {column: value} of the columns asked for
+  table       `mmtok.formats.tables.TableRecords`    a row: {column: value} of the columns it was made for
   jsonl       `JsonLines` here                      a line's JSON value (or the `invalid_json` Skip)
 
 `mmtok.formats.readers.reader(name)` gives the one for a container name; a Lhotse manifest is JSON Lines. The
@@ -104,19 +104,20 @@ class Container(Protocol):
 
     name: str  # TAR, TABLE or JSONL
 
-    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
-        """The records of the file at `path` from `start`, in the file's order; `columns` picks a table's columns
-        (None: all). OSError when the file cannot be read; see each implementation for damage."""
+    def records(self, path: Path, start: Start = FROM_FIRST) -> Iterator[Record]:
+        """The records of the file at `path` from `start`, in the file's order. OSError when the file cannot be
+        read; see each implementation for damage (what a reader is asked for, such as a table's columns, is
+        given when it is made)."""
 
 
 class JsonLines:
     """The `Container` of JSON Lines files (`.jsonl`, `.jsonl.gz`; Lhotse manifests): a record per non-blank line,
-    its value the line's JSON value (`json_value`), else its `error`; `columns` does not apply. OSError when the
+    its value the line's JSON value (`json_value`), else its `error`. OSError when the
     file cannot be read, EOFError when a gzip stream ends early."""
 
     name = JSONL
 
-    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
+    def records(self, path: Path, start: Start = FROM_FIRST) -> Iterator[Record]:
         lines = json_lines(path, max(start.offset, 0), start.line + 1 if start.offset >= 0 else 1)
         for number, (line_number, at, raw) in enumerate(lines, start.record if start.offset >= 0 else 0):
             if start.offset < 0 and number < start.record:

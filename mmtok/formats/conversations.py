@@ -72,7 +72,6 @@ from mmtok.formats.containers import (
 )
 from mmtok.formats.readers import reader
 from mmtok.formats.skips import SkipRecord
-from mmtok.formats.tables import UNREADABLE_TABLE
 from mmtok.formats.tar import Damage, open_range, read_tar_member
 from mmtok.formats.webdataset import (
     DUPLICATE_KEY,
@@ -302,21 +301,29 @@ def _object(value, error: Skip | None, what: str) -> tuple[dict | None, Skip | N
 
 def _input_conversations(path: Path, number: int, start: Start) -> Iterator[Conversation]:
     """The conversations of one input from record `start.record`: its container's records
-    (`mmtok.formats.containers.reader`), each made one conversation."""
+    (`mmtok.formats.containers.Container`), each made one conversation. The container is the one the name says
+    (`input_kind`): a .parquet file is read as Parquet, whatever its first bytes."""
     kind = input_kind(path)
+    if kind == TAR:
+        yield from _tar_conversations(path, number, start)
+        return
+    stem = input_stem(path)
+    if kind == JSONL:
+        try:
+            for record in reader(JSONL).records(path, start):
+                yield _line_conversation(path, number, stem, record)
+        except OSError as err:
+            raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
+        return
+    from mmtok.formats.tables import UNREADABLE_ROW_GROUP, UNREADABLE_TABLE, TableRecords  # (pyarrow: when needed)
+
     try:
-        if kind == TAR:
-            yield from _tar_conversations(path, number, start)
-            return
-        make = _line_conversation if kind == JSONL else _row_conversation
-        stem = input_stem(path)
-        for record in reader(kind).records(path, start):
-            yield make(path, number, stem, record)
-    except OSError as err:
-        raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
-    except Skip as damaged:  # a table that does not open, or a row group whose pages do not parse
-        what = f"unreadable Parquet ({damaged.detail})" if damaged.reason == UNREADABLE_TABLE else damaged.detail
-        raise MmtokError(f"{path}: {what}; check the file") from None
+        for record in TableRecords(PARQUET, required=("messages",)).records(path, start):
+            yield _row_conversation(path, number, stem, record)
+    except Skip as damaged:  # a table that does not open, without `messages`, or a row group whose pages do not parse
+        what = {UNREADABLE_TABLE: f"unreadable Parquet ({damaged.detail})",
+                UNREADABLE_ROW_GROUP: f"{damaged.detail}; check the file"}.get(damaged.reason, damaged.detail)
+        raise MmtokError(f"{path}: {what}") from None
 
 
 def _tar_conversations(path: Path, number: int, start: Start) -> Iterator[Conversation]:
@@ -329,7 +336,10 @@ def _tar_conversations(path: Path, number: int, start: Start) -> Iterator[Conver
     open is a record of its own (`<stem>/(damaged tar at byte N)`); the reader goes on after it. A tar without
     a single sample (empty, compressed, no tar, no KEY.EXT member) is one `whole_file` record, no conversation.
     """
-    records = list(reader(TAR).records(path))  # headers only
+    try:
+        records = list(reader(TAR).records(path))  # headers only
+    except OSError as err:
+        raise MmtokError(f"{path}: cannot read ({err.strerror or err})") from None
     if not any(record.value.key is not None for record in records):
         damage = next((record.value.damage for record in records), None)
         skip = (Skip(damage.reason, damage.describe()) if damage else
@@ -468,10 +478,7 @@ def _line_conversation(path: Path, number: int, stem: str, record: Record) -> Co
 
 def _row_conversation(path: Path, number: int, stem: str, record: Record) -> Conversation:
     """The conversation of a .parquet row: its columns are the record (`messages` may be a JSON string)."""
-    row = record.value
-    if "messages" not in row:
-        raise MmtokError(f"{path}: no `messages` column (columns: {list(row)})")
-    error = None
+    row, error = record.value, None
     if isinstance(row["messages"], (str, bytes)):  # a JSON column: the list of messages as text
         row["messages"], error = json_value(row["messages"], f"{record.where} `messages`")
     ident = _record_id(None if error else row, stem, record.where.replace(" ", "-"))

@@ -130,28 +130,40 @@ UNREADABLE_TABLE = "unreadable_table"  # a table file whose footer or schema doe
 UNREADABLE_ROW_GROUP = "unreadable_row_group"  # a row group (an Arrow record batch) whose pages do not parse
 
 
+MISSING_COLUMN = "missing_column"  # a column the reader was asked for that the table does not have
+
+
 class TableRecords:
     """The `mmtok.formats.containers.Container` of Parquet and Arrow files: a record per row, its value {column:
     value} of `columns` (None: every column), `where` "row N"; read one row group (an Arrow file's record batch) at
-    a time, and groups wholly before `start.record` not at all. Skip UNREADABLE_TABLE when the file cannot be read
-    or does not open as a table, UNREADABLE_ROW_GROUP for a group whose pages do not parse (the records before it
-    were yielded)."""
+    a time, and groups wholly before `start.record` not at all. `file_format` is PARQUET or ARROW when the file's
+    name has said what it must be (None: told by its first bytes, `containers.container_of`).
+
+    Skip UNREADABLE_TABLE when the file cannot be read or does not open as a table of its format, MISSING_COLUMN
+    (before any record) when it lacks one of `columns` or `required` (which every record must hold, whatever it
+    reads), UNREADABLE_ROW_GROUP for a group whose pages do not parse (the records before it were yielded)."""
 
     name = TABLE
 
-    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
+    def __init__(self, file_format: str | None = None, columns: list[str] | None = None, required: tuple = ()):
+        self.file_format, self.columns, self.required = file_format, columns, required
+
+    def records(self, path: Path, start: Start = FROM_FIRST) -> Iterator[Record]:
         try:
-            table = TableFile(str(path), container_of(str(path)))
-            sizes = table.group_sizes()
+            table = TableFile(str(path), self.file_format or container_of(str(path)))
+            names, sizes = table.schema.names, table.group_sizes()
         except Exception as err:  # pyarrow raises several types (OSError among them) for damaged files
             raise Skip(UNREADABLE_TABLE, str(err)) from None
+        missing = [column for column in (*(self.columns or ()), *self.required) if column not in names]
+        if missing:
+            raise Skip(MISSING_COLUMN, f"no `{missing[0]}` column (columns: {names})")
         row = 0
         for group, rows in enumerate(sizes):
             if row + rows <= start.record:
                 row += rows
                 continue
             try:
-                values = table.read_group(group, columns).to_pylist()
+                values = table.read_group(group, self.columns).to_pylist()
             except Exception as err:  # pyarrow raises several types for damaged pages
                 raise Skip(UNREADABLE_ROW_GROUP, f"row group {group} is unreadable ({err})") from None
             for value in values[max(start.record - row, 0):]:

@@ -64,7 +64,7 @@ class Sample:
 def read_samples(path: str | os.PathLike) -> list[Sample]:
     """Every sample of the tar at `path` in tar order (headers only: no member's data is read), each marked
     when its key is repeated. OSError when the file cannot be read."""
-    samples = list(_grouped(path))
+    samples = _grouped(path)
     repeated = _repeated_keys(samples)
     seen: Counter = Counter()
     marked = []
@@ -78,13 +78,13 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
 
 class TarSamples:
     """The `mmtok.formats.containers.Container` of tar files: a record per sample (`read_samples`), its value the
-    `Sample`, `where` its key (or where damage met outside any sample was); `columns` does not apply. The whole
+    `Sample`, `where` its key (or where damage met outside any sample was). The whole
     header list is read first (which keys repeat is known before any sample is used); records before
     `start.record` are not made. OSError when the file cannot be read."""
 
     name = TAR
 
-    def records(self, path: Path, start: Start = FROM_FIRST, columns: list[str] | None = None) -> Iterator[Record]:
+    def records(self, path: Path, start: Start = FROM_FIRST) -> Iterator[Record]:
         samples = read_samples(path)
         for number in range(start.record, len(samples)):
             sample = samples[number]
@@ -92,28 +92,33 @@ class TarSamples:
             yield Record(number, where, sample)
 
 
-def _grouped(path: str | os.PathLike) -> Iterator[Sample]:
+def _grouped(path: str | os.PathLike) -> list[Sample]:
     """The samples of the tar: consecutive members sharing a key, the damage that ended a sample when one
     did; Sample(None, [], damage) for damage where no sample is open.
 
-    After damage, the members of the same key that follow the resync belong to the sample already reported
-    (they are dropped). A member whose name is not UTF-8 cannot be trusted to name its sample: it joins the
-    open sample, refused, unless the member after it shares its (escaped) key -- a sample named so throughout.
+    After damage, the members of the same key that follow the resync are the damaged sample's: they join it
+    (what the damage cut is lost; what follows it is not another sample). A member whose name is not UTF-8
+    cannot be trusted to name its sample: it joins the open sample, refused, unless the member after it shares
+    its (escaped) key -- a sample named so throughout.
     """
+    samples: list[Sample] = []
     key, members, held, absorbed = None, [], [], None
     for entry in read_members(path):
         if isinstance(entry, Damage):
-            yield Sample(key, members + held, entry)
+            samples.append(Sample(key, members + held, entry))
             key, members, held, absorbed = None, [], [], key
             continue
         named = sample_key(entry.name)
-        if named is None or named[0] == absorbed:
+        if named is None:
+            continue
+        if named[0] == absorbed:
+            samples[-1].members.append(entry)
             continue
         name, absorbed = named[0], None
         if held:
             if name == sample_key(held[0].name)[0]:  # a sample whose key is not UTF-8: its own
                 if key is not None:
-                    yield Sample(key, members)
+                    samples.append(Sample(key, members))
                 key, members = name, []
             members, held = members + held, []
         if name != key and key is not None and entry.reason == NON_UTF8_NAME:
@@ -121,11 +126,12 @@ def _grouped(path: str | os.PathLike) -> Iterator[Sample]:
             continue
         if name != key:
             if key is not None:
-                yield Sample(key, members)
+                samples.append(Sample(key, members))
             key, members = name, []
         members.append(entry)
     if key is not None:
-        yield Sample(key, members + held)
+        samples.append(Sample(key, members + held))
+    return samples
 
 
 def _repeated_keys(samples: list[Sample]) -> dict[str, str]:

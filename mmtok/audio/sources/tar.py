@@ -21,7 +21,7 @@ from mmtok.audio.sources.units import (
 from mmtok.formats.containers import TAR
 from mmtok.formats.readers import reader
 from mmtok.formats.skips import SkipRecord
-from mmtok.formats.tar import MemberTruncated, read_tar_member
+from mmtok.formats.tar import NON_UTF8_NAME, MemberTruncated, read_tar_member
 from mmtok.formats.webdataset import (
     AUDIO_SUFFIXES,
     DUPLICATE_KEY,
@@ -48,7 +48,10 @@ class TarUnit(Unit):
                 ident = f"{tar_id}/{key}" + (f" (repeat {sample.occurrence})" if sample.occurrence > 1 else "")
                 yield skip_record(ident, f"{self.path}:{key}", DUPLICATE_KEY, duplicate_key_detail(sample))
                 continue
-            members = _members(self.path, sample)
+            members, foreign = _members(self.path, sample)
+            for name in foreign:  # a member whose name is not UTF-8 beside another key's sample: no member of it
+                yield skip_record(f"{tar_id}/{sample_key(name)[0]}", f"{self.path}:{name}", NON_UTF8_NAME,
+                                  f"member {name}")
             audio_members = [m for m in members if m[0] in AUDIO_SUFFIXES]
             if not audio_members:
                 yield skip_record(f"{tar_id}/{key}", f"{self.path}:{key}", "no_audio_member",
@@ -102,13 +105,19 @@ def audio_tar_members(path: str) -> tuple[list[Sample], list[SkipRecord]]:
     return [sample for sample in samples if sample.key is not None], errors
 
 
-def _members(path: str, sample: Sample) -> list[tuple]:
-    """[(suffix, data offset, size, sidecar bytes or None, refusal, member name)] of a sample, in tar order;
-    `refusal` is (reason, detail) for a member the tar reader refuses (`mmtok.formats.tar.Member`); `suffix`
-    per `member_suffix`. Audio data is not read here (only its byte range); txt/json sidecars are."""
-    members = []
+def _members(path: str, sample: Sample) -> tuple[list[tuple], list[str]]:
+    """([(suffix, data offset, size, sidecar bytes or None, refusal, member name)] of a sample, in tar order; the
+    names of the members whose name is not UTF-8 and names another key, which the sample holds refused but which
+    are not its audio or sidecars). `refusal` is (reason, detail) for a member the tar reader refuses
+    (`mmtok.formats.tar.Member`); `suffix` per `member_suffix`. Audio data is not read here (only its byte
+    range); txt/json sidecars are."""
+    members, foreign = [], []
     for entry in sample.members:
-        ext = member_suffix(sample_key(entry.name)[1])
+        key, ext = sample_key(entry.name)
+        if key != sample.key:
+            foreign.append(entry.name)
+            continue
+        ext = member_suffix(ext)
         refusal = (entry.reason, f"member {entry.name}") if entry.reason else None
         body = None
         if ext in ("txt", "json") and refusal is None:
@@ -117,7 +126,7 @@ def _members(path: str, sample: Sample) -> list[tuple]:
             except OSError as err:  # cut short (or gone) since the tar was listed: this sample's reason
                 refusal = (TRUNCATED_MEMBER, f"member {entry.name}: {err}")
         members.append((ext, entry.offset, entry.size, body, refusal, entry.name))
-    return members
+    return members, foreign
 
 
 def member_suffix(ext: str) -> str:
