@@ -46,7 +46,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from bench_encode import build_corpus, web_jpegs  # noqa: E402 (also puts tests/ on sys.path)
 from mmtok.cli import main as cli  # noqa: E402
-from mmtok.formats.commitlog import is_done, part_dir  # noqa: E402
+from mmtok.formats.partdir import is_done, part_dir  # noqa: E402
 from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
 from mmtok.fsutil import sha256_file  # noqa: E402
 from standin import REFERENCE_PIXELS  # noqa: E402
@@ -241,7 +241,7 @@ def run_policy(job: Job, out: Path, policy: str, args, ideal: float) -> dict:
 
 def run_ray(job: Job, out: Path, args, ideal: float) -> dict:
     """Wall seconds of the job driven on a local Ray cluster, with the slow actor and a killed one."""
-    from mmtok.formats.commitlog import parts_root
+    from mmtok.formats.partdir import parts_root
     from mmtok.formats.private_parts import PRIVATE_DIR
 
     shutil.rmtree(out, ignore_errors=True)

@@ -45,8 +45,9 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.documents import DocumentBuilder, pack_template
-from mmtok.formats.commitlog import PartWriter, part_dir, part_prefix
+from mmtok.formats.commitlog import PartWriter
 from mmtok.formats.megatron import bin_path, concatenate
+from mmtok.formats.partdir import part_dir, part_prefix
 from mmtok.merge.assemble import assemble_documents
 from mmtok.merge.merge import merge
 

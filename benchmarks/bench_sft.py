@@ -83,10 +83,11 @@ from mmtok.cli import main as cli_main  # noqa: E402
 from mmtok.documents import DocumentBuilder  # noqa: E402
 from mmtok.formats import audio_cache  # noqa: E402
 from mmtok.formats.chat import ChatRenderer, split_media  # noqa: E402
-from mmtok.formats.commitlog import PartWriter, part_dir  # noqa: E402
+from mmtok.formats.commitlog import PartWriter  # noqa: E402
 from mmtok.formats.conversations import Conversation, audio_clip_id, read_conversations  # noqa: E402
 from mmtok.formats.items import CONTAINERS, media_digest  # noqa: E402
 from mmtok.formats.manifest import container_identity  # noqa: E402
+from mmtok.formats.partdir import part_dir  # noqa: E402
 from mmtok.text import HFTokenizer, load_text_tokenizer  # noqa: E402
 from mmtok.vocab import VocabLayout  # noqa: E402
 

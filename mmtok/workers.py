@@ -1,6 +1,6 @@
 """A worker of a job in work items (image encode, audio encode, sft): which items it takes, and what it did.
 
-A job is cut into work items, one part each (`mmtok.formats.commitlog`), whose number does not depend on the
+A job is cut into work items, one part each (`mmtok.formats.partdir`), whose number does not depend on the
 number of workers (`mmtok.ranks`). Worker w of W does its own share first, then, with take-over, every item
 nobody has finished or holds, from the far end down (`items_to_take`), so a slow or dead worker's items are
 done by those that finished; `take_items` runs the worker's work over them until a stop request. What a worker
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from mmtok.errors import MmtokError
-from mmtok.formats import commitlog
+from mmtok.formats import partdir
 from mmtok.fsutil import LockHeld, WriterLock
 
 
@@ -41,9 +41,9 @@ def items_to_take(out: Path, count: int, own: range, take_over: bool, stopping: 
                 return
             if item in failed or item in finished:
                 continue
-            directory = commitlog.part_dir(out, item)
+            directory = partdir.part_dir(out, item)
             try:
-                if commitlog.is_done(directory):
+                if partdir.is_done(directory):
                     finished.add(item)
                     continue
                 if WriterLock.holder(directory) is not None:
@@ -123,7 +123,7 @@ class ItemRun:
 
     def take_over(self, out: Path, discarded_copies: list[int] | None = None) -> TakeOver:
         """The take-over figures every worker's result reports."""
-        unfinished = [item for item in self.failed if not commitlog.is_done(commitlog.part_dir(out, item))]
+        unfinished = [item for item in self.failed if not partdir.is_done(partdir.part_dir(out, item))]
         return TakeOver(taken_over=self.taken, held_by_others=sorted(set(self.held) - set(self.reached)),
                         failed=self.failed, unfinished_failed=sorted(unfinished), discarded_copies=discarded_copies)
 
@@ -200,4 +200,4 @@ def take_items(out: Path, count: int, own: range, take_over: bool, stopping: Cal
 def _next_unfinished(out: Path, items, failed: dict[int, str]) -> int | None:
     """The item a worker would have taken next (from the far end): one of `items` not finished and not failed."""
     return next((item for item in reversed(items) if item not in failed
-                 and not commitlog.is_done(commitlog.part_dir(out, item))), None)
+                 and not partdir.is_done(partdir.part_dir(out, item))), None)

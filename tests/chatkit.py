@@ -200,10 +200,11 @@ def sft_job(root: Path, tokenizer_dir: Path) -> list[str]:
     --out. Every file has a fixed mtime, so the job's outputs are the same bytes on every run."""
     from encodekit import write_tar
     from mmtok.formats import audio_cache
-    from mmtok.formats.commitlog import PartWriter, part_dir
+    from mmtok.formats.commitlog import PartWriter
     from mmtok.formats.conversations import audio_clip_id
     from mmtok.formats.items import CONTAINERS, image_item, media_digest
     from mmtok.formats.manifest import container_identity
+    from mmtok.formats.partdir import part_dir
     from mmtok.text import load_text_tokenizer
 
     tokenizer = load_text_tokenizer(str(tokenizer_dir))

@@ -13,7 +13,8 @@ import pytest
 from diskkit import fill
 from encodekit import planned_job
 from mmtok.cli import main
-from mmtok.formats.commitlog import part_dir, read_commits
+from mmtok.formats.commitlog import read_commits
+from mmtok.formats.partdir import part_dir
 from mmtok.fsutil import sha256_file
 
 MERGED = ("merged.bin", "merged.idx", "merged.provenance.jsonl", "merged.skipped.jsonl")

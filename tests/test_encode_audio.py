@@ -386,7 +386,7 @@ def test_a_rank_that_finished_its_shards_takes_over_the_others_and_a_stop_commit
 
     import mmtok.encode.audio
     from mmtok.cli import main
-    from mmtok.formats.commitlog import is_done, part_dir
+    from mmtok.formats.partdir import is_done, part_dir
     from mmtok.launch import STOPPED_EXIT
 
     command = ["encode", "--modality", "audio", "--shar", str(shar), "--checkpoint", str(checkpoint), "--out",

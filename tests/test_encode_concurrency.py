@@ -19,7 +19,7 @@ import pytest
 
 from encodekit import planned_job
 from mmtok.cli import main
-from mmtok.formats.commitlog import is_done, part_dir
+from mmtok.formats.partdir import is_done, part_dir
 from mmtok.fsutil import WriterLock, sha256_file
 
 MERGED = ("merged.bin", "merged.idx", "merged.provenance.jsonl", "merged.skipped.jsonl")

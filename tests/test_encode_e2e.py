@@ -26,8 +26,8 @@ from encodekit import (
 from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import part_dir, read_stats
 from mmtok.formats.megatron import read_sequences
+from mmtok.formats.partdir import part_dir, read_stats
 from mmtok.formats.plan import Plan
 from mmtok.fsutil import sha256_file
 from mmtok.media.images import ImageDecodeError, decode_rgb, resize_rgb

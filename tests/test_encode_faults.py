@@ -12,7 +12,8 @@ from functools import partial
 from encodekit import ONE_IMAGE_BATCHES, planned_job
 from mmtok.cli import main
 from mmtok.codecs import emu35
-from mmtok.formats.commitlog import COMMITS, is_done, part_dir, read_commits
+from mmtok.formats.commitlog import read_commits
+from mmtok.formats.partdir import COMMITS, is_done, part_dir
 from mmtok.formats.plan import Plan
 from mmtok.fsutil import sha256_file
 

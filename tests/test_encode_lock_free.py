@@ -17,7 +17,8 @@ import pytest
 
 from encodekit import GATE, planned_job
 from mmtok.cli import main
-from mmtok.formats.commitlog import is_done, part_dir, parts_root, read_commits
+from mmtok.formats.commitlog import read_commits
+from mmtok.formats.partdir import is_done, part_dir, parts_root
 from mmtok.formats.private_parts import PRIVATE_DIR
 from mmtok.fsutil import sha256_file
 

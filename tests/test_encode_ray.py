@@ -17,7 +17,8 @@ import pytest
 
 from encodekit import planned_items
 from mmtok.cli import main
-from mmtok.formats.commitlog import parts_root, read_commits
+from mmtok.formats.commitlog import read_commits
+from mmtok.formats.partdir import parts_root
 from mmtok.formats.plan import Plan
 from mmtok.formats.private_parts import PRIVATE_DIR
 from mmtok.fsutil import sha256_file
@@ -166,7 +167,7 @@ def test_a_killed_driver_is_started_again_and_finishes_from_the_parts_on_disk(jo
     import subprocess
     import sys
 
-    from mmtok.formats.commitlog import is_done, part_dir
+    from mmtok.formats.partdir import is_done, part_dir
 
     plan, checkpoint, reference = job
     out = tmp_path / "out"

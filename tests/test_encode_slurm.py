@@ -15,7 +15,8 @@ import pytest
 
 from encodekit import GATE, planned_items
 from mmtok.cli import main
-from mmtok.formats.commitlog import is_done, part_dir, read_commits
+from mmtok.formats.commitlog import read_commits
+from mmtok.formats.partdir import is_done, part_dir
 from mmtok.formats.plan import Plan
 from mmtok.fsutil import WriterLock, sha256_file
 from mmtok.launch import STOPPED_EXIT

@@ -15,19 +15,9 @@ import pytest
 
 from mmtok.errors import MmtokError
 from mmtok.formats import skips
-from mmtok.formats.commitlog import (
-    COMMITS,
-    PartWriter,
-    has_dataset,
-    is_done,
-    part_dir,
-    part_prefix,
-    read_commits,
-    read_provenance,
-    read_skipped,
-    verify_part,
-)
+from mmtok.formats.commitlog import PartWriter, read_commits, read_provenance, read_skipped, verify_part
 from mmtok.formats.items import ItemLocations, read_items
+from mmtok.formats.partdir import COMMITS, has_dataset, is_done, part_dir, part_prefix
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import sha256_file
 

@@ -96,7 +96,7 @@ def test_the_package_import_graph_has_no_cycle():
 # -- stages meet through formats/, and write files through fsutil -----------------------------------
 FILE_OWNERS = {"merged.json": "formats/merged.py", "interleave.json": "formats/interleave.py",
                "manifest.json": "formats/manifest.py", "plan.json": "formats/plan.py",
-               "dropped": "formats/shar.py", "parts": "formats/commitlog.py"}
+               "dropped": "formats/shar.py", "parts": "formats/partdir.py"}
 PATH_WORDS = ("dropped", "parts")  # also ordinary words (counter prefixes, chat keys): flagged in paths only
 DURABILITY_CALLS = ("replace", "rename", "fsync", "fdatasync")
 

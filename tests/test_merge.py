@@ -10,9 +10,10 @@ import pytest
 from mmtok.cli import main
 from mmtok.documents import pack_template
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import PartWriter, part_dir
+from mmtok.formats.commitlog import PartWriter
 from mmtok.formats.megatron import read_sequences
 from mmtok.formats.merged import AssembledFigures
+from mmtok.formats.partdir import part_dir
 from mmtok.formats.parts import find_parts
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import sha256_file

@@ -32,10 +32,11 @@ from chatkit import CHAT_TOKENS, DEFAULT_SYSTEM, TEMPLATE, WEATHER_TOOL
 from encodekit import damaged_jpeg, image_items, real_images, train_chat_tokenizer, write_tar
 from mmtok.cli import main
 from mmtok.codecs import emu35, wavtokenizer
-from mmtok.formats import audio_cache, commitlog
-from mmtok.formats.commitlog import is_done, part_dir, read_commits
+from mmtok.formats import audio_cache, partdir
+from mmtok.formats.commitlog import read_commits
 from mmtok.formats.items import read_items
 from mmtok.formats.megatron import read_sequences
+from mmtok.formats.partdir import is_done, part_dir
 from mmtok.fsutil import sha256_file
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
@@ -409,7 +410,7 @@ def test_merged_bytes_do_not_depend_on_the_world_size_of_the_encodes_and_of_sft(
     monkeypatch.setattr(mmtok.sft.build, "CONVERSATIONS_PER_UNIT", UNIT)
     monkeypatch.setattr(mmtok.sft.build, "UNITS_PER_ITEM", ITEM)
     _ranks(3, *_sft_argv(env, media, tmp_path / "sft"), "--no-take-over")
-    per_item = [commitlog.read_stats(part_dir(tmp_path / "sft", item))["units"] for item in range(3)]
+    per_item = [partdir.read_stats(part_dir(tmp_path / "sft", item))["units"] for item in range(3)]
     assert per_item == [[0, 2], [2, 4], [4, 6]]  # 3 work items, one for each of the 3 workers
     _run("merge", tmp_path / "sft", "--strip-reasoning")
     assert _fingerprint(tmp_path / "sft") == _fingerprint(env.sft)

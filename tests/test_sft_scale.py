@@ -22,10 +22,10 @@ from chatkit import sft_job
 from encodekit import chat_tokenizer
 from mmtok.cli import main
 from mmtok.formats import conversation_index
-from mmtok.formats.commitlog import is_done, part_dir
 from mmtok.formats.conversation_index import ARRAYS_FILE, META_FILE
 from mmtok.formats.conversations import input_records, read_conversations
 from mmtok.formats.items import KEPT_DIR
+from mmtok.formats.partdir import is_done, part_dir
 from mmtok.fsutil import WriterLock
 from mmtok.launch import STOPPED_EXIT
 from mmtok.sft.build import CLIPS_DIR
@@ -162,7 +162,7 @@ def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_sta
     # the image items are parsed (one json record each), the clips' cut ids read and every media part checked
     # against its checksums by the first rank only; the others memory-map the arrays it kept in OUT/image-index
     # and OUT/clip-index, unless the parts changed since or an array file is not the one its writer recorded
-    from mmtok.formats import audio_cache, commitlog
+    from mmtok.formats import audio_cache, commitlog, partdir
     from mmtok.formats import items as item_records
 
     root, argv = job
@@ -197,18 +197,18 @@ def test_later_ranks_map_the_media_indexes_the_first_rank_kept_and_rebuild_a_sta
     parsed.clear()
     rerun_rank_1()  # the rebuilt index was kept again
     assert parsed == []
-    os.utime(root / "img" / "parts" / "part-00000" / commitlog.ITEMS)  # a part rewritten since: rebuilt
+    os.utime(root / "img" / "parts" / "part-00000" / partdir.ITEMS)  # a part rewritten since: rebuilt
     rerun_rank_1()
     assert len(parsed) == 2
 
 
 def test_a_media_part_damaged_after_the_index_was_kept_is_named_not_trusted(job, monkeypatch, capsys):
     # a later rank relies on the first rank's check of the image parts only while their files are those it checked
-    from mmtok.formats import commitlog
+    from mmtok.formats import partdir
 
     root, argv = job
     _sft(job, monkeypatch, "rotted", 2)
-    tokens = root / "img" / "parts" / "part-00000" / commitlog.ITEM_IDS  # an sft-mode part: its blocks
+    tokens = root / "img" / "parts" / "part-00000" / partdir.ITEM_IDS  # an sft-mode part: its blocks
     data = tokens.read_bytes()
     try:
         tokens.write_bytes(data[:8] + bytes([data[8] ^ 1]) + data[9:])  # bit rot: same size, a new mtime

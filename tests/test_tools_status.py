@@ -19,7 +19,8 @@ from mmtok.cli import main
 from mmtok.commands.status import INPUT_STAGES
 from mmtok.errors import MmtokError
 from mmtok.formats import skips
-from mmtok.formats.commitlog import COMMITS, PartWriter, check_part_free, part_dir
+from mmtok.formats.commitlog import PartWriter
+from mmtok.formats.partdir import COMMITS, check_part_free, part_dir
 from mmtok.formats.plan import BATCHES_FILE, Plan
 from mmtok.fsutil import WriterLock
 from mmtok.ranks import imbalance, rank_costs
@@ -37,7 +38,7 @@ print("holding", flush=True)
 sys.stdin.readline()
 part.close()
 """
-PROBE = "import sys; from mmtok.formats.commitlog import check_part_free; check_part_free(sys.argv[1])"
+PROBE = "import sys; from mmtok.formats.partdir import check_part_free; check_part_free(sys.argv[1])"
 
 
 def image_identity(part: int, num_parts: int, batches: tuple[int, int], **extra) -> dict:

@@ -25,7 +25,7 @@ from mmtok.codecs.registry import load_codec
 from mmtok.encode.audio import encode_audio_rank, pack_clips, unpack_clips
 from mmtok.encode.audio_batches import Batching
 from mmtok.errors import MmtokError
-from mmtok.formats import audio_cache, commitlog
+from mmtok.formats import audio_cache, partdir
 from mmtok.formats.audio_cache import cache_path, write_cache
 from mmtok.formats.commitlog import PartWriter
 from mmtok.formats.megatron import read_sequences
@@ -171,7 +171,7 @@ def test_a_flipped_bit_in_the_carry_is_refused_naming_the_part(tmp_path):
     ids = np.arange(262_344, 262_354, dtype=np.int32)
     with PartWriter(tmp_path / "part-00000", {"modality": "audio"}) as part:
         part.commit(0, [], [], {}, carry=pack_clips([(0, "", ids), (1, "silent: digital silence", None)]))
-    _flip_bit(tmp_path / "part-00000" / commitlog.CARRY, 30)
+    _flip_bit(tmp_path / "part-00000" / partdir.CARRY, 30)
     with PartWriter(tmp_path / "part-00000", {"modality": "audio"}) as part:
         with pytest.raises(MmtokError, match=r"part-00000/carry.bin: the carried bytes do not match"):
             list(unpack_clips(part.carry()))

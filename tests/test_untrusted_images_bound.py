@@ -22,7 +22,7 @@ from mmtok.cli import main
 from mmtok.codecs import emu35
 from mmtok.encode import loader
 from mmtok.errors import MmtokError
-from mmtok.formats import commitlog
+from mmtok.formats import commitlog, partdir
 from mmtok.formats.items import CONTAINERS, ImageIndex, media_digest, part_containers, read_items
 from mmtok.formats.manifest import container_identity
 from mmtok.vocab import check_ids_in_range
@@ -83,11 +83,11 @@ def encoded(kit, tmp_path):
 
 
 def _counts(out: Path) -> dict:
-    return commitlog.read_stats(commitlog.part_dir(out, 0))["counts"]
+    return partdir.read_stats(partdir.part_dir(out, 0))["counts"]
 
 
 def _skips(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (commitlog.part_dir(out, 0) / commitlog.SKIPPED).read_text().splitlines()]
+    return [json.loads(line) for line in (partdir.part_dir(out, 0) / partdir.SKIPPED).read_text().splitlines()]
 
 
 def _repack_swapped(tar: Path) -> None:
@@ -111,11 +111,11 @@ def test_a_tar_repacked_after_its_encode_is_stale_media_not_another_photos_token
 
 def test_image_items_record_the_digest_of_the_bytes_they_were_decoded_from(encoded):
     work, tar = encoded
-    records, _ = read_items(commitlog.part_dir(work / "images", 0))
+    records, _ = read_items(partdir.part_dir(work / "images", 0))
     photos = real_images()
     assert {r["key"]: r["digest"] for r in records} == {key: media_digest(photos[photo].read_bytes())
                                                          for key, photo in PHOTOS.items()}
-    [identity] = commitlog.read_identity(commitlog.part_dir(work / "images", 0))[CONTAINERS].values()
+    [identity] = partdir.read_identity(partdir.part_dir(work / "images", 0))[CONTAINERS].values()
     assert identity == container_identity(tar)
 
 
@@ -125,7 +125,7 @@ def test_a_tar_changed_between_scan_and_encode_is_stale_media_and_never_decoded(
     _repack_swapped(tar)
     monkeypatch.setattr(loader, "decode_rgb", lambda data: pytest.fail("a stale tar's bytes were decoded"))
     assert _encode(kit, tmp_path) == 2  # every image stale: nothing usable, exit 2
-    records, ids = read_items(commitlog.part_dir(tmp_path / "images", 0))
+    records, ids = read_items(partdir.part_dir(tmp_path / "images", 0))
     assert [r["skip"] for r in records] == ["stale_media"] * 2 and ids.size == 0
     assert all(str(tar) in r["detail"] and "digest" not in r for r in records)
     assert _sft(kit, tmp_path, tar, "sft") == 2
@@ -147,10 +147,10 @@ def test_merge_refuses_an_encode_whose_tar_changed_since_in_one_line_naming_it(k
     assert not (tmp_path / "images" / "merged.bin").exists()
 
 
-@pytest.mark.parametrize("name", [commitlog.ITEM_IDS, commitlog.ITEMS])
+@pytest.mark.parametrize("name", [partdir.ITEM_IDS, partdir.ITEMS])
 def test_a_flipped_bit_in_the_image_items_is_a_one_line_refusal_naming_the_file(kit, encoded, capsys, name):
     work, tar = encoded
-    path = commitlog.part_dir(work / "images", 0) / name
+    path = partdir.part_dir(work / "images", 0) / name
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x10
     path.write_bytes(bytes(data))
@@ -169,7 +169,7 @@ def test_image_codes_outside_the_codebook_are_refused_before_a_commit(kit, tmp_p
     assert _encode(kit, tmp_path) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "image codes of" in err and str(tar) in err and "outside [0," in err, err
-    assert commitlog.read_commits(commitlog.part_dir(tmp_path / "images", 0)) == ([], 0)
+    assert commitlog.read_commits(partdir.part_dir(tmp_path / "images", 0)) == ([], 0)
 
 
 def test_check_ids_in_range_names_what_the_range_and_the_offenders():
@@ -180,7 +180,7 @@ def test_check_ids_in_range_names_what_the_range_and_the_offenders():
 
 
 def test_an_image_part_that_predates_tar_identities_is_a_one_line_rerun_refusal(tmp_path):
-    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, "modality": "image",
+    (tmp_path / partdir.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, "modality": "image",
                                                            "mode": "sft"}))
     with pytest.raises(MmtokError, match=r"records no identity of its tars .* re-run `mmtok scan`"):
         part_containers(tmp_path)
@@ -201,10 +201,10 @@ def test_a_manifest_of_the_previous_version_is_a_one_line_rerun_scan(kit, tmp_pa
 
 
 def test_item_records_that_point_past_the_stored_ids_are_refused_naming_the_file(tmp_path):
-    (tmp_path / commitlog.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, CONTAINERS: {}}))
+    (tmp_path / partdir.IDENTITY).write_text(json.dumps({"part": 0, "num_parts": 1, CONTAINERS: {}}))
     record = {"kind": "image", "key": "k", "source": str(tmp_path / "t.tar"), "member": "k.0.png", "length": 10}
-    (tmp_path / commitlog.ITEMS).write_text(json.dumps(record) + "\n")
-    (tmp_path / commitlog.ITEM_IDS).write_bytes(np.arange(4, dtype=np.int32).tobytes())
+    (tmp_path / partdir.ITEMS).write_text(json.dumps(record) + "\n")
+    (tmp_path / partdir.ITEM_IDS).write_bytes(np.arange(4, dtype=np.int32).tobytes())
     with pytest.raises(MmtokError, match=r"items.jsonl: its records need 10 ids but .*items.ids holds 4"):
         ImageIndex([tmp_path])
 
@@ -224,7 +224,7 @@ def test_latents_that_overflow_are_refused_before_a_commit(kit, tmp_path, capsys
                  "--out", str(tmp_path / "images"), "--device", "cpu", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "non-finite values" in err and "nothing of it was committed" in err, err
-    assert commitlog.read_commits(commitlog.part_dir(tmp_path / "images", 0)) == ([], 0)
+    assert commitlog.read_commits(partdir.part_dir(tmp_path / "images", 0)) == ([], 0)
 
 
 def test_a_batch_whose_every_code_is_one_value_is_flagged(kit, tmp_path, monkeypatch, capsys):
@@ -238,7 +238,7 @@ def test_a_batch_whose_every_code_is_one_value_is_flagged(kit, tmp_path, monkeyp
     assert _encode(kit, tmp_path) == 0
     err = capsys.readouterr().err
     assert "warning: 1 batch gave every image one code (flagged:uniform_codes)" in err, err
-    stats = json.loads((commitlog.part_dir(tmp_path / "images", 0) / "stats.json").read_text())
+    stats = json.loads((partdir.part_dir(tmp_path / "images", 0) / "stats.json").read_text())
     assert stats["counts"]["flagged:uniform_codes"] == 1
 
 
@@ -259,7 +259,7 @@ def test_two_samples_with_one_key_are_duplicate_key(kit, tmp_path, capsys, layou
     assert _sft(kit, tmp_path, tar, "sft") == 0
     assert "duplicate_key" in capsys.readouterr().err
     skipped = [json.loads(line) for line in
-               (commitlog.part_dir(tmp_path / "sft", 0) / "skipped.jsonl").read_text().splitlines()]
+               (partdir.part_dir(tmp_path / "sft", 0) / "skipped.jsonl").read_text().splitlines()]
     expected = ["dup/k"] if layout == "members-repeated" else ["dup/k", "dup/k (repeat 2)"]
     assert sorted(r["key"] for r in skipped) == expected and {r["reason"] for r in skipped} == {"duplicate_key"}
 
@@ -284,6 +284,6 @@ def test_an_image_changed_in_a_tar_that_keeps_its_identity_is_stale_media(encode
     capsys.readouterr()
     assert _sft(kit, work, tar, "sft") == 0
     skipped = [json.loads(line) for line in
-               (commitlog.part_dir(work / "sft", 0) / "skipped.jsonl").read_text().splitlines()]
+               (partdir.part_dir(work / "sft", 0) / "skipped.jsonl").read_text().splitlines()]
     assert [(r["key"], r["reason"]) for r in skipped] == [("conv-0/c001", "stale_media")]
     assert "its bytes are not those `mmtok encode` decoded" in skipped[0]["detail"]

@@ -14,8 +14,9 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from mmtok.cli import main
-from mmtok.formats.commitlog import IDENTITY, STATS, PartWriter, part_dir
+from mmtok.formats.commitlog import PartWriter
 from mmtok.formats.megatron import DatasetWriter
+from mmtok.formats.partdir import IDENTITY, STATS, part_dir
 from mmtok.text import load_text_tokenizer
 from mmtok.vocab import VocabLayout
 

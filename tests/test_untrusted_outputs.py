@@ -210,7 +210,8 @@ def test_an_out_next_to_its_inputs_is_fine(tmp_path):
 def test_merge_strip_reasoning_that_cannot_strip_writes_nothing_and_keeps_the_last_merge(tmp_path, capsys):
     import numpy as np
 
-    from mmtok.formats.commitlog import PartWriter, part_dir
+    from mmtok.formats.commitlog import PartWriter
+    from mmtok.formats.partdir import part_dir
 
     part = PartWriter(part_dir(tmp_path, 0), {"part": 0, "num_parts": 1, "modality": "image",
                                               "plan_fingerprint": "p", "part_batches": [0, 1],

@@ -335,7 +335,7 @@ class Conversion:
         self.skipped: list[SkipRecord] = []
 
     def _load_or_start(self, identity: dict) -> dict:
-        from mmtok.formats.commitlog import identity_difference
+        from mmtok.formats.partdir import identity_difference
 
         report = shar_format.read_report(self.out)
         if report is not None:

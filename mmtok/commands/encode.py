@@ -187,7 +187,7 @@ def _image_worker(args, plan, stop) -> int:
     """One image worker under `stop`: its items, then (take-over) the ones nobody finished or holds."""
     from mmtok.codecs.registry import load_codec
     from mmtok.encode.runner import EncodeOptions, encode_image_rank
-    from mmtok.formats.commitlog import check_part_free, part_dir
+    from mmtok.formats.partdir import check_part_free, part_dir
     from mmtok.launch import STOPPED_EXIT, resolve_device, resolve_rank
 
     rank, world_size = resolve_rank(args.rank, args.world_size, plan.meta["world_size"])
@@ -308,7 +308,7 @@ exit "$status"
 
 def all_done(out: str, num_items: int) -> bool:
     """Whether every work item's part is finished (a worker with take-over then has nothing to load a model for)."""
-    from mmtok.formats.commitlog import is_done, part_dir
+    from mmtok.formats.partdir import is_done, part_dir
 
     return all(is_done(part_dir(out, item)) for item in range(num_items))
 
@@ -319,7 +319,7 @@ def refuse_other_run_early(out: str, modality: str, codec: str, checkpoint: str,
     whole identity again once the codec is loaded, before its first batch."""
     from mmtok.codecs.registry import checkpoint_sha256
     from mmtok.formats import parts
-    from mmtok.formats.commitlog import part_directories
+    from mmtok.formats.partdir import part_directories
 
     if not part_directories(out):
         return
@@ -430,7 +430,7 @@ def _audio_worker(args, stop) -> int:
     from mmtok.codecs.registry import load_codec
     from mmtok.encode.audio import encode_audio_rank
     from mmtok.encode.audio_batches import Batching
-    from mmtok.formats.commitlog import check_part_free, part_dir, parts_root
+    from mmtok.formats.partdir import check_part_free, part_dir, parts_root
     from mmtok.formats.shar import discover_shards
     from mmtok.launch import STOPPED_EXIT, resolve_device, resolve_rank
     from mmtok.ranks import assign_shards
@@ -464,7 +464,8 @@ def parts_counts(out: str, parts: list[int]) -> dict[str, int]:
     """The counters of `parts` of OUT summed, from their commit logs (a part finished by an earlier run too)."""
     from collections import Counter
 
-    from mmtok.formats.commitlog import part_dir, read_commits
+    from mmtok.formats.commitlog import read_commits
+    from mmtok.formats.partdir import part_dir
 
     total: Counter = Counter()
     for part in parts:

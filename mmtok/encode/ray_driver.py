@@ -36,7 +36,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import is_done, part_dir
+from mmtok.formats.partdir import is_done, part_dir
 from mmtok.formats.private_parts import private_copies, private_part_dir, process_alive
 from mmtok.workers import ItemDone
 

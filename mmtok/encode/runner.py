@@ -41,8 +41,9 @@ from mmtok.encode.work import ItemWork, load_item_work
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.chat import recorded_special_ids
-from mmtok.formats.commitlog import NoLock, PartWriter, has_dataset, is_done, part_dir, read_commits
+from mmtok.formats.commitlog import PartWriter, read_commits
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item, image_skip
+from mmtok.formats.partdir import NoLock, has_dataset, is_done, part_dir
 from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.plan import Plan
 from mmtok.formats.private_parts import adopt_private_part, publish_part

@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import DamagedFile, MmtokError
-from mmtok.formats.commitlog import parts_root
 from mmtok.formats.containers import Start
 from mmtok.formats.conversations import (
     Conversation,
@@ -47,6 +46,7 @@ from mmtok.formats.conversations import (
 )
 from mmtok.formats.keys import key_digest, repeated_positions
 from mmtok.formats.manifest import container_identity
+from mmtok.formats.partdir import parts_root
 from mmtok.fsutil import atomic_write_bytes, atomic_write_json, read_json_object, required, shown_path
 
 INDEX_FORMAT = "mmtok-conversation-index/1"

@@ -29,7 +29,7 @@ from typing import Iterator
 import numpy as np
 
 from mmtok.errors import MmtokError, Skip
-from mmtok.formats import commitlog, kept
+from mmtok.formats import commitlog, kept, partdir
 from mmtok.formats.keys import KeyTable, key_digest
 from mmtok.formats.manifest import identity_change, stale_detail
 from mmtok.formats.megatron import TOKEN_DTYPE
@@ -83,7 +83,7 @@ def read_items(directory: str | os.PathLike) -> tuple[list[dict], np.ndarray]:
 def iter_items(directory: str | os.PathLike) -> Iterator[tuple[int, dict]]:
     """(position, record) of each item of a part in commit order, one at a time: the record with its
     `offset` into the ids, and the position of its line for `ItemRecords.at` (re-reading it later)."""
-    path = Path(directory) / commitlog.ITEMS
+    path = Path(directory) / partdir.ITEMS
     if not path.is_file():
         return
     offset = position = 0
@@ -100,7 +100,7 @@ def read_item_ids(directory: str | os.PathLike, count: int) -> np.ndarray:
     """The ids of a part's items, memory-mapped; `count` is where the last item's ids end (0: none)."""
     if not count:
         return np.zeros(0, TOKEN_DTYPE)
-    return np.memmap(Path(directory) / commitlog.ITEM_IDS, dtype=TOKEN_DTYPE, mode="r")
+    return np.memmap(Path(directory) / partdir.ITEM_IDS, dtype=TOKEN_DTYPE, mode="r")
 
 
 # Where an item is -- its part, its ids in that part's items.ids, its record's line -- and whether it failed:
@@ -154,7 +154,7 @@ class ItemRecords:
     """A part's item records by the positions `iter_items` gave (memory-mapped; opened on the first `at`)."""
 
     def __init__(self, directory: str | os.PathLike):
-        self.path = Path(directory) / commitlog.ITEMS
+        self.path = Path(directory) / partdir.ITEMS
         self._map = None
 
     def at(self, position: int) -> dict:
@@ -314,17 +314,17 @@ def _item_ids(directory: Path, end: int) -> np.ndarray:
     """A part's item ids (memory-mapped), refused when its records need more than the file holds."""
     ids = np.asarray(random_access(read_item_ids(directory, end)))  # sft looks a few blocks up in it
     if end > ids.size:  # records that point past the ids: never lend a cut block
-        raise MmtokError(f"{directory / commitlog.ITEMS}: its records need {end} ids but "
-                         f"{directory / commitlog.ITEM_IDS} holds {ids.size}; the part is damaged -- "
+        raise MmtokError(f"{directory / partdir.ITEMS}: its records need {end} ids but "
+                         f"{directory / partdir.ITEM_IDS} holds {ids.size}; the part is damaged -- "
                          f"delete {directory} and re-encode this part")
     return ids
 
 
 def part_containers(directory: Path) -> dict[str, dict]:
     """The scan's identity of every tar an image part's items come from; refused for a part that predates them."""
-    identity = commitlog.read_identity(directory)
+    identity = partdir.read_identity(directory)
     if CONTAINERS not in identity:
-        raise MmtokError(f"{directory / commitlog.IDENTITY}: this image part records no identity of its tars (made by "
+        raise MmtokError(f"{directory / partdir.IDENTITY}: this image part records no identity of its tars (made by "
                          "an older mmtok), so its items cannot be bound to their bytes; re-run `mmtok scan`, "
                          "`mmtok plan` and `mmtok encode`")
     return identity[CONTAINERS]

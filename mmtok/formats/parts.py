@@ -1,8 +1,8 @@
 """The parts of an output: how a stage's ranks leave their work for the next stage to find.
 
 An output directory OUT holds `OUT/parts/part-<n>/`, one per rank, each written by exactly one
-writer through `mmtok.formats.commitlog` (identity, commit log, checksummed units, DONE). This module
-is the reading side every consumer shares (merge, sft, status, inspect): `find_parts` lists the
+writer through `mmtok.formats.commitlog` (checksummed units; identity and DONE: `mmtok.formats.partdir`). This
+module is the reading side every consumer shares (merge, sft, status, inspect): `find_parts` lists the
 finished parts of one run in part order and verifies each against its commit log's checksums before
 any of its tokens are used; `shared_identity` is what every part of one run agrees on; `timing_stats`
 turns a part's counters into the figures its stats.json and the summaries report.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmtok.errors import DamagedFile, MmtokError
-from mmtok.formats import commitlog
+from mmtok.formats import commitlog, partdir
 
 
 @dataclass(frozen=True)
@@ -32,23 +32,23 @@ def find_parts(out: Path, progress: bool = False, check_bytes: bool = True) -> l
     them itself before use, or that holds a record of these very files having been verified (`mmtok sft`'s kept
     image index, made by the rank that verified them: `ImageIndex.cached`)."""
     found = {}
-    for _, directory in commitlog.part_directories(out):
-        if not (directory / commitlog.IDENTITY).is_file():
-            raise MmtokError(f"{directory}: no {commitlog.IDENTITY} (damaged, or not an mmtok part); delete the "
+    for _, directory in partdir.part_directories(out):
+        if not (directory / partdir.IDENTITY).is_file():
+            raise MmtokError(f"{directory}: no {partdir.IDENTITY} (damaged, or not an mmtok part); delete the "
                              "directory and re-encode that part (rerun its `mmtok encode`)")
-        identity = read_part_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
+        identity = read_part_json(directory / partdir.IDENTITY, partdir.read_identity, directory)
         found[identity["part"]] = Part(identity["part"], directory, identity)
     if not found:
-        raise MmtokError(f"{out}: no encoded parts under {commitlog.parts_root(out)}; run `mmtok encode --out {out}` "
+        raise MmtokError(f"{out}: no encoded parts under {partdir.parts_root(out)}; run `mmtok encode --out {out}` "
                          "first")
     counts = {part.identity["num_parts"] for part in found.values()}
     if len(counts) != 1:
         raise MmtokError(f"{out}: parts disagree on the number of parts ({sorted(counts)}); they come from "
                          "different encode runs -- use one --out per run")
     num_parts = counts.pop()
-    missing = [n for n in range(num_parts) if n not in found or not commitlog.is_done(found[n].directory)]
+    missing = [n for n in range(num_parts) if n not in found or not partdir.is_done(found[n].directory)]
     if missing:
-        listed = ", ".join(str(commitlog.part_dir(out, n)) for n in missing[:20])
+        listed = ", ".join(str(partdir.part_dir(out, n)) for n in missing[:20])
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         stage = "mmtok sft" if next(iter(found.values())).identity.get("modality") == "sft" else "mmtok encode"
         raise MmtokError(f"{out}: {len(missing)} of {num_parts} parts are not finished (no DONE marker): "
@@ -71,7 +71,7 @@ def shared_identity(identity: dict) -> dict:
 def _check_same_run(parts: list[Part]) -> None:
     reference = shared_identity(parts[0].identity)
     for part in parts[1:]:
-        difference = commitlog.identity_difference(reference, shared_identity(part.identity))
+        difference = partdir.identity_difference(reference, shared_identity(part.identity))
         if difference:
             raise MmtokError(f"{part.directory}: does not belong to the same encode run as part 0: {difference}")
 
@@ -81,12 +81,12 @@ def refuse_other_run(out: str | Path, identity: dict, command: str = "mmtok enco
     `identity` in a key `identity` names (nested objects key by key, so a caller may check what it knows before
     it loads a codec, and again after). Called before any work, so ranks of another plan, codec, checkpoint or
     world size are refused at start-up, not by merge after the GPU time is spent."""
-    wanted = commitlog.normalized(shared_identity(identity))
-    for _, directory in commitlog.part_directories(out):
-        if not (directory / commitlog.IDENTITY).is_file():
+    wanted = partdir.normalized(shared_identity(identity))
+    for _, directory in partdir.part_directories(out):
+        if not (directory / partdir.IDENTITY).is_file():
             continue  # a part killed before its identity was written: its own rank resumes or refuses it
-        recorded = read_part_json(directory / commitlog.IDENTITY, commitlog.read_identity, directory)
-        difference = commitlog.identity_difference(_named_by(recorded, wanted), wanted)
+        recorded = read_part_json(directory / partdir.IDENTITY, partdir.read_identity, directory)
+        difference = partdir.identity_difference(_named_by(recorded, wanted), wanted)
         if difference:
             raise MmtokError(f"{out} holds {directory.name}, a part of another run: {difference}; use one --out per "
                              f"run (or delete the other run's parts) -- nothing was written ({command})")

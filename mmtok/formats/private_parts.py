@@ -1,5 +1,5 @@
 """Lock-free writing of parts, for file systems whose locks are node-local or missing: each writer writes its own
-copy of a part, `OUT/parts/.private/part-00003.<host>.<pid>/` (the files of `mmtok.formats.commitlog`, written
+copy of a part, `OUT/parts/.private/part-00003.<host>.<pid>/` (the files of `mmtok.formats.partdir`, written
 by a `PartWriter` with `NoLock`), and publishes it finished by renaming it to `OUT/parts/part-00003` -- atomic,
 and refused by the kernel once that directory exists -- so a part is whole or absent; a copy published second
 is compared with the part and removed (`publish_part`). A copy left by a killed writer on this host is adopted
@@ -13,7 +13,8 @@ import socket
 from pathlib import Path
 
 from mmtok.errors import MmtokError
-from mmtok.formats.commitlog import (
+from mmtok.formats.megatron import idx_path
+from mmtok.formats.partdir import (
     IDENTITY,
     ITEM_IDS,
     ITEMS,
@@ -25,7 +26,6 @@ from mmtok.formats.commitlog import (
     is_done,
     parts_root,
 )
-from mmtok.formats.megatron import idx_path
 from mmtok.fsutil import claim_directory, sha256_file
 
 PRIVATE_DIR = ".private"  # OUT/parts/.private/part-00003.<host>.<pid>: a lock-free writer's copy until published

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.formats import commitlog
+from mmtok.formats import partdir
 from mmtok.formats.items import refuse_changed_containers
 from mmtok.formats.megatron import bin_path, concatenate, read_index, remove_dataset, verify_merged, write_index
 from mmtok.formats.merged import (
@@ -63,14 +63,14 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
         parts = find_parts(out, progress)
         refuse_changed_containers([part.identity for part in parts])  # before anything is written
         # Whether the run can strip is decided before anything is written: a refusal keeps the last merge.
-        ids = reasoning_ids(parts[0].identity, parts[0].directory / commitlog.IDENTITY) if strip_reasoning else None
+        ids = reasoning_ids(parts[0].identity, parts[0].directory / partdir.IDENTITY) if strip_reasoning else None
         SUMMARY_FILE.remove(out)
         counts, per_part = _part_figures(parts)
-        prefixes = [commitlog.part_prefix(part.directory) for part in parts if commitlog.has_dataset(part.directory)]
+        prefixes = [partdir.part_prefix(part.directory) for part in parts if partdir.has_dataset(part.directory)]
         with atomic_writer(out / (MERGED + PROVENANCE_SUFFIX)) as provenance, \
                 atomic_writer(out / (MERGED + SKIPPED_SUFFIX)) as skipped:
-            _copy_files([part.directory / commitlog.PROVENANCE for part in parts], provenance)
-            _copy_files([part.directory / commitlog.SKIPPED for part in parts], skipped)
+            _copy_files([part.directory / partdir.PROVENANCE for part in parts], provenance)
+            _copy_files([part.directory / partdir.SKIPPED for part in parts], skipped)
             assembled = assemble_documents([part.directory for part in parts], out / ASSEMBLED, provenance, skipped,
                                            progress)
         if assembled.dataset:
@@ -101,8 +101,8 @@ def merge(out: str | os.PathLike, *, strip_reasoning: bool = False, progress: bo
 
 def _refuse_sft_images(out: Path) -> None:
     """The images of a `--mode sft` plan are items for `mmtok sft`, not documents: say what to run."""
-    first = next((d for _, d in commitlog.part_directories(out) if (d / commitlog.IDENTITY).is_file()), None)
-    identity = read_part_json(first / commitlog.IDENTITY, commitlog.read_identity, first) if first else {}
+    first = next((d for _, d in partdir.part_directories(out) if (d / partdir.IDENTITY).is_file()), None)
+    identity = read_part_json(first / partdir.IDENTITY, partdir.read_identity, first) if first else {}
     if identity.get("modality") == "image" and identity.get("mode") == "sft":
         raise MmtokError(f"{out} holds the encoded images of SFT conversations (plan mode sft); the conversations "
                          f"are made by `mmtok sft CONVERSATIONS --text-tokenizer DIR --images {out} [--audio ENC] "
@@ -126,7 +126,7 @@ def _part_figures(parts: list[Part]) -> tuple[dict[str, int], list[dict]]:
             counts[key] = counts.get(key, 0) + value
         lengths = [n for record in part_records for n in record["lengths"]]
         per_part.append({"part": part.number, "sequences": len(lengths), "tokens": sum(lengths),
-                         "dataset": commitlog.has_dataset(part.directory),
+                         "dataset": partdir.has_dataset(part.directory),
                          **{k: v for k, v in timing_stats(part_counts).items() if k in ("wall_s", "device_busy_s")}})
     return counts, per_part
 

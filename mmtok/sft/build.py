@@ -53,9 +53,9 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.errors import DamagedFile, MmtokError, Skip
-from mmtok.formats import audio_cache, commitlog, conversation_index, kept, shar, skips
+from mmtok.formats import audio_cache, commitlog, conversation_index, kept, partdir, shar, skips
 from mmtok.formats.chat import ChatRenderer, Control, ConversationError, MediaSlot, recorded_special_ids
-from mmtok.formats.commitlog import PartWriter, part_dir
+from mmtok.formats.commitlog import PartWriter
 from mmtok.formats.conversations import (
     Conversation,
     Located,
@@ -66,6 +66,7 @@ from mmtok.formats.conversations import (
 )
 from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
+from mmtok.formats.partdir import part_dir
 from mmtok.formats.parts import find_parts, refuse_other_run
 from mmtok.fsutil import required
 from mmtok.launch import stop_check
@@ -104,7 +105,7 @@ class ImageItems:
         """`kept`: where the index is kept for the other ranks (`ImageIndex.cached`); None: built here only."""
         self.out = out
         parts = find_parts(out, check_bytes=kept is None)  # else checked by the rank that keeps the index (`cached`)
-        self.identity, self.identity_file = parts[0].identity, parts[0].directory / commitlog.IDENTITY
+        self.identity, self.identity_file = parts[0].identity, parts[0].directory / partdir.IDENTITY
         _check_image_run(out, self.identity, self.identity_file, layout, tokenizer)
         directories = [part.directory for part in parts]
         self._index = ImageIndex.cached(directories, kept) if kept is not None else ImageIndex(directories)
@@ -189,7 +190,7 @@ class AudioClips:
             self.describe.append({"out": os.path.realpath(out), "codec": metadata["codec"], "trim": metadata["trim"],
                                   "num_parts": metadata["num_parts"]})
             self._paths += paths
-            for _, directory in commitlog.part_directories(out):
+            for _, directory in partdir.part_directories(out):
                 for record in commitlog.read_skipped(directory):
                     self._why.setdefault(record.key, record.skip())
         if kept_in is None:
@@ -424,7 +425,7 @@ def assemble_worker(inputs: list[Path], out: Path, *, text_tokenizer: str, image
     roots = check_media_roots(media_roots)
     if roots:  # they decide which file references resolve: a resume must use the same
         shared["media_roots"] = list(roots)
-    existing = commitlog.part_directories(out)
+    existing = partdir.part_directories(out)
     if existing:  # an encode's parts first, named as such; then any other run's (key by key)
         _refuse_other_parts(existing[0][1])
     refuse_other_run(out, shared, "mmtok sft")
@@ -537,7 +538,7 @@ def _identity(inputs, tokenizer, layout, images, clips, options, items: list[tup
 def _refuse_other_parts(directory: Path) -> None:
     """An --out that holds an encode's parts (`directory`: one of them) is not this stage's to resume (or to
     delete)."""
-    if (directory / commitlog.IDENTITY).is_file():
-        modality = commitlog.read_identity(directory).get("modality")
+    if (directory / partdir.IDENTITY).is_file():
+        modality = partdir.read_identity(directory).get("modality")
         if modality != "sft":
             raise MmtokError(f"{directory} is a part of an {modality} encode, not of `mmtok sft`; pass another --out")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mmtok.errors import MmtokError
-from mmtok.formats import commitlog, interleave, megatron, merged
+from mmtok.formats import interleave, megatron, merged, partdir
 from mmtok.fsutil import required
 from mmtok.vocab import VocabLayout
 
@@ -32,7 +32,7 @@ def inspect_path(path: str, *, limit: int = 3, text_tokenizer: str | None = None
         return describe_manifest(target, limit)
     if (target / PLAN).is_file():
         return describe_plan(target)
-    if commitlog.parts_root(target).is_dir():
+    if partdir.parts_root(target).is_dir():
         return describe_encode_output(target)
     prefix = _dataset_prefix(target)
     if prefix is not None:
@@ -55,8 +55,8 @@ def recorded_tokenizer(prefix: Path) -> tuple[str, Path] | None:
     if summary.is_file():
         path = summary
         identity = required(merged.SUMMARY_FILE.read(prefix.parent) or {}, "identity", dict, path, default={})
-    elif (prefix.parent / commitlog.IDENTITY).is_file() and prefix.name == commitlog.part_prefix(prefix.parent).name:
-        path, identity = prefix.parent / commitlog.IDENTITY, commitlog.read_identity(prefix.parent)
+    elif (prefix.parent / partdir.IDENTITY).is_file() and prefix.name == partdir.part_prefix(prefix.parent).name:
+        path, identity = prefix.parent / partdir.IDENTITY, partdir.read_identity(prefix.parent)
     else:
         return None
     recorded = required(identity, "text_tokenizer", dict, path, default={})
@@ -113,13 +113,13 @@ def describe_plan(directory: Path) -> str:
 
 
 def describe_encode_output(directory: Path) -> str:
-    parts = [part for _, part in commitlog.part_directories(directory)]
+    parts = [part for _, part in partdir.part_directories(directory)]
     lines = [f"encode output {directory}: {len(parts)} part directories"]
     for part in parts:
-        state = "DONE" if commitlog.is_done(part) else "in progress"
+        state = "DONE" if partdir.is_done(part) else "in progress"
         detail = ""
-        if (part / commitlog.STATS).is_file():
-            stats = commitlog.read_stats(part)
+        if (part / partdir.STATS).is_file():
+            stats = partdir.read_stats(part)
             state += "" if stats.get("dataset", True) else " (no tokens: no dataset)"
             detail = ", ".join(f"{k}={v}" for k, v in sorted(stats.get("counts", {}).items()))
         lines.append(f"  {part.name}: {state} {detail}")

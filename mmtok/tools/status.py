@@ -33,7 +33,7 @@ from typing import Iterator
 import numpy as np
 
 from mmtok.errors import DamagedFile, MmtokError
-from mmtok.formats import commitlog, skips
+from mmtok.formats import commitlog, partdir, skips
 from mmtok.formats.parts import shared_identity, timing_stats
 from mmtok.fsutil import WriterLock
 from mmtok.ranks import imbalance, rank_costs
@@ -58,10 +58,10 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     were encoded from. A damaged part is reported (state "damaged"), never raised.
     """
     out = Path(out)
-    if not commitlog.parts_root(out).is_dir():
-        raise MmtokError(f"{out}: no parts directory ({commitlog.parts_root(out)}); run `mmtok encode --out {out}` "
+    if not partdir.parts_root(out).is_dir():
+        raise MmtokError(f"{out}: no parts directory ({partdir.parts_root(out)}); run `mmtok encode --out {out}` "
                          "(or `mmtok sft`) first")
-    found = {number: _read_part(number, directory) for number, directory in commitlog.part_directories(out)}
+    found = {number: _read_part(number, directory) for number, directory in partdir.part_directories(out)}
     identities, warnings = _one_run(found)
     modality = identities[0].get("modality") if identities else None
     if plan is not None and modality == "audio":
@@ -69,7 +69,7 @@ def job_status(out: str | os.PathLike, plan: str | os.PathLike | None = None) ->
     opened = _open_plan(plan) if plan is not None else None
     num_parts = _num_parts(identities, found, opened)
     model = _plan_model(opened, identities, num_parts) if opened is not None and num_parts else None
-    parts = [found.get(n) or _missing(n, commitlog.part_dir(out, n), units=_sft_units(n, identities))
+    parts = [found.get(n) or _missing(n, partdir.part_dir(out, n), units=_sft_units(n, identities))
              for n in range(num_parts)]
     parts += [p for n, p in sorted(found.items()) if n >= num_parts]
     for part in parts:
@@ -112,25 +112,25 @@ def _read_part(number: int, directory: Path) -> dict:
     """State, identity, counters and progress of one part directory, from its files alone."""
     part = _missing(number, directory)
     holder = WriterLock.holder(directory)
-    if not (directory / commitlog.IDENTITY).is_file():
+    if not (directory / partdir.IDENTITY).is_file():
         if holder:
             return {**part, "state": "running", "detail": f"starting (no identity yet); holder: {holder}"}
         if any(p.name != WriterLock.NAME for p in directory.iterdir()):
-            return _damaged(number, directory, f"{directory}: files but no {commitlog.IDENTITY} (damaged, or not an "
+            return _damaged(number, directory, f"{directory}: files but no {partdir.IDENTITY} (damaged, or not an "
                             "mmtok part); delete the directory and rerun its encode command")
         return {**part, "detail": "not started: the encode stopped before it wrote the part's identity"}
     try:
-        identity = commitlog.read_identity(directory)
+        identity = partdir.read_identity(directory)
     except DamagedFile as err:  # names the file and the key
         return _damaged(number, directory, f"{err}; or delete the directory and rerun its encode command")
     except (ValueError, OSError) as err:
-        return _damaged(number, directory, f"{directory / commitlog.IDENTITY}: unreadable ({err}); delete the "
+        return _damaged(number, directory, f"{directory / partdir.IDENTITY}: unreadable ({err}); delete the "
                         "directory and rerun its encode command")
     try:
         records, _ = commitlog.read_commits(directory)
     except MmtokError as err:
         return _damaged(number, directory, str(err))
-    if commitlog.is_done(directory):
+    if partdir.is_done(directory):
         state, detail = "done", None
     elif holder:
         state, detail = "running", f"holder: {holder}"
@@ -148,14 +148,14 @@ def _read_part(number: int, directory: Path) -> dict:
 def _silent_s(directory: Path) -> float:
     """Seconds since the part's writer last showed life: its last commit (the commit log's mtime) or its
     session start (the lock file's mtime: the holder line is written when the lock is taken)."""
-    touched = [(directory / name).stat().st_mtime for name in (commitlog.COMMITS, WriterLock.NAME)
+    touched = [(directory / name).stat().st_mtime for name in (partdir.COMMITS, WriterLock.NAME)
                if (directory / name).is_file()]
     return max(0.0, time.time() - max(touched)) if touched else 0.0
 
 
 def _last_commit_at(directory: Path) -> str:
     """When the part's last commit was made (the commit log's mtime), as local ISO 8601 time with its offset."""
-    mtime = (directory / commitlog.COMMITS).stat().st_mtime
+    mtime = (directory / partdir.COMMITS).stat().st_mtime
     return datetime.fromtimestamp(mtime).astimezone().isoformat(timespec="seconds")
 
 
@@ -169,7 +169,7 @@ def _one_run(found: dict[int, dict]) -> tuple[list[dict], list[str]]:
         identity = part.pop("identity")
         if reference is None:
             reference = number, shared_identity(identity)
-        difference = commitlog.identity_difference(reference[1], shared_identity(identity))
+        difference = partdir.identity_difference(reference[1], shared_identity(identity))
         if difference is None:
             identities.append(identity)
             continue
@@ -433,7 +433,7 @@ def input_table(status: dict, plan: str | os.PathLike) -> list[dict]:
     ranges = part_ranges(opened, status["work_items"], status["num_parts"])
     for part, (start, end) in zip(status["parts"], ranges, strict=True):
         rows = kept[bounds[start]:bounds[end]]
-        skipped = [r for r in commitlog.read_skipped(commitlog.part_dir(out, part["part"]))
+        skipped = [r for r in commitlog.read_skipped(partdir.part_dir(out, part["part"]))
                    if r.position is not None and 0 <= r.position < len(codes)]
         column = "written" if part["state"] == "done" else "pending"
         for index, count in enumerate(np.bincount(codes[rows], minlength=len(names))):
@@ -458,7 +458,7 @@ def skip_records(status: dict, plan: str | os.PathLike | None) -> Iterator[skips
         yield from _open_plan(plan).skip_records()
     out = Path(status["out"])
     for part in status["parts"]:
-        yield from commitlog.read_skipped(commitlog.part_dir(out, part["part"]))
+        yield from commitlog.read_skipped(partdir.part_dir(out, part["part"]))
     yield from _merge_skips(out)
 
 
