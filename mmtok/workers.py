@@ -6,7 +6,7 @@ nobody has finished or holds, from the far end down (`items_to_take`), so a slow
 done by those that finished; `take_items` runs the worker's work over them until a stop request. What a worker
 did is a typed result (`WorkerRun`, `TakeOver`; per item `ItemDone`, `ItemStop`) whose `to_json` is its
 `--json` line. Shared by the stages that run in work items, so it lives below them; it reads only what the
-part directories say (DONE, the part lock), through their owner.
+part directories say: DONE (`mmtok.formats.partdir`) and who holds a part's lock (`mmtok.fsutil.WriterLock`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def items_to_take(out: Path, count: int, own: range, take_over: bool, stopping: 
     log. Two workers may still reach one item together: the part lock lets one write it, the other moves on
     (`LockHeld`). An item that `failed` for this worker (read as it grows), or whose part directory cannot be
     looked at, is not taken again. Items seen finished are not looked at again (DONE stays); `stopping()` ends
-    the scan. Shared by the image encode (`mmtok.encode.runner`) and `mmtok sft` (`mmtok.sft.build`)."""
+    the scan. Shared by the image encode (`mmtok.encode.runner`), the audio encode (`mmtok.encode.audio`, through
+    `take_items`) and `mmtok sft` (`mmtok.sft.build`)."""
     yield from ((item, True) for item in own)
     finished: set[int] = set()
     while take_over:

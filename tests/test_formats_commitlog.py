@@ -75,6 +75,16 @@ def test_finished_part_reads_back_with_megatron_core(tmp_path):
     assert stats["counts"] == {"written": len(written)} and stats["sequences"] == len(written)
 
 
+@pytest.mark.parametrize("done", [b"[1]\n", b"{\"identity_crc\": 1}\n", b"not json"])
+def test_a_damaged_done_record_is_named_not_a_traceback(tmp_path, done):
+    shard = PartWriter(tmp_path / "p", IDENTITY)
+    _units(shard, range(2))
+    shard.finish({})
+    (tmp_path / "p" / "DONE").write_bytes(done)
+    with pytest.raises(MmtokError, match=r"DONE: damaged .*Delete .* and re-encode this part"):
+        verify_part(tmp_path / "p")
+
+
 def test_resume_continues_after_last_commit_and_restores_counts(tmp_path):
     shard = PartWriter(tmp_path / "p", IDENTITY)
     _units(shard, range(3))

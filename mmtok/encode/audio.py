@@ -40,7 +40,7 @@ from mmtok.encode.loop import UNIFORM_CODES, Meter, run_device, uniform_codes
 from mmtok.errors import MmtokError, Skip
 from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
-from mmtok.formats.partdir import is_done, part_dir
+from mmtok.formats.partdir import check_identity, is_done, lock_part, part_dir
 from mmtok.formats.parts import refuse_other_run, timing_stats
 from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
 from mmtok.formats.skips import SkipRecord
@@ -348,8 +348,6 @@ def open_parts(shards: list[SharShard], context: Context, batching: Batching, nu
                min_samples: int) -> list[PartWork]:
     """Create or resume the part of each shard and list its remaining batches; finished parts are left out.
     Each listed part is locked until `release_parts` (a second process for the same part is refused)."""
-    from mmtok.formats.partdir import check_identity, lock_part
-
     work: list[PartWork] = []
     try:
         for shard in shards:

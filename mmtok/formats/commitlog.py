@@ -19,7 +19,6 @@ Checked bytes: each record holds the CRC-32 of the bytes its unit appended to to
 provenance.jsonl, skipped.jsonl, items.ids and items.jsonl, and the CRC-32 of the live carry.
 `verify_part` re-reads a part against its records (on every resume and by merge), so bit rot or a
 damaged copy is refused naming the part and the unit instead of being merged.
-
 """
 
 from __future__ import annotations
@@ -290,7 +289,7 @@ class PartWriter:
 
         `counts` are this unit's increments (added to `self.counts`). `skipped` names each input of
         the unit that did not become tokens (one JSON line each in skipped.jsonl). `items` are
-        (record, int32 ids) pairs for a later stage (see the module docstring); each record gets its
+        (record, int32 ids) pairs for a later stage (`mmtok.formats.partdir`); each record gets its
         `length`. `carry` bytes are
         appended to the carry file; `carry_done=True` declares that nothing carried so far (this
         unit's `carry` included) is needed any more. Units must increase strictly. Returns once the

@@ -1,7 +1,7 @@
 """A part directory: one resumable Megatron dataset per encode *part*, its layout and its small files.
 
-An encode output directory holds `OUT/parts/part-00003/`, one per part (images: part = rank; audio:
-part = input Shar shard). A part directory contains
+An output directory holds `OUT/parts/part-00003/`, one per part (image encode and `mmtok sft`: part = work
+item; audio encode: part = input Shar shard). A part directory contains
 
   identity.json     what the part is made from (plan/input fingerprints, codec incl. precision, text
                     tokenizer, part number, ...); written once, compared on every resume
@@ -87,7 +87,7 @@ def part_prefix(directory: str | os.PathLike) -> Path:
 
 # -- one writer per part --------------------------------------------------------------------------------------------
 def lock_part(directory: str | os.PathLike) -> WriterLock:
-    """The writer lock of a part directory (see PartWriter)."""
+    """The writer lock of a part directory (see `mmtok.formats.commitlog.PartWriter`)."""
     return WriterLock(directory, f"part {directory}")
 
 
@@ -183,8 +183,11 @@ def is_done(directory: str | os.PathLike) -> bool:
 
 
 def read_done(directory: str | os.PathLike) -> dict:
-    """A finished part's DONE record (ValueError when it is not JSON)."""
-    return json.loads((Path(directory) / DONE).read_text("utf-8"))
+    """A finished part's DONE record (ValueError when it is not a JSON object)."""
+    done = json.loads((Path(directory) / DONE).read_text("utf-8"))
+    if not isinstance(done, dict):
+        raise ValueError(f"a JSON {type(done).__name__}, not an object")
+    return done
 
 
 def read_stats(directory: str | os.PathLike) -> dict:

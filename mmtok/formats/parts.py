@@ -1,11 +1,11 @@
 """The parts of an output: how a stage's ranks leave their work for the next stage to find.
 
-An output directory OUT holds `OUT/parts/part-<n>/`, one per rank, each written by exactly one
-writer through `mmtok.formats.commitlog` (checksummed units; identity and DONE: `mmtok.formats.partdir`). This
-module is the reading side every consumer shares (merge, sft, status, inspect): `find_parts` lists the
-finished parts of one run in part order and verifies each against its commit log's checksums before
-any of its tokens are used; `shared_identity` is what every part of one run agrees on; `timing_stats`
-turns a part's counters into the figures its stats.json and the summaries report.
+An output directory OUT holds `OUT/parts/part-<n>/`, one per work item (audio: per Shar shard), each written by
+exactly one writer through `mmtok.formats.commitlog` (checksummed units; identity and DONE:
+`mmtok.formats.partdir`). This module is the reading side every consumer shares (merge, sft, status,
+inspect): `find_parts` lists the finished parts of one run in part order and verifies each against its commit
+log's checksums before any of its tokens are used; `shared_identity` is what every part of one run agrees on;
+`timing_stats` turns a part's counters into the figures its stats.json and the summaries report.
 """
 
 from __future__ import annotations

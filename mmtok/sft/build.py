@@ -66,7 +66,6 @@ from mmtok.formats.conversations import (
 )
 from mmtok.formats.items import KEPT_DIR, ImageIndex, media_digest
 from mmtok.formats.keys import KeyTable, key_digest
-from mmtok.formats.partdir import part_dir
 from mmtok.formats.parts import find_parts, refuse_other_run
 from mmtok.fsutil import required
 from mmtok.launch import stop_check
@@ -452,7 +451,7 @@ class _Work:
         """Assemble (or resume, or find finished) work item `item` (`units`) into its part."""
         from mmtok.progress import progress as progress_bar
 
-        with PartWriter(part_dir(self.out, item), identity) as part:
+        with PartWriter(partdir.part_dir(self.out, item), identity) as part:
             if part.done:
                 return _item_done(part, already_done=True)
             first = max(units[0], part.next_unit) * CONVERSATIONS_PER_UNIT

@@ -1,7 +1,8 @@
 """A read-only view of an encode output while it runs or after it finished: `job_status(out, plan)`.
 
-Every part under `OUT/parts/` is read through `mmtok.formats.commitlog` (identity, commit records,
-DONE) and nothing is written, locked or created: status is safe beside running ranks. A part is
+Every part under `OUT/parts/` is read through `mmtok.formats.partdir` (identity, DONE) and
+`mmtok.formats.commitlog` (commit records), and nothing is written, locked or created: status is safe beside
+running ranks. A part is
 
   done      DONE is present (the part is finished)
   running   another process holds the part's writer lock (seen with F_GETLK, which takes no lock)
