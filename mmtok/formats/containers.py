@@ -102,8 +102,6 @@ class Record:
 class Container(Protocol):
     """An input container's one reader of records (module docstring: one implementation per container)."""
 
-    name: str  # TAR, TABLE or JSONL
-
     def records(self, path: Path, start: Start = FROM_FIRST) -> Iterator[Record]:
         """The records of the file at `path` from `start`, in the file's order. OSError when the file cannot be
         read; see each implementation for damage (what a reader is asked for, such as a table's columns, is
@@ -115,7 +113,6 @@ class JsonLines:
     its value the line's JSON value (`json_value`), else its `error`. OSError when the
     file cannot be read, EOFError when a gzip stream ends early."""
 
-    name = JSONL
 
     def records(self, path: Path, start: Start = FROM_FIRST) -> Iterator[Record]:
         lines = json_lines(path, max(start.offset, 0), start.line + 1 if start.offset >= 0 else 1)

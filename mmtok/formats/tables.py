@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mmtok.errors import Skip
-from mmtok.formats.containers import FROM_FIRST, PARQUET, TABLE, Record, Start, container_of
+from mmtok.formats.containers import FROM_FIRST, PARQUET, Record, Start, container_of
 
 KEY_COLUMNS = ("__key__", "key")  # a sample key column: WebDataset-to-Parquet exports; img2dataset's Parquet output
 PREFERRED_IMAGE_COLUMN = "image"
@@ -143,7 +143,6 @@ class TableRecords:
     (before any record) when it lacks one of `columns` or `required` (which every record must hold, whatever it
     reads), UNREADABLE_ROW_GROUP for a group whose pages do not parse (the records before it were yielded)."""
 
-    name = TABLE
 
     def __init__(self, file_format: str | None = None, columns: list[str] | None = None, required: tuple = ()):
         self.file_format, self.columns, self.required = file_format, columns, required
@@ -166,10 +165,10 @@ class TableRecords:
                 values = table.read_group(group, self.columns).to_pylist()
             except Exception as err:  # pyarrow raises several types for damaged pages
                 raise Skip(UNREADABLE_ROW_GROUP, f"row group {group} is unreadable ({err})") from None
-            for value in values[max(start.record - row, 0):]:
-                row = max(row, start.record)
-                yield Record(row, f"row {row}", value)
-                row += 1
+            first = max(start.record, row)  # the first group read may begin before the start
+            for number, value in enumerate(values[first - row:], first):
+                yield Record(number, f"row {number}", value)
+            row += rows
 
 
 SAVED_STATE = "state.json"  # Hugging Face `Dataset.save_to_disk`: state.json + dataset_info.json + data-*.arrow

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
-from mmtok.formats.containers import FROM_FIRST, TAR, Record, Start
+from mmtok.formats.containers import FROM_FIRST, Record, Start
 from mmtok.formats.tar import KIND_REASONS, NON_UTF8_NAME, TRUNCATED, Damage, Member, read_members
 
 # Media by extension, the one list each: audio without a probe (tars: the only audio), images the scan reads.
@@ -67,13 +67,11 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
     samples = _grouped(path)
     repeated = _repeated_keys(samples)
     seen: Counter = Counter()
-    marked = []
-    for sample in samples:
+    for at, sample in enumerate(samples):
         if sample.key in repeated:
             seen[sample.key] += 1
-            sample = Sample(sample.key, sample.members, sample.damage, repeated[sample.key], seen[sample.key])
-        marked.append(sample)
-    return marked
+            samples[at] = replace(sample, repeated=repeated[sample.key], occurrence=seen[sample.key])
+    return samples
 
 
 class TarSamples:
@@ -82,7 +80,6 @@ class TarSamples:
     header list is read first (which keys repeat is known before any sample is used); records before
     `start.record` are not made. OSError when the file cannot be read."""
 
-    name = TAR
 
     def records(self, path: Path, start: Start = FROM_FIRST) -> Iterator[Record]:
         samples = read_samples(path)

@@ -18,8 +18,6 @@ from mmtok.audio.sources.units import (
     number_clips,
     skip_record,
 )
-from mmtok.formats.containers import TAR
-from mmtok.formats.readers import reader
 from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import NON_UTF8_NAME, MemberTruncated, read_tar_member
 from mmtok.formats.webdataset import (
@@ -28,6 +26,7 @@ from mmtok.formats.webdataset import (
     TRUNCATED_MEMBER,
     Sample,
     duplicate_key_detail,
+    read_samples,
     sample_key,
 )
 from mmtok.media.audio import AudioReason
@@ -93,11 +92,11 @@ class _ByteRangeLoader:
 
 
 def audio_tar_members(path: str) -> tuple[list[Sample], list[SkipRecord]]:
-    """The WebDataset samples of a tar (its records: `mmtok.formats.webdataset.TarSamples`) and a skip record
+    """The WebDataset samples of a tar (`mmtok.formats.webdataset.read_samples`) and a skip record
     for each damage the tar reader met (`truncated_tar`, `corrupt_header`, ...), in tar order. A sample the damage
     cut short keeps the members read before it: its audio member may be whole."""
     try:
-        samples = [record.value for record in reader(TAR).records(Path(path))]
+        samples = read_samples(path)
     except OSError as err:
         return [], [skip_record(Path(path).name, path, "truncated_tar", str(err))]
     errors = [skip_record(Path(path).name, path, sample.damage.reason, sample.damage.describe())
