@@ -57,7 +57,7 @@ from mmtok.formats.plan import BATCHES_FILE, Plan  # noqa: E402
 from mmtok.formats.presets import CostModel  # noqa: E402
 from mmtok.plan import calibrate as cal  # noqa: E402
 from mmtok.ranks import imbalance, rank_costs  # noqa: E402
-from mmtok.tools.status import job_status  # noqa: E402
+from mmtok.tools.status import JobStatus, job_status  # noqa: E402
 from standin import StandInCodec  # noqa: E402
 
 WORLD_SIZE = 3
@@ -132,17 +132,17 @@ def encode_job(plan: Path, out: Path, codec, cpu: bool) -> dict:
     return by_worker(job_status(out, plan), Plan.open(plan), added)
 
 
-def by_worker(status: dict, opened: Plan, added: list[dict]) -> dict:
+def by_worker(status: JobStatus, opened: Plan, added: list[dict]) -> dict:
     """The job view per worker (rank): the parts of its work items summed, with its fill and codec CPU seconds,
     and the measured and modeled imbalance over the workers."""
-    parts = status["parts"]
+    parts = status.parts
     costs = opened.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
     modeled = rank_costs(costs, worker_ranges(opened))
     workers = []
     for w, extra in enumerate(added):
         mine = [parts[i] for i in opened.worker_items(w, WORLD_SIZE)]
-        wall, busy = sum(p["wall_s"] for p in mine), sum(p["device_busy_s"] for p in mine)
-        workers.append({"part": w, "written": sum(p["written"] for p in mine), "wall_s": wall, "device_busy_s": busy,
+        wall, busy = sum(p.wall_s for p in mine), sum(p.device_busy_s for p in mine)
+        workers.append({"part": w, "written": sum(p.written for p in mine), "wall_s": wall, "device_busy_s": busy,
                         "device_busy_fraction": busy / wall if wall else 0.0,
                         "modeled_share": modeled[w] / modeled.sum(), **extra})
     walls = np.array([w["wall_s"] for w in workers])

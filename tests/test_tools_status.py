@@ -16,7 +16,6 @@ import pytest
 
 from encodekit import caption_env, one_torch_thread, plan
 from mmtok.cli import main
-from mmtok.commands.status import INPUT_STAGES
 from mmtok.errors import MmtokError
 from mmtok.formats import skips
 from mmtok.formats.commitlog import PartWriter
@@ -24,7 +23,7 @@ from mmtok.formats.partdir import COMMITS, check_part_free, part_dir
 from mmtok.formats.plan import BATCHES_FILE, Plan
 from mmtok.fsutil import WriterLock
 from mmtok.ranks import imbalance, rank_costs
-from mmtok.tools.status import job_status
+from mmtok.tools.status import INPUT_STAGES, JobStatus, PartStatus, job_status
 
 # A writer in another process: commits two batches, says so, then holds the part's lock until told to stop.
 HOLDER = r"""
@@ -65,8 +64,8 @@ def snapshot(root: Path) -> dict:
             for p in [root, *sorted(root.rglob("*"))]}
 
 
-def by_part(status: dict) -> dict[int, dict]:
-    return {p["part"]: p for p in status["parts"]}
+def by_part(status: JobStatus) -> dict[int, PartStatus]:
+    return {p.part: p for p in status.parts}
 
 
 def test_states_figures_and_eta_of_done_stopped_and_missing_parts(tmp_path):
@@ -74,17 +73,17 @@ def test_states_figures_and_eta_of_done_stopped_and_missing_parts(tmp_path):
     write_part(tmp_path, image_identity(1, 3, (4, 10)), range(4, 6), wall_ms=1500)
     status = job_status(tmp_path)
     parts = by_part(status)
-    assert status["states"] == {"done": 1, "running": 0, "stopped": 1, "missing": 1, "damaged": 0}
-    assert parts[0]["state"] == "done" and parts[0]["detail"] is None
-    assert (parts[0]["units_done"], parts[0]["units_planned"], parts[0]["written"], parts[0]["tokens"]) == (4, 4, 4, 16)
-    assert parts[0]["wall_s"] == 8.0 and parts[0]["device_busy_fraction"] == 0.5 and parts[0]["per_s"] == 0.5
-    assert parts[1]["state"] == "stopped" and "rerun the same mmtok encode command" in parts[1]["detail"]
-    assert (parts[1]["units_done"], parts[1]["units_planned"]) == (2, 6)
-    assert parts[1]["eta_s"] == pytest.approx(4 * 1.5) and parts[1]["projected_s"] == pytest.approx(9.0)
-    assert parts[2]["state"] == "missing" and parts[2]["units_planned"] is None
-    assert status["slowest"] == [1, 0] and status["eta_s"] is None  # nothing runs: the job will not finish alone
-    assert status["totals"]["units_done"] == 6 and status["totals"]["units_planned"] is None
-    assert status["imbalance"]["measured"] is None and status["imbalance"]["modeled"] is None
+    assert status.states == {"done": 1, "running": 0, "stopped": 1, "missing": 1, "damaged": 0}
+    assert parts[0].state == "done" and parts[0].detail is None
+    assert (parts[0].units_done, parts[0].units_planned, parts[0].written, parts[0].tokens) == (4, 4, 4, 16)
+    assert parts[0].wall_s == 8.0 and parts[0].device_busy_fraction == 0.5 and parts[0].per_s == 0.5
+    assert parts[1].state == "stopped" and "rerun the same mmtok encode command" in parts[1].detail
+    assert (parts[1].units_done, parts[1].units_planned) == (2, 6)
+    assert parts[1].eta_s == pytest.approx(4 * 1.5) and parts[1].projected_s == pytest.approx(9.0)
+    assert parts[2].state == "missing" and parts[2].units_planned is None
+    assert status.slowest == [1, 0] and status.eta_s is None  # nothing runs: the job will not finish alone
+    assert status.totals.units_done == 6 and status.totals.units_planned is None
+    assert status.imbalance.measured is None and status.imbalance.modeled is None
 
 
 def test_measured_imbalance_is_max_over_mean_wall_once_every_part_is_done(tmp_path):
@@ -94,9 +93,9 @@ def test_measured_imbalance_is_max_over_mean_wall_once_every_part_is_done(tmp_pa
                    wall_ms=wall, finish=True)
     write_part(tmp_path, image_identity(2, 3, (4, 4)), range(0), finish=True)  # an idle rank counts too
     status = job_status(tmp_path)
-    assert status["states"]["done"] == 3 and status["eta_s"] == 0.0
-    assert status["imbalance"]["measured"] == pytest.approx(6.0 / (8.0 / 3) - 1)
-    assert [p["wall_share"] for p in status["parts"]] == pytest.approx([0.75, 0.25, 0.0])
+    assert status.states["done"] == 3 and status.eta_s == 0.0
+    assert status.imbalance.measured == pytest.approx(6.0 / (8.0 / 3) - 1)
+    assert [p.wall_share for p in status.parts] == pytest.approx([0.75, 0.25, 0.0])
 
 
 def test_a_torn_last_commit_line_is_read_as_the_records_before_it(tmp_path):
@@ -104,7 +103,7 @@ def test_a_torn_last_commit_line_is_read_as_the_records_before_it(tmp_path):
     with open(directory / COMMITS, "ab") as log:
         log.write(b'{"unit":3,"len')  # a writer killed while appending its record
     part = by_part(job_status(tmp_path))[0]
-    assert part["state"] == "stopped" and part["units_done"] == 3 and part["eta_s"] == pytest.approx(2.0)
+    assert part.state == "stopped" and part.units_done == 3 and part.eta_s == pytest.approx(2.0)
 
 
 def test_a_commit_log_damaged_mid_file_is_reported_as_damaged_in_one_line(tmp_path, capsys):
@@ -113,8 +112,8 @@ def test_a_commit_log_damaged_mid_file_is_reported_as_damaged_in_one_line(tmp_pa
     log = (directory / COMMITS).read_bytes().splitlines(keepends=True)
     (directory / COMMITS).write_bytes(log[0] + log[1].replace(b'"unit":1', b'"unit":7') + log[2])
     part = by_part(job_status(tmp_path))[0]
-    assert part["state"] == "damaged" and "commit record 2 of 3 is corrupt" in part["detail"]
-    assert "\n" not in part["detail"]
+    assert part.state == "damaged" and "commit record 2 of 3 is corrupt" in part.detail
+    assert "\n" not in part.detail
     assert main(["status", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
     assert "1 done, 1 damaged" in shown and "delete the part directory" in shown
@@ -126,11 +125,11 @@ def test_a_part_of_another_encode_run_is_named_with_the_first_differing_key(tmp_
     write_part(tmp_path, image_identity(2, 3, (4, 6), plan_fingerprint="b" * 64), range(4, 6), finish=True)
     status = job_status(tmp_path)
     part = by_part(status)[2]
-    assert status["states"] == {"done": 2, "running": 0, "stopped": 0, "missing": 0, "damaged": 1}
-    assert part["state"] == "damaged" and "another encode run than part 0" in part["detail"]
-    assert "plan_fingerprint" in part["detail"] and "\n" not in part["detail"]
-    assert part["tokens"] == 0 and status["totals"]["tokens"] == 16  # its work is not this job's
-    assert status["warnings"] == ["not from the encode run of part 0: part(s) 2; use one --out per run"]
+    assert status.states == {"done": 2, "running": 0, "stopped": 0, "missing": 0, "damaged": 1}
+    assert part.state == "damaged" and "another encode run than part 0" in part.detail
+    assert "plan_fingerprint" in part.detail and "\n" not in part.detail
+    assert part.tokens == 0 and status.totals.tokens == 16  # its work is not this job's
+    assert status.warnings == ["not from the encode run of part 0: part(s) 2; use one --out per run"]
     assert main(["status", str(tmp_path)]) == 0
     shown = capsys.readouterr().out
     assert "2 done, 1 damaged" in shown and "give each run its own --out" in shown
@@ -140,8 +139,8 @@ def test_tokens_count_the_items_merge_assembles(tmp_path):
     counts = {"images_deferred": 2, "item_tokens": 30, "wall_ms": 1000, "device_busy_ms": 500}
     write_part(tmp_path, image_identity(0, 1, (0, 2)), range(2), counts=counts, finish=True)
     part = by_part(job_status(tmp_path))[0]
-    assert part["written"] == 4 and part["tokens"] == 2 * 4 + 60  # the sequences' tokens + item_tokens
-    assert part["tokens_per_s"] == pytest.approx(68 / 2.0)
+    assert part.written == 4 and part.tokens == 2 * 4 + 60  # the sequences' tokens + item_tokens
+    assert part.tokens_per_s == pytest.approx(68 / 2.0)
 
 
 def test_running_part_is_seen_without_disturbing_its_writer_or_its_files(tmp_path):
@@ -152,8 +151,8 @@ def test_running_part_is_seen_without_disturbing_its_writer_or_its_files(tmp_pat
         assert holder.stdout.readline() == "holding\n"  # the lock is held from here until we answer
         before = snapshot(tmp_path)
         part = by_part(job_status(tmp_path))[0]
-        assert part["state"] == "running" and f"pid {holder.pid}" in part["detail"]
-        assert part["eta_s"] == pytest.approx(2.0) and job_status(tmp_path)["eta_s"] == pytest.approx(2.0)
+        assert part.state == "running" and f"pid {holder.pid}" in part.detail
+        assert part.eta_s == pytest.approx(2.0) and job_status(tmp_path).eta_s == pytest.approx(2.0)
         assert snapshot(tmp_path) == before
         with pytest.raises(MmtokError, match="being written by another process"):
             check_part_free(directory)  # the holder still holds its lock after status looked
@@ -161,15 +160,15 @@ def test_running_part_is_seen_without_disturbing_its_writer_or_its_files(tmp_pat
         holder.stdin.write("\n")
         holder.stdin.close()
         assert holder.wait(30) == 0
-    assert by_part(job_status(tmp_path))[0]["state"] == "stopped"
+    assert by_part(job_status(tmp_path))[0].state == "stopped"
 
 
 def test_status_inside_the_writing_process_leaves_its_lock_held(tmp_path):
     directory = write_part(tmp_path, image_identity(0, 2, (0, 2)), range(1))
     with PartWriter(directory, image_identity(0, 2, (0, 2))), WriterLock(part_dir(tmp_path, 1), "part 1"):
         parts = by_part(job_status(tmp_path))
-        assert parts[0]["state"] == "running" and parts[1]["state"] == "running"  # part 1: lock taken, no identity yet
-        assert "starting" in parts[1]["detail"]
+        assert parts[0].state == "running" and parts[1].state == "running"  # part 1: lock taken, no identity yet
+        assert "starting" in parts[1].detail
         probe = subprocess.run([sys.executable, "-c", PROBE, str(directory)], capture_output=True, text=True,
                                check=False)
         assert probe.returncode != 0 and "being written by another process" in probe.stderr
@@ -187,11 +186,11 @@ def test_audio_parts_count_clips_and_know_their_units_once_done(tmp_path):
     write_part(tmp_path, {**identity, "part": 1}, range(1), counts=batch)
     status = job_status(tmp_path)
     parts = by_part(status)
-    assert status["item"] == "clip" and status["states"]["done"] == 1 and status["states"]["stopped"] == 1
-    assert (parts[0]["units_done"], parts[0]["units_planned"], parts[0]["written"]) == (3, 3, 3)
-    assert parts[0]["skipped"] == 1 and parts[0]["tokens"] == 18 and parts[0]["per_s"] == pytest.approx(0.6)
-    assert parts[1]["units_planned"] is None and parts[1]["eta_s"] is None
-    assert status["imbalance"]["measured"] is None  # audio parts are shards, several per rank
+    assert status.item == "clip" and status.states["done"] == 1 and status.states["stopped"] == 1
+    assert (parts[0].units_done, parts[0].units_planned, parts[0].written) == (3, 3, 3)
+    assert parts[0].skipped == 1 and parts[0].tokens == 18 and parts[0].per_s == pytest.approx(0.6)
+    assert parts[1].units_planned is None and parts[1].eta_s is None
+    assert status.imbalance.measured is None  # audio parts are shards, several per rank
     with pytest.raises(MmtokError, match="drop --plan"):
         job_status(tmp_path, plan=tmp_path)
 
@@ -250,24 +249,24 @@ def test_status_follows_a_real_job_to_its_measured_imbalance(job, tmp_path, caps
     assert encode(env, plan_dir, out, 0) == 0 and encode(env, plan_dir, out, 1) == 0
     assert f"job view (every rank): mmtok status {out}" in capsys.readouterr().err
     status = job_status(out, plan=plan_dir)
-    assert len(last) and status["states"] == {"done": len(items) - len(last), "running": 0, "stopped": 0,
+    assert len(last) and status.states == {"done": len(items) - len(last), "running": 0, "stopped": 0,
                                               "missing": len(last), "damaged": 0}
-    assert by_part(status)[last.start]["units_planned"] == items[last.start][1] - items[last.start][0]
-    assert status["imbalance"]["measured"] is None and status["imbalance"]["modeled"] == pytest.approx(modeled)
+    assert by_part(status)[last.start].units_planned == items[last.start][1] - items[last.start][0]
+    assert status.imbalance.measured is None and status.imbalance.modeled == pytest.approx(modeled)
     assert encode(env, plan_dir, out, 2) == 0
     capsys.readouterr()
     assert main(["status", str(out), "--plan", str(plan_dir)]) == 0
     print(capsys.readouterr().out, file=sys.stderr)  # the human view, for `pytest -s`
     status = job_status(out, plan=plan_dir)
-    assert status["states"]["done"] == len(items) and status["eta_s"] == 0.0
-    assert np.isfinite(status["imbalance"]["measured"]) and status["imbalance"]["modeled"] == pytest.approx(modeled)
-    assert status["totals"]["units_done"] == status["totals"]["units_planned"] == meta["num_batches"]
-    assert status["totals"]["written"] == meta["totals"]["kept_images"]
-    assert sum(p["modeled_share"] for p in status["parts"]) == pytest.approx(1.0)
-    assert job_status(out)["imbalance"]["modeled"] is None
+    assert status.states["done"] == len(items) and status.eta_s == 0.0
+    assert np.isfinite(status.imbalance.measured) and status.imbalance.modeled == pytest.approx(modeled)
+    assert status.totals.units_done == status.totals.units_planned == meta["num_batches"]
+    assert status.totals.written == meta["totals"]["kept_images"]
+    assert sum(p.modeled_share for p in status.parts) == pytest.approx(1.0)
+    assert job_status(out).imbalance.modeled is None
     assert main(["merge", str(out)]) == 0  # the job has documents of two images: merge assembles their items
     merged = json.loads((out / "merged.json").read_text())
-    assert merged["assembled"]["tokens"] > 0 and status["totals"]["tokens"] == merged["tokens"]
+    assert merged["assembled"]["tokens"] > 0 and status.totals.tokens == merged["tokens"]
 
 
 def test_the_modeled_imbalance_is_rederived_for_another_world_size(job, tmp_path):
@@ -279,9 +278,9 @@ def test_the_modeled_imbalance_is_rederived_for_another_world_size(job, tmp_path
         write_part(tmp_path, image_identity(part, 2, (start, end), plan_fingerprint=opened.meta["fingerprint"]),
                    range(start, end), finish=True)
     costs = opened.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
-    balance = job_status(tmp_path, plan=plan_dir)["imbalance"]
-    assert balance["modeled"] == pytest.approx(imbalance(rank_costs(costs, ranges)))
-    assert (balance["world_size"], balance["plan_world_size"]) == (2, 3)
+    balance = job_status(tmp_path, plan=plan_dir).imbalance
+    assert balance.modeled == pytest.approx(imbalance(rank_costs(costs, ranges)))
+    assert (balance.world_size, balance.plan_world_size) == (2, 3)
     write_part(tmp_path / "other", image_identity(0, 1, (0, 1), plan_fingerprint="f" * 64), range(1))
     with pytest.raises(MmtokError, match="not the plan these parts were encoded from"):
         job_status(tmp_path / "other", plan=plan_dir)
@@ -301,10 +300,10 @@ def test_the_tail_names_slow_and_silent_running_parts_and_the_parts_not_started(
         assert main(["status", str(tmp_path)]) == 0
     shown = capsys.readouterr().out.splitlines()
     parts = by_part(status)
-    assert parts[4]["speed"] == pytest.approx(0.5) and parts[4]["progress"] == pytest.approx(0.5)
-    assert parts[0]["speed"] == pytest.approx(1.0) and parts[6]["speed"] is None
-    assert parts[5]["silent_s"] > 3500
-    assert [a["action"] for a in status["tail"]["actions"]] == ["slow", "stalled", "not_started"]
+    assert parts[4].speed == pytest.approx(0.5) and parts[4].progress == pytest.approx(0.5)
+    assert parts[0].speed == pytest.approx(1.0) and parts[6].speed is None
+    assert parts[5].silent_s > 3500
+    assert [a.action for a in status.tail.actions] == ["slow", "stalled", "not_started"]
     tail = [line for line in shown if line.startswith(("tail:", "action:"))]
     assert tail == [
         "tail: 1 not started, 2 running, 4 done; last to finish: part 4 50% at 0.50x the median pace, eta 4.0s, "
@@ -327,8 +326,8 @@ def test_a_part_silent_before_its_first_commit_is_stalled_by_the_others_pace(tmp
             os.utime(hung / name, (long_ago, long_ago))  # it took the lock an hour ago, then nothing
         status = job_status(tmp_path)
         assert main(["status", str(tmp_path)]) == 0
-    assert [a["action"] for a in status["tail"]["actions"]] == ["stalled"]
-    assert status["tail"]["actions"][0]["unit_s"] == pytest.approx(1.0)
+    assert [a.action for a in status.tail.actions] == ["stalled"]
+    assert status.tail.actions[0].unit_s == pytest.approx(1.0)
     assert any(line.startswith("action: part 2 has committed nothing for 1h00m (no batch yet, the others' take "
                                "1.0s)") for line in capsys.readouterr().out.splitlines())
 
@@ -336,7 +335,7 @@ def test_a_part_silent_before_its_first_commit_is_stalled_by_the_others_pace(tmp
 def test_a_finished_job_shows_no_tail(tmp_path, capsys):
     write_part(tmp_path, image_identity(0, 1, (0, 2)), range(2), finish=True)
     assert main(["status", str(tmp_path)]) == 0 and "tail:" not in capsys.readouterr().out
-    assert job_status(tmp_path)["tail"]["actions"] == []
+    assert job_status(tmp_path).tail.actions == []
 
 
 def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, capsys):
@@ -385,7 +384,7 @@ def test_inputs_table_accounts_for_every_manifest_row_of_every_input(tmp_path, c
     assert [Path(r["input"]).name for r in rows] == [p.name for p in shards]
     assert sum(r["rows"] for r in rows) == meta["totals"]["manifest_rows"]
     assert sum(r["pending"] for r in rows) == 0
-    assert sum(r["written"] for r in rows) == job_status(out, plan=plan_dir)["totals"]["written"]
+    assert sum(r["written"] for r in rows) == job_status(out, plan=plan_dir).totals.written
     assert rows[3]["scan"] == {"truncated_member": 1} and rows[2]["encode"] == {"decode_error": 2}
     assert sum(sum(r["plan"].values()) for r in rows) > 0
     dropped = {k: v for k, v in meta["dropped_by_reason"].items() if not k.startswith("scan:")}
@@ -434,11 +433,11 @@ def test_work_items_show_done_in_progress_with_last_commit_and_pending_and_an_ov
         assert main(["status", str(tmp_path)]) == 0
     shown = capsys.readouterr().out.splitlines()
     parts = by_part(status)
-    assert status["work_items"] and parts[5]["expected_s"] == pytest.approx(20.0)
-    assert [(a["action"], a.get("part")) for a in status["tail"]["actions"]] == [("stalled", 5), ("not_started", None)]
-    assert status["tail"]["actions"][0]["limit_s"] == pytest.approx(20.0)
-    stamp = parts[5]["last_commit_at"]
-    assert abs(datetime.fromisoformat(stamp).timestamp() - minute_ago) < 1.5 and parts[6]["last_commit_at"] is None
+    assert status.work_items and parts[5].expected_s == pytest.approx(20.0)
+    assert [a.action for a in status.tail.actions] == ["stalled", "not_started"] and status.tail.actions[0].part == 5
+    assert status.tail.actions[0].limit_s == pytest.approx(20.0)
+    stamp = parts[5].last_commit_at
+    assert abs(datetime.fromisoformat(stamp).timestamp() - minute_ago) < 1.5 and parts[6].last_commit_at is None
     assert shown[0] == f"mmtok status {tmp_path}: image job, 7 work items: 4 done, 2 in progress, 1 pending"
     assert shown[1].split()[:2] == ["item", "state"]
     row = next(line for line in shown if line.split()[:3] == ["5", "in", "progress"])

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from mmtok.commands.report import listed, plural
+
+if TYPE_CHECKING:  # the view's types; the module itself is imported when the command runs
+    from mmtok.tools.status import InputRow, JobStatus, PartStatus, Slow, Stalled, Waiting
 
 DESCRIPTION = """\
 Show where an encode job stands, from OUT/parts alone. Reads only: takes no lock and writes nothing,
@@ -60,6 +64,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    import dataclasses
     import json
 
     from mmtok.errors import MmtokError
@@ -74,12 +79,12 @@ def run(args) -> int:
     if args.skipped:
         return print_skipped(status, args.plan)
     if args.inputs:
-        status["inputs"] = input_table(status, args.plan)
-    print(json.dumps(status, indent=2) if args.json else render(status))
+        status = dataclasses.replace(status, inputs=input_table(status, args.plan))
+    print(json.dumps(status.to_json(), indent=2) if args.json else render(status))
     return 0
 
 
-def print_skipped(status: dict, plan: str | None) -> int:
+def print_skipped(status: JobStatus, plan: str | None) -> int:
     """`--skipped`: every skip record of the job on stdout, then their count by stage and reason on stderr."""
     import sys
 
@@ -96,7 +101,7 @@ def print_skipped(status: dict, plan: str | None) -> int:
         stages.setdefault(stage, []).append(f"{reason} {n:,}")
     by_stage = "; ".join(f"{stage} {', '.join(reasons)}" for stage, reasons in stages.items() if reasons)
     print(f"mmtok status: {plural(sum(counts.values()), 'skip record')}" + (f" ({by_stage})" if by_stage else "")
-          + ("; the scan's and the plan's are listed with --plan" if plan is None and status["modality"] == "image"
+          + ("; the scan's and the plan's are listed with --plan" if plan is None and status.modality == "image"
              else ""), file=sys.stderr)
     return 0
 
@@ -106,46 +111,45 @@ def print_skipped(status: dict, plan: str | None) -> int:
 ITEM_STATES = {"running": "in progress", "missing": "pending"}
 
 
-def noun(status: dict) -> str:
-    return "item" if status["work_items"] else "part"
+def noun(status: JobStatus) -> str:
+    return "item" if status.work_items else "part"
 
 
-def state_label(status: dict, state: str) -> str:
-    return ITEM_STATES.get(state, state) if status["work_items"] else state
+def state_label(status: JobStatus, state: str) -> str:
+    return ITEM_STATES.get(state, state) if status.work_items else state
 
 
-def render(status: dict) -> str:
+def render(status: JobStatus) -> str:
     """The human view of a `job_status` result: header, part table, totals, balance, ETA."""
-    states = ", ".join(f"{n} {state_label(status, state)}" for state, n in status["states"].items() if n)
-    what = "work item" if status["work_items"] else "part"
-    lines = [f"mmtok status {status['out']}: {status['modality'] or 'unknown'} job, "
-             f"{plural(status['num_parts'], what)}" + (f": {states}" if states else "")]
-    lines += [f"  warning: {w}" for w in status["warnings"]]
-    curation = status.get("curation")
+    states = ", ".join(f"{n} {state_label(status, state)}" for state, n in status.states.items() if n)
+    what = "work item" if status.work_items else "part"
+    lines = [f"mmtok status {status.out}: {status.modality or 'unknown'} job, "
+             f"{plural(status.num_parts, what)}" + (f": {states}" if states else "")]
+    lines += [f"  warning: {w}" for w in status.warnings]
+    curation = status.curation
     if curation:
-        reasons = ", ".join(f"{reason} {n:,}" for reason, n in curation["by_reason"].items()) or "none in the plan"
-        lines.append(f"  curation: the plan excludes {plural(curation['rows'], 'row')} of source {curation['source']} "
-                     f"listed by {curation['list']} ({reasons}); they never reach a GPU")
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in curation.by_reason.items()) or "none in the plan"
+        lines.append(f"  curation: the plan excludes {plural(curation.rows, 'row')} of source {curation.source} "
+                     f"listed by {curation.list} ({reasons}); they never reach a GPU")
     lines += _table(status)
     lines += _summary(status)
-    if "inputs" in status:
-        lines += _inputs(status["inputs"])
+    if status.inputs is not None:
+        lines += _inputs(status.inputs)
     return "\n".join(lines)
 
 
-INPUT_STAGES = ("scan", "plan", "encode")
-
-
-def _inputs(table: list[dict]) -> list[str]:
+def _inputs(table: list[InputRow]) -> list[str]:
     """The per-input lines of `--inputs` (every input: the user reconciles each one), then their total."""
-    total = {"input": "total", "rows": sum(t["rows"] for t in table), "written": sum(t["written"] for t in table),
-             "pending": sum(t["pending"] for t in table)}
-    for stage in INPUT_STAGES:
-        total[stage] = dict(sum((Counter(t[stage]) for t in table), Counter()))
     import os
 
-    folder = os.path.commonpath([os.path.dirname(t["input"]) for t in table]) if table else ""
-    shown = {t["input"]: os.path.relpath(t["input"], folder) if folder else t["input"] for t in table}
+    from mmtok.tools.status import INPUT_STAGES, InputRow
+
+    total = InputRow("total", rows=sum(t.rows for t in table), written=sum(t.written for t in table),
+                     pending=sum(t.pending for t in table),
+                     **{stage: dict(sum((Counter(t.stages()[stage]) for t in table), Counter()))
+                        for stage in INPUT_STAGES})
+    folder = os.path.commonpath([os.path.dirname(t.input) for t in table]) if table else ""
+    shown = {t.input: os.path.relpath(t.input, folder) if folder else t.input for t in table}
     shown["total"] = "total"
     width = max(len(name) for name in shown.values())
     lines = [f"inputs: {plural(len(table), 'input')}{f' under {folder}' if folder else ''}, images per input: rows "
@@ -153,48 +157,49 @@ def _inputs(table: list[dict]) -> list[str]:
              f"  {'input':<{width}} {'rows':>9} {'scan':>7} {'plan':>7} {'encode':>7} {'written':>9} {'pending':>9}"
              "  reasons"]
     for entry in [*table, total]:
-        numbers = " ".join(f"{sum(entry[s].values()):>7,}" for s in INPUT_STAGES)
+        stages = entry.stages()
+        numbers = " ".join(f"{sum(stages[s].values()):>7,}" for s in INPUT_STAGES)
         reasons = "; ".join(f"{stage} {reason} {n:,}" for stage in INPUT_STAGES
-                            for reason, n in sorted(entry[stage].items()))
-        lines.append(f"  {shown[entry['input']]:<{width}} {entry['rows']:>9,} {numbers} {entry['written']:>9,} "
-                     f"{entry['pending']:>9,}  {reasons or '-'}")
+                            for reason, n in sorted(stages[stage].items()))
+        lines.append(f"  {shown[entry.input]:<{width}} {entry.rows:>9,} {numbers} {entry.written:>9,} "
+                     f"{entry.pending:>9,}  {reasons or '-'}")
     return lines
 
 
-def _table(status: dict) -> list[str]:
-    parts = status["parts"]
+def _table(status: JobStatus) -> list[str]:
+    parts = status.parts
     shown = parts
     if len(parts) > TABLE_LIMIT:
-        wanted = {p["part"] for p in parts if p["state"] != "done"} | set(status["slowest"])
-        shown = [p for p in parts if p["part"] in wanted][:TABLE_LIMIT]
-    with_plan = status["imbalance"]["modeled"] is not None
-    unit, item, rate = LABELS[status["item"]]
+        wanted = {p.part for p in parts if p.state != "done"} | set(status.slowest)
+        shown = [p for p in parts if p.part in wanted][:TABLE_LIMIT]
+    with_plan = status.imbalance.modeled is not None
+    unit, item, rate = LABELS[status.item]
     header = (f"  {noun(status):>5} {'state':<11} {unit:>13} {item:>9} {'skipped':>7} {'tokens':>12} {'wall':>8} "
               f"{'busy':>5} {rate:>8} {'tok/s':>9} {'eta':>8}" + ("  cost% wall%" if with_plan else ""))
     lines = [header]
     for p in shown:
-        planned = "?" if p["units_planned"] is None else f"{p['units_planned']:,}"
-        state = state_label(status, p["state"])
-        line = (f"  {p['part']:>5} {state:<11} {p['units_done']:>6,}/{planned:<6} {p['written']:>9,} "
-                f"{p['skipped']:>7,} {p['tokens']:>12,} {_duration(p['wall_s']):>8} "
-                f"{100 * p['device_busy_fraction']:>4.0f}% {p['per_s']:>8.1f} {p['tokens_per_s']:>9,.0f} "
-                f"{_duration(p['eta_s']) if p['state'] != 'done' else '-':>8}")
+        planned = "?" if p.units_planned is None else f"{p.units_planned:,}"
+        state = state_label(status, p.state)
+        line = (f"  {p.part:>5} {state:<11} {p.units_done:>6,}/{planned:<6} {p.written:>9,} "
+                f"{p.skipped:>7,} {p.tokens:>12,} {_duration(p.wall_s):>8} "
+                f"{100 * p.device_busy_fraction:>4.0f}% {p.per_s:>8.1f} {p.tokens_per_s:>9,.0f} "
+                f"{_duration(p.eta_s) if p.state != 'done' else '-':>8}")
         if with_plan:
-            line += f"  {_percent(p['modeled_share']):>5} {_percent(p['wall_share']):>5}"
-        lines.append(line + (f"  {_detail(p)}" if p["detail"] else ""))
-    hidden = Counter(state_label(status, p["state"]) for p in parts if p not in shown)
+            line += f"  {_percent(p.modeled_share):>5} {_percent(p.wall_share):>5}"
+        lines.append(line + (f"  {_detail(p)}" if p.detail else ""))
+    hidden = Counter(state_label(status, p.state) for p in parts if p not in shown)
     if hidden:
         lines.append("  not shown: " + ", ".join(f"{n} {s}" for s, n in hidden.items()) +
                      f" (--json lists every {noun(status)})")
     return lines
 
 
-def _detail(part: dict) -> str:
+def _detail(part: PartStatus) -> str:
     """A part's note: why it is in its state; for a running one its holder and when it last committed."""
-    if part["state"] != "running" or not part["last_commit_at"]:
-        return part["detail"]
-    ago = f" ({_duration(part['silent_s'])} ago)" if part["silent_s"] is not None else ""
-    return f"{part['detail']}; last commit {part['last_commit_at']}{ago}"
+    if part.state != "running" or not part.last_commit_at:
+        return part.detail
+    ago = f" ({_duration(part.silent_s)} ago)" if part.silent_s is not None else ""
+    return f"{part.detail}; last commit {part.last_commit_at}{ago}"
 
 
 # What a part's units and written inputs are called, per status item (images, audio clips, SFT conversations).
@@ -202,27 +207,27 @@ LABELS = {"image": ("batches", "images", "img/s"), "clip": ("units", "clips", "c
           "conversation": ("units", "convs", "conv/s")}
 
 
-def _summary(status: dict) -> list[str]:
-    t, balance = status["totals"], status["imbalance"]
-    planned = "?" if t["units_planned"] is None else f"{t['units_planned']:,}"
-    unit, item, _rate = LABELS[status["item"]]
-    total = (f"total: {t['units_done']:,}/{planned} {unit}, {t['written']:,} "
-             f"{item}, {t['skipped']:,} skipped, {t['tokens']:,} tokens, {_duration(t['wall_s'])} part-time, "
-             f"device busy {100 * t['device_busy_fraction']:.0f}%")
+def _summary(status: JobStatus) -> list[str]:
+    t, balance = status.totals, status.imbalance
+    planned = "?" if t.units_planned is None else f"{t.units_planned:,}"
+    unit, item, _rate = LABELS[status.item]
+    total = (f"total: {t.units_done:,}/{planned} {unit}, {t.written:,} "
+             f"{item}, {t.skipped:,} skipped, {t.tokens:,} tokens, {_duration(t.wall_s)} part-time, "
+             f"device busy {100 * t.device_busy_fraction:.0f}%")
     lines = [total]
-    if status["item"] == "image":
-        measured = _percent(balance["measured"]) if balance["measured"] is not None else "once every part is done"
-        if status["work_items"]:
-            over = f"{balance['world_size']} items"
+    if status.item == "image":
+        measured = _percent(balance.measured) if balance.measured is not None else "once every part is done"
+        if status.work_items:
+            over = f"{balance.world_size} items"
         else:
-            plan_size = balance["plan_world_size"]
-            over = f"{balance['world_size']} ranks" + ("" if balance["world_size"] == plan_size
+            plan_size = balance.plan_world_size
+            over = f"{balance.world_size} ranks" + ("" if balance.world_size == plan_size
                                                          else f", re-derived from the plan's {plan_size}")
-        modeled = ("" if balance["modeled"] is None else f"; modeled {_percent(balance['modeled'])} (plan cost model, "
+        modeled = ("" if balance.modeled is None else f"; modeled {_percent(balance.modeled)} (plan cost model, "
                    f"{over})")
         lines.append(f"imbalance (max/mean - 1 of wall time): measured {measured}{modeled}")
-    if status["slowest"]:
-        lines.append("slowest: " + ", ".join(_slow(status, n) for n in status["slowest"]))
+    if status.slowest:
+        lines.append("slowest: " + ", ".join(_slow(status, n) for n in status.slowest))
     lines.append(f"eta: {_eta(status)}")
     return lines + _tail(status)
 
@@ -230,44 +235,45 @@ def _summary(status: dict) -> list[str]:
 TAIL_SHOWN = 5  # running parts named on the tail line
 
 
-def _tail(status: dict) -> list[str]:
+def _tail(status: JobStatus) -> list[str]:
     """The tail line (the running parts that finish last, their progress, speed and ETA) and one line
     per recommended action."""
-    tail, states = status["tail"], status["states"]
-    if states["done"] == status["num_parts"]:
+    tail, states = status.tail, status.states
+    if states["done"] == status.num_parts:
         return []
-    if status["work_items"]:
+    if status.work_items:
         counts = f"{states['missing']} pending, {states['running']} in progress, {states['done']} done"
     else:
         counts = f"{states['missing']} not started, {states['running']} running, {states['done']} done"
-    by_number = {p["part"]: p for p in status["parts"]}
-    shown = [_running(by_number[n], noun(status)) for n in tail["running"][:TAIL_SHOWN]]
+    by_number = {p.part: p for p in status.parts}
+    shown = [_running(by_number[n], noun(status)) for n in tail.running[:TAIL_SHOWN]]
     lines = [f"tail: {counts}" + (f"; last to finish: {', '.join(shown)}" if shown else "")]
     from mmtok.tools.status import stage_command
 
-    command = stage_command(status["modality"])
-    return lines + [f"action: {_action(a, noun(status), command, status['takes_over'])}" for a in tail["actions"]]
+    command = stage_command(status.modality)
+    return lines + [f"action: {_action(a, noun(status), command, status.takes_over)}" for a in tail.actions]
 
 
-def _running(part: dict, name: str) -> str:
-    progress = "?" if part["progress"] is None else f"{100 * part['progress']:.0f}%"
-    speed = "" if part["speed"] is None else f" at {part['speed']:.2f}x the median pace"
-    return f"{name} {part['part']} {progress}{speed}, eta {_duration(part['eta_s'])}"
+def _running(part: PartStatus, name: str) -> str:
+    progress = "?" if part.progress is None else f"{100 * part.progress:.0f}%"
+    speed = "" if part.speed is None else f" at {part.speed:.2f}x the median pace"
+    return f"{name} {part.part} {progress}{speed}, eta {_duration(part.eta_s)}"
 
 
-def _action(action: dict, name: str = "part", command: str = "mmtok encode", takes_over: bool = False) -> str:
-    kind = action["action"]
+def _action(action: Stalled | Slow | Waiting, name: str = "part", command: str = "mmtok encode",
+            takes_over: bool = False) -> str:
+    kind = action.action
     if kind == "slow":
-        return (f"{name} {action['part']} runs at {action['speed']:.2f}x the median pace: requeue it on another node "
+        return (f"{name} {action.part} runs at {action.speed:.2f}x the median pace: requeue it on another node "
                 "(cancel its task and exclude the node; the rerun resumes after its last commit)")
     if kind == "stalled":
-        pace = ("no batch yet, the others' take " if action.get("first") else "its batches take ") + \
-            _duration(action["unit_s"])
-        if action.get("expected_s"):
-            pace = f"the whole item should take {_duration(action['expected_s'])} at the median pace; {pace}"
-        return (f"{name} {action['part']} has committed nothing for {_duration(action['silent_s'])} ({pace}): its "
+        pace = ("no batch yet, the others' take " if action.first else "its batches take ") + \
+            _duration(action.unit_s)
+        if action.expected_s:
+            pace = f"the whole item should take {_duration(action.expected_s)} at the median pace; {pace}"
+        return (f"{name} {action.part} has committed nothing for {_duration(action.silent_s)} ({pace}): its "
                 "node may hang; requeue it on another node")
-    parts, many = listed(action["parts"]), plural(len(action["parts"]), name)
+    parts, many = listed(action.parts), plural(len(action.parts), name)
     if kind == "resume":
         return f"{many} stopped ({parts}): requeue their tasks or rerun the same {command} command"
     if name == "item" or takes_over:
@@ -277,25 +283,25 @@ def _action(action: dict, name: str = "part", command: str = "mmtok encode", tak
     return f"{many} not started ({parts}): in a SLURM array they start as slots free up; otherwise launch their ranks"
 
 
-def _slow(status: dict, number: int) -> str:
-    part = next(p for p in status["parts"] if p["part"] == number)
-    if part["state"] == "done":
-        return f"{noun(status)} {number} {_duration(part['wall_s'])}"
-    return f"{noun(status)} {number} {_duration(part['projected_s'])} projected"
+def _slow(status: JobStatus, number: int) -> str:
+    part = next(p for p in status.parts if p.part == number)
+    if part.state == "done":
+        return f"{noun(status)} {number} {_duration(part.wall_s)}"
+    return f"{noun(status)} {number} {_duration(part.projected_s)} projected"
 
 
-def _eta(status: dict) -> str:
-    states = status["states"]
-    if status["eta_s"] == 0.0:
+def _eta(status: JobStatus) -> str:
+    states = status.states
+    if status.eta_s == 0.0:
         return "none: every part is done (`mmtok merge OUT` next)"
     stuck = ", ".join(f"{states[s]} {state_label(status, s)}" for s in ("stopped", "missing", "damaged") if states[s])
     why = ("workers taking over items may do them, but their time is not in it"
-           if status["takes_over"] else "as they do not finish by themselves")
+           if status.takes_over else "as they do not finish by themselves")
     stuck = f"; not counted, {why}: {stuck}" if stuck else ""
-    if status["eta_s"] is None:
+    if status.eta_s is None:
         why = "no part is running" if not states["running"] else "a running part has committed nothing yet"
         return f"unknown ({why}){stuck}"
-    return f"{_duration(status['eta_s'])} (the slowest running part){stuck}"
+    return f"{_duration(status.eta_s)} (the slowest running part){stuck}"
 
 
 def _duration(seconds: float | None) -> str:
