@@ -161,7 +161,7 @@ def measured(status: dict) -> dict:
             "cpu": imbalance(np.array([p["cpu_s"] for p in parts])) if counted else None}
 
 
-def calibrate_tiny(codec, plan: Path, out: Path, max_shapes: int, repeats: int) -> dict:
+def calibrate_tiny(codec, plan: Path, out: Path, max_shapes: int, repeats: int) -> cal.Calibration:
     """Fit of the codec's cost model to its timings on the plan's shapes (`mmtok.plan.calibrate.plan_grid`,
     batch sizes 1 and 4), timed in CPU seconds of this process as `benchmarks/bench_calibrate.py` does
     on a shared CPU; written to `out` for `mmtok plan --cost-model`. Returns the calibration result."""
@@ -175,7 +175,7 @@ def calibrate_tiny(codec, plan: Path, out: Path, max_shapes: int, repeats: int) 
     identity = {**cal.codec_identity(codec, device), "clock": "CPU seconds of the process (time.process_time)"}
     result = cal.calibration_result(timings, grid, identity, repeats=repeats, warmup=0,
                                     timing_seconds=time.perf_counter() - started)
-    presets.write_calibration(out, result)
+    presets.write_calibration(out, result.to_json())
     return result
 
 
@@ -201,7 +201,7 @@ def pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.2f}%"
 
 
-def report(jobs: list[dict], calibration: dict | None, corpus: str, seconds: float) -> str:
+def report(jobs: list[dict], calibration: cal.Calibration | None, corpus: str, seconds: float) -> str:
     lines = ["## Rank balance, measured vs modeled (`benchmarks/bench_balance.py`)", "",
              f"Command: `{' '.join(['python', 'benchmarks/bench_balance.py', *sys.argv[1:]])}`  ",
              f"Machine: {machine()}.  ",
@@ -210,13 +210,12 @@ def report(jobs: list[dict], calibration: dict | None, corpus: str, seconds: flo
               f"do not compete for the cores; `job_status(out, plan)` reads the parts. {seconds / 60:.1f} min in "
               "all."), ""]
     if calibration:
-        info, model = calibration["calibration"], calibration["cost_model"]
-        held = info["errors"]["held_out"]
-        held_text = f", {pct(held['median'])} held out" if held else ""
+        model, errors = calibration.cost_model, calibration.evaluation.errors
+        held_text = f", {pct(errors.held_out.median)} held out" if errors.held_out else ""
         lines += [(f"Calibration of the tiny codec (`mmtok.plan.calibrate` on the default plan's shapes, CPU seconds, "
-                   f"{len(info['timings'])} batches, {info['timing_seconds']:.0f} s): a = {model['a']:.3g}, "
-                   f"b = {model['b']:.3g}, c = {model['c']:.3g}, batch = {model['batch']:.3g} s; per-batch error "
-                   f"median {pct(info['errors']['fitted']['median'])} timed{held_text}."), ""]
+                   f"{len(calibration.timings)} batches, {calibration.timing_seconds:.0f} s): a = {model.a:.3g}, "
+                   f"b = {model.b:.3g}, c = {model.c:.3g}, batch = {model.batch:.3g} s; per-batch error "
+                   f"median {pct(errors.fitted.median)} timed{held_text}."), ""]
     lines += [("Imbalance = max/mean - 1 over the 3 ranks. *Modeled*: the plan's figure (its cost model). *Codec's "
                "own cost*: the same rank ranges costed by the codec's real cost (stand-in: exactly pixels; tiny "
                "Emu3.5: its calibrated model). *Codec CPU*: thread CPU seconds inside `codec.encode` (the real codec "

@@ -64,21 +64,22 @@ def absolute_fit_errors(timings: list[cal.Timing], held: set) -> dict:
 
     train = [t for t in timings if (t.height, t.width) not in held]
     test = [t for t in timings if (t.height, t.width) in held]
-    return {"fitted": cal.error_stats(cal.relative_errors(fit(timings), timings)),
-            "held_out": cal.error_stats(cal.relative_errors(fit(train), test)) if test else None}
+    return cal.Errors(fitted=cal.error_stats(cal.relative_errors(fit(timings), timings)),
+                      held_out=cal.error_stats(cal.relative_errors(fit(train), test)) if test else None)
 
 
-def percent(stats: dict | None, key: str) -> str:
-    return f"{100 * stats[key]:.1f}%" if stats else "n/a"
+def percent(stats: cal.ErrorStats | None, key: str) -> str:
+    return f"{100 * getattr(stats, key):.1f}%" if stats else "n/a"
 
 
-def report(result: dict, absolute: dict, args, device: torch.device, seconds: float, config: dict) -> str:
-    info, model = result["calibration"], result["cost_model"]
-    rows = [("calibrated (`mmtok calibrate`, relative least squares)", info["errors"]),
+def report(result: cal.Calibration, absolute: cal.Errors, args, device: torch.device, seconds: float,
+           config: dict) -> str:
+    info, evaluation = result.identity, result.evaluation
+    rows = [("calibrated (`mmtok calibrate`, relative least squares)", evaluation.errors),
             ("same fit by absolute least squares", absolute),
-            ("analytic default (a=1, b=2e-5, c=64, batch=4096) x best scale", info["replaced"]["errors"])]
-    held = ", ".join(f"{h}x{w}" for h, w in info["held_out_shapes"])
-    shapes = sorted({(t["height"], t["width"]) for t in info["timings"]}, key=lambda s: (s[0] * s[1], s))
+            ("analytic default (a=1, b=2e-5, c=64, batch=4096) x best scale", evaluation.replaced.errors)]
+    held = ", ".join(f"{h}x{w}" for h, w in evaluation.held_out_shapes)
+    shapes = sorted({(t.height, t.width) for t in result.timings}, key=lambda s: (s[0] * s[1], s))
     d = config["ddconfig"]
     lines = [
         "## Cost-model calibration (`benchmarks/bench_calibrate.py`)", "",
@@ -87,26 +88,27 @@ def report(result: dict, absolute: dict, args, device: torch.device, seconds: fl
         f"Codec: Emu3.5, random weights, `{args.config}` config (ch {d['ch']}, {d['num_res_blocks']} ResNet blocks "
         f"per level, codebook {config['n_embed']:,} x {config['embed_dim']}), float32.  ",
         f"Grid: {len(shapes)} shapes of preset `{PRESET}` ({', '.join(f'{h}x{w}' for h, w in shapes)}); batch sizes "
-        f"{sorted({t['count'] for t in info['timings']})}; {len(info['timings'])} timed batches, median of "
-        f"{info['repeats']} runs each after {info['warmup']} warm-up run(s) per batch and one of the largest batch; "
+        f"{sorted({t.count for t in result.timings})}; {len(result.timings)} timed batches, median of "
+        f"{result.repeats} runs each after {result.warmup} warm-up run(s) per batch and one of the largest batch; "
         f"{seconds / 60:.1f} min of wall time. Clock: {info['clock']}. Held out: {held or 'none'} "
-        f"({info['errors']['held_out']['batches'] if info['errors']['held_out'] else 0} batches).", "",
+        f"({evaluation.errors.held_out.batches if evaluation.errors.held_out else 0} batches).", "",
         "Per-batch relative error |predicted/measured - 1| (held out: fitted without those shapes):", "",
         "| model | timed median | timed p95 | held-out median | held-out p95 | held-out max |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, errors in rows:
-        lines.append(f"| {name} | {percent(errors['fitted'], 'median')} | {percent(errors['fitted'], 'p95')} | "
-                     f"{percent(errors['held_out'], 'median')} | {percent(errors['held_out'], 'p95')} | "
-                     f"{percent(errors['held_out'], 'max')} |")
-    lines += ["", f"Fitted model (seconds): a = {model['a']:.4g} per latent position, b = {model['b']:.4g} per "
-              f"position pair, c = {model['c']:.4g} per image, batch = {model['batch']:.4g} per batch (stride "
-              f"{model['stride']}).", "", f"Timings (median {info['clock'].split(' (')[0]} per batch):", "",
-              "| shape | " + " | ".join(f"{k} img" for k in sorted({t['count'] for t in info["timings"]})) + " |",
-              "|---|" + "---:|" * len({t['count'] for t in info["timings"]})]
+        lines.append(f"| {name} | {percent(errors.fitted, 'median')} | {percent(errors.fitted, 'p95')} | "
+                     f"{percent(errors.held_out, 'median')} | {percent(errors.held_out, 'p95')} | "
+                     f"{percent(errors.held_out, 'max')} |")
+    model = result.cost_model
+    counts = sorted({t.count for t in result.timings})
+    lines += ["", f"Fitted model (seconds): a = {model.a:.4g} per latent position, b = {model.b:.4g} per "
+              f"position pair, c = {model.c:.4g} per image, batch = {model.batch:.4g} per batch (stride "
+              f"{model.stride}).", "", f"Timings (median {info['clock'].split(' (')[0]} per batch):", "",
+              "| shape | " + " | ".join(f"{k} img" for k in counts) + " |",
+              "|---|" + "---:|" * len(counts)]
     for h, w in shapes:
-        cells = {t["count"]: t["seconds"] for t in info["timings"] if (t["height"], t["width"]) == (h, w)}
-        counts = sorted({t["count"] for t in info["timings"]})
+        cells = {t.count: t.seconds for t in result.timings if (t.height, t.width) == (h, w)}
         lines.append(f"| {h}x{w} | " + " | ".join(f"{cells[k]:.2f}" if k in cells else "" for k in counts) + " |")
     return "\n".join(lines) + "\n"
 
@@ -146,12 +148,12 @@ def main() -> None:
     identity = {**cal.codec_identity(codec, device), "clock": CLOCKS[args.clock]}
     result = cal.calibration_result(timings, grid, identity, repeats=args.repeats, warmup=args.warmup,
                                     timing_seconds=seconds)
-    held = {tuple(s) for s in result["calibration"]["held_out_shapes"]}
+    held = {tuple(s) for s in result.evaluation.held_out_shapes}
     text = report(result, absolute_fit_errors(timings, held), args, device, seconds, config)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    presets.write_calibration(out.with_suffix(".yaml"), result)
+    presets.write_calibration(out.with_suffix(".yaml"), result.to_json())
     print(text)
     log(f"wrote {out} and {out.with_suffix('.yaml')}")
 

@@ -124,7 +124,7 @@ def test_fit_recovers_the_model_that_generated_the_timings(grid):
     for name in ("a", "b", "c", "batch"):
         assert getattr(fitted, name) == pytest.approx(getattr(TRUTH, name), rel=1e-4)
     noisy = cal.evaluate(synthetic(TRUTH, grid, noise=0.02), CostModel())
-    assert noisy["errors"]["held_out"]["median"] < 0.03 and noisy["errors"]["fitted"]["median"] < 0.03
+    assert noisy.errors.held_out.median < 0.03 and noisy.errors.fitted.median < 0.03
 
 
 def test_fit_and_the_whole_result_are_a_pure_function_of_the_timing_table(grid):
@@ -134,9 +134,9 @@ def test_fit_and_the_whole_result_are_a_pure_function_of_the_timing_table(grid):
     assert cal.fit_timings(shuffled) == cal.fit_timings(timings)
     first = cal.calibration_result(timings, grid, IDENTITY, repeats=3, warmup=1)
     assert cal.calibration_result(shuffled, grid, IDENTITY, repeats=3, warmup=1) == first
-    assert first["cost_model"]["source"] == ("mmtok calibrate: codec emu3.5 abababababab on cpu (2 threads), "
-                                             f"2026-01-01, held-out median error "
-                                             f"{100 * first['calibration']['errors']['held_out']['median']:.1f}%")
+    assert first.cost_model.source == ("mmtok calibrate: codec emu3.5 abababababab on cpu (2 threads), "
+                                       f"2026-01-01, held-out median error "
+                                       f"{100 * first.evaluation.errors.held_out.median:.1f}%")
 
 
 def test_held_out_split_is_deterministic_and_interpolates(grid):
@@ -145,25 +145,25 @@ def test_held_out_split_is_deterministic_and_interpolates(grid):
     assert held == cal.held_out_shapes(shapes[::-1]) == (grid.shapes[2], grid.shapes[5], grid.shapes[8])
     assert cal.held_out_shapes(shapes[:2]) == () and cal.held_out_shapes(shapes[:4], every=2) == (grid.shapes[1],)
     report = cal.evaluate(synthetic(TRUTH, grid), CostModel())
-    assert report["held_out_shapes"] == sorted([list(s) for s in held])
-    assert report["errors"]["held_out"]["batches"] == sum(1 for h, w, _ in cal.grid_cells(grid) if (h, w) in held)
+    assert report.held_out_shapes == sorted([list(s) for s in held])
+    assert report.errors.held_out.batches == sum(1 for h, w, _ in cal.grid_cells(grid) if (h, w) in held)
 
 
 def test_replaced_model_is_compared_after_its_best_scale(grid):
     timings = synthetic(TRUTH, grid)
     scaled = dataclasses.replace(TRUTH, a=TRUTH.a * 1e6, b=TRUTH.b * 1e6, c=TRUTH.c * 1e6, batch=TRUTH.batch * 1e6)
     report = cal.evaluate(timings, scaled)
-    assert report["replaced"]["scale"] == pytest.approx(1e-6)
-    assert report["replaced"]["errors"]["fitted"]["max"] < 1e-9
-    default = cal.evaluate(timings, CostModel())["replaced"]["errors"]
-    assert default["fitted"]["median"] > 0.05  # the analytic FLOP ratios are not this machine's
+    assert report.replaced.scale == pytest.approx(1e-6)
+    assert report.replaced.errors.fitted.max < 1e-9
+    default = cal.evaluate(timings, CostModel()).replaced.errors
+    assert default.fitted.median > 0.05  # the analytic FLOP ratios are not this machine's
 
 
 # ------------------------------------------------------------------------------- the file and the plan
 
 
 def test_calibration_file_round_trips_into_the_plan(grid, manifest, tmp_path):
-    result = cal.calibration_result(synthetic(TRUTH, grid, noise=0.01), grid, IDENTITY, repeats=3, warmup=1)
+    result = cal.calibration_result(synthetic(TRUTH, grid, noise=0.01), grid, IDENTITY, repeats=3, warmup=1).to_json()
     path = tmp_path / "cost.yaml"
     presets.write_calibration(path, result)
     assert yaml.safe_load(path.read_text()) == result

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import plural, print_json, print_summary
 from mmtok.errors import MmtokError
+
+if TYPE_CHECKING:  # calibration is imported when a calibration runs, not for `--help`
+    from mmtok.plan.calibrate import Calibration, ErrorStats
 
 DEFAULT_PRESET = "apertus-stage1"
 
@@ -67,34 +72,34 @@ def run(args) -> int:
     codec = load_codec(args.codec or DEFAULTS["image"], args.checkpoint, device, modality="image")
     result = calibrate(codec, device, grid, batch_sizes=sizes, max_images=args.max_images, repeats=args.repeats,
                        progress=not args.no_progress)
-    write_calibration(args.out, result)
+    write_calibration(args.out, result.to_json())
     if args.json:
-        print_json({"out": args.out, **result})
+        print_json({"out": args.out, **result.to_json()})
     else:
         print_summary("calibrate", summary(result, args))
     return 0
 
 
-def _errors(report: dict | None) -> str:
-    return f"{100 * report['median']:5.1f}% / {100 * report['p95']:5.1f}%" if report else "    (none held out)"
+def _errors(stats: ErrorStats | None) -> str:
+    return f"{100 * stats.median:5.1f}% / {100 * stats.p95:5.1f}%" if stats else "    (none held out)"
 
 
-def summary(result: dict, args) -> list[str]:
+def summary(result: Calibration, args) -> list[str]:
     """The model, its error next to the replaced model's, and the plan command that uses the file."""
-    model, info = result["cost_model"], result["calibration"]
-    replaced = info["replaced"]
-    shapes = len({(t["height"], t["width"]) for t in info["timings"]})
+    model, info, replaced = result.cost_model, result.identity, result.evaluation.replaced
+    errors = result.evaluation.errors
+    shapes = len({(t.height, t.width) for t in result.timings})
     # `mmtok plan` has no --plan flag: the plan's own command line is the one to extend
     after = f"re-run the `mmtok plan` that made {args.plan} with --cost-model {args.out} added" if args.plan else \
         f"mmtok plan MANIFEST --out PLAN --preset {args.preset or DEFAULT_PRESET} --cost-model {args.out}"
     return [
-        f"{info['codec']} on {info['device']}: {plural(len(info['timings']), 'batch', 'batches')} of "
-        f"{plural(shapes, 'shape')} ({info['grid']}) timed in {info['timing_seconds']:.1f} s",
-        f"cost = count*(a*n + b*n^2 + c) + batch, n = (h/{model['stride']})*(w/{model['stride']}), seconds: "
-        f"a={model['a']:.4g} b={model['b']:.4g} c={model['c']:.4g} batch={model['batch']:.4g}",
+        f"{info['codec']} on {info['device']}: {plural(len(result.timings), 'batch', 'batches')} of "
+        f"{plural(shapes, 'shape')} ({result.grid}) timed in {result.timing_seconds:.1f} s",
+        f"cost = count*(a*n + b*n^2 + c) + batch, n = (h/{model.stride})*(w/{model.stride}), seconds: "
+        f"a={model.a:.4g} b={model.b:.4g} c={model.c:.4g} batch={model.batch:.4g}",
         "per-batch error (median / p95)      timed shapes      held-out shapes",
-        f"calibrated model                 {_errors(info['errors']['fitted'])}   {_errors(info['errors']['held_out'])}",
-        f"replaced model (best scale)      {_errors(replaced['errors']['fitted'])}   "
-        f"{_errors(replaced['errors']['held_out'])}   [{replaced['cost_model']['source']}]",
+        f"calibrated model                 {_errors(errors.fitted)}   {_errors(errors.held_out)}",
+        f"replaced model (best scale)      {_errors(replaced.errors.fitted)}   "
+        f"{_errors(replaced.errors.held_out)}   [{replaced.cost_model.source}]",
         f"wrote {args.out}; next: {after}",
     ]

@@ -257,8 +257,8 @@ def load_preset(name_or_path: str) -> PlanParameters:
 
 # -- the cost model file `mmtok calibrate` writes: its `cost_model:` is what `CostModel.from_file` reads -----
 def write_calibration(path: str | os.PathLike, result: dict) -> None:
-    """Write `result` as YAML atomically (a crash leaves the old file or none): `cost_model:` in block
-    style, then `calibration:` with one line per timing row."""
+    """Write `result` (`mmtok.plan.calibrate.Calibration.to_json()`) as YAML atomically (a crash leaves the old
+    file or none): `cost_model:` in block style, then `calibration:` with one line per timing row."""
     import yaml
 
     class Dumper(yaml.SafeDumper):

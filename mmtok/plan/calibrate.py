@@ -252,10 +252,56 @@ def best_scale(model: CostModel, timings: Sequence[Timing]) -> float:
     return float(ratio.sum() / (ratio * ratio).sum())
 
 
-def error_stats(errors: np.ndarray) -> dict:
+@dataclass(frozen=True)
+class ErrorStats:
+    """Relative errors (fractions) of a model over timed batches."""
+
+    median: float
+    p95: float
+    max: float
+    batches: int
+
+
+def error_stats(errors: np.ndarray) -> ErrorStats:
     """Median, 95th percentile and max of relative errors (fractions), and how many batches."""
-    return {"median": float(np.median(errors)), "p95": float(np.percentile(errors, 95)),
-            "max": float(errors.max()), "batches": int(errors.size)}
+    return ErrorStats(median=float(np.median(errors)), p95=float(np.percentile(errors, 95)),
+                      max=float(errors.max()), batches=int(errors.size))
+
+
+@dataclass(frozen=True)
+class Errors:
+    """A model's errors on every timed batch, and on the held-out shapes for a fit without them (None when no
+    shape is held out)."""
+
+    fitted: ErrorStats
+    held_out: ErrorStats | None = None
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """The model a calibration replaces, compared after its best scale."""
+
+    cost_model: CostModel
+    scale: float
+    errors: Errors
+
+    def to_json(self) -> dict:
+        return {"cost_model": self.cost_model.to_dict(), "scale": self.scale,
+                "errors": dataclasses.asdict(self.errors)}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """`evaluate`'s result: the fit's errors beside those of the model it replaces."""
+
+    held_out_shapes: list[list[int]]  # [height, width], sorted
+    holdout_every: int
+    errors: Errors
+    replaced: Replaced
+
+    def to_json(self) -> dict:
+        return {"held_out_shapes": self.held_out_shapes, "holdout_every": self.holdout_every,
+                "errors": dataclasses.asdict(self.errors), "replaced": self.replaced.to_json()}
 
 
 def held_out_shapes(shapes: Sequence[tuple[int, int]], every: int = HOLDOUT_EVERY) -> tuple[tuple[int, int], ...]:
@@ -264,7 +310,7 @@ def held_out_shapes(shapes: Sequence[tuple[int, int]], every: int = HOLDOUT_EVER
     return tuple(s for i, s in enumerate(ordered) if i % every == every - 1 and 0 < i < len(ordered) - 1)
 
 
-def evaluate(timings: Sequence[Timing], replaced: CostModel, every: int = HOLDOUT_EVERY) -> dict:
+def evaluate(timings: Sequence[Timing], replaced: CostModel, every: int = HOLDOUT_EVERY) -> Evaluation:
     """Errors of the fit and of `replaced` (after its best scale): on every timed batch ("fitted"),
     and on the held-out shapes for a fit without them ("held_out", None when no shape is held out).
     The held-out scale of `replaced` is also chosen without the held-out shapes."""
@@ -273,18 +319,15 @@ def evaluate(timings: Sequence[Timing], replaced: CostModel, every: int = HOLDOU
     test = [t for t in timings if (t.height, t.width) in held]
     model = fit_timings(timings, replaced.stride)
     scale = best_scale(replaced, timings)
-    result = {
-        "held_out_shapes": [list(s) for s in sorted(held)], "holdout_every": every,
-        "errors": {"fitted": error_stats(relative_errors(model, timings)), "held_out": None},
-        "replaced": {"cost_model": replaced.to_dict(), "scale": scale,
-                     "errors": {"fitted": error_stats(relative_errors(replaced, timings, scale)), "held_out": None}},
-    }
+    fitted, replaced_fitted = error_stats(relative_errors(model, timings)), \
+        error_stats(relative_errors(replaced, timings, scale))
+    held_out = replaced_held_out = None
     if test:
-        partial = fit_timings(train, replaced.stride)
-        result["errors"]["held_out"] = error_stats(relative_errors(partial, test))
-        result["replaced"]["errors"]["held_out"] = error_stats(
-            relative_errors(replaced, test, best_scale(replaced, train)))
-    return result
+        held_out = error_stats(relative_errors(fit_timings(train, replaced.stride), test))
+        replaced_held_out = error_stats(relative_errors(replaced, test, best_scale(replaced, train)))
+    return Evaluation(held_out_shapes=[list(s) for s in sorted(held)], holdout_every=every,
+                      errors=Errors(fitted, held_out),
+                      replaced=Replaced(replaced, scale, Errors(replaced_fitted, replaced_held_out)))
 
 
 # -------------------------------------------------------------------------------------- the whole run
@@ -292,8 +335,8 @@ def evaluate(timings: Sequence[Timing], replaced: CostModel, every: int = HOLDOU
 
 def calibrate(codec, device, grid: Grid, *, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
               max_images: int | None = None, repeats: int = DEFAULT_REPEATS, warmup: int = DEFAULT_WARMUP,
-              every: int = HOLDOUT_EVERY, progress: bool = True) -> dict:
-    """Time the grid and fit: {"cost_model": mapping for plan, "calibration": evidence}."""
+              every: int = HOLDOUT_EVERY, progress: bool = True) -> Calibration:
+    """Time the grid and fit."""
     if codec.modality != "image":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; calibrate times image codecs only "
                          "(the plan's cost model is for image batches)")
@@ -315,19 +358,38 @@ def codec_identity(codec, device) -> dict:
             "torch": str(torch.__version__), "date": datetime.date.today().isoformat()}
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration: the fitted model and its evidence. `to_json()` is the file `write_calibration` writes (and
+    `mmtok calibrate --json` prints): `cost_model:` for the plan, `calibration:` the evidence."""
+
+    cost_model: CostModel
+    identity: dict  # `codec_identity`: codec, checkpoint, device, torch, date (a benchmark adds its clock)
+    grid: str  # the grid's origin: "preset NAME" or "plan DIR"
+    repeats: int
+    warmup: int
+    timing_seconds: float
+    evaluation: Evaluation
+    timings: tuple[Timing, ...]  # sorted by Timing.key
+
+    def to_json(self) -> dict:
+        table = [{"height": t.height, "width": t.width, "count": t.count, "seconds": t.seconds, "runs": list(t.runs)}
+                 for t in self.timings]
+        return {"cost_model": self.cost_model.to_dict(),
+                "calibration": {**self.identity, "grid": self.grid, "repeats": self.repeats, "warmup": self.warmup,
+                                "timing_seconds": self.timing_seconds, **self.evaluation.to_json(), "timings": table}}
+
+
 def calibration_result(timings: Sequence[Timing], grid: Grid, identity: dict, *, repeats: int, warmup: int,
-                       every: int = HOLDOUT_EVERY, timing_seconds: float = 0.0) -> dict:
-    """The file's content from a timing table (pure: equal tables and identities give equal results)."""
+                       every: int = HOLDOUT_EVERY, timing_seconds: float = 0.0) -> Calibration:
+    """The calibration of a timing table (pure: equal tables and identities give equal results)."""
     timings = sorted(timings, key=Timing.key)
     report = evaluate(timings, grid.replaced, every)
-    errors = report["errors"]
-    quoted = (f"held-out median error {100 * errors['held_out']['median']:.1f}%" if errors["held_out"]
-              else f"fitted median error {100 * errors['fitted']['median']:.1f}% (no held-out shapes)")
+    errors = report.errors
+    quoted = (f"held-out median error {100 * errors.held_out.median:.1f}%" if errors.held_out
+              else f"fitted median error {100 * errors.fitted.median:.1f}% (no held-out shapes)")
     source = (f"mmtok calibrate: codec {identity['codec']} {identity['checkpoint_sha256'][:12]} on "
               f"{identity['device']}, {identity['date']}, {quoted}")
     model = dataclasses.replace(fit_timings(timings, grid.replaced.stride), source=source)
-    table = [{"height": t.height, "width": t.width, "count": t.count, "seconds": t.seconds, "runs": list(t.runs)}
-             for t in timings]
-    return {"cost_model": model.to_dict(),
-            "calibration": {**identity, "grid": grid.origin, "repeats": repeats, "warmup": warmup,
-                            "timing_seconds": timing_seconds, **report, "timings": table}}
+    return Calibration(cost_model=model, identity=identity, grid=grid.origin, repeats=repeats, warmup=warmup,
+                       timing_seconds=timing_seconds, evaluation=report, timings=tuple(timings))
