@@ -21,6 +21,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ import torch
 from mmtok.bench import inputs
 from mmtok.errors import MmtokError
 from mmtok.fsutil import sync
+
+if TYPE_CHECKING:
+    from mmtok.bench.report import BenchSummary
 
 RESULTS = "results.csv"
 RUN = "run.json"
@@ -196,8 +200,8 @@ class RunOptions:
     progress: bool = True
 
 
-def run(options: RunOptions) -> dict:
-    """Run (or resume) the benchmark and write the report; returns the summary dict."""
+def run(options: RunOptions) -> BenchSummary:
+    """Run (or resume) the benchmark and write the report; returns its summary."""
     from mmtok.bench.report import write_bench_report
     from mmtok.launch import resolve_device
 

@@ -11,6 +11,7 @@ mean over a set containing one is inf, printed as "inf" (summary.json writes "in
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import math
@@ -124,7 +125,22 @@ def slug(text: str) -> str:
     return f"{clean}-{hashlib.sha256(text.encode()).hexdigest()[:6]}"
 
 
-def write_bench_report(out: Path, identity: dict, rows: list[dict], excluded: dict, timing: dict) -> dict:
+@dataclass(frozen=True)
+class BenchSummary:
+    """What a benchmark run found; `to_json()` is summary.json."""
+
+    identity: dict  # the run's identity (run.json): input, tokenizers, metrics settings
+    means: dict  # tokenizer label -> category (or OVERALL) -> metric key -> mean (non-finite ones as in JSON)
+    status_counts: dict[str, dict[str, int]]  # tokenizer label -> item status -> rows
+    excluded_from_catalog: dict[str, int]  # reason -> catalog rows left out
+    items: int
+    this_invocation_timing_s: dict  # seconds of this invocation, by phase
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def write_bench_report(out: Path, identity: dict, rows: list[dict], excluded: dict, timing: dict) -> BenchSummary:
     """Write report.md, summary.json, metrics.png and grids/ (images) from the results rows; returns the summary."""
     modality = identity["modality"]
     metrics = METRICS[modality]
@@ -132,10 +148,10 @@ def write_bench_report(out: Path, identity: dict, rows: list[dict], excluded: di
     categories = sorted({r["category"] for r in rows})
     stats = aggregate(rows, metrics, labels)
     statuses = {label: dict(Counter(r["status"] for r in rows if r["tokenizer"] == label)) for label in labels}
-    summary = {"identity": identity, "means": _json_safe(stats), "status_counts": statuses,
-               "excluded_from_catalog": excluded, "items": len({r["item"] for r in rows}),
-               "this_invocation_timing_s": timing}
-    atomic_write_json(out / "summary.json", summary)
+    summary = BenchSummary(identity=identity, means=_json_safe(stats), status_counts=statuses,
+                           excluded_from_catalog=excluded, items=len({r["item"] for r in rows}),
+                           this_invocation_timing_s=timing)
+    atomic_write_json(out / "summary.json", summary.to_json())
     kept = _kept_files(out, rows, labels, modality)
     lines = _markdown(identity, stats, metrics, labels, categories, statuses, excluded, kept, modality)
     atomic_write_bytes(out / "report.md", ("\n".join(lines) + "\n").encode("utf-8"))

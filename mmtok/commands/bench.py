@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.options import add_device_argument
 from mmtok.commands.report import plural, print_summary
+
+if TYPE_CHECKING:  # the benchmark is imported when it runs, not for `--help`
+    from mmtok.bench.report import BenchSummary
 
 
 def add_parser(sub) -> None:
@@ -70,14 +74,14 @@ def run(args) -> int:
     return 0
 
 
-def _summary_lines(summary: dict, out: Path) -> list[str]:
+def _summary_lines(summary: BenchSummary, out: Path) -> list[str]:
     from mmtok.bench.report import METRICS, OVERALL
 
-    metrics = METRICS[summary["identity"]["modality"]]
-    lines = [f"{plural(summary['items'], 'item')} -> {out}/report.md"]
-    for label, groups in summary["means"].items():
+    metrics = METRICS[summary.identity["modality"]]
+    lines = [f"{plural(summary.items, 'item')} -> {out}/report.md"]
+    for label, groups in summary.means.items():
         overall = groups.get(OVERALL, {})
         values = ", ".join(f"{m.key} {overall.get(m.key)!s:.8}" for m in metrics)
-        counts = summary["status_counts"].get(label, {})
+        counts = summary.status_counts.get(label, {})
         lines.append(f"{label}: {overall.get('n', 0)} scored ({counts}); {values}")
     return lines
