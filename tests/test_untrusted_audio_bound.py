@@ -167,6 +167,26 @@ def test_a_conversion_from_before_shard_checksums_is_refused_with_what_to_rerun(
     assert "mmtok audio convert" in _one_line_refusal(capsys, "conversion.json")
 
 
+@pytest.mark.parametrize(("damage", "key"), [
+    (lambda report: report["shards"][0].update(duration="12.5"), "duration"),
+    (lambda report: report["shards"][1].pop("recording_sha256"), "recording_sha256"),
+    (lambda report: report.update(shards={"0": {}}), "shards"),
+    (lambda report: report["cursor"].update(unit=None), "unit"),
+    (lambda report: report.update(complete="yes"), "complete"),
+    (lambda report: report["counts"].update(written=[2]), "written"),
+])
+def test_a_conversion_report_of_the_wrong_shape_is_refused_naming_the_key(pipeline, tmp_path, capsys, damage, key):
+    """conversion.json is read back (encode trusts its shard digests, a resumed conversion its cursor): a report
+    that parses but has the wrong shape is one line naming the file and the key, never a traceback."""
+    root = _copy(pipeline, tmp_path, "conv")
+    report = json.loads((root / "conv" / "conversion.json").read_text())
+    damage(report)
+    (root / "conv" / "conversion.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    assert _encode_command(pipeline, root / "conv", root / "enc") == 2
+    _one_line_refusal(capsys, "conversion.json", repr(key))
+
+
 def test_a_flipped_bit_in_the_carry_is_refused_naming_the_part(tmp_path):
     ids = np.arange(262_344, 262_354, dtype=np.int32)
     with PartWriter(tmp_path / "part-00000", {"modality": "audio"}) as part:

@@ -33,7 +33,7 @@ import signal
 import sys
 from collections import Counter
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -262,7 +262,7 @@ def make_cut(clip: Clip):
                    supervisions=supervisions, custom=custom)
 
 
-def write_shar_shard(out: Path, index: int, clips: list[Clip]) -> dict:
+def write_shar_shard(out: Path, index: int, clips: list[Clip]) -> shar_format.ShardRecord:
     """Write shard `index` with lhotse's SharWriter under OUT/.work, then move it into OUT/shar."""
     from lhotse.audio.backend import audio_backend
     from lhotse.shar import SharWriter
@@ -281,7 +281,7 @@ def write_shar_shard(out: Path, index: int, clips: list[Clip]) -> dict:
         shutil.rmtree(work, ignore_errors=True)
         raise with_filename(err, work) from None
     duration = sum(c.num_samples for c in clips) / TARGET_SAMPLE_RATE
-    return {"index": index, "cuts": len(clips), "duration": duration, **shar_format.shard_digests(cuts)}
+    return shar_format.shard_record(cuts, len(clips), duration)
 
 
 def _abandon(writer) -> None:
@@ -326,31 +326,30 @@ class Conversion:
         self.report = self._load_or_start(identity)
         self.shar = out / shar_format.SHAR_DIR
         self.shar.mkdir(parents=True, exist_ok=True)
-        self.counts = Counter(self.report["counts"])
+        self.counts = Counter(self.report.counts)
         self.seen: set[str] = set()
-        for shard in self.report["shards"]:
-            cuts_name = shar_format.shard_files(shard["index"])[0]
+        for shard in self.report.shards:
+            cuts_name = shar_format.shard_files(shard.index)[0]
             self.seen.update(cut["id"] for cut in shar_format.read_cut_dicts(self.shar / cuts_name))
         self.buffer: list[Clip] = []
         self.skipped: list[SkipRecord] = []
 
-    def _load_or_start(self, identity: dict) -> dict:
+    def _load_or_start(self, identity: dict) -> shar_format.ConversionReport:
         from mmtok.formats.partdir import identity_difference
 
         report = shar_format.read_report(self.out)
         if report is not None:
-            difference = identity_difference(report.get("identity"), identity)
+            difference = identity_difference(report.identity, identity)
             if difference:
                 raise MmtokError(f"{self.out / shar_format.REPORT}: refusing to resume a conversion with different "
                                  f"settings: {difference}. Rerun with the original inputs/options, or use another "
                                  "--out.")
             return report
-        return {"format": shar_format.REPORT_FORMAT, "identity": identity, "complete": False,
-                "cursor": {"unit": 0, "skip": 0}, "shards": [], "counts": {}}
+        return shar_format.ConversionReport(identity)
 
     @property
     def next_shard(self) -> int:
-        return len(self.report["shards"])
+        return len(self.report.shards)
 
     def add(self, result: Clip | SkipRecord) -> None:
         """Count one clip or record of a unit (in, then written or skipped) and buffer it."""
@@ -374,26 +373,35 @@ class Conversion:
             self.counts["in"] += count
             self.counts[f"ignored:{extension}"] += count
 
-    def flush(self, cursor: dict, *, final: bool = False) -> None:
+    def flush(self, cursor: shar_format.Cursor, *, final: bool = False) -> None:
         """Write the buffered clips as the next shard (and their drops), then record the cursor durably."""
+        shards = self.report.shards
         if self.buffer:
             index = self.next_shard
-            self.report["shards"].append(write_shar_shard(self.out, index, self.buffer))
+            shards = (*shards, write_shar_shard(self.out, index, self.buffer))
             write_skipped(self.out, f"{index:06d}", self.skipped)
         elif final:
             write_skipped(self.out, "tail", self.skipped)
         self.buffer, self.skipped = [], []
-        self.report.update(cursor=cursor, counts=dict(sorted(self.counts.items())), complete=final,
-                           duration_written=sum(s["duration"] for s in self.report["shards"]))
+        self.report = replace(self.report, cursor=cursor, shards=shards, counts=dict(sorted(self.counts.items())),
+                              complete=final, duration_written=sum(s.duration for s in shards))
         shar_format.write_conversion_report(self.out, self.report)
+
+
+@dataclass(frozen=True)
+class Converted:
+    """`convert`'s result: the report written, and whether an earlier run had already completed it."""
+
+    report: shar_format.ConversionReport
+    already_done: bool
 
 
 def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str = "auto",
             transcripts: Path | None = None, audio_column: str = "audio", text_column: str = "text",
             workers: int = 1, progress: bool = True, allow_command_sources: bool = False,
-            media_roots: Sequence[Path] = ()) -> dict:
+            media_roots: Sequence[Path] = ()) -> Converted:
     """Convert `inputs` into Lhotse Shar shards under `out`; returns the conversion report (what
-    OUT/conversion.json holds) and `already_done`: whether an earlier run had finished the conversion.
+    OUT/conversion.json holds) and whether an earlier run had finished the conversion.
     Lhotse `command`/`url` sources are run or fetched only with `allow_command_sources`; conversation audio
     files are read only inside each input's directory or `media_roots`.
 
@@ -414,17 +422,17 @@ def convert(inputs: list[Path], out: Path, options: ConvertOptions, *, kind: str
         if media_roots:
             identity["media_roots"] = list(check_media_roots(media_roots))
         state = Conversion(out, identity, options)
-        if state.report["complete"]:
-            return {**state.report, "already_done": True}
+        if state.report.complete:
+            return Converted(state.report, already_done=True)
         collected = collect_units(inputs, kind=kind, transcripts=transcripts, audio_column=audio_column,
                                   text_column=text_column, exclude=out, allow_command_sources=allow_command_sources,
                                   media_roots=media_roots)
         write_skipped(out, "inputs", collected.skipped)
         convert_units(state, collected.units, workers, tokenizer, progress)
         state.add_inputs(collected)
-        state.flush({"unit": len(collected.units), "skip": 0}, final=True)
+        state.flush(shar_format.Cursor(unit=len(collected.units)), final=True)
         shutil.rmtree(out / shar_format.WORK_DIR, ignore_errors=True)
-    return {**state.report, "already_done": False}
+    return Converted(state.report, already_done=False)
 
 
 def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer, progress: bool) -> None:
@@ -432,7 +440,7 @@ def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer,
     from mmtok.progress import progress as progress_bar
 
     options = state.options
-    start, skip = state.report["cursor"]["unit"], state.report["cursor"]["skip"]
+    start, skip = state.report.cursor.unit, state.report.cursor.skip
     bar = progress_bar(total=len(units), initial=start, unit="unit", desc="audio convert", enabled=progress)
     for number, results in enumerate(ordered_results(units[start:], options, workers, tokenizer), start):
         first = skip if number == start else 0
@@ -440,7 +448,7 @@ def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer,
             state.add(results[position])
             if len(state.buffer) == options.shard_size:
                 after = position + 1
-                state.flush({"unit": number + (after == len(results)), "skip": after % len(results)})
+                state.flush(shar_format.Cursor(unit=number + (after == len(results)), skip=after % len(results)))
         bar.update(1)
         bar.set_postfix(clips=state.counts["written"], shards=state.next_shard)
     bar.close()

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.report import plural, print_summary, reasons
 from mmtok.commands.sources import add_media_root
 from mmtok.formats import skips
 from mmtok.formats.interleave import LONG_MAX_TOKENS, STAGE_MAX_TOKENS, InterleaveSummary
+
+if TYPE_CHECKING:  # conversion is imported when it runs, not for `--help`
+    from mmtok.audio.convert import Converted
 
 CONVERT_HELP = """\
 Convert audio sources into Lhotse Shar shards: 24 kHz mono audio (24-bit FLAC) with the text already
@@ -119,15 +123,15 @@ def run(args) -> int:
         if args.allow_command_sources:
             print_summary("audio convert", "warning: --allow-command-sources: the shell commands and URLs of the "
                           "Lhotse manifests' sources are run and fetched as you; use it only for manifests you trust")
-        report = convert(args.inputs, args.out, options, kind=args.kind, transcripts=args.transcripts,
+        converted = convert(args.inputs, args.out, options, kind=args.kind, transcripts=args.transcripts,
                          audio_column=args.audio_column, text_column=args.text_column, workers=args.workers,
                          progress=not args.no_progress, allow_command_sources=args.allow_command_sources,
                          media_roots=args.media_root)
-        print_summary("audio convert", convert_line(report))
-        if not report["counts"].get("written", 0):  # as scan and interleave: nothing usable is a failure
+        print_summary("audio convert", convert_line(converted))
+        if not converted.report.counts.get("written", 0):  # as scan and interleave: nothing usable is a failure
             from mmtok.formats.shar import SKIPPED_DIR
 
-            found = plural(report["counts"].get("in", 0), "input")
+            found = plural(converted.report.counts.get("in", 0), "input")
             raise MmtokError(f"no clip was written from {args.out}'s inputs ({found} found; each skip is named in "
                              f"{Path(args.out) / SKIPPED_DIR}): check the inputs and the options above")
         return 0
@@ -141,13 +145,14 @@ def run(args) -> int:
     return 0
 
 
-def convert_line(report: dict) -> str:
+def convert_line(converted: Converted) -> str:
     """One line: in = written + skipped + ignored, each with its reasons / extensions."""
-    counts = report["counts"]
-    hours = sum(s["duration"] for s in report["shards"]) / 3600
-    parts = [f"{'already complete: ' if report['already_done'] else ''}in {counts.get('in', 0):,}: "
+    report = converted.report
+    counts = report.counts
+    hours = sum(s.duration for s in report.shards) / 3600
+    parts = [f"{'already complete: ' if converted.already_done else ''}in {counts.get('in', 0):,}: "
              f"{plural(counts.get('written', 0), 'clip')} ({hours:.3f} h) written in "
-             f"{plural(len(report['shards']), 'shard')}"]
+             f"{plural(len(report.shards), 'shard')}"]
     ignored = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("ignored:")}
     for noun, these in (("skipped", skips.by_reason(counts)), ("ignored non-audio files", ignored)):
         if these:

@@ -42,7 +42,15 @@ from mmtok.formats import skips
 from mmtok.formats.audio_cache import CACHE_FORMAT
 from mmtok.formats.partdir import check_identity, is_done, lock_part, part_dir
 from mmtok.formats.parts import refuse_other_run, timing_stats
-from mmtok.formats.shar import SOURCE_DIGEST, SharShard, discover_shards, index_members, shard_fingerprint, verify_shard
+from mmtok.formats.shar import (
+    SOURCE_DIGEST,
+    ConversionReport,
+    SharShard,
+    discover_shards,
+    index_members,
+    shard_fingerprint,
+    verify_shard,
+)
 from mmtok.formats.skips import SkipRecord
 from mmtok.formats.tar import MemberTruncated, read_range
 from mmtok.fsutil import LockHeld
@@ -403,11 +411,12 @@ def _part_work(shard: SharShard, directory: Path, lock, context: Context, batchi
     return w
 
 
-def build_context(out: Path, codec, tokenizer, sequences: str, batching: Batching, report: dict | None) -> Context:
+def build_context(out: Path, codec, tokenizer, sequences: str, batching: Batching,
+                  report: ConversionReport | None) -> Context:
     from mmtok.vocab import VocabLayout
 
     if report is not None:
-        difference = tokenizer_difference(report["identity"]["text_tokenizer"], tokenizer.describe())
+        difference = tokenizer_difference(report.identity["text_tokenizer"], tokenizer.describe())
         if difference:
             raise MmtokError(f"the Shar text was tokenized with another text tokenizer than --text-tokenizer: "
                              f"{difference}; pass the conversion's tokenizer")
@@ -418,7 +427,7 @@ def build_context(out: Path, codec, tokenizer, sequences: str, batching: Batchin
     identity = {"modality": "audio", "tool": f"mmtok {__version__}", "codec": codec.describe(),
                 "text_tokenizer": tokenizer.describe(), "vocab": layout.to_dict(), "sequences": sequences,
                 "sequence_layout": builder.describe(), "batching": batching.to_dict(), "preprocess": preprocess,
-                "conversion": None if report is None else {k: report["identity"][k] for k in ("options", "storage")}}
+                "conversion": None if report is None else {k: report.identity[k] for k in ("options", "storage")}}
     cache_metadata = {"num_parts": None, "vocab": layout.to_dict(), "text_tokenizer": tokenizer.describe(),
                       "codec": codec.describe(), "trim": trim_of(codec), "format": CACHE_FORMAT}
     return Context(out, builder, tokenizer, sequences, identity, cache_metadata)

@@ -5,9 +5,10 @@
   OUT/shar/cuts.NNNNNN.jsonl.gz    the cuts of shard NNNNNN (indices 0..n-1), written by lhotse's SharWriter
                                    (its gzip header time set to 0: equal clips give equal bytes)
   OUT/shar/recording.NNNNNN.tar    their audio: one member `<cut id>.flac` per cut (the `recording` field)
-  OUT/conversion.json              the conversion report (REPORT_FORMAT): `shards` (index, cuts, duration,
-                                   cuts_sha256, recording_sha256), `complete`, counts and the resume
-                                   cursor; rewritten atomically after every shard
+  OUT/conversion.json              the conversion report (REPORT_FORMAT, `ConversionReport`): `shards`
+                                   (index, cuts, duration, cuts_sha256, recording_sha256), `complete`,
+                                   counts and the resume cursor; rewritten atomically after every shard,
+                                   its shape checked when it is read back
   OUT/dropped/dropped.{inputs,NNNNNN,tail}.jsonl
                                    the skip records (`mmtok.formats.skips`) of what the inputs, shard
                                    NNNNNN's units and the run's tail dropped
@@ -32,12 +33,12 @@ import hashlib
 import json
 import shutil
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mmtok.errors import MmtokError
 from mmtok.formats.tar import Damage, read_members
-from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, read_json_object, sha256_file
+from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, read_json_object, required, sha256_file
 
 SHAR_DIR = "shar"
 WORK_DIR = ".work"
@@ -98,10 +99,13 @@ def publish_shard(out: Path, index: int) -> Path:
     return shar / shard_files(index)[0]
 
 
-def shard_digests(cuts_path: Path) -> dict:
-    """What the report records to verify shard `cuts_path` (and its recording tar) by."""
-    recording = cuts_path.with_name(shard_files(int(cuts_path.name.split(".")[1]))[1])
-    return {"cuts_sha256": manifest_sha256(cuts_path), "recording_sha256": sha256_file(recording)}
+def shard_record(cuts_path: Path, cuts: int, duration: float) -> ShardRecord:
+    """The report's record of the shard of `cuts_path` (just published): its digests, to verify it (and its
+    recording tar) by."""
+    index = int(cuts_path.name.split(".")[1])
+    recording = cuts_path.with_name(shard_files(index)[1])
+    return ShardRecord(index=index, cuts=cuts, duration=duration, cuts_sha256=manifest_sha256(cuts_path),
+                       recording_sha256=sha256_file(recording))
 
 
 def source_digest(data: bytes) -> str:
@@ -109,20 +113,79 @@ def source_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_conversion_report(out: Path, report: dict) -> None:
+@dataclass(frozen=True)
+class ShardRecord:
+    """One finished shard as the report records it: what encode verifies it by (`verify_shard`)."""
+
+    index: int
+    cuts: int
+    duration: float  # seconds of audio
+    cuts_sha256: str  # of the decompressed cuts manifest
+    recording_sha256: str  # of the recording tar
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> ShardRecord:
+        return cls(index=required(value, "index", int, path), cuts=required(value, "cuts", int, path),
+                   duration=required(value, "duration", (int, float), path),
+                   cuts_sha256=required(value, "cuts_sha256", str, path),
+                   recording_sha256=required(value, "recording_sha256", str, path))
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a conversion resumes: unit `unit` of the inputs, after its first `skip` results (in shards)."""
+
+    unit: int = 0
+    skip: int = 0
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """OUT/conversion.json: the run's identity (checked on resume), whether it is complete, the resume cursor,
+    the shards written, the counts by reason. `to_json()` is the file: `format` first, then the fields in order."""
+
+    identity: dict  # what the conversion depends on (inputs, options, tokenizer...): resume compares it
+    complete: bool = False
+    cursor: Cursor = Cursor()
+    shards: tuple[ShardRecord, ...] = ()
+    counts: dict[str, int] = field(default_factory=dict)  # "in", "written", skip and "ignored:EXT" counters
+    duration_written: float = 0.0  # seconds, the shards' sum
+
+    def to_json(self) -> dict:
+        return {"format": REPORT_FORMAT, **asdict(self)}  # shards: a tuple of objects, a JSON list
+
+    @classmethod
+    def from_json(cls, document: dict, path: Path) -> ConversionReport:
+        """The report of `document` (a parsed conversion.json), its shape checked: DamagedFile naming the key."""
+        cursor = required(document, "cursor", dict, path)
+        counts = required(document, "counts", dict, path)
+        for key in counts:
+            required(counts, key, int, path)
+        shards = tuple(ShardRecord.from_json(value, path) for value in required(document, "shards", list, path))
+        return cls(identity=required(document, "identity", dict, path),
+                   complete=required(document, "complete", bool, path),
+                   cursor=Cursor(unit=required(cursor, "unit", int, path), skip=required(cursor, "skip", int, path)),
+                   shards=shards, counts=counts,
+                   duration_written=required(document, "duration_written", (int, float), path,
+                                             sum(s.duration for s in shards)))
+
+
+def write_conversion_report(out: Path, report: ConversionReport) -> None:
     """Atomically (re)write OUT/conversion.json."""
-    atomic_write_json(out / REPORT, report)
+    atomic_write_json(out / REPORT, report.to_json())
 
 
 # --- reader side ------------------------------------------------------------------------------------
 
-def read_report(out: Path) -> dict | None:
-    """OUT/conversion.json, or None when OUT has none; refuses a report of another format."""
+def read_report(out: Path) -> ConversionReport | None:
+    """OUT/conversion.json, or None when OUT has none; refuses a report of another format or shape."""
     report = read_json_object(out / REPORT)
-    if report is not None and report.get("format") != REPORT_FORMAT:
+    if report is None:
+        return None
+    if report.get("format") != REPORT_FORMAT:
         raise MmtokError(f"{out / REPORT}: a conversion of format {report.get('format')!r} (before shard checksums); "
                          f"this mmtok reads {REPORT_FORMAT}: re-run `mmtok audio convert` into a new --out")
-    return report
+    return ConversionReport.from_json(report, out / REPORT)
 
 
 def _manifest_bytes(path: Path) -> bytes:
@@ -156,14 +219,14 @@ class SharShard:
     recording_path: Path
     duration: float
     num_cuts: int
-    recorded: dict | None = None  # the report's digests of the shard (None: a bare Shar, nothing to verify)
+    recorded: ShardRecord | None = None  # the report's record of the shard (None: a bare Shar, nothing to verify)
 
 
-def shar_location(path: Path) -> tuple[Path, dict | None]:
+def shar_location(path: Path) -> tuple[Path, ConversionReport | None]:
     """(Shar directory, conversion report or None) for a `mmtok audio convert` output or a bare Shar dir."""
     report = read_report(path) if (path / SHAR_DIR).is_dir() else None
     if report is not None:
-        if not report.get("complete"):
+        if not report.complete:
             raise MmtokError(f"{path / REPORT}: the conversion is not complete; rerun `mmtok audio convert` with the "
                              "same arguments to finish it before encoding")
         return path / SHAR_DIR, report
@@ -173,7 +236,7 @@ def shar_location(path: Path) -> tuple[Path, dict | None]:
     return path, None
 
 
-def discover_shards(path: Path) -> tuple[list[SharShard], dict | None]:
+def discover_shards(path: Path) -> tuple[list[SharShard], ConversionReport | None]:
     """Every shard 0..n-1 of a Shar directory with its total duration (from the conversion report when
     there is one, else summed from the cuts manifests)."""
     shar, report = shar_location(path)
@@ -181,19 +244,19 @@ def discover_shards(path: Path) -> tuple[list[SharShard], dict | None]:
     if indices != list(range(len(indices))):
         missing = sorted(set(range(max(indices) + 1)) - set(indices))
         raise MmtokError(f"{shar}: shard indices must be 0..n-1; missing {missing[:10]}")
-    recorded = {s["index"]: s for s in report["shards"]} if report else {}
+    recorded = {s.index: s for s in report.shards} if report else {}
     shards = []
     for index in indices:
         cuts_name, recording_name = shard_files(index)
         if not (shar / recording_name).is_file():
             raise MmtokError(f"{shar / recording_name}: missing (every Shar shard needs its recording tar)")
         if index in recorded:
-            duration, count = recorded[index]["duration"], recorded[index]["cuts"]
+            duration, count = recorded[index].duration, recorded[index].cuts
         else:
             durations = [c["duration"] for c in read_cut_dicts(shar / cuts_name)]
             duration, count = sum(durations), len(durations)
-        digests = {k: recorded[index][k] for k in ("cuts_sha256", "recording_sha256")} if index in recorded else None
-        shards.append(SharShard(index, shar / cuts_name, shar / recording_name, float(duration), int(count), digests))
+        shards.append(SharShard(index, shar / cuts_name, shar / recording_name, float(duration), int(count),
+                                recorded.get(index)))
     return shards, report
 
 
@@ -209,10 +272,10 @@ def verify_shard(shard: SharShard) -> None:
     its conversion recorded; a bare Shar's shards have no record and pass."""
     if shard.recorded is None:
         return
-    found = {"cuts_sha256": (shard.cuts_path, manifest_sha256(shard.cuts_path)),
-             "recording_sha256": (shard.recording_path, sha256_file(shard.recording_path))}
-    for key, (path, digest) in found.items():
-        if digest != shard.recorded[key]:
+    found = ((shard.cuts_path, manifest_sha256(shard.cuts_path), shard.recorded.cuts_sha256),
+             (shard.recording_path, sha256_file(shard.recording_path), shard.recorded.recording_sha256))
+    for path, digest, recorded in found:
+        if digest != recorded:
             raise MmtokError(f"{path}: does not match the sha256 that {REPORT} recorded (bit rot, a damaged copy or "
                              "a changed file); re-run `mmtok audio convert` into a new --out")
 
