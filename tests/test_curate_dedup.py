@@ -272,6 +272,31 @@ def test_plan_refuses_a_duplicate_list_whose_rows_are_not_its_manifests(sources,
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize(("damage", "key"), [
+    (lambda meta: meta["counts"]["web"].update(kept="3"), "kept"),
+    (lambda meta: meta["inputs"][0].pop("manifest_fingerprint"), "manifest_fingerprint"),
+    (lambda meta: meta["policy"].update(frames=["radius", 4]), "rule"),
+    (lambda meta: meta.update(groups=None), "groups"),
+    (lambda meta: meta["captions"].update(unchecked_sources=[1]), "unchecked_sources"),
+    (lambda meta: meta.update(held_sha256=7), "held_sha256"),
+])
+def test_a_duplicate_list_of_the_wrong_shape_is_refused_naming_the_key(sources, tmp_path, capsys, damage, key):
+    """dedup.json is read back by `plan --exclude` (and the report): one that parses but has the wrong shape is one
+    line naming the file and the key, before any row is planned -- never a traceback, nor a key read unchecked."""
+    listed = tmp_path / "d"
+    assert cli(["dedup", str(sources / "web.h"), str(sources / "frames.h"), "--policy",
+                str(_policy(tmp_path, POLICY)), "--out", str(listed)]) == 0
+    meta = json.loads((listed / "dedup.json").read_text())
+    damage(meta)
+    (listed / "dedup.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert cli(["plan", str(sources / "web"), "--out", str(tmp_path / "p"), "--preset", "demo", "--quiet",
+                "--exclude", str(listed)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dedup.json" in err and repr(key) in err, err
+    assert not (tmp_path / "p").exists()
+
+
 @pytest.mark.parametrize("command, name", [("hash", "hashes.parquet"), ("hash", "hashes.json"),
                                            ("dedup", "dropped.parquet"), ("dedup", "dedup.json")])
 def test_an_out_holding_files_mmtok_did_not_write_is_refused_and_left_alone(sources, tmp_path, capsys, command, name):

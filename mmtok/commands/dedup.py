@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmtok.commands.report import plural, print_summary
+
+if TYPE_CHECKING:  # the list's types; pyarrow is imported when a list is made
+    from mmtok.formats.dedup import DecontaminationRecord, DedupMetadata
 
 
 def add_parser(sub) -> None:
@@ -63,49 +67,49 @@ def run(args) -> int:
     return 0
 
 
-def summary_lines(meta: dict, out: Path) -> list[str]:
+def summary_lines(meta: DedupMetadata, out: Path) -> list[str]:
     """One line per source (hashed = kept + dropped, by rule; held matches), the suspects held back, then the
     totals and where the lists are."""
     lines = []
-    for source, counts in meta["counts"].items():
-        rules = ", ".join(f"{rule} {n:,}" for rule, n in counts["by_rule"].items() if n)
-        rule = meta["policy"][source]
-        held = f"; {plural(counts['held'], 'benchmark match', 'benchmark matches')} held back (kept)" \
-            if counts.get("held") else ""
-        lines.append(f"{source} ({rule['rule']}{' ' + str(rule['radius']) if rule['rule'] == 'radius' else ''}, "
-                     f"priority {rule['priority']}): {counts['hashed']:,} hashed = {counts['kept']:,} kept + "
-                     f"{counts['dropped']:,} dropped{f' ({rules})' if rules else ''}{held}")
-    total = sum(c["hashed"] for c in meta["counts"].values())
-    decontamination = meta.get("decontamination")
-    matching = decontamination["contaminated"] if decontamination else 0
-    flagged = meta["captions"]["flagged"]
-    parts = [f"{plural(meta['dropped'] - matching - flagged, 'duplicate')} in {plural(meta['groups'], 'group')}"]
+    for source, counts in meta.counts.items():
+        rules = ", ".join(f"{rule} {n:,}" for rule, n in counts.by_rule.items() if n)
+        rule = meta.policy[source]
+        held = f"; {plural(counts.held, 'benchmark match', 'benchmark matches')} held back (kept)" \
+            if counts.held else ""
+        lines.append(f"{source} ({rule.rule}{' ' + str(rule.radius) if rule.rule == 'radius' else ''}, "
+                     f"priority {rule.priority}): {counts.hashed:,} hashed = {counts.kept:,} kept + "
+                     f"{counts.dropped:,} dropped{f' ({rules})' if rules else ''}{held}")
+    total = sum(c.hashed for c in meta.counts.values())
+    decontamination = meta.decontamination
+    matching = decontamination.contaminated if decontamination else 0
+    flagged = meta.captions.flagged
+    parts = [f"{plural(meta.dropped - matching - flagged, 'duplicate')} in {plural(meta.groups, 'group')}"]
     if decontamination:
-        parts.append(f"{plural(matching, 'image')} matching {plural(len(decontamination['against']), 'benchmark')}")
+        parts.append(f"{plural(matching, 'image')} matching {plural(len(decontamination.against), 'benchmark')}")
     if flagged:
         parts.append(f"{plural(flagged, 'image')} flagged by {'its caption' if flagged == 1 else 'their captions'}")
     head = (", ".join(parts[:-1]) + " and " if len(parts) > 1 else "") + parts[-1] \
-        + f" among {plural(total, 'image')} of {plural(len(meta['counts']), 'source')}"
+        + f" among {plural(total, 'image')} of {plural(len(meta.counts), 'source')}"
     lines = [head, *lines, *(_suspect_lines(decontamination) if decontamination else [])]
     held = f" and the held-back matches in {out / 'held.parquet'}" if decontamination else ""
     return lines + [f"wrote {out / 'dropped.parquet'}{held}; drop them with `mmtok plan MANIFEST --exclude {out}`"]
 
 
-def _suspect_lines(decontamination: dict) -> list[str]:
+def _suspect_lines(decontamination: DecontaminationRecord) -> list[str]:
     """Why matches were held back, each with the flag that drops them."""
-    guards = decontamination["guards"]
-    lines = [f"held back: benchmark image {item['benchmark']} matches {item['matches']:,} training images (more than "
-             f"max_matches {guards['max_matches']}: likely a low-entropy image, not a copy); to drop them anyway: "
-             f"--confirm {item['benchmark']}" for item in decontamination["suspect_images"][:SHOWN]]
-    lines += [f"held back: source {item['source']} has {item['flagged']:,} of {item['hashed']:,} images matching "
-              f"benchmarks (over max_share {guards['max_share']:g}: a low-entropy domain, or a benchmark's own "
-              f"source); to drop them anyway: --confirm {item['source']}"
-              for item in decontamination["suspect_sources"]]
-    more = len(decontamination["suspect_images"]) - SHOWN
+    guards = decontamination.guards
+    lines = [f"held back: benchmark image {item.benchmark} matches {item.matches:,} training images (more than "
+             f"max_matches {guards.max_matches}: likely a low-entropy image, not a copy); to drop them anyway: "
+             f"--confirm {item.benchmark}" for item in decontamination.suspect_images[:SHOWN]]
+    lines += [f"held back: source {item.source} has {item.flagged:,} of {item.hashed:,} images matching "
+              f"benchmarks (over max_share {guards.max_share:g}: a low-entropy domain, or a benchmark's own "
+              f"source); to drop them anyway: --confirm {item.source}"
+              for item in decontamination.suspect_sources]
+    more = len(decontamination.suspect_images) - SHOWN
     if more > 0:
         lines.append(f"... and {plural(more, 'more suspect benchmark image')} (dedup.json `decontamination`)")
-    if decontamination["confirmed"]:
-        lines.append(f"confirmed by --confirm: {', '.join(decontamination['confirmed'])}")
+    if decontamination.confirmed:
+        lines.append(f"confirmed by --confirm: {', '.join(decontamination.confirmed)}")
     return lines
 
 

@@ -18,11 +18,14 @@ import dataclasses
 import reprlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from mmtok.errors import MmtokError, brief
+
+if TYPE_CHECKING:  # the list's types; pyarrow is imported when a list is made
+    from mmtok.formats.dedup import DecontaminationRecord, DedupMetadata, SourceCounts
 
 RULE_RADIUS = {"exact": 0, "off": -1}  # a rule's pHash radius; `radius` takes the policy's `radius: r`
 MAX_RADIUS = 16  # 1/4 of the bits: past this a pHash matches unrelated images, and the search slows down
@@ -249,15 +252,23 @@ def _groups(first: np.ndarray, second: np.ndarray, phash: np.ndarray, keeper_ord
 
 
 def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Path] = (),
-          confirm: list[str] = ()) -> dict:
+          confirm: list[str] = ()) -> DedupMetadata:
     """Find the duplicates among the hash tables under the policy and, with `against` (benchmark hash tables), the
     images that match a benchmark image (`mmtok.curate.decontaminate`; `confirm` names suspect benchmark items
     `BENCH:KEY` or sources whose matches are dropped anyway); write the list (`mmtok.formats.dedup`); returns
-    dedup.json's content. Every check happens before anything is written."""
+    what dedup.json holds. Every check happens before anything is written."""
 
     from mmtok.curate.captions import Thresholds
     from mmtok.curate.decontaminate import Guards
-    from mmtok.formats.dedup import LOCK_FILE, check_output, write_dedup
+    from mmtok.formats.dedup import (
+        LOCK_FILE,
+        CaptionRecord,
+        DedupMetadata,
+        ListInput,
+        PolicyRecord,
+        check_output,
+        write_dedup,
+    )
     from mmtok.fsutil import WriterLock
 
     check_output(out)
@@ -301,20 +312,17 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
     if decontamination:
         listed, held = decontamination.apply(listed)
     listed, groups = _renumbered(listed)
-    meta = {"algorithm": tables[0].algorithm,
-            "policy": {name: {"rule": r.rule, "radius": max(r.radius, 0), "priority": r.priority}
-                       for name, r in sorted(policy.items())},
-            "inputs": [{"source": t.source, "hashes": str(t.directory.resolve()), "hashes_fingerprint":
-                        t.metadata["fingerprint"], "manifest_directory": t.metadata["manifest"].get("directory"),
-                        "manifest_fingerprint": t.manifest_fingerprint} for t in tables],
-            "groups": groups,
-            "captions": {"thresholds": dataclasses.asdict(thresholds),
-                         "unchecked_sources": sorted(name for name, rule in policy.items() if not rule.captions),
-                         "flagged": len(flagged.rows)}}
-    if decontamination:
-        meta["decontamination"] = decontamination.record(held)
-    meta["counts"] = _counts(tables, images, listed,
-                             decontamination.held_index if decontamination else np.zeros(0, np.int64))
+    meta = DedupMetadata(
+        algorithm=tables[0].algorithm,
+        policy={name: PolicyRecord(r.rule, max(r.radius, 0), r.priority) for name, r in sorted(policy.items())},
+        inputs=[ListInput(t.source, str(t.directory.resolve()), t.metadata["fingerprint"],
+                          t.metadata["manifest"].get("directory"), t.manifest_fingerprint) for t in tables],
+        groups=groups,
+        captions=CaptionRecord(dataclasses.asdict(thresholds),
+                               sorted(name for name, rule in policy.items() if not rule.captions), len(flagged.rows)),
+        decontamination=decontamination.record(held) if decontamination else None,
+        counts=_counts(tables, images, listed,
+                       decontamination.held_index if decontamination else np.zeros(0, np.int64)))
     out.mkdir(parents=True, exist_ok=True)
     with WriterLock(out, f"the duplicate list in {out}", name=LOCK_FILE):
         return write_dedup(out, listed, meta, held)
@@ -465,12 +473,12 @@ class _Images:
                          "detail": np.full(len(order), "", object)}, schema=_listed_schema())
 
 
-def _counts(tables, images: "_Images", listed, held: np.ndarray) -> dict:
+def _counts(tables, images: "_Images", listed, held: np.ndarray) -> dict[str, SourceCounts]:
     """Per source: images hashed = kept + dropped, the dropped by rule, and the matches held back (kept), counted
     by integer codes (a list of 10^7 rows over many sources stays a few bincounts)."""
     import pyarrow.compute as pc
 
-    from mmtok.formats.dedup import RULES
+    from mmtok.formats.dedup import RULES, SourceCounts
 
     source = images.source_of[listed.column("index").to_numpy()]
     rules = pc.dictionary_encode(listed.column("rule")).combine_chunks()
@@ -480,9 +488,9 @@ def _counts(tables, images: "_Images", listed, held: np.ndarray) -> dict:
                else np.zeros(len(tables), np.int64) for name in RULES}
     dropped = np.bincount(source, minlength=len(tables))
     kept_back = np.bincount(images.source_of[held], minlength=len(tables))
-    return {table.source: {"hashed": int(images.sizes[s]), "kept": int(images.sizes[s] - dropped[s]),
-                           "dropped": int(dropped[s]), "by_rule": {name: int(by_rule[name][s]) for name in RULES},
-                           "held": int(kept_back[s])} for s, table in enumerate(tables)}
+    return {table.source: SourceCounts(hashed=int(images.sizes[s]), kept=int(images.sizes[s] - dropped[s]),
+                                       dropped=int(dropped[s]), by_rule={name: int(by_rule[name][s]) for name in RULES},
+                                       held=int(kept_back[s])) for s, table in enumerate(tables)}
 
 
 def _open_benchmarks(against: list[Path], tables: list) -> list:
@@ -556,22 +564,21 @@ class _Decontamination:
         held = pa.table({**{k: v for k, v in self._rows(kept).items() if k != "index"}, "why": self.found.why[kept]})
         return listed, held
 
-    def record(self, held) -> dict:
+    def record(self, held) -> DecontaminationRecord:
         """What dedup.json records of the decontamination."""
+        from mmtok.formats.dedup import Benchmark, DecontaminationRecord, GuardRecord, SuspectImage, SuspectSource
+
         found, images, bench, guards = self.found, self.images, self.bench, self.guards
-        return {"against": [{"benchmark": t.source, "hashes": str(t.directory.resolve()),
-                             "hashes_fingerprint": t.metadata["fingerprint"], "images": int(size)}
-                            for t, size in zip(self.benchmarks, bench.sizes, strict=True)],
-                "guards": {"max_matches": guards.max_matches, "max_share": guards.max_share,
-                           "min_flagged": guards.min_flagged},
-                "radius": {t.source: int(r) if r >= 0 else "off"
-                           for t, r in zip(images.tables, self.radius, strict=True)},
-                "suspect_images": [{"benchmark": f"{bench.names[bench.source_of[b]]}:{bench.keys[b].as_py()}",
-                                    "row": int(bench.rows[b]), "matches": n}
-                                   for b, n in sorted(found.suspect_items.items())],
-                "suspect_sources": [{"source": images.names[s], "flagged": flagged, "hashed": hashed}
-                                    for s, (flagged, hashed) in sorted(found.suspect_sources.items())],
-                "confirmed": self.confirm, "contaminated": int(found.dropped.sum()), "held": held.num_rows}
+        return DecontaminationRecord(
+            against=[Benchmark(t.source, str(t.directory.resolve()), t.metadata["fingerprint"], int(size))
+                     for t, size in zip(self.benchmarks, bench.sizes, strict=True)],
+            guards=GuardRecord(guards.max_matches, guards.max_share, guards.min_flagged),
+            radius={t.source: int(r) if r >= 0 else "off" for t, r in zip(images.tables, self.radius, strict=True)},
+            suspect_images=[SuspectImage(f"{bench.names[bench.source_of[b]]}:{bench.keys[b].as_py()}",
+                                         int(bench.rows[b]), n) for b, n in sorted(found.suspect_items.items())],
+            suspect_sources=[SuspectSource(images.names[s], flagged, hashed)
+                             for s, (flagged, hashed) in sorted(found.suspect_sources.items())],
+            confirmed=list(self.confirm), contaminated=int(found.dropped.sum()), held=held.num_rows)
 
 
 def _confirmed(confirm: list[str], images: _Images, bench: _Images) -> tuple[set[int], set[int]]:

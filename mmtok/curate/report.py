@@ -28,7 +28,7 @@ import numpy as np
 
 from mmtok import __version__
 from mmtok.errors import MmtokError, Skip, brief
-from mmtok.formats.dedup import BENCHMARK_RULE, CAPTION_RULES, LOCK_FILE, DedupList
+from mmtok.formats.dedup import BENCHMARK_RULE, CAPTION_RULES, LOCK_FILE, DedupList, DedupMetadata
 from mmtok.fsutil import atomic_write_json, atomic_writer, refuse_foreign_output
 
 REPORT_DIR = "report"
@@ -81,7 +81,7 @@ def _write(out: Path) -> dict:
     matched = pc.equal(table.column("rule"), BENCHMARK_RULE)
     duplicates = table.filter(pc.greater_equal(table.column("group"), 0))
     sections, sheets = [], {}
-    for number, source in enumerate(sorted(listed.metadata["counts"])):
+    for number, source in enumerate(sorted(listed.metadata.counts)):
         rows = _sampled_groups(duplicates, source)
         if rows:
             name = f"duplicates-{number}.png"
@@ -116,7 +116,7 @@ def _write(out: Path) -> dict:
     with atomic_writer(directory / "index.md", "w") as handle:
         handle.write(_markdown(listed.metadata, sections, images.unshown, quoted))
     record = {"format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
-              "list_fingerprint": listed.metadata["fingerprint"], "sheets": sorted(sheets),
+              "list_fingerprint": listed.metadata.fingerprint, "sheets": sorted(sheets),
               "shown": sum(len(row) for rows in sheets.values() for row in rows), "unshown": images.unshown}
     atomic_write_json(directory / REPORT_FILE, record)
     return record
@@ -160,15 +160,15 @@ def _match_row(row: dict) -> list[Shown]:
 class _Images:
     """Thumbnails of manifest rows, read through the manifests the list's hash tables name."""
 
-    def __init__(self, metadata: dict):
+    def __init__(self, metadata: DedupMetadata):
         from mmtok.formats.hashes import HashTable
 
-        self.manifests = {entry["source"]: entry.get("manifest_directory") for entry in metadata["inputs"]}
-        for bench in (metadata.get("decontamination") or {}).get("against", []):
+        self.manifests = {entry.source: entry.manifest_directory for entry in metadata.inputs}
+        for bench in metadata.decontamination.against if metadata.decontamination else []:
             try:
-                self.manifests[bench["benchmark"]] = HashTable.open(bench["hashes"]).metadata["manifest"]["directory"]
+                self.manifests[bench.benchmark] = HashTable.open(bench.hashes).metadata["manifest"]["directory"]
             except MmtokError:
-                self.manifests[bench["benchmark"]] = None  # its images are shown as unavailable
+                self.manifests[bench.benchmark] = None  # its images are shown as unavailable
         self.unshown: list[dict] = []
         self._rows: dict[tuple[str, int], dict] = {}  # (source, manifest row) -> its READ_COLUMNS
         self._missing: dict[str, Skip] = {}  # sources whose manifest cannot be opened
@@ -304,19 +304,18 @@ def _write_sheet(path: Path, rows: list[list[Shown]], images: _Images) -> None:
         sheet.save(handle, "PNG")
 
 
-def _markdown(metadata: dict, sections: list, unshown: list[dict], quoted: dict) -> str:
+def _markdown(metadata: DedupMetadata, sections: list, unshown: list[dict], quoted: dict) -> str:
     """index.md: the counts table (it adds up), then each sheet and its rows as text (a caption-flagged image
     with its caption, escaped: a caption is a stranger's text and must not become markup)."""
-    lines = ["# What the duplicate list drops", "", f"{metadata['dropped']:,} images dropped; list "
-             f"`dropped.parquet` (sha256 {metadata['fingerprint'][:12]}...).", "",
+    lines = ["# What the duplicate list drops", "", f"{metadata.dropped:,} images dropped; list "
+             f"`dropped.parquet` (sha256 {metadata.fingerprint[:12]}...).", "",
              "| source | hashed | kept | duplicates | benchmark matches | caption-flagged | held back (kept) |",
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for source, counts in sorted(metadata["counts"].items()):
-        matches = counts["by_rule"].get("benchmark", 0)
-        flagged = sum(counts["by_rule"].get(rule, 0) for rule in CAPTION_RULES)
-        lines.append(f"| {source} | {counts['hashed']:,} | {counts['kept']:,} | "
-                     f"{counts['dropped'] - matches - flagged:,} | {matches:,} | {flagged:,} | "
-                     f"{counts.get('held', 0):,} |")
+    for source, counts in sorted(metadata.counts.items()):
+        matches = counts.by_rule.get("benchmark", 0)
+        flagged = sum(counts.by_rule.get(rule, 0) for rule in CAPTION_RULES)
+        lines.append(f"| {source} | {counts.hashed:,} | {counts.kept:,} | "
+                     f"{counts.dropped - matches - flagged:,} | {matches:,} | {flagged:,} | {counts.held:,} |")
     lines += ["", "hashed = kept + duplicates + benchmark matches + caption-flagged; held-back matches are among the "
               "kept.", ""]
     for title, name, rows in sections:

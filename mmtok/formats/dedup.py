@@ -10,15 +10,16 @@
   held.parquet     with `--against` only: the benchmark matches held back as suspect (kept, not dropped), sorted
                    by (source, manifest_row): `source`, `manifest_row`, `key`, `bench_source`, `bench_row`,
                    `bench_key`, `distance`, `why` (`mmtok.curate.decontaminate`: ITEM_SUSPECT, SOURCE_SUSPECT)
-  dedup.json       written last: the algorithm id, the policy as applied, every input (source, hash table,
-                   its manifest's directory and fingerprint), per-source counts and the sha256 of
-                   dropped.parquet (`fingerprint`)
+  dedup.json       written last (`DedupMetadata`, its shape checked when read back): the algorithm id, the
+                   policy as applied, every input (source, hash table, its manifest's directory and
+                   fingerprint), the caption checks, the decontamination (with `--against`), per-source
+                   counts and the sha256 of dropped.parquet (`fingerprint`) and held.parquet
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +68,8 @@ def check_output(directory: Path) -> None:
                           (METADATA_FILE, FORMAT, FORMAT_VERSION, "duplicate list"))
 
 
-def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict, held: pa.Table | None = None) -> dict:
+def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: DedupMetadata,
+                held: pa.Table | None = None) -> DedupMetadata:
     """Write dropped.parquet (rows as SCHEMA, already sorted; other columns are left out) and, when given,
     held.parquet (HELD_SCHEMA), then dedup.json; return the metadata written."""
     import pyarrow.parquet as pq
@@ -79,16 +81,16 @@ def write_dedup(directory: str | os.PathLike, dropped: pa.Table, metadata: dict,
         pq.write_table(dropped.select(SCHEMA.names).cast(SCHEMA), handle, compression="zstd", row_group_size=1 << 20)
         handle.flush()
         fingerprint = sha256_file(handle.name)
-    meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
-            "dropped": dropped.num_rows, "fingerprint": fingerprint}
+    held_sha256 = None
     if held is not None:
         with atomic_writer(directory / HELD_FILE) as handle:
             pq.write_table(held.select(HELD_SCHEMA.names).cast(HELD_SCHEMA), handle, compression="zstd")
             handle.flush()
-            meta["held_sha256"] = sha256_file(handle.name)
+            held_sha256 = sha256_file(handle.name)
     else:
         (directory / HELD_FILE).unlink(missing_ok=True)  # an earlier run's held list (with --against) is stale
-    atomic_write_json(directory / METADATA_FILE, meta)
+    meta = replace(metadata, dropped=dropped.num_rows, fingerprint=fingerprint, held_sha256=held_sha256)
+    atomic_write_json(directory / METADATA_FILE, meta.to_json())
     fsync_dir(directory)
     return meta
 
@@ -123,10 +125,218 @@ class Exclusion:
         return int(np.isin(self.keeper_row[own], dropped_keepers).sum())
 
 
+# -- dedup.json ----------------------------------------------------------------------------------------------
+# Written by `write_dedup` (`DedupMetadata.to_json`), read back by `DedupList.open` (`DedupMetadata.from_json`:
+# the list is a store another stage wrote, possibly by a stranger: every key's type is checked before use).
+NUMBER = (int, float)
+
+
+def _each(values, kind, key: str, path: Path) -> list:
+    """The list `values` (under `key`), every element a `kind`: DamagedFile naming the key otherwise."""
+    return [required({key: value}, key, kind, path) for value in values]
+
+
+def _counts(mapping: dict, path: Path) -> dict[str, int]:
+    """A {name: count} object, every count an integer."""
+    return {name: required(mapping, name, int, path) for name in mapping}
+
+
+@dataclass(frozen=True)
+class PolicyRecord:
+    """A source's rule as applied (`mmtok.curate.dedup.SourceRule`): radius 0 for the exact rules."""
+
+    rule: str
+    radius: int
+    priority: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> PolicyRecord:
+        return cls(required(value, "rule", str, path), required(value, "radius", int, path),
+                   required(value, "priority", int, path))
+
+
+@dataclass(frozen=True)
+class ListInput:
+    """A hash table the list was made from, and the manifest it hashed."""
+
+    source: str
+    hashes: str  # the hash table's directory
+    hashes_fingerprint: str
+    manifest_directory: str | None
+    manifest_fingerprint: str
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> ListInput:
+        return cls(required(value, "source", str, path), required(value, "hashes", str, path),
+                   required(value, "hashes_fingerprint", str, path),
+                   required(value, "manifest_directory", (str, type(None)), path, None),
+                   required(value, "manifest_fingerprint", str, path))
+
+
+@dataclass(frozen=True)
+class CaptionRecord:
+    """The caption checks: their thresholds (`mmtok.curate.captions.Thresholds`), the sources not checked and
+    how many images they flagged."""
+
+    thresholds: dict
+    unchecked_sources: list[str]
+    flagged: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> CaptionRecord:
+        return cls(required(value, "thresholds", dict, path),
+                   _each(required(value, "unchecked_sources", list, path), str, "unchecked_sources", path),
+                   required(value, "flagged", int, path))
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """A benchmark hash table of `--against`."""
+
+    benchmark: str  # its source name
+    hashes: str
+    hashes_fingerprint: str
+    images: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> Benchmark:
+        return cls(required(value, "benchmark", str, path), required(value, "hashes", str, path),
+                   required(value, "hashes_fingerprint", str, path), required(value, "images", int, path))
+
+
+@dataclass(frozen=True)
+class GuardRecord:
+    """The guards against false benchmark matches (`mmtok.curate.decontaminate.Guards`)."""
+
+    max_matches: int
+    max_share: float
+    min_flagged: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> GuardRecord:
+        return cls(required(value, "max_matches", int, path), required(value, "max_share", NUMBER, path),
+                   required(value, "min_flagged", int, path))
+
+
+@dataclass(frozen=True)
+class SuspectImage:
+    """A benchmark image matching more training images than the guards allow: its matches are held back."""
+
+    benchmark: str  # BENCHMARK:KEY
+    row: int
+    matches: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> SuspectImage:
+        return cls(required(value, "benchmark", str, path), required(value, "row", int, path),
+                   required(value, "matches", int, path))
+
+
+@dataclass(frozen=True)
+class SuspectSource:
+    """A training source with more benchmark matches than the guards allow: its matches are held back."""
+
+    source: str
+    flagged: int
+    hashed: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> SuspectSource:
+        return cls(required(value, "source", str, path), required(value, "flagged", int, path),
+                   required(value, "hashed", int, path))
+
+
+@dataclass(frozen=True)
+class DecontaminationRecord:
+    """What `--against` did: the benchmarks, the guards, each source's match radius ("off": not checked), the
+    suspects held back, the `--confirm` names, and the matches dropped and held."""
+
+    against: list[Benchmark]
+    guards: GuardRecord
+    radius: dict[str, int | str]
+    suspect_images: list[SuspectImage]
+    suspect_sources: list[SuspectSource]
+    confirmed: list[str]
+    contaminated: int
+    held: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> DecontaminationRecord:
+        radius = required(value, "radius", dict, path)
+        return cls(against=[Benchmark.from_json(v, path) for v in required(value, "against", list, path)],
+                   guards=GuardRecord.from_json(required(value, "guards", dict, path), path),
+                   radius={name: required(radius, name, (int, str), path) for name in radius},
+                   suspect_images=[SuspectImage.from_json(v, path)
+                                   for v in required(value, "suspect_images", list, path)],
+                   suspect_sources=[SuspectSource.from_json(v, path)
+                                    for v in required(value, "suspect_sources", list, path)],
+                   confirmed=_each(required(value, "confirmed", list, path), str, "confirmed", path),
+                   contaminated=required(value, "contaminated", int, path), held=required(value, "held", int, path))
+
+
+@dataclass(frozen=True)
+class SourceCounts:
+    """One source's images: hashed = kept + dropped; the dropped by rule (RULES); the matches held back (kept)."""
+
+    hashed: int
+    kept: int
+    dropped: int
+    by_rule: dict[str, int]
+    held: int = 0
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> SourceCounts:
+        return cls(required(value, "hashed", int, path), required(value, "kept", int, path),
+                   required(value, "dropped", int, path), _counts(required(value, "by_rule", dict, path), path),
+                   required(value, "held", int, path, 0))
+
+
+@dataclass(frozen=True)
+class DedupMetadata:
+    """dedup.json. `dedup` makes the record; `write_dedup` adds what the written files give (the rows, their
+    sha256) and writes `to_json()`."""
+
+    algorithm: str
+    policy: dict[str, PolicyRecord]  # by source name
+    inputs: list[ListInput]
+    groups: int  # duplicate groups that drop an image, numbered 0.. in keeper order
+    captions: CaptionRecord
+    decontamination: DecontaminationRecord | None  # None: made without --against (no key in the file)
+    counts: dict[str, SourceCounts]  # by source name
+    dropped: int = 0  # rows of dropped.parquet
+    fingerprint: str = ""  # sha256 of dropped.parquet
+    held_sha256: str | None = None  # of held.parquet (with --against; no key in the file otherwise)
+    tool: str = f"mmtok {__version__}"
+
+    def to_json(self) -> dict:
+        document = {**asdict(self), "format": FORMAT, "format_version": FORMAT_VERSION}
+        for key in ("decontamination", "held_sha256"):
+            if document[key] is None:
+                del document[key]
+        return document
+
+    @classmethod
+    def from_json(cls, document: dict, path: Path) -> DedupMetadata:
+        policy, counts = required(document, "policy", dict, path), required(document, "counts", dict, path)
+        decontamination = required(document, "decontamination", dict, path, None)
+        return cls(algorithm=required(document, "algorithm", str, path),
+                   policy={name: PolicyRecord.from_json(policy[name], path) for name in policy},
+                   inputs=[ListInput.from_json(v, path) for v in required(document, "inputs", list, path)],
+                   groups=required(document, "groups", int, path),
+                   captions=CaptionRecord.from_json(required(document, "captions", dict, path), path),
+                   decontamination=None if decontamination is None else
+                   DecontaminationRecord.from_json(decontamination, path),
+                   counts={name: SourceCounts.from_json(counts[name], path) for name in counts},
+                   dropped=required(document, "dropped", int, path),
+                   fingerprint=required(document, "fingerprint", str, path),
+                   held_sha256=required(document, "held_sha256", str, path, None),
+                   tool=required(document, "tool", str, path))
+
+
 class DedupList:
     """A complete duplicate list, opened once and validated: `DedupList.open` is the only way in."""
 
-    def __init__(self, directory: Path, metadata: dict):
+    def __init__(self, directory: Path, metadata: DedupMetadata):
         self.directory = directory
         self.metadata = metadata
 
@@ -136,9 +346,7 @@ class DedupList:
         path = directory / METADATA_FILE
         meta = read_stage_metadata(path, FORMAT, FORMAT_VERSION, "duplicate list",
                                    f"mmtok dedup HASHES... --policy POLICY --out {directory}")
-        required(meta, "fingerprint", str, path)
-        required(meta, "inputs", list, path)
-        return cls(directory, meta)
+        return cls(directory, DedupMetadata.from_json(meta, path))
 
     def exclusion(self, manifest_fingerprint: str, manifest_rows: int) -> Exclusion:
         """The rows this list drops from the manifest of that fingerprint (which has `manifest_rows` rows);
@@ -147,9 +355,7 @@ class DedupList:
         rows of that manifest)."""
         import pyarrow.compute as pc
 
-        inputs = {entry.get("manifest_fingerprint"): entry.get("source") for entry in self.metadata["inputs"]
-                  if isinstance(entry, dict) and isinstance(entry.get("manifest_fingerprint"), str)
-                  and isinstance(entry.get("source"), str)}
+        inputs = {entry.manifest_fingerprint: entry.source for entry in self.metadata.inputs}
         source = inputs.get(manifest_fingerprint)
         if source is None:
             raise MmtokError(f"the duplicate list {self.directory} was not made from this manifest (fingerprint "
@@ -175,13 +381,13 @@ class DedupList:
 
     def table(self) -> pa.Table:
         """dropped.parquet, after checking its sha256 against dedup.json and its columns against SCHEMA."""
-        return read_recorded(self.directory / DROPPED_FILE, self.metadata["fingerprint"], SCHEMA, "a duplicate list",
+        return read_recorded(self.directory / DROPPED_FILE, self.metadata.fingerprint, SCHEMA, "a duplicate list",
                              f"mmtok dedup HASHES... --policy POLICY --out {self.directory}")
 
     def held_table(self) -> pa.Table | None:
         """held.parquet (checked the same way), or None for a list made without --against."""
-        if "held_sha256" not in self.metadata:
+        if self.metadata.held_sha256 is None:
             return None
-        return read_recorded(self.directory / HELD_FILE, self.metadata["held_sha256"], HELD_SCHEMA,
+        return read_recorded(self.directory / HELD_FILE, self.metadata.held_sha256, HELD_SCHEMA,
                              "the held-back benchmark matches",
                              f"mmtok dedup ... --against BENCH --out {self.directory}")

@@ -99,7 +99,7 @@ def _exclusion(exclude, manifest: Manifest) -> tuple[dict, Exclusion] | None:
         return None
     listed = DedupList.open(exclude)
     rows = listed.exclusion(manifest.fingerprint, manifest.num_rows)
-    record = {"directory": str(Path(exclude).resolve()), "fingerprint": listed.metadata["fingerprint"],
+    record = {"directory": str(Path(exclude).resolve()), "fingerprint": listed.metadata.fingerprint,
               "source": rows.source, "rows": len(rows.rows)}
     return record, rows
 
