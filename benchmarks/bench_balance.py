@@ -268,7 +268,7 @@ def main() -> None:
         plan = make_plan(root / "manifest", root / "plan-default")
         corpus = (f"{args.images} JPEGs cut from real photos (long side 512-2048 px, "
                   f"{sum(len(d) for _, d in images) / len(images) / 1e3:.0f} KB mean), "
-                  f"{Plan.open(plan).meta['num_batches']} batches")
+                  f"{Plan.open(plan).meta.num_batches} batches")
         tiny = load_codec("emu3.5", emu35.write_random_checkpoint(root / "ckpt"), "cpu")
         configurations = [Configuration(f"stand-in {r:g} img/s", DEFAULT_MODEL, plan, StandInCodec(r), PIXELS)
                           for r in rates]

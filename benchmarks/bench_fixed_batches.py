@@ -33,8 +33,8 @@ def plan_both(manifest: Path, world_size: int, work: Path) -> dict:
         started = time.process_time()
         meta = build_plan(manifest, params, work / f"{name}-{world_size}", world_size=world_size, progress=False,
                           fixed_batches=fixed)
-        result[name] = {"imbalance": meta["imbalance"], "batches": meta["num_batches"],
-                        "split": meta["balance"]["split_batches"], "cpu": time.process_time() - started}
+        result[name] = {"imbalance": meta.imbalance, "batches": meta.num_batches,
+                        "split": meta.balance.split_batches, "cpu": time.process_time() - started}
     return result
 
 

@@ -164,7 +164,7 @@ def prepare(args, root: Path) -> Job:
              "--token-budget", str(4 * 300), "--max-batch-images", "4", "--factor", "16"]
     assert cli(["plan", str(root / "manifest"), "--out", str(root / "plan0"), *flags]) == 0
     device_s = _device_seconds(Plan.open(root / "plan0"), args.rate)
-    spu = Plan.open(root / "plan0").meta["parameters"]["cost_model"]["seconds_per_unit"]
+    spu = Plan.open(root / "plan0").meta.parameters["cost_model"]["seconds_per_unit"]
     costs = Plan.open(root / "plan0").item_costs().sum()
     item_seconds = costs * spu * args.item_s / device_s  # the cost model's seconds for --item-s real seconds
     assert cli(["plan", str(root / "manifest"), "--out", str(root / "plan-items"), *flags, "--item-seconds",

@@ -301,7 +301,7 @@ def planned_items(root: Path, items: int):
 
     plan_dir, checkpoint = planned_job(root)
     whole = Plan.open(plan_dir)
-    seconds = whole.item_costs().sum() * whole.meta["parameters"]["cost_model"]["seconds_per_unit"] / items
+    seconds = whole.item_costs().sum() * whole.meta.parameters["cost_model"]["seconds_per_unit"] / items
     plan = root / "plan-items"
     assert main(["plan", str(root / "manifest"), "--out", str(plan), "--quiet", *ONE_IMAGE_BATCHES,
                  "--text-tokenizer", str(root / "tokenizer"), "--item-seconds", str(seconds)]) == 0

@@ -148,7 +148,7 @@ def test_merged_bytes_are_the_same_for_any_workers_and_after_a_kill_inside_an_it
         tmp_path, forkserver):
     plan_dir, checkpoint = planned_job(tmp_path)
     whole = Plan.open(plan_dir)  # about a tenth of the job per work item: items of several batches
-    seconds = whole.item_costs().sum() * whole.meta["parameters"]["cost_model"]["seconds_per_unit"] / 10
+    seconds = whole.item_costs().sum() * whole.meta.parameters["cost_model"]["seconds_per_unit"] / 10
     plan = tmp_path / "plan-items"
     assert main(["plan", str(tmp_path / "manifest"), "--out", str(plan), "--quiet", *ONE_IMAGE_BATCHES,
                  "--text-tokenizer", str(tmp_path / "tokenizer"), "--world-size", "6", "--item-seconds",

@@ -123,7 +123,8 @@ def corpus(tmp_path_factory, images) -> Path:
 
 
 def plan(manifest: Path, out: Path, params: PlanParameters = SMALL, world_size: int = 1) -> dict:
-    return build_plan(manifest, params, out, world_size=world_size, progress=False)
+    """The plan's plan.json, as `build_plan` returns it (`PlanMetadata.to_json()`)."""
+    return build_plan(manifest, params, out, world_size=world_size, progress=False).to_json()
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_fixed_batches_plans_have_one_batch_list_for_every_world_size(corpus, by
                              "--quiet", *SMALL_FLAGS]) == 0
             meta = json.loads((out / "plan.json").read_text())
         else:
-            meta = build_plan(corpus, SMALL, out, world_size=n, progress=False, fixed_batches=True)
+            meta = build_plan(corpus, SMALL, out, world_size=n, progress=False, fixed_batches=True).to_json()
         assert meta["balance"]["fixed_batches"] and meta["balance"]["split_batches"] == 0
         for name in FILES[:-1]:  # every Parquet file: the batches, their images and documents
             assert (out / name).read_bytes() == (one_dir / name).read_bytes(), (n, name)
@@ -437,7 +438,7 @@ def test_empty_manifest_is_refused_after_writing_an_empty_plan(tmp_path):
         plan(write_manifest(tmp_path / "m", []), tmp_path / "p", world_size=4)
     written = Plan.open(tmp_path / "p")  # written first, so --explain can show it
     meta = written.meta
-    assert meta["num_batches"] == 0 and meta["rank_batches"] == [[0, 0]] * 4 and meta["imbalance"] == 0.0
+    assert meta.num_batches == 0 and meta.rank_batches == [[0, 0]] * 4 and meta.imbalance == 0.0
     for rank in range(4):
         assert written.rank_rows(rank).num_rows == 0 and written.rank_range(rank, world_size=5) == (0, 0)
     assert "batch shapes: none" in explain_plan(tmp_path / "p")
@@ -1076,10 +1077,10 @@ def test_work_items_do_not_depend_on_the_world_size_and_explain_names_them(corpu
         build_plan(corpus, params, out, world_size=world_size, progress=False, fixed_batches=True)
         plan = Plan.open(out)
         found[world_size] = plan.work_items()
-        meta = plan.meta["work_items"]
-        assert meta["count"] == len(found[world_size]) > 3 and meta["item_seconds"] == params.item_seconds
+        meta = plan.meta.work_items
+        assert meta.count == len(found[world_size]) > 3 and meta.item_seconds == params.item_seconds
         costs = plan.table(plan_format.BATCHES_FILE, ["cost"]).column(0).to_numpy()
-        assert meta["count"] == min(int(np.ceil(costs.sum() / meta["target_cost"])), len(costs))
+        assert meta.count == min(int(np.ceil(costs.sum() / meta.target_cost)), len(costs))
     assert all(np.array_equal(found[1], items) for items in found.values())
     plan = Plan.open(tmp_path / "w3")
     ids = [plan.work_item_id(i) for i in range(len(found[3]))]
@@ -1116,6 +1117,41 @@ def test_work_items_edited_in_plan_json_are_refused(corpus, tmp_path, edit):
     (tmp_path / "plan.json").write_text(json.dumps(meta))
     with pytest.raises(MmtokError, match="its work items are not those of its batches and target"):
         Plan.open(tmp_path).work_items()
+
+
+@pytest.mark.parametrize(("damage", "key"), [
+    (lambda meta: meta["totals"].update(kept_images="24"), "kept_images"),
+    (lambda meta: meta["rank_batches"].append(["0", 1]), "rank_batches"),
+    (lambda meta: meta["work_items"].update(cost=[0, 1]), "cost"),
+    (lambda meta: meta["balance"].update(limited_by=3), "limited_by"),
+    (lambda meta: meta["over_budget"]["shapes"].append({"height": 16}), "width"),
+    (lambda meta: meta.update(exclude={"directory": "d", "fingerprint": "f", "source": "s", "rows": "2"}), "rows"),
+    (lambda meta: meta["files"]["plan.parquet"].update(sha256=None), "sha256"),
+])
+def test_a_plan_json_of_the_wrong_shape_is_refused_naming_the_key(corpus, tmp_path, capsys, damage, key):
+    """plan.json is read back by encode, status, explain and calibrate: one that parses but has the wrong shape
+    anywhere is one line naming the file and the key when the plan is opened, not a traceback in a reader."""
+    build_plan(corpus, SMALL, tmp_path, progress=False)
+    meta = json.loads((tmp_path / "plan.json").read_text())
+    damage(meta)
+    (tmp_path / "plan.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert cli_main(["plan", "--explain", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "plan.json" in err and repr(key) in err and "Traceback" not in err, err
+
+
+def test_a_plan_of_an_earlier_mmtok_of_this_version_still_opens(corpus, tmp_path):
+    """Keys added to plan.json after its version 2 (--fixed-batches, work items and their imbalance, --exclude and
+    its keeper counts) are optional when it is read back: such a plan explains and gives its ranges."""
+    build_plan(corpus, SMALL, tmp_path, progress=False)
+    meta = json.loads((tmp_path / "plan.json").read_text())
+    del meta["balance"]["fixed_batches"], meta["work_items"], meta["exclude"]
+    (tmp_path / "plan.json").write_text(json.dumps(meta))
+    opened = Plan.open(tmp_path)
+    assert opened.meta.work_items is None and not opened.meta.balance.fixed_batches
+    assert opened.ranges().tolist() == meta["rank_batches"]
+    assert "work items: none recorded (a plan of an older mmtok" in explain_plan(tmp_path)
 
 
 def test_a_tiny_item_target_gives_one_item_per_batch():

@@ -275,7 +275,7 @@ def test_the_modeled_imbalance_is_rederived_for_another_world_size(job, tmp_path
     ranges = opened.ranges(2)
     for part in range(2):
         start, end = (int(x) for x in ranges[part])
-        write_part(tmp_path, image_identity(part, 2, (start, end), plan_fingerprint=opened.meta["fingerprint"]),
+        write_part(tmp_path, image_identity(part, 2, (start, end), plan_fingerprint=opened.meta.fingerprint),
                    range(start, end), finish=True)
     costs = opened.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
     balance = job_status(tmp_path, plan=plan_dir).imbalance

@@ -155,7 +155,7 @@ def _ray_driver(args, plan) -> int:
     import_ray()  # before anything else: one line saying how to install it
     count = len(plan.work_items())
     refuse_other_run_early(args.out, "image", args.codec, args.checkpoint, num_parts=count,
-                           plan_fingerprint=plan.meta["fingerprint"])
+                           plan_fingerprint=plan.meta.fingerprint)
     options = {"loader_threads": args.loader_threads, "prefetch": args.prefetch,
                "max_consecutive_failures": args.max_consecutive_failures}
     with StopRequest(in_flight="nothing more: the workers stop at their last commit") as stop:
@@ -190,11 +190,11 @@ def _image_worker(args, plan, stop) -> int:
     from mmtok.formats.partdir import check_part_free, part_dir
     from mmtok.launch import STOPPED_EXIT, resolve_device, resolve_rank
 
-    rank, world_size = resolve_rank(args.rank, args.world_size, plan.meta["world_size"])
+    rank, world_size = resolve_rank(args.rank, args.world_size, plan.meta.world_size)
     items, count = plan.worker_items(rank, world_size), len(plan.work_items())
     take_over = not args.no_take_over and not args.lock_free  # take-over needs locks to see who holds an item
     refuse_other_run_early(args.out, "image", args.codec, args.checkpoint, num_parts=count,
-                           plan_fingerprint=plan.meta["fingerprint"])  # before anything is said about OUT's parts
+                           plan_fingerprint=plan.meta.fingerprint)  # before anything is said about OUT's parts
     if not len(items) and (not take_over or all_done(args.out, count)):  # nothing of its own, nothing to take
         why = (f"every one of the plan's {plural(count, 'work item')} is finished" if take_over else
                f"no work item of its own: the plan has {plural(count, 'item')} for {plural(world_size, 'worker')}")

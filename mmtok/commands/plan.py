@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mmtok.commands.report import plural, print_summary
 from mmtok.errors import MmtokError
 from mmtok.formats.presets import MODES
+
+if TYPE_CHECKING:  # the plan's types; pyarrow is imported when a plan is made
+    from mmtok.formats.plan import PlanMetadata
 
 # (flag, type, help) for every parameter a flag can override; dest = the PlanParameters field name
 PARAMETER_FLAGS = (
@@ -99,43 +104,43 @@ def run(args) -> int:
     return 0
 
 
-def summary(meta: dict, out) -> list[str]:
-    t = meta["totals"]
-    over = meta["over_budget"]["images"]
-    return [f"{plural(t['manifest_rows'], 'row')} -> {plural(t['kept_images'], 'image')} in "
-            f"{plural(meta['num_batches'], 'batch', 'batches')} ({t['dropped_images']:,} dropped: "
-            f"{', '.join(f'{k} {v:,}' for k, v in sorted(meta['dropped_by_reason'].items())) or 'none'}); "
-            f"{plural(t['image_tokens'], 'image token')}; {plural(meta['world_size'], 'rank')}, imbalance "
-            f"{100 * meta['imbalance']:.3f}%" + _items_part(meta)
+def summary(meta: PlanMetadata, out) -> list[str]:
+    t = meta.totals
+    over = meta.over_budget.images
+    return [f"{plural(t.manifest_rows, 'row')} -> {plural(t.kept_images, 'image')} in "
+            f"{plural(meta.num_batches, 'batch', 'batches')} ({t.dropped_images:,} dropped: "
+            f"{', '.join(f'{k} {v:,}' for k, v in sorted(meta.dropped_by_reason.items())) or 'none'}); "
+            f"{plural(t.image_tokens, 'image token')}; {plural(meta.world_size, 'rank')}, imbalance "
+            f"{100 * meta.imbalance:.3f}%" + _items_part(meta)
             + (f"; {plural(over, 'image')} above the budget" if over else "")
             + f"; wrote {out}"] + _warnings(meta)
 
 
-def _items_part(meta: dict) -> str:
+def _items_part(meta: PlanMetadata) -> str:
     """The work items encode takes, and the imbalance of the plan's ranks sharing them (they are not split)."""
-    items = meta.get("work_items")
+    items = meta.work_items
     if not items:
         return ""
-    return (f"; {plural(items['count'], 'work item')} of ~{items['item_seconds']:g} s (ranks sharing them: "
-            f"imbalance {100 * items['imbalance']:.3f}%)")
+    return (f"; {plural(items.count, 'work item')} of ~{items.item_seconds:g} s (ranks sharing them: "
+            f"imbalance {100 * items.imbalance:.3f}%)")
 
 
-def _warnings(meta: dict) -> list[str]:
+def _warnings(meta: PlanMetadata) -> list[str]:
     """Lines for what the user should know: balance above target (and why), documents over the limit."""
     lines = []
-    balance, long = meta["balance"], meta["long_documents"]
-    if balance["limited_by"]:
-        lines.append(f"warning: modeled imbalance {100 * meta['imbalance']:.2f}% is above the "
-                     f"{100 * balance['target']:.1f}% target: {balance['limited_by']}")
-    excluded = meta.get("exclude")
-    if excluded and excluded["duplicates_without_kept_copy"]:
-        reasons = ", ".join(f"{reason} {n:,}" for reason, n in excluded["keepers_dropped"].items())
-        lines.append(f"warning: {plural(excluded['duplicates_without_kept_copy'], 'duplicate')} excluded by "
-                     f"{excluded['directory']} have their keeper in this manifest, and this plan drops "
-                     f"{plural(sum(excluded['keepers_dropped'].values()), 'keeper')} ({reasons}): no copy of those "
+    balance, long = meta.balance, meta.long_documents
+    if balance.limited_by:
+        lines.append(f"warning: modeled imbalance {100 * meta.imbalance:.2f}% is above the "
+                     f"{100 * balance.target:.1f}% target: {balance.limited_by}")
+    excluded = meta.exclude
+    if excluded and excluded.duplicates_without_kept_copy:
+        reasons = ", ".join(f"{reason} {n:,}" for reason, n in excluded.keepers_dropped.items())
+        lines.append(f"warning: {plural(excluded.duplicates_without_kept_copy, 'duplicate')} excluded by "
+                     f"{excluded.directory} have their keeper in this manifest, and this plan drops "
+                     f"{plural(sum(excluded.keepers_dropped.values()), 'keeper')} ({reasons}): no copy of those "
                      "images is kept; relax those filters or give `mmtok dedup` a policy that prefers other sources")
-    if long["dropped"]:
-        lines.append(f"warning: {plural(long['dropped'], 'document')} dropped as document_too_long (over "
-                     f"{plural(long['limit'], 'token')}; the largest has {plural(long['largest_tokens'], 'token')}); "
+    if long.dropped:
+        lines.append(f"warning: {plural(long.dropped, 'document')} dropped as document_too_long (over "
+                     f"{plural(long.limit, 'token')}; the largest has {plural(long.largest_tokens, 'token')}); "
                      "raise --max-document-tokens (0: no limit) to keep them")
     return lines

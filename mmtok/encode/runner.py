@@ -45,7 +45,7 @@ from mmtok.formats.commitlog import PartWriter, read_commits
 from mmtok.formats.items import CONTAINERS, TEMPLATE_KIND, image_item, image_skip
 from mmtok.formats.partdir import NoLock, has_dataset, is_done, part_dir
 from mmtok.formats.parts import refuse_other_run, timing_stats
-from mmtok.formats.plan import Plan
+from mmtok.formats.plan import Plan, PlanMetadata
 from mmtok.formats.private_parts import adopt_private_part, publish_part
 from mmtok.formats.skips import SkipRecord
 from mmtok.launch import StopRequest, stop_check
@@ -66,9 +66,9 @@ class EncodeOptions:
 
 
 # -- setup -----------------------------------------------------------------------------------------
-def plan_tokenizer(plan_meta: dict) -> TextTokenizer:
+def plan_tokenizer(plan_meta: PlanMetadata) -> TextTokenizer:
     """The plan's text tokenizer, refused if its files changed since planning."""
-    params = plan_meta["parameters"]
+    params = plan_meta.parameters
     tokenizer = load_text_tokenizer(params["text_tokenizer"])
     if tokenizer.fingerprint != params.get("text_tokenizer_sha256", tokenizer.fingerprint):
         raise MmtokError(f"text tokenizer {params['text_tokenizer']} changed since planning (sha256 "
@@ -79,7 +79,7 @@ def plan_tokenizer(plan_meta: dict) -> TextTokenizer:
 
 def check_codec(work: ItemWork, codec, builder: DocumentBuilder) -> None:
     """The codec must be an image codec with the plan's pixels per code and the plan's block sizes."""
-    params = work.plan_meta["parameters"]
+    params = work.plan_meta.parameters
     if codec.modality != "image":
         raise MmtokError(f"codec {codec.name} is an {codec.modality} codec; an image plan needs an image codec")
     if codec.pixels_per_code != params["factor"]:
@@ -103,9 +103,9 @@ def image_part_identity(work: ItemWork, codec, tokenizer: TextTokenizer, layout:
     return {
         "part": work.item, "num_parts": work.num_items, "modality": "image", "mode": work.mode,
         "part_batches": list(work.batch_range),
-        "work_items": {"count": work.num_items, "target_cost": work.plan_meta["work_items"]["target_cost"]},
-        "plan_fingerprint": work.plan_meta["fingerprint"],
-        "manifest_fingerprint": work.plan_meta["manifest_fingerprint"],
+        "work_items": {"count": work.num_items, "target_cost": work.plan_meta.work_items.target_cost},
+        "plan_fingerprint": work.plan_meta.fingerprint,
+        "manifest_fingerprint": work.plan_meta.manifest_fingerprint,
         "codec": codec.describe(),
         # Pillow's bicubic resize changed in 13.0 (values differ by up to 3/255): ranks decoding with another
         # Pillow would write other tokens, so a resume or a merge across versions is refused.
@@ -297,7 +297,7 @@ def encode_image_rank(plan_dir: str | Path, out: str | Path, codec, *, rank: int
     ran = [done for done in run.done if not done.already_done]
     return ImageWorkerRun.of(
         run, items, len(plan.work_items()), out, stopped, discarded, rank=rank, world_size=world_size,
-        mode=plan.meta["parameters"]["mode"],
+        mode=plan.meta.parameters["mode"],
         items_done_before=len(run.done) - len(ran), dataset=any(done.dataset for done in run.done),
         images_planned=sum(done.planned for done in run.done), fill_s=sum(done.fill_s for done in ran),
         device=str(device), loader_threads=options.loader_threads)
@@ -317,7 +317,7 @@ class ItemEncoder:
         refuse_empty_plan(self.plan)
         self.tokenizer = plan_tokenizer(self.plan.meta)
         self.layout = VocabLayout(text_size=self.tokenizer.vocab_size)
-        self.builder = DocumentBuilder(self.plan.meta["parameters"]["mode"], self.tokenizer, self.layout)
+        self.builder = DocumentBuilder(self.plan.meta.parameters["mode"], self.tokenizer, self.layout)
         codec.precision.apply()  # before any encoding; recorded in the identity via codec.describe()
         self._checked = False  # whether the run's other parts were compared with this identity (once, when known)
 
@@ -346,7 +346,7 @@ def _next_batch(plan: Plan, out, item: int) -> int:
 
 def refuse_empty_plan(plan: Plan) -> None:
     """Nothing from nothing: a plan that keeps no image is refused rather than encoded into empty parts."""
-    if not plan.meta["totals"]["kept_images"]:
+    if not plan.meta.totals.kept_images:
         raise MmtokError(f"{plan.directory}: the plan keeps no image (see `mmtok plan --explain` and its "
                          "dropped.parquet for why); re-plan with other limits -- nothing to encode")
 

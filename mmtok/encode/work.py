@@ -14,7 +14,7 @@ import numpy as np
 
 from mmtok.errors import MmtokError
 from mmtok.formats.manifest import identity_change, stale_detail
-from mmtok.formats.plan import Plan
+from mmtok.formats.plan import Plan, PlanMetadata
 
 PLAN_COLUMNS = ["manifest_row", "batch", "target_height", "target_width", "tokens", "document", "image_index",
                 "document_images"]
@@ -27,7 +27,7 @@ class ItemWork:
     """One work item of a plan (`Plan.work_items`), encoded into its own part. Row arrays are aligned with the
     item's plan rows."""
 
-    plan_meta: dict
+    plan_meta: PlanMetadata
     item: int  # its index: the part's number
     num_items: int  # the plan's work items: the job's number of parts
     batch_range: tuple[int, int]  # [start, end) global batch ids
@@ -39,7 +39,7 @@ class ItemWork:
 
     @property
     def mode(self) -> str:
-        return self.plan_meta["parameters"]["mode"]
+        return self.plan_meta.parameters["mode"]
 
     @property
     def num_batches(self) -> int:

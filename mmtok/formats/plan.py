@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -34,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mmtok.errors import MmtokError
+from mmtok.errors import DamagedFile, MmtokError, brief
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.formats.skips import SkipRecord
@@ -158,6 +159,269 @@ def _arrow(values: np.ndarray | pa.Array, type_: pa.DataType) -> pa.Array:
     return pa.array(values, type=type_)
 
 
+# -- plan.json -------------------------------------------------------------------------------------------------
+# `build_plan` makes a PlanMetadata, `PlanWriter.finish` completes it (files, fingerprint) and writes `to_json()`;
+# `Plan.open` reads it back with `from_json`, every key's type checked (a plan may come from a stranger). Keys a
+# plan of this version written by an earlier mmtok lacks have defaults: `balance.fixed_batches`, `work_items`
+# (and its `imbalance`), `exclude` (and its keeper counts).
+NUMBER = (int, float)
+
+
+def _ranges(value: list, key: str, path: Path) -> list[list[int]]:
+    """A list of [start, end) integer pairs (under `key`); DamagedFile naming the key otherwise."""
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
+            raise DamagedFile(f"{path}: key {key!r} must hold [start, end) pairs of integers, not {brief(pair, 40)}; "
+                              "re-run `mmtok plan`")
+    return value
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """The modeled cost of the plan's ranks."""
+
+    min: float
+    mean: float
+    max: float
+    idle_ranks: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> RankCost:
+        return cls(*(required(value, key, NUMBER, path) for key in ("min", "mean", "max")),
+                   required(value, "idle_ranks", int, path))
+
+
+@dataclass(frozen=True)
+class Balance:
+    """The balance target, whether batches were kept whole (`--fixed-batches`), what keeps the modeled imbalance
+    above the target (None: nothing), and how many batches were split at rank targets."""
+
+    target: float
+    fixed_batches: bool
+    limited_by: str | None
+    split_batches: int = 0
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> Balance:
+        return cls(required(value, "target", NUMBER, path), required(value, "fixed_batches", bool, path, False),
+                   required(value, "limited_by", (str, type(None)), path),
+                   required(value, "split_batches", int, path))
+
+
+@dataclass(frozen=True)
+class CostRange:
+    min: float
+    max: float
+
+
+@dataclass(frozen=True)
+class WorkItems:
+    """The plan's work items (`mmtok.plan.core.cut_work_items`). `batches` is kept as read: `Plan.work_items`
+    checks it against the items its batch costs and target give."""
+
+    item_seconds: float
+    target_cost: float
+    count: int
+    cost: CostRange
+    imbalance: float | None  # of `world_size` workers sharing them; None in plans of an earlier mmtok
+    batches: list
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> WorkItems:
+        cost = required(value, "cost", dict, path)
+        return cls(required(value, "item_seconds", NUMBER, path), required(value, "target_cost", NUMBER, path),
+                   required(value, "count", int, path),
+                   CostRange(required(cost, "min", NUMBER, path), required(cost, "max", NUMBER, path)),
+                   required(value, "imbalance", NUMBER, path, None), required(value, "batches", list, path))
+
+    def to_json(self) -> dict:
+        document = asdict(self)
+        if self.imbalance is None:
+            del document["imbalance"]
+        return document
+
+
+@dataclass(frozen=True)
+class PlanTotals:
+    """What the manifest's rows became: images, documents and tokens kept and dropped, and the modeled cost."""
+
+    manifest_rows: int
+    kept_images: int
+    dropped_images: int
+    documents: int
+    kept_documents: int
+    dropped_documents: int
+    image_tokens: int
+    text_tokens: int
+    document_tokens: int
+    cost: float
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> PlanTotals:
+        return cls(*(required(value, f.name, NUMBER if f.name == "cost" else int, path) for f in fields(cls)))
+
+
+@dataclass(frozen=True)
+class Exactness:
+    """Which token totals are exact (sft/interleaved: document text is counted by the encoder)."""
+
+    image_tokens: bool
+    text_tokens: bool
+    document_tokens: bool
+    note: str
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> Exactness:
+        return cls(*(required(value, key, bool, path) for key in ("image_tokens", "text_tokens", "document_tokens")),
+                   required(value, "note", str, path))
+
+
+@dataclass(frozen=True)
+class OverBudgetShape:
+    height: int
+    width: int
+    tokens: int
+    images: int
+
+
+@dataclass(frozen=True)
+class OverBudget:
+    """Images above the token budget (each alone in its batch): how many, and the largest shapes."""
+
+    images: int
+    shapes: list[OverBudgetShape]
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> OverBudget:
+        return cls(required(value, "images", int, path),
+                   [OverBudgetShape(*(required(shape, f.name, int, path) for f in fields(OverBudgetShape)))
+                    for shape in required(value, "shapes", list, path)])
+
+
+@dataclass(frozen=True)
+class BatchFill:
+    full_fraction: float
+    mean_fill: float
+    mean_images: float
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> BatchFill:
+        return cls(*(required(value, f.name, NUMBER, path) for f in fields(cls)))
+
+
+@dataclass(frozen=True)
+class LongDocuments:
+    """Documents over `max_document_tokens` (0: no limit): how many were dropped, the largest document's tokens."""
+
+    limit: int
+    dropped: int
+    largest_tokens: int
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> LongDocuments:
+        return cls(*(required(value, f.name, int, path) for f in fields(cls)))
+
+
+@dataclass(frozen=True)
+class PlanExclusion:
+    """The duplicate list of `plan --exclude`: which, how many rows of this manifest it drops, and the keepers of
+    those rows that this plan drops for a reason of its own (their duplicates then have no copy kept)."""
+
+    directory: str
+    fingerprint: str
+    source: str
+    rows: int
+    keepers_dropped: dict[str, int] = field(default_factory=dict)
+    duplicates_without_kept_copy: int = 0
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> PlanExclusion:
+        keepers = required(value, "keepers_dropped", dict, path, {})
+        return cls(required(value, "directory", str, path), required(value, "fingerprint", str, path),
+                   required(value, "source", str, path), required(value, "rows", int, path),
+                   {reason: required(keepers, reason, int, path) for reason in keepers},
+                   required(value, "duplicates_without_kept_copy", int, path, 0))
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """A Parquet file of the plan as plan.json records it."""
+
+    rows: int
+    bytes: int
+    sha256: str
+
+    @classmethod
+    def from_json(cls, value, path: Path) -> PlanFile:
+        return cls(required(value, "rows", int, path), required(value, "bytes", int, path),
+                   required(value, "sha256", str, path))
+
+
+@dataclass(frozen=True)
+class PlanMetadata:
+    """plan.json: what the plan was made from and with, its rank ranges and work items, and its figures."""
+
+    tool_version: str
+    manifest_dir: str
+    manifest_fingerprint: str
+    parameters: dict  # `PlanParameters.to_dict()` and the text tokenizer's sha256 and vocabulary size
+    world_size: int
+    rank_batches: list[list[int]]  # [start, end) batches of each rank of `world_size`
+    rank_cost: RankCost
+    imbalance: float  # modeled: max / mean rank cost - 1
+    balance: Balance
+    num_batches: int
+    num_windows: int
+    work_items: WorkItems | None  # None in plans of an earlier mmtok (no key in the file)
+    totals: PlanTotals
+    exact: Exactness
+    dropped_by_reason: dict[str, int]
+    over_budget: OverBudget
+    batch_fill: BatchFill
+    long_documents: LongDocuments
+    exclude: PlanExclusion | None  # `plan --exclude` (null without)
+    files: dict[str, PlanFile] = field(default_factory=dict)  # by name; set by `PlanWriter.finish`
+    fingerprint: str = ""  # `plan_fingerprint`; set by `PlanWriter.finish`
+
+    def to_json(self) -> dict:
+        document = {**asdict(self), "format": FORMAT, "format_version": FORMAT_VERSION}
+        if self.work_items is None:
+            del document["work_items"]
+        else:
+            document["work_items"] = self.work_items.to_json()
+        return document
+
+    @classmethod
+    def from_json(cls, document: dict, path: Path) -> PlanMetadata:
+        """The metadata of `document` (a parsed plan.json of this format and version), every key checked."""
+        items = required(document, "work_items", dict, path, None)
+        exclude = required(document, "exclude", (dict, type(None)), path, None)
+        dropped = required(document, "dropped_by_reason", dict, path)
+        files = required(document, "files", dict, path)
+        return cls(
+            tool_version=required(document, "tool_version", str, path),
+            manifest_dir=required(document, "manifest_dir", str, path),
+            manifest_fingerprint=required(document, "manifest_fingerprint", str, path),
+            parameters=required(document, "parameters", dict, path),
+            world_size=required(document, "world_size", int, path),
+            rank_batches=_ranges(required(document, "rank_batches", list, path), "rank_batches", path),
+            rank_cost=RankCost.from_json(required(document, "rank_cost", dict, path), path),
+            imbalance=required(document, "imbalance", NUMBER, path),
+            balance=Balance.from_json(required(document, "balance", dict, path), path),
+            num_batches=required(document, "num_batches", int, path),
+            num_windows=required(document, "num_windows", int, path),
+            work_items=None if items is None else WorkItems.from_json(items, path),
+            totals=PlanTotals.from_json(required(document, "totals", dict, path), path),
+            exact=Exactness.from_json(required(document, "exact", dict, path), path),
+            dropped_by_reason={reason: required(dropped, reason, int, path) for reason in dropped},
+            over_budget=OverBudget.from_json(required(document, "over_budget", dict, path), path),
+            batch_fill=BatchFill.from_json(required(document, "batch_fill", dict, path), path),
+            long_documents=LongDocuments.from_json(required(document, "long_documents", dict, path), path),
+            exclude=None if exclude is None else PlanExclusion.from_json(exclude, path),
+            files={name: PlanFile.from_json(files[name], path) for name in files},
+            fingerprint=required(document, "fingerprint", str, path))
+
+
 class PlanWriter:
     """Writes one plan directory; use as a context manager, call `finish(meta)` last.
 
@@ -206,7 +470,7 @@ class PlanWriter:
         self._files[DROPPED_FILE].write({"manifest_row": manifest_row, "reason": reason.dictionary_decode(),
                                          "keeper": pa.array(keeper, pa.string())})
 
-    def finish(self, meta: dict) -> dict:
+    def finish(self, meta: PlanMetadata) -> PlanMetadata:
         """Complete the Parquet files, then replace the old plan: plan.json removed (the old metadata must not
         describe new files), the files renamed into place, plan.json (with `files` and `fingerprint` added)
         written last."""
@@ -216,13 +480,12 @@ class PlanWriter:
         files = {}
         for name, table_file in self._files.items():
             table_file.publish()
-            files[name] = {"rows": table_file.rows, "bytes": table_file.path.stat().st_size,
-                           "sha256": sha256_file(table_file.path)}
+            files[name] = PlanFile(rows=table_file.rows, bytes=table_file.path.stat().st_size,
+                                   sha256=sha256_file(table_file.path))
         fsync_dir(self.directory)
-        meta = {**meta, "format": FORMAT, "format_version": FORMAT_VERSION, "files": files}
-        meta["fingerprint"] = plan_fingerprint(files[IMAGES_FILE]["sha256"], meta["parameters"],
-                                               meta["manifest_fingerprint"])
-        atomic_write_json(self.directory / META_FILE, meta)
+        meta = replace(meta, files=files, fingerprint=plan_fingerprint(files[IMAGES_FILE].sha256, meta.parameters,
+                                                                       meta.manifest_fingerprint))
+        atomic_write_json(self.directory / META_FILE, meta.to_json())
         return meta
 
 
@@ -243,7 +506,7 @@ class Plan:
     """A plan directory, opened once: plan.json checked against the files, its tables, and what
     each rank encodes (for the plan's world size or, re-derived, for any other)."""
 
-    def __init__(self, directory: Path, meta: dict):
+    def __init__(self, directory: Path, meta: PlanMetadata):
         self.directory = directory
         self.meta = meta
         self._ranges: dict[int, np.ndarray] = {}
@@ -269,19 +532,19 @@ class Plan:
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise MmtokError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} plan (format {meta.get('format')!r}, "
                              f"version {meta.get('format_version')!r}); re-run `mmtok plan`")
-        for key in ("world_size", "num_batches"):
+        for key in ("world_size", "num_batches"):  # the keys every reader needs, named first when damaged
             required(meta, key, int, path)
         required(meta, "fingerprint", str, path)
         for name, info in required(meta, "files", dict, path).items():
             file = directory / name
             if not file.is_file() or file.stat().st_size != required(info, "bytes", int, path):
                 raise MmtokError(f"{file} does not match {path} (missing or changed size); re-run `mmtok plan`")
-        return cls(directory, meta)
+        return cls(directory, PlanMetadata.from_json(meta, path))
 
     @property
     def world_size(self) -> int:
         """The world size the plan's own rank ranges were balanced for."""
-        return int(self.meta["world_size"])
+        return self.meta.world_size
 
     def table(self, name: str, columns: list[str] | None = None) -> pa.Table:
         """One of the plan's Parquet files (IMAGES_FILE, BATCHES_FILE, DOCUMENTS_FILE, DROPPED_FILE)."""
@@ -293,8 +556,8 @@ class Plan:
         """The manifest the plan was made from (opened once); MmtokError when it was rewritten since."""
         if self._manifest is not None:
             return self._manifest
-        manifest = self._manifest = Manifest.open(self.meta["manifest_dir"])
-        planned = self.meta["manifest_fingerprint"]
+        manifest = self._manifest = Manifest.open(self.meta.manifest_dir)
+        planned = self.meta.manifest_fingerprint
         if manifest.fingerprint != planned:
             raise MmtokError(f"the manifest in {manifest.directory} was rewritten after planning (fingerprint "
                              f"{manifest.fingerprint[:12]}... != plan's {planned[:12]}...); re-run `mmtok plan`")
@@ -354,7 +617,7 @@ class Plan:
             raise MmtokError(f"world size must be >= 1, got {world_size}")
         if world_size not in self._ranges:
             if world_size == self.world_size:
-                ranges = np.asarray(self.meta["rank_batches"], np.int64).reshape(-1, 2)
+                ranges = np.asarray(self.meta.rank_batches, np.int64).reshape(-1, 2)
             else:
                 costs = self.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
                 ranges = partition_ranks(costs, world_size)
@@ -366,14 +629,14 @@ class Plan:
         the items its batch costs and target give (`mmtok.ranks.item_ranges`): plan.json's fingerprint does not
         cover them, and parts of edited items would merge with a gap."""
         if self._items is None:
-            items = self.meta.get("work_items")
-            if not isinstance(items, dict) or "batches" not in items:
+            items = self.meta.work_items
+            if items is None:
                 raise MmtokError(f"{self.directory / META_FILE} has no work items (a plan of an older mmtok); re-run "
                                  "`mmtok plan`")
             costs = self.batch_costs()
-            target = items.get("target_cost")
+            target = items.target_cost
             expected = item_ranges(costs, target) if isinstance(target, float) and target > 0 else None
-            if expected is None or items["batches"] != expected.tolist() or items.get("count") != len(expected):
+            if expected is None or items.batches != expected.tolist() or items.count != len(expected):
                 raise MmtokError(f"{self.directory / META_FILE}: its work items are not those of its batches and "
                                  "target (edited or damaged); re-run `mmtok plan`")
             self._items = expected
@@ -400,7 +663,7 @@ class Plan:
     def work_item_id(self, item: int) -> str:
         """The id of work item `item`: from the plan's fingerprint and the item's index, so two plans never share
         an id and the same plan always gives the same ones."""
-        return hashlib.sha256(f"{self.meta['fingerprint']}/work-item/{item}".encode()).hexdigest()[:16]
+        return hashlib.sha256(f"{self.meta.fingerprint}/work-item/{item}".encode()).hexdigest()[:16]
 
     def rank_range(self, rank: int, world_size: int | None = None) -> tuple[int, int]:
         """[start, end) global batch range of `rank` of `world_size` (default: the plan's); empty for idle ranks."""

@@ -123,7 +123,7 @@ def plan_grid(plan_dir: str | os.PathLike, max_shapes: int = DEFAULT_MAX_SHAPES)
     chosen = pick_shapes(uh, uw, images, max_shapes)
     cap = {(int(uh[i]), int(uw[i])): int(capacity[i]) for i in chosen}
     shapes = _area_order(cap)
-    parameters = plan.meta["parameters"]
+    parameters = plan.meta.parameters
     replaced = CostModel.from_mapping({"source": f"cost_model of plan {plan_dir}", **parameters["cost_model"]},
                                       str(Path(plan_dir) / META_FILE))
     return Grid(origin=f"plan {plan_dir}", shapes=shapes, capacity=tuple(cap[s] for s in shapes),

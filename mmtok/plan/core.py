@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,23 @@ from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats.dedup import DedupList, Exclusion
 from mmtok.formats.manifest import Manifest
-from mmtok.formats.plan import SCAN_REASON, PlanWriter, has_plan
+from mmtok.formats.plan import (
+    SCAN_REASON,
+    Balance,
+    BatchFill,
+    CostRange,
+    Exactness,
+    LongDocuments,
+    OverBudget,
+    OverBudgetShape,
+    PlanExclusion,
+    PlanMetadata,
+    PlanTotals,
+    PlanWriter,
+    RankCost,
+    WorkItems,
+    has_plan,
+)
 from mmtok.formats.presets import PlanParameters
 from mmtok.plan.batching import GroupPlan, GroupPlanner, window_groups
 from mmtok.plan.captions import CAPTION_REASONS
@@ -59,8 +76,8 @@ class _BatchLog:
 
 def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir: str | os.PathLike,
                world_size: int = 1, progress: bool = True, fixed_batches: bool = False,
-               exclude: str | os.PathLike | None = None) -> dict:
-    """Plan `manifest_dir` into `out_dir`; returns plan.json's content.
+               exclude: str | os.PathLike | None = None) -> PlanMetadata:
+    """Plan `manifest_dir` into `out_dir`; returns what plan.json holds.
 
     Guarantees: deterministic (same manifest, parameters and world size -> byte-identical files);
     every manifest row is in exactly one of plan.parquet and dropped.parquet; every batch is one
@@ -84,7 +101,7 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     bounds = window_bounds(manifest, params.window_rows, progress)
     meta, log = _plan_pass(manifest, params, tokenizer, bounds, reasons, out_dir, world_size, {}, progress,
                            fixed_batches, exclusion)
-    if world_size > 1 and meta["imbalance"] > SPLIT_ABOVE and not fixed_batches:
+    if world_size > 1 and meta.imbalance > SPLIT_ABOVE and not fixed_batches:
         splits = _splits(log, params, world_size)
         if splits:  # the second pass reads and filters the manifest again: no per-row state is kept
             meta, _ = _plan_pass(manifest, params, tokenizer, bounds, reasons, out_dir, world_size, splits, progress,
@@ -93,14 +110,14 @@ def build_plan(manifest_dir: str | os.PathLike, params: PlanParameters, out_dir:
     return meta
 
 
-def _exclusion(exclude, manifest: Manifest) -> tuple[dict, Exclusion] | None:
-    """(what plan.json records of it, the rows) of the duplicate list `exclude`, or None."""
+def _exclusion(exclude, manifest: Manifest) -> tuple[PlanExclusion, Exclusion] | None:
+    """(what plan.json records of it, less its keeper counts; the rows) of the duplicate list `exclude`, or None."""
     if exclude is None:
         return None
     listed = DedupList.open(exclude)
     rows = listed.exclusion(manifest.fingerprint, manifest.num_rows)
-    record = {"directory": str(Path(exclude).resolve()), "fingerprint": listed.metadata.fingerprint,
-              "source": rows.source, "rows": len(rows.rows)}
+    record = PlanExclusion(directory=str(Path(exclude).resolve()), fingerprint=listed.metadata.fingerprint,
+                           source=rows.source, rows=len(rows.rows))
     return record, rows
 
 
@@ -121,15 +138,16 @@ class _LostKeepers:
         for code in plan.dropped_codes[hit].tolist():
             self.by_reason[reasons.names[code]] = self.by_reason.get(reasons.names[code], 0) + 1
 
-    def record(self) -> dict:
+    def record(self, listed: PlanExclusion) -> PlanExclusion:
+        """`listed` with the keepers the plan dropped, by reason, and the duplicates left without a kept copy."""
         rows = np.concatenate(self.rows) if self.rows else np.zeros(0, np.int64)
-        return {"keepers_dropped": dict(sorted(self.by_reason.items())),
-                "duplicates_without_kept_copy": self.exclusion.without_kept_copy(rows)}
+        return replace(listed, keepers_dropped=dict(sorted(self.by_reason.items())),
+                       duplicates_without_kept_copy=self.exclusion.without_kept_copy(rows))
 
 
 def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, bounds: np.ndarray,
                reasons: Reasons, out_dir, world_size: int, splits: dict[int, list[int]],
-               progress: bool, fixed_batches: bool, exclusion) -> tuple[dict, _BatchLog]:
+               progress: bool, fixed_batches: bool, exclusion) -> tuple[PlanMetadata, _BatchLog]:
     """Read, filter and plan every group and write the plan files; returns plan.json's content and the
     batch log."""
     from mmtok.progress import progress as progress_bar
@@ -161,12 +179,12 @@ def _plan_pass(manifest: Manifest, params: PlanParameters, tokenizer: TextTokeni
         if planner is not None:
             planner.close()
         meta = _metadata(manifest, params, tokenizer, int(bounds[-1]), dropped, reasons, log, documents,
-                         n_windows=len(bounds) - 1, world_size=world_size, fixed_batches=fixed_batches)
-        meta["long_documents"] = {"limit": params.max_document_tokens,
-                                  "dropped": planner.long_documents if planner else 0,
-                                  "largest_tokens": planner.largest_document if planner else 0}
-        meta["balance"]["split_batches"] = sum(len(v) for v in splits.values())
-        meta["exclude"] = {**exclusion[0], **lost.record()} if exclusion else None
+                         n_windows=len(bounds) - 1, world_size=world_size, fixed_batches=fixed_batches,
+                         split_batches=sum(len(v) for v in splits.values()),
+                         long_documents=LongDocuments(limit=params.max_document_tokens,
+                                                      dropped=planner.long_documents if planner else 0,
+                                                      largest_tokens=planner.largest_document if planner else 0),
+                         exclude=lost.record(exclusion[0]) if exclusion else None)
         if has_plan(out_dir):
             _refuse_empty(meta, Path(out_dir), written=False)  # a plan of no image must not replace the last plan
         return writer.finish(meta), log
@@ -203,18 +221,18 @@ def _drop_fix(reason: str, parameters: dict) -> str | None:
     return None
 
 
-def _refuse_empty(meta: dict, out_dir: Path, written: bool) -> None:
+def _refuse_empty(meta: PlanMetadata, out_dir: Path, written: bool) -> None:
     """MmtokError when the plan keeps no image: how many rows, dropped why, where to see them (the plan just
     `written`, else nowhere: the earlier plan in `out_dir` is kept), and what to change."""
-    totals = meta["totals"]
-    if totals["kept_images"]:
+    totals = meta.totals
+    if totals.kept_images:
         return
-    if not totals["manifest_rows"]:
-        raise MmtokError(f"{meta['manifest_dir']} has no rows, so the plan holds no image; rerun `mmtok scan` on "
+    if not totals.manifest_rows:
+        raise MmtokError(f"{meta.manifest_dir} has no rows, so the plan holds no image; rerun `mmtok scan` on "
                          "shards that contain images")
-    counts = sorted(meta["dropped_by_reason"].items(), key=lambda item: (-item[1], item[0]))
-    fixes = dict.fromkeys(fix for fix in (_drop_fix(reason, meta["parameters"]) for reason, _ in counts) if fix)
-    raise MmtokError(f"all {totals['manifest_rows']:,} manifest rows were dropped "
+    counts = sorted(meta.dropped_by_reason.items(), key=lambda item: (-item[1], item[0]))
+    fixes = dict.fromkeys(fix for fix in (_drop_fix(reason, meta.parameters) for reason, _ in counts) if fix)
+    raise MmtokError(f"all {totals.manifest_rows:,} manifest rows were dropped "
                      f"({', '.join(f'{reason} {count:,}' for reason, count in counts)}), so the plan holds no image "
                      + (f"-- see {out_dir / 'dropped.parquet'} or `mmtok plan --explain {out_dir}`" if written else
                         f"-- nothing written, the earlier plan in {out_dir} is kept")
@@ -245,29 +263,27 @@ def _add_document_totals(totals: dict, plan: GroupPlan) -> None:
         totals["image_tokens"] += int(plan.batches["tokens"].sum())
 
 
-def _over_budget(log: _BatchLog, over: np.ndarray, limit: int = 20) -> dict:
+def _over_budget(log: _BatchLog, over: np.ndarray, limit: int = 20) -> OverBudget:
     """Images above the token budget (each alone in its batch): count and the largest shapes."""
     height = log.array("target_height", np.int64)[over]
     width = log.array("target_width", np.int64)[over]
     tokens = log.array("tokens", np.int64)[over]
     shapes, first, count = np.unique(np.stack([height, width], axis=1), axis=0, return_index=True, return_counts=True)
     largest = np.argsort(-tokens[first], kind="stable")[:limit]
-    return {"images": int(over.sum()),
-            "shapes": [{"height": int(shapes[i, 0]), "width": int(shapes[i, 1]), "tokens": int(tokens[first[i]]),
-                        "images": int(count[i])} for i in largest]}
+    return OverBudget(images=int(over.sum()),
+                      shapes=[OverBudgetShape(height=int(shapes[i, 0]), width=int(shapes[i, 1]),
+                                              tokens=int(tokens[first[i]]), images=int(count[i])) for i in largest])
 
 
-def rank_summary(costs: np.ndarray, world_size: int) -> dict:
-    """Rank ranges and the cost-model balance for one world size."""
+def rank_summary(costs: np.ndarray, world_size: int) -> tuple[np.ndarray, RankCost, float]:
+    """Rank ranges, their modeled costs and the modeled imbalance for one world size."""
     ranges = partition_ranks(costs, world_size)
     per_rank = rank_costs(costs, ranges)
-    return {"rank_batches": ranges.tolist(),
-            "rank_cost": {"min": float(per_rank.min()), "mean": float(per_rank.mean()), "max": float(per_rank.max()),
-                          "idle_ranks": int(np.sum(ranges[:, 0] == ranges[:, 1]))},
-            "imbalance": imbalance(per_rank)}
+    return (ranges, RankCost(min=float(per_rank.min()), mean=float(per_rank.mean()), max=float(per_rank.max()),
+                             idle_ranks=int(np.sum(ranges[:, 0] == ranges[:, 1]))), imbalance(per_rank))
 
 
-def cut_work_items(costs: np.ndarray, params: PlanParameters, world_size: int) -> dict:
+def cut_work_items(costs: np.ndarray, params: PlanParameters, world_size: int) -> WorkItems:
     """The plan's work items (`mmtok.ranks.item_ranges`): batch ranges of about `item_seconds` of GPU time each
     by the cost model, their number independent of any world size; `imbalance`: the modeled imbalance of
     `world_size` workers sharing them statically (`mmtok.ranks.worker_items`: items are not split, so it is
@@ -276,21 +292,22 @@ def cut_work_items(costs: np.ndarray, params: PlanParameters, world_size: int) -
     ranges = item_ranges(costs, target)
     cost = rank_costs(costs, ranges) if len(ranges) else np.zeros(0)
     shared = rank_costs(cost, worker_items(cost, world_size)) if len(ranges) else np.zeros(world_size)
-    return {"item_seconds": params.item_seconds, "target_cost": target, "count": len(ranges),
-            "cost": {"min": float(cost.min()) if len(cost) else 0.0, "max": float(cost.max()) if len(cost) else 0.0},
-            "imbalance": imbalance(shared), "batches": ranges.tolist()}
+    return WorkItems(item_seconds=params.item_seconds, target_cost=target, count=len(ranges),
+                     cost=CostRange(min=float(cost.min()) if len(cost) else 0.0,
+                                    max=float(cost.max()) if len(cost) else 0.0),
+                     imbalance=imbalance(shared), batches=ranges.tolist())
 
 
-def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead: float, world_size: int,
-                  fixed_batches: bool = False) -> str | None:
-    """Why the modeled imbalance is above BALANCE_TARGET (None when it is not): the cause and the figure."""
-    if summary["imbalance"] <= BALANCE_TARGET:
+def balance_limit(rank_cost: RankCost, modeled: float, costs: np.ndarray, counts: np.ndarray, overhead: float,
+                  world_size: int, fixed_batches: bool = False) -> str | None:
+    """Why the `modeled` imbalance is above BALANCE_TARGET (None when it is not): the cause and the figure."""
+    if modeled <= BALANCE_TARGET:
         return None
     images = int(counts.sum())
     if images < world_size:
-        return (f"{images:,} images for {world_size:,} ranks: {summary['rank_cost']['idle_ranks']:,} ranks have no "
+        return (f"{images:,} images for {world_size:,} ranks: {rank_cost.idle_ranks:,} ranks have no "
                 "work -- plan for fewer ranks")
-    mean = summary["rank_cost"]["mean"]
+    mean = rank_cost.mean
     if fixed_batches:
         return (f"--fixed-batches: no batch is split at a rank target (so the batch list does not depend on "
                 f"--world-size), and the largest batch costs {100 * float(costs.max()) / mean:.1f}% of a rank's mean "
@@ -304,40 +321,44 @@ def balance_limit(summary: dict, costs: np.ndarray, counts: np.ndarray, overhead
 
 def _metadata(manifest: Manifest, params: PlanParameters, tokenizer: TextTokenizer, n_rows: int,
               dropped: dict[int, int], reasons: Reasons, log: _BatchLog, documents: dict, n_windows: int,
-              world_size: int, fixed_batches: bool) -> dict:
+              world_size: int, fixed_batches: bool, split_batches: int, long_documents: LongDocuments,
+              exclude: PlanExclusion | None) -> PlanMetadata:
     costs = log.array("cost", np.float64)
     tokens, count = log.array("tokens", np.int64), log.array("num_images", np.int64)
-    ranks = rank_summary(costs, world_size)
+    ranges, rank_cost, modeled = rank_summary(costs, world_size)
     over = tokens > params.token_budget
     kept_images = int(count.sum())
-    return {
-        "tool_version": __version__,
-        "manifest_dir": str(manifest.directory),
-        "manifest_fingerprint": manifest.fingerprint,
-        "parameters": {**params.to_dict(), "text_tokenizer_sha256": tokenizer.fingerprint,
-                       "text_vocab_size": tokenizer.vocab_size},
-        "world_size": world_size,
-        **ranks,
-        "balance": {"target": BALANCE_TARGET, "fixed_batches": fixed_batches,
-                    "limited_by": balance_limit(ranks, costs, count, params.cost_model.batch, world_size,
-                                                fixed_batches)},
-        "num_batches": len(costs),
-        "num_windows": n_windows,
-        "work_items": cut_work_items(costs, params, world_size),
-        "totals": {
-            "manifest_rows": n_rows, "kept_images": kept_images, "dropped_images": n_rows - kept_images,
-            "documents": documents["total"], "kept_documents": documents["kept"],
-            "dropped_documents": documents["total"] - documents["kept"],
-            "image_tokens": documents["image_tokens"], "text_tokens": documents["text_tokens"],
-            "document_tokens": documents["tokens"], "cost": float(costs.sum()),
-        },
-        "exact": {"image_tokens": True, "text_tokens": params.document_totals_exact,
-                  "document_tokens": params.document_totals_exact,
-                  "note": "sft/interleaved: document text is counted by the encoder; document_tokens "
-                          "there are BOS + image blocks + EOS only"},
-        "dropped_by_reason": {reasons.names[i]: dropped[i] for i in sorted(dropped) if i and dropped[i]},
-        "over_budget": _over_budget(log, over),
-        "batch_fill": {"full_fraction": float(log.array("full", bool).mean()) if len(costs) else 0.0,
-                       "mean_fill": float(np.minimum(tokens / params.token_budget, 1).mean()) if len(costs) else 0.0,
-                       "mean_images": float(count.mean()) if len(costs) else 0.0},
-    }
+    return PlanMetadata(
+        tool_version=__version__,
+        manifest_dir=str(manifest.directory),
+        manifest_fingerprint=manifest.fingerprint,
+        parameters={**params.to_dict(), "text_tokenizer_sha256": tokenizer.fingerprint,
+                    "text_vocab_size": tokenizer.vocab_size},
+        world_size=world_size,
+        rank_batches=ranges.tolist(), rank_cost=rank_cost, imbalance=modeled,
+        balance=Balance(target=BALANCE_TARGET, fixed_batches=fixed_batches,
+                        limited_by=balance_limit(rank_cost, modeled, costs, count, params.cost_model.batch, world_size,
+                                                 fixed_batches),
+                        split_batches=split_batches),
+        num_batches=len(costs),
+        num_windows=n_windows,
+        work_items=cut_work_items(costs, params, world_size),
+        totals=PlanTotals(
+            manifest_rows=n_rows, kept_images=kept_images, dropped_images=n_rows - kept_images,
+            documents=documents["total"], kept_documents=documents["kept"],
+            dropped_documents=documents["total"] - documents["kept"],
+            image_tokens=documents["image_tokens"], text_tokens=documents["text_tokens"],
+            document_tokens=documents["tokens"], cost=float(costs.sum())),
+        exact=Exactness(image_tokens=True, text_tokens=params.document_totals_exact,
+                        document_tokens=params.document_totals_exact,
+                        note="sft/interleaved: document text is counted by the encoder; document_tokens "
+                             "there are BOS + image blocks + EOS only"),
+        dropped_by_reason={reasons.names[i]: dropped[i] for i in sorted(dropped) if i and dropped[i]},
+        over_budget=_over_budget(log, over),
+        batch_fill=BatchFill(
+            full_fraction=float(log.array("full", bool).mean()) if len(costs) else 0.0,
+            mean_fill=float(np.minimum(tokens / params.token_budget, 1).mean()) if len(costs) else 0.0,
+            mean_images=float(count.mean()) if len(costs) else 0.0),
+        long_documents=long_documents,
+        exclude=exclude,
+    )

@@ -108,7 +108,7 @@ def describe_plan(directory: Path) -> str:
 
         meta = Plan.open(directory).meta
         keys = ("num_batches", "world_size", "imbalance", "totals")
-        return "\n".join(f"{key}: {meta.get(key)}" for key in keys)
+        return "\n".join(f"{key}: {getattr(meta, key)}" for key in keys)
     return explain_plan(directory)
 
 

@@ -366,13 +366,13 @@ def _num_parts(identities: list[dict], found: dict[int, _PartFiles], plan) -> in
 # -- the plan's cost model ---------------------------------------------------------------------------
 def _curation(plan) -> Curation | None:
     """What the plan's duplicate list (`plan --exclude`) dropped of its source, by reason; None without one."""
-    exclude = plan.meta.get("exclude")
+    exclude = plan.meta.exclude
     if not exclude:
         return None
-    by_reason = plan.meta.get("dropped_by_reason", {})
+    by_reason = plan.meta.dropped_by_reason
     listed = {reason: by_reason[reason] for reason in ("duplicate", "contaminated", "caption_flagged")
               if by_reason.get(reason)}
-    return Curation(source=exclude["source"], list=exclude["directory"], rows=exclude["rows"], by_reason=listed)
+    return Curation(source=exclude.source, list=exclude.directory, rows=exclude.rows, by_reason=listed)
 
 
 def _open_plan(directory: str | os.PathLike):
@@ -400,17 +400,17 @@ def _plan_model(plan, identities: list[dict], num_parts: int) -> _PlanModel:
     from mmtok.formats.plan import BATCHES_FILE
 
     recorded = {i.get("plan_fingerprint") for i in identities} - {None}
-    if recorded and recorded != {plan.meta["fingerprint"]}:
+    if recorded and recorded != {plan.meta.fingerprint}:
         raise MmtokError(f"{plan.directory}: not the plan these parts were encoded from (fingerprint "
-                         f"{plan.meta['fingerprint'][:12]}..., parts {sorted(f[:12] for f in recorded)}); pass the "
+                         f"{plan.meta.fingerprint[:12]}..., parts {sorted(f[:12] for f in recorded)}); pass the "
                          "--plan given to `mmtok encode`")
     costs = plan.table(BATCHES_FILE, ["cost"]).column(0).to_numpy()
     ranges = part_ranges(plan, _items(identities), num_parts)
     per_rank = rank_costs(costs, ranges)
     same = num_parts == plan.world_size and not _items(identities)
     return _PlanModel(prefix=np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)]), ranges=ranges,
-                      per_rank=per_rank, num_batches=int(plan.meta["num_batches"]),
-                      imbalance=float(plan.meta["imbalance"]) if same else imbalance(per_rank),
+                      per_rank=per_rank, num_batches=plan.meta.num_batches,
+                      imbalance=float(plan.meta.imbalance) if same else imbalance(per_rank),
                       plan_world_size=plan.world_size)
 
 
