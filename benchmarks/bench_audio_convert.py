@@ -84,7 +84,7 @@ def main() -> None:
         wall, cpu, report = run_mmtok(source, table, args.workdir / f"mmtok-{workers}", workers)
         processes = max(workers, 1)
         per_cpu = f"{hours * 3600 / cpu:,.0f}" if workers == 0 else "- (workers not counted)"
-        print(f"| mmtok audio convert --workers {workers} ({report['counts']['written']} clips) | {processes} | "
+        print(f"| mmtok audio convert --workers {workers} ({report.report.counts['written']} clips) | {processes} | "
               f"{wall:.1f} | {cpu:.1f} | {hours * 3600 / wall / processes:,.0f} | {per_cpu} |")
 
 if __name__ == "__main__":

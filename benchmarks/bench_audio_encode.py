@@ -66,7 +66,8 @@ def make_shar(workdir: Path, copies: int) -> Path:
     from mmtok.audio.convert import ConvertOptions, convert
 
     out = workdir / f"shar-x{copies}"
-    if not (read_report(out) or {}).get("complete"):
+    done = read_report(out)
+    if not (done and done.complete):
         files = sorted(ASTERISK.rglob("*.wav"))
         if not files:
             raise SystemExit(f"no prompts under {ASTERISK}: apt-get install asterisk-core-sounds-en-wav")
@@ -160,8 +161,8 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     shar = make_shar(args.workdir, args.copies)
     report = read_report(shar)
-    print(f"input: {args.copies} x the asterisk prompts, {report['duration_written'] / 3600:.2f} h in "
-          f"{len(report['shards'])} Shar shards of 200 cuts; DataLoader workers: {args.workers}; loader capacity "
+    print(f"input: {args.copies} x the asterisk prompts, {report.duration_written / 3600:.2f} h in "
+          f"{len(report.shards)} Shar shards of 200 cuts; DataLoader workers: {args.workers}; loader capacity "
           f"{loader_capacity(shar):,.0f} s of audio per CPU-second\n")
     print("| loop | device speed (x real time) | batches | wall s | device busy s | busy | busy, steady | "
           "waited for loader s |")

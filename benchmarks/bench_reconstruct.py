@@ -25,9 +25,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from mmtok.bench.report import BenchSummary
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
@@ -92,8 +96,8 @@ def main() -> None:
         shutil.rmtree(work)
 
 
-def report(summary: dict, out: Path, total: float, args) -> None:
-    timing = summary["this_invocation_timing_s"]
+def report(summary: BenchSummary, out: Path, total: float, args) -> None:
+    timing = summary.this_invocation_timing_s
     items = timing["items"]
     rows = list(csv.DictReader(open(out / "results.csv", newline="")))
     codec = timing["encode_s"] + timing["decode_s"]

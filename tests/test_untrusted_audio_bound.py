@@ -174,6 +174,11 @@ def test_a_conversion_from_before_shard_checksums_is_refused_with_what_to_rerun(
     (lambda report: report["cursor"].update(unit=None), "unit"),
     (lambda report: report.update(complete="yes"), "complete"),
     (lambda report: report["counts"].update(written=[2]), "written"),
+    (lambda report: report["shards"][0].update(duration=10 ** 400), "duration"),
+    (lambda report: report.update(duration_written=float("nan")), "duration_written"),
+    (lambda report: report["shards"][0].update(cuts=-1), "cuts"),
+    (lambda report: report["shards"][1].update(index=5), "shards"),
+    (lambda report: report["identity"].update(text_tokenizer="tekken"), "text_tokenizer"),
 ])
 def test_a_conversion_report_of_the_wrong_shape_is_refused_naming_the_key(pipeline, tmp_path, capsys, damage, key):
     """conversion.json is read back (encode trusts its shard digests, a resumed conversion its cursor): a report
@@ -185,6 +190,32 @@ def test_a_conversion_report_of_the_wrong_shape_is_refused_naming_the_key(pipeli
     capsys.readouterr()
     assert _encode_command(pipeline, root / "conv", root / "enc") == 2
     _one_line_refusal(capsys, "conversion.json", repr(key))
+
+
+def test_shards_a_complete_report_does_not_record_are_refused_not_encoded_unverified(pipeline, tmp_path, capsys):
+    """Encode verifies each shard by the digests its report records: a report that records fewer shards than the
+    Shar holds must not let the others through unchecked."""
+    root = _copy(pipeline, tmp_path, "conv")
+    report = json.loads((root / "conv" / "conversion.json").read_text())
+    report["shards"], report["duration_written"] = report["shards"][:1], report["shards"][0]["duration"]
+    (root / "conv" / "conversion.json").write_text(json.dumps(report))
+    capsys.readouterr()
+    assert _encode_command(pipeline, root / "conv", root / "enc") == 2
+    _one_line_refusal(capsys, "holds shards 0..1 but conversion.json records 0..0")
+
+
+@pytest.mark.parametrize(("cursor", "words"), [({"unit": 10 ** 6, "skip": 0}, "cursor is at unit 1,000,000 of 1"),
+                                               ({"unit": 0, "skip": 9}, "cursor skips 9 results of unit 0")])
+def test_a_resumed_conversion_whose_cursor_is_past_its_inputs_is_refused(pipeline, tmp_path, cursor, words):
+    """A cursor past the inputs (or past a unit's results) would mark work done that was never written."""
+    root = _copy(pipeline, tmp_path, "conv")
+    report = json.loads((root / "conv" / "conversion.json").read_text())
+    report.update(complete=False, cursor=cursor)
+    (root / "conv" / "conversion.json").write_text(json.dumps(report))
+    with pytest.raises(MmtokError, match=words):
+        convert([pipeline[0] / "chat.jsonl"], root / "conv",
+                ConvertOptions(shard_size=2, text_tokenizer=str(pipeline[2])), kind="conversations", workers=0,
+                progress=False)
 
 
 def test_a_flipped_bit_in_the_carry_is_refused_naming_the_part(tmp_path):

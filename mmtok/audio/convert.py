@@ -441,9 +441,15 @@ def convert_units(state: Conversion, units: list[Unit], workers: int, tokenizer,
 
     options = state.options
     start, skip = state.report.cursor.unit, state.report.cursor.skip
+    if start > len(units):  # the inputs are those the report's identity describes: a cursor past them is damage
+        raise MmtokError(f"{state.out / shar_format.REPORT}: its cursor is at unit {start:,} of {len(units):,}; "
+                         "re-run `mmtok audio convert` into a new --out")
     bar = progress_bar(total=len(units), initial=start, unit="unit", desc="audio convert", enabled=progress)
     for number, results in enumerate(ordered_results(units[start:], options, workers, tokenizer), start):
         first = skip if number == start else 0
+        if first > len(results):
+            raise MmtokError(f"{state.out / shar_format.REPORT}: its cursor skips {first:,} results of unit "
+                             f"{number:,}, which has {len(results):,}; re-run `mmtok audio convert` into a new --out")
         for position in range(first, len(results)):
             state.add(results[position])
             if len(state.buffer) == options.shard_size:

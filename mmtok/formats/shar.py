@@ -31,12 +31,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import shutil
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mmtok.errors import MmtokError
+from mmtok.errors import DamagedFile, MmtokError, brief
 from mmtok.formats.tar import Damage, read_members
 from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, read_json_object, required, sha256_file
 
@@ -125,10 +126,33 @@ class ShardRecord:
 
     @classmethod
     def from_json(cls, value, path: Path) -> ShardRecord:
-        return cls(index=required(value, "index", int, path), cuts=required(value, "cuts", int, path),
-                   duration=required(value, "duration", (int, float), path),
+        return cls(index=_count(value, "index", path), cuts=_count(value, "cuts", path),
+                   duration=_seconds(value, "duration", path),
                    cuts_sha256=required(value, "cuts_sha256", str, path),
                    recording_sha256=required(value, "recording_sha256", str, path))
+
+
+def _count(obj: dict, key: str, path: Path) -> int:
+    """`obj[key]`, an integer >= 0; DamagedFile naming the key otherwise."""
+    value = required(obj, key, int, path)
+    if value < 0:
+        raise DamagedFile(f"{path}: key {key!r} must be >= 0, not {value}; re-run `mmtok audio convert` into a "
+                          "new --out")
+    return value
+
+
+def _seconds(obj: dict, key: str, path: Path, default=None) -> float:
+    """`obj[key]` (or `default` when absent), a finite number of seconds >= 0; DamagedFile naming the key
+    otherwise (a huge integer included: it has no float)."""
+    value = required(obj, key, (int, float), path) if default is None or key in obj else default
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise DamagedFile(f"{path}: key {key!r} must be a finite number of seconds >= 0, not {brief(value, 40)}; "
+                          "re-run `mmtok audio convert` into a new --out")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -160,14 +184,18 @@ class ConversionReport:
         cursor = required(document, "cursor", dict, path)
         counts = required(document, "counts", dict, path)
         for key in counts:
-            required(counts, key, int, path)
+            _count(counts, key, path)
         shards = tuple(ShardRecord.from_json(value, path) for value in required(document, "shards", list, path))
-        return cls(identity=required(document, "identity", dict, path),
-                   complete=required(document, "complete", bool, path),
-                   cursor=Cursor(unit=required(cursor, "unit", int, path), skip=required(cursor, "skip", int, path)),
+        if [s.index for s in shards] != list(range(len(shards))):  # written in order, one record per shard
+            raise DamagedFile(f"{path}: key 'shards' must record shards 0..{len(shards) - 1} in order, not "
+                              f"{brief([s.index for s in shards], 60)}; re-run `mmtok audio convert` into a new --out")
+        identity = required(document, "identity", dict, path)
+        for key in ("text_tokenizer", "options", "storage"):  # what encode reads of the conversion
+            required(identity, key, dict, path)
+        return cls(identity=identity, complete=required(document, "complete", bool, path),
+                   cursor=Cursor(unit=_count(cursor, "unit", path), skip=_count(cursor, "skip", path)),
                    shards=shards, counts=counts,
-                   duration_written=required(document, "duration_written", (int, float), path,
-                                             sum(s.duration for s in shards)))
+                   duration_written=_seconds(document, "duration_written", path, sum(s.duration for s in shards)))
 
 
 def write_conversion_report(out: Path, report: ConversionReport) -> None:
@@ -245,6 +273,9 @@ def discover_shards(path: Path) -> tuple[list[SharShard], ConversionReport | Non
         missing = sorted(set(range(max(indices) + 1)) - set(indices))
         raise MmtokError(f"{shar}: shard indices must be 0..n-1; missing {missing[:10]}")
     recorded = {s.index: s for s in report.shards} if report else {}
+    if report is not None and indices != sorted(recorded):  # a shard no record verifies, or a record without files
+        raise MmtokError(f"{shar}: holds shards {_listed(indices)} but {REPORT} records {_listed(sorted(recorded))}; "
+                         "re-run `mmtok audio convert` into a new --out")
     shards = []
     for index in indices:
         cuts_name, recording_name = shard_files(index)
@@ -258,6 +289,13 @@ def discover_shards(path: Path) -> tuple[list[SharShard], ConversionReport | Non
         shards.append(SharShard(index, shar / cuts_name, shar / recording_name, float(duration), int(count),
                                 recorded.get(index)))
     return shards, report
+
+
+def _listed(indices: list[int]) -> str:
+    """Shard indices for a message: the range when they are 0..n-1, else the first few."""
+    if indices == list(range(len(indices))):
+        return f"0..{len(indices) - 1}" if indices else "none"
+    return ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
 
 
 def shard_fingerprint(shard: SharShard) -> dict:
