@@ -212,7 +212,8 @@ if job["manifest_version"] not in getattr(manifest_format, "READ_VERSIONS", ()):
 params = load_preset(job["preset"]).override(mode="image", **job["overrides"])
 text_tokenizer(params.text_tokenizer)  # tokenizer load (~1.5 s) is not planning work
 wall, cpu = time.perf_counter(), time.process_time()
-meta = core.build_plan(job["manifest"], params, job["out"], world_size=job["world_size"], progress=False).to_json()
+meta = core.build_plan(job["manifest"], params, job["out"], world_size=job["world_size"], progress=False)
+meta = meta.to_json() if hasattr(meta, "to_json") else meta  # the old tree's build_plan returns plan.json's dict
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 phases["other (shape table, ranks, metadata)"] = cpu - sum(phases.values())
 rederived = {}

@@ -53,7 +53,8 @@ job = json.loads(sys.argv[1])
 params = load_preset("apertus-stage1").override(mode="image")
 text_tokenizer(params.text_tokenizer)  # tokenizer load (~1.5 s) is not planning work
 wall, cpu = time.perf_counter(), time.process_time()
-meta = core.build_plan(job["manifest"], params, job["out"], world_size=job["world_size"], progress=False).to_json()
+meta = core.build_plan(job["manifest"], params, job["out"], world_size=job["world_size"], progress=False)
+meta = meta.to_json() if hasattr(meta, "to_json") else meta  # the old tree's build_plan returns plan.json's dict
 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
 with open("/proc/self/status") as status:
     peak = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))

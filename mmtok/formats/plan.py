@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -38,6 +39,7 @@ import pyarrow.parquet as pq
 from mmtok.errors import DamagedFile, MmtokError, brief
 from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
+from mmtok.formats.presets import PlanParameters
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, sha256_file
 from mmtok.ranks import item_ranges, partition_ranks, rank_costs, worker_range
@@ -165,15 +167,64 @@ def _arrow(values: np.ndarray | pa.Array, type_: pa.DataType) -> pa.Array:
 # plan of this version written by an earlier mmtok lacks have defaults: `balance.fixed_batches`, `work_items`
 # (and its `imbalance`), `exclude` (and its keeper counts).
 NUMBER = (int, float)
+_ABSENT = object()
 
 
-def _ranges(value: list, key: str, path: Path) -> list[list[int]]:
-    """A list of [start, end) integer pairs (under `key`); DamagedFile naming the key otherwise."""
+def _number(obj, key: str, path: Path, default=_ABSENT) -> float:
+    """`obj[key]` (or `default` when absent and given), a finite number, as a float; DamagedFile naming the key
+    otherwise (an integer too large for a float included)."""
+    if default is not _ABSENT and isinstance(obj, dict) and key not in obj:
+        return default
+    value = required(obj, key, NUMBER, path)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise DamagedFile(f"{path}: key {key!r} must be a finite number, not {brief(value, 40)}; re-run `mmtok plan`")
+    return number
+
+
+def _rank_batches(document: dict, path: Path) -> list[list[int]]:
+    """`rank_batches`: `world_size` [start, end) integer pairs that cut batches 0..num_batches in order (what
+    `mmtok.ranks.partition_ranks` makes); DamagedFile naming the key otherwise."""
+    value = required(document, "rank_batches", list, path)
+    world_size, batches = required(document, "world_size", int, path), required(document, "num_batches", int, path)
+    end = 0
     for pair in value:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)):
-            raise DamagedFile(f"{path}: key {key!r} must hold [start, end) pairs of integers, not {brief(pair, 40)}; "
-                              "re-run `mmtok plan`")
+        if not (isinstance(pair, list) and len(pair) == 2 and all(type(x) is int for x in pair)
+                and pair[0] == end <= pair[1] <= batches):
+            raise DamagedFile(f"{path}: key 'rank_batches' must cut batches 0..{batches} in order, not at "
+                              f"{brief(pair, 40)}; re-run `mmtok plan`")
+        end = pair[1]
+    if len(value) != world_size or end != batches:
+        raise DamagedFile(f"{path}: key 'rank_batches' must hold {world_size} ranges ending at batch {batches} "
+                          f"(world_size, num_batches), not {len(value)} ending at {end}; re-run `mmtok plan`")
     return value
+
+
+# What every reader takes from `parameters` (present since version 2); the rest is checked by PlanParameters.
+_READ_PARAMETERS = {"mode": str, "text_tokenizer": str, "factor": int, "min_pixels": int, "max_pixels": int,
+                    "token_budget": int, "max_batch_images": int, "window_rows": int, "cost_model": dict}
+_RECORDED = ("text_tokenizer_sha256", "text_vocab_size")  # what the planner adds to PlanParameters.to_dict()
+
+
+def _parameters(document: dict, path: Path) -> dict:
+    """`parameters`, kept as recorded (the fingerprint covers them) after checking them: the keys readers take,
+    with their types, and every value as `PlanParameters` checks it (MmtokError -> DamagedFile naming the file)."""
+    parameters = required(document, "parameters", dict, path)
+    for key, kind in _READ_PARAMETERS.items():
+        required(parameters, key, kind, path)
+    required(parameters, "text_tokenizer_sha256", str, path, "")
+    if "work_items" in document:  # explain prices the items in seconds
+        _number(parameters["cost_model"], "seconds_per_unit", path)
+    where = f"{path}: parameters"
+    try:
+        PlanParameters.from_mapping({k: v for k, v in parameters.items() if k not in _RECORDED}, where)
+    except MmtokError as err:  # the value checks do not name the file; the mapping checks do
+        text = brief(err, 300)
+        raise DamagedFile(f"{text if text.startswith(where) else f'{where}: {text}'}; re-run `mmtok plan`") from None
+    return parameters
 
 
 @dataclass(frozen=True)
@@ -187,7 +238,7 @@ class RankCost:
 
     @classmethod
     def from_json(cls, value, path: Path) -> RankCost:
-        return cls(*(required(value, key, NUMBER, path) for key in ("min", "mean", "max")),
+        return cls(*(_number(value, key, path) for key in ("min", "mean", "max")),
                    required(value, "idle_ranks", int, path))
 
 
@@ -203,7 +254,7 @@ class Balance:
 
     @classmethod
     def from_json(cls, value, path: Path) -> Balance:
-        return cls(required(value, "target", NUMBER, path), required(value, "fixed_batches", bool, path, False),
+        return cls(_number(value, "target", path), required(value, "fixed_batches", bool, path, False),
                    required(value, "limited_by", (str, type(None)), path),
                    required(value, "split_batches", int, path))
 
@@ -229,10 +280,10 @@ class WorkItems:
     @classmethod
     def from_json(cls, value, path: Path) -> WorkItems:
         cost = required(value, "cost", dict, path)
-        return cls(required(value, "item_seconds", NUMBER, path), required(value, "target_cost", NUMBER, path),
+        return cls(_number(value, "item_seconds", path), _number(value, "target_cost", path),
                    required(value, "count", int, path),
-                   CostRange(required(cost, "min", NUMBER, path), required(cost, "max", NUMBER, path)),
-                   required(value, "imbalance", NUMBER, path, None), required(value, "batches", list, path))
+                   CostRange(_number(cost, "min", path), _number(cost, "max", path)),
+                   _number(value, "imbalance", path, None), required(value, "batches", list, path))
 
     def to_json(self) -> dict:
         document = asdict(self)
@@ -258,7 +309,8 @@ class PlanTotals:
 
     @classmethod
     def from_json(cls, value, path: Path) -> PlanTotals:
-        return cls(*(required(value, f.name, NUMBER if f.name == "cost" else int, path) for f in fields(cls)))
+        return cls(*(_number(value, f.name, path) if f.name == "cost" else required(value, f.name, int, path)
+                     for f in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -306,7 +358,7 @@ class BatchFill:
 
     @classmethod
     def from_json(cls, value, path: Path) -> BatchFill:
-        return cls(*(required(value, f.name, NUMBER, path) for f in fields(cls)))
+        return cls(*(_number(value, f.name, path) for f in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -402,11 +454,11 @@ class PlanMetadata:
             tool_version=required(document, "tool_version", str, path),
             manifest_dir=required(document, "manifest_dir", str, path),
             manifest_fingerprint=required(document, "manifest_fingerprint", str, path),
-            parameters=required(document, "parameters", dict, path),
+            parameters=_parameters(document, path),
             world_size=required(document, "world_size", int, path),
-            rank_batches=_ranges(required(document, "rank_batches", list, path), "rank_batches", path),
+            rank_batches=_rank_batches(document, path),
             rank_cost=RankCost.from_json(required(document, "rank_cost", dict, path), path),
-            imbalance=required(document, "imbalance", NUMBER, path),
+            imbalance=_number(document, "imbalance", path),
             balance=Balance.from_json(required(document, "balance", dict, path), path),
             num_batches=required(document, "num_batches", int, path),
             num_windows=required(document, "num_windows", int, path),
@@ -525,7 +577,7 @@ class Plan:
                              f"(run `mmtok plan MANIFEST --out {directory}`)")
         try:
             meta = json.loads(path.read_text("utf-8"))
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than the parser's stack
             raise MmtokError(f"{path}: damaged ({err}); re-run `mmtok plan`") from None
         if not isinstance(meta, dict):  # the shape every reader below relies on; DamagedFile names file and key
             required(meta, "format", str, path)

@@ -106,9 +106,9 @@ def describe_plan(directory: Path) -> str:
     except ImportError:
         from mmtok.formats.plan import Plan
 
-        meta = Plan.open(directory).meta
+        meta = Plan.open(directory).meta.to_json()
         keys = ("num_batches", "world_size", "imbalance", "totals")
-        return "\n".join(f"{key}: {getattr(meta, key)}" for key in keys)
+        return "\n".join(f"{key}: {meta[key]}" for key in keys)
     return explain_plan(directory)
 
 
