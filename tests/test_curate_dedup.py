@@ -237,6 +237,30 @@ def test_bad_dedup_input_is_one_line_exit_2_and_nothing_written(sources, tmp_pat
     assert len(err) < 1000 and not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize(("damage", "key"), [
+    (lambda meta: meta["manifest"].update(rows="5"), "rows"),
+    (lambda meta: meta["manifest"].pop("directory"), "directory"),
+    (lambda meta: meta["counts"]["skipped"].update(decode_error=-1), "decode_error"),
+    (lambda meta: meta["captions"].update(fragments=[1]), "fragments"),
+    (lambda meta: meta.update(hashed=None), "hashed"),
+    (lambda meta: meta.update(source=["web"]), "source"),
+])
+def test_a_hash_table_of_the_wrong_shape_is_refused_naming_the_key(sources, tmp_path, capsys, damage, key):
+    """hashes.json is read back by `mmtok dedup` (and the report), from tables anyone may hand it: one that parses
+    but has the wrong shape is one line naming the file and the key, before anything is written."""
+    copy = tmp_path / "frames.h"
+    shutil.copytree(sources / "frames.h", copy)
+    meta = json.loads((copy / "hashes.json").read_text())
+    damage(meta)
+    (copy / "hashes.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert cli(["dedup", str(sources / "web.h"), str(copy), "--policy", str(_policy(tmp_path, POLICY)), "--out",
+                str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hashes.json" in err and repr(key) in err, err
+    assert not (tmp_path / "d").exists()
+
+
 def test_plan_refuses_a_duplicate_list_of_other_manifests(sources, tmp_path, capsys):
     policy = _policy(tmp_path, "sources:\n  frames: {rule: exact}\n")
     assert cli(["dedup", str(sources / "frames.h"), "--policy", str(policy), "--out", str(tmp_path / "d")]) == 0

@@ -207,6 +207,6 @@ def test_a_failed_read_is_a_named_skip_not_the_end_of_the_run(corpus, tmp_path, 
 
     monkeypatch.setattr(MemberReader, "read_member", failing)
     share = hash_manifest(corpus, tmp_path, None, 0, 1, 1, 3, progress=False)
-    assert share.table["counts"]["skipped"] == {"decode_error": 3, "read_error": 1}
+    assert share.table.counts.skipped == {"decode_error": 3, "read_error": 1}
     failed = [r for r in skips.read(tmp_path / "skipped.jsonl") if r.reason == "read_error"]
     assert len(failed) == 1 and failed[0].member == "s003.png" and "Input/output error" in failed[0].detail

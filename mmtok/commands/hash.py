@@ -10,6 +10,7 @@ from mmtok.commands.report import plural, print_summary
 
 if TYPE_CHECKING:  # hashing is imported when a hash runs, not for `--help`
     from mmtok.curate.hashing import HashShare
+    from mmtok.formats.hashes import CaptionChecks, HashMetadata
 
 CHUNK_ROWS = 4096  # manifest rows per committed chunk: a few minutes of one core, so a kill loses little
 
@@ -72,26 +73,26 @@ def run(args) -> int:
     return 0
 
 
-def summary_lines(meta: dict, share: HashShare, out: Path) -> list[str]:
+def summary_lines(meta: HashMetadata, share: HashShare, out: Path) -> list[str]:
     """The table's counts, which add up to the manifest's rows, and where each kind of row is."""
-    counts = meta["counts"]
-    skipped = sum(counts["skipped"].values())
-    reasons = ", ".join(f"{reason} {n:,}" for reason, n in counts["skipped"].items())
+    counts = meta.counts
+    skipped = sum(counts.skipped.values())
+    reasons = ", ".join(f"{reason} {n:,}" for reason, n in counts.skipped.items())
     rate = share.images / share.seconds if share.seconds > 0 else 0.0
-    return [f"source {meta['source']!r}: {plural(counts['manifest_rows'], 'manifest row')} = "
-            f"{meta['hashed']:,} hashed + {skipped:,} skipped{f' ({reasons})' if reasons else ''} + "
-            f"{counts['scan_errors']:,} scan error rows",
+    return [f"source {meta.source!r}: {plural(counts.manifest_rows, 'manifest row')} = "
+            f"{meta.hashed:,} hashed + {skipped:,} skipped{f' ({reasons})' if reasons else ''} + "
+            f"{counts.scan_errors:,} scan error rows",
             f"{share.images:,} hashed in this run ({rate:,.0f} images/s with {plural(share.workers, 'worker')}, "
             f"{share.chunks - share.hashed_chunks:,} of {plural(share.chunks, 'chunk')} done before)",
-            caption_line(meta["captions"]),
+            caption_line(meta.captions),
             f"wrote {out / 'hashes.parquet'}" + (f"; skipped images named in {out / 'skipped.jsonl'}" if skipped
                                                  else "")]
 
 
-def caption_line(record: dict) -> str:
+def caption_line(record: CaptionChecks) -> str:
     """How many hashed rows had their caption checked, and why the others were not (these add up to hashed)."""
-    counts = record["counts"]
+    counts = record.counts
     others = ", ".join(f"{n:,} {name}" for name, n in counts.items() if name != "checked" and n)
-    fragments = len(record["fragments"])
+    fragments = len(record.fragments)
     return (f"captions: {counts['checked']:,} checked" + (f", {others}" if others else "")
             + (f"; {plural(fragments, 'prompt fragment')} looked for" if fragments else ""))

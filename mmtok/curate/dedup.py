@@ -315,8 +315,8 @@ def dedup(hash_dirs: list[Path], policy_path: Path, out: Path, against: list[Pat
     meta = DedupMetadata(
         algorithm=tables[0].algorithm,
         policy={name: PolicyRecord(r.rule, max(r.radius, 0), r.priority) for name, r in sorted(policy.items())},
-        inputs=[ListInput(t.source, str(t.directory.resolve()), t.metadata["fingerprint"],
-                          t.metadata["manifest"].get("directory"), t.manifest_fingerprint) for t in tables],
+        inputs=[ListInput(t.source, str(t.directory.resolve()), t.metadata.fingerprint, t.metadata.manifest.directory,
+                          t.manifest_fingerprint) for t in tables],
         groups=groups,
         captions=CaptionRecord(dataclasses.asdict(thresholds),
                                sorted(name for name, rule in policy.items() if not rule.captions), len(flagged.rows)),
@@ -570,7 +570,7 @@ class _Decontamination:
 
         found, images, bench, guards = self.found, self.images, self.bench, self.guards
         return DecontaminationRecord(
-            against=[Benchmark(t.source, str(t.directory.resolve()), t.metadata["fingerprint"], int(size))
+            against=[Benchmark(t.source, str(t.directory.resolve()), t.metadata.fingerprint, int(size))
                      for t, size in zip(self.benchmarks, bench.sizes, strict=True)],
             guards=GuardRecord(guards.max_matches, guards.max_share, guards.min_flagged),
             radius={t.source: int(r) if r >= 0 else "off" for t, r in zip(images.tables, self.radius, strict=True)},

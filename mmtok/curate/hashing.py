@@ -47,7 +47,7 @@ class HashShare:
     seconds: float
     workers: int
     left: int
-    table: dict | None
+    table: fmt.HashMetadata | None
 
 
 def hash_manifest(manifest_dir: str | Path, out: Path, source: str | None, rank: int, world_size: int,
@@ -240,15 +240,14 @@ def _write_table(manifest: Manifest, out: Path, cache: Path, count: int, source:
                 if reason:
                     reasons[reason] = reasons.get(reason, 0) + 1
         scanned_errors = manifest.num_rows - sum(t.num_rows for t in tables)
-        meta = {"algorithm": ALGORITHM, "source": source, "captions": _captions_record(tables, fragments),
-                "manifest": {"directory": str(manifest.directory), "fingerprint": manifest.fingerprint,
-                             "rows": manifest.num_rows},
-                "counts": {"manifest_rows": manifest.num_rows, "scan_errors": scanned_errors,
-                           "skipped": dict(sorted(reasons.items()))}}
+        meta = fmt.HashMetadata(
+            algorithm=ALGORITHM, source=source, captions=_captions_record(tables, fragments),
+            manifest=fmt.HashedManifest(str(manifest.directory), manifest.fingerprint, manifest.num_rows),
+            counts=fmt.HashCounts(manifest.num_rows, scanned_errors, dict(sorted(reasons.items()))))
         return fmt.write_hashes(out, tables, meta)
 
 
-def _captions_record(tables: list[pa.Table], fragments: captions.Fragments | None) -> dict:
+def _captions_record(tables: list[pa.Table], fragments: captions.Fragments | None) -> fmt.CaptionChecks:
     """What hashes.json records of the caption checks: their version, the fragments looked for, and how many of
     the hashed rows had a caption checked, and why the others had none."""
     import pyarrow.compute as pc
@@ -259,5 +258,5 @@ def _captions_record(tables: list[pa.Table], fragments: captions.Fragments | Non
         counts["checked"] += int((words >= 0).sum())
         for code, name in captions.UNCHECKED.items():
             counts[name] += int((words == code).sum())
-    return {"checks": captions.CHECKS_VERSION, "max_bytes": captions.MAX_CAPTION_BYTES,
-            "fragments": fragments.lines if fragments else [], "counts": counts}
+    return fmt.CaptionChecks(checks=captions.CHECKS_VERSION, max_bytes=captions.MAX_CAPTION_BYTES,
+                             fragments=list(fragments.lines) if fragments else [], counts=counts)

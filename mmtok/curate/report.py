@@ -166,7 +166,7 @@ class _Images:
         self.manifests = {entry.source: entry.manifest_directory for entry in metadata.inputs}
         for bench in metadata.decontamination.against if metadata.decontamination else []:
             try:
-                self.manifests[bench.benchmark] = HashTable.open(bench.hashes).metadata["manifest"]["directory"]
+                self.manifests[bench.benchmark] = HashTable.open(bench.hashes).metadata.manifest.directory
             except MmtokError:
                 self.manifests[bench.benchmark] = None  # its images are shown as unavailable
         self.unshown: list[dict] = []

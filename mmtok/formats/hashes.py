@@ -8,7 +8,8 @@
                    why it has none: -1 no caption, -2 not UTF-8, -3 unreadable), `caption_loop`,
                    `caption_number_run`, `caption_ending`, `caption_fragment`, `caption_template`
   skipped.jsonl    one skip record (`mmtok.formats.skips`, stage "hash") per image that could not be hashed
-  hashes.json      written last (its presence means the other two are complete): the algorithm id, the source
+  hashes.json      written last (its presence means the other two are complete; `HashMetadata`, every key's type
+                   checked when a table is opened): the algorithm id, the source
                    name, the manifest's directory, fingerprint and row count, the counts, `captions` (the caption
                    checks' version, the prompt fragments looked for, rows checked and why others were not), and
                    the sha256 of the other two files (`fingerprint`, `skipped_sha256`)
@@ -22,7 +23,7 @@ table is assembled from the chunks alone, in chunk order, so its bytes depend on
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
@@ -60,6 +61,86 @@ CHUNK_SCHEMA = pa.schema([*SCHEMA, ("reason", pa.string()), ("detail", pa.string
                           ("container", pa.string()), ("member", pa.string())])
 
 
+# -- hashes.json ----------------------------------------------------------------------------------------------
+# Written by `write_hashes` (`HashMetadata.to_json`), read back by `HashTable.open` (`from_json`, every key's type
+# checked: `mmtok dedup` takes hash tables from anyone). Every key has been written since version 2 began.
+def _counts(mapping: dict, path: Path) -> dict[str, int]:
+    """A {name: count} object, every count an integer >= 0."""
+    for name in mapping:
+        if required(mapping, name, int, path) < 0:
+            raise DamagedFile(f"{path}: key {name!r} must be >= 0, not {mapping[name]}; rerun `mmtok hash`")
+    return mapping
+
+
+@dataclass(frozen=True)
+class HashedManifest:
+    """The manifest a table hashed."""
+
+    directory: str
+    fingerprint: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class CaptionChecks:
+    """The caption checks' version (`mmtok.curate.captions.CHECKS_VERSION`), the bytes of a caption checked, the
+    prompt fragments looked for, and how many hashed rows had a caption checked and why the others had none."""
+
+    checks: int
+    max_bytes: int
+    fragments: list[str]
+    counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class HashCounts:
+    """The manifest's rows = hashed + skipped (by reason) + scan error rows."""
+
+    manifest_rows: int
+    scan_errors: int
+    skipped: dict[str, int]
+
+
+@dataclass(frozen=True)
+class HashMetadata:
+    """hashes.json. `mmtok.curate.hashing` makes the record; `write_hashes` adds what the files give and writes it."""
+
+    algorithm: str
+    source: str
+    captions: CaptionChecks
+    manifest: HashedManifest
+    counts: HashCounts
+    hashed: int = 0  # rows of hashes.parquet
+    fingerprint: str = ""  # its sha256
+    skipped_sha256: str = ""  # skipped.jsonl's
+    tool: str = f"mmtok {__version__}"
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "format": FORMAT, "format_version": FORMAT_VERSION}
+
+    @classmethod
+    def from_json(cls, document: dict, path: Path) -> HashMetadata:
+        captions, manifest = required(document, "captions", dict, path), required(document, "manifest", dict, path)
+        counts = required(document, "counts", dict, path)
+        fragments = required(captions, "fragments", list, path)
+        for line in fragments:
+            required({"fragments": line}, "fragments", str, path)
+        return cls(algorithm=required(document, "algorithm", str, path), source=required(document, "source", str, path),
+                   captions=CaptionChecks(required(captions, "checks", int, path),
+                                          required(captions, "max_bytes", int, path), fragments,
+                                          _counts(required(captions, "counts", dict, path), path)),
+                   manifest=HashedManifest(required(manifest, "directory", str, path),
+                                           required(manifest, "fingerprint", str, path),
+                                           required(manifest, "rows", int, path)),
+                   counts=HashCounts(required(counts, "manifest_rows", int, path),
+                                     required(counts, "scan_errors", int, path),
+                                     _counts(required(counts, "skipped", dict, path), path)),
+                   hashed=required(document, "hashed", int, path),
+                   fingerprint=required(document, "fingerprint", str, path),
+                   skipped_sha256=required(document, "skipped_sha256", str, path),
+                   tool=required(document, "tool", str, path))
+
+
 def cache_dir(directory: str | os.PathLike, algorithm: str, manifest_fingerprint: str) -> Path:
     """Where the chunks of one (algorithm, manifest) are committed: another manifest never reuses them."""
     return Path(directory) / CACHE_DIR / f"{algorithm}-{manifest_fingerprint[:16]}"
@@ -75,7 +156,7 @@ def check_output(directory: Path) -> None:
                           (METADATA_FILE, FORMAT, FORMAT_VERSION, "hash table"))
 
 
-def write_hashes(directory: str | os.PathLike, chunks: Iterable[pa.Table], metadata: dict) -> dict:
+def write_hashes(directory: str | os.PathLike, chunks: Iterable[pa.Table], metadata: HashMetadata) -> HashMetadata:
     """Write hashes.parquet and skipped.jsonl from the chunk tables (in order), then hashes.json; return the
     metadata written. The old hashes.json is removed first, so a killed write leaves no complete-looking table."""
     import pyarrow.compute as pc
@@ -92,9 +173,8 @@ def write_hashes(directory: str | os.PathLike, chunks: Iterable[pa.Table], metad
 
     rows, _, fingerprint, skipped_sha256 = write_with_skips(directory / HASHES_FILE, directory / SKIPPED_FILE, SCHEMA,
                                                             ROW_GROUP_ROWS, pieces())
-    meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
-            "hashed": rows, "fingerprint": fingerprint, "skipped_sha256": skipped_sha256}
-    atomic_write_json(directory / METADATA_FILE, meta)
+    meta = replace(metadata, hashed=rows, fingerprint=fingerprint, skipped_sha256=skipped_sha256)
+    atomic_write_json(directory / METADATA_FILE, meta.to_json())
     fsync_dir(directory)
     return meta
 
@@ -127,7 +207,7 @@ class Hashes:
 class HashTable:
     """A complete hash directory, opened once and validated: `HashTable.open` is the only way in."""
 
-    def __init__(self, directory: Path, metadata: dict):
+    def __init__(self, directory: Path, metadata: HashMetadata):
         self.directory = directory
         self.metadata = metadata
 
@@ -137,29 +217,26 @@ class HashTable:
         directory = Path(directory)
         path = directory / METADATA_FILE
         meta = read_stage_metadata(path, FORMAT, FORMAT_VERSION, "hash table", f"mmtok hash MANIFEST --out {directory}")
-        for key in ("algorithm", "source", "fingerprint"):
-            required(meta, key, str, path)
-        required(meta, "manifest", dict, path)
-        return cls(directory, meta)
+        return cls(directory, HashMetadata.from_json(meta, path))
 
     @property
     def algorithm(self) -> str:
-        return self.metadata["algorithm"]
+        return self.metadata.algorithm
 
     @property
     def source(self) -> str:
-        return self.metadata["source"]
+        return self.metadata.source
 
     @property
     def manifest_fingerprint(self) -> str:
-        return str(self.metadata["manifest"].get("fingerprint"))
+        return self.metadata.manifest.fingerprint
 
     def read(self) -> Hashes:
         """Every row, after checking the file's sha256 against the one recorded (a changed table is refused) and
         that every row names a sample (a key) and a manifest row."""
         import pyarrow.compute as pc
 
-        table = read_recorded(self.directory / HASHES_FILE, self.metadata["fingerprint"], SCHEMA, "a hash table",
+        table = read_recorded(self.directory / HASHES_FILE, self.metadata.fingerprint, SCHEMA, "a hash table",
                               f"mmtok hash MANIFEST --out {self.directory}")
         empty = next((name for name in table.column_names if table.column(name).null_count), None)
         if empty or (table.num_rows and pc.min(table.column("manifest_row")).as_py() < 0):
@@ -183,9 +260,4 @@ class HashTable:
     @property
     def fragments(self) -> list[str]:
         """The prompt fragments `mmtok hash --prompt-fragments` looked for (`caption_fragment` indexes them)."""
-        captions = self.metadata.get("captions")
-        lines = captions.get("fragments") if isinstance(captions, dict) else None
-        if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
-            raise DamagedFile(f"{self.directory / METADATA_FILE}: no list `captions.fragments`; rerun `mmtok hash "
-                              f"MANIFEST --out {self.directory}`")
-        return lines
+        return self.metadata.captions.fragments
