@@ -9,6 +9,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import stat
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import IO, Iterable, Iterator
 
-from mmtok.errors import DamagedFile, MmtokError
+from mmtok.errors import DamagedFile, MmtokError, brief
 
 _FLOCK = struct.Struct("hhqqi")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
@@ -215,6 +216,49 @@ def required(obj: dict, key: str, kind: type | tuple[type, ...], path: str | os.
         raise DamagedFile(f"{path}: key {key!r} must be {_json_name(kind)}, not {_json_name(value)}; restore the "
                           "file or rerun the stage that wrote it")
     return value
+
+
+def required_number(obj: dict, key: str, path: str | os.PathLike, default=_MISSING, minimum: float | None = None):
+    """`required(obj, key, number)` as a finite float (>= `minimum` when given); `default` when the key is absent
+    and a default is given. Else DamagedFile naming the file and the key -- an integer too large for a float too
+    (JSON has no bound on them)."""
+    if default is not _MISSING and isinstance(obj, dict) and key not in obj:
+        return default
+    value = required(obj, key, (int, float), path)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or (minimum is not None and number < minimum):
+        bound = "" if minimum is None else f" >= {minimum:g}"
+        raise DamagedFile(f"{path}: key {key!r} must be a finite number{bound}, not {brief(value, 40)}; restore the "
+                          "file or rerun the stage that wrote it")
+    return number
+
+
+def required_count(obj: dict, key: str, path: str | os.PathLike) -> int:
+    """`required(obj, key, int)`, which must be >= 0 (a count, an index, a position)."""
+    value = required(obj, key, int, path)
+    if value < 0:
+        raise DamagedFile(f"{path}: key {key!r} must be >= 0, not {value}; restore the file or rerun the stage that "
+                          "wrote it")
+    return value
+
+
+def required_counts(obj: dict, key: str, path: str | os.PathLike) -> dict[str, int]:
+    """The object `obj[key]` of {name: count}, every count an integer >= 0."""
+    counts = required(obj, key, dict, path)
+    for name in counts:
+        required_count(counts, name, path)
+    return counts
+
+
+def required_list(obj: dict, key: str, kind: type | tuple[type, ...], path: str | os.PathLike) -> list:
+    """The list `obj[key]`, every element a `kind`."""
+    values = required(obj, key, list, path)
+    for value in values:
+        required({key: value}, key, kind, path)
+    return values
 
 
 def _is_kind(value, kind: type | tuple[type, ...]) -> bool:

@@ -35,6 +35,8 @@ from mmtok.fsutil import (
     read_stage_metadata,
     refuse_foreign_output,
     required,
+    required_counts,
+    required_list,
     sha256_file,
 )
 
@@ -131,16 +133,6 @@ class Exclusion:
 NUMBER = (int, float)
 
 
-def _each(values, kind, key: str, path: Path) -> list:
-    """The list `values` (under `key`), every element a `kind`: DamagedFile naming the key otherwise."""
-    return [required({key: value}, key, kind, path) for value in values]
-
-
-def _counts(mapping: dict, path: Path) -> dict[str, int]:
-    """A {name: count} object, every count an integer."""
-    return {name: required(mapping, name, int, path) for name in mapping}
-
-
 @dataclass(frozen=True)
 class PolicyRecord:
     """A source's rule as applied (`mmtok.curate.dedup.SourceRule`): radius 0 for the exact rules."""
@@ -185,7 +177,7 @@ class CaptionRecord:
     @classmethod
     def from_json(cls, value, path: Path) -> CaptionRecord:
         return cls(required(value, "thresholds", dict, path),
-                   _each(required(value, "unchecked_sources", list, path), str, "unchecked_sources", path),
+                   required_list(value, "unchecked_sources", str, path),
                    required(value, "flagged", int, path))
 
 
@@ -270,7 +262,7 @@ class DecontaminationRecord:
                                    for v in required(value, "suspect_images", list, path)],
                    suspect_sources=[SuspectSource.from_json(v, path)
                                     for v in required(value, "suspect_sources", list, path)],
-                   confirmed=_each(required(value, "confirmed", list, path), str, "confirmed", path),
+                   confirmed=required_list(value, "confirmed", str, path),
                    contaminated=required(value, "contaminated", int, path), held=required(value, "held", int, path))
 
 
@@ -287,7 +279,7 @@ class SourceCounts:
     @classmethod
     def from_json(cls, value, path: Path) -> SourceCounts:
         return cls(required(value, "hashed", int, path), required(value, "kept", int, path),
-                   required(value, "dropped", int, path), _counts(required(value, "by_rule", dict, path), path),
+                   required(value, "dropped", int, path), required_counts(value, "by_rule", path),
                    required(value, "held", int, path, 0))
 
 

@@ -40,6 +40,8 @@ from mmtok.fsutil import (
     read_stage_metadata,
     refuse_foreign_output,
     required,
+    required_counts,
+    required_list,
 )
 
 HASHES_FILE = "hashes.parquet"
@@ -64,14 +66,6 @@ CHUNK_SCHEMA = pa.schema([*SCHEMA, ("reason", pa.string()), ("detail", pa.string
 # -- hashes.json ----------------------------------------------------------------------------------------------
 # Written by `write_hashes` (`HashMetadata.to_json`), read back by `HashTable.open` (`from_json`, every key's type
 # checked: `mmtok dedup` takes hash tables from anyone). Every key has been written since version 2 began.
-def _counts(mapping: dict, path: Path) -> dict[str, int]:
-    """A {name: count} object, every count an integer >= 0."""
-    for name in mapping:
-        if required(mapping, name, int, path) < 0:
-            raise DamagedFile(f"{path}: key {name!r} must be >= 0, not {mapping[name]}; rerun `mmtok hash`")
-    return mapping
-
-
 @dataclass(frozen=True)
 class HashedManifest:
     """The manifest a table hashed."""
@@ -122,19 +116,17 @@ class HashMetadata:
     def from_json(cls, document: dict, path: Path) -> HashMetadata:
         captions, manifest = required(document, "captions", dict, path), required(document, "manifest", dict, path)
         counts = required(document, "counts", dict, path)
-        fragments = required(captions, "fragments", list, path)
-        for line in fragments:
-            required({"fragments": line}, "fragments", str, path)
+        fragments = required_list(captions, "fragments", str, path)
         return cls(algorithm=required(document, "algorithm", str, path), source=required(document, "source", str, path),
                    captions=CaptionChecks(required(captions, "checks", int, path),
                                           required(captions, "max_bytes", int, path), fragments,
-                                          _counts(required(captions, "counts", dict, path), path)),
+                                          required_counts(captions, "counts", path)),
                    manifest=HashedManifest(required(manifest, "directory", str, path),
                                            required(manifest, "fingerprint", str, path),
                                            required(manifest, "rows", int, path)),
                    counts=HashCounts(required(counts, "manifest_rows", int, path),
                                      required(counts, "scan_errors", int, path),
-                                     _counts(required(counts, "skipped", dict, path), path)),
+                                     required_counts(counts, "skipped", path)),
                    hashed=required(document, "hashed", int, path),
                    fingerprint=required(document, "fingerprint", str, path),
                    skipped_sha256=required(document, "skipped_sha256", str, path),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -41,7 +40,7 @@ from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.formats.presets import PlanParameters
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, sha256_file
+from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, required_number, sha256_file
 from mmtok.ranks import item_ranges, partition_ranks, rank_costs, worker_range
 
 FORMAT = "mmtok-plan"
@@ -166,23 +165,6 @@ def _arrow(values: np.ndarray | pa.Array, type_: pa.DataType) -> pa.Array:
 # `Plan.open` reads it back with `from_json`, every key's type checked (a plan may come from a stranger). Keys a
 # plan of this version written by an earlier mmtok lacks have defaults: `balance.fixed_batches`, `work_items`
 # (and its `imbalance`), `exclude` (and its keeper counts).
-NUMBER = (int, float)
-_ABSENT = object()
-
-
-def _number(obj, key: str, path: Path, default=_ABSENT) -> float:
-    """`obj[key]` (or `default` when absent and given), a finite number, as a float; DamagedFile naming the key
-    otherwise (an integer too large for a float included)."""
-    if default is not _ABSENT and isinstance(obj, dict) and key not in obj:
-        return default
-    value = required(obj, key, NUMBER, path)
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise DamagedFile(f"{path}: key {key!r} must be a finite number, not {brief(value, 40)}; re-run `mmtok plan`")
-    return number
 
 
 def _rank_batches(document: dict, path: Path) -> list[list[int]]:
@@ -217,7 +199,7 @@ def _parameters(document: dict, path: Path) -> dict:
         required(parameters, key, kind, path)
     required(parameters, "text_tokenizer_sha256", str, path, "")
     if "work_items" in document:  # explain prices the items in seconds
-        _number(parameters["cost_model"], "seconds_per_unit", path)
+        required_number(parameters["cost_model"], "seconds_per_unit", path)
     where = f"{path}: parameters"
     try:
         PlanParameters.from_mapping({k: v for k, v in parameters.items() if k not in _RECORDED}, where)
@@ -238,7 +220,7 @@ class RankCost:
 
     @classmethod
     def from_json(cls, value, path: Path) -> RankCost:
-        return cls(*(_number(value, key, path) for key in ("min", "mean", "max")),
+        return cls(*(required_number(value, key, path) for key in ("min", "mean", "max")),
                    required(value, "idle_ranks", int, path))
 
 
@@ -254,7 +236,7 @@ class Balance:
 
     @classmethod
     def from_json(cls, value, path: Path) -> Balance:
-        return cls(_number(value, "target", path), required(value, "fixed_batches", bool, path, False),
+        return cls(required_number(value, "target", path), required(value, "fixed_batches", bool, path, False),
                    required(value, "limited_by", (str, type(None)), path),
                    required(value, "split_batches", int, path))
 
@@ -280,10 +262,10 @@ class WorkItems:
     @classmethod
     def from_json(cls, value, path: Path) -> WorkItems:
         cost = required(value, "cost", dict, path)
-        return cls(_number(value, "item_seconds", path), _number(value, "target_cost", path),
+        return cls(required_number(value, "item_seconds", path), required_number(value, "target_cost", path),
                    required(value, "count", int, path),
-                   CostRange(_number(cost, "min", path), _number(cost, "max", path)),
-                   _number(value, "imbalance", path, None), required(value, "batches", list, path))
+                   CostRange(required_number(cost, "min", path), required_number(cost, "max", path)),
+                   required_number(value, "imbalance", path, None), required(value, "batches", list, path))
 
     def to_json(self) -> dict:
         document = asdict(self)
@@ -309,7 +291,7 @@ class PlanTotals:
 
     @classmethod
     def from_json(cls, value, path: Path) -> PlanTotals:
-        return cls(*(_number(value, f.name, path) if f.name == "cost" else required(value, f.name, int, path)
+        return cls(*(required_number(value, f.name, path) if f.name == "cost" else required(value, f.name, int, path)
                      for f in fields(cls)))
 
 
@@ -358,7 +340,7 @@ class BatchFill:
 
     @classmethod
     def from_json(cls, value, path: Path) -> BatchFill:
-        return cls(*(_number(value, f.name, path) for f in fields(cls)))
+        return cls(*(required_number(value, f.name, path) for f in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -445,22 +427,27 @@ class PlanMetadata:
 
     @classmethod
     def from_json(cls, document: dict, path: Path) -> PlanMetadata:
-        """The metadata of `document` (a parsed plan.json of this format and version), every key checked."""
+        """The metadata of `document` (a parsed plan.json of this format and version), every key checked -- the
+        keys every reader needs first, so that damage to them is what is named."""
+        world_size = required(document, "world_size", int, path)
+        num_batches = required(document, "num_batches", int, path)
+        fingerprint = required(document, "fingerprint", str, path)
+        files = required(document, "files", dict, path)
+        files = {name: PlanFile.from_json(files[name], path) for name in files}
         items = required(document, "work_items", dict, path, None)
         exclude = required(document, "exclude", (dict, type(None)), path, None)
         dropped = required(document, "dropped_by_reason", dict, path)
-        files = required(document, "files", dict, path)
         return cls(
             tool_version=required(document, "tool_version", str, path),
             manifest_dir=required(document, "manifest_dir", str, path),
             manifest_fingerprint=required(document, "manifest_fingerprint", str, path),
             parameters=_parameters(document, path),
-            world_size=required(document, "world_size", int, path),
+            world_size=world_size,
             rank_batches=_rank_batches(document, path),
             rank_cost=RankCost.from_json(required(document, "rank_cost", dict, path), path),
-            imbalance=_number(document, "imbalance", path),
+            imbalance=required_number(document, "imbalance", path),
             balance=Balance.from_json(required(document, "balance", dict, path), path),
-            num_batches=required(document, "num_batches", int, path),
+            num_batches=num_batches,
             num_windows=required(document, "num_windows", int, path),
             work_items=None if items is None else WorkItems.from_json(items, path),
             totals=PlanTotals.from_json(required(document, "totals", dict, path), path),
@@ -470,8 +457,7 @@ class PlanMetadata:
             batch_fill=BatchFill.from_json(required(document, "batch_fill", dict, path), path),
             long_documents=LongDocuments.from_json(required(document, "long_documents", dict, path), path),
             exclude=None if exclude is None else PlanExclusion.from_json(exclude, path),
-            files={name: PlanFile.from_json(files[name], path) for name in files},
-            fingerprint=required(document, "fingerprint", str, path))
+            files=files, fingerprint=fingerprint)
 
 
 class PlanWriter:
@@ -584,14 +570,12 @@ class Plan:
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise MmtokError(f"{path} is not a {FORMAT} v{FORMAT_VERSION} plan (format {meta.get('format')!r}, "
                              f"version {meta.get('format_version')!r}); re-run `mmtok plan`")
-        for key in ("world_size", "num_batches"):  # the keys every reader needs, named first when damaged
-            required(meta, key, int, path)
-        required(meta, "fingerprint", str, path)
-        for name, info in required(meta, "files", dict, path).items():
+        metadata = PlanMetadata.from_json(meta, path)
+        for name, recorded in metadata.files.items():
             file = directory / name
-            if not file.is_file() or file.stat().st_size != required(info, "bytes", int, path):
+            if not file.is_file() or file.stat().st_size != recorded.bytes:
                 raise MmtokError(f"{file} does not match {path} (missing or changed size); re-run `mmtok plan`")
-        return cls(directory, PlanMetadata.from_json(meta, path))
+        return cls(directory, metadata)
 
     @property
     def world_size(self) -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import math
 import shutil
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -39,7 +38,17 @@ from pathlib import Path
 
 from mmtok.errors import DamagedFile, MmtokError, brief
 from mmtok.formats.tar import Damage, read_members
-from mmtok.fsutil import atomic_write_json, fsync_dir, publish_file, read_json_object, required, sha256_file
+from mmtok.fsutil import (
+    atomic_write_json,
+    fsync_dir,
+    publish_file,
+    read_json_object,
+    required,
+    required_count,
+    required_counts,
+    required_number,
+    sha256_file,
+)
 
 SHAR_DIR = "shar"
 WORK_DIR = ".work"
@@ -126,33 +135,13 @@ class ShardRecord:
 
     @classmethod
     def from_json(cls, value, path: Path) -> ShardRecord:
-        return cls(index=_count(value, "index", path), cuts=_count(value, "cuts", path),
-                   duration=_seconds(value, "duration", path),
+        return cls(index=required_count(value, "index", path), cuts=required_count(value, "cuts", path),
+                   duration=required_number(value, "duration", path, minimum=0),
                    cuts_sha256=required(value, "cuts_sha256", str, path),
                    recording_sha256=required(value, "recording_sha256", str, path))
 
 
-def _count(obj: dict, key: str, path: Path) -> int:
-    """`obj[key]`, an integer >= 0; DamagedFile naming the key otherwise."""
-    value = required(obj, key, int, path)
-    if value < 0:
-        raise DamagedFile(f"{path}: key {key!r} must be >= 0, not {value}; re-run `mmtok audio convert` into a "
-                          "new --out")
-    return value
 
-
-def _seconds(obj: dict, key: str, path: Path, default=None) -> float:
-    """`obj[key]` (or `default` when absent), a finite number of seconds >= 0; DamagedFile naming the key
-    otherwise (a huge integer included: it has no float)."""
-    value = required(obj, key, (int, float), path) if default is None or key in obj else default
-    try:
-        seconds = float(value)
-    except OverflowError:
-        seconds = math.inf
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise DamagedFile(f"{path}: key {key!r} must be a finite number of seconds >= 0, not {brief(value, 40)}; "
-                          "re-run `mmtok audio convert` into a new --out")
-    return seconds
 
 
 @dataclass(frozen=True)
@@ -182,9 +171,7 @@ class ConversionReport:
     def from_json(cls, document: dict, path: Path) -> ConversionReport:
         """The report of `document` (a parsed conversion.json), its shape checked: DamagedFile naming the key."""
         cursor = required(document, "cursor", dict, path)
-        counts = required(document, "counts", dict, path)
-        for key in counts:
-            _count(counts, key, path)
+        counts = required_counts(document, "counts", path)
         shards = tuple(ShardRecord.from_json(value, path) for value in required(document, "shards", list, path))
         if [s.index for s in shards] != list(range(len(shards))):  # written in order, one record per shard
             raise DamagedFile(f"{path}: key 'shards' must record shards 0..{len(shards) - 1} in order, not "
@@ -193,9 +180,10 @@ class ConversionReport:
         for key in ("text_tokenizer", "options", "storage"):  # what encode reads of the conversion
             required(identity, key, dict, path)
         return cls(identity=identity, complete=required(document, "complete", bool, path),
-                   cursor=Cursor(unit=_count(cursor, "unit", path), skip=_count(cursor, "skip", path)),
+                   cursor=Cursor(unit=required_count(cursor, "unit", path), skip=required_count(cursor, "skip", path)),
                    shards=shards, counts=counts,
-                   duration_written=_seconds(document, "duration_written", path, sum(s.duration for s in shards)))
+                   duration_written=required_number(document, "duration_written", path,
+                                                    sum(s.duration for s in shards), minimum=0))
 
 
 def write_conversion_report(out: Path, report: ConversionReport) -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
@@ -179,6 +178,18 @@ class InputRow:
     def stages(self) -> dict[str, dict[str, int]]:
         """The rows each of INPUT_STAGES dropped, by reason."""
         return {"scan": self.scan, "plan": self.plan, "encode": self.encode}
+
+    def dropped(self, stage: str, reason: str) -> None:
+        """One more row `stage` dropped for `reason` (while `input_table` counts)."""
+        reasons = self.stages()[stage]
+        reasons[reason] = reasons.get(reason, 0) + 1
+
+    def add(self, done: bool, rows: int) -> None:
+        """`rows` more written (a finished part's) or pending (an unfinished part's)."""
+        if done:
+            self.written += rows
+        else:
+            self.pending += rows
 
 
 @dataclass(frozen=True)
@@ -588,30 +599,6 @@ def _imbalance(parts: list[PartStatus], modality: str | None, model: _PlanModel 
 
 
 # -- per input: where every manifest row went --------------------------------------------------------
-@dataclass
-class _InputCounts:
-    """An InputRow while it is counted."""
-
-    input: str
-    rows: int = 0
-    scan: Counter = field(default_factory=Counter)
-    plan: Counter = field(default_factory=Counter)
-    encode: Counter = field(default_factory=Counter)
-    written: int = 0
-    pending: int = 0
-
-    def add(self, done: bool, rows: int) -> None:
-        """`rows` more written (a finished part's) or pending (an unfinished part's)."""
-        if done:
-            self.written += rows
-        else:
-            self.pending += rows
-
-    def row(self) -> InputRow:
-        return InputRow(self.input, self.rows, dict(self.scan), dict(self.plan), dict(self.encode), self.written,
-                        self.pending)
-
-
 def input_table(status: JobStatus, plan: str | os.PathLike) -> list[InputRow]:
     """One row per input of the plan's manifest (input order): the manifest rows it gave and where each
     went, so that `rows = scan + plan + encode + written + pending` holds for every input:
@@ -629,14 +616,13 @@ def input_table(status: JobStatus, plan: str | os.PathLike) -> list[InputRow]:
     opened = _open_plan(plan)
     tars = opened.manifest().read(["tar"]).column(0).combine_chunks().dictionary_encode()
     codes, names = tars.indices.to_numpy(zero_copy_only=False), tars.dictionary.to_pylist()
-    table = [_InputCounts(name) for name in names]
+    table = [InputRow(name) for name in names]
     for index, count in enumerate(np.bincount(codes, minlength=len(names))):
         table[index].rows = int(count)
     dropped = opened.table(DROPPED_FILE, ["manifest_row", "reason"]).to_pydict()
     for row, reason in zip(dropped["manifest_row"], dropped["reason"], strict=True):
         scan = reason.startswith(SCAN_REASON)
-        entry = table[codes[row]]
-        (entry.scan if scan else entry.plan)[reason[len(SCAN_REASON):] if scan else reason] += 1
+        table[codes[row]].dropped(*(("scan", reason[len(SCAN_REASON):]) if scan else ("plan", reason)))
     kept = opened.table(IMAGES_FILE, ["manifest_row"]).column(0).to_numpy()
     plan_row = opened.table(BATCHES_FILE, ["plan_row"]).column(0).to_numpy()
     bounds = np.append(plan_row, len(kept))
@@ -650,14 +636,12 @@ def input_table(status: JobStatus, plan: str | os.PathLike) -> list[InputRow]:
         for index, count in enumerate(np.bincount(codes[rows], minlength=len(names))):
             table[index].add(done, int(count))
         for record in skipped:
-            entry = table[codes[record.position]]
-            entry.encode[record.reason] += 1
-            entry.add(done, -1)
+            table[codes[record.position]].dropped("encode", record.reason)
+            table[codes[record.position]].add(done, -1)
     for record in _merge_skips(out, len(codes)):  # good images of documents merge dropped for a failed one
-        entry = table[codes[record.position]]
-        entry.encode[record.reason] += 1
-        entry.written -= 1
-    return [entry.row() for entry in table]
+        table[codes[record.position]].dropped("encode", record.reason)
+        table[codes[record.position]].written -= 1
+    return table
 
 
 def skip_records(status: JobStatus, plan: str | os.PathLike | None) -> Iterator[skips.SkipRecord]:
