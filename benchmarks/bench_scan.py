@@ -214,7 +214,7 @@ def our_full_scan(paths: list[Path], out: Path) -> dict:
     from mmtok.scan.scanner import ScanOptions, describe, run_scan
 
     shutil.rmtree(out, ignore_errors=True)
-    return run_scan([describe(str(p)) for p in paths], out, ScanOptions(), workers=1, progress=False).meta
+    return run_scan([describe(str(p)) for p in paths], out, ScanOptions(), workers=1, progress=False).meta.to_json()
 
 
 def drop_page_cache(paths: list[Path]) -> None:

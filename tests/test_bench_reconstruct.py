@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import soundfile
 
+from manifestkit import write_rows
 from mmtok import cli
 from mmtok.bench import inputs, reconstruct
 from mmtok.bench.report import METRICS, OVERALL
@@ -211,9 +212,6 @@ def test_unreadable_and_too_elongated_images_get_reasons_not_crashes(tmp_path, c
 def write_shards(folder: Path) -> list[Path]:
     """Two WebDataset-style shards of real photos and their manifest.parquet per the scan contract."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from mmtok.formats.manifest import FORMAT, FORMAT_VERSION
 
     photos = [p for p in skimage_images() if p.suffix == ".png"][:6]
     shards, rows = [], []
@@ -232,11 +230,7 @@ def write_shards(folder: Path) -> list[Path]:
     table = pa.Table.from_pylist([{**r, "document": i, "image_index": 0, "width": 0, "height": 0, "format": "png",
                                    "orientation": 1, "text_offset": -1, "text_size": -1, "json_offset": -1,
                                    "json_size": -1} for i, r in enumerate(rows)])
-    manifest = folder / "manifest"
-    manifest.mkdir()
-    pq.write_table(table, manifest / "manifest.parquet", compression="zstd")
-    (manifest / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
-                                                        "fingerprint": "f" * 64, "rows": len(rows)}))
+    write_rows(folder / "manifest", table)
     return shards
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import re
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, UnidentifiedImageError
 
+from manifestkit import summary_of, write_rows
 from mmtok.cli import main as cli_main
 from mmtok.errors import MmtokError
 from mmtok.formats import manifest as manifest_format
@@ -95,19 +97,17 @@ def write_manifest(directory: Path, rows: list[dict], with_json: bool = True) ->
     columns = {f.name: [r[f.name] for r in rows] for f in MANIFEST_SCHEMA}
     table = pa.table(columns, schema=MANIFEST_SCHEMA)
     if with_json:
-        manifest_format.write_manifest(directory, [table], {})
+        write_rows(directory, table)
     else:
         pq.write_table(table, directory / "manifest.parquet", compression="zstd")
     return directory
 
 
 def write_manifest_json(directory: Path, rows: int) -> None:
-    """A bare manifest.json (format, row count, fingerprint: the sha256 of manifest.parquet) for a hand-made
-    manifest.parquet."""
+    """The manifest.json of a hand-made manifest.parquet (its row count, and its sha256 as the fingerprint)."""
     digest = hashlib.sha256((directory / "manifest.parquet").read_bytes()).hexdigest()
-    meta = {"format": manifest_format.FORMAT, "format_version": manifest_format.FORMAT_VERSION, "rows": rows,
-            "fingerprint": digest}
-    (directory / "manifest.json").write_text(json.dumps(meta))
+    meta = replace(summary_of(), rows=rows, fingerprint=digest, skipped_sha256=hashlib.sha256(b"").hexdigest())
+    (directory / "manifest.json").write_text(json.dumps(meta.to_json()))
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,12 @@ import pytest
 import torch
 import yaml
 
+from manifestkit import write_rows
 from mmtok.cli import main as cli_main
 from mmtok.codecs import emu35, wavtokenizer
 from mmtok.errors import MmtokError
 from mmtok.formats import presets
-from mmtok.formats.manifest import SCHEMA, write_manifest
+from mmtok.formats.manifest import SCHEMA
 from mmtok.formats.presets import CostModel, PlanParameters, load_preset
 from mmtok.plan import calibrate as cal
 
@@ -66,7 +67,7 @@ def manifest(tmp_path_factory) -> Path:
                  orientation=1, text_offset=-1, text_size=-1, json_offset=-1, json_size=-1, status="ok", reason="")
             for i, (w, h) in enumerate(sizes * 5)]
     directory = tmp_path_factory.mktemp("manifest")
-    write_manifest(directory, [pa.Table.from_pylist(rows, schema=SCHEMA)], {})
+    write_rows(directory, pa.Table.from_pylist(rows, schema=SCHEMA))
     return directory
 
 

@@ -44,7 +44,7 @@ def test_webdataset_keys_with_dots_merge_images_and_audio_alike_and_are_named(tm
     assert scan([tmp_path / "images.tar"], tmp_path / "m") == 0
     assert ("1 sample holds several images named past the key's first dot (first: sample `laion` with "
             "laion.v2.000000.png, laion.v2.000001.jpg, laion.v2.000002.png)") in capsys.readouterr().err
-    assert Manifest.open(tmp_path / "m").metadata["documents"] == 1
+    assert Manifest.open(tmp_path / "m").metadata.documents == 1
 
     out = tmp_path / "audio"
     assert main(["audio", "convert", str(tmp_path / "speech.tar"), "--out", str(out), "--workers", "0",
@@ -69,7 +69,7 @@ def test_hugging_face_image_datasets_are_read_or_named(tmp_path, photos, capsys)
     assert scan(sorted((tmp_path / "saved").glob("*.arrow")), tmp_path / "m1", "--text-column", "text") == 0
     manifest = Manifest.open(tmp_path / "m1")
     keys = manifest.read(["key"]).column("key").to_pylist()
-    assert manifest.metadata["images_ok"] == 3 and keys == [p.name for p in photos]  # the cells' `path`
+    assert manifest.metadata.images_ok == 3 and keys == [p.name for p in photos]  # the cells' `path`
 
     ds.to_parquet(tmp_path / "paths.parquet")
     assert scan([tmp_path / "paths.parquet"], tmp_path / "m2") == 2

@@ -227,9 +227,9 @@ def test_bad_members_get_named_rows_and_the_rest_stays_ok(tmp_path, media):
                              ("f.jpg", "truncated_image_header"), ("h.jpg", "")]
     assert (rows[3]["width"], rows[3]["height"], rows[3]["format"]) == (100_000, 100_000, "png")
     meta = Manifest.open(out).metadata
-    assert meta["reasons"] == {"absurd_dimensions": 1, "truncated_image_header": 1, "unknown_format": 1,
+    assert meta.reasons == {"absurd_dimensions": 1, "truncated_image_header": 1, "unknown_format": 1,
                                "zero_dimensions": 1, "zero_size": 1}
-    assert meta["images_ok"] == 2 and meta["ignored_members"] == {"(sample without image)": 1, "heic": 1}
+    assert meta.images_ok == 2 and meta.ignored_members == {"(sample without image)": 1, "heic": 1}
 
 
 def test_truncated_tar_keeps_everything_before_the_damage(tmp_path, media):
@@ -303,13 +303,13 @@ def test_every_error_row_is_a_skip_record_in_skipped_jsonl_verified_before_use(t
     assert all(r.stage == "scan" and r.container == "tar" for r in records)
     assert records[0].detail == "" and records[1].detail.startswith("text, not a tar")
     meta = manifest.metadata
-    assert meta["skipped"] == meta["errors"] == 2 and "shard_errors" not in meta
-    assert meta["skipped_sha256"] == hashlib.sha256((out / "skipped.jsonl").read_bytes()).hexdigest()
+    assert meta.skipped == meta.errors == 2 and meta.shard_errors is None and "shard_errors" not in meta.to_json()
+    assert meta.skipped_sha256 == hashlib.sha256((out / "skipped.jsonl").read_bytes()).hexdigest()
     # A manifest of version 2 (manifest.json's shard_errors, no skipped.jsonl) is still read, as the same records.
     old = tmp_path / "v2"
     shutil.copytree(out, old)
     (old / "skipped.jsonl").unlink()
-    v2 = {key: value for key, value in meta.items() if key not in ("skipped", "skipped_sha256")}
+    v2 = {key: value for key, value in meta.to_json().items() if key not in ("skipped", "skipped_sha256")}
     v2.update(format_version=2, shard_errors=[{"reason": "not_a_tar", "offset": 0, "member": "",
                                                "detail": records[1].detail, "path": str(garbage)}])
     (old / "manifest.json").write_text(json.dumps(v2))
@@ -345,7 +345,7 @@ def test_a_damaged_manifest_json_of_the_scan_is_rewritten_and_one_that_is_no_fil
     with pytest.raises(MmtokError, match="rerun `mmtok scan`"):
         Manifest.open(out)
     scan(tmp_path, [good])
-    assert Manifest.open(out).metadata["images_ok"] == 1
+    assert Manifest.open(out).metadata.images_ok == 1
     meta.unlink()
     os.mkfifo(meta)  # never opened to be read (it would block), never replaced
     with pytest.raises(MmtokError, match="manifest.json is not a manifest .* wrote"):
@@ -363,8 +363,40 @@ def test_a_damaged_manifest_json_of_the_scan_is_rewritten_and_one_that_is_no_fil
     broken = json.loads(meta.read_text())
     del broken["skipped_sha256"]
     meta.write_text(json.dumps(broken))
-    with pytest.raises(MmtokError, match="recorded no sha256 of it"):
-        Manifest.open(out).skip_records()
+    with pytest.raises(MmtokError, match="manifest.json: no key 'skipped_sha256'"):
+        Manifest.open(out)
+
+
+MANIFEST_DAMAGE = [
+    (lambda meta: meta["inputs"].append(1), "'inputs'"),
+    (lambda meta: meta["inputs"][0].pop("path"), "'path'"),
+    (lambda meta: meta["inputs"][0].update(identity=None), "'identity'"),
+    (lambda meta: meta["inputs"][0]["identity"].pop("head"), "'head'"),
+    (lambda meta: meta["inputs"][0]["identity"].update(size="3"), "'size'"),
+    (lambda meta: meta["options"].update(text_column=5), "'text_column'"),
+    (lambda meta: meta.update(options=None), "'options'"),
+    (lambda meta: meta.update(fingerprint=7), "'fingerprint'"),
+    (lambda meta: meta["reasons"].update(zero_size=-1), "'zero_size'"),
+    (lambda meta: meta.update(rows="5"), "'rows'"),
+]
+
+
+@pytest.mark.parametrize("damage,key", MANIFEST_DAMAGE, ids=[key.strip("'") + f"-{i}" for i, (_, key) in
+                                                              enumerate(MANIFEST_DAMAGE)])
+def test_a_manifest_json_of_the_wrong_shape_is_one_line_naming_the_key(tmp_path, media, capsys, damage, key):
+    """manifest.json comes from anyone (plan, hash and encode take a manifest as an argument): every key its
+    readers take is checked when it is opened, so a damaged one is a line naming the file and the key, not a
+    TypeError deep in the stage that reads an input's identity or the caption column."""
+    out, _ = scan(tmp_path, [write_tar(tmp_path / "good.tar", [("a.jpg", media[0][1]), ("a.txt", b"a cat")])])
+    meta = json.loads((out / "manifest.json").read_text())
+    damage(meta)
+    (out / "manifest.json").write_text(json.dumps(meta))
+    with pytest.raises(MmtokError, match=f"manifest.json: .*{key}"):
+        Manifest.open(out)
+    capsys.readouterr()
+    assert cli(["hash", str(out), "--out", str(tmp_path / "h"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "manifest.json" in err and key in err, err
 
 
 def test_non_utf8_member_names_are_named(tmp_path, media):
@@ -406,7 +438,7 @@ def test_parquet_and_arrow_exports_are_sources(tmp_path, media):
     pq.write_table(pa.table({"jpeg": pa.array(images, pa.binary())}), raw)
     out, rows = scan(tmp_path, [tmp_path / "hf.parquet", tmp_path / "hf.arrow"], text_column="caption")
     reader = MemberReader()
-    assert [i["file_format"] for i in Manifest.open(out).metadata["inputs"]] == ["parquet", "arrow"]
+    assert [i.file_format for i in Manifest.open(out).metadata.inputs] == ["parquet", "arrow"]
     for name in ("hf.parquet", "hf.arrow"):
         got = [r for r in rows if r["tar"].endswith(name)]
         assert {r["container"] for r in got} == {"parquet"}
@@ -452,8 +484,8 @@ def test_manifest_bytes_do_not_depend_on_worker_count(tmp_path, shards):
     docs = [r["document"] for r in rows]
     assert docs == sorted(docs) and rows[-1]["reason"] in ("truncated_member", "truncated_tar")
     meta = Manifest.open(one).metadata
-    assert meta["fingerprint"] == Manifest.open(two).verify()
-    assert meta["rows"] == len(rows) and meta["shards"] == 7
+    assert meta.fingerprint == Manifest.open(two).verify()
+    assert meta.rows == len(rows) and meta.shards == 7
     assert Manifest.open(one).read(columns=["width", "status"]).column_names == ["width", "status"]
     assert pq.ParquetFile(one / "manifest.parquet").schema_arrow.names == list(COLUMNS)
 
@@ -516,7 +548,7 @@ def test_cli_expands_globs_and_shard_lists_in_order(tmp_path, shards, capsys):
     out = tmp_path / "cli"
     assert cli(["scan", str(tmp_path / "shards" / "shard-00[0-3].tar"), "--shard-list", str(listing),
                 "--out", str(out), "--workers", "2", "--no-progress"]) == 0
-    inputs = [Path(i["path"]).name for i in Manifest.open(out).metadata["inputs"]]
+    inputs = [Path(i.path).name for i in Manifest.open(out).metadata.inputs]
     assert inputs == [f"shard-{s:03d}.tar" for s in range(7)]
     summary = capsys.readouterr().err.strip().splitlines()[-1]
     assert summary.startswith("mmtok scan: 7 shards (0 from cache),") and "images ok" in summary

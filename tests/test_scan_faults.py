@@ -65,7 +65,7 @@ def test_unusable_pax_size_is_a_member_reason_and_the_walk_goes_on_with_the_usta
     n = len(jpg)
     # GNU tar's rule: an unusable pax size falls back to the ustar field, which locates c.jpg.
     assert rows == [("a.jpg", n, "ok", ""), ("b.jpg", n, "error", "bad_member_size"), ("c.jpg", n, "ok", "")]
-    assert meta["reasons"] == {"bad_member_size": 1}
+    assert meta.reasons == {"bad_member_size": 1}
 
 
 @pytest.mark.parametrize("field", [b"\x80" + (1 << 80).to_bytes(11, "big"), b"\xff" * 12, b"-0000000001\x00"],

@@ -77,7 +77,7 @@ def test_a_sparse_caption_is_a_reason_of_the_shard_not_an_ignored_member(tmp_pat
     tar.write_bytes(archive(regular("a.png", png()), unsupported("pax-sparse-1.0", "a.txt", b"a caption")))
     run_scan([describe(str(tar))], tmp_path / "out", ScanOptions(), workers=1, progress=False)
     meta = Manifest.open(tmp_path / "out").metadata
-    assert meta["reasons"] == {UNSUPPORTED: 1} and meta["ignored_members"] == {}
+    assert meta.reasons == {UNSUPPORTED: 1} and meta.ignored_members == {}
     errors = [(r.reason, r.member) for r in Manifest.open(tmp_path / "out").skip_records()]
     assert errors == [(UNSUPPORTED, "a.txt")]
 
@@ -162,7 +162,7 @@ def test_the_scan_reads_a_shard_reached_by_three_paths_once(tmp_path):
     rows = [(r["tar"], r["member"], r["reason"]) for r in manifest.read().to_pylist()]
     assert rows == [(str(tar), "a.png", ""), (str(tar), "b.png", ""),
                     (str(paths[1]), "", "duplicate_input"), (str(paths[2]), "", "duplicate_input")]
-    assert manifest.metadata["images_ok"] == 2 and manifest.metadata["reasons"] == {"duplicate_input": 2}
+    assert manifest.metadata.images_ok == 2 and manifest.metadata.reasons == {"duplicate_input": 2}
     records = list(manifest.skip_records())
     assert [(r.source, r.position, r.reason) for r in records] == [(str(p), row, "duplicate_input")
                                                                    for p, row in ((paths[1], 2), (paths[2], 3))]
@@ -257,7 +257,7 @@ def test_scan_names_a_member_and_an_input_path_that_are_not_utf8_and_writes_the_
     shown = str(tmp_path / "caf\\xe9" / "s.tar")
     assert rows == [(str(good), "a.png", ""), (str(good), "caf\\xe9.png", "non_utf8_name"),
                     (shown, "", "non_utf8_path")]
-    assert [i["path"] for i in manifest.metadata["inputs"]] == [str(good), shown]
+    assert [i.path for i in manifest.metadata.inputs] == [str(good), shown]
     assert "non_utf8_path 1" in capsys.readouterr().err
 
 

@@ -12,6 +12,7 @@ from mmtok.errors import MmtokError
 from mmtok.fsutil import refuse_out_overlapping
 
 if TYPE_CHECKING:  # the scanner is imported when a scan runs, not for `--help`
+    from mmtok.formats.manifest import ManifestMetadata
     from mmtok.scan.scanner import ReadTotals, Scanned, ScanShare
 
 _GLOB_CHARS = "*?["
@@ -115,19 +116,19 @@ def run(args) -> int:
         print_summary("scan", share_line(share))
         if scanned is None:
             return 0
-    if not scanned.meta["images_ok"]:
+    if not scanned.meta.images_ok:
         raise MmtokError(no_image_message(scanned, args.out))
     print_summary("scan", [summary_line(scanned, args.out), *warning_lines(scanned.meta, args.out)])
     return 0
 
 
-def warning_lines(meta: dict, out: str) -> list[str]:
+def warning_lines(meta: ManifestMetadata, out: str) -> list[str]:
     """What a user should look at although nothing failed: samples that held more than one caption, or images
     named past the key's first dot (both most often separate samples a producer named with dots)."""
     from mmtok.formats.manifest import Manifest
     from mmtok.scan.scanner import EXTRA_CAPTION
 
-    extra = meta["ignored_members"].get(EXTRA_CAPTION, 0)
+    extra = meta.ignored_members.get(EXTRA_CAPTION, 0)
     merged, key, members = Manifest.open(out).merged_by_dots()
     if not extra and not merged:
         return []
@@ -166,14 +167,14 @@ def no_image_message(scanned: Scanned, out: Path) -> str:
     input and detail, the members skipped by extension, and what to check."""
     meta = scanned.meta
     found = []
-    for reason, count in sorted(meta["reasons"].items(), key=lambda item: -item[1]):
+    for reason, count in sorted(meta.reasons.items(), key=lambda item: -item[1]):
         err = scanned.first_errors.get(reason)
         where = f" (first: {err.source}{': ' + err.detail if err.detail else ''})" if err else ""
         found.append(f"{reason} {count:,}{where}")
-    ignored = ", ".join(f"{name} {count:,}" for name, count in meta["ignored_members"].items())
+    ignored = ", ".join(f"{name} {count:,}" for name, count in meta.ignored_members.items())
     if ignored:
         found.append(f"skipped members: {ignored}")
-    return (f"no image found in {meta['shards']:,} input(s): {'; '.join(found) or 'no image members'}. "
+    return (f"no image found in {meta.shards:,} input(s): {'; '.join(found) or 'no image members'}. "
             "Check the paths: mmtok scan reads uncompressed tar shards (image members named "
             "*.jpg/png/webp/...) and Parquet/Arrow files with an image column; "
             + (f"every error row is in {out / 'manifest.parquet'}, each named with its reason and detail in "
@@ -183,11 +184,11 @@ def no_image_message(scanned: Scanned, out: Path) -> str:
 
 def summary_line(scanned: Scanned, out: Path) -> str:
     meta, run = scanned.meta, scanned.run
-    errors = ", ".join(f"{reason} {count:,}" for reason, count in meta["reasons"].items()) or "none"
+    errors = ", ".join(f"{reason} {count:,}" for reason, count in meta.reasons.items()) or "none"
     # Rows scanned in this run (cached shards excluded), error rows included: the work done per second.
     rate = run.rows_scanned / run.seconds if run.seconds > 0 else 0.0
-    return (f"{plural(meta['shards'], 'shard')} ({run.cached_shards:,} from cache), "
-            f"{plural(meta['images_ok'], 'image')} ok, {plural(meta['errors'], 'error')} ({errors}), "
+    return (f"{plural(meta.shards, 'shard')} ({run.cached_shards:,} from cache), "
+            f"{plural(meta.images_ok, 'image')} ok, {plural(meta.errors, 'error')} ({errors}), "
             f"{rate:,.0f} images/s with {plural(run.workers, 'worker')}, {per_image(run.read)}; "
             f"wrote {out / 'manifest.parquet'}"
-            + (f"; every error named in {out / 'skipped.jsonl'}" if meta["errors"] else ""))
+            + (f"; every error named in {out / 'skipped.jsonl'}" if meta.errors else ""))

@@ -118,7 +118,7 @@ def _hash_chunks(manifest: Manifest, cache: Path, todo: list[int], workers: int,
 
 
 def _containers(manifest: Manifest) -> list[str]:
-    return sorted({entry["path"] for entry in manifest.metadata.get("inputs", ())})
+    return sorted({entry.path for entry in manifest.metadata.inputs})
 
 
 def _run(manifest_dir: Path, cache: Path, todo: list[int], identities: dict, workers: int, chunk_rows: int,

@@ -13,6 +13,10 @@ Reading a member: for `container == "tar"`, its byte range (`mmtok.formats.tar.r
 `container == "parquet"` (a Parquet or Arrow IPC table file), `offset` is the row index and
 `member` the column name (a binary column or a struct with a `bytes` field). `MemberReader` does both.
 
+manifest.json is a `ManifestMetadata`: the scan makes its summary (`inputs`, counts, options), `write_manifest`
+completes it with what the files give and writes it, and `Manifest.open` reads it back with every key's type
+checked (plan, hash and encode take manifests from anyone).
+
 Writing is `write_manifest`; every reader opens the directory with `Manifest.open`, which validates
 it and serves the metadata, the fingerprint, the text column, the rows (whole, a batch at a time, or
 given rows reading only their row groups) and the skip records.
@@ -24,6 +28,7 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -36,7 +41,16 @@ from mmtok.formats import skips
 from mmtok.formats.containers import TAR
 from mmtok.formats.parquet import write_with_skips
 from mmtok.formats.tar import MemberTruncated, read_range
-from mmtok.fsutil import atomic_write_json, fsync_dir, refuse_foreign_output, required, sha256_file
+from mmtok.fsutil import (
+    atomic_write_json,
+    fsync_dir,
+    refuse_foreign_output,
+    required,
+    required_count,
+    required_counts,
+    required_list,
+    sha256_file,
+)
 
 MANIFEST_FILE = "manifest.parquet"
 SKIPPED_FILE = "skipped.jsonl"
@@ -74,6 +88,99 @@ SCHEMA = pa.schema([
 COLUMNS = tuple(SCHEMA.names)
 
 
+# -- manifest.json ----------------------------------------------------------------------------------------------
+# Written by `write_manifest` (`ManifestMetadata.to_json`), read back by `Manifest.open` (`from_json`). Every key
+# has been written since version 2 began (da470fa), but version 3's `skipped` and `skipped_sha256` (its
+# skipped.jsonl), which replaced version 2's `shard_errors`.
+@dataclass(frozen=True)
+class ScannedInput:
+    """One input file of the scan: as found (`size` -1 when it could not be stat'ed), what it was read as
+    (`container`, the manifest's; `file_format`, what `container_of` said), its manifest rows, and its
+    `container_identity`, which encode, hash and the curation report check its bytes against."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    container: str
+    file_format: str
+    rows: int
+    identity: dict  # {"size", "mtime_ns", "head"}: the shape `container_identity` returns and `identity_change` takes
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """The options of a scan that change its rows (part of its cache key): the columns of Parquet/Arrow inputs
+    it reads (None: the default)."""
+
+    image_column: str | None = None
+    text_column: str | None = None
+
+
+@dataclass(frozen=True)
+class ManifestMetadata:
+    """manifest.json. The scan makes the summary (its inputs, counts by reason and format, members it ignored, bytes
+    read, options, version); `write_manifest` adds what the files give (rows, sha256s, skip records) and writes it."""
+
+    inputs: list[ScannedInput]
+    shards: int
+    documents: int
+    images_ok: int
+    errors: int
+    reasons: dict[str, int]
+    formats: dict[str, int]
+    ignored_members: dict[str, int]
+    bytes_read: int
+    options: ScanOptions
+    scan_version: int
+    rows: int = 0
+    fingerprint: str = ""  # manifest.parquet's sha256
+    skipped: int = 0  # records in skipped.jsonl
+    skipped_sha256: str | None = None  # its sha256; None in a version-2 manifest (no skipped.jsonl)
+    shard_errors: list | None = None  # a version-2 manifest's shard-level errors (`Manifest.skip_records` reads them)
+    format_version: int = FORMAT_VERSION
+    tool: str = f"mmtok {__version__}"
+
+    def to_json(self) -> dict:
+        record = {**asdict(self), "format": FORMAT}
+        if self.shard_errors is None:
+            del record["shard_errors"]
+        if self.skipped_sha256 is None:
+            del record["skipped"], record["skipped_sha256"]
+        return record
+
+    @classmethod
+    def from_json(cls, document: dict, path: Path) -> ManifestMetadata:
+        """The record of a manifest.json whose `format` and `format_version` were checked (`Manifest.open`)."""
+        version = required(document, "format_version", int, path)
+        options = required(document, "options", dict, path)
+        return cls(
+            inputs=[_scanned_input(entry, path) for entry in required_list(document, "inputs", dict, path)],
+            shards=required_count(document, "shards", path), documents=required_count(document, "documents", path),
+            images_ok=required_count(document, "images_ok", path), errors=required_count(document, "errors", path),
+            reasons=required_counts(document, "reasons", path), formats=required_counts(document, "formats", path),
+            ignored_members=required_counts(document, "ignored_members", path),
+            bytes_read=required_count(document, "bytes_read", path),
+            options=ScanOptions(required(options, "image_column", (str, type(None)), path),
+                                  required(options, "text_column", (str, type(None)), path)),
+            scan_version=required(document, "scan_version", int, path),
+            rows=required_count(document, "rows", path), fingerprint=required(document, "fingerprint", str, path),
+            skipped=0 if version == 2 else required_count(document, "skipped", path),
+            skipped_sha256=None if version == 2 else required(document, "skipped_sha256", str, path),
+            shard_errors=required(document, "shard_errors", list, path) if version == 2 else None,
+            format_version=version, tool=required(document, "tool", str, path))
+
+
+def _scanned_input(entry: dict, path: Path) -> ScannedInput:
+    identity = required(entry, "identity", dict, path)
+    for key, kind in (("size", int), ("mtime_ns", int), ("head", str)):
+        required(identity, key, kind, path)
+    return ScannedInput(path=required(entry, "path", str, path), size=required(entry, "size", int, path),
+                        mtime_ns=required(entry, "mtime_ns", int, path),
+                        container=required(entry, "container", str, path),
+                        file_format=required(entry, "file_format", str, path),
+                        rows=required_count(entry, "rows", path), identity=identity)
+
+
 def has_manifest(directory: str | os.PathLike) -> bool:
     """Whether `directory` holds a complete manifest (its manifest.json, written last)."""
     return (Path(directory) / METADATA_FILE).is_file()
@@ -86,14 +193,15 @@ def check_output(directory: str | os.PathLike) -> None:
                           "mmtok scan", (METADATA_FILE, FORMAT, FORMAT_VERSION, "manifest"))
 
 
-def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], metadata: dict) -> dict:
+def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table],
+                   summary: ManifestMetadata) -> ManifestMetadata:
     """Write the tables (in row order, columns as SCHEMA, plus an optional `detail` column: what went wrong
-    in an error row), the skip records of their error rows and the metadata JSON; return the metadata.
+    in an error row), the skip records of their error rows and manifest.json (`summary` completed with the rows,
+    the fingerprint and the skip records' count and sha256); return the metadata written.
 
     Atomic: the old manifest.json is removed first, manifest.parquet and skipped.jsonl are replaced by
-    rename, then manifest.json (with `rows`, `fingerprint`, `skipped`, `skipped_sha256`, `format`, `tool`) is
-    written. Row groups hold exactly ROW_GROUP_ROWS rows, so equal rows give equal bytes however the tables
-    were cut.
+    rename, then manifest.json is written. Row groups hold exactly ROW_GROUP_ROWS rows, so equal rows give equal
+    bytes however the tables were cut.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -107,9 +215,9 @@ def write_manifest(directory: str | os.PathLike, tables: Iterable[pa.Table], met
 
     rows, records, fingerprint, skipped_sha256 = write_with_skips(
         directory / MANIFEST_FILE, directory / SKIPPED_FILE, SCHEMA, ROW_GROUP_ROWS, pieces())
-    meta = {**metadata, "format": FORMAT, "format_version": FORMAT_VERSION, "tool": f"mmtok {__version__}",
-            "rows": rows, "fingerprint": fingerprint, "skipped": records, "skipped_sha256": skipped_sha256}
-    atomic_write_json(directory / METADATA_FILE, meta)
+    meta = replace(summary, rows=rows, fingerprint=fingerprint, skipped=records, skipped_sha256=skipped_sha256,
+                   shard_errors=None, format_version=FORMAT_VERSION, tool=f"mmtok {__version__}")
+    atomic_write_json(directory / METADATA_FILE, meta.to_json())
     fsync_dir(directory)
     return meta
 
@@ -146,7 +254,7 @@ class Manifest:
     inspect) goes through it, so they all refuse the same incomplete or foreign directories.
     """
 
-    def __init__(self, directory: Path, metadata: dict):
+    def __init__(self, directory: Path, metadata: ManifestMetadata):
         self.directory = directory
         self.metadata = metadata
 
@@ -172,7 +280,7 @@ class Manifest:
         if not (directory / MANIFEST_FILE).is_file():
             raise MmtokError(f"cannot read manifest {directory / MANIFEST_FILE}: no such file (though {METADATA_FILE} "
                              f"is there); rerun `mmtok scan` into {directory}")
-        return cls(directory, meta)
+        return cls(directory, ManifestMetadata.from_json(meta, path))
 
     @property
     def path(self) -> Path:
@@ -182,7 +290,7 @@ class Manifest:
     @property
     def fingerprint(self) -> str:
         """The sha256 of manifest.parquet as recorded at scan time (see `verify`)."""
-        return str(self.metadata["fingerprint"])
+        return self.metadata.fingerprint
 
     def verify(self) -> str:
         """The fingerprint, after hashing the file: MmtokError when the Parquet changed after the scan."""
@@ -194,7 +302,7 @@ class Manifest:
 
     def identities(self, paths: Iterable[str]) -> dict[str, dict]:
         """The identity the scan recorded (`container_identity`) of each of `paths`, an input of the manifest."""
-        recorded = {entry["path"]: entry.get("identity") for entry in self.metadata.get("inputs", ())}
+        recorded = {entry.path: entry.identity for entry in self.metadata.inputs}
         out = {}
         for path in paths:
             if recorded.get(path) is None:
@@ -207,17 +315,16 @@ class Manifest:
         """One skip record per error row, in row order (stage "scan", `position` the row): skipped.jsonl, after
         checking its bytes against the sha256 manifest.json records; for a version-2 manifest, made from its
         error rows and manifest.json's `shard_errors`."""
-        if self.metadata["format_version"] == 2:
+        if self.metadata.skipped_sha256 is None:
             return self._version_2_skips()
-        return skips.read_recorded(self.directory / SKIPPED_FILE, self.metadata.get("skipped_sha256"),
+        return skips.read_recorded(self.directory / SKIPPED_FILE, self.metadata.skipped_sha256,
                                    f"mmtok scan ... --out {self.directory}")
 
     def _version_2_skips(self) -> Iterator[skips.SkipRecord]:
         import pyarrow.compute as pc
 
-        listed = self.metadata.get("shard_errors")
         details = {(e["path"], e["member"], e["offset"], e["reason"]): e["detail"] for e in
-                   (listed if isinstance(listed, list) else ()) if _shard_error(e)}  # others add no detail
+                   self.metadata.shard_errors or () if _shard_error(e)}  # others add no detail
         first = 0
         for batch in self.batches(["key", "tar", "container", "member", "offset", "status", "reason"]):
             table = pa.Table.from_batches([batch])
@@ -238,7 +345,7 @@ class Manifest:
     @property
     def text_column(self) -> str | None:
         """The caption column of Parquet/Arrow inputs, as the scan recorded it (tars use txt sidecars)."""
-        return (self.metadata.get("options") or {}).get("text_column")
+        return self.metadata.options.text_column
 
     @property
     def num_rows(self) -> int:

@@ -24,7 +24,7 @@ from typing import Iterator
 from mmtok.errors import brief
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.containers import TAR, container_of, json_value, manifest_container
-from mmtok.formats.manifest import CACHE_DIR, container_identity
+from mmtok.formats.manifest import CACHE_DIR, ManifestMetadata, ScannedInput, ScanOptions, container_identity
 from mmtok.formats.manifest import STAGE as SCAN_STAGE
 from mmtok.formats.scan_shards import discard_shard, read_commit, read_rows, remove_shards, write_shard_rows
 from mmtok.formats.skips import SkipRecord
@@ -69,14 +69,6 @@ SHARD_COLUMNS = ("key", "document", "image_index", "member", "offset", "size", "
                  "orientation", "status", "reason", "text_offset", "text_size", "json_offset", "json_size")
 _NO_SIDECARS = (-1, -1, -1, -1)
 _INT32_MAX = (1 << 31) - 1
-
-
-@dataclass(frozen=True)
-class ScanOptions:
-    """Options that change rows (part of the cache key)."""
-
-    image_column: str | None = None
-    text_column: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +120,7 @@ class Scanned:
     what it would have said), whether this run wrote the manifest, what the run did, and the first
     shard-level error of each reason (what `no_image_message` shows; every error is in skipped.jsonl)."""
 
-    meta: dict
+    meta: ManifestMetadata
     written: bool
     run: ScanRun
     first_errors: dict[str, SkipRecord]
@@ -592,7 +584,7 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
                       rows_scanned=sum(stats[i]["rows"] for i in scanned), seconds=time.perf_counter() - began,
                       workers=workers, read=ReadTotals.over(stats))
         summary, first = summarize(sources, stats, options), first_errors(sources, stats)
-        if not summary["images_ok"] and has_manifest(out_dir):
+        if not summary.images_ok and has_manifest(out_dir):
             for i in scanned:  # the cache stays as it was too: no mark of a mistyped input is left
                 if "table" in stats[i]:
                     discard_shard(rows_cache_path(out_dir, sources[i], options))
@@ -798,26 +790,26 @@ def first_errors(sources: list[Source], stats: list[dict]) -> dict[str, SkipReco
     return first
 
 
-def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) -> dict:
+def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) -> ManifestMetadata:
     """The deterministic part of manifest.json: inputs, counts by reason and format, skipped members."""
     totals: dict[str, Counter] = {"reasons": Counter(), "formats": Counter(), "ignored": Counter()}
     inputs = []
     for source, st in zip(sources, stats, strict=True):
         for name in totals:
             totals[name].update(st[name])
-        inputs.append({"path": source.path, "size": source.size, "mtime_ns": source.mtime_ns,
-                       "container": st["container"], "file_format": st["file_format"], "rows": st["rows"],
-                       "identity": source.identity})
-    return {
-        "inputs": inputs,
-        "shards": len(sources),
-        "documents": sum(st["documents"] for st in stats),
-        "images_ok": sum(st["images_ok"] for st in stats),
-        "errors": sum(totals["reasons"].values()),
-        "reasons": dict(sorted(totals["reasons"].items())),
-        "formats": dict(sorted(totals["formats"].items())),
-        "ignored_members": dict(sorted(totals["ignored"].items())),
-        "bytes_read": sum(st["bytes_read"] for st in stats),
-        "options": {"image_column": options.image_column, "text_column": options.text_column},
-        "scan_version": SCAN_VERSION,
-    }
+        inputs.append(ScannedInput(path=source.path, size=source.size, mtime_ns=source.mtime_ns,
+                                   container=st["container"], file_format=st["file_format"], rows=st["rows"],
+                                   identity=source.identity))
+    return ManifestMetadata(
+        inputs=inputs,
+        shards=len(sources),
+        documents=sum(st["documents"] for st in stats),
+        images_ok=sum(st["images_ok"] for st in stats),
+        errors=sum(totals["reasons"].values()),
+        reasons=dict(sorted(totals["reasons"].items())),
+        formats=dict(sorted(totals["formats"].items())),
+        ignored_members=dict(sorted(totals["ignored"].items())),
+        bytes_read=sum(st["bytes_read"] for st in stats),
+        options=options,
+        scan_version=SCAN_VERSION,
+    )
