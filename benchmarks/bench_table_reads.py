@@ -1,4 +1,4 @@
-"""The readers of table inputs and of a run's items, this tree against a git revision, in one run.
+"""The readers of manifest rows, of table inputs and of a run's items, this tree against a git revision, in one run.
 
     python benchmarks/bench_table_reads.py --against REV [--repeat 3] [--documents 3000]
 
@@ -7,6 +7,8 @@ same files, alternating, best of --repeat (CPU seconds of the reads alone):
   parquet cells   3,000 Parquet rows of a 60 KB image and a caption, row groups of 100, each image and its
                   caption read through `MemberReader` (what encode's loader threads do)
   arrow cells     an Arrow stream of 4,000 record batches of 10 rows, each image and caption the same way
+  tar members     a tar of 3,000 samples of a 60 KB image and a caption, each image and its caption read
+                  through `MemberReader` by byte range, 4 threads at once (what encode's loader does)
   audio units     a Parquet audio table of 1,000 one-row row groups: every unit's payloads
                   (`audio convert`: a unit per row group)
   item index      the items of --documents documents of 2-20 images over 3 parts (`bench_merge`'s writer):
@@ -45,6 +47,20 @@ if case in ("parquet cells", "arrow cells"):
             reader.read_member("parquet", path, "jpg", row, 0)
             reader.read_text("parquet", path, row, 200, "txt")
     seconds = timed(read)
+elif case == "tar members":
+    from concurrent.futures import ThreadPoolExecutor
+    from mmtok.formats.manifest import MemberReader
+    path = str(folder / "members.tar")
+    places = json.loads((folder / "members.json").read_text())
+    def read():
+        reader = MemberReader()
+        def one(place):
+            image, text = place
+            reader.read_member("tar", path, "x.jpg", image[0], image[1])
+            reader.read_text("tar", path, text[0], text[1], None)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(one, places))
+    seconds = timed(read)
 elif case == "audio units":
     from mmtok.audio.sources.parquet import table_units
     units, _ = table_units(folder / "audio.parquet", "audio", "text")
@@ -58,7 +74,7 @@ else:
 print(json.dumps(seconds))
 """
 
-CASES = ("parquet cells", "arrow cells", "audio units", "item index")
+CASES = ("parquet cells", "arrow cells", "tar members", "audio units", "item index")
 
 
 def write_inputs(folder: Path, documents: int) -> None:
@@ -78,9 +94,28 @@ def write_inputs(folder: Path, documents: int) -> None:
         for batch in range(4000):
             writer.write_batch(pa.record_batch([[rng.bytes(100) for _ in range(10)],
                                                 [f"caption {batch}"] * 10], schema=schema))
+    write_tar(folder, rng)
     pq.write_table(pa.table({"audio": [b"not decoded %d" % n for n in range(1000)]}), folder / "audio.parquet",
                    row_group_size=1)
     bench_merge.write_document_parts(folder / "items", folder / "plain", 3, documents)
+
+
+def write_tar(folder: Path, rng) -> None:
+    """members.tar (3,000 samples of a 60 KB image and a caption) and members.json: each sample's (offset, size)
+    of its image and of its caption, as the scan records them."""
+    import io
+    import tarfile
+
+    with tarfile.open(folder / "members.tar", "w", format=tarfile.USTAR_FORMAT) as archive:
+        for n in range(3000):
+            for name, data in ((f"{n:06d}.jpg", rng.bytes(60_000)), (f"{n:06d}.txt", f"caption {n} ".encode() * 5)):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    with tarfile.open(folder / "members.tar") as archive:
+        members = archive.getmembers()
+        places = [[(m.offset_data, m.size) for m in members[i:i + 2]] for i in range(0, len(members), 2)]
+    (folder / "members.json").write_text(json.dumps(places))
 
 
 def run(case: str, source: Path, folder: Path) -> float:

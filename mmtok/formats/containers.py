@@ -20,6 +20,14 @@ reader goes on. One implementation per container, by its reader:
   table       `mmtok.formats.tables.TableRecords`    a row: {column: value} of the columns it was made for
   jsonl       `JsonLines` here                      a line's JSON value (or the `invalid_json` Skip)
 
+A manifest row locates an image (and its caption) in a tar or a table file; those are read back at random, by
+`Fields` (an image's bytes, a caption's), again one implementation per container, the manifest's `MemberReader`
+choosing by the row's container:
+
+  container   implementation                        an image is                   a caption is
+  tar         `mmtok.formats.tar.TarRanges`          a byte range                  a sidecar's byte range
+  table       `mmtok.formats.tables.TableCells`      a cell of the image column    a cell of the text column
+
 `mmtok.formats.readers.reader(name)` gives the one for a container name; a Lhotse manifest is JSON Lines. The
 scan walks a tar with `mmtok.formats.tar.TarWalker` itself (its per-member hot loop parses image heads from the
 walk's read window) and reads a table's image column in Arrow batches (`TableFile.iter_batches`), not as rows.
@@ -106,6 +114,25 @@ class Container(Protocol):
         """The records of the file at `path` from `start`, in the file's order. OSError when the file cannot be
         read; see each implementation for damage (what a reader is asked for, such as a table's columns, is
         given when it is made)."""
+
+
+class ShortRead(OSError):
+    """What a manifest row locates is no longer all there, or no longer decodes: its file changed after the scan."""
+
+
+class Fields(Protocol):
+    """Random access to what a manifest row locates in a container (module docstring): thread-safe, each file opened
+    once however often it is read. FileNotFoundError when the file is gone, ShortRead when it no longer holds the
+    bytes the scan found."""
+
+    def member(self, path: str, member: str, offset: int, size: int) -> bytes:
+        """An image's bytes: the manifest row's `member`, `offset` and `size`."""
+
+    def text(self, path: str, offset: int, size: int, column: str | None) -> bytes:
+        """A caption's UTF-8 bytes, at most `size` of them (`column`: a table's text column)."""
+
+    def close(self) -> None:
+        """Close what is open; a read still running closes its file when it ends."""
 
 
 class JsonLines:

@@ -9,9 +9,9 @@ stage "scan", `position` = the manifest row) per error row, in row order, with t
 problem. `manifest.json` is written last, so its presence means both files are complete; its `fingerprint`
 is the sha256 of manifest.parquet and `skipped_sha256` that of skipped.jsonl.
 
-Reading a member: for `container == "tar"`, its byte range (`mmtok.formats.tar.read_range`); for
-`container == "parquet"` (a Parquet or Arrow IPC table file), `offset` is the row index and
-`member` the column name (a binary column or a struct with a `bytes` field). `MemberReader` does both.
+Reading a member: for `container == "tar"`, its byte range; for `container == "parquet"` (a Parquet or Arrow IPC
+table file), `offset` is the row index and `member` the column name (a binary column or a struct with a `bytes`
+field). `MemberReader` reads both, through each container's `Fields` (`mmtok.formats.containers`).
 
 manifest.json is a `ManifestMetadata`: the scan makes its summary (`inputs`, counts, options), `write_manifest`
 completes it with what the files give and writes it, and `Manifest.open` reads it back with every key's type
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -38,9 +36,9 @@ import pyarrow as pa
 from mmtok import __version__
 from mmtok.errors import MmtokError
 from mmtok.formats import skips
-from mmtok.formats.containers import TAR
+from mmtok.formats.containers import TABLE, TAR, Fields, ShortRead
 from mmtok.formats.parquet import write_with_skips
-from mmtok.formats.tar import MemberTruncated, read_range
+from mmtok.formats.tar import TarRanges
 from mmtok.fsutil import (
     atomic_write_json,
     fsync_dir,
@@ -470,123 +468,54 @@ def stale_detail(path: str, change: str) -> str:
             "re-run `mmtok scan`, `mmtok plan` and `mmtok encode` on it as it is now")
 
 
-class ShortRead(OSError):
-    """A member whose bytes end before its recorded size (a file truncated after the scan)."""
-
-
 def missing_input(path: str) -> MmtokError:
     return MmtokError(f"{path}: input file listed in the manifest is missing; restore it (or re-run `mmtok scan` "
                       "and `mmtok plan` on the data as it is now)")
 
 
-class _Descriptor:
-    """An open tar file and the number of reads using it now; `cached` while MemberReader lists it."""
-
-    __slots__ = ("fd", "users", "cached")
-
-    def __init__(self, fd: int):
-        self.fd, self.users, self.cached = fd, 0, True
-
-
 class MemberReader:
-    """Reads the bytes of manifest rows: tar byte ranges and table-file cells. Thread-safe.
-
-    Tar reads are `pread` on one descriptor per file shared by every thread (pread has no file
-    position, so threads never race, and it releases the GIL). A descriptor is closed only when no
-    read is using it, so a read never sees it closed or its number reused for another file. At most
-    `max_open` idle descriptors stay open however many containers a job walks through; while more
-    files than that are being read at once, each of them stays open until its last read ends.
-    Table files are read through per-thread `mmtok.formats.tables.TableRows` (each caches a row
-    group), a few per thread.
-    """
+    """Reads the bytes of manifest rows -- an image, its caption, a tar sample's json sidecar -- through the `Fields`
+    of the row's container (`mmtok.formats.containers`): `TarRanges` for tars (one descriptor per file shared by
+    every thread, at most `max_open` idle ones open), `TableCells` for table files (a few per thread). Thread-safe.
+    A file that is gone is `missing_input`; one that no longer holds the scan's bytes, ShortRead."""
 
     def __init__(self, max_open: int = 256):
-        self._fds: OrderedDict[str, _Descriptor] = OrderedDict()  # least recently used first
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._max_open = max_open
+        from mmtok.formats.tables import TableCells  # (pyarrow's compute: imported when a reader is made)
 
-    def _acquire(self, path: str) -> _Descriptor:
-        """The descriptor of `path`, counted as in use until `_release`."""
-        with self._lock:
-            entry = self._fds.pop(path, None)
-            if entry is None:
-                try:
-                    entry = _Descriptor(os.open(path, os.O_RDONLY))
-                except FileNotFoundError:
-                    raise missing_input(path) from None
-            entry.users += 1
-            self._fds[path] = entry
-            self._trim()
-            return entry
-
-    def _release(self, entry: _Descriptor) -> None:
-        with self._lock:
-            entry.users -= 1
-            if entry.cached:
-                self._trim()
-            elif not entry.users:  # dropped by close() while this read was running
-                os.close(entry.fd)
-
-    def _trim(self) -> None:
-        """Close least recently used idle descriptors while more than `max_open` are open (lock held)."""
-        excess = len(self._fds) - self._max_open
-        if excess <= 0:
-            return
-        for path in [p for p, entry in self._fds.items() if not entry.users][:excess]:
-            os.close(self._fds.pop(path).fd)
+        self._tars = TarRanges(max_open)
+        self._fields: dict[str, Fields] = {TAR: self._tars, TABLE: TableCells()}
 
     def read(self, path: str, offset: int, size: int) -> bytes:
-        """Exactly `size` bytes at `offset` of `path`; ShortRead when the file ends early."""
-        entry = self._acquire(path)
+        """Exactly `size` bytes at `offset` of the tar at `path` (a json sidecar); ShortRead when the file ends
+        early."""
         try:
-            return read_range(entry.fd, offset, size, path)  # outside the lock: reads of many threads overlap
-        except MemberTruncated as err:
-            raise ShortRead(str(err)) from None
-        finally:
-            self._release(entry)
+            return self._tars.read(path, offset, size)
+        except FileNotFoundError:
+            raise missing_input(path) from None
 
     def read_member(self, container: str, path: str, member: str, offset: int, size: int) -> bytes:
         """An image's bytes: a tar byte range, or a table cell (`member` = column, `offset` = row)."""
-        if container == TAR:
-            return self.read(path, offset, size)
         try:
-            return self._table(path).image_bytes(member, offset)
-        except (OSError, pa.ArrowException) as err:  # (ArrowInvalid: pages that no longer decode, changed in place)
-            raise ShortRead(str(err)) from None
+            return self._of(container, path).member(path, member, offset, size)
+        except FileNotFoundError:
+            raise missing_input(path) from None
 
     def read_text(self, container: str, path: str, offset: int, size: int, text_column: str | None) -> bytes:
         """A caption's UTF-8 bytes, at most `size` of them: a tar sidecar's byte range, or a table's text column
         at row `offset` (the column is `options.text_column` in manifest.json)."""
-        if container == TAR:
-            return self.read(path, offset, size)
-        if text_column is None:
-            raise ShortRead(f"{path}: manifest.json names no text column for the captions of table files")
         try:
-            return self._table(path).text_bytes(text_column, offset, size)
-        except (OSError, pa.ArrowException) as err:
-            raise ShortRead(str(err)) from None
+            return self._of(container, path).text(path, offset, size, text_column)
+        except FileNotFoundError:
+            raise missing_input(path) from None
 
-    def _table(self, path: str):
-        from mmtok.formats.tables import TableRows
-
-        tables = self._local.__dict__.setdefault("tables", OrderedDict())
-        table = tables.pop(path, None)
-        if table is None:
-            try:
-                table = TableRows(path)
-            except FileNotFoundError:
-                raise missing_input(path) from None
-        tables[path] = table
-        if len(tables) > 4:
-            tables.popitem(last=False)
-        return table
+    def _of(self, container: str, path: str) -> Fields:
+        fields = self._fields.get(container)
+        if fields is None:  # (manifest.parquet from a stranger: the scan writes only these two)
+            raise ShortRead(f"{path}: container {container!r} in the manifest is none the scan writes "
+                            f"({', '.join(self._fields)})")
+        return fields
 
     def close(self) -> None:
-        """Close every descriptor; one still in use by a read is closed when that read ends."""
-        with self._lock:
-            for entry in self._fds.values():
-                entry.cached = False
-                if not entry.users:
-                    os.close(entry.fd)
-            self._fds.clear()
+        """Close every file; one still in use by a read is closed when that read ends."""
+        for fields in self._fields.values():
+            fields.close()

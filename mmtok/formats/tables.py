@@ -11,6 +11,8 @@ format is told from the first bytes wherever it matters (`containers.container_o
 from __future__ import annotations
 
 import bisect
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mmtok.errors import Skip
-from mmtok.formats.containers import FROM_FIRST, PARQUET, Record, Start, container_of
+from mmtok.formats.containers import FROM_FIRST, PARQUET, Record, ShortRead, Start, container_of
 
 KEY_COLUMNS = ("__key__", "key")  # a sample key column: WebDataset-to-Parquet exports; img2dataset's Parquet output
 PREFERRED_IMAGE_COLUMN = "image"
@@ -270,3 +272,50 @@ class TableRows:
             self._cached[column] = (group, self._file.read_group(group, [column]))
         table, index = self._cached[column][1], row - self._starts[group]
         return table.column(column).slice(index, 1).combine_chunks()
+
+
+class TableCells:
+    """The `Fields` of table files (`mmtok.formats.containers`): an image is a cell of its column (`member`, at row
+    `offset`), a caption a cell of the text column. Each thread keeps its own few `TableRows` (each caches a read
+    unit), so threads never share a reader's state."""
+
+    _PER_THREAD = 4
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def member(self, path: str, member: str, offset: int, size: int) -> bytes:
+        table = self._rows(path)
+        try:
+            return table.image_bytes(member, offset)
+        except (OSError, pa.ArrowException) as err:  # (ArrowInvalid: pages that no longer decode, changed in place)
+            raise ShortRead(str(err)) from None
+
+    def text(self, path: str, offset: int, size: int, column: str | None) -> bytes:
+        if column is None:
+            raise ShortRead(f"{path}: manifest.json names no text column for the captions of table files")
+        table = self._rows(path)
+        try:
+            return table.text_bytes(column, offset, size)
+        except (OSError, pa.ArrowException) as err:
+            raise ShortRead(str(err)) from None
+
+    def _rows(self, path: str) -> TableRows:
+        """This thread's `TableRows` of `path`: FileNotFoundError when the file is gone, ShortRead when it does
+        not open as a table."""
+        tables = self._local.__dict__.setdefault("tables", OrderedDict())
+        table = tables.pop(path, None)
+        if table is None:
+            try:
+                table = TableRows(path)
+            except FileNotFoundError:
+                raise
+            except (OSError, pa.ArrowException) as err:
+                raise ShortRead(str(err)) from None
+        tables[path] = table
+        if len(tables) > self._PER_THREAD:
+            tables.popitem(last=False)
+        return table
+
+    def close(self) -> None:
+        """Nothing to close: a `TableRows` holds its file open until it is dropped."""

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import os
 import struct
-from collections import deque
+import threading
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
 import numpy as np
+
+from mmtok.formats.containers import ShortRead
 
 BLOCK = 512
 CHECK_BATCH = 4096  # headers verified together (bounds the memory held for verification)
@@ -303,7 +306,7 @@ class Damage:
         return f"at byte {self.offset}{named}" + (f": {self.detail}" if self.detail else "")
 
 
-class MemberTruncated(OSError):
+class MemberTruncated(ShortRead):
     """The file ends inside a member's data."""
 
 
@@ -375,6 +378,81 @@ def read_range(fd: int, offset: int, size: int, path: str | os.PathLike) -> byte
             raise _truncated(path, offset, len(data), size)
         data += more
     return data
+
+
+class _Descriptor:
+    """An open tar file and the number of reads using it now; `cached` while `TarRanges` lists it."""
+
+    __slots__ = ("fd", "users", "cached")
+
+    def __init__(self, fd: int):
+        self.fd, self.users, self.cached = fd, 0, True
+
+
+class TarRanges:
+    """The `Fields` of tars (`mmtok.formats.containers`): an image and its caption sidecar are byte ranges, read with
+    `read_range`. Thread-safe.
+
+    One descriptor per file, shared by every thread (pread has no file position, so threads never race, and it
+    releases the GIL). A descriptor is closed only when no read is using it, so a read never sees it closed or its
+    number reused for another file. At most `max_open` idle descriptors stay open however many tars a job walks
+    through; while more files than that are being read at once, each of them stays open until its last read ends.
+    """
+
+    def __init__(self, max_open: int = 256):
+        self._fds: OrderedDict[str, _Descriptor] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self._max_open = max_open
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        """Exactly `size` bytes at `offset` of `path`; MemberTruncated when the file ends early."""
+        entry = self._acquire(path)
+        try:
+            return read_range(entry.fd, offset, size, path)  # outside the lock: reads of many threads overlap
+        finally:
+            self._release(entry)
+
+    def member(self, path: str, member: str, offset: int, size: int) -> bytes:
+        return self.read(path, offset, size)
+
+    def text(self, path: str, offset: int, size: int, column: str | None) -> bytes:
+        return self.read(path, offset, size)
+
+    def _acquire(self, path: str) -> _Descriptor:
+        """The descriptor of `path`, counted as in use until `_release`."""
+        with self._lock:
+            entry = self._fds.pop(path, None)
+            if entry is None:
+                entry = _Descriptor(os.open(path, os.O_RDONLY))
+            entry.users += 1
+            self._fds[path] = entry
+            self._trim()
+            return entry
+
+    def _release(self, entry: _Descriptor) -> None:
+        with self._lock:
+            entry.users -= 1
+            if entry.cached:
+                self._trim()
+            elif not entry.users:  # dropped by close() while this read was running
+                os.close(entry.fd)
+
+    def _trim(self) -> None:
+        """Close least recently used idle descriptors while more than `max_open` are open (lock held)."""
+        excess = len(self._fds) - self._max_open
+        if excess <= 0:
+            return
+        for path in [p for p, entry in self._fds.items() if not entry.users][:excess]:
+            os.close(self._fds.pop(path).fd)
+
+    def close(self) -> None:
+        """Close every descriptor; one still in use by a read is closed when that read ends."""
+        with self._lock:
+            for entry in self._fds.values():
+                entry.cached = False
+                if not entry.users:
+                    os.close(entry.fd)
+            self._fds.clear()
 
 
 def open_range(path: str | os.PathLike, offset: int, size: int) -> BinaryIO:
