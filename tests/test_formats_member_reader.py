@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mmtok.formats.manifest import MemberReader
 
@@ -73,3 +74,33 @@ def test_reads_never_return_another_files_bytes_when_files_outnumber_max_open(tm
     assert open_after_reads <= MAX_OPEN  # idle descriptors are bounded once the reads are done
     assert _open_descriptors(tmp_path) == 0
 
+
+
+def test_each_container_is_read_by_its_own_fields_and_an_unknown_one_is_a_short_read(tmp_path: Path):
+    """A manifest row is read through its container's `Fields`; a row of a container the scan never writes (a
+    stranger's manifest.parquet) is a ShortRead naming it, a file that is gone one line naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmtok.errors import MmtokError
+    from mmtok.formats.manifest import ShortRead
+
+    tar = tmp_path / "shard.tar"
+    tar.write_bytes(b"0123456789" * 100)
+    table = tmp_path / "cells.parquet"
+    pq.write_table(pa.table({"jpg": [b"first", b"second"], "txt": ["a cat", "a dog"]}), table)
+    reader = MemberReader()
+    assert reader.read_member("tar", str(tar), "k.jpg", 10, 5) == b"01234"
+    assert reader.read_text("tar", str(tar), 995, 5, None) == b"56789"
+    assert reader.read_member("parquet", str(table), "jpg", 1, 0) == b"second"
+    assert reader.read_text("parquet", str(table), 1, 3, "txt") == b"a d"
+    with pytest.raises(ShortRead, match="names no text column"):
+        reader.read_text("parquet", str(table), 1, 3, None)
+    with pytest.raises(ShortRead, match="ends inside the member"):
+        reader.read_member("tar", str(tar), "k.jpg", 990, 20)
+    with pytest.raises(ShortRead, match="container 'zip' in the manifest is none the scan writes"):
+        reader.read_member("zip", str(tar), "k.jpg", 0, 5)
+    for container in ("tar", "parquet"):
+        with pytest.raises(MmtokError, match="input file listed in the manifest is missing"):
+            reader.read_member(container, str(tmp_path / "gone"), "jpg", 0, 5)
+    reader.close()
