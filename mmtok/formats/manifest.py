@@ -480,10 +480,8 @@ class MemberReader:
     A file that is gone is `missing_input`; one that no longer holds the scan's bytes, ShortRead."""
 
     def __init__(self, max_open: int = 256):
-        from mmtok.formats.tables import TableCells  # (pyarrow's compute: imported when a reader is made)
-
         self._tars = TarRanges(max_open)
-        self._fields: dict[str, Fields] = {TAR: self._tars, TABLE: TableCells()}
+        self._fields: dict[str, Fields] = {TAR: self._tars}  # a table file's made when one is first read
 
     def read(self, path: str, offset: int, size: int) -> bytes:
         """Exactly `size` bytes at `offset` of the tar at `path` (a json sidecar); ShortRead when the file ends
@@ -510,10 +508,14 @@ class MemberReader:
 
     def _of(self, container: str, path: str) -> Fields:
         fields = self._fields.get(container)
-        if fields is None:  # (manifest.parquet from a stranger: the scan writes only these two)
+        if fields is not None:
+            return fields
+        if container != TABLE:  # (manifest.parquet from a stranger: the scan writes only these two)
             raise ShortRead(f"{path}: container {container!r} in the manifest is none the scan writes "
-                            f"({', '.join(self._fields)})")
-        return fields
+                            f"({TAR}, {TABLE})")
+        from mmtok.formats.tables import TableCells  # (pyarrow's compute: ~40 ms, not paid by a job of tars alone)
+
+        return self._fields.setdefault(TABLE, TableCells())  # (atomic: threads racing here keep one)
 
     def close(self) -> None:
         """Close every file; one still in use by a read is closed when that read ends."""
