@@ -202,10 +202,10 @@ def our_shard_scan(paths: list[Path]) -> tuple[int, int, int]:
 
     rows = read = reads = 0
     for path in paths:
-        out, stats = scan_source(describe(str(path)), ScanOptions())
+        out, _ = scan_source(describe(str(path)), ScanOptions())
         rows += sum(1 for r in out.rows if r[0])
-        read += stats["bytes_read"]
-        reads += stats["reads"]
+        read += out.bytes_read
+        reads += out.reads
     return rows, read, reads
 
 

@@ -85,7 +85,7 @@ def conversation(audio: str | None) -> bytes:
 @pytest.mark.parametrize("fault", FAULTS)
 def test_the_scan_names_the_fault_and_keeps_the_sound_member(tmp_path, fault):
     shard = faulty_tar(tmp_path / "s.tar", [("a.png", png()), ("b.png", png())], fault)
-    rows = [(row[3], row[11]) for row in scan_image_tar(str(shard))[0].rows]
+    rows = [(row[3], row[11]) for row in scan_image_tar(str(shard)).rows]
     named = "" if fault == "cut_in_header" else "b.png"
     assert rows == [("a.png", ""), (named, FAULTS[fault])]
 
@@ -97,7 +97,7 @@ def test_the_scan_splits_sample_keys_by_the_rule_the_sample_reader_uses(tmp_path
 
     names = ["plain.png", "dir.v2/a.png", "x.y/z/img.png", "nested/dir/c.png", "d.e/f.0.png"]  # (KEY.N.ext: pack's)
     shard = faulty_tar(tmp_path / "s.tar", [(name, png()) for name in names], "none")
-    rows = scan_image_tar(str(shard))[0].rows
+    rows = scan_image_tar(str(shard)).rows
     assert [(row[0], row[3]) for row in rows] == [(sample_key(name)[0], name) for name in names]
 
 

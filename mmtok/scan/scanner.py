@@ -17,11 +17,11 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
-from mmtok.errors import brief
+from mmtok.errors import DamagedFile, brief
 from mmtok.formats.chat import ConversationError, conversation_media
 from mmtok.formats.containers import TAR, container_of, json_value, manifest_container
 from mmtok.formats.manifest import CACHE_DIR, ManifestMetadata, ScannedInput, ScanOptions, container_identity
@@ -41,7 +41,17 @@ from mmtok.formats.tar import (
     compressed_detail,
 )
 from mmtok.formats.webdataset import IMAGE_SUFFIXES
-from mmtok.fsutil import DUPLICATE_INPUT, LockHeld, WriterLock, same_file_as, shown_path
+from mmtok.fsutil import (
+    DUPLICATE_INPUT,
+    LockHeld,
+    WriterLock,
+    required,
+    required_count,
+    required_counts,
+    required_list,
+    same_file_as,
+    shown_path,
+)
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 
 # Bump when rows for the same input change; invalidates caches. 5: GNU sparse and multi-volume members
@@ -95,10 +105,9 @@ class ReadTotals:
     bytes_read: int = 0
 
     @classmethod
-    def over(cls, stats: list[dict]) -> ReadTotals:
-        """The totals of shard statistics (`scan_source`'s)."""
-        return cls(sum(st["rows"] for st in stats), sum(st["reads"] for st in stats),
-                   sum(st["bytes_read"] for st in stats))
+    def over(cls, stats: list[ShardStats]) -> ReadTotals:
+        """The totals of shard statistics."""
+        return cls(sum(st.rows for st in stats), sum(st.reads for st in stats), sum(st.bytes_read for st in stats))
 
 
 @dataclass(frozen=True)
@@ -159,14 +168,73 @@ def describe(path: str) -> Source:
         return Source(path, -1, 0)
 
 
+@dataclass(frozen=True)
+class ShardError:
+    """Damage in an input that belongs to no image (a shard-level error row): its reason, where (the byte offset and
+    the member, when there is one), and what the scan saw."""
+
+    reason: str
+    offset: int = 0
+    member: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """One input's scan: what it was read as, its rows (ok images by format, error rows by reason), its documents,
+    the members it ignored, its shard-level errors and what reading it cost. Committed with its rows in the cache
+    (`to_json`, read back by `from_json`); the manifest's summary and document ids are made from these alone.
+    `scanned` (this process scanned it now) and `table` (the rows of an input that is not cached, kept in memory
+    for the assembly) belong to one run and are never written."""
+
+    file_format: str
+    container: str
+    rows: int
+    images_ok: int
+    formats: dict[str, int]
+    reasons: dict[str, int]
+    documents: int
+    ignored: dict[str, int]
+    shard_errors: list[ShardError]
+    reads: int
+    bytes_read: int
+    scanned: bool = False
+    table: object = field(default=None, compare=False, repr=False)  # a pyarrow Table
+
+    def to_json(self) -> dict:
+        record = asdict(self)
+        del record["scanned"], record["table"]
+        return record
+
+    @classmethod
+    def from_json(cls, document: dict, path: Path) -> ShardStats:
+        """The stats of a commit whose sha256 matched (this scan's own file): DamagedFile when it is not of this
+        shape (a commit of another build of the same SCAN_VERSION), which the caller treats as not committed."""
+        errors = [ShardError(required(e, "reason", str, path), required(e, "offset", int, path),
+                             required(e, "member", str, path), required(e, "detail", str, path))
+                  for e in required_list(document, "shard_errors", dict, path)]
+        return cls(file_format=required(document, "file_format", str, path),
+                   container=required(document, "container", str, path), rows=required_count(document, "rows", path),
+                   images_ok=required_count(document, "images_ok", path),
+                   formats=required_counts(document, "formats", path),
+                   reasons=required_counts(document, "reasons", path),
+                   documents=required_count(document, "documents", path),
+                   ignored=required_counts(document, "ignored", path), shard_errors=errors,
+                   reads=required_count(document, "reads", path),
+                   bytes_read=required_count(document, "bytes_read", path))
+
+
 class ShardRows:
-    """Rows of one shard under construction, plus what was skipped and why."""
+    """Rows of one shard under construction, plus what was skipped and why, and what reading it cost (`reads`,
+    `bytes_read`; `cacheable` False for an input that could not be read, which every assembly scans again)."""
 
     def __init__(self) -> None:
         self.rows: list[tuple] = []
         self.documents = 0
         self.ignored: Counter[str] = Counter()
-        self.shard_errors: list[dict] = []
+        self.shard_errors: list[ShardError] = []
+        self.reads = self.bytes_read = 0
+        self.cacheable = True
 
     def snapshot(self) -> tuple:
         return len(self.rows), self.documents, Counter(self.ignored), len(self.shard_errors)
@@ -180,21 +248,21 @@ class ShardRows:
         """A row for damage that belongs to no image (its own document), and a note for manifest.json."""
         self.rows.append(("", self.documents, 0, member, offset, 0, 0, 0, "", 1, "error", reason) + _NO_SIDECARS)
         self.documents += 1
-        self.shard_errors.append({"reason": reason, "offset": offset, "member": member, "detail": detail})
+        self.shard_errors.append(ShardError(reason, offset, member, detail))
 
 
 # ------------------------------------------------------------------------------------------ tar
 
 
-def scan_image_tar(path: str) -> tuple[ShardRows, dict]:
-    """Rows of one tar shard and read statistics. Never raises for bad content."""
+def scan_image_tar(path: str) -> ShardRows:
+    """Rows of one tar shard and what reading it cost. Never raises for bad content."""
     out = ShardRows()
     fd = os.open(path, os.O_RDONLY)
     try:
         file_size = os.fstat(fd).st_size
         if file_size == 0:
             out.shard_error("empty_file")
-            return out, {"bytes_read": 0, "reads": 0}
+            return out
         # Only headers and image heads are read: kernel read-ahead would fetch the pixels too.
         with contextlib.suppress(OSError):  # advisory; some file systems refuse it
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -222,7 +290,8 @@ def scan_image_tar(path: str) -> tuple[ShardRows, dict]:
             out.shard_error(reason, bad, member.decode("utf-8", "backslashreplace"), detail)
             if start is None:
                 break
-        return out, {"bytes_read": walker.bytes_read, "reads": walker.reads}
+        out.reads, out.bytes_read = walker.reads, walker.bytes_read
+        return out
     finally:
         os.close(fd)
 
@@ -417,7 +486,7 @@ def _conversation_images(sidecar: dict) -> list[tuple[int, object]]:
 # --------------------------------------------------------------------------------- parquet/arrow
 
 
-def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[ShardRows, dict]:
+def scan_table(path: str, file_format: str, options: ScanOptions) -> ShardRows:
     """Rows of a Parquet/Arrow file: one document per row, `offset` = row index."""
     from mmtok.formats.tables import ColumnError, TableFile, choose_columns, image_values, struct_paths
 
@@ -427,7 +496,7 @@ def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[Shard
         image, text, key_column = choose_columns(table.schema, options.image_column, options.text_column)
     except ColumnError as err:
         out.shard_error(err.reason, detail=err.detail)
-        return out, {"bytes_read": 0, "reads": 0}
+        return out
     columns = [image] + [c for c in (text, key_column) if c]
     row, read = 0, 0
     for batch in table.iter_batches(columns):
@@ -443,7 +512,8 @@ def scan_table(path: str, file_format: str, options: ScanOptions) -> tuple[Shard
             out.rows.append((key, out.documents, 0) + entry + text_span + (-1, -1))
             out.documents += 1
             row += 1
-    return out, {"bytes_read": read, "reads": row}
+    out.reads, out.bytes_read = row, read
+    return out
 
 
 def _value_entry(column: str, row: int, value: bytes | None, has_path: bool = False) -> tuple:
@@ -457,8 +527,9 @@ def _value_entry(column: str, row: int, value: bytes | None, has_path: bool = Fa
 # ------------------------------------------------------------------------------ one shard, cached
 
 
-def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
-    """Rows and statistics of one input; unreadable inputs give a shard-level error row, damaged table files too."""
+def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, str]:
+    """Rows of one input and what it was read as (`container_of`); unreadable inputs give a shard-level error row,
+    damaged table files too."""
     from pyarrow.lib import ArrowException
 
     file_format = TAR
@@ -466,18 +537,17 @@ def scan_source(source: Source, options: ScanOptions) -> tuple[ShardRows, dict]:
         file_format = container_of(source.path)
         with _gc_paused():
             if file_format == TAR:
-                rows, stats = scan_image_tar(source.path)
+                rows = scan_image_tar(source.path)
             else:
-                rows, stats = scan_table(source.path, file_format, options)
+                rows = scan_table(source.path, file_format, options)
     except (OSError, ArrowException) as err:  # ArrowException: a table's footer or pages do not parse
-        rows, stats = ShardRows(), {"bytes_read": 0, "reads": 0, "cacheable": False}
+        rows = ShardRows()
+        rows.cacheable = False
         detail = f"{type(err).__name__}: {err}"
         if isinstance(err, IsADirectoryError):
             detail += f"; pass the shards inside it (e.g. '{source.path}/*.tar'), not the directory"
         rows.shard_error("unreadable_shard", detail=detail)
-    stats["file_format"] = file_format
-    stats["container"] = manifest_container(file_format)
-    return rows, stats
+    return rows, file_format
 
 
 @contextlib.contextmanager
@@ -515,28 +585,30 @@ def shard_table(rows: ShardRows):
                      for name, values in zip(SHARD_COLUMNS, columns, strict=True)})
 
 
-def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> dict:
+def scan_to_cache(source: Source, options: ScanOptions, out_dir: str) -> ShardStats:
     """Scan one input and commit its rows and statistics to the cache; return the statistics. An input that
     could not be read is committed marked `retry` (done for the ranks; every assembly scans it again) and
     keeps its rows as `table` too."""
-    rows, stats = scan_source(source, options)
-    stats.update(documents=rows.documents, ignored=dict(rows.ignored), shard_errors=rows.shard_errors)
+    rows, file_format = scan_source(source, options)
     table = shard_table(rows)
-    stats.update(_row_counts(table))
-    retry = not stats.pop("cacheable", True)
-    write_shard_rows(rows_cache_path(Path(out_dir), source, options), table, stats, retry)
-    return {**stats, "table": table} if retry else stats
+    stats = shard_stats(rows, table, file_format)
+    write_shard_rows(rows_cache_path(Path(out_dir), source, options), table, stats.to_json(), not rows.cacheable)
+    return stats if rows.cacheable else replace(stats, table=table)
 
 
-def _row_counts(table) -> dict:
-    """Rows, ok images by format, error rows by reason (vectorized over the shard table)."""
+def shard_stats(rows: ShardRows, table, file_format: str) -> ShardStats:
+    """The statistics of one input's rows (`table`, vectorized over it: ok images by format, error rows by
+    reason) read as `file_format`."""
     import pyarrow.compute as pc
 
     ok = pc.equal(table.column("status"), "ok")
     formats = {d["values"]: d["counts"] for d in pc.value_counts(table.column("format").filter(ok)).to_pylist()}
     reasons = {d["values"]: d["counts"]
                for d in pc.value_counts(table.column("reason").filter(pc.invert(ok))).to_pylist()}
-    return {"rows": table.num_rows, "images_ok": sum(formats.values()), "formats": formats, "reasons": reasons}
+    return ShardStats(file_format=file_format, container=manifest_container(file_format), rows=table.num_rows,
+                      images_ok=sum(formats.values()), formats=formats, reasons=reasons, documents=rows.documents,
+                      ignored=dict(rows.ignored), shard_errors=list(rows.shard_errors), reads=rows.reads,
+                      bytes_read=rows.bytes_read)
 
 
 # ----------------------------------------------------------------------------------- the whole run
@@ -568,25 +640,25 @@ def run_scan(sources: list[Source], out_dir: Path, options: ScanOptions, workers
     (out_dir / CACHE_DIR).mkdir(parents=True, exist_ok=True)
     with WriterLock(out_dir, f"the manifest in {out_dir}"):
         sources, refused = _inputs(sources)
-        stats: list[dict | None] = [None] * len(sources)
+        stats: list[ShardStats | None] = [None] * len(sources)
         for i, source in enumerate(sources):
             if i not in refused:
-                record = read_commit(rows_cache_path(out_dir, source, options), verify=True)
-                stats[i] = None if record is None or record["retry"] else record["stats"]
+                committed = _committed(rows_cache_path(out_dir, source, options), verify=True)
+                stats[i] = None if committed is None or committed[1] else committed[0]
         todo = [i for i, s in enumerate(stats) if s is None and i not in refused]
         began = time.perf_counter()
         for i, result in _scan_all(todo, sources, options, out_dir, workers, True, progress, len(sources)):
             stats[i] = result
-        scanned = [i for i in todo if stats[i]["scanned"]]  # the others were committed by a rank meanwhile
+        scanned = [i for i in todo if stats[i].scanned]  # the others were committed by a rank meanwhile
         for i, (reason, detail, like) in refused.items():
             stats[i] = _error_stats(reason, detail, None if like is None else stats[like])
         run = ScanRun(scanned_shards=len(scanned), cached_shards=len(sources) - len(scanned) - len(refused),
-                      rows_scanned=sum(stats[i]["rows"] for i in scanned), seconds=time.perf_counter() - began,
+                      rows_scanned=sum(stats[i].rows for i in scanned), seconds=time.perf_counter() - began,
                       workers=workers, read=ReadTotals.over(stats))
         summary, first = summarize(sources, stats, options), first_errors(sources, stats)
         if not summary.images_ok and has_manifest(out_dir):
             for i in scanned:  # the cache stays as it was too: no mark of a mistyped input is left
-                if "table" in stats[i]:
+                if stats[i].table is not None:
                     discard_shard(rows_cache_path(out_dir, sources[i], options))
             return Scanned(summary, False, run, first)
         meta = write_manifest(out_dir, manifest_tables(sources, stats, out_dir, options), summary)
@@ -612,12 +684,12 @@ def scan_share(sources: list[Source], out_dir: Path, options: ScanOptions, rank:
     others = [i for i in reversed(eligible) if i not in mine]  # from the far end: their owners start at the front
 
     def committed(i: int) -> bool:
-        return read_commit(rows_cache_path(out_dir, shown[i], options), verify=False) is not None
+        return _committed(rows_cache_path(out_dir, shown[i], options), verify=False) is not None
 
     todo = [i for i in own + others if not committed(i)]
     began = time.perf_counter()
     scanned = {i: st for i, st in _scan_all(todo, shown, options, out_dir, workers, False, progress, len(todo))
-               if st is not None and st["scanned"]}
+               if st is not None and st.scanned}
     seconds = time.perf_counter() - began
     left = sum(not committed(i) for i in eligible)
     manifest = None
@@ -639,14 +711,14 @@ def _inputs(sources: list[Source]) -> tuple[list[Source], dict[int, tuple[str, s
 
 
 def _scan_all(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: Path, workers: int,
-              final: bool, progress: bool, total: int) -> Iterator[tuple[int, dict | None]]:
+              final: bool, progress: bool, total: int) -> Iterator[tuple[int, ShardStats | None]]:
     """`_run` behind a progress bar of `total` shards (those not in `todo` are done)."""
     from mmtok.progress import progress as progress_bar
 
     bar = progress_bar(total=total, initial=total - len(todo), unit="shard", desc="scan", enabled=progress)
     images = 0
     for i, result in _run(todo, sources, options, out_dir, workers, final):
-        images += result["rows"] if result is not None else 0
+        images += result.rows if result is not None else 0
         bar.update(1)
         bar.set_postfix(images=images, refresh=False)
         yield i, result
@@ -671,7 +743,7 @@ def _refused_inputs(sources: list[Source]) -> dict[int, tuple[str, str, int | No
 
 
 def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: Path, workers: int,
-         final: bool) -> Iterator[tuple[int, dict | None]]:
+         final: bool) -> Iterator[tuple[int, ShardStats | None]]:
     """Claim and scan the shards `todo` (`_claimed`), yielding (index, stats or None) as they finish; a
     crashed worker becomes an error row."""
     if workers <= 1 or len(todo) <= 1:
@@ -689,11 +761,11 @@ def _run(todo: list[int], sources: list[Source], options: ScanOptions, out_dir: 
                 pool.shutdown(cancel_futures=True)
                 raise
             except Exception as err:  # the worker process died (e.g. killed for memory)
-                result = {**_error_stats("scan_failed", f"{type(err).__name__}: {err}"), "scanned": True}
+                result = replace(_error_stats("scan_failed", f"{type(err).__name__}: {err}"), scanned=True)
             yield futures[future], result
 
 
-def _claimed(source: Source, options: ScanOptions, out_dir: str, final: bool) -> dict | None:
+def _claimed(source: Source, options: ScanOptions, out_dir: str, final: bool) -> ShardStats | None:
     """Scan one input under its claim and commit it (`scanned` True in the stats it returns); the committed
     stats (`scanned` False) when another process committed it first; None when another process holds the
     claim, unless `final`: the final assembly waits for it, checks the rows' sha256 and rescans an input
@@ -708,15 +780,27 @@ def _claimed(source: Source, options: ScanOptions, out_dir: str, final: bool) ->
     except LockHeld:
         return None
     with claim:
-        record = read_commit(rows_cache_path(Path(out_dir), source, options), verify=final)
-        if record is not None and not (final and record["retry"]):
-            return {**record["stats"], "scanned": False}
+        committed = _committed(rows_cache_path(Path(out_dir), source, options), verify=final)
+        if committed is not None and not (final and committed[1]):
+            return committed[0]
         for stale in cache.glob(f".{key}.*.tmp-*"):  # a killed holder's unfinished writes
             stale.unlink(missing_ok=True)
-        return {**_guarded(source, options, out_dir), "scanned": True}
+        return replace(_guarded(source, options, out_dir), scanned=True)
 
 
-def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
+def _committed(rows_path: Path, verify: bool) -> tuple[ShardStats, bool] | None:
+    """(stats, retry) of an input's commit in the cache (`read_commit`), or None when it is not committed --
+    also when its stats are not of this build's shape: the input is then scanned again."""
+    record = read_commit(rows_path, verify)
+    if record is None:
+        return None
+    try:
+        return ShardStats.from_json(record["stats"], rows_path), record["retry"] is True
+    except DamagedFile:
+        return None
+
+
+def _guarded(source: Source, options: ScanOptions, out_dir: str) -> ShardStats:
     try:
         return scan_to_cache(source, options, out_dir)
     except OSError:  # input errors are rows already (scan_source): this one is the output's, e.g. a full disk
@@ -725,18 +809,16 @@ def _guarded(source: Source, options: ScanOptions, out_dir: str) -> dict:
         return _error_stats("scan_failed", f"{type(err).__name__}: {err}")
 
 
-def _error_stats(reason: str, detail: str, like: dict | None = None) -> dict:
+def _error_stats(reason: str, detail: str, like: ShardStats | None = None) -> ShardStats:
     """The statistics of an input that is one shard-level error row (not cached); its container and file
     format are those of `like` (the input it repeats), else a tar's."""
     rows = ShardRows()
     rows.shard_error(reason, detail=detail)
     table = shard_table(rows)
-    kind = {key: (like or {}).get(key, "tar") for key in ("container", "file_format")}
-    return {"bytes_read": 0, "reads": 0, **kind, "documents": rows.documents, "ignored": {},
-            "shard_errors": rows.shard_errors, "table": table, **_row_counts(table)}
+    return replace(shard_stats(rows, table, like.file_format if like else TAR), table=table)
 
 
-def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, options: ScanOptions):
+def manifest_tables(sources: list[Source], stats: list[ShardStats], out_dir: Path, options: ScanOptions):
     """Shard tables in input order with `tar`, `container`, global document ids and the `detail` of each
     shard-level error row (`write_manifest` writes it into the row's skip record)."""
     import pyarrow as pa
@@ -744,20 +826,20 @@ def manifest_tables(sources: list[Source], stats: list[dict], out_dir: Path, opt
 
     first_document = 0
     for source, st in zip(sources, stats, strict=True):
-        table = st.get("table")
+        table = st.table
         if table is None:
             table = read_rows(rows_cache_path(out_dir, source, options))
         n = table.num_rows
         table = table.set_column(table.schema.get_field_index("document"), "document",
                                  pc.add(table.column("document"), pa.scalar(first_document, pa.int64())))
         table = table.append_column("tar", pa.array([source.path] * n, pa.string()))
-        table = table.append_column("container", pa.array([st["container"]] * n, pa.string()))
-        table = table.append_column("detail", _details(table, st["shard_errors"]))
-        first_document += st["documents"]
+        table = table.append_column("container", pa.array([st.container] * n, pa.string()))
+        table = table.append_column("detail", _details(table, st.shard_errors))
+        first_document += st.documents
         yield table.replace_schema_metadata(None)
 
 
-def _details(table, shard_errors: list[dict]):
+def _details(table, shard_errors: list[ShardError]):
     """The detail of each row of one shard's table, a string column: that of its shard-level error
     (`ShardRows.shard_error`: a row with no key; they are in the order of `shard_errors`), null for every other
     row. Only rows without a key become Python values (a shard may hold 10^5 rows)."""
@@ -772,44 +854,45 @@ def _details(table, shard_errors: list[dict]):
     pending = iter(shard_errors)
     wanted = next(pending, None)
     for row, *found in zip(keyless.to_pylist(), where["member"], where["offset"], where["reason"], strict=True):
-        if wanted is not None and tuple(found) == (wanted["member"], wanted["offset"], wanted["reason"]):
-            details[row], wanted = wanted["detail"], next(pending, None)
+        if wanted is not None and tuple(found) == (wanted.member, wanted.offset, wanted.reason):
+            details[row], wanted = wanted.detail, next(pending, None)
     return pa.array(details, pa.string())
 
 
-def first_errors(sources: list[Source], stats: list[dict]) -> dict[str, SkipRecord]:
+def first_errors(sources: list[Source], stats: list[ShardStats]) -> dict[str, SkipRecord]:
     """The first shard-level error of each reason, as its skip record (no position: the manifest may not be
     written)."""
     first: dict[str, SkipRecord] = {}
     for source, st in zip(sources, stats, strict=True):
-        for err in st["shard_errors"]:
-            if err["reason"] not in first:
-                first[err["reason"]] = SkipRecord(key="", source=source.path, container=st["container"],
-                                                  member=err["member"] or None, reason=err["reason"],
-                                                  detail=err["detail"], stage=SCAN_STAGE)
+        for err in st.shard_errors:
+            if err.reason not in first:
+                first[err.reason] = SkipRecord(key="", source=source.path, container=st.container,
+                                               member=err.member or None, reason=err.reason, detail=err.detail,
+                                               stage=SCAN_STAGE)
     return first
 
 
-def summarize(sources: list[Source], stats: list[dict], options: ScanOptions) -> ManifestMetadata:
+def summarize(sources: list[Source], stats: list[ShardStats], options: ScanOptions) -> ManifestMetadata:
     """The deterministic part of manifest.json: inputs, counts by reason and format, skipped members."""
-    totals: dict[str, Counter] = {"reasons": Counter(), "formats": Counter(), "ignored": Counter()}
+    reasons, formats, ignored = Counter(), Counter(), Counter()
     inputs = []
     for source, st in zip(sources, stats, strict=True):
-        for name in totals:
-            totals[name].update(st[name])
+        reasons.update(st.reasons)
+        formats.update(st.formats)
+        ignored.update(st.ignored)
         inputs.append(ScannedInput(path=source.path, size=source.size, mtime_ns=source.mtime_ns,
-                                   container=st["container"], file_format=st["file_format"], rows=st["rows"],
+                                   container=st.container, file_format=st.file_format, rows=st.rows,
                                    identity=source.identity))
     return ManifestMetadata(
         inputs=inputs,
         shards=len(sources),
-        documents=sum(st["documents"] for st in stats),
-        images_ok=sum(st["images_ok"] for st in stats),
-        errors=sum(totals["reasons"].values()),
-        reasons=dict(sorted(totals["reasons"].items())),
-        formats=dict(sorted(totals["formats"].items())),
-        ignored_members=dict(sorted(totals["ignored"].items())),
-        bytes_read=sum(st["bytes_read"] for st in stats),
+        documents=sum(st.documents for st in stats),
+        images_ok=sum(st.images_ok for st in stats),
+        errors=sum(reasons.values()),
+        reasons=dict(sorted(reasons.items())),
+        formats=dict(sorted(formats.items())),
+        ignored_members=dict(sorted(ignored.items())),
+        bytes_read=sum(st.bytes_read for st in stats),
         options=options,
         scan_version=SCAN_VERSION,
     )
