@@ -138,13 +138,13 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mmtok.formats.manifest import FORMAT
-
     path = directory / "manifest.parquet"
     meta = directory / "manifest.json"
     recorded = json.loads(meta.read_text()) if meta.is_file() else {}
     tag = _tag(rows, multi_share, doc_images, seed) + (f"-columns{len(columns)}" if columns else "")
     if path.is_file() and "format" in recorded and recorded["fingerprint"] == tag:
+        if "options" not in recorded:  # the bare manifest.json of an earlier run: the rows are reused as they are
+            _write_synthetic_json(directory, rows, tag)
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     rng, sizes = np.random.default_rng(seed), real_sizes()
@@ -157,9 +157,32 @@ def write_synthetic_manifest(directory: Path, rows: int, multi_share: float, doc
             writer = pq.ParquetWriter(path, table.schema, compression="zstd")
         writer.write_table(table, row_group_size=1 << 20)
     writer.close()
-    (directory / "manifest.json").write_text(json.dumps({"format": FORMAT, "format_version": SYNTHETIC_VERSION,
-                                                         "rows": rows, "fingerprint": tag}))
+    _write_synthetic_json(directory, rows, tag)
     return directory
+
+
+def _write_synthetic_json(directory: Path, rows: int, tag: str) -> None:
+    """The manifest.json of a synthetic corpus: every key a scan writes (the tree's `Manifest.open` checks them all),
+    its counts those of manifest.parquet, of version SYNTHETIC_VERSION (so `shard_errors`, empty), no input file,
+    and the tag as its fingerprint."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from mmtok.formats.manifest import ManifestMetadata, ScanOptions
+
+    reasons: dict[str, int] = {}
+    ok = documents = 0
+    for batch in pq.ParquetFile(directory / "manifest.parquet").iter_batches(columns=["document", "status", "reason"]):
+        errors = pc.not_equal(batch.column("status"), "ok")
+        ok += batch.num_rows - pc.sum(errors).as_py()
+        for entry in pc.value_counts(batch.column("reason").filter(errors)).to_pylist():
+            reasons[entry["values"]] = reasons.get(entry["values"], 0) + entry["counts"]
+        documents = max(documents, pc.max(batch.column("document")).as_py() + 1)
+    meta = ManifestMetadata(inputs=[], shards=0, documents=documents, images_ok=ok, errors=sum(reasons.values()),
+                            reasons=dict(sorted(reasons.items())), formats={"jpeg": ok}, ignored_members={},
+                            bytes_read=0, options=ScanOptions(), scan_version=0, rows=rows, fingerprint=tag,
+                            skipped_sha256=None, shard_errors=[], format_version=SYNTHETIC_VERSION)
+    (directory / "manifest.json").write_text(json.dumps(meta.to_json()))
 
 
 def _tag(rows: int, multi_share: float, doc_images: tuple[int, int], seed: int) -> str:

@@ -257,7 +257,9 @@ def required_list(obj: dict, key: str, kind: type | tuple[type, ...], path: str 
     """The list `obj[key]`, every element a `kind`."""
     values = required(obj, key, list, path)
     for value in values:
-        required({key: value}, key, kind, path)
+        if not _is_kind(value, kind):
+            raise DamagedFile(f"{path}: every entry of key {key!r} must be {_json_name(kind)}, not "
+                              f"{_json_name(value)}; restore the file or rerun the stage that wrote it")
     return values
 
 

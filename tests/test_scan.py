@@ -368,7 +368,7 @@ def test_a_damaged_manifest_json_of_the_scan_is_rewritten_and_one_that_is_no_fil
 
 
 MANIFEST_DAMAGE = [
-    (lambda meta: meta["inputs"].append(1), "'inputs'"),
+    (lambda meta: meta["inputs"].append(1), "every entry of key 'inputs' must be an object"),
     (lambda meta: meta["inputs"][0].pop("path"), "'path'"),
     (lambda meta: meta["inputs"][0].update(identity=None), "'identity'"),
     (lambda meta: meta["inputs"][0]["identity"].pop("head"), "'head'"),
@@ -397,6 +397,15 @@ def test_a_manifest_json_of_the_wrong_shape_is_one_line_naming_the_key(tmp_path,
     assert cli(["hash", str(out), "--out", str(tmp_path / "h"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "manifest.json" in err and key in err, err
+
+
+def test_a_manifest_json_nested_too_deep_is_one_line(tmp_path, media, capsys):
+    out, _ = scan(tmp_path, [write_tar(tmp_path / "good.tar", [("a.jpg", media[0][1])])])
+    (out / "manifest.json").write_text('{"format": "mmtok.manifest", "format_version": 3, "inputs": '
+                                       + "[" * 100_000 + "]" * 100_000 + "}")
+    assert cli(["inspect", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "manifest.json: nested too deep to parse" in err, err
 
 
 def test_non_utf8_member_names_are_named(tmp_path, media):

@@ -267,8 +267,9 @@ class Manifest:
         except FileNotFoundError:
             raise MmtokError(f"cannot read manifest {directory}: {METADATA_FILE} not found, so it holds no complete "
                              f"manifest; run `mmtok scan ... --out {directory}`") from None
-        except (OSError, ValueError) as err:
-            raise MmtokError(f"cannot read {path}: {err}; rerun `mmtok scan` into {directory}") from None
+        except (OSError, ValueError, RecursionError) as err:  # RecursionError: absurdly deep nesting
+            what = "nested too deep to parse" if isinstance(err, RecursionError) else err
+            raise MmtokError(f"cannot read {path}: {what}; rerun `mmtok scan` into {directory}") from None
         if not isinstance(meta, dict):  # DamagedFile naming the file
             required(meta, "format", str, path)
         if meta.get("format") != FORMAT or meta.get("format_version") not in READ_VERSIONS:
