@@ -218,6 +218,24 @@ def required(obj: dict, key: str, kind: type | tuple[type, ...], path: str | os.
     return value
 
 
+class _Within(str):
+    """A file's path with a place inside it (`plan.json (balance.fixed_batches)`), as messages name a key of a
+    nested record; `within` of one adds to its place."""
+
+    def __new__(cls, path: str | os.PathLike, place: str) -> _Within:
+        named = super().__new__(cls, f"{path} ({place})")
+        named.path, named.place = path, place
+        return named
+
+
+def within(path: str | os.PathLike, place: str) -> str:
+    """`path` for the checks (`required` ...) of a record nested at `place` ("inputs[3]", "counts.web"), so a
+    message names where the key is: `manifest.json (inputs[3].identity): key 'size' must be ...`."""
+    if isinstance(path, _Within):
+        return _Within(path.path, path.place + ("" if place.startswith("[") else ".") + place)
+    return _Within(path, place)
+
+
 def required_number(obj: dict, key: str, path: str | os.PathLike, default=_MISSING, minimum: float | None = None):
     """`required(obj, key, number)` as a finite float (>= `minimum` when given); `default` when the key is absent
     and a default is given. Else DamagedFile naming the file and the key -- an integer too large for a float too
@@ -249,7 +267,7 @@ def required_counts(obj: dict, key: str, path: str | os.PathLike) -> dict[str, i
     """The object `obj[key]` of {name: count}, every count an integer >= 0."""
     counts = required(obj, key, dict, path)
     for name in counts:
-        required_count(counts, name, path)
+        required_count(counts, name, within(path, key))
     return counts
 
 

@@ -303,6 +303,9 @@ def test_plan_refuses_a_duplicate_list_whose_rows_are_not_its_manifests(sources,
     (lambda meta: meta.update(groups=None), "groups"),
     (lambda meta: meta["captions"].update(unchecked_sources=[1]), "unchecked_sources"),
     (lambda meta: meta.update(held_sha256=7), "held_sha256"),
+    (lambda meta: meta.update(decontamination={
+        "against": [], "radius": {}, "suspect_images": [], "suspect_sources": [], "confirmed": [], "contaminated": 0,
+        "held": 0, "guards": {"max_matches": 1, "max_share": float("nan"), "min_flagged": 1}}), "max_share"),
 ])
 def test_a_duplicate_list_of_the_wrong_shape_is_refused_naming_the_key(sources, tmp_path, capsys, damage, key):
     """dedup.json is read back by `plan --exclude` (and the report): one that parses but has the wrong shape is one
@@ -319,6 +322,10 @@ def test_a_duplicate_list_of_the_wrong_shape_is_refused_naming_the_key(sources, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "dedup.json" in err and repr(key) in err, err
     assert not (tmp_path / "p").exists()
+    if key == "kept":  # a key of a nested record is named with where it is
+        assert "dedup.json (counts.web): key 'kept'" in err, err
+    if key == "max_share":
+        assert "dedup.json (decontamination.guards): key 'max_share' must be a finite number >= 0" in err, err
 
 
 @pytest.mark.parametrize("command, name", [("hash", "hashes.parquet"), ("hash", "hashes.json"),

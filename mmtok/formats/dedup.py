@@ -37,7 +37,9 @@ from mmtok.fsutil import (
     required,
     required_counts,
     required_list,
+    required_number,
     sha256_file,
+    within,
 )
 
 DROPPED_FILE = "dropped.parquet"
@@ -206,6 +208,7 @@ class GuardRecord:
 
     @classmethod
     def from_json(cls, value, path: Path) -> GuardRecord:
+        required_number(value, "max_share", path, minimum=0)  # finite (the value is kept as written: 1 stays 1)
         return cls(required(value, "max_matches", int, path), required(value, "max_share", NUMBER, path),
                    required(value, "min_flagged", int, path))
 
@@ -255,13 +258,14 @@ class DecontaminationRecord:
     @classmethod
     def from_json(cls, value, path: Path) -> DecontaminationRecord:
         radius = required(value, "radius", dict, path)
-        return cls(against=[Benchmark.from_json(v, path) for v in required(value, "against", list, path)],
-                   guards=GuardRecord.from_json(required(value, "guards", dict, path), path),
-                   radius={name: required(radius, name, (int, str), path) for name in radius},
-                   suspect_images=[SuspectImage.from_json(v, path)
-                                   for v in required(value, "suspect_images", list, path)],
-                   suspect_sources=[SuspectSource.from_json(v, path)
-                                    for v in required(value, "suspect_sources", list, path)],
+        return cls(against=[Benchmark.from_json(v, within(path, f"against[{i}]"))
+                            for i, v in enumerate(required(value, "against", list, path))],
+                   guards=GuardRecord.from_json(required(value, "guards", dict, path), within(path, "guards")),
+                   radius={name: required(radius, name, (int, str), within(path, "radius")) for name in radius},
+                   suspect_images=[SuspectImage.from_json(v, within(path, f"suspect_images[{i}]"))
+                                   for i, v in enumerate(required(value, "suspect_images", list, path))],
+                   suspect_sources=[SuspectSource.from_json(v, within(path, f"suspect_sources[{i}]"))
+                                    for i, v in enumerate(required(value, "suspect_sources", list, path))],
                    confirmed=required_list(value, "confirmed", str, path),
                    contaminated=required(value, "contaminated", int, path), held=required(value, "held", int, path))
 
@@ -312,13 +316,17 @@ class DedupMetadata:
         policy, counts = required(document, "policy", dict, path), required(document, "counts", dict, path)
         decontamination = required(document, "decontamination", dict, path, None)
         return cls(algorithm=required(document, "algorithm", str, path),
-                   policy={name: PolicyRecord.from_json(policy[name], path) for name in policy},
-                   inputs=[ListInput.from_json(v, path) for v in required(document, "inputs", list, path)],
+                   policy={name: PolicyRecord.from_json(policy[name], within(path, f"policy.{name}"))
+                           for name in policy},
+                   inputs=[ListInput.from_json(v, within(path, f"inputs[{i}]"))
+                           for i, v in enumerate(required(document, "inputs", list, path))],
                    groups=required(document, "groups", int, path),
-                   captions=CaptionRecord.from_json(required(document, "captions", dict, path), path),
+                   captions=CaptionRecord.from_json(required(document, "captions", dict, path),
+                                                    within(path, "captions")),
                    decontamination=None if decontamination is None else
-                   DecontaminationRecord.from_json(decontamination, path),
-                   counts={name: SourceCounts.from_json(counts[name], path) for name in counts},
+                   DecontaminationRecord.from_json(decontamination, within(path, "decontamination")),
+                   counts={name: SourceCounts.from_json(counts[name], within(path, f"counts.{name}"))
+                           for name in counts},
                    dropped=required(document, "dropped", int, path),
                    fingerprint=required(document, "fingerprint", str, path),
                    held_sha256=required(document, "held_sha256", str, path, None),

@@ -42,6 +42,7 @@ from mmtok.fsutil import (
     required,
     required_counts,
     required_list,
+    within,
 )
 
 HASHES_FILE = "hashes.parquet"
@@ -116,17 +117,18 @@ class HashMetadata:
     def from_json(cls, document: dict, path: Path) -> HashMetadata:
         captions, manifest = required(document, "captions", dict, path), required(document, "manifest", dict, path)
         counts = required(document, "counts", dict, path)
-        fragments = required_list(captions, "fragments", str, path)
+        at_captions, at_manifest, at_counts = within(path, "captions"), within(path, "manifest"), within(path, "counts")
+        fragments = required_list(captions, "fragments", str, at_captions)
         return cls(algorithm=required(document, "algorithm", str, path), source=required(document, "source", str, path),
-                   captions=CaptionChecks(required(captions, "checks", int, path),
-                                          required(captions, "max_bytes", int, path), fragments,
-                                          required_counts(captions, "counts", path)),
-                   manifest=HashedManifest(required(manifest, "directory", str, path),
-                                           required(manifest, "fingerprint", str, path),
-                                           required(manifest, "rows", int, path)),
-                   counts=HashCounts(required(counts, "manifest_rows", int, path),
-                                     required(counts, "scan_errors", int, path),
-                                     required_counts(counts, "skipped", path)),
+                   captions=CaptionChecks(required(captions, "checks", int, at_captions),
+                                          required(captions, "max_bytes", int, at_captions), fragments,
+                                          required_counts(captions, "counts", at_captions)),
+                   manifest=HashedManifest(required(manifest, "directory", str, at_manifest),
+                                           required(manifest, "fingerprint", str, at_manifest),
+                                           required(manifest, "rows", int, at_manifest)),
+                   counts=HashCounts(required(counts, "manifest_rows", int, at_counts),
+                                     required(counts, "scan_errors", int, at_counts),
+                                     required_counts(counts, "skipped", at_counts)),
                    hashed=required(document, "hashed", int, path),
                    fingerprint=required(document, "fingerprint", str, path),
                    skipped_sha256=required(document, "skipped_sha256", str, path),

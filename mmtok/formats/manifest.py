@@ -48,6 +48,7 @@ from mmtok.fsutil import (
     required_counts,
     required_list,
     sha256_file,
+    within,
 )
 
 MANIFEST_FILE = "manifest.parquet"
@@ -152,14 +153,15 @@ class ManifestMetadata:
         version = required(document, "format_version", int, path)
         options = required(document, "options", dict, path)
         return cls(
-            inputs=[_scanned_input(entry, path) for entry in required_list(document, "inputs", dict, path)],
+            inputs=[_scanned_input(entry, within(path, f"inputs[{i}]"))
+                    for i, entry in enumerate(required_list(document, "inputs", dict, path))],
             shards=required_count(document, "shards", path), documents=required_count(document, "documents", path),
             images_ok=required_count(document, "images_ok", path), errors=required_count(document, "errors", path),
             reasons=required_counts(document, "reasons", path), formats=required_counts(document, "formats", path),
             ignored_members=required_counts(document, "ignored_members", path),
             bytes_read=required_count(document, "bytes_read", path),
-            options=ScanOptions(required(options, "image_column", (str, type(None)), path),
-                                  required(options, "text_column", (str, type(None)), path)),
+            options=ScanOptions(required(options, "image_column", (str, type(None)), within(path, "options")),
+                                required(options, "text_column", (str, type(None)), within(path, "options"))),
             scan_version=required(document, "scan_version", int, path),
             rows=required_count(document, "rows", path), fingerprint=required(document, "fingerprint", str, path),
             skipped=0 if version == 2 else required_count(document, "skipped", path),
@@ -171,7 +173,7 @@ class ManifestMetadata:
 def _scanned_input(entry: dict, path: Path) -> ScannedInput:
     identity = required(entry, "identity", dict, path)
     for key, kind in (("size", int), ("mtime_ns", int), ("head", str)):
-        required(identity, key, kind, path)
+        required(identity, key, kind, within(path, "identity"))
     return ScannedInput(path=required(entry, "path", str, path), size=required(entry, "size", int, path),
                         mtime_ns=required(entry, "mtime_ns", int, path),
                         container=required(entry, "container", str, path),

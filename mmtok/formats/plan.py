@@ -40,7 +40,16 @@ from mmtok.formats.manifest import Manifest
 from mmtok.formats.parquet import FixedRowGroups
 from mmtok.formats.presets import PlanParameters
 from mmtok.formats.skips import SkipRecord
-from mmtok.fsutil import atomic_write_json, fsync_dir, naming, publish_file, required, required_number, sha256_file
+from mmtok.fsutil import (
+    atomic_write_json,
+    fsync_dir,
+    naming,
+    publish_file,
+    required,
+    required_number,
+    sha256_file,
+    within,
+)
 from mmtok.ranks import item_ranges, partition_ranks, rank_costs, worker_range
 
 FORMAT = "mmtok-plan"
@@ -196,10 +205,10 @@ def _parameters(document: dict, path: Path) -> dict:
     with their types, and every value as `PlanParameters` checks it (MmtokError -> DamagedFile naming the file)."""
     parameters = required(document, "parameters", dict, path)
     for key, kind in _READ_PARAMETERS.items():
-        required(parameters, key, kind, path)
-    required(parameters, "text_tokenizer_sha256", str, path, "")
+        required(parameters, key, kind, within(path, "parameters"))
+    required(parameters, "text_tokenizer_sha256", str, within(path, "parameters"), "")
     if "work_items" in document:  # explain prices the items in seconds
-        required_number(parameters["cost_model"], "seconds_per_unit", path)
+        required_number(parameters["cost_model"], "seconds_per_unit", within(path, "parameters.cost_model"))
     where = f"{path}: parameters"
     try:
         PlanParameters.from_mapping({k: v for k, v in parameters.items() if k not in _RECORDED}, where)
@@ -261,10 +270,10 @@ class WorkItems:
 
     @classmethod
     def from_json(cls, value, path: Path) -> WorkItems:
-        cost = required(value, "cost", dict, path)
+        cost, at_cost = required(value, "cost", dict, path), within(path, "cost")
         return cls(required_number(value, "item_seconds", path), required_number(value, "target_cost", path),
                    required(value, "count", int, path),
-                   CostRange(required_number(cost, "min", path), required_number(cost, "max", path)),
+                   CostRange(required_number(cost, "min", at_cost), required_number(cost, "max", at_cost)),
                    required_number(value, "imbalance", path, None), required(value, "batches", list, path))
 
     def to_json(self) -> dict:
@@ -328,8 +337,9 @@ class OverBudget:
     @classmethod
     def from_json(cls, value, path: Path) -> OverBudget:
         return cls(required(value, "images", int, path),
-                   [OverBudgetShape(*(required(shape, f.name, int, path) for f in fields(OverBudgetShape)))
-                    for shape in required(value, "shapes", list, path)])
+                   [OverBudgetShape(*(required(shape, f.name, int, within(path, f"shapes[{i}]"))
+                                      for f in fields(OverBudgetShape)))
+                    for i, shape in enumerate(required(value, "shapes", list, path))])
 
 
 @dataclass(frozen=True)
@@ -373,7 +383,7 @@ class PlanExclusion:
         keepers = required(value, "keepers_dropped", dict, path, {})
         return cls(required(value, "directory", str, path), required(value, "fingerprint", str, path),
                    required(value, "source", str, path), required(value, "rows", int, path),
-                   {reason: required(keepers, reason, int, path) for reason in keepers},
+                   {reason: required(keepers, reason, int, within(path, "keepers_dropped")) for reason in keepers},
                    required(value, "duplicates_without_kept_copy", int, path, 0))
 
 
@@ -433,7 +443,7 @@ class PlanMetadata:
         num_batches = required(document, "num_batches", int, path)
         fingerprint = required(document, "fingerprint", str, path)
         files = required(document, "files", dict, path)
-        files = {name: PlanFile.from_json(files[name], path) for name in files}
+        files = {name: PlanFile.from_json(files[name], within(path, f"files.{name}")) for name in files}
         items = required(document, "work_items", dict, path, None)
         exclude = required(document, "exclude", (dict, type(None)), path, None)
         dropped = required(document, "dropped_by_reason", dict, path)
@@ -444,19 +454,22 @@ class PlanMetadata:
             parameters=_parameters(document, path),
             world_size=world_size,
             rank_batches=_rank_batches(document, path),
-            rank_cost=RankCost.from_json(required(document, "rank_cost", dict, path), path),
+            rank_cost=RankCost.from_json(required(document, "rank_cost", dict, path), within(path, "rank_cost")),
             imbalance=required_number(document, "imbalance", path),
-            balance=Balance.from_json(required(document, "balance", dict, path), path),
+            balance=Balance.from_json(required(document, "balance", dict, path), within(path, "balance")),
             num_batches=num_batches,
             num_windows=required(document, "num_windows", int, path),
-            work_items=None if items is None else WorkItems.from_json(items, path),
-            totals=PlanTotals.from_json(required(document, "totals", dict, path), path),
-            exact=Exactness.from_json(required(document, "exact", dict, path), path),
-            dropped_by_reason={reason: required(dropped, reason, int, path) for reason in dropped},
-            over_budget=OverBudget.from_json(required(document, "over_budget", dict, path), path),
-            batch_fill=BatchFill.from_json(required(document, "batch_fill", dict, path), path),
-            long_documents=LongDocuments.from_json(required(document, "long_documents", dict, path), path),
-            exclude=None if exclude is None else PlanExclusion.from_json(exclude, path),
+            work_items=None if items is None else WorkItems.from_json(items, within(path, "work_items")),
+            totals=PlanTotals.from_json(required(document, "totals", dict, path), within(path, "totals")),
+            exact=Exactness.from_json(required(document, "exact", dict, path), within(path, "exact")),
+            dropped_by_reason={reason: required(dropped, reason, int, within(path, "dropped_by_reason"))
+                               for reason in dropped},
+            over_budget=OverBudget.from_json(required(document, "over_budget", dict, path),
+                                             within(path, "over_budget")),
+            batch_fill=BatchFill.from_json(required(document, "batch_fill", dict, path), within(path, "batch_fill")),
+            long_documents=LongDocuments.from_json(required(document, "long_documents", dict, path),
+                                                   within(path, "long_documents")),
+            exclude=None if exclude is None else PlanExclusion.from_json(exclude, within(path, "exclude")),
             files=files, fingerprint=fingerprint)
 
 

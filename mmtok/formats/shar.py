@@ -48,6 +48,7 @@ from mmtok.fsutil import (
     required_counts,
     required_number,
     sha256_file,
+    within,
 )
 
 SHAR_DIR = "shar"
@@ -172,15 +173,17 @@ class ConversionReport:
         """The report of `document` (a parsed conversion.json), its shape checked: DamagedFile naming the key."""
         cursor = required(document, "cursor", dict, path)
         counts = required_counts(document, "counts", path)
-        shards = tuple(ShardRecord.from_json(value, path) for value in required(document, "shards", list, path))
+        shards = tuple(ShardRecord.from_json(value, within(path, f"shards[{i}]"))
+                       for i, value in enumerate(required(document, "shards", list, path)))
         if [s.index for s in shards] != list(range(len(shards))):  # written in order, one record per shard
             raise DamagedFile(f"{path}: key 'shards' must record shards 0..{len(shards) - 1} in order, not "
                               f"{brief([s.index for s in shards], 60)}; re-run `mmtok audio convert` into a new --out")
         identity = required(document, "identity", dict, path)
         for key in ("text_tokenizer", "options", "storage"):  # what encode reads of the conversion
-            required(identity, key, dict, path)
+            required(identity, key, dict, within(path, "identity"))
         return cls(identity=identity, complete=required(document, "complete", bool, path),
-                   cursor=Cursor(unit=required_count(cursor, "unit", path), skip=required_count(cursor, "skip", path)),
+                   cursor=Cursor(unit=required_count(cursor, "unit", within(path, "cursor")),
+                                 skip=required_count(cursor, "skip", within(path, "cursor"))),
                    shards=shards, counts=counts,
                    duration_written=required_number(document, "duration_written", path,
                                                     sum(s.duration for s in shards), minimum=0))

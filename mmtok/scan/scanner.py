@@ -51,6 +51,7 @@ from mmtok.fsutil import (
     required_list,
     same_file_as,
     shown_path,
+    within,
 )
 from mmtok.scan.imageheader import HEAD_BYTES, ProbeError, probe_at, sniff
 
@@ -210,9 +211,10 @@ class ShardStats:
     def from_json(cls, document: dict, path: Path) -> ShardStats:
         """The stats of a commit whose sha256 matched (this scan's own file): DamagedFile when it is not of this
         shape (a commit of another build of the same SCAN_VERSION), which the caller treats as not committed."""
-        errors = [ShardError(required(e, "reason", str, path), required(e, "offset", int, path),
-                             required(e, "member", str, path), required(e, "detail", str, path))
-                  for e in required_list(document, "shard_errors", dict, path)]
+        errors = [ShardError(required(e, "reason", str, at), required(e, "offset", int, at),
+                             required(e, "member", str, at), required(e, "detail", str, at))
+                  for i, e in enumerate(required_list(document, "shard_errors", dict, path))
+                  for at in [within(path, f"shard_errors[{i}]")]]
         return cls(file_format=required(document, "file_format", str, path),
                    container=required(document, "container", str, path), rows=required_count(document, "rows", path),
                    images_ok=required_count(document, "images_ok", path),
