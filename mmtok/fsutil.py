@@ -227,6 +227,9 @@ class _Within(str):
         named.path, named.place = path, place
         return named
 
+    def __reduce__(self):  # pickled and copied as what it is made from
+        return _Within, (self.path, self.place)
+
 
 def within(path: str | os.PathLike, place: str) -> str:
     """`path` for the checks (`required` ...) of a record nested at `place` ("inputs[3]", "counts.web"), so a

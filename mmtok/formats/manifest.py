@@ -522,5 +522,5 @@ class MemberReader:
 
     def close(self) -> None:
         """Close every file; one still in use by a read is closed when that read ends."""
-        for fields in self._fields.values():
+        for fields in list(self._fields.values()):  # (a first table read may add one meanwhile)
             fields.close()

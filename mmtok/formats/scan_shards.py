@@ -58,6 +58,9 @@ def read_commit(rows_path: Path, verify: bool) -> dict | None:
         return None
     if not isinstance(record, dict) or record.get("sha256") != _digest({key: record.get(key) for key in COMMIT_KEYS}):
         return None  # not a commit, or one edited since it was written
+    if not (type(record.get("rows_bytes")) is int and isinstance(record.get("rows_sha256"), str)
+            and type(record.get("retry")) is bool):
+        return None  # whole, but not of this shape (the digest covers absent keys as null)
     if size != record["rows_bytes"] or (verify and sha256_file(rows_path) != record["rows_sha256"]):
         return None
     return record
