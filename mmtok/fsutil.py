@@ -23,6 +23,8 @@ from mmtok.errors import DamagedFile, MmtokError, brief
 _FLOCK = struct.Struct("hhqqi")  # struct flock on 64-bit Linux: type, whence, start, len, pid
 
 
+RESTORE = "restore the file or rerun the stage that wrote it"  # the fix a DamagedFile of a stage's file names
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or file creation inside `path` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -146,8 +148,7 @@ def read_json_object(path: str | os.PathLike) -> dict | None:
     anything else is a DamagedFile naming the file."""
     value = read_json(path)
     if value is not None and not isinstance(value, dict):
-        raise DamagedFile(f"{path}: must hold an object, not {_json_name(value)}; restore the file or rerun the "
-                          "stage that wrote it")
+        raise DamagedFile(f"{path}: must hold an object, not {_json_name(value)}; {RESTORE}")
     return value
 
 
@@ -205,16 +206,16 @@ def required(obj: dict, key: str, kind: type | tuple[type, ...], path: str | os.
     default is given. Else DamagedFile naming the file and the key: the one check every reader of a JSON
     file that parses but may have the wrong shape (a list, a string for a number, a missing key) goes through."""
     if not isinstance(obj, dict):
-        raise DamagedFile(f"{path}: {_json_name(obj)} where an object holding key {key!r} belongs; restore the "
-                          "file or rerun the stage that wrote it")
+        raise DamagedFile(f"{path}: {_json_name(obj)} where an object holding key {key!r} belongs; "
+                          f"{RESTORE}")
     if key not in obj:
         if default is not _MISSING:
             return default
-        raise DamagedFile(f"{path}: no key {key!r}; restore the file or rerun the stage that wrote it")
+        raise DamagedFile(f"{path}: no key {key!r}; {RESTORE}")
     value = obj[key]
     if not _is_kind(value, kind):
-        raise DamagedFile(f"{path}: key {key!r} must be {_json_name(kind)}, not {_json_name(value)}; restore the "
-                          "file or rerun the stage that wrote it")
+        raise DamagedFile(f"{path}: key {key!r} must be {_json_name(kind)}, not {_json_name(value)}; "
+                          f"{RESTORE}")
     return value
 
 
@@ -252,8 +253,8 @@ def required_number(obj: dict, key: str, path: str | os.PathLike, default=_MISSI
         number = math.inf
     if not math.isfinite(number) or (minimum is not None and number < minimum):
         bound = "" if minimum is None else f" >= {minimum:g}"
-        raise DamagedFile(f"{path}: key {key!r} must be a finite number{bound}, not {brief(value, 40)}; restore the "
-                          "file or rerun the stage that wrote it")
+        raise DamagedFile(f"{path}: key {key!r} must be a finite number{bound}, not {brief(value, 40)}; "
+                          f"{RESTORE}")
     return number
 
 
@@ -261,8 +262,7 @@ def required_count(obj: dict, key: str, path: str | os.PathLike) -> int:
     """`required(obj, key, int)`, which must be >= 0 (a count, an index, a position)."""
     value = required(obj, key, int, path)
     if value < 0:
-        raise DamagedFile(f"{path}: key {key!r} must be >= 0, not {value}; restore the file or rerun the stage that "
-                          "wrote it")
+        raise DamagedFile(f"{path}: key {key!r} must be >= 0, not {value}; {RESTORE}")
     return value
 
 
@@ -280,7 +280,7 @@ def required_list(obj: dict, key: str, kind: type | tuple[type, ...], path: str 
     for value in values:
         if not _is_kind(value, kind):
             raise DamagedFile(f"{path}: every entry of key {key!r} must be {_json_name(kind)}, not "
-                              f"{_json_name(value)}; restore the file or rerun the stage that wrote it")
+                              f"{_json_name(value)}; {RESTORE}")
     return values
 
 

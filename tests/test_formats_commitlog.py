@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +140,48 @@ def test_corrupt_record_before_intact_ones_is_refused(tmp_path):
     log.write_bytes(b"".join(lines))
     with pytest.raises(MmtokError, match="corrupt but later records are intact"):
         PartWriter(tmp_path / "p", IDENTITY)
+
+
+RECORD_DAMAGE = [
+    (lambda record: record.update(lengths=["x"]), "(record 2): every entry of key 'lengths' must be an integer"),
+    (lambda record: record.update(lengths=[-4]), "(record 2): key 'lengths' holds a length below 0"),
+    (lambda record: record.pop("unit"), "(record 2): no key 'unit'"),
+    (lambda record: record.update(counts="x"), "(record 2): key 'counts' must be an object"),
+    (lambda record: record["counts"].update(written=-1), "(record 2.counts): key 'written' must be >= 0"),
+    (lambda record: record.pop("crc"), "(record 2): no key 'crc'"),
+    (lambda record: record["crc"].update({"tokens.bin": "0"}), "(record 2.crc): key 'tokens.bin' must be an integer"),
+    (lambda record: record.update(tokens_bytes=1.5), "(record 2): key 'tokens_bytes' must be an integer"),
+]
+
+
+@pytest.mark.parametrize("damage,expected", RECORD_DAMAGE, ids=[str(i) for i in range(len(RECORD_DAMAGE))])
+def test_a_commit_record_of_another_shape_is_refused_naming_the_record_and_the_key(tmp_path, capsys, damage, expected):
+    """A CRC-32 shows a record was written whole, not that mmtok wrote it (parts come from other jobs, and a CRC is
+    easy to redo): a record of the wrong shape is one line naming the log, the record and the key -- for a resume,
+    for merge and for status -- never a traceback in the code that sums its lengths or counts."""
+    import zlib
+
+    from mmtok.cli import main
+
+    shard = PartWriter(part_dir(tmp_path / "out", 0), IDENTITY)
+    _units(shard, range(3))
+    shard.finish({})
+    log = part_dir(tmp_path / "out", 0) / COMMITS
+    lines = log.read_bytes().splitlines(keepends=True)
+    record = json.loads(lines[1].rpartition(b"\t")[0])
+    damage(record)
+    body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    lines[1] = body + b"\t" + f"{zlib.crc32(body):08x}".encode() + b"\n"  # a CRC that matches
+    log.write_bytes(b"".join(lines))
+    with pytest.raises(MmtokError, match=re.escape(expected) + ".*delete .* to re-encode this part"):
+        read_commits(part_dir(tmp_path / "out", 0))  # what a resume, merge, status and sft read first
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mmtok merge: error: ") and expected in err, err
+    assert main(["status", str(tmp_path / "out"), "--json"]) == 0
+    [part] = json.loads(capsys.readouterr().out)["parts"]
+    assert part["state"] == "damaged" and expected in part["detail"], part
 
 
 def test_data_shorter_than_its_commit_is_refused(tmp_path):

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from mmtok.errors import MmtokError
+from mmtok.errors import DamagedFile, MmtokError
 from mmtok.formats import skips
 from mmtok.formats.megatron import TOKEN_DTYPE, check_tokens_fit, encode_index, idx_path, write_index
 from mmtok.formats.partdir import (
@@ -59,10 +59,16 @@ from mmtok.formats.partdir import (
 )
 from mmtok.formats.skips import SkipRecord
 from mmtok.fsutil import (
+    RESTORE,
     WriterLock,
     fsync_dir,
+    required,
+    required_count,
+    required_counts,
+    required_list,
     sync,
     with_filename,
+    within,
 )
 
 
@@ -102,9 +108,32 @@ def read_commits(directory: str | os.PathLike) -> tuple[list[dict], int]:
                 raise MmtokError(f"{path}: commit record {number + 1} of {len(lines)} is corrupt but later records "
                                  "are intact (not a crash); delete the part directory to re-encode this part")
             break
-        records.append(record)
+        try:
+            records.append(_checked(record, path, number + 1))
+        except DamagedFile as err:  # a part is not restored: it is encoded again
+            raise DamagedFile(str(err).replace(RESTORE, f"delete {path.parent} to re-encode this part")) from None
         good_bytes += len(line)
     return records, good_bytes
+
+
+def _checked(record, path: Path, number: int) -> dict:
+    """Commit record `number` (from 1) as every reader takes it: a unit number, the sequence lengths, the counts,
+    the size of every file after its unit, their CRC-32s and the identity's -- all of them written by every part of
+    this format. A CRC-32 shows a record was written whole, not that mmtok wrote it (parts come from other jobs):
+    a record of another shape is DamagedFile naming the part's log, the record and the key."""
+    where = within(path, f"record {number}")
+    if not isinstance(record, dict):
+        raise DamagedFile(f"{where}: a JSON {type(record).__name__}, not a commit record; {RESTORE}")
+    required_count(record, "unit", where)
+    if any(n < 0 for n in required_list(record, "lengths", int, where)):
+        raise DamagedFile(f"{where}: key 'lengths' holds a length below 0; {RESTORE}")
+    required_counts(record, "counts", where)
+    for key in (*APPENDED.values(), "carry_bytes", "carry_live", "carry_crc", "identity_crc"):
+        required_count(record, key, where)
+    crc = required(record, "crc", dict, where)
+    for name in APPENDED:
+        required_count(crc, name, within(where, "crc"))
+    return record
 
 
 # Appended files of a part: name -> the commit-record key of its size. Their bytes are checksummed
