@@ -1,4 +1,5 @@
-"""The readers of manifest rows, of table inputs and of a run's items, this tree against a git revision, in one run.
+"""The readers of manifest rows, of table inputs, of a part's commit log and of a run's items, this tree against a
+git revision, in one run.
 
     python benchmarks/bench_table_reads.py --against REV [--repeat 3] [--documents 3000]
 
@@ -11,6 +12,7 @@ same files, alternating, best of --repeat (CPU seconds of the reads alone):
                   through `MemberReader` by byte range, 4 threads at once (what encode's loader does)
   audio units     a Parquet audio table of 1,000 one-row row groups: every unit's payloads
                   (`audio convert`: a unit per row group)
+  commit log      a part's commit log of 20,000 units (`read_commits`: what a resume, merge and status read)
   item index      the items of --documents documents of 2-20 images over 3 parts (`bench_merge`'s writer):
                   `ImageIndex` (sft) and merge's `_read`
 Markdown on stdout.
@@ -61,6 +63,9 @@ elif case == "tar members":
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(one, places))
     seconds = timed(read)
+elif case == "commit log":
+    from mmtok.formats.commitlog import read_commits
+    seconds = timed(lambda: read_commits(folder / "log"))
 elif case == "audio units":
     from mmtok.audio.sources.parquet import table_units
     units, _ = table_units(folder / "audio.parquet", "audio", "text")
@@ -74,7 +79,7 @@ else:
 print(json.dumps(seconds))
 """
 
-CASES = ("parquet cells", "arrow cells", "tar members", "audio units", "item index")
+CASES = ("parquet cells", "arrow cells", "tar members", "commit log", "audio units", "item index")
 
 
 def write_inputs(folder: Path, documents: int) -> None:
@@ -95,6 +100,7 @@ def write_inputs(folder: Path, documents: int) -> None:
             writer.write_batch(pa.record_batch([[rng.bytes(100) for _ in range(10)],
                                                 [f"caption {batch}"] * 10], schema=schema))
     write_tar(folder, rng)
+    write_log(folder / "log")
     pq.write_table(pa.table({"audio": [b"not decoded %d" % n for n in range(1000)]}), folder / "audio.parquet",
                    row_group_size=1)
     bench_merge.write_document_parts(folder / "items", folder / "plain", 3, documents)
@@ -116,6 +122,17 @@ def write_tar(folder: Path, rng) -> None:
         members = archive.getmembers()
         places = [[(m.offset_data, m.size) for m in members[i:i + 2]] for i in range(0, len(members), 2)]
     (folder / "members.json").write_text(json.dumps(places))
+
+
+def write_log(directory: Path) -> None:
+    """A part of 20,000 units of 4 short sequences each (this tree's `PartWriter`; the log's format is the same)."""
+    import numpy as np
+
+    from mmtok.formats.commitlog import PartWriter
+
+    with PartWriter(directory, {"part": 0, "num_parts": 1}) as part:
+        for unit in range(20_000):
+            part.commit(unit, [np.arange(5, dtype=np.int32)] * 4, [{"unit": unit}] * 4, {"written": 4, "images": 3})
 
 
 def run(case: str, source: Path, folder: Path) -> float:

@@ -116,11 +116,29 @@ def read_commits(directory: str | os.PathLike) -> tuple[list[dict], int]:
     return records, good_bytes
 
 
+def _fits(record) -> bool:
+    """Whether a record has every key readers take, of its type, >= 0: the common case, checked fast (a status of a
+    large job reads millions of records); `_checked` says what is wrong otherwise."""
+    if type(record) is not dict:
+        return False
+    for key in _COUNTED:
+        value = record.get(key)
+        if type(value) is not int or value < 0:
+            return False
+    lengths, counts, crc = record.get("lengths"), record.get("counts"), record.get("crc")
+    return (type(lengths) is list and type(counts) is dict and type(crc) is dict
+            and all(type(n) is int and n >= 0 for n in lengths)
+            and all(type(n) is int and n >= 0 for n in counts.values())
+            and all(type(crc.get(name)) is int and crc[name] >= 0 for name in APPENDED))
+
+
 def _checked(record, path: Path, number: int) -> dict:
     """Commit record `number` (from 1) as every reader takes it: a unit number, the sequence lengths, the counts,
     the size of every file after its unit, their CRC-32s and the identity's -- all of them written by every part of
     this format. A CRC-32 shows a record was written whole, not that mmtok wrote it (parts come from other jobs):
     a record of another shape is DamagedFile naming the part's log, the record and the key."""
+    if _fits(record):
+        return record
     where = within(path, f"record {number}")
     if not isinstance(record, dict):
         raise DamagedFile(f"{where}: a JSON {type(record).__name__}, not a commit record; {RESTORE}")
@@ -128,7 +146,7 @@ def _checked(record, path: Path, number: int) -> dict:
     if any(n < 0 for n in required_list(record, "lengths", int, where)):
         raise DamagedFile(f"{where}: key 'lengths' holds a length below 0; {RESTORE}")
     required_counts(record, "counts", where)
-    for key in (*APPENDED.values(), "carry_bytes", "carry_live", "carry_crc", "identity_crc"):
+    for key in _COUNTED[1:]:
         required_count(record, key, where)
     crc = required(record, "crc", dict, where)
     for name in APPENDED:
@@ -141,6 +159,8 @@ def _checked(record, path: Path, number: int) -> dict:
 # running checksum instead (`carry_crc`).
 APPENDED = {TOKENS_BIN: "tokens_bytes", PROVENANCE: "provenance_bytes", SKIPPED: "skipped_bytes",
             ITEM_IDS: "item_ids_bytes", ITEMS: "items_bytes"}
+# The keys of a commit record that hold a count, size or CRC-32 (an integer >= 0), unit first
+_COUNTED = ("unit", *APPENDED.values(), "carry_bytes", "carry_live", "carry_crc", "identity_crc")
 
 
 def _json_lines(records: list[dict]) -> bytes:
