@@ -151,6 +151,12 @@ RECORD_DAMAGE = [
     (lambda record: record.pop("crc"), "(record 2): no key 'crc'"),
     (lambda record: record["crc"].update({"tokens.bin": "0"}), "(record 2.crc): key 'tokens.bin' must be an integer"),
     (lambda record: record.update(tokens_bytes=1.5), "(record 2): key 'tokens_bytes' must be an integer"),
+    (lambda record: record["lengths"].__setitem__(0, 2 ** 63), "(record 2): lengths 9223372036854775808 is past what"),
+    (lambda record: record["counts"].update(written=10 ** 400), "(record 2): counts.written 1000"),
+    (lambda record: record.update(carry_live=10 ** 30), "(record 2): carry_live 100000000000000 "),
+    (lambda record: record.update(unit=0), "(record 2): unit 0 does not follow the unit before it, 0"),
+    (lambda record: record.update(provenance_bytes=0), "(record 2): key 'provenance_bytes' is 0, below the"),
+    (lambda record: record["lengths"].append(3), "(record 2): its lengths hold"),
 ]
 
 
@@ -182,6 +188,21 @@ def test_a_commit_record_of_another_shape_is_refused_naming_the_record_and_the_k
     assert main(["status", str(tmp_path / "out"), "--json"]) == 0
     [part] = json.loads(capsys.readouterr().out)["parts"]
     assert part["state"] == "damaged" and expected in part["detail"], part
+
+
+def test_a_record_nested_too_deep_is_a_corrupt_record_not_a_traceback(tmp_path):
+    import zlib
+
+    shard = PartWriter(tmp_path / "p", IDENTITY)
+    _units(shard, range(3))
+    shard.close()
+    log = tmp_path / "p" / COMMITS
+    lines = log.read_bytes().splitlines(keepends=True)
+    body = b"[" * 200_000 + b"]" * 200_000
+    lines[1] = body + b"\t" + f"{zlib.crc32(body):08x}".encode() + b"\n"
+    log.write_bytes(b"".join(lines))
+    with pytest.raises(MmtokError, match="commit record 2 of 3 is corrupt but later records are intact"):
+        read_commits(tmp_path / "p")
 
 
 def test_data_shorter_than_its_commit_is_refused(tmp_path):

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from mmtok.errors import DamagedFile, MmtokError
+from mmtok.errors import DamagedFile, MmtokError, brief
 from mmtok.formats import skips
 from mmtok.formats.megatron import TOKEN_DTYPE, check_tokens_fit, encode_index, idx_path, write_index
 from mmtok.formats.partdir import (
@@ -86,7 +86,7 @@ def _decode_record(line: bytes) -> dict | None:
         if int(crc, 16) != zlib.crc32(body):
             return None
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to be a record
         return None
 
 
@@ -99,7 +99,8 @@ def read_commits(directory: str | os.PathLike) -> tuple[list[dict], int]:
     path = Path(directory) / COMMITS
     if not path.is_file():
         return [], 0
-    records, good_bytes = [], 0
+    records: list[dict] = []
+    good_bytes = 0
     lines = path.read_bytes().splitlines(keepends=True)
     for number, line in enumerate(lines):
         record = _decode_record(line)
@@ -109,7 +110,8 @@ def read_commits(directory: str | os.PathLike) -> tuple[list[dict], int]:
                                  "are intact (not a crash); delete the part directory to re-encode this part")
             break
         try:
-            records.append(_checked(record, path, number + 1))
+            records.append(_follows(_checked(record, path, number + 1), records[-1] if records else None,
+                                    within(path, f"record {number + 1}")))
         except DamagedFile as err:  # a part is not restored: it is encoded again
             raise DamagedFile(str(err).replace(RESTORE, f"delete {path.parent} to re-encode this part")) from None
         good_bytes += len(line)
@@ -123,13 +125,13 @@ def _fits(record) -> bool:
         return False
     for key in _COUNTED:
         value = record.get(key)
-        if type(value) is not int or value < 0:
+        if type(value) is not int or not 0 <= value < _LIMIT:
             return False
     lengths, counts, crc = record.get("lengths"), record.get("counts"), record.get("crc")
     return (type(lengths) is list and type(counts) is dict and type(crc) is dict
-            and all(type(n) is int and n >= 0 for n in lengths)
-            and all(type(n) is int and n >= 0 for n in counts.values())
-            and all(type(crc.get(name)) is int and crc[name] >= 0 for name in APPENDED))
+            and all(type(n) is int and 0 <= n < _LIMIT for n in lengths)
+            and all(type(n) is int and 0 <= n < _LIMIT for n in counts.values())
+            and all(type(crc.get(name)) is int and 0 <= crc[name] < _LIMIT for name in APPENDED))
 
 
 def _checked(record, path: Path, number: int) -> dict:
@@ -151,6 +153,30 @@ def _checked(record, path: Path, number: int) -> dict:
     crc = required(record, "crc", dict, where)
     for name in APPENDED:
         required_count(crc, name, within(where, "crc"))
+    numbers = [*((key, record[key]) for key in _COUNTED), *(("lengths", n) for n in record["lengths"]),
+               *((f"counts.{key}", n) for key, n in record["counts"].items())]
+    for key, value in numbers:
+        if value >= _LIMIT:
+            raise DamagedFile(f"{where}: {key} {brief(value, 30)} is past what an int64 holds; {RESTORE}")
+    return record
+
+
+def _follows(record: dict, previous: dict | None, where: str) -> dict:
+    """`record`, after checking it against the record before it: a later unit, no appended file shorter than
+    before, and tokens.bin longer by exactly the tokens of its lengths (a unit's sequences are its tokens)."""
+    if previous is not None and record["unit"] <= previous["unit"]:
+        raise DamagedFile(f"{where}: unit {record['unit']} does not follow the unit before it, {previous['unit']}; "
+                          f"{RESTORE}")
+    for key in APPENDED.values():
+        before = previous[key] if previous is not None else 0
+        if record[key] < before:
+            raise DamagedFile(f"{where}: key {key!r} is {record[key]}, below the {before} of the record before; "
+                              f"{RESTORE}")
+    added = record["tokens_bytes"] - (previous["tokens_bytes"] if previous is not None else 0)
+    tokens = sum(record["lengths"])
+    if added != tokens * TOKEN_DTYPE.itemsize:
+        raise DamagedFile(f"{where}: its lengths hold {tokens:,} tokens but tokens.bin grew by {added:,} bytes "
+                          f"({TOKEN_DTYPE.itemsize} a token); {RESTORE}")
     return record
 
 
@@ -161,6 +187,7 @@ APPENDED = {TOKENS_BIN: "tokens_bytes", PROVENANCE: "provenance_bytes", SKIPPED:
             ITEM_IDS: "item_ids_bytes", ITEMS: "items_bytes"}
 # The keys of a commit record that hold a count, size or CRC-32 (an integer >= 0), unit first
 _COUNTED = ("unit", *APPENDED.values(), "carry_bytes", "carry_live", "carry_crc", "identity_crc")
+_LIMIT = 1 << 63  # every number of a record fits an int64: what its readers' arrays, seeks and sums take
 
 
 def _json_lines(records: list[dict]) -> bytes:
