@@ -151,7 +151,7 @@ class ManifestMetadata:
     def from_json(cls, document: dict, path: Path) -> ManifestMetadata:
         """The record of a manifest.json whose `format` and `format_version` were checked (`Manifest.open`)."""
         version = required(document, "format_version", int, path)
-        options = required(document, "options", dict, path)
+        options, at_options = required(document, "options", dict, path), within(path, "options")
         return cls(
             inputs=[_scanned_input(entry, within(path, f"inputs[{i}]"))
                     for i, entry in enumerate(required_list(document, "inputs", dict, path))],
@@ -160,8 +160,8 @@ class ManifestMetadata:
             reasons=required_counts(document, "reasons", path), formats=required_counts(document, "formats", path),
             ignored_members=required_counts(document, "ignored_members", path),
             bytes_read=required_count(document, "bytes_read", path),
-            options=ScanOptions(required(options, "image_column", (str, type(None)), within(path, "options")),
-                                required(options, "text_column", (str, type(None)), within(path, "options"))),
+            options=ScanOptions(required(options, "image_column", (str, type(None)), at_options),
+                                required(options, "text_column", (str, type(None)), at_options)),
             scan_version=required(document, "scan_version", int, path),
             rows=required_count(document, "rows", path), fingerprint=required(document, "fingerprint", str, path),
             skipped=0 if version == 2 else required_count(document, "skipped", path),

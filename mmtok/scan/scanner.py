@@ -179,6 +179,11 @@ class ShardError:
     member: str = ""
     detail: str = ""
 
+    @classmethod
+    def from_json(cls, value: dict, path: str) -> ShardError:
+        return cls(required(value, "reason", str, path), required(value, "offset", int, path),
+                   required(value, "member", str, path), required(value, "detail", str, path))
+
 
 @dataclass(frozen=True)
 class ShardStats:
@@ -211,10 +216,8 @@ class ShardStats:
     def from_json(cls, document: dict, path: Path) -> ShardStats:
         """The stats of a commit whose sha256 matched (this scan's own file): DamagedFile when it is not of this
         shape (a commit of another build of the same SCAN_VERSION), which the caller treats as not committed."""
-        errors = [ShardError(required(e, "reason", str, at), required(e, "offset", int, at),
-                             required(e, "member", str, at), required(e, "detail", str, at))
-                  for i, e in enumerate(required_list(document, "shard_errors", dict, path))
-                  for at in [within(path, f"shard_errors[{i}]")]]
+        errors = [ShardError.from_json(entry, within(path, f"shard_errors[{i}]"))
+                  for i, entry in enumerate(required_list(document, "shard_errors", dict, path))]
         return cls(file_format=required(document, "file_format", str, path),
                    container=required(document, "container", str, path), rows=required_count(document, "rows", path),
                    images_ok=required_count(document, "images_ok", path),
